@@ -1,0 +1,248 @@
+"""Row softmax / log_softmax kernels, forward and backward, on the shared (m, s) statistics.
+
+Every kernel sees a 2-D strided view ``x[row, col]`` of ``n_rows`` rows of ``n_cols`` values and
+works on ``[ROWS, BLOCK_N]`` tiles; statistics are fp32 whatever the input dtype. Bytes moved per
+element of x (b = element size), which is what bounds them all on a GPU:
+
+================  ==========================================  ================
+kernel            passes over a row                           HBM bytes/elem
+================  ==========================================  ================
+three_pass        max; sum of e^(x − m); write                3 reads + 1 write = 4b
+online            (m, s) folded tile by tile; write            2 reads + 1 write = 3b
+single_read       row held on chip: (m, s) and write at once  1 read + 1 write = 2b
+split (2 kernels) chunk pairs → workspace; merge; write       2 reads + 1 write = 3b (+ε)
+================  ==========================================  ================
+
+``split`` is for rows too long to hold on one program (64k–256k+ vocabularies): many programs
+share a row, each writes the (m, s) of its chunk, and ``merge_partials`` combines them.
+No validation here: the front-end (``flashlite/softmax.py``) owns that.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashlite.stats import LOG2E, merge_partials, online_update
+
+# ----------------------------------------------------------------------------- block tables
+#: Longest row (elements, rounded up to a power of two) the single-read kernel holds on chip.
+SINGLE_READ_MAX = 32768
+#: Columns each program of the split kernels owns (one tile, held in registers).
+SPLIT_CHUNK = 8192
+#: Tile width of the looping kernels (three_pass, online, long-row backward).
+LOOP_TILE = 4096
+#: Elements per program the single-read kernel aims for (small rows are packed together).
+ELEMS_PER_PROGRAM = 4096
+
+
+def single_read_config(n_cols: int) -> dict[str, int]:
+    """Block shape and warps for the single-read kernels, from the row length."""
+    block_n = triton.next_power_of_2(n_cols)
+    rows = max(1, ELEMS_PER_PROGRAM // block_n)
+    elems = rows * block_n
+    # about 16 fp32 values per thread: enough loads in flight, no spills
+    num_warps = min(32, max(4, elems // 512))
+    return {"ROWS": rows, "BLOCK_N": block_n, "num_warps": num_warps}
+
+
+def loop_config(n_cols: int) -> dict[str, int]:
+    """Tile width and warps for the looping kernels."""
+    block_n = min(LOOP_TILE, triton.next_power_of_2(n_cols))
+    return {"ROWS": 1, "BLOCK_N": block_n, "num_warps": min(16, max(4, block_n // 256))}
+
+
+def split_config(n_cols: int) -> dict[str, int]:
+    """Chunk width, chunk count and warps for the split kernels."""
+    chunk = min(SPLIT_CHUNK, triton.next_power_of_2(n_cols))
+    n_chunks = triton.cdiv(n_cols, chunk)
+    return {
+        "BLOCK_N": chunk,
+        "n_chunks": n_chunks,
+        "CHUNKS_PAD": triton.next_power_of_2(n_chunks),
+        "num_warps": min(16, max(4, chunk // 512)),
+    }
+
+
+# ----------------------------------------------------------------------------- shared pieces
+@triton.jit
+def _tile_offsets(
+    row0, col0, n_rows, n_cols, stride_m, stride_n,
+    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, COL_INT64: tl.constexpr,
+):  # fmt: skip
+    rows = row0 + tl.arange(0, ROWS)
+    cols = col0 + tl.arange(0, BLOCK_N)
+    if COL_INT64:
+        cols = cols.to(tl.int64)
+    mask = (rows[:, None] < n_rows) & (cols[None, :] < n_cols)
+    offs = rows.to(tl.int64)[:, None] * stride_m + cols[None, :] * stride_n
+    return offs, mask
+
+
+@triton.jit
+def _normalise(x, m, s, LOG: tl.constexpr):
+    # softmax = e^(x − m) / s;  log_softmax = (x − m) − log s. A row that is all −inf has
+    # m = −inf and gives NaN here, as torch does.
+    if LOG:
+        return (x - m[:, None]) - tl.log(s)[:, None]
+    return tl.exp2((x - m[:, None]) * LOG2E) * (1.0 / s)[:, None]
+
+
+# ----------------------------------------------------------------------------- forward
+@triton.jit
+def _softmax_single_read_fwd_kernel(
+    X, Y, n_rows, n_cols, stride_xm, stride_xn, stride_ym, stride_yn,
+    LOG: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, COL_INT64: tl.constexpr,
+):  # fmt: skip
+    """Rows that fit on chip: one read, statistics from the identity pair, one write."""
+    row0 = tl.program_id(0).to(tl.int64) * ROWS
+    offs, mask = _tile_offsets(row0, 0, n_rows, n_cols, stride_xm, stride_xn, ROWS, BLOCK_N,
+                               COL_INT64)  # fmt: skip
+    x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    m0 = tl.full([ROWS], float("-inf"), tl.float32)
+    m, s, _, p = online_update(m0, tl.zeros([ROWS], tl.float32), x, LOG2E)
+    if LOG:
+        y = (x - m[:, None]) - tl.log(s)[:, None]
+    else:  # reuse the exponentials already computed for s
+        y = p * (1.0 / s)[:, None]
+    offs, mask = _tile_offsets(row0, 0, n_rows, n_cols, stride_ym, stride_yn, ROWS, BLOCK_N,
+                               COL_INT64)  # fmt: skip
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_online_fwd_kernel(
+    X, Y, n_rows, n_cols, stride_xm, stride_xn, stride_ym, stride_yn,
+    LOG: tl.constexpr, THREE_PASS: tl.constexpr, BLOCK_N: tl.constexpr,
+    COL_INT64: tl.constexpr,
+):  # fmt: skip
+    """One program per row, tiles of BLOCK_N. ``THREE_PASS`` finds the max in a pass of its own
+    (the textbook safe softmax); otherwise the max and the sum come from one online pass."""
+    row = tl.program_id(0).to(tl.int64)
+    m = tl.full([1], float("-inf"), tl.float32)
+    s = tl.zeros([1], tl.float32)
+    if THREE_PASS:
+        for col0 in tl.range(0, n_cols, BLOCK_N):  # pass 1: the max
+            offs, mask = _tile_offsets(row, col0, n_rows, n_cols, stride_xm, stride_xn, 1,
+                                       BLOCK_N, COL_INT64)  # fmt: skip
+            x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
+            m = tl.maximum(m, tl.max(x, 1))
+    for col0 in tl.range(0, n_cols, BLOCK_N):
+        # online: (m, s) folded in one pass. three_pass: m is already final, so the same update
+        # is a plain sum (the rescale factor is e^0 = 1).
+        offs, mask = _tile_offsets(row, col0, n_rows, n_cols, stride_xm, stride_xn, 1, BLOCK_N,
+                                   COL_INT64)  # fmt: skip
+        x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        m, s, _, _ = online_update(m, s, x, LOG2E)
+    for col0 in tl.range(0, n_cols, BLOCK_N):  # last pass: write
+        offs, mask = _tile_offsets(row, col0, n_rows, n_cols, stride_xm, stride_xn, 1, BLOCK_N,
+                                   COL_INT64)  # fmt: skip
+        x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        y = _normalise(x, m, s, LOG)
+        offs, mask = _tile_offsets(row, col0, n_rows, n_cols, stride_ym, stride_yn, 1, BLOCK_N,
+                                   COL_INT64)  # fmt: skip
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_split_stats_kernel(
+    X, M_ws, S_ws, n_rows, n_cols, stride_xm, stride_xn, n_chunks,
+    BLOCK_N: tl.constexpr, COL_INT64: tl.constexpr,
+):  # fmt: skip
+    """Split rows, step 1: program (chunk, row) writes the (m, s) pair of its chunk."""
+    chunk = tl.program_id(0)
+    row = tl.program_id(1).to(tl.int64)
+    offs, mask = _tile_offsets(row, chunk * BLOCK_N, n_rows, n_cols, stride_xm, stride_xn, 1,
+                               BLOCK_N, COL_INT64)  # fmt: skip
+    x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    m, s, _, _ = online_update(tl.full([1], float("-inf"), tl.float32), tl.zeros([1], tl.float32),
+                               x, LOG2E)  # fmt: skip
+    ws = row * n_chunks + chunk + tl.arange(0, 1)
+    tl.store(M_ws + ws, m)
+    tl.store(S_ws + ws, s)
+
+
+@triton.jit
+def _softmax_split_write_kernel(
+    X, Y, M_ws, S_ws, n_rows, n_cols, stride_xm, stride_xn, stride_ym, stride_yn, n_chunks,
+    LOG: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS_PAD: tl.constexpr, COL_INT64: tl.constexpr,
+):  # fmt: skip
+    """Split rows, step 2: merge the row's chunk pairs, then normalise this program's chunk.
+
+    Every program of a row repeats the (cheap) C-way merge instead of waiting for one another.
+    Rows are visited in reverse launch order, so the first chunks read are the ones step 1 read
+    last and are most likely still in L2.
+    """
+    chunk = tl.program_id(0)
+    row = (n_rows - 1 - tl.program_id(1)).to(tl.int64)
+    c = tl.arange(0, CHUNKS_PAD)
+    ws = row * n_chunks + c
+    m_part = tl.load(M_ws + ws, mask=c < n_chunks, other=float("-inf"))  # identity padding
+    s_part = tl.load(S_ws + ws, mask=c < n_chunks, other=0.0)
+    m, s = merge_partials(m_part[None, :], s_part[None, :], LOG2E)
+    offs, mask = _tile_offsets(row, chunk * BLOCK_N, n_rows, n_cols, stride_xm, stride_xn, 1,
+                               BLOCK_N, COL_INT64)  # fmt: skip
+    x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    y = _normalise(x, m, s, LOG)
+    offs, mask = _tile_offsets(row, chunk * BLOCK_N, n_rows, n_cols, stride_ym, stride_yn, 1,
+                               BLOCK_N, COL_INT64)  # fmt: skip
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+# ----------------------------------------------------------------------------- backward
+@triton.jit
+def _softmax_bwd_kernel(
+    Y, DY, DX, n_rows, n_cols, stride_ym, stride_yn, stride_gm, stride_gn, stride_dm, stride_dn,
+    LOG: tl.constexpr, ONE_TILE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    COL_INT64: tl.constexpr,
+):  # fmt: skip
+    """Backward of softmax and log_softmax from the saved output.
+
+    softmax:      y = e^(x − lse)  ⇒  dx_i = Σ_j dy_j ∂y_j/∂x_i = y_i (dy_i − Σ_j y_j dy_j)
+    log_softmax:  z = x − lse      ⇒  dx_i = dy_i − e^(z_i) Σ_j dy_j
+
+    ``ONE_TILE``: the row fits one tile, read once and kept; otherwise two passes over tiles (the
+    row reduction, then the write), one program per row.
+    """
+    row0 = tl.program_id(0).to(tl.int64) * ROWS
+    if ONE_TILE:
+        offs, mask = _tile_offsets(row0, 0, n_rows, n_cols, stride_ym, stride_yn, ROWS, BLOCK_N,
+                                   COL_INT64)  # fmt: skip
+        y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
+        offs, mask = _tile_offsets(row0, 0, n_rows, n_cols, stride_gm, stride_gn, ROWS, BLOCK_N,
+                                   COL_INT64)  # fmt: skip
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        if LOG:
+            dx = dy - tl.exp2(y * LOG2E) * tl.sum(dy, 1)[:, None]
+        else:
+            dx = y * (dy - tl.sum(y * dy, 1)[:, None])
+        offs, mask = _tile_offsets(row0, 0, n_rows, n_cols, stride_dm, stride_dn, ROWS, BLOCK_N,
+                                   COL_INT64)  # fmt: skip
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+    else:
+        acc = tl.zeros([ROWS], tl.float32)
+        for col0 in tl.range(0, n_cols, BLOCK_N):
+            offs, mask = _tile_offsets(row0, col0, n_rows, n_cols, stride_gm, stride_gn, ROWS,
+                                       BLOCK_N, COL_INT64)  # fmt: skip
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            if LOG:
+                acc += tl.sum(dy, 1)
+            else:
+                offs, mask = _tile_offsets(row0, col0, n_rows, n_cols, stride_ym, stride_yn,
+                                           ROWS, BLOCK_N, COL_INT64)  # fmt: skip
+                y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
+                acc += tl.sum(y * dy, 1)
+        for col0 in tl.range(0, n_cols, BLOCK_N):
+            offs, mask = _tile_offsets(row0, col0, n_rows, n_cols, stride_ym, stride_yn, ROWS,
+                                       BLOCK_N, COL_INT64)  # fmt: skip
+            y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
+            offs, mask = _tile_offsets(row0, col0, n_rows, n_cols, stride_gm, stride_gn, ROWS,
+                                       BLOCK_N, COL_INT64)  # fmt: skip
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            if LOG:
+                dx = dy - tl.exp2(y * LOG2E) * acc[:, None]
+            else:
+                dx = y * (dy - acc[:, None])
+            offs, mask = _tile_offsets(row0, col0, n_rows, n_cols, stride_dm, stride_dn, ROWS,
+                                       BLOCK_N, COL_INT64)  # fmt: skip
+            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)

@@ -1,0 +1,80 @@
+"""Plain torch baselines: every test and every traffic comparison is held against these.
+
+Nothing here imports the rest of flashlite.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def softmax_three_pass(x: torch.Tensor, dim: int = -1, *, log: bool = False) -> torch.Tensor:
+    """The safe softmax as three passes over the row: max, sum of exponentials, write.
+
+    Args:
+        x: ``(..., n, ...)`` float tensor.
+        dim: the dimension to normalise.
+        log: return ``log_softmax`` instead.
+
+    Returns:
+        Same shape and dtype as ``x``; computed in fp32 (fp64 for fp64 inputs).
+    """
+    xf = x.double() if x.dtype == torch.float64 else x.float()
+    m = xf.amax(dim, keepdim=True)  # pass 1
+    shifted = xf - m
+    s = torch.exp(shifted).sum(dim, keepdim=True)  # pass 2
+    out = shifted - torch.log(s) if log else torch.exp(shifted) / s  # pass 3
+    return out.to(x.dtype)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool = False,
+    scale: float | None = None,
+    *,
+    upcast: bool = False,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Naive attention that materialises ``S = Q Kᵀ`` and ``P = softmax(S)`` (layout b h n d).
+
+    The ops, in the order the traffic model counts them: ``S = Q Kᵀ`` (matmul), ``S·scale``,
+    the causal ``masked_fill`` (when causal), ``P = softmax(S)``, ``O = P V`` (matmul).
+
+    Args:
+        q: ``(B, Hq, Nq, D)``.
+        k, v: ``(B, Hkv, Nk, D)`` with ``Hq % Hkv == 0`` (k and v are broadcast over groups).
+        causal: bottom-right aligned mask: query i sees key j iff ``j <= i + Nk - Nq``.
+        scale: defaults to ``1/sqrt(D)``.
+        upcast: compute in fp64 (the accurate reference) instead of the input dtype.
+        return_lse: also return the fp32 ``(B, Hq, Nq)`` natural-log LSE of the scaled scores.
+
+    Returns:
+        ``O`` ``(B, Hq, Nq, D)`` in ``q``'s dtype (and the LSE). Rows with no visible key give 0.
+    """
+    dtype = q.dtype
+    if upcast:
+        q, k, v = q.double(), k.double(), v.double()
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    if hq != hkv:  # GQA: view q as (B, Hkv, group, Nq, D) so k and v broadcast without copies
+        q = q.reshape(b, hkv, hq // hkv, nq, d)
+        k, v = k.unsqueeze(2), v.unsqueeze(2)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    s = torch.matmul(q, k.transpose(-1, -2))
+    s = s * scale
+    if causal:
+        i = torch.arange(nq, device=q.device).unsqueeze(-1)
+        j = torch.arange(nk, device=q.device)
+        s = s.masked_fill(j > i + (nk - nq), -math.inf)
+    p = torch.softmax(s, dim=-1)
+    if causal:  # rows that see no key are all −inf: softmax gives NaN, the convention is 0
+        p = p.nan_to_num(0.0)
+    o = torch.matmul(p, v).reshape(b, hq, nq, d).to(dtype)
+    if not return_lse:
+        return o
+    lse = torch.logsumexp(s.float() if not upcast else s, dim=-1).reshape(b, hq, nq).float()
+    return o, lse

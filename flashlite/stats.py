@@ -1,0 +1,204 @@
+"""The online-softmax pair (m, s): the one piece of math every flashlite kernel shares.
+
+For a set of logits x, ``m`` is the largest value seen and ``s = Σ exp(x − m)``. A new tile updates
+the pair with one rescale, two pairs over disjoint sets merge associatively::
+
+    m = max(m1, m2);  s = s1·e^(m1 − m) + s2·e^(m2 − m);   identity (−inf, 0)
+
+and ``lse = m + log s`` finalises it. ``docs/online-softmax.md`` derives all of this.
+
+Triton helpers (``@triton.jit``, called from kernels):
+
+=======================  ============================================================
+``tile_stats``           (m, s) of a fresh ``[R, C]`` tile along its last axis
+``online_update``        fold a tile into a running pair; also returns the rescale factor and
+                         the tile's exponentials (attention needs both)
+``rescale``              ``e^(m_old − m_new)``, the factor that moves sums (and accumulators)
+``merge_pair``           the associative merge of two pairs
+``merge_partials``       the same merge over the last axis of ``[R, C]`` partial pairs
+``finalize_lse``         natural-log LSE from a pair
+=======================  ============================================================
+
+Every helper takes ``SCALE`` (constexpr): logits are in the caller's units and exponentials are
+``exp2((x − m)·SCALE)``. Softmax passes ``LOG2E`` (so ``exp2`` computes ``e^(x − m)``); attention
+passes ``sm_scale·LOG2E``, folding the softmax scale into the one multiply. Subtracting before
+scaling keeps ``x − m`` exact for close values, which matters for inputs like ±1e4.
+
+Every helper is safe when maxima are −inf (an empty or fully masked set): the reference point
+for the subtraction is 0 there, so no ``−inf − (−inf)`` NaN appears; sums stay 0.
+
+Torch twins (natural log, any shape, used by tests, split-KV merging and docs):
+``merge`` (twin of ``merge_pair``), ``merge_attention``, ``torch_tile_stats``,
+``torch_online_update``, ``torch_rescale``, ``torch_finalize_lse``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from flashlite import _backend  # noqa: F401  (selects compiled vs interpreted Triton first)
+
+import torch  # noqa: E402  (isort: keep after the backend switch)
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # log2(e)
+LN2: tl.constexpr = tl.constexpr(0.6931471805599453)  # ln(2)
+
+__all__ = [
+    "LOG2E",
+    "LN2",
+    "tile_stats",
+    "online_update",
+    "rescale",
+    "merge_pair",
+    "merge_partials",
+    "finalize_lse",
+    "merge",
+    "merge_attention",
+    "torch_tile_stats",
+    "torch_online_update",
+    "torch_rescale",
+    "torch_finalize_lse",
+]
+
+
+# --------------------------------------------------------------------------- Triton helpers
+@triton.jit
+def _reference_point(m):
+    # Subtract 0 instead of −inf when nothing finite was seen: e^(−inf − 0) = 0, not NaN.
+    return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def rescale(m_old, m_new, SCALE: tl.constexpr):
+    """``e^((m_old − m_new)·SCALE')``: moves a sum taken against ``m_old`` onto ``m_new``."""
+    return tl.exp2((m_old - _reference_point(m_new)) * SCALE)
+
+
+@triton.jit
+def tile_stats(x, SCALE: tl.constexpr):
+    """(m, s) of a ``[R, C]`` tile along axis 1; ``m, s`` are ``[R]`` fp32."""
+    m = tl.max(x, 1)
+    p = tl.exp2((x - _reference_point(m)[:, None]) * SCALE)
+    return m, tl.sum(p, 1)
+
+
+@triton.jit
+def online_update(m, s, x, SCALE: tl.constexpr):
+    """Fold the ``[R, C]`` tile ``x`` into the running pair ``(m, s)`` (each ``[R]``).
+
+    Returns ``(m_new, s_new, alpha, p)``: ``alpha = e^(m − m_new)`` rescales anything summed
+    against the old maximum (the attention accumulator), ``p = e^(x − m_new)`` are the tile's
+    unnormalised probabilities.
+    """
+    m_new = tl.maximum(m, tl.max(x, 1))
+    ref = _reference_point(m_new)
+    alpha = tl.exp2((m - ref) * SCALE)
+    p = tl.exp2((x - ref[:, None]) * SCALE)
+    return m_new, s * alpha + tl.sum(p, 1), alpha, p
+
+
+@triton.jit
+def merge_pair(m_a, s_a, m_b, s_b, SCALE: tl.constexpr):
+    """Associative, commutative merge of two pairs; identity (−inf, 0)."""
+    m = tl.maximum(m_a, m_b)
+    ref = _reference_point(m)
+    return m, s_a * tl.exp2((m_a - ref) * SCALE) + s_b * tl.exp2((m_b - ref) * SCALE)
+
+
+@triton.jit
+def merge_partials(m, s, SCALE: tl.constexpr):
+    """Merge ``[R, C]`` partial pairs along axis 1 into ``[R]`` pairs.
+
+    Associativity lets the C-way fold happen in one step: the common maximum first, then every
+    partial sum moved onto it. Padding partials must be the identity (−inf, 0).
+    """
+    m_all = tl.max(m, 1)
+    w = tl.exp2((m - _reference_point(m_all)[:, None]) * SCALE)
+    return m_all, tl.sum(s * w, 1)
+
+
+@triton.jit
+def finalize_lse(m, s, SCALE: tl.constexpr):
+    """Natural-log LSE of the scaled logits, ``log Σ e^(x·SCALE·ln2)``; −inf for an empty set."""
+    return m * (SCALE * LN2) + tl.log(s)
+
+
+# --------------------------------------------------------------------------- torch twins
+def _ref_point(m: torch.Tensor) -> torch.Tensor:
+    return torch.where(m == -math.inf, torch.zeros_like(m), m)
+
+
+def torch_rescale(m_old: torch.Tensor, m_new: torch.Tensor) -> torch.Tensor:
+    """Twin of :func:`rescale` in natural units: ``e^(m_old − m_new)``."""
+    return torch.exp(m_old - _ref_point(m_new))
+
+
+def torch_tile_stats(x: torch.Tensor, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of :func:`tile_stats`: ``(m, s)`` of ``x`` along ``dim`` (kept out of the result)."""
+    m = x.amax(dim)
+    return m, torch.exp(x - _ref_point(m).unsqueeze(dim)).sum(dim)
+
+
+def torch_online_update(
+    m: torch.Tensor, s: torch.Tensor, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Twin of :func:`online_update` for ``x`` of shape ``(..., C)`` and ``m, s`` of ``(...)``."""
+    m_new = torch.maximum(m, x.amax(-1))
+    ref = _ref_point(m_new)
+    alpha = torch.exp(m - ref)
+    p = torch.exp(x - ref.unsqueeze(-1))
+    return m_new, s * alpha + p.sum(-1), alpha, p
+
+
+def merge(
+    m_a: torch.Tensor, s_a: torch.Tensor, m_b: torch.Tensor, s_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge two online-softmax pairs computed over disjoint sets (natural log).
+
+    Args:
+        m_a, s_a: running maximum and ``Σ e^(x − m_a)`` of the first set, any broadcastable shape.
+        m_b, s_b: the same for the second set.
+
+    Returns:
+        ``(m, s)`` of the union: ``m = max(m_a, m_b)``, ``s = s_a e^(m_a − m) + s_b e^(m_b − m)``.
+        ``(−inf, 0)`` is the identity; two empty sets give ``(−inf, 0)``, never NaN.
+    """
+    m = torch.maximum(m_a, m_b)
+    ref = _ref_point(m)
+    return m, s_a * torch.exp(m_a - ref) + s_b * torch.exp(m_b - ref)
+
+
+def torch_finalize_lse(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+    """Twin of :func:`finalize_lse` in natural units: ``m + log s``."""
+    return m + torch.log(s)
+
+
+def merge_attention(
+    o_a: torch.Tensor, lse_a: torch.Tensor, o_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine two partial attention results over disjoint key sets into the exact result.
+
+    Each partial is ``o = softmax(S_part) V_part`` with ``lse = logsumexp(S_part)``, so
+    ``(m, s) = (lse, 1)`` is its online pair and the merge weights are ``e^(lse_part − lse)``.
+
+    Args:
+        o_a, o_b: ``(..., n, d)`` partial outputs (any float dtype).
+        lse_a, lse_b: ``(..., n)`` natural-log LSE of each part; −inf where a part saw no key.
+
+    Returns:
+        ``(o, lse)``: ``o`` ``(..., n, d)`` in ``o_a``'s dtype, ``lse`` ``(..., n)`` fp32.
+        Rows that saw no key in either part give ``o = 0``, ``lse = −inf``.
+    """
+    lse_a, lse_b = lse_a.float(), lse_b.float()
+    m = torch.maximum(lse_a, lse_b)
+    ref = _ref_point(m)
+    w_a, w_b = torch.exp(lse_a - ref), torch.exp(lse_b - ref)
+    total = w_a + w_b
+    lse = m + torch.log(total)
+    inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
+    o = (o_a.float() * (w_a * inv).unsqueeze(-1) + o_b.float() * (w_b * inv).unsqueeze(-1)).to(
+        o_a.dtype
+    )
+    return o, lse
