@@ -13,19 +13,21 @@ Triton helpers (``@triton.jit``, called from kernels):
 ``tile_stats``           (m, s) of a fresh ``[R, C]`` tile along its last axis
 ``online_update``        fold a tile into a running pair; also returns the rescale factor and
                          the tile's exponentials (attention needs both)
-``rescale``              ``e^(m_old − m_new)``, the factor that moves sums (and accumulators)
+``rescale``              ``2^(m_old − m_new)``, the factor that moves sums (and accumulators)
 ``merge_pair``           the associative merge of two pairs
 ``merge_partials``       the same merge over the last axis of ``[R, C]`` partial pairs
 ``finalize_lse``         natural-log LSE from a pair
 =======================  ============================================================
 
-Every helper takes ``SCALE`` (constexpr): logits are in the caller's units and exponentials are
-``exp2((x − m)·SCALE)``. Softmax passes ``LOG2E`` (so ``exp2`` computes ``e^(x − m)``); attention
-passes ``sm_scale·LOG2E``, folding the softmax scale into the one multiply. Subtracting before
-scaling keeps ``x − m`` exact for close values, which matters for inputs like ±1e4.
+``m`` is kept in the logits' own units and every exponential is ``2^((x − m)·SCALE)`` for a
+positive ``SCALE`` (a runtime value or a constexpr). Softmax passes ``LOG2E``, so the helper
+computes ``e^(x − m)``; attention passes ``sm_scale·LOG2E``, folding the softmax scale into the
+one multiply that ``exp2`` needs anyway. Subtracting before scaling keeps ``x − m`` exact for close
+values, which is what makes inputs like ``1e4 + small`` come out right in fp32 on both machines
+(the interpreter has no fused multiply-add to hide a rounded ``x·SCALE``).
 
-Every helper is safe when maxima are −inf (an empty or fully masked set): the reference point
-for the subtraction is 0 there, so no ``−inf − (−inf)`` NaN appears; sums stay 0.
+Every helper is safe when maxima are −inf (an empty or fully masked set): the reference point for
+the subtraction is 0 there, so no ``−inf − (−inf)`` NaN appears and sums stay 0.
 
 Torch twins (natural log, any shape, used by tests, split-KV merging and docs):
 ``merge`` (twin of ``merge_pair``), ``merge_attention``, ``torch_tile_stats``,
@@ -66,31 +68,24 @@ __all__ = [
 # --------------------------------------------------------------------------- Triton helpers
 @triton.jit
 def _reference_point(m):
-    # Subtract 0 instead of −inf when nothing finite was seen: e^(−inf − 0) = 0, not NaN.
+    # Subtract 0 instead of −inf when nothing finite was seen: 2^(−inf − 0) = 0, not NaN.
     return tl.where(m == float("-inf"), 0.0, m)
 
 
 @triton.jit
-def rescale(m_old, m_new, SCALE: tl.constexpr):
-    """``e^((m_old − m_new)·SCALE')``: moves a sum taken against ``m_old`` onto ``m_new``."""
+def rescale(m_old, m_new, SCALE):
+    """``2^((m_old − m_new)·SCALE)``: moves a sum (or accumulator) taken against ``m_old`` onto
+    ``m_new``; 0 when ``m_old`` is −inf."""
     return tl.exp2((m_old - _reference_point(m_new)) * SCALE)
 
 
 @triton.jit
-def tile_stats(x, SCALE: tl.constexpr):
-    """(m, s) of a ``[R, C]`` tile along axis 1; ``m, s`` are ``[R]`` fp32."""
-    m = tl.max(x, 1)
-    p = tl.exp2((x - _reference_point(m)[:, None]) * SCALE)
-    return m, tl.sum(p, 1)
+def online_update(m, s, x, SCALE):
+    """Fold the ``[R, C]`` tile of logits ``x`` into the running pair ``(m, s)`` (each ``[R]``).
 
-
-@triton.jit
-def online_update(m, s, x, SCALE: tl.constexpr):
-    """Fold the ``[R, C]`` tile ``x`` into the running pair ``(m, s)`` (each ``[R]``).
-
-    Returns ``(m_new, s_new, alpha, p)``: ``alpha = e^(m − m_new)`` rescales anything summed
-    against the old maximum (the attention accumulator), ``p = e^(x − m_new)`` are the tile's
-    unnormalised probabilities.
+    Returns ``(m_new, s_new, alpha, p)``: ``alpha = 2^((m − m_new)·SCALE)`` rescales anything
+    summed against the old maximum (the attention accumulator), ``p = 2^((x − m_new)·SCALE)`` are
+    the tile's unnormalised probabilities.
     """
     m_new = tl.maximum(m, tl.max(x, 1))
     ref = _reference_point(m_new)
@@ -100,7 +95,16 @@ def online_update(m, s, x, SCALE: tl.constexpr):
 
 
 @triton.jit
-def merge_pair(m_a, s_a, m_b, s_b, SCALE: tl.constexpr):
+def tile_stats(x, SCALE):
+    """``(m, s, p)`` of a fresh ``[R, C]`` tile along axis 1: the identity pair (−inf, 0) updated
+    with ``x``; ``p`` are the exponentials, for kernels that hold the tile anyway."""
+    m0 = tl.full([x.shape[0]], float("-inf"), tl.float32)
+    m, s, _, p = online_update(m0, tl.zeros([x.shape[0]], tl.float32), x, SCALE)
+    return m, s, p
+
+
+@triton.jit
+def merge_pair(m_a, s_a, m_b, s_b, SCALE):
     """Associative, commutative merge of two pairs; identity (−inf, 0)."""
     m = tl.maximum(m_a, m_b)
     ref = _reference_point(m)
@@ -108,7 +112,7 @@ def merge_pair(m_a, s_a, m_b, s_b, SCALE: tl.constexpr):
 
 
 @triton.jit
-def merge_partials(m, s, SCALE: tl.constexpr):
+def merge_partials(m, s, SCALE):
     """Merge ``[R, C]`` partial pairs along axis 1 into ``[R]`` pairs.
 
     Associativity lets the C-way fold happen in one step: the common maximum first, then every
@@ -120,8 +124,8 @@ def merge_partials(m, s, SCALE: tl.constexpr):
 
 
 @triton.jit
-def finalize_lse(m, s, SCALE: tl.constexpr):
-    """Natural-log LSE of the scaled logits, ``log Σ e^(x·SCALE·ln2)``; −inf for an empty set."""
+def finalize_lse(m, s, SCALE):
+    """Natural-log LSE of the scaled logits, ``ln Σ e^(x·SCALE·ln2)``; −inf for an empty set."""
     return m * (SCALE * LN2) + tl.log(s)
 
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashlite.stats import LOG2E, merge_partials, online_update
+from flashlite.stats import LOG2E, merge_partials, online_update, tile_stats
 
 # ----------------------------------------------------------------------------- block tables
 #: Longest row (elements, rounded up to a power of two) the single-read kernel holds on chip.
@@ -81,8 +81,8 @@ def _tile_offsets(
 
 @triton.jit
 def _normalise(x, m, s, LOG: tl.constexpr):
-    # softmax = e^(x − m) / s;  log_softmax = (x − m) − log s. A row that is all −inf has
-    # m = −inf and gives NaN here, as torch does.
+    # softmax = e^(x − m) / s;  log_softmax = (x − m) − log s, exact for close values of x − m.
+    # A row that is all −inf has m = −inf and gives NaN here, as torch does.
     if LOG:
         return (x - m[:, None]) - tl.log(s)[:, None]
     return tl.exp2((x - m[:, None]) * LOG2E) * (1.0 / s)[:, None]
@@ -99,10 +99,9 @@ def _softmax_single_read_fwd_kernel(
     offs, mask = _tile_offsets(row0, 0, n_rows, n_cols, stride_xm, stride_xn, ROWS, BLOCK_N,
                                COL_INT64)  # fmt: skip
     x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
-    m0 = tl.full([ROWS], float("-inf"), tl.float32)
-    m, s, _, p = online_update(m0, tl.zeros([ROWS], tl.float32), x, LOG2E)
+    m, s, p = tile_stats(x, LOG2E)
     if LOG:
-        y = (x - m[:, None]) - tl.log(s)[:, None]
+        y = _normalise(x, m, s, True)
     else:  # reuse the exponentials already computed for s
         y = p * (1.0 / s)[:, None]
     offs, mask = _tile_offsets(row0, 0, n_rows, n_cols, stride_ym, stride_yn, ROWS, BLOCK_N,
@@ -149,14 +148,14 @@ def _softmax_split_stats_kernel(
     X, M_ws, S_ws, n_rows, n_cols, stride_xm, stride_xn, n_chunks,
     BLOCK_N: tl.constexpr, COL_INT64: tl.constexpr,
 ):  # fmt: skip
-    """Split rows, step 1: program (chunk, row) writes the (m, s) pair of its chunk."""
-    chunk = tl.program_id(0)
-    row = tl.program_id(1).to(tl.int64)
+    """Split rows, step 1: each program writes the (m, s) pair of one chunk of one row."""
+    pid = tl.program_id(0).to(tl.int64)  # a row's chunks are adjacent in launch order
+    row = pid // n_chunks
+    chunk = pid % n_chunks
     offs, mask = _tile_offsets(row, chunk * BLOCK_N, n_rows, n_cols, stride_xm, stride_xn, 1,
                                BLOCK_N, COL_INT64)  # fmt: skip
     x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
-    m, s, _, _ = online_update(tl.full([1], float("-inf"), tl.float32), tl.zeros([1], tl.float32),
-                               x, LOG2E)  # fmt: skip
+    m, s, _ = tile_stats(x, LOG2E)
     ws = row * n_chunks + chunk + tl.arange(0, 1)
     tl.store(M_ws + ws, m)
     tl.store(S_ws + ws, s)
@@ -170,11 +169,12 @@ def _softmax_split_write_kernel(
     """Split rows, step 2: merge the row's chunk pairs, then normalise this program's chunk.
 
     Every program of a row repeats the (cheap) C-way merge instead of waiting for one another.
-    Rows are visited in reverse launch order, so the first chunks read are the ones step 1 read
+    Programs run in the reverse of step 1's order, so the first chunks read are the ones step 1 read
     last and are most likely still in L2.
     """
-    chunk = tl.program_id(0)
-    row = (n_rows - 1 - tl.program_id(1)).to(tl.int64)
+    pid = n_rows * n_chunks - 1 - tl.program_id(0).to(tl.int64)
+    row = pid // n_chunks
+    chunk = pid % n_chunks
     c = tl.arange(0, CHUNKS_PAD)
     ws = row * n_chunks + c
     m_part = tl.load(M_ws + ws, mask=c < n_chunks, other=float("-inf"))  # identity padding
