@@ -1,0 +1,254 @@
+"""Tiled attention front-end: validation, layouts, dispatch and the autograd wrapper.
+
+The kernel lives in :mod:`flashlite.kernels.attention_fwd`; this module reads any layout through
+strides (einops patterns, no copies), chooses tensor-descriptor or pointer loads, the tile config
+(autotuned on a GPU, pinned on the interpreter) and launches it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import einops
+import torch
+import triton
+
+from flashlite import _backend
+from flashlite.kernels import attention_fwd as K
+
+LAYOUTS = ("b h n d", "b n h d")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What one kernel launch used (read by the traffic tools)."""
+
+    block_m: int
+    block_n: int
+    block_d: int
+    use_desc: bool
+    num_warps: int
+    num_stages: int
+    warp_specialize: bool
+
+
+def _to_bhnd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    return t if layout == "b h n d" else einops.rearrange(t, f"{layout} -> b h n d")
+
+
+def _check(q: object, k: object, v: object, layout: object, scale: object) -> float:
+    """Validate the public arguments; return the softmax scale."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+    assert isinstance(v, torch.Tensor)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {', '.join(map(repr, LAYOUTS))}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions ({layout}), got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; accepted: torch.float16, torch.bfloat16, torch.float32"
+            )
+        _backend.check_device(t, name)
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    qc, kc, vc = (_to_bhnd(t, layout) for t in (q, k, v))  # type: ignore[arg-type]
+    (b, hq, _, d), (bk, hkv, nk, dk) = qc.shape, kc.shape
+    if kc.shape != vc.shape:
+        raise ValueError(
+            f"k and v must have the same shape (B, Hkv, Nk, D) in layout {layout!r}, got "
+            f"{tuple(kc.shape)} and {tuple(vc.shape)} (as b h n d)"
+        )
+    if bk != b:
+        raise ValueError(f"q and k must have the same batch size, got {b} and {bk}")
+    if dk != d:
+        raise ValueError(f"q and k must have the same head dim, got {d} and {dk}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"the number of query heads ({hq}) must be a multiple of the number of key/value "
+            f"heads ({hkv}) for GQA/MQA"
+        )
+    if d == 0:
+        raise ValueError("head dim must be at least 1, got 0")
+    if d > MAX_HEAD_DIM:
+        raise NotImplementedError(f"head dim {d} is not supported: flashlite supports 1 to 256")
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite positive number, got {scale}")
+    return float(scale)
+
+
+def _descriptor_ok(*tensors: torch.Tensor) -> bool:
+    """TMA descriptors need a CUDA tensor, unit stride along D, 16-byte aligned base and strides."""
+    for t in tensors:
+        if t.device.type != "cuda" or t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any((st * t.element_size()) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+_autotuned = None
+
+
+def _tuned_kernel():
+    """The GPU kernel with its filtered autotune list (built on first use)."""
+    global _autotuned
+    if _autotuned is None:
+
+        def prune(configs: list, named_args: dict, **kwargs: object) -> list:
+            keep = [
+                c
+                for c in configs
+                if K.keep_config(
+                    (
+                        c.kwargs["BLOCK_M"],
+                        c.kwargs["BLOCK_N"],
+                        c.num_warps,
+                        c.num_stages,
+                        c.kwargs["WARP_SPECIALIZE"],
+                    ),
+                    kwargs["BLOCK_D"],
+                    kwargs["USE_DESC"],
+                )
+            ]
+            return keep or configs[-1:]
+
+        _autotuned = triton.autotune(
+            configs=[K.as_triton_config(c) for c in K.GPU_CONFIGS],
+            key=["seq_q", "seq_k", "HEAD_DIM", "IS_CAUSAL", "USE_DESC", "DOT_FP32"],
+            prune_configs_by={"early_config_prune": prune},
+        )(K._attention_fwd_kernel)
+    return _autotuned
+
+
+def _attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    *,
+    config: tuple[int, int, int, int, bool] | None = None,
+    use_desc: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, LaunchInfo | None]:
+    """Launch the forward kernel on ``(B, H, N, D)`` views.
+
+    Returns ``O`` (strided like ``q``'s layout), the fp32 LSE ``(B, Hq, Nq)`` and what the
+    launch used. ``config`` pins ``(BLOCK_M, BLOCK_N, warps, stages, warp_specialize)``;
+    ``use_desc`` forces descriptor (True) or pointer (False) loads.
+    """
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    dev = q.device
+    o = torch.empty_like(q, memory_format=torch.contiguous_format) if q.is_contiguous() else None
+    if o is None:  # keep q's layout (e.g. "b n h d"): allocate dense in that order, view as bhnd
+        order = sorted(range(4), key=lambda i: -q.stride(i))
+        o = torch.empty([q.shape[i] for i in order], device=dev, dtype=q.dtype)
+        o = o.permute([order.index(i) for i in range(4)])
+    lse = torch.empty((b, hq, nq), device=dev, dtype=torch.float32)
+    if b * hq * nq == 0:
+        return o, lse, None
+    if nk == 0:  # no key at all: every row sees nothing
+        return o.zero_(), lse.fill_(-math.inf), None
+
+    block_d = max(16, triton.next_power_of_2(d))
+    if use_desc is None:
+        use_desc = _descriptor_ok(q, k, v, o)
+    interpreted = _backend.is_interpreted(dev)
+    if use_desc and not interpreted:
+        _backend.set_descriptor_allocator(dev)
+    if config is None:
+        config = K.pinned_config() or (K.CPU_CONFIG if interpreted else None)
+    args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            hq, hq // hkv, nq, nk, scale)  # fmt: skip
+    consts = {
+        "HEAD_DIM": d,
+        "BLOCK_D": block_d,
+        "IS_CAUSAL": bool(causal),
+        "USE_DESC": use_desc,
+        "DOT_FP32": _backend.dot_upcast(q.dtype, dev),
+        # fp32 inputs: three TF32 passes give about fp32 accuracy on tensor cores
+        "DOT_PRECISION": "tf32x3" if q.dtype == torch.float32 else "tf32",
+    }
+    if config is not None:
+        bm, bn, warps, stages, ws = config
+        grid = (triton.cdiv(nq, bm), b * hq)
+        kernel = _backend.launcher(K._attention_fwd_kernel, dev)
+        kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, WARP_SPECIALIZE=ws, num_warps=warps,
+                     num_stages=stages, **consts)  # fmt: skip
+    else:
+        tuned = _tuned_kernel()
+        tuned[lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), b * hq)](*args, **consts)
+        best = tuned.best_config
+        config = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps,
+                  best.num_stages, best.kwargs["WARP_SPECIALIZE"])  # fmt: skip
+    bm, bn, warps, stages, ws = config
+    return o, lse, LaunchInfo(bm, bn, block_d, use_desc, warps, stages, ws)
+
+
+class AttentionFunction(torch.autograd.Function):
+    """Autograd wrapper: forward only for now (the backward kernel is a later issue)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, layout):  # type: ignore[override]
+        qc, kc, vc = (_to_bhnd(t, layout) for t in (q, k, v))
+        o, lse, _ = _attention_fwd(qc, kc, vc, causal, scale)
+        ctx.mark_non_differentiable(lse)
+        return einops.rearrange(o, f"b h n d -> {layout}"), lse
+
+    @staticmethod
+    def backward(ctx, *grads):  # type: ignore[override]
+        raise NotImplementedError(
+            "flashlite.attention has no backward pass yet; use "
+            "torch.nn.functional.scaled_dot_product_attention for training"
+        )
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "b h n d",
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention computed tile by tile (FlashAttention-2 loop order).
+
+    Args:
+        q: ``(B, Hq, Nq, D)`` (or ``(B, Nq, Hq, D)`` with ``layout="b n h d"``).
+        k, v: ``(B, Hkv, Nk, D)`` in the same layout; ``Hq % Hkv == 0`` gives GQA/MQA without
+            repeating k and v in memory. Any strides: slices of a packed qkv buffer work.
+        causal: bottom-right aligned mask (flash-attn >= 2.1, ``causal_lower_right``): query i
+            sees key j iff ``j <= i + Nk - Nq``. Rows that see no key give 0 and LSE −inf.
+        scale: multiplies ``QKᵀ`` before the softmax; defaults to ``1/sqrt(D)``; must be > 0.
+        layout: ``"b h n d"`` or ``"b n h d"`` (einops notation).
+        return_lse: also return the natural-log LSE of the scaled scores.
+
+    Returns:
+        ``out`` in ``q``'s layout and dtype, or ``(out, lse)`` with ``lse`` fp32 ``(B, Hq, Nq)``.
+        fp16/bf16 run on tensor cores with fp32 accumulation; fp32 uses three TF32 passes
+        (``tf32x3``) on a GPU, about fp32 accuracy. D runs from 1 to 256.
+
+    Raises:
+        TypeError: non-tensors, unsupported or mixed dtypes, a non-numeric scale.
+        ValueError: wrong rank, mismatched batch/heads/lengths/head dims, unknown layout,
+            mixed devices, a non-positive scale.
+        NotImplementedError: head dim above 256.
+    """
+    sm_scale = _check(q, k, v, layout, scale)
+    o, lse = AttentionFunction.apply(q, k, v, bool(causal), sm_scale, layout)
+    return (o, lse) if return_lse else o
