@@ -50,7 +50,9 @@ def _check(q: object, k: object, v: object, layout: object, scale: object) -> fl
         raise ValueError(f"layout={layout!r} is not one of {', '.join(map(repr, LAYOUTS))}")
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions ({layout}), got shape {tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must have 4 dimensions ({layout}), got shape {tuple(t.shape)}"
+            )
         if t.dtype not in _DTYPES:
             raise TypeError(
                 f"{name} has dtype {t.dtype}; accepted: torch.float16, torch.bfloat16, torch.float32"

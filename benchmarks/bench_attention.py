@@ -1,0 +1,231 @@
+"""Attention forward throughput on a GPU: flashlite against SDPA's backends, FlexAttention, naive.
+
+TFLOP/s = 4·B·H·Nq·Nk·D / time (halved for causal), bf16, B·N = 16k tokens, H = 2048 / D.
+Every flashlite config in ``GPU_CONFIGS`` is first checked for correctness and timed on its own
+(``--sweep``), so a config that returns NaN is reported and kept out of the autotuner.
+
+    python benchmarks/bench_attention.py            # full table, JSON + PNG in benchmarks/results
+    python benchmarks/bench_attention.py --sweep    # per-config check and timing first
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import re
+from pathlib import Path
+
+import torch
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashlite
+from flashlite.attention import _attention_fwd
+from flashlite.kernels import attention_fwd as K
+from flashlite.reference import attention as naive_attention
+
+RESULTS = Path(__file__).resolve().parent / "results"
+TOKENS = 16384
+SEQS = (1024, 2048, 4096, 8192, 16384)
+HEAD_DIMS = (64, 128)
+
+
+def tflops(b: int, h: int, n: int, d: int, causal: bool, ms: float) -> float:
+    flops = 4 * b * h * n * n * d * (0.5 if causal else 1.0)
+    return flops / (ms * 1e-3) / 1e12
+
+
+def bench(fn) -> float:
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def sdpa(backend: SDPBackend, causal: bool):
+    def run(q, k, v):
+        with sdpa_kernel(backend):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+    return run
+
+
+def flex(causal: bool, n: int):
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    compiled = torch.compile(flex_attention)
+    if not causal:
+        return lambda q, k, v: compiled(q, k, v)
+    mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, n, n, device="cuda")
+    return lambda q, k, v: compiled(q, k, v, block_mask=mask)
+
+
+def check(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Max abs difference to the reference; inf for NaN/inf outputs."""
+    if not torch.isfinite(out).all():
+        return math.inf
+    return (out.float() - ref.float()).abs().max().item()
+
+
+def make(b: int, h: int, n: int, d: int):
+    g = torch.Generator(device="cuda").manual_seed(n * d)
+    return [torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+            for _ in range(3)]  # fmt: skip
+
+
+def sweep(rows: list[dict]) -> None:
+    """Check and time every GPU config on its own, at N = 4k and 16k."""
+    for d in HEAD_DIMS:
+        h = 2048 // d
+        for n in (4096, 16384):
+            b = TOKENS // n
+            q, k, v = make(b, h, n, d)
+            for causal in (False, True):
+                ref = sdpa(SDPBackend.FLASH_ATTENTION, causal)(q, k, v)
+                for cfg in K.GPU_CONFIGS:
+                    bd = max(16, triton.next_power_of_2(d))
+                    if not K.keep_config(cfg, bd, True):
+                        continue
+                    try:
+                        out = _attention_fwd(q, k, v, causal, d**-0.5, config=cfg)[0]
+                        err = check(out, ref)
+                        ms = bench(lambda cfg=cfg: _attention_fwd(q, k, v, causal, d**-0.5,
+                                                                  config=cfg))  # fmt: skip
+                    except Exception as exc:  # a config that fails to compile is reported
+                        err, ms = math.inf, math.nan
+                        print(f"config {cfg} failed: {type(exc).__name__}: {exc}"[:200])
+                    rows.append({"kind": "sweep", "config": list(cfg), "d": d, "n": n,
+                                 "causal": causal, "ms": ms, "max_err_vs_flash": err,
+                                 "tflops": tflops(b, h, n, d, causal, ms)})  # fmt: skip
+                    print(f"sweep D={d} N={n} causal={causal} cfg={cfg} "
+                          f"err={err:.3g} {rows[-1]['tflops']:.0f} TFLOP/s")  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--sweep", action="store_true", help="check and time each config first")
+    ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (slow compiles)")
+    ap.add_argument("--seqs", type=int, nargs="*", default=list(SEQS))
+    args = ap.parse_args()
+    assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
+    rows: list[dict] = []
+    if args.sweep:
+        sweep(rows)
+        bad = {tuple(r["config"]) for r in rows if not r["max_err_vs_flash"] < 0.05}
+        if bad:
+            print("configs with wrong results, removed from the autotuner:", sorted(bad))
+            K.GPU_CONFIGS[:] = [c for c in K.GPU_CONFIGS if c not in bad]
+
+    providers = {
+        "flashlite": lambda causal, n: lambda q, k, v: flashlite.attention(q, k, v, causal=causal),
+        "sdpa-flash": lambda causal, n: sdpa(SDPBackend.FLASH_ATTENTION, causal),
+        "sdpa-cudnn": lambda causal, n: sdpa(SDPBackend.CUDNN_ATTENTION, causal),
+        "sdpa-efficient": lambda causal, n: sdpa(SDPBackend.EFFICIENT_ATTENTION, causal),
+        "flex": flex,
+        "naive": lambda causal, n: lambda q, k, v: naive_attention(q, k, v, causal),
+    }
+    if args.no_flex:
+        del providers["flex"]
+    for d in HEAD_DIMS:
+        h = 2048 // d
+        for n in args.seqs:
+            b = TOKENS // n
+            q, k, v = make(b, h, n, d)
+            for causal in (False, True):
+                ref = sdpa(SDPBackend.FLASH_ATTENTION, causal)(q, k, v)
+                for name, factory in providers.items():
+                    if name == "naive" and b * h * n * n * 2 * 3 > 40e9:  # S, P, softmax temp
+                        continue
+                    try:
+                        fn = factory(causal, n)
+                        err = check(fn(q, k, v), ref)
+                        ms = bench(lambda fn=fn: fn(q, k, v))
+                    except Exception as exc:
+                        print(f"{name} D={d} N={n} causal={causal} failed: {exc}"[:200])
+                        err, ms = math.inf, math.nan
+                    rows.append({"kind": "fwd", "provider": name, "d": d, "n": n, "b": b, "h": h,
+                                 "causal": causal, "ms": ms, "max_err_vs_flash": err,
+                                 "tflops": tflops(b, h, n, d, causal, ms)})  # fmt: skip
+                    print(f"{name:15s} D={d:3d} N={n:5d} causal={causal!s:5s} "
+                          f"{rows[-1]['tflops']:6.1f} TFLOP/s err={err:.3g}")  # fmt: skip
+            del q, k, v, ref
+    # peak extra memory at N = 16k, D = 128 (beyond inputs and output)
+    for name in ("flashlite", "sdpa-flash", "sdpa-cudnn", "naive"):
+        d, n = 128, 16384
+        q, k, v = make(TOKENS // n, 2048 // d, n, d)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        out = providers[name](False, n)(q, k, v)
+        torch.cuda.synchronize()
+        extra = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
+        rows.append({"kind": "memory", "provider": name, "d": d, "n": n,
+                     "extra_bytes": int(extra)})  # fmt: skip
+        del out
+    write(rows)
+
+
+def write(rows: list[dict]) -> None:
+    dev = torch.cuda.get_device_name()
+    slug = re.sub(r"[^a-z0-9]+", "-", dev.lower()).strip("-")
+    meta = {"device": dev, "torch": torch.__version__, "triton": triton.__version__,
+            "python": platform.python_version(), "date": datetime.date.today().isoformat(),
+            "dtype": "bfloat16", "tokens": TOKENS,
+            "autotune_configs": [list(c) for c in K.GPU_CONFIGS]}  # fmt: skip
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = RESULTS / f"attention-{slug}.json"
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    plot(rows, RESULTS / f"attention-{slug}.png", dev)
+    summary(rows)
+    print("wrote", out)
+
+
+def plot(rows: list[dict], path: Path, dev: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(18, 4), sharey=True)
+    for ax, (d, causal) in zip(axes, [(64, False), (64, True), (128, False), (128, True)]):
+        fwd = [r for r in rows if r["kind"] == "fwd" and r["d"] == d and r["causal"] == causal]
+        for prov in dict.fromkeys(r["provider"] for r in fwd):
+            pts = [(r["n"], r["tflops"]) for r in fwd if r["provider"] == prov
+                   and math.isfinite(r["tflops"])]  # fmt: skip
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=prov, lw=2.5 if prov == "flashlite" else 1)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"D={d} {'causal' if causal else 'non-causal'}")
+        ax.set_xlabel("sequence length (B·N = 16k)")
+    axes[0].set_ylabel("TFLOP/s (bf16, fwd)")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"attention forward on {dev}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def summary(rows: list[dict]) -> None:
+    fwd = {(r["provider"], r["d"], r["n"], r["causal"]): r["tflops"] for r in rows
+           if r["kind"] == "fwd"}  # fmt: skip
+    print("\nD    N      causal  flashlite  flash   cudnn   x flash  x cudnn")
+    for d in HEAD_DIMS:
+        for n in SEQS:
+            for causal in (False, True):
+                f = fwd.get(("flashlite", d, n, causal))
+                if f is None:
+                    continue
+                fa, cu = (
+                    fwd.get(("sdpa-flash", d, n, causal)),
+                    fwd.get(("sdpa-cudnn", d, n, causal)),
+                )
+                print(f"{d:<4d} {n:<6d} {causal!s:7s} {f:8.1f} {fa:7.1f} {cu:7.1f} "
+                      f"{f / fa:7.2f}  {f / cu:7.2f}")  # fmt: skip
+    for r in rows:
+        if r["kind"] == "memory":
+            print(
+                f"extra memory {r['provider']:12s} N=16k D=128: {r['extra_bytes'] / 2**20:9.1f} MiB"
+            )
+
+
+if __name__ == "__main__":
+    main()
