@@ -25,7 +25,6 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import triton  # noqa: E402  (must follow the environment switch above)
 from triton.runtime.jit import JITFunction  # noqa: E402
 
 try:  # the interpreter's function type moved between Triton releases only in name
@@ -86,13 +85,28 @@ def num_sms(device: torch.device) -> int:
     return 4
 
 
-def set_descriptor_allocator(device: torch.device) -> None:
-    """Device-side tensor descriptors need scratch memory from a Triton allocator."""
-    if device.type != "cuda" or getattr(set_descriptor_allocator, "_done", False):
-        return
+def cooperative_launch_supported() -> bool:
+    """Whether this Triton can launch a cooperative grid (all programs resident at once)."""
+    try:
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:  # pragma: no cover
+        return False
+    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
-    def alloc(size: int, alignment: int, stream: int | None) -> torch.Tensor:
-        return torch.empty(size, device="cuda", dtype=torch.int8)
 
-    triton.set_allocator(alloc)
-    set_descriptor_allocator._done = True  # type: ignore[attr-defined]
+def resident_programs(compiled: Any, device: torch.device) -> int:
+    """How many programs of a compiled kernel fit on ``device`` at once."""
+    if not hasattr(compiled, "n_regs"):  # loaded lazily by Triton 3.x
+        compiled._init_handles()
+    props = torch.cuda.get_device_properties(device)
+    threads = 32 * compiled.metadata.num_warps
+    regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256  # allocated per warp, by 256
+    per_sm = min(
+        getattr(props, "max_threads_per_multi_processor", 2048) // threads,
+        getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * threads // 32),
+        32,
+    )
+    shared = compiled.metadata.shared
+    if shared:
+        per_sm = min(per_sm, getattr(props, "shared_memory_per_multiprocessor", 233472) // shared)
+    return per_sm * props.multi_processor_count

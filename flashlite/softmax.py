@@ -61,8 +61,12 @@ def _softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str) 
     col64 = _col_int64(n_cols, x2, y2)
     strides = (*x2.stride(), *y2.stride())
     if algorithm == "auto":
-        fits = triton.next_power_of_2(n_cols) <= K.SINGLE_READ_MAX
-        algorithm = "single_read" if fits else "split"
+        if K.fits_single_read(n_cols, x2.element_size()):
+            algorithm = "single_read"
+        elif _team_kernel_usable(dev, K.team_config(n_cols, x2.element_size())["n_chunks"]):
+            algorithm = "team"
+        else:
+            algorithm = "split"
     if algorithm == "single_read":
         cfg = K.single_read_config(n_cols)
         grid = (triton.cdiv(n_rows, cfg["ROWS"]),)
@@ -75,11 +79,28 @@ def _softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str) 
         s_ws = torch.empty_like(m_ws)
         grid = (n_rows * n_chunks,)
         stats = _backend.launcher(K._softmax_split_stats_kernel, dev)
-        stats[grid](x2, m_ws, s_ws, n_rows, n_cols, *x2.stride(), n_chunks,
-                    BLOCK_N=cfg["BLOCK_N"], COL_INT64=col64, num_warps=cfg["num_warps"])  # fmt: skip
+        stats[grid](x2, m_ws, s_ws, n_rows, n_cols, *x2.stride(), n_chunks, BLOCK_N=cfg["BLOCK_N"],
+                    COL_INT64=col64, num_warps=cfg["num_warps"])  # fmt: skip
         write = _backend.launcher(K._softmax_split_write_kernel, dev)
         write[grid](x2, y2, m_ws, s_ws, n_rows, n_cols, *strides, n_chunks, LOG=log,
                     COL_INT64=col64, **cfg)  # fmt: skip
+    elif algorithm == "team":
+        if dev.type != "cuda":  # its programs wait for each other: the interpreter runs them
+            raise ValueError("the team kernel needs a CUDA device")  # one after another
+        cfg = K.team_config(n_cols, x2.element_size())
+        n_chunks = cfg.pop("n_chunks")
+        m_ws = torch.empty((n_rows, n_chunks), device=dev, dtype=torch.float32)
+        s_ws = torch.empty_like(m_ws)
+        count = torch.zeros(n_rows, device=dev, dtype=torch.int32)
+        args = [x2, y2, m_ws, s_ws, count, n_rows, n_cols, *strides, n_chunks, n_rows]
+        opts = dict(LOG=log, COL_INT64=col64, launch_cooperative_grid=True, **cfg)
+        # Every program of a team waits for the others, so all must be resident at once: size
+        # the grid from the compiled kernel's registers and shared memory. The cooperative
+        # launch makes the driver refuse, rather than hang, should that ever fall short.
+        compiled = K._softmax_team_fwd_kernel.warmup(*args, grid=(1,), **opts)
+        capacity = _backend.resident_programs(compiled, dev)
+        args[-1] = n_teams = max(1, min(n_rows, capacity // n_chunks))
+        K._softmax_team_fwd_kernel[(n_teams * n_chunks,)](*args, **opts)
     else:  # "online" or "three_pass": one program per row, looping over tiles
         cfg = K.loop_config(n_cols)
         del cfg["ROWS"]
@@ -88,10 +109,19 @@ def _softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str) 
                           THREE_PASS=algorithm == "three_pass", COL_INT64=col64, **cfg)  # fmt: skip
 
 
+def _team_kernel_usable(dev: torch.device, n_chunks: int) -> bool:
+    """The team kernel needs a GPU, cooperative launches, and a team no larger than the SMs."""
+    return (
+        dev.type == "cuda"
+        and _backend.cooperative_launch_supported()
+        and n_chunks <= _backend.num_sms(dev)
+    )
+
+
 def _softmax_bwd(y2: torch.Tensor, dy2: torch.Tensor, dx2: torch.Tensor, log: bool) -> None:
     """Launch the backward kernel on ``(rows, n)`` views: ``dx2`` from saved ``y2`` and ``dy2``."""
     n_rows, n_cols = y2.shape
-    one_tile = triton.next_power_of_2(n_cols) <= K.SINGLE_READ_MAX
+    one_tile = K.fits_single_read(n_cols, y2.element_size())
     cfg = K.single_read_config(n_cols) if one_tile else K.loop_config(n_cols)
     kernel = _backend.launcher(K._softmax_bwd_kernel, y2.device)
     kernel[(triton.cdiv(n_rows, cfg["ROWS"]),)](
@@ -100,9 +130,7 @@ def _softmax_bwd(y2: torch.Tensor, dy2: torch.Tensor, dx2: torch.Tensor, log: bo
     )  # fmt: skip
 
 
-def _apply_rows(
-    inputs: tuple[torch.Tensor, ...], dim: int, launch: object
-) -> torch.Tensor:
+def _apply_rows(inputs: tuple[torch.Tensor, ...], dim: int, launch: object) -> torch.Tensor:
     """Run ``launch(*row_views, out_rows)`` with ``dim`` moved last; copy only when no view exists.
 
     The output takes the first input's memory layout (``empty_like``) when that gives a row view.

@@ -23,17 +23,26 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashlite.stats import LOG2E, merge_partials, online_update, tile_stats
+from flashlite.stats import LOG2E, merge_partials, online_update, rescale, tile_stats
 
 # ----------------------------------------------------------------------------- block tables
-#: Longest row (elements, rounded up to a power of two) the single-read kernel holds on chip.
-SINGLE_READ_MAX = 32768
+#: Longest row the single-read kernel holds on chip: elements (rounded up to a power of two)
+#: and bytes of input (on the H200 a 128 KB row still streams at ~0.75x the copy ceiling from
+#: registers; longer rows spill).
+SINGLE_READ_MAX = 65536
+SINGLE_READ_BYTES = 131072
 #: Columns each program of the split kernels owns (one tile, held in registers).
 SPLIT_CHUNK = 8192
 #: Tile width of the looping kernels (three_pass, online, long-row backward).
 LOOP_TILE = 4096
 #: Elements per program the single-read kernel aims for (small rows are packed together).
 ELEMS_PER_PROGRAM = 4096
+
+
+def fits_single_read(n_cols: int, elem_bytes: int) -> bool:
+    """Whether a row of ``n_cols`` elements takes the single-read kernel."""
+    block_n = triton.next_power_of_2(n_cols)
+    return block_n <= SINGLE_READ_MAX and block_n * elem_bytes <= SINGLE_READ_BYTES
 
 
 def single_read_config(n_cols: int) -> dict[str, int]:
@@ -44,6 +53,24 @@ def single_read_config(n_cols: int) -> dict[str, int]:
     # about 16 fp32 values per thread: enough loads in flight, no spills
     num_warps = min(32, max(4, elems // 512))
     return {"ROWS": rows, "BLOCK_N": block_n, "num_warps": num_warps}
+
+
+#: Bytes of input each program of the team kernel holds, and its warps (best of 8-32 KB chunks
+#: and 8-32 warps on the H200, bf16 and fp32).
+TEAM_CHUNK_BYTES = 32768
+TEAM_WARPS = 8
+
+
+def team_config(n_cols: int, elem_bytes: int) -> dict[str, int]:
+    """Chunk width, chunk count and warps for the team (cooperative) kernel."""
+    chunk = min(TEAM_CHUNK_BYTES // elem_bytes, triton.next_power_of_2(n_cols))
+    n_chunks = triton.cdiv(n_cols, chunk)
+    return {
+        "BLOCK_N": chunk,
+        "n_chunks": n_chunks,
+        "CHUNKS_PAD": triton.next_power_of_2(n_chunks),
+        "num_warps": TEAM_WARPS,
+    }
 
 
 def loop_config(n_cols: int) -> dict[str, int]:
@@ -187,6 +214,52 @@ def _softmax_split_write_kernel(
     offs, mask = _tile_offsets(row, chunk * BLOCK_N, n_rows, n_cols, stride_ym, stride_yn, 1,
                                BLOCK_N, COL_INT64)  # fmt: skip
     tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _softmax_team_fwd_kernel(
+    X, Y, M_ws, S_ws, Count, n_rows, n_cols, stride_xm, stride_xn, stride_ym, stride_yn,
+    n_chunks, n_teams,
+    LOG: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS_PAD: tl.constexpr, COL_INT64: tl.constexpr,
+):  # fmt: skip
+    """Long rows read once (GPU only): a team of ``n_chunks`` co-resident programs shares a row.
+
+    Each program holds its chunk on chip, publishes the chunk's (m, s) pair, waits until the
+    whole team has published (a per-row arrival counter), merges the team's pairs and writes its
+    chunk from registers: 1 read + 1 write per element, like the single-read kernel. The host
+    launches it as a cooperative grid, which the driver only starts when every program fits on
+    the GPU at once, so the wait cannot deadlock. The interpreter runs programs one after
+    another, so on CPU the two-kernel ``split`` path does this job.
+    """
+    pid = tl.program_id(0)
+    team = pid // n_chunks
+    chunk = pid % n_chunks
+    c = tl.arange(0, CHUNKS_PAD)
+    for row in tl.range(team, n_rows, n_teams):
+        row64 = row.to(tl.int64)
+        offs, mask = _tile_offsets(row64, chunk * BLOCK_N, n_rows, n_cols, stride_xm, stride_xn,
+                                   1, BLOCK_N, COL_INT64)  # fmt: skip
+        x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        m, s, p = tile_stats(x, LOG2E)
+        ws = row64 * n_chunks + chunk + tl.arange(0, 1)
+        tl.store(M_ws + ws, m)
+        tl.store(S_ws + ws, s)
+        # release: our pair is visible before the count; acquire: theirs before we read them
+        tl.atomic_add(Count + row64, 1, sem="release", scope="gpu")
+        while tl.atomic_add(Count + row64, 0, sem="acquire", scope="gpu") < n_chunks:
+            pass
+        m_part = tl.load(M_ws + row64 * n_chunks + c, mask=c < n_chunks, other=float("-inf"),
+                         cache_modifier=".cg")  # fmt: skip
+        s_part = tl.load(S_ws + row64 * n_chunks + c, mask=c < n_chunks, other=0.0,
+                         cache_modifier=".cg")  # fmt: skip
+        m_row, s_row = merge_partials(m_part[None, :], s_part[None, :], LOG2E)
+        if LOG:
+            y = _normalise(x, m_row, s_row, True)
+        else:  # move our exponentials from the chunk's maximum onto the row's
+            y = p * (rescale(m, m_row, LOG2E) / s_row)[:, None]
+        offs, mask = _tile_offsets(row64, chunk * BLOCK_N, n_rows, n_cols, stride_ym, stride_yn,
+                                   1, BLOCK_N, COL_INT64)  # fmt: skip
+        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
 
 
 # ----------------------------------------------------------------------------- backward
