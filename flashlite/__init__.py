@@ -1,7 +1,10 @@
-"""flashlite: the online-softmax pair behind FlashAttention, as a row softmax and tiled attention."""
+"""flashlite: the online-softmax pair behind FlashAttention, as row softmax and tiled attention."""
 
-from flashlite import _backend  # noqa: F401  (chooses compiled vs interpreted Triton first)
-from flashlite import reference, stats
+from flashlite import (
+    _backend,  # noqa: F401  (chooses compiled vs interpreted Triton first)
+    reference,
+    stats,
+)
 from flashlite.attention import attention
 from flashlite.softmax import log_softmax, softmax
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import einops
 import torch
 import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashlite import _backend
 from flashlite.kernels import attention_fwd as K
@@ -55,7 +56,8 @@ def _check(q: object, k: object, v: object, layout: object, scale: object) -> fl
             )
         if t.dtype not in _DTYPES:
             raise TypeError(
-                f"{name} has dtype {t.dtype}; accepted: torch.float16, torch.bfloat16, torch.float32"
+                f"{name} has dtype {t.dtype}; accepted: "
+                "torch.float16, torch.bfloat16, torch.float32"
             )
         _backend.check_device(t, name)
     if not q.dtype == k.dtype == v.dtype:
@@ -63,7 +65,7 @@ def _check(q: object, k: object, v: object, layout: object, scale: object) -> fl
     if not q.device == k.device == v.device:
         raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
     qc, kc, vc = (_to_bhnd(t, layout) for t in (q, k, v))  # type: ignore[arg-type]
-    (b, hq, _, d), (bk, hkv, nk, dk) = qc.shape, kc.shape
+    (b, hq, _, d), (bk, hkv, _, dk) = qc.shape, kc.shape
     if kc.shape != vc.shape:
         raise ValueError(
             f"k and v must have the same shape (B, Hkv, Nk, D) in layout {layout!r}, got "
@@ -110,6 +112,8 @@ def _tuned_kernel():
     if _autotuned is None:
 
         def prune(configs: list, named_args: dict, **kwargs: object) -> list:
+            out = named_args["O"]
+            esize = (out.base if kwargs["USE_DESC"] else out).element_size()
             keep = [
                 c
                 for c in configs
@@ -122,13 +126,20 @@ def _tuned_kernel():
                         c.kwargs["WARP_SPECIALIZE"],
                     ),
                     kwargs["BLOCK_D"],
+                    esize,
                     kwargs["USE_DESC"],
                 )
             ]
-            return keep or configs[-1:]
+            return keep or [
+                K.as_triton_config(
+                    K.default_config(
+                        kwargs["BLOCK_D"], named_args["Q"].element_size(), kwargs["USE_DESC"]
+                    )
+                )
+            ]
 
         _autotuned = triton.autotune(
-            configs=[K.as_triton_config(c) for c in K.GPU_CONFIGS],
+            configs=[K.as_triton_config(c, K.set_block_shapes) for c in K.GPU_CONFIGS],
             key=["seq_q", "seq_k", "HEAD_DIM", "IS_CAUSAL", "USE_DESC", "DOT_FP32"],
             prune_configs_by={"early_config_prune": prune},
         )(K._attention_fwd_kernel)
@@ -144,6 +155,7 @@ def _attention_fwd(
     *,
     config: tuple[int, int, int, int, bool] | None = None,
     use_desc: bool | None = None,
+    prescale_q: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, LaunchInfo | None]:
     """Launch the forward kernel on ``(B, H, N, D)`` views.
 
@@ -168,18 +180,25 @@ def _attention_fwd(
     block_d = max(16, triton.next_power_of_2(d))
     if use_desc is None:
         use_desc = _descriptor_ok(q, k, v, o)
+    if prescale_q is None:
+        prescale_q = q.dtype != torch.float32
     interpreted = _backend.is_interpreted(dev)
-    if use_desc and not interpreted:
-        _backend.set_descriptor_allocator(dev)
     if config is None:
         config = K.pinned_config() or (K.CPU_CONFIG if interpreted else None)
-    args = (q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+    if use_desc:  # block shapes are set per config (set_block_shapes), placeholders here
+        bm, bn = (config[0], config[1]) if config is not None else (16, 16)
+        srcs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])
+                for t, r in ((q, bm), (k, bn), (v, bn), (o, bm))]  # fmt: skip
+    else:
+        srcs = [q, k, v, o]
+    args = (*srcs, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
             hq, hq // hkv, nq, nk, scale)  # fmt: skip
     consts = {
         "HEAD_DIM": d,
         "BLOCK_D": block_d,
         "IS_CAUSAL": bool(causal),
         "USE_DESC": use_desc,
+        "PRESCALE_Q": prescale_q,
         "DOT_FP32": _backend.dot_upcast(q.dtype, dev),
         # fp32 inputs: three TF32 passes give about fp32 accuracy on tensor cores
         "DOT_PRECISION": "tf32x3" if q.dtype == torch.float32 else "tf32",
