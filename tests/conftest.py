@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+import flashlite  # noqa: F401  (switches on the interpreter before any test imports triton)
+
 #: (atol, rtol) per dtype for results compared against an fp64 reference. fp32 leaves room for
 #: exp2-vs-exp and summation-order differences; fp16/bf16 are about 2x one rounding of the output
 #: (the kernels compute in fp32 and round once on the store).

@@ -127,7 +127,9 @@ def test_online_update_alpha_and_p(prev: list[float], tile: list[float]) -> None
     st.sampled_from([4, 8]),  # head dim
     st.integers(0, 2**16),
 )
-def test_merge_attention_of_disjoint_key_sets(nq: int, nk: int, cut: int, d: int, seed: int) -> None:
+def test_merge_attention_of_disjoint_key_sets(
+    nq: int, nk: int, cut: int, d: int, seed: int
+) -> None:
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(1, 2, n, d, generator=g, dtype=torch.float64) for n in (nq, nk, nk))
     cut = min(cut, nk - 1)
@@ -159,14 +161,18 @@ def test_merge_attention_with_empty_parts() -> None:
 
 
 # --------------------------------------------------------------------------- Triton helpers
+# Kernels keep m in the logits' own units and take SCALE = c·LOG2E, so for raw logits x a kernel
+# pair (m, s) is the twin's natural-unit pair of c·x as (c·m, s); p and alpha are the same.
 # Test kernels: one [R, C] (or [R]) tile, row-major and contiguous, one program.
 @triton.jit
-def _tile_stats_kernel(X, M, S, R: tl.constexpr, C: tl.constexpr, SCALE: tl.constexpr):
+def _tile_stats_kernel(X, M, S, P, R: tl.constexpr, C: tl.constexpr, SCALE: tl.constexpr):
     r = tl.arange(0, R)
     c = tl.arange(0, C)
-    m, s = tile_stats(tl.load(X + r[:, None] * C + c[None, :]), SCALE)
+    offs = r[:, None] * C + c[None, :]
+    m, s, p = tile_stats(tl.load(X + offs), SCALE)
     tl.store(M + r, m)
     tl.store(S + r, s)
+    tl.store(P + offs, p)
 
 
 @triton.jit
@@ -215,7 +221,7 @@ def _finalize_lse_kernel(M, S, LSE, R: tl.constexpr, SCALE: tl.constexpr):
 
 DEVICE = torch.device("cpu")
 R, C = 4, 8
-# Softmax passes LOG2E (natural units); attention folds a score scale into it.
+# Softmax passes SCALE = LOG2E (c = 1); attention folds a score scale c into it.
 SCALES = [pytest.param(1.0, id="softmax"), pytest.param(0.35, id="scaled")]
 
 
@@ -232,24 +238,32 @@ def _tiles() -> torch.Tensor:
     return x
 
 
-def _close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    torch.testing.assert_close(actual, expected.float(), atol=1e-6, rtol=2e-6)
+def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 2e-6) -> None:
+    torch.testing.assert_close(actual.double(), expected.double(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("scale", SCALES)
-def test_triton_tile_stats(scale: float) -> None:
+def _no_nan(*ts: torch.Tensor) -> None:
+    for t in ts:
+        assert not torch.isnan(t).any()
+
+
+@pytest.mark.parametrize("c", SCALES)
+def test_triton_tile_stats(c: float) -> None:
     x = _tiles()
-    m, s = torch.empty(R), torch.empty(R)
-    _launch(_tile_stats_kernel, x, m, s, R=R, C=C, SCALE=scale * LOG2E)
-    m_ref, s_ref = stats.torch_tile_stats(x.double() * scale)
-    _close(m * scale, m_ref)
+    m, s, p = torch.empty(R), torch.empty(R), torch.empty(R, C)
+    _launch(_tile_stats_kernel, x, m, s, p, R=R, C=C, SCALE=c * LOG2E)
+    _no_nan(m, s, p)
+    m_ref, s_ref = stats.torch_tile_stats(x.double() * c)
+    _close(m * c, m_ref)
     _close(s, s_ref)
+    _close(p, torch.exp(x.double() * c - stats._ref_point(m_ref).unsqueeze(1)))
     assert m[1].item() == NEG_INF and s[1].item() == 0.0  # fully -inf tile: the identity
+    assert (p[1] == 0).all() and (p[2, ::2] == 0).all()  # -inf entries give exact zeros
 
 
-@pytest.mark.parametrize("scale", SCALES)
+@pytest.mark.parametrize("c", SCALES)
 @pytest.mark.parametrize("prev", ["identity", "finite", "mixed"])
-def test_triton_online_update(scale: float, prev: str) -> None:
+def test_triton_online_update(c: float, prev: str) -> None:
     x = _tiles()
     m0, s0 = {
         "identity": (torch.full((R,), NEG_INF), torch.zeros(R)),
@@ -258,76 +272,92 @@ def test_triton_online_update(scale: float, prev: str) -> None:
         "mixed": (torch.tensor([5.0, NEG_INF, NEG_INF, -1e4]), torch.tensor([2.0, 0.0, 0.0, 1.0])),
     }[prev]
     m, s, alpha, p = torch.empty(R), torch.empty(R), torch.empty(R), torch.empty(R, C)
-    _launch(_online_update_kernel, m0, s0, x, m, s, alpha, p, R=R, C=C, SCALE=scale * LOG2E)
-    ref = stats.torch_online_update(m0.double() * scale, s0.double(), x.double() * scale)
-    for got, want in zip((m * scale, s, alpha, p), ref, strict=True):
-        assert not torch.isnan(got).any()
+    _launch(_online_update_kernel, m0, s0, x, m, s, alpha, p, R=R, C=C, SCALE=c * LOG2E)
+    _no_nan(m, s, alpha, p)
+    ref = stats.torch_online_update(m0.double() * c, s0.double(), x.double() * c)
+    for got, want in zip((m * c, s, alpha, p), ref, strict=True):
         _close(got, want)
+    if prev != "finite":  # row 1: an empty pair meets a fully -inf tile
+        assert m[1].item() == NEG_INF and s[1].item() == 0.0 and (p[1] == 0).all()
 
 
-@pytest.mark.parametrize("scale", SCALES)
-def test_triton_rescale(scale: float) -> None:
+@pytest.mark.parametrize("c", SCALES)
+def test_triton_rescale(c: float) -> None:
     m_old = torch.tensor([0.0, NEG_INF, NEG_INF, -3.0, 1e4, 2.0, NEG_INF, 7.0])
     m_new = torch.tensor([1.0, NEG_INF, 4.0, -3.0, 1e4 + 2, 2.0, 0.0, 7.5])
     out = torch.empty(8)
-    _launch(_rescale_kernel, m_old, m_new, out, R=8, SCALE=scale * LOG2E)
-    _close(out, stats.torch_rescale(m_old.double() * scale, m_new.double() * scale))
+    _launch(_rescale_kernel, m_old, m_new, out, R=8, SCALE=c * LOG2E)
+    _no_nan(out)
+    _close(out, stats.torch_rescale(m_old.double() * c, m_new.double() * c))
     assert out[1].item() == 0.0  # both -inf: 0, not NaN
+    assert out[2].item() == 0.0 and out[3].item() == 1.0
 
 
-@pytest.mark.parametrize("scale", SCALES)
-def test_triton_merge_pair(scale: float) -> None:
-    # columns: ordinary, one side -inf, the other side -inf, both -inf, equal maxima, ±1e4
+@pytest.mark.parametrize("c", SCALES)
+def test_triton_merge_pair(c: float) -> None:
+    # columns: ordinary, one side -inf, the other side -inf, both -inf, equal maxima, ±1e4, ...
     m_a = torch.tensor([1.0, NEG_INF, 3.0, NEG_INF, 2.0, 1e4, -5.0, 0.0])
     s_a = torch.tensor([2.0, 0.0, 1.5, 0.0, 1.0, 1.0, 4.0, 1.0])
     m_b = torch.tensor([3.0, 2.0, NEG_INF, NEG_INF, 2.0, -1e4, -4.0, 30.0])
     s_b = torch.tensor([1.0, 3.0, 0.0, 0.0, 2.0, 2.0, 1.0, 1.0])
     m, s = torch.empty(8), torch.empty(8)
-    _launch(_merge_pair_kernel, m_a, s_a, m_b, s_b, m, s, R=8, SCALE=scale * LOG2E)
-    m_ref, s_ref = stats.merge(m_a.double() * scale, s_a.double(), m_b.double() * scale, s_b.double())
-    _close(m * scale, m_ref)
+    _launch(_merge_pair_kernel, m_a, s_a, m_b, s_b, m, s, R=8, SCALE=c * LOG2E)
+    _no_nan(m, s)
+    m_ref, s_ref = stats.merge(m_a.double() * c, s_a.double(), m_b.double() * c, s_b.double())
+    _close(m * c, m_ref)
     _close(s, s_ref)
     assert m[3].item() == NEG_INF and s[3].item() == 0.0
+    # commutative, and the identity leaves a pair unchanged
+    m2, s2 = torch.empty(8), torch.empty(8)
+    _launch(_merge_pair_kernel, m_b, s_b, m_a, s_a, m2, s2, R=8, SCALE=c * LOG2E)
+    assert torch.equal(m2, m) and torch.equal(s2, s)
+    ident_m, ident_s = torch.full((8,), NEG_INF), torch.zeros(8)
+    _launch(_merge_pair_kernel, m_a, s_a, ident_m, ident_s, m2, s2, R=8, SCALE=c * LOG2E)
+    assert torch.equal(m2, m_a) and torch.equal(s2, s_a)
 
 
-@pytest.mark.parametrize("scale", SCALES)
-def test_triton_merge_partials(scale: float) -> None:
+@pytest.mark.parametrize("c", SCALES)
+def test_triton_merge_partials(c: float) -> None:
     x = torch.randn(R, 3 * C) * 4
     x[1] = NEG_INF  # every partial of row 1 is the identity
     x[2, :C] = NEG_INF  # row 2: one partial is the identity
     x[3, C:] = NEG_INF  # row 3: all but one
-    m_p, s_p = stats.torch_tile_stats(x.view(R, 3, C))
+    m_p, s_p = stats.torch_tile_stats(x.double().view(R, 3, C) * c)  # natural units of c·x
     # pad to a power of two with identity partials, as the split kernel does
-    m_p = torch.cat([m_p, torch.full((R, 1), NEG_INF)], 1).contiguous()
-    s_p = torch.cat([s_p, torch.zeros(R, 1)], 1).contiguous()
+    m_p = torch.cat([m_p, torch.full((R, 1), NEG_INF, dtype=torch.float64)], 1)
+    s_p = torch.cat([s_p, torch.zeros(R, 1, dtype=torch.float64)], 1)
     m, s = torch.empty(R), torch.empty(R)
-    _launch(_merge_partials_kernel, m_p, s_p, m, s, R=R, C=4, SCALE=scale * LOG2E)
+    _launch(_merge_partials_kernel, (m_p / c).float(), s_p.float(), m, s,
+            R=R, C=4, SCALE=c * LOG2E)  # fmt: skip
+    _no_nan(m, s)
     # reference: merge the partials one by one with the twin
-    m_ref, s_ref = m_p[:, 0].double() * scale, s_p[:, 0].double()
+    m_ref, s_ref = m_p[:, 0], s_p[:, 0]
     for j in range(1, 4):
-        m_ref, s_ref = stats.merge(m_ref, s_ref, m_p[:, j].double() * scale, s_p[:, j].double())
-    _close(m * scale, m_ref)
+        m_ref, s_ref = stats.merge(m_ref, s_ref, m_p[:, j], s_p[:, j])
+    _close(m * c, m_ref)
     _close(s, s_ref)
-    if scale == 1.0:  # and the merged pair is the stats of the whole row
-        _close(stats.torch_finalize_lse(m.double(), s.double()), torch.logsumexp(x.double(), 1))
+    # and the merged pair is the stats of the whole row
+    _close(stats.torch_finalize_lse(m.double() * c, s.double()), torch.logsumexp(x.double() * c, 1))
+    assert m[1].item() == NEG_INF and s[1].item() == 0.0
 
 
-@pytest.mark.parametrize("scale", SCALES)
-def test_triton_finalize_lse(scale: float) -> None:
+@pytest.mark.parametrize("c", SCALES)
+def test_triton_finalize_lse(c: float) -> None:
     m = torch.tensor([0.0, 3.0, NEG_INF, -1e4, 1e4, -2.0, 5.0, 0.5])
     s = torch.tensor([1.0, 2.5, 0.0, 1.0, 3.0, 7.0, 1.0, 100.0])
     lse = torch.empty(8)
-    _launch(_finalize_lse_kernel, m, s, lse, R=8, SCALE=scale * LOG2E)
-    _close(lse, stats.torch_finalize_lse(m.double() * scale, s.double()))
-    assert lse[2].item() == NEG_INF
+    _launch(_finalize_lse_kernel, m, s, lse, R=8, SCALE=c * LOG2E)
+    _close(lse, stats.torch_finalize_lse(m.double() * c, s.double()))
+    assert lse[2].item() == NEG_INF  # empty set: -inf, not NaN
 
 
 @settings(max_examples=10, deadline=None)
 @given(st.lists(st.lists(logit, min_size=C, max_size=C), min_size=R, max_size=R))
 def test_triton_tile_stats_property(rows: list[list[float]]) -> None:
     x = torch.tensor(rows, dtype=torch.float32)
-    m, s = torch.empty(R), torch.empty(R)
-    _launch(_tile_stats_kernel, x, m, s, R=R, C=C, SCALE=LOG2E)
+    m, s, p = torch.empty(R), torch.empty(R), torch.empty(R, C)
+    _launch(_tile_stats_kernel, x, m, s, p, R=R, C=C, SCALE=LOG2E)
+    _no_nan(m, s, p)
     m_ref, s_ref = stats.torch_tile_stats(x.double())
     _close(m, m_ref)
     _close(s, s_ref)

@@ -1,0 +1,289 @@
+"""Row softmax bandwidth: flashlite kernels against torch, torch.compile and a plain copy.
+
+Softmax is memory bound, so every row reports achieved bandwidth: bytes that must cross HBM at
+least once (read x, write y; backward: read y and dy, write dx) over the median time. A
+device-to-device copy of the same tensor moves the same forward bytes and is the ceiling.
+
+    python benchmarks/bench_softmax.py                      # full run on the GPU (< 4 min, H200)
+    python benchmarks/bench_softmax.py --quick --device cpu # tiny smoke run in the interpreter
+
+Writes ``<out-dir>/softmax-<device slug>.json`` and ``.png`` and prints a table last.
+Every flashlite variant is checked against an fp32 torch reference before it is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import math
+import re
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import flashlite
+from flashlite.softmax import _softmax_bwd
+
+try:  # the compiled GPU timer; the CPU smoke run does not need it
+    import triton
+    import triton.testing
+except ImportError:  # pragma: no cover
+    triton = None  # type: ignore[assignment]
+
+FULL_NS = [1024, 4096, 16384, 65536, 262144]
+QUICK_NS = [64, 1000]
+# M·N per dtype: 512 MiB per tensor, far beyond L2, so every pass really goes to HBM
+FULL_ELEMS = {torch.bfloat16: 2**28, torch.float32: 2**27}
+QUICK_ELEMS = {torch.bfloat16: 2**12, torch.float32: 2**12}
+# (atol, rtol) against the fp32 reference; a row outside it is flagged "ok": false. The
+# reference is computed from the same low-precision input, so this is output rounding only.
+TOL = {torch.bfloat16: (1e-2, 1.6e-2), torch.float32: (1e-5, 1e-5)}
+ALGORITHMS = ["auto", "online", "three_pass"]
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def _timer(device: torch.device, quick: bool) -> Callable[[Callable[[], Any]], float]:
+    """Median milliseconds of ``fn``: CUDA-event timing on a GPU, wall clock on the CPU."""
+    if device.type == "cuda":
+        return lambda fn: float(
+            triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        )
+
+    def wall(fn: Callable[[], Any]) -> float:
+        fn()
+        times = []
+        for _ in range(1 if quick else 5):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times)
+
+    return wall
+
+
+def _compiled_softmax() -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """torch.compile(torch.softmax) with one static graph per shape (no dynamic-shape kernels)."""
+    try:
+        for name in ("recompile_limit", "cache_size_limit"):  # renamed across torch releases
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, 64)
+        return torch.compile(lambda t: torch.softmax(t, -1), dynamic=False)
+    except Exception:  # noqa: BLE001  (any failure means "no compiled baseline")
+        return None
+
+
+def _row(
+    op: str, dtype: torch.dtype, m: int, n: int, provider: str, ms: float | None, nbytes: int,
+    check: tuple[float, bool] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    gbps = None if ms is None else nbytes / (ms * 1e-3) / 1e9
+    return {
+        "op": op,
+        "dtype": str(dtype).removeprefix("torch."),
+        "M": m,
+        "N": n,
+        "provider": provider,
+        "ms": ms,
+        "GB/s": gbps,
+        "bytes": nbytes,
+        "max_err": None if check is None else check[0],
+        "ok": None if check is None else check[1],
+    }
+
+
+def _check(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
+    """Max absolute error and whether every element is within the dtype's (atol, rtol)."""
+    atol, rtol = TOL[y.dtype]
+    diff = (y.float() - ref).abs()
+    if torch.isnan(diff).any():  # a NaN must show up as an error, not vanish in max()
+        return math.inf, False
+    return float(diff.max()), bool((diff <= atol + rtol * ref.abs()).all())
+
+
+def bench_shape(
+    dtype: torch.dtype, m: int, n: int, device: torch.device, timer: Callable, compiled: Any
+) -> list[dict[str, Any]]:
+    """All rows for one (dtype, M, N): forward softmax, log_softmax, backward, copy."""
+    x = torch.randn(m, n, device=device, dtype=dtype)
+    elem = x.element_size()
+    fwd_bytes, bwd_bytes = 2 * m * n * elem, 3 * m * n * elem
+    rows: list[dict[str, Any]] = []
+    y_out = torch.empty_like(x)
+    rows.append(_row("copy", dtype, m, n, "copy", timer(lambda: y_out.copy_(x)), fwd_bytes))
+
+    ref = torch.softmax(x.float(), -1)
+    for algo in ALGORITHMS:
+        err = _check(flashlite.softmax(x, algorithm=algo), ref)
+        ms = timer(lambda a=algo: flashlite.softmax(x, algorithm=a))
+        rows.append(_row("softmax", dtype, m, n, f"flashlite-{algo}", ms, fwd_bytes, err))
+    rows.append(_row("softmax", dtype, m, n, "torch", timer(lambda: torch.softmax(x, -1)),
+                     fwd_bytes))  # fmt: skip
+    ms = None
+    if compiled is not None:
+        try:
+            compiled(x)
+            ms = timer(lambda: compiled(x))
+        except Exception:  # noqa: BLE001  (record null, keep benchmarking)
+            ms = None
+    rows.append(_row("softmax", dtype, m, n, "torch-compile", ms, fwd_bytes))
+
+    ref_log = torch.log_softmax(x.float(), -1)
+    err = _check(flashlite.log_softmax(x), ref_log)
+    ms = timer(lambda: flashlite.log_softmax(x))
+    rows.append(_row("log_softmax", dtype, m, n, "flashlite-auto", ms, fwd_bytes, err))
+    rows.append(_row("log_softmax", dtype, m, n, "torch",
+                     timer(lambda: torch.log_softmax(x, -1)), fwd_bytes))  # fmt: skip
+    del ref_log
+
+    # backward on the same saved y and upstream dy for both providers
+    y = torch.softmax(x, -1)
+    dy = torch.randn_like(x)
+    dx = torch.empty_like(x)
+    dx_ref = torch.ops.aten._softmax_backward_data(dy.float(), y.float(), -1, torch.float32)
+    _softmax_bwd(y, dy, dx, False)
+    err = _check(dx, dx_ref)
+    del dx_ref
+    ms = timer(lambda: _softmax_bwd(y, dy, dx, False))
+    rows.append(_row("softmax_bwd", dtype, m, n, "flashlite", ms, bwd_bytes, err))
+    ms = timer(lambda: torch.ops.aten._softmax_backward_data(dy, y, -1, dtype))
+    rows.append(_row("softmax_bwd", dtype, m, n, "torch", ms, bwd_bytes))
+    return rows
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """``vs_copy``: GB/s over the copy's at the same shape; ``vs_torch``: over torch's, same op."""
+    by_key = {(r["op"], r["dtype"], r["N"], r["provider"]): r for r in rows}
+    for r in rows:
+        copy = by_key[("copy", r["dtype"], r["N"], "copy")]["GB/s"]
+        torch_row = by_key.get((r["op"], r["dtype"], r["N"], "torch"))
+        gbps = r["GB/s"]
+        r["vs_copy"] = None if gbps is None or not copy else gbps / copy
+        ok = gbps is not None and torch_row is not None and torch_row["GB/s"]
+        r["vs_torch"] = gbps / torch_row["GB/s"] if ok else None
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """GB/s against N, one panel per dtype, the copy as a dashed ceiling."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dtypes = sorted({r["dtype"] for r in rows})
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(6.5 * len(dtypes), 4.5), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes, strict=True):
+        series: dict[tuple[str, str], list[tuple[int, float]]] = {}
+        for r in rows:
+            if r["dtype"] == dtype and r["GB/s"] is not None:
+                series.setdefault((r["op"], r["provider"]), []).append((r["N"], r["GB/s"]))
+        for (op, provider), pts in sorted(series.items()):
+            pts.sort()
+            ns, gb = zip(*pts, strict=True)
+            if op == "copy":
+                ax.plot(ns, gb, "k--", lw=1.5, label="copy (ceiling)")
+            else:
+                style = {"softmax": "-o", "log_softmax": ":s", "softmax_bwd": "-.^"}[op]
+                ax.plot(ns, gb, style, ms=4, label=f"{op} {provider}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("N (row length)")
+        ax.set_ylabel("GB/s")
+        ax.set_title(f"{dtype}")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def print_table(rows: list[dict[str, Any]]) -> None:
+    def fmt(v: float | None, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    head = f"{'op':<12}{'dtype':<9}{'M':>8}{'N':>8}  {'provider':<22}{'ms':>9}{'GB/s':>8}"
+    print(head + f"{'vs copy':>9}{'vs torch':>9}{'max err':>10}")
+    for r in rows:
+        print(
+            f"{r['op']:<12}{r['dtype']:<9}{r['M']:>8}{r['N']:>8}  {r['provider']:<22}"
+            f"{fmt(r['ms'], '.4f'):>9}{fmt(r['GB/s'], '.0f'):>8}{fmt(r['vs_copy'], '.2f'):>9}"
+            f"{fmt(r['vs_torch'], '.2f'):>9}{fmt(r['max_err'], '.1e'):>10}"
+            + ("" if r["ok"] is not False else "  WRONG")
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
+    parser.add_argument(
+        "--out-dir", type=Path, default=Path(__file__).parent / "results", help="results folder"
+    )
+    parser.add_argument(
+        "--compile",
+        choices=["auto", "on", "off"],
+        default="auto",
+        help="torch.compile baseline (auto: on for cuda, off for cpu)",
+    )
+    args = parser.parse_args(argv)
+
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda but no CUDA device is available (try --quick --device cpu)")
+    ns = QUICK_NS if args.quick else FULL_NS
+    elems = QUICK_ELEMS if args.quick else FULL_ELEMS
+    use_compile = args.compile == "on" or (args.compile == "auto" and device.type == "cuda")
+    compiled = _compiled_softmax() if use_compile else None
+    timer = _timer(device, args.quick)
+    torch.manual_seed(0)
+
+    t0 = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    with torch.no_grad():
+        for dtype, total in elems.items():
+            for n in ns:
+                rows.extend(bench_shape(dtype, max(1, total // n), n, device, timer, compiled))
+    add_ratios(rows)
+
+    name = _device_name(device)
+    result = {
+        "device": name,
+        "torch": torch.__version__,
+        "triton": getattr(triton, "__version__", None),
+        "flashlite": flashlite.__version__,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "quick": args.quick,
+        "timing": "triton.testing.do_bench median (warmup=25, rep=100)"
+        if device.type == "cuda"
+        else "wall-clock median (CPU, Triton interpreter)",
+        "bytes": "softmax/log_softmax/copy: read x + write y; softmax_bwd: read y, dy + write dx",
+        "seconds": round(time.perf_counter() - t0, 1),
+        "rows": rows,
+    }
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.out_dir / f"softmax-{_slug(name)}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    try:
+        plot(rows, stem.with_suffix(".png"), f"flashlite softmax bandwidth, {name}")
+    except ImportError:
+        print("matplotlib not installed: no plot")
+    print(f"wrote {stem.with_suffix('.json')} ({result['seconds']} s)")
+    print_table(rows)
+    return 1 if any(r["ok"] is False for r in rows) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
