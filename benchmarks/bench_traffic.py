@@ -1,0 +1,226 @@
+"""Measured HBM (DRAM) traffic of one attention forward: naive vs flashlite vs SDPA backends.
+
+Needs a CUDA GPU and Nsight Compute (``ncu``; ``$NCU`` overrides the path). For every method one
+ncu process profiles a child that runs all configs, each measured call in its own NVTX range, so
+the slow ncu start-up and the autotuning happen once per method, not once per config.
+
+Grid: N ∈ {1024, 4096, 16384}, D ∈ {64, 128}, H = 16, B = 1, bf16, causal and not.
+Writes ``benchmarks/results/traffic-<gpu>.json`` and ``.png`` and prints a table last.
+
+    python benchmarks/bench_traffic.py [--seq 1024 4096] [--methods naive flashlite]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import triton
+
+from flashlite import traffic
+from flashlite.traffic import AttentionShape
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def gpu_slug(name: str) -> str:
+    """``NVIDIA H200`` → ``h200``: a file-name friendly device name."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-")
+    return slug or "gpu"
+
+
+def ncu_version(ncu: str | None) -> str | None:
+    if ncu is None:
+        return None
+    try:
+        out = subprocess.run([ncu, "--version"], capture_output=True, text=True, timeout=60)
+        return out.stdout.strip().splitlines()[-1] if out.stdout.strip() else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+
+
+def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+    """One panel per (D, causal): measured (solid) and model (dotted) bytes vs N, log-log."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dims = sorted({r["head_dim"] for r in rows})
+    causals = sorted({r["causal"] for r in rows})
+    fig, axes = plt.subplots(
+        len(dims), len(causals), figsize=(5.5 * len(causals), 4 * len(dims)), squeeze=False
+    )
+    colors = dict(
+        zip(
+            traffic.ATTENTION_METHODS,
+            plt.rcParams["axes.prop_cycle"].by_key()["color"],
+            strict=False,
+        )
+    )
+    for i, d in enumerate(dims):
+        for j, causal in enumerate(causals):
+            ax = axes[i][j]
+            panel = [r for r in rows if r["head_dim"] == d and r["causal"] == causal]
+            for method in traffic.ATTENTION_METHODS:
+                mine = sorted(
+                    (r for r in panel if r["method"] == method), key=lambda r: r["seq_len"]
+                )
+                for key, ls, label in (
+                    ("measured_bytes", "-", "measured"),
+                    ("model_bytes", ":", "model"),
+                ):
+                    pts = [(r["seq_len"], r[key]) for r in mine if r[key]]
+                    if pts:
+                        xs, ys = zip(*pts, strict=True)
+                        ax.plot(
+                            xs,
+                            ys,
+                            ls=ls,
+                            marker="o",
+                            color=colors[method],
+                            label=f"{method} {label}",
+                        )
+            comp = sorted({(r["seq_len"], r["compulsory_bytes"]) for r in panel})
+            if comp:
+                xs, ys = zip(*comp, strict=True)
+                ax.plot(xs, ys, color="black", lw=2, label="compulsory")
+            ax.set(
+                xscale="log",
+                yscale="log",
+                xlabel="N",
+                ylabel="DRAM bytes",
+                title=f"D={d}{' causal' if causal else ''}",
+            )
+            ax.grid(True, which="both", alpha=0.3)
+            ax.legend(fontsize=6)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seq", type=int, nargs="+", default=[1024, 4096, 16384])
+    p.add_argument("--head-dim", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--heads", type=int, default=16)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument(
+        "--methods",
+        nargs="+",
+        default=list(traffic.ATTENTION_METHODS),
+        choices=traffic.ATTENTION_METHODS,
+    )
+    p.add_argument("--timeout", type=float, default=280.0, help="seconds per ncu process")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("bench_traffic needs a CUDA GPU (DRAM counters come from Nsight Compute)")
+        return 2
+    ncu = traffic.find_ncu()
+    if ncu is None:
+        print("bench_traffic needs ncu (Nsight Compute CLI): put it on PATH or set $NCU")
+        return 2
+
+    shapes = [
+        AttentionShape(args.batch, args.heads, n, d, dtype=torch.bfloat16, causal=c)
+        for d in args.head_dim
+        for c in (False, True)
+        for n in args.seq
+    ]
+    t0 = time.perf_counter()
+    results: dict[str, traffic.Measurement] = {}
+    for i, method in enumerate(args.methods):
+        print(
+            f"[{i + 1}/{len(args.methods)}] {method}: {len(shapes)} configs under ncu ...",
+            file=sys.stderr,
+            flush=True,
+        )
+        results[method] = traffic.measure_attention(method, shapes, timeout=args.timeout)
+        if results[method].message:
+            print(f"  {results[method].message}", file=sys.stderr)
+        print(f"  done at {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+
+    rows: list[dict[str, Any]] = []
+    for method in args.methods:
+        m = results[method]
+        for j, shape in enumerate(shapes):
+            config = m.configs.get(j, {}) if method == "flashlite" else {}
+            model = None
+            if method == "naive" or (method == "flashlite" and config):
+                model = traffic.model_attention(method, shape, **config)
+            meas, comp = m.traffic[j], traffic.compulsory_attention(shape)
+            rows.append(
+                {
+                    "method": method,
+                    "seq_len": shape.seq_q,
+                    "head_dim": shape.head_dim,
+                    "heads": shape.heads,
+                    "batch": shape.batch,
+                    "causal": shape.causal,
+                    "dtype": "bfloat16",
+                    "model_bytes": model.total if model else None,
+                    "model_read": model.read if model else None,
+                    "model_write": model.write if model else None,
+                    "measured_bytes": meas.total if meas else None,
+                    "measured_read": meas.read if meas else None,
+                    "measured_write": meas.write if meas else None,
+                    "compulsory_bytes": comp.total,
+                    "kernels": [k.name for k in m.kernels[j]] if j < len(m.kernels) else [],
+                    "config": config or None,
+                    "l2_note": traffic.l2_note(shape),
+                }
+            )
+
+    name = torch.cuda.get_device_name(0)
+    slug = gpu_slug(name)
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    out = {
+        "device": name,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "cuda": torch.version.cuda,
+        "ncu": ncu_version(ncu),
+        "python": platform.python_version(),
+        "l2_bytes": torch.cuda.get_device_properties(0).L2_cache_size,
+        "notes": [results[m].message for m in args.methods if results[m].message],
+        "rows": rows,
+    }
+    json_path = RESULTS / f"traffic-{slug}.json"
+    json_path.write_text(json.dumps(out, indent=2))
+    png_path = RESULTS / f"traffic-{slug}.png"
+    plot(
+        rows,
+        png_path,
+        f"attention forward DRAM traffic, {name}, B={args.batch} H={args.heads} bf16",
+    )
+
+    def gb(x: float | None) -> str:
+        return "-" if x is None else f"{x / 1e9:.3f}"
+
+    print(f"\n{name}: {json_path.name}, {png_path.name} ({time.perf_counter() - t0:.0f} s)")
+    print(
+        f"{'method':<11}{'N':>6}{'D':>5}{'causal':>8}{'model GB':>10}{'measured GB':>13}"
+        f"{'compulsory GB':>15}{'meas/comp':>11}"
+    )
+    for r in rows:
+        ratio = r["measured_bytes"] / r["compulsory_bytes"] if r["measured_bytes"] else math.nan
+        print(
+            f"{r['method']:<11}{r['seq_len']:>6}{r['head_dim']:>5}{r['causal']!s:>8}"
+            f"{gb(r['model_bytes']):>10}{gb(r['measured_bytes']):>13}"
+            f"{gb(r['compulsory_bytes']):>15}{ratio:>10.2f}x"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,410 @@
+"""The ``flashlite`` command: ``demo | softmax | attention | traffic | bench``.
+
+Everything runs on a CPU (Triton's interpreter) unless ``--device cuda`` is given; ``traffic
+--measure`` needs a GPU and Nsight Compute. ``--json`` prints machine-readable results on stdout
+(notes and progress go to stderr).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_MB = 1e6
+
+
+# =============================================================================== helpers
+def _progress(done: int, total: int, label: str = "") -> None:
+    """A one-line progress bar on stderr (redrawn in place)."""
+    width = 24
+    filled = int(width * done / max(total, 1))
+    end = "\n" if done >= total else ""
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}{end}")
+    sys.stderr.flush()
+
+
+def _max_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    diff = (out.double() - ref.double()).abs()
+    return float(diff.nan_to_num(nan=math.inf).max()) if diff.numel() else 0.0
+
+
+def _mb(x: int | float | None) -> str:
+    return "-" if x is None else f"{x / _MB:.3f}"
+
+
+def _emit(args: argparse.Namespace, result: Any, lines: Sequence[str]) -> None:
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print("\n".join(lines))
+
+
+# ======================================================================= softmax / attention
+def _run_softmax(
+    rows: int, n: int, dtype: torch.dtype, algorithm: str, device: str, log: bool = False
+) -> dict[str, Any]:
+    import flashlite
+
+    x = torch.randn(rows, n, device=device).to(dtype)
+    fn = flashlite.log_softmax if log else flashlite.softmax
+    t0 = time.perf_counter()
+    y = fn(x, -1, algorithm=algorithm)
+    elapsed = time.perf_counter() - t0
+    ref = (torch.log_softmax if log else torch.softmax)(x.double(), -1)
+    return {
+        "op": "log_softmax" if log else "softmax",
+        "rows": rows,
+        "n": n,
+        "dtype": str(dtype).removeprefix("torch."),
+        "algorithm": algorithm,
+        "device": device,
+        "max_abs_error": _max_error(y, ref),
+        "seconds": elapsed,
+    }
+
+
+def _run_attention(shape: Any, device: str) -> dict[str, Any]:
+    import flashlite
+    from flashlite import reference, traffic
+
+    q, k, v = traffic.make_inputs(shape, device)
+    t0 = time.perf_counter()
+    o = flashlite.attention(q, k, v, causal=shape.causal)
+    elapsed = time.perf_counter() - t0
+    ref = reference.attention(q, k, v, causal=shape.causal, upcast=True)
+    return {
+        "op": "attention",
+        **shape.to_json(),
+        "device": device,
+        "max_abs_error": _max_error(o, ref),
+        "seconds": elapsed,
+    }
+
+
+def _cmd_softmax(args: argparse.Namespace) -> int:
+    r = _run_softmax(args.rows, args.n, _DTYPES[args.dtype], args.algorithm, args.device, args.log)
+    _emit(
+        args,
+        r,
+        [
+            f"{r['op']} ({args.rows}, {args.n}) {args.dtype} {args.algorithm} on "
+            f"{args.device}: max |error| vs torch (fp64) = {r['max_abs_error']:.3g} "
+            f"({r['seconds']:.2f} s)"
+        ],
+    )
+    return 0
+
+
+def _shape_from(args: argparse.Namespace, seq: int) -> Any:
+    from flashlite.traffic import AttentionShape
+
+    return AttentionShape(
+        batch=args.batch,
+        heads=args.heads,
+        seq_q=seq,
+        head_dim=args.head_dim,
+        seq_k=getattr(args, "seq_k", None),
+        kv_heads=args.kv_heads,
+        dtype=_DTYPES[args.dtype],
+        causal=args.causal,
+    )
+
+
+def _cmd_attention(args: argparse.Namespace) -> int:
+    shape = _shape_from(args, args.seq)
+    r = _run_attention(shape, args.device)
+    _emit(
+        args,
+        r,
+        [
+            f"attention B={shape.batch} H={shape.heads} Hkv={shape.hkv} Nq={shape.seq_q} "
+            f"Nk={shape.nk} D={shape.head_dim} {args.dtype} causal={shape.causal} on "
+            f"{args.device}: max |error| vs reference (fp64) = {r['max_abs_error']:.3g} "
+            f"({r['seconds']:.2f} s)"
+        ],
+    )
+    return 0
+
+
+# =============================================================================== traffic
+def traffic_rows(
+    shapes: Sequence[Any],
+    methods: Sequence[str],
+    *,
+    count: bool = False,
+    measure: bool = False,
+    device: str = "cpu",
+    show_progress: bool = True,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """One row per (method, shape): model, counted, measured and compulsory bytes, plus notes."""
+    from flashlite import traffic
+
+    notes: list[str] = []
+    measured: dict[str, traffic.Measurement] = {}
+    if measure:
+        for i, method in enumerate(methods):
+            if show_progress:
+                _progress(i, len(methods), f"measuring {method}")
+            measured[method] = traffic.measure_attention(method, shapes)
+            if measured[method].message:
+                notes.append(measured[method].message)
+        if show_progress:
+            _progress(len(methods), len(methods), "measured")
+    rows: list[dict[str, Any]] = []
+    total = len(methods) * len(shapes)
+    for i, method in enumerate(methods):
+        for j, shape in enumerate(shapes):
+            counted = None
+            if count:
+                if show_progress:
+                    _progress(i * len(shapes) + j, total, f"counting {method} N={shape.seq_q}")
+                counted = traffic.count_attention(method, shape)
+            config: dict[str, Any] = {}
+            if method == "flashlite":
+                m = measured.get(method)
+                if m is not None and j in m.configs:
+                    config = m.configs[j]
+                elif device.startswith("cuda") and torch.cuda.is_available():
+                    config = traffic.flashlite_config(shape, device)
+                else:
+                    config = traffic.flashlite_config(shape, "cpu")
+            model = traffic.model_attention(method, shape, **config)
+            meas = measured[method].traffic[j] if method in measured else None
+            comp = traffic.compulsory_attention(shape)
+            best = next((t for t in (meas, counted, model) if t is not None), None)
+            rows.append(
+                {
+                    "method": method,
+                    "seq_len": shape.seq_q,
+                    "model_bytes": model.total if model else None,
+                    "counted_bytes": counted.total if counted else None,
+                    "measured_bytes": meas.total if meas else None,
+                    "compulsory_bytes": comp.total,
+                    "model_read": model.read if model else None,
+                    "model_write": model.write if model else None,
+                    "counted_read": counted.read if counted else None,
+                    "counted_write": counted.write if counted else None,
+                    "measured_read": meas.read if meas else None,
+                    "measured_write": meas.write if meas else None,
+                    "vs_compulsory": best.total / comp.total if best else None,
+                    "block_m": config.get("BLOCK_M"),
+                    "block_n": config.get("BLOCK_N"),
+                    "shape": shape.to_json(),
+                }
+            )
+    if count and show_progress:
+        _progress(total, total, "counted")
+    if measure:
+        for shape in shapes:
+            note = traffic.l2_note(shape)
+            if note:
+                notes.append(f"N={shape.seq_q}: {note}")
+    return rows, notes
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The traffic table: one line per (method, sequence length)."""
+    head = (
+        f"{'method':<12}{'seq':>7}{'model MB':>12}{'counted MB':>13}{'measured MB':>14}"
+        f"{'vs compulsory':>15}"
+    )
+    out = [head, "-" * len(head)]
+    for r in rows:
+        ratio = "-" if r["vs_compulsory"] is None else f"{r['vs_compulsory']:.2f}x"
+        out.append(
+            f"{r['method']:<12}{r['seq_len']:>7}{_mb(r['model_bytes']):>12}"
+            f"{_mb(r['counted_bytes']):>13}{_mb(r['measured_bytes']):>14}{ratio:>15}"
+        )
+    return "\n".join(out)
+
+
+def plot_traffic(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> str:
+    """Bytes vs sequence length (log-log) per method, with the compulsory bytes as a line."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    styles = {
+        "model_bytes": ("-", "o", "model"),
+        "counted_bytes": (":", "s", "counted"),
+        "measured_bytes": ("--", "^", "measured"),
+    }
+    for color, method in zip(
+        plt.rcParams["axes.prop_cycle"].by_key()["color"], methods, strict=False
+    ):
+        mine = [r for r in rows if r["method"] == method]
+        for key, (ls, marker, label) in styles.items():
+            pts = [(r["seq_len"], r[key]) for r in mine if r[key] is not None]
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, ls=ls, marker=marker, color=color, label=f"{method} ({label})")
+    comp = sorted({(r["seq_len"], r["compulsory_bytes"]) for r in rows})
+    if comp:
+        xs, ys = zip(*comp, strict=True)
+        ax.plot(xs, ys, color="black", lw=2, label="compulsory (Q, K, V, O once)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("sequence length N")
+    ax.set_ylabel("HBM bytes per call")
+    ax.set_title(title or "attention HBM traffic")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _cmd_traffic(args: argparse.Namespace) -> int:
+    from flashlite import traffic
+
+    methods = args.methods or (
+        list(traffic.ATTENTION_METHODS) if args.measure else ["naive", "flashlite"]
+    )
+    shapes = [_shape_from(args, n) for n in args.seq]
+    rows, notes = traffic_rows(
+        shapes,
+        methods,
+        count=args.count,
+        measure=args.measure,
+        device=args.device,
+        show_progress=not args.quiet,
+    )
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
+    if args.plot:
+        shape = shapes[0]
+        title = (
+            f"B={shape.batch} H={shape.heads} Hkv={shape.hkv} D={shape.head_dim} "
+            f"{args.dtype}{' causal' if shape.causal else ''}"
+        )
+        print(f"plot: {plot_traffic(rows, args.plot, title)}", file=sys.stderr)
+    _emit(args, rows, [format_table(rows)])
+    return 0
+
+
+# =============================================================================== demo / bench
+def _cmd_demo(args: argparse.Namespace) -> int:
+    from flashlite.traffic import AttentionShape, count_softmax, model_softmax
+
+    print("== softmax vs torch (CPU, Triton interpreter)")
+    for alg in ("auto", "online", "three_pass"):
+        r = _run_softmax(4, 1000, torch.float32, alg, "cpu")
+        print(f"  {alg:<11} (4, 1000) fp32   max |error| = {r['max_abs_error']:.2e}")
+    print("\n== attention vs reference (fp64)")
+    try:
+        for causal in (False, True):
+            shape = AttentionShape(1, 2, 50, 16, seq_k=70, dtype=torch.float32, causal=causal)
+            r = _run_attention(shape, "cpu")
+            print(
+                f"  B=1 H=2 Nq=50 Nk=70 D=16 fp32 causal={causal!s:<5}  "
+                f"max |error| = {r['max_abs_error']:.2e}"
+            )
+    except (ImportError, AttributeError) as e:
+        print(f"  flashlite.attention is not available yet ({e})")
+    print("\n== softmax kernels: counted bytes (interpreter) vs model, (8, 3000) fp16")
+    for alg in ("three_pass", "online", "single_read"):
+        c, m = (
+            count_softmax(8, 3000, torch.float16, alg),
+            model_softmax(8, 3000, torch.float16, alg),
+        )
+        print(
+            f"  {alg:<11} counted {c.total:>8} B   model {m.total:>8} B   "
+            f"{'equal' if c.total == m.total else 'DIFFERENT'}"
+        )
+    print("\n== attention traffic, B=1 H=2 D=16 fp32 causal: counted vs model")
+    shapes = [AttentionShape(1, 2, n, 16, dtype=torch.float32, causal=True) for n in (32, 64, 128)]
+    rows, _ = traffic_rows(shapes, ["naive", "flashlite"], count=True, show_progress=False)
+    print(format_table(rows))
+    path = plot_traffic(rows, args.plot, "B=1 H=2 D=16 fp32 causal (CPU: model and counted)")
+    print(f"\nplot written to {path}")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    print(
+        "Benchmarks are scripts in benchmarks/ (they need a GPU), e.g.:\n"
+        "  python benchmarks/bench_traffic.py      # DRAM bytes with Nsight Compute\n"
+        "Results go to benchmarks/results/."
+    )
+    return 0
+
+
+# =============================================================================== parser
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree of the ``flashlite`` command."""
+    p = argparse.ArgumentParser(prog="flashlite", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="quick CPU tour: accuracy checks, traffic table, plot")
+    d.add_argument("--plot", default="flashlite-traffic.png", help="where to write the plot")
+    d.set_defaults(func=_cmd_demo)
+
+    s = sub.add_parser("softmax", help="flashlite.softmax on a random (rows, n) tensor")
+    s.add_argument("--rows", type=int, default=8)
+    s.add_argument("--n", type=int, default=1000)
+    s.add_argument("--dtype", choices=list(_DTYPES), default="float32")
+    s.add_argument("--algorithm", choices=["auto", "three_pass", "online"], default="auto")
+    s.add_argument("--log", action="store_true", help="log_softmax instead")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_cmd_softmax)
+
+    def shape_args(sp: argparse.ArgumentParser, seq_default: Any, many: bool) -> None:
+        sp.add_argument("--batch", type=int, default=1)
+        sp.add_argument("--heads", type=int, default=2)
+        sp.add_argument("--kv-heads", type=int, default=None, help="GQA: K/V heads (default H)")
+        if many:
+            sp.add_argument("--seq", type=int, nargs="+", default=seq_default)
+        else:
+            sp.add_argument("--seq", type=int, default=seq_default)
+            sp.add_argument("--seq-k", type=int, default=None, help="key length (default --seq)")
+        sp.add_argument("--head-dim", type=int, default=16)
+        sp.add_argument("--dtype", choices=list(_DTYPES), default="float32")
+        sp.add_argument("--causal", action="store_true")
+        sp.add_argument("--device", default="cpu")
+        sp.add_argument("--json", action="store_true")
+
+    a = sub.add_parser("attention", help="flashlite.attention vs the fp64 reference")
+    shape_args(a, 64, many=False)
+    a.set_defaults(func=_cmd_attention)
+
+    t = sub.add_parser("traffic", help="HBM bytes: model, counted (CPU), measured (ncu, GPU)")
+    shape_args(t, [64, 128], many=True)
+    t.add_argument(
+        "--methods",
+        nargs="+",
+        default=None,
+        choices=["naive", "flashlite", "sdpa-flash", "sdpa-cudnn"],
+        help="default: naive flashlite (all four with --measure)",
+    )
+    t.add_argument("--count", action="store_true", help="count bytes by running on CPU")
+    t.add_argument("--measure", action="store_true", help="DRAM bytes with ncu (needs CUDA)")
+    t.add_argument("--plot", default=None, metavar="PATH", help="write a log-log plot")
+    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    t.set_defaults(func=_cmd_traffic)
+
+    b = sub.add_parser("bench", help="how to run the benchmark scripts")
+    b.set_defaults(func=_cmd_bench)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``flashlite`` console script."""
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

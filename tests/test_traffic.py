@@ -1,0 +1,258 @@
+"""HBM traffic: the byte models against what the code really moves.
+
+Counted bytes come from running the real code: Triton kernels in the interpreter (every executed
+load/store, active lanes only) and torch ops through a dispatch mode. The flashlite models must
+match the counts exactly; the naive model within 1%. Shapes are tiny: the interpreter is slow.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashlite import reference, traffic
+from flashlite.traffic import AttentionShape
+
+DATA = Path(__file__).parent / "data"
+
+
+def _shape(
+    b: int, h: int, hkv: int, nq: int, nk: int, d: int, dtype: torch.dtype, causal: bool
+) -> AttentionShape:
+    return AttentionShape(b, h, nq, d, seq_k=nk, kv_heads=hkv, dtype=dtype, causal=causal)
+
+
+# (B, H, Hkv, Nq, Nk, D): the code path each one exercises in the kernel's loop bounds
+ATTENTION_SHAPES = [
+    (1, 2, 2, 16, 16, 16),  # whole tiles only: no masked tile when not causal
+    (1, 2, 2, 33, 17, 8),  # partial query and key tiles; causal: Nq > Nk, top rows see nothing
+    (2, 4, 2, 17, 40, 24),  # GQA, Nk > Nq (diagonal shifted right), D not a power of two
+    (1, 3, 1, 5, 7, 8),  # MQA, a single partial tile each way
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dims", ATTENTION_SHAPES, ids=lambda d: "x".join(map(str, d)))
+def test_flashlite_attention_counted_equals_model(dims: tuple[int, ...], causal: bool) -> None:
+    shape = _shape(*dims[:3], *dims[3:], torch.float32, causal)  # type: ignore[misc]
+    counted = traffic.count_attention("flashlite", shape)
+    model = traffic.model_flashlite_attention(shape)
+    assert counted is not None
+    assert (counted.read, counted.write) == (model.read, model.write)
+    # attributed by address: Q read once, K and V read as often as the model says
+    for name in ("q", "k", "v"):
+        assert counted.parts["@" + name][0] == model.parts[name][0]
+    assert "torch ops" not in counted.parts  # contiguous b h n d: the front-end copies nothing
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_flashlite_attention_descriptor_loads_counted(dtype: torch.dtype) -> None:
+    # tensor-descriptor loads/stores count in-bounds elements only, like masked pointer loads
+    shape = _shape(1, 2, 1, 21, 35, 8, dtype, True)
+    counted = traffic.count_attention("flashlite", shape, use_desc=True)
+    model = traffic.model_flashlite_attention(shape)
+    assert counted is not None
+    assert (counted.read, counted.write) == (model.read, model.write)
+
+
+def test_flashlite_model_blocks_change_traffic() -> None:
+    # K/V bytes scale with the number of query blocks: halving BLOCK_M doubles them
+    shape = AttentionShape(1, 1, 256, 64)
+    big = traffic.model_flashlite_attention(shape, 128, 64)
+    small = traffic.model_flashlite_attention(shape, 64, 64)
+    assert small.parts["k"][0] == 2 * big.parts["k"][0]
+    assert small.parts["q"] == big.parts["q"]
+
+
+def test_flashlite_causal_skips_tiles() -> None:
+    full = traffic.model_flashlite_attention(AttentionShape(1, 1, 1024, 64), 128, 128)
+    causal = traffic.model_flashlite_attention(
+        AttentionShape(1, 1, 1024, 64, causal=True), 128, 128
+    )
+    # blocks see 1..8 tiles of 8: (1 + ... + 8) / (8 · 8) of the K/V reads
+    assert causal.parts["k"][0] * 64 == full.parts["k"][0] * 36
+
+
+@pytest.mark.parametrize("return_lse", [False, True], ids=["o", "o+lse"])
+@pytest.mark.parametrize(
+    "dims",
+    [(1, 2, 2, 33, 17, 8), (2, 4, 2, 9, 12, 8), (1, 2, 1, 16, 16, 8), (2, 3, 1, 7, 5, 16)],
+    ids=["mha-odd", "gqa-copy", "gqa-view", "mqa"],
+)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_naive_model_matches_dispatch_counter(
+    dims: tuple[int, ...], causal: bool, dtype: torch.dtype, return_lse: bool
+) -> None:
+    shape = _shape(*dims[:3], *dims[3:], dtype, causal)  # type: ignore[misc]
+    q, k, v = traffic.make_inputs(shape)
+    with traffic.count_torch_ops() as ops:
+        reference.attention(q, k, v, causal=causal, return_lse=return_lse)
+    model = traffic.model_naive_attention(shape, return_lse=return_lse)
+    assert ops.traffic.read == pytest.approx(model.read, rel=0.01)
+    assert ops.traffic.write == pytest.approx(model.write, rel=0.01)
+
+
+def test_count_attention_naive_and_sdpa() -> None:
+    shape = AttentionShape(1, 2, 12, 8, causal=True)
+    counted = traffic.count_attention("naive", shape)
+    assert counted is not None
+    assert counted.total == pytest.approx(traffic.model_naive_attention(shape).total, rel=0.01)
+    assert traffic.count_attention("sdpa-flash", shape) is None
+    with pytest.raises(ValueError, match="method"):
+        traffic.count_attention("nope", shape)
+
+
+@pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
+@pytest.mark.parametrize(
+    ("algorithm", "rows", "n"),
+    [
+        ("three_pass", 3, 100),
+        ("three_pass", 2, 4100),  # two tiles, the second partial
+        ("online", 3, 37),
+        ("online", 2, 4100),
+        ("single_read", 5, 37),  # several rows per program, the last program partial
+        ("single_read", 2, 1000),
+        ("auto", 3, 513),
+        ("split", 2, 9000),  # two chunks per row, the workspace read C times per row
+        ("split", 3, 17000),
+    ],
+)
+def test_softmax_counted_equals_model(algorithm: str, rows: int, n: int, log: bool) -> None:
+    dtype = torch.float16
+    counted = traffic.count_softmax(rows, n, dtype, algorithm, log=log)
+    model = traffic.model_softmax(rows, n, dtype, algorithm)
+    assert (counted.read, counted.write) == (model.read, model.write)
+
+
+def test_softmax_model_ratios() -> None:
+    # the byte table of flashlite.kernels.softmax: 4b, 3b, 2b per element
+    comp = traffic.compulsory_softmax(64, 1024, torch.bfloat16).total
+    assert traffic.model_softmax(64, 1024, torch.bfloat16, "three_pass").total == 2 * comp
+    assert traffic.model_softmax(64, 1024, torch.bfloat16, "online").total * 2 == 3 * comp
+    assert traffic.model_softmax(64, 1024, torch.bfloat16, "single_read").total == comp
+    with pytest.raises(ValueError, match="algorithm"):
+        traffic.model_softmax(1, 8, torch.float32, "fast")
+
+
+def test_op_counter_rules() -> None:
+    x = torch.randn(4, 8)
+    with traffic.count_torch_ops() as ops:
+        y = x.t().reshape(-1)  # transpose is a view; flattening it copies (clone)
+        x.unsqueeze(0).expand(3, 4, 8)  # views: nothing moves
+        z = torch.empty(4, 8)  # allocation: nothing moves
+        z.copy_(x)  # write-only destination
+        z.mul_(2.0)  # read and write in place
+    n = 4 * 8 * 4
+    assert ops.traffic.parts == {"clone": [n, n], "copy_": [n, n], "mul_": [n, n]}
+    assert y.shape == (32,)
+    assert traffic.tensor_bytes(x.unsqueeze(0).expand(5, 4, 8)) == n  # broadcast counts once
+
+
+def test_counters_restore_the_interpreter() -> None:
+    from triton.runtime import interpreter
+
+    before = interpreter.interpreter_builder.create_masked_load
+    with traffic.count_kernels(), traffic.count_torch_ops():
+        pass
+    assert interpreter.interpreter_builder.create_masked_load == before
+    assert "create_masked_load" not in vars(interpreter.interpreter_builder)
+
+
+def test_compulsory_and_l2_note() -> None:
+    shape = AttentionShape(1, 8, 1024, 64, kv_heads=2, dtype=torch.bfloat16)
+    comp = traffic.compulsory_attention(shape)
+    q = 8 * 1024 * 64 * 2
+    assert (comp.read, comp.write) == (q + 2 * q // 4, q)
+    assert "L2" in (traffic.l2_note(shape, l2_bytes=60 * 2**20) or "")
+    assert traffic.l2_note(AttentionShape(1, 16, 16384, 128), l2_bytes=60 * 2**20) is None
+
+
+# ------------------------------------------------------------------------------- ncu parsing
+def test_parse_ncu_csv_units_and_separators() -> None:
+    kernels = traffic.parse_ncu_csv((DATA / "ncu_sample.csv").read_text())
+    assert [k.id for k in kernels] == [0, 1, 2]
+    assert kernels[0].name == "flt_0000_"
+    assert kernels[0].read == pytest.approx(8.42e6)
+    assert kernels[0].write == pytest.approx(1234.56e3)  # "1,234.56" Kbyte
+    assert (kernels[1].read, kernels[1].write) == (2048, 512)
+    assert kernels[2].read == pytest.approx(1.07e9)
+    assert kernels[2].write == pytest.approx(268.44e6)
+
+
+def test_parse_ncu_csv_quoted_kernel_names() -> None:
+    kernels = traffic.parse_ncu_csv((DATA / "ncu_sample_kernels.csv").read_text())
+    assert len(kernels) == 2
+    assert kernels[0].name.startswith("void at::native::") and "BFloat16, float" in kernels[0].name
+    assert kernels[1].read == pytest.approx(3145.73e3)
+
+
+def test_parse_ncu_csv_without_table() -> None:
+    assert traffic.parse_ncu_csv("==PROF== No kernels were profiled.\n") == []
+    with pytest.raises(ValueError, match="unit"):
+        traffic._ncu_value("1", "furlong")
+
+
+def _fake_ncu(tmp_path: Path) -> Path:
+    """A stand-in ncu: writes the child's report and prints the stored sample CSV."""
+    script = tmp_path / "ncu"
+    script.write_text(
+        f"#!{sys.executable}\n"
+        "import json, sys\n"
+        "spec = json.load(open(sys.argv[-1]))\n"
+        "json.dump({'errors': {}, 'configs': {}}, open(spec['report'], 'w'))\n"
+        f"print(open({str(DATA / 'ncu_sample.csv')!r}).read())\n"
+    )
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+def test_measure_attributes_kernels_to_ranges(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("NCU", str(_fake_ncu(tmp_path)))
+    shapes = [AttentionShape(1, 1, 64, 16), AttentionShape(1, 1, 128, 16)]
+    m = traffic.measure_attention("naive", shapes)
+    assert m.message == ""
+    assert m.traffic[0] is not None and m.traffic[1] is not None
+    assert m.traffic[0].read == round(8.42e6) + 2048  # two kernels in range 0
+    assert m.traffic[1].write == round(268.44e6)
+
+
+def test_measure_without_gpu_or_ncu(monkeypatch: pytest.MonkeyPatch) -> None:
+    shape = AttentionShape(1, 1, 64, 16)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    m = traffic.measure_attention("flashlite", [shape])
+    assert m.traffic == [None] and "CUDA" in m.message
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(traffic, "find_ncu", lambda: None)
+    m = traffic.measure_attention("flashlite", [shape])
+    assert m.traffic == [None] and "ncu" in m.message
+
+
+def test_shape_json_round_trip() -> None:
+    shape = AttentionShape(2, 8, 100, 64, seq_k=50, kv_heads=2, dtype=torch.float16, causal=True)
+    assert AttentionShape.from_json(json.loads(json.dumps(shape.to_json()))) == shape
+    with pytest.raises(ValueError, match="kv_heads"):
+        AttentionShape(1, 3, 8, 8, kv_heads=2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_measure_one_config_on_gpu() -> None:
+    if traffic.find_ncu() is None:
+        pytest.skip("ncu not found")
+    shape = AttentionShape(1, 8, 2048, 64, dtype=torch.bfloat16)
+    m = traffic.measure_attention("flashlite", [shape], timeout=300)
+    if m.traffic[0] is None and "permitted" in m.message:
+        pytest.skip(m.message)
+    assert m.traffic[0] is not None, m.message
+    comp = traffic.compulsory_attention(shape)
+    # caches are flushed before the kernel: Q, K, V must come from DRAM at least once
+    assert m.traffic[0].read >= 0.9 * comp.read
+    assert os.environ.get("FLASHLITE_ATTENTION_CONFIG") or m.configs.get(0)
