@@ -38,11 +38,12 @@ from __future__ import annotations
 
 import math
 
-from flashlite import _backend  # noqa: F401  (selects compiled vs interpreted Triton first)
+import torch
+import triton
+import triton.language as tl
 
-import torch  # noqa: E402  (isort: keep after the backend switch)
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
+# (flashlite/__init__.py imports _backend before anything imports triton, which is what
+# switches the interpreter on for machines without a GPU)
 
 LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)  # log2(e)
 LN2: tl.constexpr = tl.constexpr(0.6931471805599453)  # ln(2)
