@@ -6,9 +6,10 @@ This is the only module that knows about ``TRITON_INTERPRET`` and the interprete
   imported, so every ``@triton.jit`` function (kernels and the ``stats`` helpers they call) is
   created as an interpreted function. That is the supported way to interpret kernels that call
   other jitted helpers.
-* On a CUDA machine, CPU tensors still work: :func:`launcher` builds an interpreted twin of the
-  kernel whose globals point at interpreted twins of every jitted helper it calls (wrapping only
-  the kernel fails as soon as it calls a helper).
+* On a CUDA machine the interpreter is off for the whole process (Triton decides at import);
+  CPU tensors given to the public functions are then computed on the GPU and copied back
+  (:func:`cpu_tensors_use_gpu`). Set ``TRITON_INTERPRET=1`` before importing flashlite to run
+  everything in the interpreter instead.
 * The interpreter computes ``tl.dot`` on bf16 operands wrongly (seen with Triton 3.9), so
   :func:`dot_upcast` tells kernels to feed fp32 operands to ``tl.dot`` there.
 """
@@ -17,7 +18,6 @@ from __future__ import annotations
 
 import os
 import sys
-import types
 from typing import Any
 
 import torch
@@ -25,30 +25,18 @@ import torch
 if "triton" not in sys.modules and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from triton.runtime.jit import JITFunction  # noqa: E402
 
-try:  # the interpreter's function type moved between Triton releases only in name
-    from triton.runtime.interpreter import InterpretedFunction
-except ImportError:  # pragma: no cover
-    InterpretedFunction = ()  # type: ignore[assignment,misc]
-
-_twins: dict[Any, Any] = {}
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
 
 
-def _interpreted_twin(fn: Any) -> Any:
-    """An interpreted copy of a jitted function whose jitted globals are interpreted too."""
-    if isinstance(fn, InterpretedFunction) or fn in _twins:
-        return _twins.get(fn, fn)
-    py = fn.fn
-    glb = dict(py.__globals__)
-    copy = types.FunctionType(py.__code__, glb, py.__name__, py.__defaults__, py.__closure__)
-    copy.__qualname__, copy.__module__ = py.__qualname__, py.__module__
-    twin = InterpretedFunction(copy)
-    _twins[fn] = twin  # before recursing: helpers may refer back to each other
-    for name, value in glb.items():
-        if isinstance(value, JITFunction):
-            glb[name] = _interpreted_twin(value)
-    return twin
+def cpu_tensors_use_gpu() -> bool:
+    """True when CPU tensors must be computed on the GPU and copied back.
+
+    The interpreter is chosen for a whole process when ``triton`` is imported; on a CUDA machine
+    (interpreter off) the kernels and the ``tl`` library they call are compiled functions that
+    the interpreter cannot run, so CPU tensors go through the GPU instead.
+    """
+    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
 
 
 def is_interpreted(device: torch.device) -> bool:
@@ -67,10 +55,12 @@ def check_device(t: torch.Tensor, name: str) -> None:
 
 def launcher(kernel: Any, device: torch.device) -> Any:
     """The kernel object to index with a grid for tensors on ``device``."""
-    if device.type == "cuda" or isinstance(kernel, InterpretedFunction):
-        return kernel
-    # An autotuned kernel wraps the JITFunction; on the interpreter we run its first config.
-    return _interpreted_twin(kernel)
+    if device.type == "cpu" and not isinstance(kernel, InterpretedFunction):
+        raise RuntimeError(
+            "CPU tensors need Triton's interpreter, which is off in this process (a CUDA device "
+            "is present); the public functions move CPU tensors to the GPU for you"
+        )
+    return kernel
 
 
 def dot_upcast(dtype: torch.dtype, device: torch.device) -> bool:

@@ -46,8 +46,8 @@ GPU_CONFIGS = [
 CPU_CONFIG = (16, 16, 4, 1, False)
 #: ``FLASHLITE_ATTENTION_CONFIG="BM,BN,warps,stages,ws"`` pins one config (tests, benchmarks).
 PIN_ENV = "FLASHLITE_ATTENTION_CONFIG"
-#: Shared memory a config may plan for (Hopper has 227 KB per block; leave the compiler room).
-SMEM_BUDGET = 200 * 1024
+#: Shared memory a config may plan for (Hopper gives a block 227 KB).
+SMEM_BUDGET = 224 * 1024
 
 Config = tuple[int, int, int, int, bool]
 
@@ -81,13 +81,15 @@ def set_block_shapes(nargs: dict) -> None:
 
 
 def keep_config(cfg: Config, block_d: int, elem_bytes: int, use_desc: bool) -> bool:
-    """Whether a config fits this shape: Q plus ``stages − 1`` in-flight K and V tiles in shared
+    """Whether a config fits this shape: ``stages`` K and V tiles (plus room for Q) in shared
     memory, the fp32 accumulator and score tile in registers; warp specialisation only with TMA
-    loads."""
+    loads. fp32 counts double: its three-pass TF32 dots keep split copies of the operands (the
+    H200 refused fp32 configs this estimate now rejects)."""
     bm, bn, warps, stages, ws = cfg
     if ws and not use_desc:
         return False
-    smem = (bm * block_d + max(stages - 1, 1) * 2 * bn * block_d) * elem_bytes
+    elem = 2 * elem_bytes if elem_bytes >= 4 else elem_bytes
+    smem = (stages * 2 * bn + bm) * block_d * elem
     threads = 32 * warps
     return smem <= SMEM_BUDGET and bm * block_d <= 128 * threads and bm * bn <= 64 * threads
 
