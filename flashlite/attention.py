@@ -146,6 +146,12 @@ def _tuned_kernel():
     return _autotuned
 
 
+def fixed_config(device: torch.device) -> K.Config | None:
+    """The tile config used without autotuning on ``device``: the one pinned through
+    ``$FLASHLITE_ATTENTION_CONFIG``, else the interpreter's ``CPU_CONFIG``; None means autotune."""
+    return K.pinned_config() or (K.CPU_CONFIG if _backend.is_interpreted(device) else None)
+
+
 def _attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -182,9 +188,8 @@ def _attention_fwd(
         use_desc = _descriptor_ok(q, k, v, o)
     if prescale_q is None:
         prescale_q = q.dtype != torch.float32
-    interpreted = _backend.is_interpreted(dev)
     if config is None:
-        config = K.pinned_config() or (K.CPU_CONFIG if interpreted else None)
+        config = fixed_config(dev)
     if use_desc:  # block shapes are set per config (set_block_shapes), placeholders here
         bm, bn = (config[0], config[1]) if config is not None else (16, 16)
         srcs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])

@@ -276,11 +276,11 @@ def flashlite_config(shape: AttentionShape, device: str = "cpu") -> dict[str, An
     ``CPU_CONFIG``, as the front-end picks them. CUDA: one call of the host launcher, which reports
     the autotuner's choice for the shape (tuning once if it has not yet).
     """
-    from flashlite import _backend
-    from flashlite.kernels import attention_fwd
-
-    if _backend.is_interpreted(torch.device(device)):
-        bm, bn, warps, stages, ws = attention_fwd.pinned_config() or attention_fwd.CPU_CONFIG
+    # the package re-exports the function under the module's name: fetch the module itself
+    attention_module = importlib.import_module("flashlite.attention")
+    fixed = attention_module.fixed_config(torch.device(device))
+    if fixed is not None:  # interpreted or pinned: no launch needed to know it
+        bm, bn, warps, stages, ws = fixed
         return {
             "BLOCK_M": bm,
             "BLOCK_N": bn,
@@ -288,8 +288,6 @@ def flashlite_config(shape: AttentionShape, device: str = "cpu") -> dict[str, An
             "num_stages": stages,
             "WARP_SPECIALIZE": ws,
         }
-    # the package re-exports the function under the module's name: fetch the module itself
-    attention_module = importlib.import_module("flashlite.attention")
     q, k, v = make_inputs(shape, device)
     _, _, info = attention_module._attention_fwd(q, k, v, shape.causal, shape.head_dim**-0.5)
     if info is None:  # empty problem: nothing launched
