@@ -162,6 +162,7 @@ def _attention_fwd(
     config: tuple[int, int, int, int, bool] | None = None,
     use_desc: bool | None = None,
     prescale_q: bool | None = None,
+    lazy_rescale: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, LaunchInfo | None]:
     """Launch the forward kernel on ``(B, H, N, D)`` views.
 
@@ -204,6 +205,7 @@ def _attention_fwd(
         "IS_CAUSAL": bool(causal),
         "USE_DESC": use_desc,
         "PRESCALE_Q": prescale_q,
+        "LAZY_RESCALE": lazy_rescale,
         "DOT_FP32": _backend.dot_upcast(q.dtype, dev),
         # fp32 inputs: three TF32 passes give about fp32 accuracy on tensor cores
         "DOT_PRECISION": "tf32x3" if q.dtype == torch.float32 else "tf32",

@@ -13,6 +13,7 @@ Triton helpers (``@triton.jit``, called from kernels):
 ``tile_stats``           (m, s) of a fresh ``[R, C]`` tile along its last axis
 ``online_update``        fold a tile into a running pair; also returns the rescale factor and
                          the tile's exponentials (attention needs both)
+``online_update_lazy``   the same, moving the reference only when the maximum grows by > TAU
 ``rescale``              ``2^(m_old − m_new)``, the factor that moves sums (and accumulators)
 ``merge_pair``           the associative merge of two pairs
 ``merge_partials``       the same merge over the last axis of ``[R, C]`` partial pairs
@@ -53,6 +54,7 @@ __all__ = [
     "LN2",
     "tile_stats",
     "online_update",
+    "online_update_lazy",
     "rescale",
     "merge_pair",
     "merge_partials",
@@ -81,6 +83,16 @@ def rescale(m_old, m_new, SCALE):
 
 
 @triton.jit
+def _fold(m, m_new, s, x, SCALE):
+    # the update against a chosen new reference m_new >= m (any reference works: s is
+    # Σ 2^((x − m)·SCALE) for whatever m it was taken against)
+    ref = _reference_point(m_new)
+    alpha = tl.exp2((m - ref) * SCALE)
+    p = tl.exp2((x - ref[:, None]) * SCALE)
+    return m_new, s * alpha + tl.sum(p, 1), alpha, p
+
+
+@triton.jit
 def online_update(m, s, x, SCALE):
     """Fold the ``[R, C]`` tile of logits ``x`` into the running pair ``(m, s)`` (each ``[R]``).
 
@@ -88,11 +100,22 @@ def online_update(m, s, x, SCALE):
     summed against the old maximum (the attention accumulator), ``p = 2^((x − m_new)·SCALE)`` are
     the tile's unnormalised probabilities.
     """
-    m_new = tl.maximum(m, tl.max(x, 1))
-    ref = _reference_point(m_new)
-    alpha = tl.exp2((m - ref) * SCALE)
-    p = tl.exp2((x - ref[:, None]) * SCALE)
-    return m_new, s * alpha + tl.sum(p, 1), alpha, p
+    return _fold(m, tl.maximum(m, tl.max(x, 1)), s, x, SCALE)
+
+
+@triton.jit
+def online_update_lazy(m, s, x, SCALE, TAU: tl.constexpr):
+    """:func:`online_update` whose reference moves only when a row's maximum grows by more than
+    ``TAU`` (log2 units) — the pair's math holds for any reference, the maximum only keeps the
+    exponentials small, and ``p <= 2^TAU`` is still small. Most tiles then leave every reference
+    where it was (``alpha = 1``), so a caller can skip rescaling its accumulator; the returned
+    ``moved`` says whether any row's reference changed.
+    """
+    m_tile = tl.max(x, 1)
+    grow = (m_tile - m) * SCALE > TAU  # False for −inf − (−inf) = NaN: empty rows stay −inf
+    m_new = tl.where(grow, m_tile, m)
+    m_new, s_new, alpha, p = _fold(m, m_new, s, x, SCALE)
+    return m_new, s_new, alpha, p, tl.max(grow.to(tl.int32), 0) > 0
 
 
 @triton.jit

@@ -21,6 +21,7 @@ from flashlite.stats import (
     merge_pair,
     merge_partials,
     online_update,
+    online_update_lazy,
     rescale,
     tile_stats,
 )
@@ -190,6 +191,24 @@ def _online_update_kernel(
 
 
 @triton.jit
+def _lazy_fold_kernel(X, M, S, MOVES, R: tl.constexpr, C: tl.constexpr, TILES: tl.constexpr,
+                      SCALE: tl.constexpr, TAU: tl.constexpr):  # fmt: skip
+    # fold TILES tiles of a [R, TILES*C] block with the lazy update, counting reference moves
+    r = tl.arange(0, R)
+    c = tl.arange(0, C)
+    m = tl.full([R], float("-inf"), tl.float32)
+    s = tl.zeros([R], tl.float32)
+    moves = 0
+    for t in tl.static_range(TILES):
+        x = tl.load(X + r[:, None] * (TILES * C) + t * C + c[None, :])
+        m, s, _, _, moved = online_update_lazy(m, s, x, SCALE, TAU)
+        moves += moved.to(tl.int32)
+    tl.store(M + r, m)
+    tl.store(S + r, s)
+    tl.store(MOVES + tl.arange(0, 1), tl.full([1], moves, tl.int32))
+
+
+@triton.jit
 def _rescale_kernel(M_OLD, M_NEW, OUT, R: tl.constexpr, SCALE: tl.constexpr):
     r = tl.arange(0, R)
     tl.store(OUT + r, rescale(tl.load(M_OLD + r), tl.load(M_NEW + r), SCALE))
@@ -279,6 +298,26 @@ def test_triton_online_update(c: float, prev: str) -> None:
         _close(got, want)
     if prev != "finite":  # row 1: an empty pair meets a fully -inf tile
         assert m[1].item() == NEG_INF and s[1].item() == 0.0 and (p[1] == 0).all()
+
+
+@pytest.mark.parametrize("tau", [0.0, 8.0])
+def test_triton_online_update_lazy_gives_the_same_lse(tau: float) -> None:
+    # the reference need not be the maximum: any reference gives the same lse = m + log s, and
+    # with TAU = 8 the reference moves on few tiles (the attention kernel then skips rescaling)
+    tiles, cols = 8, 8
+    x = torch.randn(R, tiles * cols) * 3
+    x[1] = NEG_INF  # an empty row stays (-inf, 0)
+    x[2, : 3 * cols] = NEG_INF  # a row that starts masked
+    m, s, moves = torch.empty(R), torch.empty(R), torch.zeros(1, dtype=torch.int32)
+    _launch(_lazy_fold_kernel, x, m, s, moves, R=R, C=cols, TILES=tiles, SCALE=LOG2E, TAU=tau)
+    _no_nan(m, s)
+    lse = m.double() + torch.log(s.double())
+    _close(lse[[0, 2, 3]], torch.logsumexp(x.double(), -1)[[0, 2, 3]])
+    assert m[1].item() == NEG_INF and s[1].item() == 0.0
+    assert (m <= x.amax(-1)).all()  # the reference never passes the true maximum
+    if tau == 0.0:
+        torch.testing.assert_close(m[[0, 2, 3]], x.amax(-1)[[0, 2, 3]])
+    assert 1 <= moves.item() <= tiles
 
 
 @pytest.mark.parametrize("c", SCALES)

@@ -23,7 +23,7 @@ import os
 import triton
 import triton.language as tl
 
-from flashlite.stats import LOG2E, finalize_lse, online_update
+from flashlite.stats import LOG2E, finalize_lse, online_update, online_update_lazy
 
 # ----------------------------------------------------------------------------- configs
 #: (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize) tried by the GPU autotuner;
@@ -133,7 +133,7 @@ def _attend(acc, m, s, q, k_src, v_src, b, h_kv, lo, hi, offs_m, offs_n, offs_d,
             exp_scale, stride_kn, stride_kd, stride_vn, stride_vd,
             MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
-            DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+            DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
             WARP_SPECIALIZE: tl.constexpr):  # fmt: skip
     """Fold key tiles ``[lo, hi)`` into ``(acc, m, s)``; ``MASKED`` tiles check key bounds and
     the causal diagonal (``diag = Nk − Nq``)."""
@@ -149,8 +149,13 @@ def _attend(acc, m, s, q, k_src, v_src, b, h_kv, lo, hi, offs_m, offs_n, offs_d,
             if IS_CAUSAL:
                 visible = visible & (cols[None, :] <= offs_m[:, None] + diag)
             qk = tl.where(visible, qk, float("-inf"))
-        m, s, alpha, p = online_update(m, s, qk, exp_scale)
-        acc = acc * alpha[:, None]
+        if LAZY_RESCALE:  # rescale the accumulator only on the (rare) tiles that move m
+            m, s, alpha, p, moved = online_update_lazy(m, s, qk, exp_scale, 8.0)
+            if moved:
+                acc = acc * alpha[:, None]
+        else:
+            m, s, alpha, p = online_update(m, s, qk, exp_scale)
+            acc = acc * alpha[:, None]
         v = _load_tile(v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_n, offs_d,
                        HEAD_DIM, BLOCK_D, USE_DESC, MASKED)  # fmt: skip
         p = p.to(v.dtype)  # tensor-core operands in the input precision, fp32 accumulation
@@ -170,7 +175,8 @@ def _attention_fwd_kernel(
     n_heads, group, seq_q, seq_k, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``. Writes O ``(B, Hq, Nq, D)`` and fp32 LSE ``(B·Hq, Nq)``.
 
@@ -225,11 +231,11 @@ def _attention_fwd_kernel(
     acc, m, s = _attend(acc, m, s, q, k_src, v_src, b, h_kv, 0, full_hi, offs_m, offs_n, offs_d,
                         seq_k, diag, exp_scale, stride_kn, stride_kd, stride_vn, stride_vd,
                         False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
-                        DOT_PRECISION, WARP_SPECIALIZE)  # fmt: skip
+                        DOT_PRECISION, LAZY_RESCALE, WARP_SPECIALIZE)  # fmt: skip
     acc, m, s = _attend(acc, m, s, q, k_src, v_src, b, h_kv, full_hi, hi, offs_m, offs_n,
                         offs_d, seq_k, diag, exp_scale, stride_kn, stride_kd, stride_vn,
                         stride_vd, True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC,
-                        DOT_FP32, DOT_PRECISION, False)  # fmt: skip
+                        DOT_FP32, DOT_PRECISION, LAZY_RESCALE, False)  # fmt: skip
 
     # Rows that saw no key (causal with Nq > Nk) have s = 0: output 0 and LSE −inf, not NaN.
     inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)
