@@ -6,18 +6,22 @@ This is the only module that knows about ``TRITON_INTERPRET`` and the interprete
   imported, so every ``@triton.jit`` function (kernels and the ``stats`` helpers they call) is
   created as an interpreted function. That is the supported way to interpret kernels that call
   other jitted helpers.
-* On a CUDA machine the interpreter is off for the whole process (Triton decides at import);
-  CPU tensors given to the public functions are then computed on the GPU and copied back
-  (:func:`cpu_tensors_use_gpu`). Set ``TRITON_INTERPRET=1`` before importing flashlite to run
-  everything in the interpreter instead.
+* On a CUDA machine (or whenever ``triton`` was imported first) the jitted functions are compiled
+  ones, yet CPU tensors still run the same kernels in the interpreter: :func:`launcher` wraps the
+  kernel in an interpreted function, and while it runs, a call of any compiled ``@triton.jit``
+  function — our helpers and Triton's own library (``tl.cdiv``, ``tl.max``, …) — is redirected
+  to an interpreted copy of it. Wrapping only the kernel is not enough: its first helper call
+  would fail ("Cannot call @triton.jit'd outside of the scope of a kernel").
 * The interpreter computes ``tl.dot`` on bf16 operands wrongly (seen with Triton 3.9), so
   :func:`dot_upcast` tells kernels to feed fp32 operands to ``tl.dot`` there.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,16 +31,46 @@ if "triton" not in sys.modules and not torch.cuda.is_available():
 
 
 from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+from triton.runtime.jit import JITFunction  # noqa: E402
+
+_interpreted: dict[Any, Any] = {}
 
 
-def cpu_tensors_use_gpu() -> bool:
-    """True when CPU tensors must be computed on the GPU and copied back.
+def _interpreted_copy(fn: JITFunction) -> Any:
+    # keyed by id: hashing a JITFunction parses its source, which fails mid-interpretation
+    key = id(fn)
+    if key not in _interpreted:
+        _interpreted[key] = InterpretedFunction(fn.fn)
+    return _interpreted[key]
 
-    The interpreter is chosen for a whole process when ``triton`` is imported; on a CUDA machine
-    (interpreter off) the kernels and the ``tl`` library they call are compiled functions that
-    the interpreter cannot run, so CPU tensors go through the GPU instead.
-    """
-    return torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1"
+
+@contextlib.contextmanager
+def _jit_calls_interpreted() -> Iterator[None]:
+    """Route calls of compiled ``@triton.jit`` functions to interpreted copies (one thread)."""
+    original = JITFunction.__call__
+
+    def call(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
+        return _interpreted_copy(self)(*args, **kwargs)
+
+    JITFunction.__call__ = call  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        JITFunction.__call__ = original  # type: ignore[method-assign]
+
+
+class _InterpretedLaunch:
+    """``kernel[grid](...)`` for CPU tensors when the process compiles its kernels."""
+
+    def __init__(self, kernel: JITFunction) -> None:
+        self.kernel = _interpreted_copy(kernel)
+
+    def __getitem__(self, grid: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with _jit_calls_interpreted():
+                return self.kernel[grid](*args, **kwargs)
+
+        return run
 
 
 def is_interpreted(device: torch.device) -> bool:
@@ -55,11 +89,8 @@ def check_device(t: torch.Tensor, name: str) -> None:
 
 def launcher(kernel: Any, device: torch.device) -> Any:
     """The kernel object to index with a grid for tensors on ``device``."""
-    if device.type == "cpu" and not isinstance(kernel, InterpretedFunction):
-        raise RuntimeError(
-            "CPU tensors need Triton's interpreter, which is off in this process (a CUDA device "
-            "is present); the public functions move CPU tensors to the GPU for you"
-        )
+    if device.type == "cpu" and isinstance(kernel, JITFunction):
+        return _InterpretedLaunch(kernel)
     return kernel
 
 

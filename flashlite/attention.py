@@ -278,9 +278,5 @@ def attention(
         NotImplementedError: head dim above 256.
     """
     sm_scale = _check(q, k, v, layout, scale)
-    if q.device.type == "cpu" and _backend.cpu_tensors_use_gpu():
-        out = attention(q.cuda(), k.cuda(), v.cuda(), causal=causal, scale=scale, layout=layout,
-                        return_lse=return_lse)  # fmt: skip
-        return tuple(t.cpu() for t in out) if return_lse else out.cpu()  # type: ignore[return-value]
     o, lse = AttentionFunction.apply(q, k, v, bool(causal), sm_scale, layout)
     return (o, lse) if return_lse else o

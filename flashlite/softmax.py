@@ -203,8 +203,6 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch
         ValueError: unknown ``algorithm`` or device.
     """
     d = _check(x, dim, algorithm)
-    if x.device.type == "cpu" and _backend.cpu_tensors_use_gpu():
-        return softmax(x.cuda(), dim, algorithm=algorithm).cpu()
     return SoftmaxFunction.apply(x, d, algorithm, False)
 
 
@@ -214,6 +212,4 @@ def log_softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> t
     Args, returns and errors as :func:`softmax`. A row that is entirely −inf gives NaN.
     """
     d = _check(x, dim, algorithm)
-    if x.device.type == "cpu" and _backend.cpu_tensors_use_gpu():
-        return log_softmax(x.cuda(), dim, algorithm=algorithm).cpu()
     return SoftmaxFunction.apply(x, d, algorithm, True)

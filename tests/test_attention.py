@@ -93,6 +93,17 @@ def test_dtypes_and_load_paths(dtype: torch.dtype, use_desc: bool) -> None:
         assert_close_to_reference(out, q, k, v, causal, lse=lse)
 
 
+@pytest.mark.parametrize("lazy", [True, False], ids=["lazy-rescale", "eager-rescale"])
+def test_lazy_and_eager_rescaling_agree(lazy: bool) -> None:
+    # lazy: the accumulator is rescaled only on tiles that move a row's reference maximum;
+    # growing scores (a ramp along the keys) make the reference move on most tiles
+    q, k, v = rand(1, 2, 40, 32), rand(1, 2, 70, 32), rand(1, 2, 70, 32)
+    k = k + torch.linspace(0, 3, 70).to(k.dtype)[:, None]
+    for causal in (False, True):
+        out, lse, _ = _attention_fwd(q, k, v, causal, 32**-0.5, lazy_rescale=lazy)
+        assert_close_to_reference(out, q, k, v, causal, lse=lse)
+
+
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (6, 1)], ids=["MHA", "GQA", "MQA"])
 def test_gqa_mqa(hq: int, hkv: int) -> None:
     q, k, v = rand(2, hq, 19, 32), rand(2, hkv, 23, 32), rand(2, hkv, 23, 32)
