@@ -150,6 +150,16 @@ class Traffic:
         part[1] += write
 
 
+def byte_fields(**figures: Traffic | None) -> dict[str, int | None]:
+    """``{name}_bytes`` / ``_read`` / ``_write`` entries for JSON rows; None where absent."""
+    out: dict[str, int | None] = {}
+    for name, t in figures.items():
+        out[f"{name}_bytes"] = t.total if t is not None else None
+        out[f"{name}_read"] = t.read if t is not None else None
+        out[f"{name}_write"] = t.write if t is not None else None
+    return out
+
+
 # =============================================================================== model
 def compulsory_attention(shape: AttentionShape) -> Traffic:
     """Bytes no attention implementation can avoid: Q, K, V read once and O written once."""
