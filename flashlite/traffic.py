@@ -47,6 +47,7 @@ from flashlite.kernels import softmax as softmax_kernels
 __all__ = [
     "ATTENTION_METHODS",
     "SOFTMAX_ALGORITHMS",
+    "SOFTMAX_GPU_ALGORITHMS",
     "AttentionShape",
     "Traffic",
     "KernelCounter",
@@ -76,6 +77,8 @@ __all__ = [
 ATTENTION_METHODS = ("naive", "flashlite", "sdpa-flash", "sdpa-cudnn")
 #: Softmax kernels of :mod:`flashlite.kernels.softmax` (``auto`` resolves to one of the last two).
 SOFTMAX_ALGORITHMS = ("three_pass", "online", "single_read", "split")
+#: GPU-only (its programs wait for each other, which the interpreter cannot run): modelled only
+SOFTMAX_GPU_ALGORITHMS = ("team",)
 #: L2 size used in notes when no GPU says otherwise (an H200 has 60 MiB).
 DEFAULT_L2_BYTES = 60 * 2**20
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
@@ -329,10 +332,9 @@ def _resolve_softmax(algorithm: str, n: int, elem_bytes: int) -> str:
     if algorithm == "auto":
         fits = softmax_kernels.fits_single_read(n, elem_bytes)
         return "single_read" if fits else "split"
-    if algorithm not in SOFTMAX_ALGORITHMS:
-        raise ValueError(
-            f"algorithm={algorithm!r} is not one of auto, {', '.join(SOFTMAX_ALGORITHMS)}"
-        )
+    if algorithm not in SOFTMAX_ALGORITHMS + SOFTMAX_GPU_ALGORITHMS:
+        accepted = ", ".join(("auto", *SOFTMAX_ALGORITHMS, *SOFTMAX_GPU_ALGORITHMS))
+        raise ValueError(f"algorithm={algorithm!r} is not one of {accepted}")
     return algorithm
 
 
@@ -351,18 +353,25 @@ def model_softmax(rows: int, n: int, dtype: torch.dtype, algorithm: str = "auto"
     With ``E = rows·n·b``: three_pass ``3E`` read + ``E`` write, online ``2E + E``, single_read
     ``E + E``, split ``2E + E`` plus the workspace: ``C = ⌈n/chunk⌉`` fp32 (m, s) pairs per row,
     written once by the stats kernel (``8·rows·C``) and read by each of the row's ``C`` write
-    programs, which all repeat the C-way merge (``8·rows·C²``).
+    programs, which all repeat the C-way merge (``8·rows·C²``). team (GPU, what ``auto`` runs
+    for long rows there) ``E + E`` plus the same workspace with its own chunk count and the
+    zeroed per-row arrival counters (``4·rows``); the spin-wait atomics stay in L2 and are not
+    modelled.
     """
     elem_bytes = torch.empty((), dtype=dtype).element_size()
     algorithm = _resolve_softmax(algorithm, n, elem_bytes)
     e = rows * n * elem_bytes
     t = Traffic()
-    passes = {"three_pass": 3, "online": 2, "single_read": 1, "split": 2}[algorithm]
+    passes = {"three_pass": 3, "online": 2, "single_read": 1, "split": 2, "team": 1}[algorithm]
     t.add("x", passes * e, 0)
     t.add("y", 0, e)
     if algorithm == "split":
         chunks = softmax_kernels.split_config(n)["n_chunks"]
         t.add("workspace", 8 * rows * chunks * chunks, 8 * rows * chunks)
+    elif algorithm == "team":
+        chunks = softmax_kernels.team_config(n, elem_bytes)["n_chunks"]
+        t.add("workspace", 8 * rows * chunks * chunks, 8 * rows * chunks)
+        t.add("counters", 0, 4 * rows)
     return t
 
 

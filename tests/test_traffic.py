@@ -256,3 +256,14 @@ def test_measure_one_config_on_gpu() -> None:
     # caches are flushed before the kernel: Q, K, V must come from DRAM at least once
     assert m.traffic[0].read >= 0.9 * comp.read
     assert os.environ.get("FLASHLITE_ATTENTION_CONFIG") or m.configs.get(0)
+
+
+def test_team_softmax_model_reads_once() -> None:
+    # GPU-only kernel (model only): one read and one write of x plus the (m, s) workspace
+    rows, n = 8, 262144
+    t = traffic.model_softmax(rows, n, torch.bfloat16, "team")
+    e = rows * n * 2
+    chunks = -(-n // (32768 // 2))  # 32 KB chunks of bf16
+    assert t.parts["x"] == [e, 0] and t.parts["y"] == [0, e]
+    assert t.parts["workspace"] == [8 * rows * chunks**2, 8 * rows * chunks]
+    assert t.parts["counters"] == [0, 4 * rows]
