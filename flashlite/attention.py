@@ -106,6 +106,11 @@ def _descriptor_ok(*tensors: torch.Tensor) -> bool:
 _autotuned = None
 
 
+def _config_tuple(c: triton.Config) -> K.Config:
+    kw = c.kwargs
+    return kw["BLOCK_M"], kw["BLOCK_N"], c.num_warps, c.num_stages, kw["WARP_SPECIALIZE"]
+
+
 def _tuned_kernel():
     """The GPU kernel with its filtered autotune list (built on first use)."""
     global _autotuned
@@ -114,29 +119,9 @@ def _tuned_kernel():
         def prune(configs: list, named_args: dict, **kwargs: object) -> list:
             out = named_args["O"]
             esize = (out.base if kwargs["USE_DESC"] else out).element_size()
-            keep = [
-                c
-                for c in configs
-                if K.keep_config(
-                    (
-                        c.kwargs["BLOCK_M"],
-                        c.kwargs["BLOCK_N"],
-                        c.num_warps,
-                        c.num_stages,
-                        c.kwargs["WARP_SPECIALIZE"],
-                    ),
-                    kwargs["BLOCK_D"],
-                    esize,
-                    kwargs["USE_DESC"],
-                )
-            ]
-            return keep or [
-                K.as_triton_config(
-                    K.default_config(
-                        kwargs["BLOCK_D"], named_args["Q"].element_size(), kwargs["USE_DESC"]
-                    )
-                )
-            ]
+            fits = (kwargs["BLOCK_D"], esize, kwargs["USE_DESC"])
+            keep = [c for c in configs if K.keep_config(_config_tuple(c), *fits)]
+            return keep or [K.as_triton_config(K.default_config(*fits), K.set_block_shapes)]
 
         _autotuned = triton.autotune(
             configs=[K.as_triton_config(c, K.set_block_shapes) for c in K.GPU_CONFIGS],
@@ -219,9 +204,7 @@ def _attention_fwd(
     else:
         tuned = _tuned_kernel()
         tuned[lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), b * hq)](*args, **consts)
-        best = tuned.best_config
-        config = (best.kwargs["BLOCK_M"], best.kwargs["BLOCK_N"], best.num_warps,
-                  best.num_stages, best.kwargs["WARP_SPECIALIZE"])  # fmt: skip
+        config = _config_tuple(tuned.best_config)
     bm, bn, warps, stages, ws = config
     return o, lse, LaunchInfo(bm, bn, block_d, use_desc, warps, stages, ws)
 
