@@ -273,7 +273,7 @@ def _cmd_traffic(args: argparse.Namespace) -> int:
         device=args.device,
         show_progress=not args.quiet,
     )
-    for note in notes:
+    for note in dict.fromkeys(notes):  # once each, in order
         print(f"note: {note}", file=sys.stderr)
     if args.plot:
         shape = shapes[0]
