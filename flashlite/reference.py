@@ -60,7 +60,9 @@ def attention(
         q, k, v = q.double(), k.double(), v.double()
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
-    if hq != hkv:  # GQA: view q as (B, Hkv, group, Nq, D) so k and v broadcast without copies
+    # GQA: view q as (B, Hkv, group, Nq, D) and broadcast k, v over the group (torch.matmul
+    # materialises that broadcast when B·Hkv > 1; the traffic model counts the copy)
+    if hq != hkv:
         q = q.reshape(b, hkv, hq // hkv, nq, d)
         k, v = k.unsqueeze(2), v.unsqueeze(2)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
