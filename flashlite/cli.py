@@ -295,16 +295,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         r = _run_softmax(4, 1000, torch.float32, alg, "cpu")
         print(f"  {alg:<11} (4, 1000) fp32   max |error| = {r['max_abs_error']:.2e}")
     print("\n== attention vs reference (fp64)")
-    try:
-        for causal in (False, True):
-            shape = AttentionShape(1, 2, 50, 16, seq_k=70, dtype=torch.float32, causal=causal)
-            r = _run_attention(shape, "cpu")
-            print(
-                f"  B=1 H=2 Nq=50 Nk=70 D=16 fp32 causal={causal!s:<5}  "
-                f"max |error| = {r['max_abs_error']:.2e}"
-            )
-    except (ImportError, AttributeError) as e:
-        print(f"  flashlite.attention is not available yet ({e})")
+    for causal in (False, True):
+        shape = AttentionShape(1, 2, 50, 16, seq_k=70, dtype=torch.float32, causal=causal)
+        r = _run_attention(shape, "cpu")
+        print(
+            f"  B=1 H=2 Nq=50 Nk=70 D=16 fp32 causal={causal!s:<5}  "
+            f"max |error| = {r['max_abs_error']:.2e}"
+        )
     print("\n== softmax kernels: counted bytes (interpreter) vs model, (8, 3000) fp16")
     for alg in ("three_pass", "online", "single_read"):
         c, m = (
@@ -326,9 +323,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 def _cmd_bench(args: argparse.Namespace) -> int:
     print(
-        "Benchmarks are scripts in benchmarks/ (they need a GPU), e.g.:\n"
+        "Benchmarks are scripts in benchmarks/ (they need a GPU):\n"
+        "  python benchmarks/bench_softmax.py      # GB/s against torch and the copy ceiling\n"
+        "  python benchmarks/bench_attention.py    # TFLOP/s against SDPA backends and Flex\n"
         "  python benchmarks/bench_traffic.py      # DRAM bytes with Nsight Compute\n"
-        "Results go to benchmarks/results/."
+        "Each writes JSON + PNG to benchmarks/results/ and prints a table last."
     )
     return 0
 
