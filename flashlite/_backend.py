@@ -100,10 +100,8 @@ def dot_upcast(dtype: torch.dtype, device: torch.device) -> bool:
 
 
 def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors on ``device`` (a nominal 4 for the interpreter)."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
+    """Streaming multiprocessors of the CUDA ``device``."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def cooperative_launch_supported() -> bool:

@@ -158,11 +158,11 @@ def _attention_fwd(
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     dev = q.device
-    o = torch.empty_like(q, memory_format=torch.contiguous_format) if q.is_contiguous() else None
-    if o is None:  # keep q's layout (e.g. "b n h d"): allocate dense in that order, view as bhnd
-        order = sorted(range(4), key=lambda i: -q.stride(i))
-        o = torch.empty([q.shape[i] for i in order], device=dev, dtype=q.dtype)
-        o = o.permute([order.index(i) for i in range(4)])
+    # O keeps q's dimension order (e.g. "b n h d", also for slices of a packed qkv buffer):
+    # dense in the order of q's strides, viewed as b h n d
+    order = sorted(range(4), key=lambda i: -q.stride(i))
+    o = torch.empty([q.shape[i] for i in order], device=dev, dtype=q.dtype)
+    o = o.permute([order.index(i) for i in range(4)])
     lse = torch.empty((b, hq, nq), device=dev, dtype=torch.float32)
     if b * hq * nq == 0:
         return o, lse, None

@@ -61,16 +61,21 @@ TEAM_CHUNK_BYTES = 32768
 TEAM_WARPS = 8
 
 
-def team_config(n_cols: int, elem_bytes: int) -> dict[str, int]:
-    """Chunk width, chunk count and warps for the team (cooperative) kernel."""
-    chunk = min(TEAM_CHUNK_BYTES // elem_bytes, triton.next_power_of_2(n_cols))
+def _chunked(n_cols: int, max_chunk: int, num_warps: int) -> dict[str, int]:
+    """A row cut into power-of-two chunks of at most ``max_chunk`` columns."""
+    chunk = min(max_chunk, triton.next_power_of_2(n_cols))
     n_chunks = triton.cdiv(n_cols, chunk)
     return {
         "BLOCK_N": chunk,
         "n_chunks": n_chunks,
         "CHUNKS_PAD": triton.next_power_of_2(n_chunks),
-        "num_warps": TEAM_WARPS,
+        "num_warps": num_warps,
     }
+
+
+def team_config(n_cols: int, elem_bytes: int) -> dict[str, int]:
+    """Chunk width, chunk count and warps for the team (cooperative) kernel."""
+    return _chunked(n_cols, TEAM_CHUNK_BYTES // elem_bytes, TEAM_WARPS)
 
 
 def loop_config(n_cols: int) -> dict[str, int]:
@@ -82,13 +87,7 @@ def loop_config(n_cols: int) -> dict[str, int]:
 def split_config(n_cols: int) -> dict[str, int]:
     """Chunk width, chunk count and warps for the split kernels."""
     chunk = min(SPLIT_CHUNK, triton.next_power_of_2(n_cols))
-    n_chunks = triton.cdiv(n_cols, chunk)
-    return {
-        "BLOCK_N": chunk,
-        "n_chunks": n_chunks,
-        "CHUNKS_PAD": triton.next_power_of_2(n_chunks),
-        "num_warps": min(16, max(4, chunk // 512)),
-    }
+    return _chunked(n_cols, SPLIT_CHUNK, min(16, max(4, chunk // 512)))
 
 
 # ----------------------------------------------------------------------------- shared pieces
