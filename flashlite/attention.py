@@ -34,6 +34,8 @@ class LaunchInfo:
     num_warps: int
     num_stages: int
     warp_specialize: bool
+    lazy_rescale: bool
+    overlap: bool
 
 
 def _to_bhnd(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -108,7 +110,13 @@ _autotuned = None
 
 def _config_tuple(c: triton.Config) -> K.Config:
     kw = c.kwargs
-    return kw["BLOCK_M"], kw["BLOCK_N"], c.num_warps, c.num_stages, kw["WARP_SPECIALIZE"]
+    return K.Config(kw["BLOCK_M"], kw["BLOCK_N"], c.num_warps, c.num_stages,
+                    kw["WARP_SPECIALIZE"], kw["LAZY_RESCALE"], kw["OVERLAP"])  # fmt: skip
+
+
+def as_constexprs(cfg: K.Config) -> dict[str, object]:
+    """The kernel constexprs a config sets."""
+    return dict(K.as_triton_config(cfg).kwargs)
 
 
 def _tuned_kernel():
@@ -131,10 +139,24 @@ def _tuned_kernel():
     return _autotuned
 
 
-def fixed_config(device: torch.device) -> K.Config | None:
-    """The tile config used without autotuning on ``device``: the one pinned through
-    ``$FLASHLITE_ATTENTION_CONFIG``, else the interpreter's ``CPU_CONFIG``; None means autotune."""
-    return K.pinned_config() or (K.CPU_CONFIG if _backend.is_interpreted(device) else None)
+def fixed_config(
+    device: torch.device,
+    block_d: int | None = None,
+    causal: bool = False,
+    dtype: torch.dtype | None = None,
+) -> K.Config | None:
+    """The config used without autotuning: the one pinned through ``$FLASHLITE_ATTENTION_CONFIG``,
+    else the interpreter's ``CPU_CONFIG``, else on Hopper for 16-bit inputs the measured
+    ``HOPPER_CONFIGS`` entry for ``(block_d, causal)``; None means autotune."""
+    pinned = K.pinned_config()
+    if pinned is not None:
+        return pinned
+    if _backend.is_interpreted(device):
+        return K.CPU_CONFIG
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    if hopper and dtype in (torch.float16, torch.bfloat16):
+        return K.HOPPER_CONFIGS.get((block_d, bool(causal)))
+    return None
 
 
 def _attention_fwd(
@@ -144,16 +166,16 @@ def _attention_fwd(
     causal: bool,
     scale: float,
     *,
-    config: tuple[int, int, int, int, bool] | None = None,
+    config: K.Config | None = None,
     use_desc: bool | None = None,
     prescale_q: bool | None = None,
-    lazy_rescale: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, LaunchInfo | None]:
     """Launch the forward kernel on ``(B, H, N, D)`` views.
 
     Returns ``O`` (strided like ``q``'s layout), the fp32 LSE ``(B, Hq, Nq)`` and what the
-    launch used. ``config`` pins ``(BLOCK_M, BLOCK_N, warps, stages, warp_specialize)``;
-    ``use_desc`` forces descriptor (True) or pointer (False) loads.
+    launch used. ``config`` pins a :class:`~flashlite.kernels.attention_fwd.Config` (else
+    :func:`fixed_config` or the autotuner chooses); ``use_desc`` forces descriptor (True) or
+    pointer (False) loads.
     """
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
@@ -175,7 +197,7 @@ def _attention_fwd(
     if prescale_q is None:
         prescale_q = q.dtype != torch.float32
     if config is None:
-        config = fixed_config(dev)
+        config = fixed_config(dev, block_d, causal, q.dtype)
     if use_desc:  # block shapes are set per config (set_block_shapes), placeholders here
         bm, bn = (config[0], config[1]) if config is not None else (16, 16)
         srcs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])
@@ -190,23 +212,23 @@ def _attention_fwd(
         "IS_CAUSAL": bool(causal),
         "USE_DESC": use_desc,
         "PRESCALE_Q": prescale_q,
-        "LAZY_RESCALE": lazy_rescale,
         "DOT_FP32": _backend.dot_upcast(q.dtype, dev),
         # fp32 inputs: three TF32 passes give about fp32 accuracy on tensor cores
         "DOT_PRECISION": "tf32x3" if q.dtype == torch.float32 else "tf32",
     }
     if config is not None:
-        bm, bn, warps, stages, ws = config
-        grid = (triton.cdiv(nq, bm), b * hq)
+        config = K.Config(*config)
+        grid = (triton.cdiv(nq, config.block_m), b * hq)
         kernel = _backend.launcher(K._attention_fwd_kernel, dev)
-        kernel[grid](*args, BLOCK_M=bm, BLOCK_N=bn, WARP_SPECIALIZE=ws, num_warps=warps,
-                     num_stages=stages, **consts)  # fmt: skip
+        kernel[grid](*args, **as_constexprs(config), num_warps=config.num_warps,
+                     num_stages=config.num_stages, **consts)  # fmt: skip
     else:
         tuned = _tuned_kernel()
         tuned[lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), b * hq)](*args, **consts)
         config = _config_tuple(tuned.best_config)
-    bm, bn, warps, stages, ws = config
-    return o, lse, LaunchInfo(bm, bn, block_d, use_desc, warps, stages, ws)
+    return o, lse, LaunchInfo(config.block_m, config.block_n, block_d, use_desc,
+                              config.num_warps, config.num_stages, config.warp_specialize,
+                              config.lazy_rescale, config.overlap)  # fmt: skip
 
 
 class AttentionFunction(torch.autograd.Function):

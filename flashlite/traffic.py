@@ -293,13 +293,14 @@ def flashlite_config(shape: AttentionShape, device: str = "cpu") -> dict[str, An
     attention_module = importlib.import_module("flashlite.attention")
     fixed = attention_module.fixed_config(torch.device(device))
     if fixed is not None:  # interpreted or pinned: no launch needed to know it
-        bm, bn, warps, stages, ws = fixed
         return {
-            "BLOCK_M": bm,
-            "BLOCK_N": bn,
-            "num_warps": warps,
-            "num_stages": stages,
-            "WARP_SPECIALIZE": ws,
+            "BLOCK_M": fixed.block_m,
+            "BLOCK_N": fixed.block_n,
+            "num_warps": fixed.num_warps,
+            "num_stages": fixed.num_stages,
+            "WARP_SPECIALIZE": fixed.warp_specialize,
+            "LAZY_RESCALE": fixed.lazy_rescale,
+            "OVERLAP": fixed.overlap,
         }
     q, k, v = make_inputs(shape, device)
     _, _, info = attention_module._attention_fwd(q, k, v, shape.causal, shape.head_dim**-0.5)
@@ -311,6 +312,8 @@ def flashlite_config(shape: AttentionShape, device: str = "cpu") -> dict[str, An
         "num_warps": info.num_warps,
         "num_stages": info.num_stages,
         "WARP_SPECIALIZE": info.warp_specialize,
+        "LAZY_RESCALE": info.lazy_rescale,
+        "OVERLAP": info.overlap,
         "USE_DESC": info.use_desc,
     }
 

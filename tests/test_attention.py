@@ -16,7 +16,16 @@ import triton
 
 import flashlite
 from flashlite.attention import _attention_fwd
-from flashlite.kernels.attention_fwd import GPU_CONFIGS, default_config, keep_config
+from flashlite.kernels.attention_fwd import (
+    CPU_CONFIG,
+    GPU_CONFIGS,
+    HOPPER_CONFIGS,
+    PIN_ENV,
+    Config,
+    default_config,
+    keep_config,
+    pinned_config,
+)
 from flashlite.reference import attention as ref_attention
 
 #: absolute error floor per dtype, added to 2x PyTorch's own error
@@ -93,15 +102,45 @@ def test_dtypes_and_load_paths(dtype: torch.dtype, use_desc: bool) -> None:
         assert_close_to_reference(out, q, k, v, causal, lse=lse)
 
 
-@pytest.mark.parametrize("lazy", [True, False], ids=["lazy-rescale", "eager-rescale"])
-def test_lazy_and_eager_rescaling_agree(lazy: bool) -> None:
+#: the kernel's loop variants, each on the interpreter's tile (they must all agree)
+VARIANTS = {
+    "eager": CPU_CONFIG,
+    "lazy": CPU_CONFIG._replace(lazy_rescale=True),
+    "overlap": CPU_CONFIG._replace(overlap=True),
+    "lazy-overlap": CPU_CONFIG._replace(lazy_rescale=True, overlap=True),
+}
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_loop_variants(variant: str, dtype: torch.dtype) -> None:
     # lazy: the accumulator is rescaled only on tiles that move a row's reference maximum;
-    # growing scores (a ramp along the keys) make the reference move on most tiles
-    q, k, v = rand(1, 2, 40, 32), rand(1, 2, 70, 32), rand(1, 2, 70, 32)
-    k = k + torch.linspace(0, 3, 70).to(k.dtype)[:, None]
-    for causal in (False, True):
-        out, lse, _ = _attention_fwd(q, k, v, causal, 32**-0.5, lazy_rescale=lazy)
-        assert_close_to_reference(out, q, k, v, causal, lse=lse)
+    # growing scores (a ramp along the keys) make the reference move on most tiles.
+    # overlap: tile j's p·v is issued after tile j+1's scores, a prologue and an epilogue
+    # around the loop; lengths cover no full tile (nk < 16), exactly one and two full tiles,
+    # partial tails, and causal rows that see no key.
+    cfg = VARIANTS[variant]
+    for nq, nk in [(40, 70), (70, 40), (1, 33), (32, 32), (17, 16), (5, 9)]:
+        q, k, v = (rand(1, 2, n, 32, dtype=dtype) for n in (nq, nk, nk))
+        k = k + torch.linspace(0, 3, nk).to(k.dtype)[:, None]
+        for causal in (False, True):
+            out, lse, info = _attention_fwd(q, k, v, causal, 32**-0.5, config=cfg)
+            assert info is not None and (info.lazy_rescale, info.overlap) == cfg[5:]
+            assert_close_to_reference(out, q, k, v, causal, lse=lse)
+
+
+def test_pinned_config_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(PIN_ENV, "16,32,4,1,0,1,1")
+    assert pinned_config() == Config(16, 32, 4, 1, False, True, True)
+    monkeypatch.setenv(PIN_ENV, "16,32,4,1")
+    assert pinned_config() == Config(16, 32, 4, 1)
+    q = rand(1, 2, 40, 32)
+    out, _, info = _attention_fwd(q, q, q, True, 32**-0.5)
+    assert info is not None and (info.block_m, info.block_n) == (16, 32)
+    assert_close_to_reference(out, q, q, q, True)
+    monkeypatch.setenv(PIN_ENV, "16,32")
+    with pytest.raises(ValueError, match=PIN_ENV):
+        pinned_config()
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (6, 1)], ids=["MHA", "GQA", "MQA"])
@@ -269,12 +308,25 @@ def test_gpu_every_config_is_correct() -> None:
             q, k, v = (rand(2, 4, 1500, d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
             rows = torch.arange(0, 1500, 7, device="cuda")
             ref = _rows_reference(q, k, v, causal, rows)
-            for cfg in GPU_CONFIGS:
+            for cfg in dict.fromkeys([*GPU_CONFIGS, *HOPPER_CONFIGS.values()]):
                 if not keep_config(cfg, d, 2, True):
                     continue
                 out = _attention_fwd(q, k, v, causal, d**-0.5, config=cfg)[0]
                 err = (out[:, :, rows].double() - ref).abs().max().item()
                 assert err < 3e-2, (cfg, d, causal, err)
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_runs_the_measured_configs() -> None:
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("HOPPER_CONFIGS apply to sm_90 only")
+    for (block_d, causal), cfg in HOPPER_CONFIGS.items():
+        q, k, v = (rand(1, 2, 300, block_d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+        out, lse, info = _attention_fwd(q, k, v, causal, block_d**-0.5)
+        assert info is not None
+        assert (info.block_m, info.block_n, info.num_warps, info.num_stages) == cfg[:4]
+        assert (info.lazy_rescale, info.overlap) == cfg[5:]
+        assert_close_to_reference(out.cpu(), q.cpu(), k.cpu(), v.cpu(), causal, lse=lse.cpu())
 
 
 @pytest.mark.gpu

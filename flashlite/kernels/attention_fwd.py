@@ -19,37 +19,63 @@ through plain masked pointer loads.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
 
 from flashlite.stats import LOG2E, finalize_lse, online_update, online_update_lazy
 
+
 # ----------------------------------------------------------------------------- configs
-#: (BLOCK_M, BLOCK_N, num_warps, num_stages, warp_specialize) tried by the GPU autotuner;
-#: ``keep_config`` drops the ones that cannot fit a shape. The last ones are small fallbacks
-#: for fp32 and head dims up to 256. Warp specialisation is supported by the kernel but left
-#: out: with Triton 3.6 on the H200 it was no faster than the same config without it, and two
-#: such configs crashed the compiler (NVGPUWarpSpecialization pass).
+class Config(NamedTuple):
+    """One launch config: tile sizes, Triton's ``num_warps``/``num_stages``, and the loop
+    variants (all give the same results; which is fastest depends on the tile and head dim)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    #: ``tl.range(warp_specialize=True)`` on the unmasked loop (TMA loads only)
+    warp_specialize: bool = False
+    #: rescale the accumulator only on tiles that move a row's reference maximum
+    lazy_rescale: bool = False
+    #: leave each tile's ``p·v`` running on the tensor cores under the next tile's softmax
+    overlap: bool = False
+
+
+#: Configs the GPU autotuner tries for shapes without a measured entry below; ``keep_config``
+#: drops the ones that cannot fit a shape. The last ones are small fallbacks for fp32 and head
+#: dims up to 256. Warp specialisation is supported but left out: with Triton 3.6 on the H200 it
+#: was no faster than the same config without it, and two such configs crashed the compiler.
 GPU_CONFIGS = [
-    (128, 128, 8, 3, False),
-    (128, 128, 8, 2, False),
-    (128, 64, 8, 3, False),
-    (128, 64, 4, 3, False),
-    (64, 64, 4, 3, False),
-    (64, 128, 4, 2, False),
-    (64, 64, 4, 2, False),
-    (64, 32, 4, 2, False),
+    Config(128, 128, 8, 3, lazy_rescale=True),
+    Config(128, 128, 8, 2, lazy_rescale=True),
+    Config(128, 64, 4, 3),
+    Config(64, 64, 4, 2, overlap=True),
+    Config(64, 64, 4, 3),
+    Config(64, 128, 4, 2, overlap=True),
+    Config(64, 64, 4, 2),
+    Config(64, 32, 4, 2),
 ]
+#: The config Hopper (sm_90) runs for 16-bit inputs at these ``(BLOCK_D, causal)``, without
+#: autotuning: the fastest in three sweeps on an H200 (bf16, B·N = 16k tokens, N = 4k and
+#: 16k; ``benchmarks/NOTES.md``). Autotuning over ``GPU_CONFIGS`` picks between configs a few
+#: percent apart from one timing each, so its choice moved between runs; a table does not.
+HOPPER_CONFIGS = {
+    (64, False): Config(128, 64, 4, 3),
+    (64, True): Config(64, 64, 4, 3),
+    (128, False): Config(64, 64, 4, 2, overlap=True),
+    (128, True): Config(64, 64, 4, 2, overlap=True),
+}
 #: The config the interpreter (CPU) runs: small tiles keep it quick; several tiles per sequence
 #: in the tests exercise the loop bounds.
-CPU_CONFIG = (16, 16, 4, 1, False)
-#: ``FLASHLITE_ATTENTION_CONFIG="BM,BN,warps,stages,ws"`` pins one config (tests, benchmarks).
+CPU_CONFIG = Config(16, 16, 4, 1)
+#: ``FLASHLITE_ATTENTION_CONFIG="BM,BN,warps,stages[,ws[,lazy[,overlap]]]"`` (0/1 flags) pins
+#: one config (tests, benchmarks).
 PIN_ENV = "FLASHLITE_ATTENTION_CONFIG"
 #: Shared memory a config may plan for (Hopper gives a block 227 KB).
 SMEM_BUDGET = 224 * 1024
-
-Config = tuple[int, int, int, int, bool]
 
 
 def pinned_config() -> Config | None:
@@ -57,16 +83,27 @@ def pinned_config() -> Config | None:
     text = os.environ.get(PIN_ENV)
     if not text:
         return None
-    bm, bn, w, s, ws = (int(v) for v in text.split(","))
-    return bm, bn, w, s, bool(ws)
+    fields = [int(v) for v in text.split(",")]
+    if not 4 <= len(fields) <= 7:
+        raise ValueError(
+            f"{PIN_ENV}={text!r}: expected 4 to 7 comma-separated integers "
+            "BM,BN,warps,stages[,ws[,lazy[,overlap]]]"
+        )
+    bm, bn, w, s, *flags = fields
+    return Config(bm, bn, w, s, *(bool(f) for f in flags))
 
 
 def as_triton_config(cfg: Config, pre_hook: object = None) -> triton.Config:
-    bm, bn, w, s, ws = cfg
     return triton.Config(
-        {"BLOCK_M": bm, "BLOCK_N": bn, "WARP_SPECIALIZE": ws},
-        num_warps=w,
-        num_stages=s,
+        {
+            "BLOCK_M": cfg.block_m,
+            "BLOCK_N": cfg.block_n,
+            "WARP_SPECIALIZE": cfg.warp_specialize,
+            "LAZY_RESCALE": cfg.lazy_rescale,
+            "OVERLAP": cfg.overlap,
+        },
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
         pre_hook=pre_hook,
     )
 
@@ -84,14 +121,19 @@ def keep_config(cfg: Config, block_d: int, elem_bytes: int, use_desc: bool) -> b
     """Whether a config fits this shape: ``stages`` K and V tiles (plus room for Q) in shared
     memory, the fp32 accumulator and score tile in registers; warp specialisation only with TMA
     loads. fp32 counts double: its three-pass TF32 dots keep split copies of the operands (the
-    H200 refused fp32 configs this estimate now rejects)."""
-    bm, bn, warps, stages, ws = cfg
-    if ws and not use_desc:
+    H200 refused fp32 configs this estimate now rejects). The overlapped loop loads one more K
+    and V tile outside the pipelined loop (its first scores and last values)."""
+    if cfg.warp_specialize and not use_desc:
         return False
     elem = 2 * elem_bytes if elem_bytes >= 4 else elem_bytes
-    smem = (stages * 2 * bn + bm) * block_d * elem
-    threads = 32 * warps
-    return smem <= SMEM_BUDGET and bm * block_d <= 128 * threads and bm * bn <= 64 * threads
+    kv_tiles = 2 * cfg.num_stages + (2 if cfg.overlap else 0)
+    smem = (kv_tiles * cfg.block_n + cfg.block_m) * block_d * elem
+    threads = 32 * cfg.num_warps
+    return (
+        smem <= SMEM_BUDGET
+        and cfg.block_m * block_d <= 128 * threads
+        and cfg.block_m * cfg.block_n <= 64 * threads
+    )
 
 
 def default_config(block_d: int, elem_bytes: int, use_desc: bool) -> Config:
@@ -99,7 +141,7 @@ def default_config(block_d: int, elem_bytes: int, use_desc: bool) -> Config:
     for cfg in GPU_CONFIGS:
         if keep_config(cfg, block_d, elem_bytes, use_desc):
             return cfg
-    return (32, 32, 4, 1, False)
+    return Config(32, 32, 4, 1)
 
 
 # ----------------------------------------------------------------------------- kernel
@@ -129,39 +171,105 @@ def _load_tile(src, b, h, row0, n_rows, stride_row, stride_d, offs_r, offs_d,
 
 
 @triton.jit
+def _scores(q, k_src, b, h_kv, start_n, offs_m, offs_n, offs_d, seq_k, diag, stride_kn, stride_kd,
+            MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+            BLOCK_D: tl.constexpr, USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """fp32 scores ``q·kᵀ`` of the key tile at ``start_n``; ``MASKED`` tiles get −inf past the
+    sequence end and above the causal diagonal (``diag = Nk − Nq``)."""
+    k = _load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, offs_n, offs_d,
+                   HEAD_DIM, BLOCK_D, USE_DESC, MASKED)  # fmt: skip
+    if DOT_FP32:
+        k = k.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if MASKED:
+        cols = start_n + offs_n
+        visible = cols[None, :] < seq_k
+        if IS_CAUSAL:
+            visible = visible & (cols[None, :] <= offs_m[:, None] + diag)
+        qk = tl.where(visible, qk, float("-inf"))
+    return qk
+
+
+@triton.jit
+def _update(m, s, qk, exp_scale, LAZY_RESCALE: tl.constexpr):
+    """Fold a score tile into ``(m, s)``: ``(m, s, alpha, p, moved)``; the accumulator needs
+    ``acc·alpha`` only where ``moved`` (always, unless the reference moves lazily)."""
+    if LAZY_RESCALE:  # the reference moves only when a row's maximum grows by > 2^8
+        m, s, alpha, p, moved = online_update_lazy(m, s, qk, exp_scale, 8.0)
+    else:
+        m, s, alpha, p = online_update(m, s, qk, exp_scale)
+        moved = True
+    return m, s, alpha, p, moved
+
+
+@triton.jit
+def _accumulate(acc, p, v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_n, offs_d,
+                MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,
+                DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """``acc + p·v`` for the value tile at ``start_n``."""
+    v = _load_tile(v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_n, offs_d,
+                   HEAD_DIM, BLOCK_D, USE_DESC, MASKED)  # fmt: skip
+    p = p.to(v.dtype)  # tensor-core operands in the input precision, fp32 accumulation
+    if DOT_FP32:  # the interpreter: bf16 values (p keeps its bf16 rounding), fp32 dot
+        p, v = p.to(tl.float32), v.to(tl.float32)
+    return tl.dot(p, v, acc, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _attend(acc, m, s, q, k_src, v_src, b, h_kv, lo, hi, offs_m, offs_n, offs_d, seq_k, diag,
             exp_scale, stride_kn, stride_kd, stride_vn, stride_vd,
             MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
             DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
             WARP_SPECIALIZE: tl.constexpr):  # fmt: skip
-    """Fold key tiles ``[lo, hi)`` into ``(acc, m, s)``; ``MASKED`` tiles check key bounds and
-    the causal diagonal (``diag = Nk − Nq``)."""
+    """Fold key tiles ``[lo, hi)`` into ``(acc, m, s)``, one tile after the other: scores,
+    statistics, rescale, ``acc += p·v``."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        k = _load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, offs_n, offs_d,
-                       HEAD_DIM, BLOCK_D, USE_DESC, MASKED)  # fmt: skip
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # fp32 scores
-        if MASKED:
-            cols = start_n + offs_n
-            visible = cols[None, :] < seq_k
-            if IS_CAUSAL:
-                visible = visible & (cols[None, :] <= offs_m[:, None] + diag)
-            qk = tl.where(visible, qk, float("-inf"))
-        if LAZY_RESCALE:  # rescale the accumulator only on the (rare) tiles that move m
-            m, s, alpha, p, moved = online_update_lazy(m, s, qk, exp_scale, 8.0)
-            if moved:
-                acc = acc * alpha[:, None]
-        else:
-            m, s, alpha, p = online_update(m, s, qk, exp_scale)
+        qk = _scores(q, k_src, b, h_kv, start_n, offs_m, offs_n, offs_d, seq_k, diag, stride_kn,
+                     stride_kd, MASKED, IS_CAUSAL, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
+                     DOT_PRECISION)  # fmt: skip
+        m, s, alpha, p, moved = _update(m, s, qk, exp_scale, LAZY_RESCALE)
+        if moved:
             acc = acc * alpha[:, None]
-        v = _load_tile(v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_n, offs_d,
-                       HEAD_DIM, BLOCK_D, USE_DESC, MASKED)  # fmt: skip
-        p = p.to(v.dtype)  # tensor-core operands in the input precision, fp32 accumulation
-        if DOT_FP32:  # the interpreter: bf16 values (p keeps its bf16 rounding), fp32 dot
-            p, v = p.to(tl.float32), v.to(tl.float32)
-        acc = tl.dot(p, v, acc, input_precision=DOT_PRECISION)
+        acc = _accumulate(acc, p, v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_n,
+                          offs_d, MASKED, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
+                          DOT_PRECISION)  # fmt: skip
+    return acc, m, s
+
+
+@triton.jit
+def _attend_overlapped(acc, m, s, q, k_src, v_src, b, h_kv, lo, hi, offs_m, offs_n, offs_d,
+                       seq_k, diag, exp_scale, stride_kn, stride_kd, stride_vn, stride_vd,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                       USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr):  # fmt: skip
+    """:func:`_attend` over unmasked tiles ``[lo, hi)`` (``hi > lo``), reordered so that the
+    tensor cores work while the statistics are computed: the loop computes tile j's softmax,
+    then tile j+1's scores, then issues tile j's ``p·v`` and moves on without waiting for it, so
+    that product runs under tile j+1's softmax. Same arithmetic, same order of accumulation."""
+    qk = _scores(q, k_src, b, h_kv, lo, offs_m, offs_n, offs_d, seq_k, diag, stride_kn,
+                 stride_kd, False, False, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
+                 DOT_PRECISION)  # fmt: skip
+    for start_n in tl.range(lo, hi - BLOCK_N, BLOCK_N):
+        m, s, alpha, p, moved = _update(m, s, qk, exp_scale, LAZY_RESCALE)
+        # the next scores; Triton waits for this dot (and the p·v still running) right here
+        qk = _scores(q, k_src, b, h_kv, start_n + BLOCK_N, offs_m, offs_n, offs_d, seq_k, diag,
+                     stride_kn, stride_kd, False, False, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
+                     DOT_PRECISION)  # fmt: skip
+        if moved:
+            acc = acc * alpha[:, None]
+        # left in flight: only the next iteration's score dot waits for it
+        acc = _accumulate(acc, p, v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_n,
+                          offs_d, False, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
+                          DOT_PRECISION)  # fmt: skip
+    m, s, alpha, p, moved = _update(m, s, qk, exp_scale, LAZY_RESCALE)
+    if moved:
+        acc = acc * alpha[:, None]
+    acc = _accumulate(acc, p, v_src, b, h_kv, hi - BLOCK_N, seq_k, stride_vn, stride_vd, offs_n,
+                      offs_d, False, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
+                      DOT_PRECISION)  # fmt: skip
     return acc, m, s
 
 
@@ -176,7 +284,7 @@ def _attention_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
+    OVERLAP: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``. Writes O ``(B, Hq, Nq, D)`` and fp32 LSE ``(B·Hq, Nq)``.
 
@@ -228,10 +336,19 @@ def _attention_fwd_kernel(
     else:
         full_hi = (seq_k // BLOCK_N) * BLOCK_N
         hi = seq_k
-    acc, m, s = _attend(acc, m, s, q, k_src, v_src, b, h_kv, 0, full_hi, offs_m, offs_n, offs_d,
-                        seq_k, diag, exp_scale, stride_kn, stride_kd, stride_vn, stride_vd,
-                        False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
-                        DOT_PRECISION, LAZY_RESCALE, WARP_SPECIALIZE)  # fmt: skip
+    if OVERLAP:
+        if full_hi > 0:
+            acc, m, s = _attend_overlapped(acc, m, s, q, k_src, v_src, b, h_kv, 0, full_hi,
+                                           offs_m, offs_n, offs_d, seq_k, diag, exp_scale,
+                                           stride_kn, stride_kd, stride_vn, stride_vd, HEAD_DIM,
+                                           BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION,
+                                           LAZY_RESCALE)  # fmt: skip
+    else:
+        acc, m, s = _attend(acc, m, s, q, k_src, v_src, b, h_kv, 0, full_hi, offs_m, offs_n,
+                            offs_d, seq_k, diag, exp_scale, stride_kn, stride_kd, stride_vn,
+                            stride_vd, False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC,
+                            DOT_FP32, DOT_PRECISION, LAZY_RESCALE,
+                            WARP_SPECIALIZE)  # fmt: skip
     acc, m, s = _attend(acc, m, s, q, k_src, v_src, b, h_kv, full_hi, hi, offs_m, offs_n,
                         offs_d, seq_k, diag, exp_scale, stride_kn, stride_kd, stride_vn,
                         stride_vd, True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC,
