@@ -6,12 +6,17 @@ This is the only module that knows about ``TRITON_INTERPRET`` and the interprete
   imported, so every ``@triton.jit`` function (kernels and the ``stats`` helpers they call) is
   created as an interpreted function. That is the supported way to interpret kernels that call
   other jitted helpers.
-* On a CUDA machine (or whenever ``triton`` was imported first) the jitted functions are compiled
-  ones, yet CPU tensors still run the same kernels in the interpreter: :func:`launcher` wraps the
-  kernel in an interpreted function, and while it runs, a call of any compiled ``@triton.jit``
-  function — our helpers and Triton's own library (``tl.cdiv``, ``tl.max``, …) — is redirected
-  to an interpreted copy of it. Wrapping only the kernel is not enough: its first helper call
-  would fail ("Cannot call @triton.jit'd outside of the scope of a kernel").
+* On a CUDA machine the jitted functions are compiled ones (Triton decides at import). CPU
+  tensors given to a kernel there go to the GPU and back: :func:`launcher` copies the storages
+  they view (same strides and offsets), runs the compiled kernel and copies the storages back.
+  (Interpreting kernels in a compiling process leaves Triton 3.6's language module patched for
+  the interpreter, which then breaks every later compile: seen on the H200.)
+* Where ``triton`` was imported before flashlite on a machine without a GPU, the jitted
+  functions are compiled ones too, and nothing can run them: :func:`launcher` wraps the kernel
+  in an interpreted function, and while it runs, a call of any compiled ``@triton.jit`` function
+  (our helpers and Triton's own library: ``tl.cdiv``, ``tl.max``, …) is redirected to an
+  interpreted copy of it. Wrapping only the kernel is not enough: its first helper call would
+  fail ("Cannot call @triton.jit'd outside of the scope of a kernel").
 * The interpreter computes ``tl.dot`` on bf16 operands wrongly (seen with Triton 3.9), so
   :func:`dot_upcast` tells kernels to feed fp32 operands to ``tl.dot`` there.
 """
@@ -73,6 +78,35 @@ class _InterpretedLaunch:
         return run
 
 
+class _GpuRoundTrip:
+    """``kernel[grid](...)`` for CPU tensors in a process that compiles for its CUDA device."""
+
+    def __init__(self, kernel: JITFunction) -> None:
+        self.kernel = kernel
+
+    def __getitem__(self, grid: Any) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            # one GPU copy per CPU storage (views of one buffer stay views of one buffer)
+            copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+            def to_gpu(a: Any) -> Any:
+                if not (isinstance(a, torch.Tensor) and a.device.type == "cpu"):
+                    return a
+                storage = a.untyped_storage()
+                if storage.data_ptr() not in copies:
+                    whole = torch.empty(0, dtype=a.dtype).set_(storage)
+                    copies[storage.data_ptr()] = (whole, whole.to("cuda"))
+                gpu = copies[storage.data_ptr()][1]
+                return gpu.as_strided(a.shape, a.stride(), a.storage_offset())
+
+            out = self.kernel[grid](*map(to_gpu, args), **{k: to_gpu(v) for k, v in kwargs.items()})
+            for whole, gpu in copies.values():  # outputs (inputs come back unchanged)
+                whole.copy_(gpu)
+            return out
+
+        return run
+
+
 def is_interpreted(device: torch.device) -> bool:
     """True when kernels for tensors on ``device`` run in Triton's interpreter."""
     return device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
@@ -90,7 +124,7 @@ def check_device(t: torch.Tensor, name: str) -> None:
 def launcher(kernel: Any, device: torch.device) -> Any:
     """The kernel object to index with a grid for tensors on ``device``."""
     if device.type == "cpu" and isinstance(kernel, JITFunction):
-        return _InterpretedLaunch(kernel)
+        return _GpuRoundTrip(kernel) if torch.cuda.is_available() else _InterpretedLaunch(kernel)
     return kernel
 
 

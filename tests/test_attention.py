@@ -331,5 +331,14 @@ def test_gpu_hopper_runs_the_measured_configs() -> None:
 
 @pytest.mark.gpu
 def test_gpu_cpu_tensors_still_work_on_a_cuda_machine() -> None:
-    q = rand(1, 2, 20, 16)
-    assert_close_to_reference(flashlite.attention(q, q, q), q, q, q)
+    # CPU tensors go to the GPU and back (same strides: slices of one packed qkv buffer too)
+    qkv = rand(1, 20, 3, 2, 16)
+    q, k, v = qkv.unbind(2)
+    out = flashlite.attention(q, k, v, layout="b n h d", causal=True)
+    assert out.device.type == "cpu"
+    assert_close_to_reference(*(t.transpose(1, 2) for t in (out, q, k, v)), True)
+    x = torch.randn(3, 1000)
+    torch.testing.assert_close(flashlite.softmax(x), torch.softmax(x, -1))
+    # and compiling for the GPU still works afterwards (a leaked interpreter patch broke it)
+    qc = rand(1, 2, 20, 48, device="cuda")
+    assert_close_to_reference(flashlite.attention(qc, qc, qc).cpu(), *(qc.cpu(),) * 3)

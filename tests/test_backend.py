@@ -13,8 +13,9 @@ import torch
 import flashlite
 from flashlite import _backend
 
-# A process that imports triton before flashlite keeps compiled @triton.jit functions, as on a
-# CUDA machine: CPU tensors must still run the same kernels, in the interpreter.
+# A process that imports triton before flashlite keeps compiled @triton.jit functions: CPU
+# tensors must still run the same kernels (in the interpreter without a GPU; on a CUDA machine
+# through the GPU and back).
 MIXED = textwrap.dedent(
     """
     import os, triton
@@ -40,7 +41,7 @@ MIXED = textwrap.dedent(
 )
 
 
-def test_cpu_tensors_run_interpreted_when_kernels_are_compiled() -> None:
+def test_cpu_tensors_run_where_kernels_are_compiled() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run(
         [sys.executable, "-c", MIXED], capture_output=True, text=True, timeout=300, env=env
