@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="check and time each config first")
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (slow compiles)")
     ap.add_argument("--seqs", type=int, nargs="*", default=list(SEQS))
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved timings per provider")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved timings per provider")
     args = ap.parse_args()
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     rows: list[dict] = []

@@ -7,6 +7,7 @@ strides (einops patterns, no copies), chooses tensor-descriptor or pointer loads
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -116,7 +117,14 @@ def _config_tuple(c: triton.Config) -> K.Config:
 
 def as_constexprs(cfg: K.Config) -> dict[str, object]:
     """The kernel constexprs a config sets."""
-    return dict(K.as_triton_config(cfg).kwargs)
+    return {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
+            "WARP_SPECIALIZE": cfg.warp_specialize, "LAZY_RESCALE": cfg.lazy_rescale,
+            "OVERLAP": cfg.overlap}  # fmt: skip
+
+
+@functools.cache
+def _is_hopper(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
 def _tuned_kernel():
@@ -153,7 +161,7 @@ def fixed_config(
         return pinned
     if _backend.is_interpreted(device):
         return K.CPU_CONFIG
-    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+    hopper = device.type == "cuda" and _is_hopper(device.index or 0)
     if hopper and dtype in (torch.float16, torch.bfloat16):
         return K.HOPPER_CONFIGS.get((block_d, bool(causal)))
     return None
@@ -231,15 +239,22 @@ def _attention_fwd(
                               config.lazy_rescale, config.overlap)  # fmt: skip
 
 
+def _forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, layout: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    qc, kc, vc = (_to_bhnd(t, layout) for t in (q, k, v))
+    o, lse, _ = _attention_fwd(qc, kc, vc, causal, scale)
+    return (o if layout == "b h n d" else einops.rearrange(o, f"b h n d -> {layout}")), lse
+
+
 class AttentionFunction(torch.autograd.Function):
     """Autograd wrapper: forward only for now (the backward kernel is a later issue)."""
 
     @staticmethod
     def forward(ctx, q, k, v, causal, scale, layout):  # type: ignore[override]
-        qc, kc, vc = (_to_bhnd(t, layout) for t in (q, k, v))
-        o, lse, _ = _attention_fwd(qc, kc, vc, causal, scale)
+        o, lse = _forward(q, k, v, causal, scale, layout)
         ctx.mark_non_differentiable(lse)
-        return einops.rearrange(o, f"b h n d -> {layout}"), lse
+        return o, lse
 
     @staticmethod
     def backward(ctx, *grads):  # type: ignore[override]
@@ -283,5 +298,8 @@ def attention(
         NotImplementedError: head dim above 256.
     """
     sm_scale = _check(q, k, v, layout, scale)
-    o, lse = AttentionFunction.apply(q, k, v, bool(causal), sm_scale, layout)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        o, lse = AttentionFunction.apply(q, k, v, bool(causal), sm_scale, layout)
+    else:  # no graph to record: skip autograd's per-call cost (small problems feel it)
+        o, lse = _forward(q, k, v, bool(causal), sm_scale, layout)
     return (o, lse) if return_lse else o
