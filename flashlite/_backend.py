@@ -1,4 +1,5 @@
-"""Where a kernel runs: compiled Triton for CUDA tensors, Triton's interpreter for CPU tensors.
+"""Where a kernel runs: compiled Triton for CUDA tensors; CPU tensors in Triton's interpreter on
+a machine without a GPU, and through the GPU (copied there and back) on a CUDA machine.
 
 This is the only module that knows about ``TRITON_INTERPRET`` and the interpreter's quirks.
 

@@ -2,7 +2,8 @@
 
 The kernel lives in :mod:`flashlite.kernels.attention_fwd`; this module reads any layout through
 strides (einops patterns, no copies), chooses tensor-descriptor or pointer loads, the tile config
-(autotuned on a GPU, pinned on the interpreter) and launches it.
+(pinned, the interpreter's, the measured Hopper table, else autotuned: :func:`fixed_config`) and
+launches it.
 """
 
 from __future__ import annotations
