@@ -11,6 +11,11 @@ Causal attention is bottom-right aligned (query i sees key j iff ``j <= i + Nk �
 range splits in two loops: tiles every row of the block sees completely (no mask arithmetic) and
 the diagonal/boundary tiles (masked); tiles above the diagonal are never visited.
 
+Two loop variants, chosen per :class:`Config`, give the same result: lazy rescaling (the
+accumulator is rescaled only on tiles that move a row's reference maximum) and the overlapped
+loop of :func:`_attend_overlapped` (each tile's ``p·v`` runs on the tensor cores while the next
+tile's softmax is computed).
+
 Loads go through 4-D ``(B, H, N, D)`` tensor descriptors built on the host (TMA on Hopper;
 out-of-bounds rows and columns padded with zeros) when the strides are 16-byte aligned, else
 through plain masked pointer loads.
@@ -195,7 +200,7 @@ def _scores(q, k_src, b, h_kv, start_n, offs_m, offs_n, offs_d, seq_k, diag, str
 def _update(m, s, qk, exp_scale, LAZY_RESCALE: tl.constexpr):
     """Fold a score tile into ``(m, s)``: ``(m, s, alpha, p, moved)``; the accumulator needs
     ``acc·alpha`` only where ``moved`` (always, unless the reference moves lazily)."""
-    if LAZY_RESCALE:  # the reference moves only when a row's maximum grows by > 2^8
+    if LAZY_RESCALE:  # the reference moves only when a row's maximum grows by a factor > 2^8
         m, s, alpha, p, moved = online_update_lazy(m, s, qk, exp_scale, 8.0)
     else:
         m, s, alpha, p = online_update(m, s, qk, exp_scale)
