@@ -209,11 +209,14 @@ def _update(m, s, qk, exp_scale, LAZY_RESCALE: tl.constexpr):
 
 
 @triton.jit
-def _accumulate(acc, p, v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_n, offs_d,
-                MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,
+def _accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd,
+                offs_n, offs_d, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,
                 DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """``acc + p·v`` for the value tile at ``start_n``."""
+    """``acc·alpha + p·v`` for the value tile at ``start_n`` (the multiply only where
+    :func:`_update` says the reference ``moved``)."""
+    if moved:
+        acc = acc * alpha[:, None]
     v = _load_tile(v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_n, offs_d,
                    HEAD_DIM, BLOCK_D, USE_DESC, MASKED)  # fmt: skip
     p = p.to(v.dtype)  # tensor-core operands in the input precision, fp32 accumulation
@@ -230,17 +233,15 @@ def _attend(acc, m, s, q, k_src, v_src, b, h_kv, lo, hi, offs_m, offs_n, offs_d,
             DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
             WARP_SPECIALIZE: tl.constexpr):  # fmt: skip
     """Fold key tiles ``[lo, hi)`` into ``(acc, m, s)``, one tile after the other: scores,
-    statistics, rescale, ``acc += p·v``."""
+    statistics, ``acc = acc·alpha + p·v``."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
         qk = _scores(q, k_src, b, h_kv, start_n, offs_m, offs_n, offs_d, seq_k, diag, stride_kn,
                      stride_kd, MASKED, IS_CAUSAL, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
                      DOT_PRECISION)  # fmt: skip
         m, s, alpha, p, moved = _update(m, s, qk, exp_scale, LAZY_RESCALE)
-        if moved:
-            acc = acc * alpha[:, None]
-        acc = _accumulate(acc, p, v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_n,
-                          offs_d, MASKED, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
-                          DOT_PRECISION)  # fmt: skip
+        acc = _accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, seq_k, stride_vn,
+                          stride_vd, offs_n, offs_d, MASKED, HEAD_DIM, BLOCK_D, USE_DESC,
+                          DOT_FP32, DOT_PRECISION)  # fmt: skip
     return acc, m, s
 
 
@@ -263,17 +264,14 @@ def _attend_overlapped(acc, m, s, q, k_src, v_src, b, h_kv, lo, hi, offs_m, offs
         qk = _scores(q, k_src, b, h_kv, start_n + BLOCK_N, offs_m, offs_n, offs_d, seq_k, diag,
                      stride_kn, stride_kd, False, False, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
                      DOT_PRECISION)  # fmt: skip
-        if moved:
-            acc = acc * alpha[:, None]
-        # left in flight: only the next iteration's score dot waits for it
-        acc = _accumulate(acc, p, v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_n,
-                          offs_d, False, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
-                          DOT_PRECISION)  # fmt: skip
+        # the rescale reads acc after that wait; the product is left in flight: only the next
+        # iteration's score dot waits for it
+        acc = _accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, seq_k, stride_vn,
+                          stride_vd, offs_n, offs_d, False, HEAD_DIM, BLOCK_D, USE_DESC,
+                          DOT_FP32, DOT_PRECISION)  # fmt: skip
     m, s, alpha, p, moved = _update(m, s, qk, exp_scale, LAZY_RESCALE)
-    if moved:
-        acc = acc * alpha[:, None]
-    acc = _accumulate(acc, p, v_src, b, h_kv, hi - BLOCK_N, seq_k, stride_vn, stride_vd, offs_n,
-                      offs_d, False, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
+    acc = _accumulate(acc, alpha, moved, p, v_src, b, h_kv, hi - BLOCK_N, seq_k, stride_vn,
+                      stride_vd, offs_n, offs_d, False, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
                       DOT_PRECISION)  # fmt: skip
     return acc, m, s
 
