@@ -13,7 +13,6 @@ provider alike. ``--sweep`` first checks and times every flashlite config (``GPU
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import math
@@ -162,7 +161,8 @@ def main() -> None:
                            "max_err_vs_flash": errs[name],
                            "tflops": tflops(b, h, n, d, causal, ms)}  # fmt: skip
                     if name == "flashlite" and info is not None:
-                        row["config"] = dataclasses.asdict(info)
+                        row["config"] = {**info.config._asdict(), "block_d": info.block_d,
+                                         "use_desc": info.use_desc}  # fmt: skip
                     rows.append(row)
                     print(f"{name:15s} D={d:3d} N={n:5d} causal={causal!s:5s} "
                           f"{row['tflops']:6.1f} TFLOP/s err={errs[name]:.3g}")  # fmt: skip

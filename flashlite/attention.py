@@ -27,17 +27,11 @@ MAX_HEAD_DIM = 256
 
 @dataclass(frozen=True)
 class LaunchInfo:
-    """What one kernel launch used (read by the traffic tools)."""
+    """What one kernel launch used (read by the traffic tools and the benchmark)."""
 
-    block_m: int
-    block_n: int
+    config: K.Config
     block_d: int
     use_desc: bool
-    num_warps: int
-    num_stages: int
-    warp_specialize: bool
-    lazy_rescale: bool
-    overlap: bool
 
 
 def _to_bhnd(t: torch.Tensor, layout: str) -> torch.Tensor:
@@ -110,19 +104,6 @@ def _descriptor_ok(*tensors: torch.Tensor) -> bool:
 _autotuned = None
 
 
-def _config_tuple(c: triton.Config) -> K.Config:
-    kw = c.kwargs
-    return K.Config(kw["BLOCK_M"], kw["BLOCK_N"], c.num_warps, c.num_stages,
-                    kw["WARP_SPECIALIZE"], kw["LAZY_RESCALE"], kw["OVERLAP"])  # fmt: skip
-
-
-def as_constexprs(cfg: K.Config) -> dict[str, object]:
-    """The kernel constexprs a config sets."""
-    return {"BLOCK_M": cfg.block_m, "BLOCK_N": cfg.block_n,
-            "WARP_SPECIALIZE": cfg.warp_specialize, "LAZY_RESCALE": cfg.lazy_rescale,
-            "OVERLAP": cfg.overlap}  # fmt: skip
-
-
 @functools.cache
 def _is_hopper(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
@@ -137,7 +118,7 @@ def _tuned_kernel():
             out = named_args["O"]
             esize = (out.base if kwargs["USE_DESC"] else out).element_size()
             fits = (kwargs["BLOCK_D"], esize, kwargs["USE_DESC"])
-            keep = [c for c in configs if K.keep_config(_config_tuple(c), *fits)]
+            keep = [c for c in configs if K.keep_config(K.Config.of(c), *fits)]
             return keep or [K.as_triton_config(K.default_config(*fits), K.set_block_shapes)]
 
         _autotuned = triton.autotune(
@@ -207,8 +188,10 @@ def _attention_fwd(
         prescale_q = q.dtype != torch.float32
     if config is None:
         config = fixed_config(dev, block_d, causal, q.dtype)
+    if config is not None:  # a plain tuple works too
+        config = K.Config(*config)
     if use_desc:  # block shapes are set per config (set_block_shapes), placeholders here
-        bm, bn = (config[0], config[1]) if config is not None else (16, 16)
+        bm, bn = (config.block_m, config.block_n) if config is not None else (16, 16)
         srcs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])
                 for t, r in ((q, bm), (k, bn), (v, bn), (o, bm))]  # fmt: skip
     else:
@@ -226,18 +209,15 @@ def _attention_fwd(
         "DOT_PRECISION": "tf32x3" if q.dtype == torch.float32 else "tf32",
     }
     if config is not None:
-        config = K.Config(*config)
         grid = (triton.cdiv(nq, config.block_m), b * hq)
         kernel = _backend.launcher(K._attention_fwd_kernel, dev)
-        kernel[grid](*args, **as_constexprs(config), num_warps=config.num_warps,
+        kernel[grid](*args, **config.constexprs(), num_warps=config.num_warps,
                      num_stages=config.num_stages, **consts)  # fmt: skip
     else:
         tuned = _tuned_kernel()
         tuned[lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), b * hq)](*args, **consts)
-        config = _config_tuple(tuned.best_config)
-    return o, lse, LaunchInfo(config.block_m, config.block_n, block_d, use_desc,
-                              config.num_warps, config.num_stages, config.warp_specialize,
-                              config.lazy_rescale, config.overlap)  # fmt: skip
+        config = K.Config.of(tuned.best_config)
+    return o, lse, LaunchInfo(config, block_d, use_desc)
 
 
 def _forward(

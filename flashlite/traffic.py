@@ -293,29 +293,14 @@ def flashlite_config(shape: AttentionShape, device: str = "cpu") -> dict[str, An
     attention_module = importlib.import_module("flashlite.attention")
     fixed = attention_module.fixed_config(torch.device(device))
     if fixed is not None:  # interpreted or pinned: no launch needed to know it
-        return {
-            "BLOCK_M": fixed.block_m,
-            "BLOCK_N": fixed.block_n,
-            "num_warps": fixed.num_warps,
-            "num_stages": fixed.num_stages,
-            "WARP_SPECIALIZE": fixed.warp_specialize,
-            "LAZY_RESCALE": fixed.lazy_rescale,
-            "OVERLAP": fixed.overlap,
-        }
+        return {**fixed.constexprs(), "num_warps": fixed.num_warps, "num_stages": fixed.num_stages}
     q, k, v = make_inputs(shape, device)
     _, _, info = attention_module._attention_fwd(q, k, v, shape.causal, shape.head_dim**-0.5)
     if info is None:  # empty problem: nothing launched
         return {"BLOCK_M": 1, "BLOCK_N": 1}
-    return {
-        "BLOCK_M": info.block_m,
-        "BLOCK_N": info.block_n,
-        "num_warps": info.num_warps,
-        "num_stages": info.num_stages,
-        "WARP_SPECIALIZE": info.warp_specialize,
-        "LAZY_RESCALE": info.lazy_rescale,
-        "OVERLAP": info.overlap,
-        "USE_DESC": info.use_desc,
-    }
+    cfg = info.config
+    return {**cfg.constexprs(), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+            "USE_DESC": info.use_desc}  # fmt: skip
 
 
 def model_attention(method: str, shape: AttentionShape, **config: int) -> Traffic | None:

@@ -22,6 +22,7 @@ from flashlite.kernels.attention_fwd import (
     HOPPER_CONFIGS,
     PIN_ENV,
     Config,
+    as_triton_config,
     default_config,
     keep_config,
     pinned_config,
@@ -125,8 +126,15 @@ def test_loop_variants(variant: str, dtype: torch.dtype) -> None:
         k = k + torch.linspace(0, 3, nk).to(k.dtype)[:, None]
         for causal in (False, True):
             out, lse, info = _attention_fwd(q, k, v, causal, 32**-0.5, config=cfg)
-            assert info is not None and (info.lazy_rescale, info.overlap) == cfg[5:]
+            assert info is not None
+            assert (info.config.lazy_rescale, info.config.overlap) == cfg[5:]
             assert_close_to_reference(out, q, k, v, causal, lse=lse)
+
+
+def test_configs_round_trip_through_the_autotuner_form() -> None:
+    # the autotuner holds triton.Configs; Config.of must give back the config they came from
+    for cfg in [*GPU_CONFIGS, *HOPPER_CONFIGS.values(), *VARIANTS.values()]:
+        assert Config.of(as_triton_config(cfg)) == cfg
 
 
 def test_pinned_config_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -136,7 +144,7 @@ def test_pinned_config_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     assert pinned_config() == Config(16, 32, 4, 1)
     q = rand(1, 2, 40, 32)
     out, _, info = _attention_fwd(q, q, q, True, 32**-0.5)
-    assert info is not None and (info.block_m, info.block_n) == (16, 32)
+    assert info is not None and (info.config.block_m, info.config.block_n) == (16, 32)
     assert_close_to_reference(out, q, q, q, True)
     monkeypatch.setenv(PIN_ENV, "16,32")
     with pytest.raises(ValueError, match=PIN_ENV):
@@ -324,8 +332,9 @@ def test_gpu_hopper_runs_the_measured_configs() -> None:
         q, k, v = (rand(1, 2, 300, block_d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
         out, lse, info = _attention_fwd(q, k, v, causal, block_d**-0.5)
         assert info is not None
-        assert (info.block_m, info.block_n, info.num_warps, info.num_stages) == cfg[:4]
-        assert (info.lazy_rescale, info.overlap) == cfg[5:]
+        c = info.config
+        assert (c.block_m, c.block_n, c.num_warps, c.num_stages) == cfg[:4]
+        assert (c.lazy_rescale, c.overlap) == cfg[5:]
         assert_close_to_reference(out.cpu(), q.cpu(), k.cpu(), v.cpu(), causal, lse=lse.cpu())
 
 

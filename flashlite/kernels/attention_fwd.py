@@ -48,6 +48,19 @@ class Config(NamedTuple):
     #: leave each tile's ``p·v`` running on the tensor cores under the next tile's softmax
     overlap: bool = False
 
+    def constexprs(self) -> dict[str, object]:
+        """The kernel constexprs this config sets (warps and stages are launch options)."""
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
+                "WARP_SPECIALIZE": self.warp_specialize, "LAZY_RESCALE": self.lazy_rescale,
+                "OVERLAP": self.overlap}  # fmt: skip
+
+    @classmethod
+    def of(cls, c: triton.Config) -> Config:
+        """The config an autotuner's ``triton.Config`` (from :func:`as_triton_config`) holds."""
+        kw = c.kwargs
+        return cls(kw["BLOCK_M"], kw["BLOCK_N"], c.num_warps, c.num_stages,
+                   kw["WARP_SPECIALIZE"], kw["LAZY_RESCALE"], kw["OVERLAP"])  # fmt: skip
+
 
 #: Configs the GPU autotuner tries for shapes without a measured entry below; ``keep_config``
 #: drops the ones that cannot fit a shape. The last ones are small fallbacks for fp32 and head
@@ -100,16 +113,7 @@ def pinned_config() -> Config | None:
 
 def as_triton_config(cfg: Config, pre_hook: object = None) -> triton.Config:
     return triton.Config(
-        {
-            "BLOCK_M": cfg.block_m,
-            "BLOCK_N": cfg.block_n,
-            "WARP_SPECIALIZE": cfg.warp_specialize,
-            "LAZY_RESCALE": cfg.lazy_rescale,
-            "OVERLAP": cfg.overlap,
-        },
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        pre_hook=pre_hook,
+        cfg.constexprs(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, pre_hook=pre_hook
     )
 
 
