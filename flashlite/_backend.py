@@ -108,6 +108,12 @@ class _GpuRoundTrip:
         return run
 
 
+def kernels_interpreted() -> bool:
+    """Whether kernels on CPU tensors run in Triton's interpreter in this process (not so on a
+    CUDA machine unless ``TRITON_INTERPRET=1`` was set before flashlite was imported)."""
+    return os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()
+
+
 def is_interpreted(device: torch.device) -> bool:
     """True when kernels for tensors on ``device`` run in Triton's interpreter."""
     return device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1"

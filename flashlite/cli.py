@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -394,6 +396,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``flashlite`` console script."""
     args = build_parser().parse_args(argv)
+    counts = args.func is _cmd_demo or (args.func is _cmd_traffic and args.count)
+    if counts:
+        from flashlite import _backend
+
+        if not _backend.kernels_interpreted():
+            # Counting runs kernels in Triton's interpreter, which a process that compiles for
+            # its GPU cannot switch on: run the same command in one that interprets.
+            cmd = [sys.executable, "-m", "flashlite.cli", *(sys.argv[1:] if argv is None else argv)]
+            return subprocess.call(cmd, env={**os.environ, "TRITON_INTERPRET": "1"})
     return int(args.func(args) or 0)
 
 

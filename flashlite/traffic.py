@@ -41,7 +41,7 @@ import torch
 import triton
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flashlite import reference
+from flashlite import _backend, reference
 from flashlite.kernels import softmax as softmax_kernels
 
 __all__ = [
@@ -563,6 +563,12 @@ def count_kernels() -> Iterator[KernelCounter]:
             flashlite.softmax(x)
         c.traffic.read, c.traffic.write
     """
+    if not _backend.kernels_interpreted():
+        raise RuntimeError(
+            "counting kernel loads and stores needs Triton's interpreter, which is off in this "
+            "process (a CUDA device is present): set TRITON_INTERPRET=1 before flashlite is "
+            "imported, e.g. `TRITON_INTERPRET=1 flashlite traffic --count`"
+        )
     counter = KernelCounter()
     if not _hooks_needed():
         _install_interpreter_hooks()
@@ -862,7 +868,9 @@ def _run_ncu(
         ]
         cmd = _ncu_command(ncu, [_range_name(i) for i in range(len(shapes))], rename) + child
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+            # the child runs compiled kernels even where this process interprets them (counting)
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         except subprocess.TimeoutExpired:
             return [], {}, f"ncu timed out after {timeout:.0f} s"
         except OSError as e:

@@ -104,3 +104,20 @@ def test_bench_and_usage(capsys: pytest.CaptureFixture[str]) -> None:
     assert "bench_traffic.py" in capsys.readouterr().out
     with pytest.raises(SystemExit):
         cli.main([])
+
+
+def test_counting_commands_rerun_where_kernels_are_interpreted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # a process that compiles for its GPU cannot interpret kernels: the CLI re-runs the command
+    # in one that does (TRITON_INTERPRET=1) instead of counting nothing
+    from flashlite import _backend
+
+    calls: list[tuple[list[str], dict[str, str]]] = []
+    monkeypatch.setattr(_backend, "kernels_interpreted", lambda: False)
+    monkeypatch.setattr(cli.subprocess, "call", lambda cmd, env: calls.append((cmd, env)) or 0)
+    argv = ["traffic", "--seq", "16", "--count", "--json"]
+    assert cli.main(argv) == 0
+    ((cmd, env),) = calls
+    assert cmd[-len(argv) :] == argv and cmd[1:3] == ["-m", "flashlite.cli"]
+    assert env["TRITON_INTERPRET"] == "1"

@@ -165,6 +165,18 @@ def test_counters_restore_the_interpreter() -> None:
     assert "create_masked_load" not in vars(interpreter.interpreter_builder)
 
 
+def test_kernel_counting_refuses_compiled_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
+    # where kernels are compiled (a CUDA machine) the interpreter hooks would see nothing
+    from flashlite import _backend
+
+    monkeypatch.setattr(_backend, "kernels_interpreted", lambda: False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"), traffic.count_kernels():
+        pass
+    with traffic.count_torch_ops() as ops:  # torch ops need no interpreter
+        torch.ones(4) + 1
+    assert ops.traffic.total > 0
+
+
 def test_compulsory_and_l2_note() -> None:
     shape = AttentionShape(1, 8, 1024, 64, kv_heads=2, dtype=torch.bfloat16)
     comp = traffic.compulsory_attention(shape)
@@ -222,6 +234,23 @@ def test_measure_attributes_kernels_to_ranges(tmp_path: Path, monkeypatch: pytes
     assert m.traffic[0] is not None and m.traffic[1] is not None
     assert m.traffic[0].read == round(8.42e6) + 2048  # two kernels in range 0
     assert m.traffic[1].write == round(268.44e6)
+
+
+def test_measure_child_runs_compiled_kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    # TRITON_INTERPRET=1 (set for counting) must not reach the measured child
+    seen = tmp_path / "interpret.txt"
+    script = _fake_ncu(tmp_path)
+    script.write_text(
+        script.read_text()
+        + f"open({str(seen)!r}, 'w').write(__import__('os').environ.get('TRITON_INTERPRET', '-'))\n"
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("NCU", str(script))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    shapes = [AttentionShape(1, 1, 64, 16), AttentionShape(1, 1, 128, 16)]  # as the sample
+    m = traffic.measure_attention("naive", shapes)
+    assert m.message == ""
+    assert seen.read_text() == "-"
 
 
 def test_measure_without_gpu_or_ncu(monkeypatch: pytest.MonkeyPatch) -> None:
