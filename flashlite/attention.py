@@ -38,8 +38,10 @@ def _to_bhnd(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t if layout == "b h n d" else einops.rearrange(t, f"{layout} -> b h n d")
 
 
-def _check(q: object, k: object, v: object, layout: object, scale: object) -> float:
-    """Validate the public arguments; return the softmax scale."""
+def _check(
+    q: object, k: object, v: object, layout: object, scale: object
+) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate the public arguments; return the softmax scale and q, k, v as ``b h n d`` views."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -83,12 +85,12 @@ def _check(q: object, k: object, v: object, layout: object, scale: object) -> fl
     if d > MAX_HEAD_DIM:
         raise NotImplementedError(f"head dim {d} is not supported: flashlite supports 1 to 256")
     if scale is None:
-        return 1.0 / math.sqrt(d)
+        return 1.0 / math.sqrt(d), qc, kc, vc
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be a finite positive number, got {scale}")
-    return float(scale)
+    return float(scale), qc, kc, vc
 
 
 def _descriptor_ok(*tensors: torch.Tensor) -> bool:
@@ -220,20 +222,12 @@ def _attention_fwd(
     return o, lse, LaunchInfo(config, block_d, use_desc)
 
 
-def _forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float, layout: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    qc, kc, vc = (_to_bhnd(t, layout) for t in (q, k, v))
-    o, lse, _ = _attention_fwd(qc, kc, vc, causal, scale)
-    return (o if layout == "b h n d" else einops.rearrange(o, f"b h n d -> {layout}")), lse
-
-
 class AttentionFunction(torch.autograd.Function):
     """Autograd wrapper: forward only for now (the backward kernel is a later issue)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, layout):  # type: ignore[override]
-        o, lse = _forward(q, k, v, causal, scale, layout)
+    def forward(ctx, q, k, v, causal, scale):  # type: ignore[override]
+        o, lse, _ = _attention_fwd(q, k, v, causal, scale)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
@@ -278,9 +272,11 @@ def attention(
             mixed devices, a non-positive scale.
         NotImplementedError: head dim above 256.
     """
-    sm_scale = _check(q, k, v, layout, scale)
+    sm_scale, qc, kc, vc = _check(q, k, v, layout, scale)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        o, lse = AttentionFunction.apply(q, k, v, bool(causal), sm_scale, layout)
+        o, lse = AttentionFunction.apply(qc, kc, vc, bool(causal), sm_scale)
     else:  # no graph to record: skip autograd's per-call cost (small problems feel it)
-        o, lse = _forward(q, k, v, bool(causal), sm_scale, layout)
+        o, lse, _ = _attention_fwd(qc, kc, vc, bool(causal), sm_scale)
+    if layout != "b h n d":
+        o = einops.rearrange(o, f"b h n d -> {layout}")
     return (o, lse) if return_lse else o
