@@ -25,6 +25,7 @@ This is the only module that knows about ``TRITON_INTERPRET`` and the interprete
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 from collections.abc import Iterator
@@ -145,6 +146,7 @@ def num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@functools.cache
 def cooperative_launch_supported() -> bool:
     """Whether this Triton can launch a cooperative grid (all programs resident at once)."""
     try:
