@@ -117,7 +117,9 @@ def kernels_interpreted() -> bool:
 
 def is_interpreted(device: torch.device) -> bool:
     """True when kernels for tensors on ``device`` run in Triton's interpreter."""
-    return device.type == "cpu" or os.environ.get("TRITON_INTERPRET") == "1"
+    return os.environ.get("TRITON_INTERPRET") == "1" or (
+        device.type == "cpu" and kernels_interpreted()
+    )
 
 
 def check_device(t: torch.Tensor, name: str) -> None:

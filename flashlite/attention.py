@@ -138,12 +138,14 @@ def fixed_config(
     dtype: torch.dtype | None = None,
 ) -> K.Config | None:
     """The config used without autotuning: the one pinned through ``$FLASHLITE_ATTENTION_CONFIG``,
-    else the interpreter's ``CPU_CONFIG``, else on Hopper for 16-bit inputs the measured
+    else ``CPU_CONFIG`` (interpreter and CPU tensors), else on Hopper for 16-bit inputs the measured
     ``HOPPER_CONFIGS`` entry for ``(block_d, causal)``; None means autotune."""
     pinned = K.pinned_config()
     if pinned is not None:
         return pinned
-    if _backend.is_interpreted(device):
+    if device.type == "cpu" or _backend.is_interpreted(device):
+        # the interpreter's small tile; CPU tensors on a CUDA machine take it too (they go
+        # through the launcher's GPU round trip, which the autotuner cannot do)
         return K.CPU_CONFIG
     hopper = device.type == "cuda" and _is_hopper(device.index or 0)
     if hopper and dtype in (torch.float16, torch.bfloat16):

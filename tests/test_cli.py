@@ -24,6 +24,7 @@ def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> object:
     return json.loads(capsys.readouterr().out)
 
 
+@pytest.mark.interpreter
 def test_traffic_json_schema(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     plot = tmp_path / "t.png"
     rows = _json(
@@ -92,6 +93,7 @@ def test_attention_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert isinstance(r, dict) and r["max_abs_error"] < 1e-4 and r["seq_k"] == 30
 
 
+@pytest.mark.interpreter
 def test_demo_writes_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     plot = tmp_path / "demo.png"
     assert cli.main(["demo", "--plot", str(plot)]) == 0

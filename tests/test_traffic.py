@@ -37,6 +37,7 @@ ATTENTION_SHAPES = [
 ]
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dims", ATTENTION_SHAPES, ids=lambda d: "x".join(map(str, d)))
 def test_flashlite_attention_counted_equals_model(dims: tuple[int, ...], causal: bool) -> None:
@@ -51,6 +52,7 @@ def test_flashlite_attention_counted_equals_model(dims: tuple[int, ...], causal:
     assert "torch ops" not in counted.parts  # contiguous b h n d: the front-end copies nothing
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_flashlite_attention_descriptor_loads_counted(dtype: torch.dtype) -> None:
     # tensor-descriptor loads/stores count in-bounds elements only, like masked pointer loads
@@ -109,6 +111,7 @@ def test_count_attention_naive_and_sdpa() -> None:
         traffic.count_attention("nope", shape)
 
 
+@pytest.mark.interpreter
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 @pytest.mark.parametrize(
     ("algorithm", "rows", "n"),
@@ -155,6 +158,7 @@ def test_op_counter_rules() -> None:
     assert traffic.tensor_bytes(x.unsqueeze(0).expand(5, 4, 8)) == n  # broadcast counts once
 
 
+@pytest.mark.interpreter
 def test_counters_restore_the_interpreter() -> None:
     from triton.runtime import interpreter
 
