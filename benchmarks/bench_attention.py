@@ -26,8 +26,8 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashlite
-from flashlite.attention import _attention_fwd
-from flashlite.kernels import attention_fwd as K
+from flashlite.kernels import configs as K
+from flashlite.ops.attention import attention_fwd
 from flashlite.reference import attention as naive_attention
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -90,9 +90,9 @@ def sweep(rows: list[dict]) -> None:
                     if not K.keep_config(cfg, bd, 2, True):
                         continue
                     try:
-                        out = _attention_fwd(q, k, v, causal, d**-0.5, config=cfg)[0]
+                        out = attention_fwd(q, k, v, causal, d**-0.5, config=cfg)[0]
                         err = check(out, ref)
-                        ms = bench(lambda cfg=cfg: _attention_fwd(q, k, v, causal, d**-0.5,
+                        ms = bench(lambda cfg=cfg: attention_fwd(q, k, v, causal, d**-0.5,
                                                                   config=cfg))  # fmt: skip
                     except Exception as exc:  # a config that fails to compile is reported
                         err, ms = math.inf, math.nan
@@ -153,7 +153,7 @@ def main() -> None:
                 for _ in range(args.rounds):  # interleaved: clock drift hits every provider
                     for name, fn in fns.items():
                         times[name].append(bench(lambda fn=fn: fn(q, k, v)))
-                info = _attention_fwd(q, k, v, causal, d**-0.5)[2]
+                info = attention_fwd(q, k, v, causal, d**-0.5)[2]
                 for name, ms_all in times.items():
                     ms = statistics.median(ms_all)
                     row = {"kind": "fwd", "provider": name, "d": d, "n": n, "b": b, "h": h,

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 import flashlite
-from flashlite.softmax import _softmax_bwd
+from flashlite.ops.softmax import softmax_bwd
 
 try:  # the compiled GPU timer; the CPU smoke run does not need it
     import triton
@@ -154,10 +154,10 @@ def bench_shape(
     dy = torch.randn_like(x)
     dx = torch.empty_like(x)
     dx_ref = torch.ops.aten._softmax_backward_data(dy.float(), y.float(), -1, torch.float32)
-    _softmax_bwd(y, dy, dx, False)
+    softmax_bwd(y, dy, dx, False)
     err = _check(dx, dx_ref)
     del dx_ref
-    ms = timer(lambda: _softmax_bwd(y, dy, dx, False))
+    ms = timer(lambda: softmax_bwd(y, dy, dx, False))
     rows.append(_row("softmax_bwd", dtype, m, n, "flashlite", ms, bwd_bytes, err))
     ms = timer(lambda: torch.ops.aten._softmax_backward_data(dy, y, -1, dtype))
     rows.append(_row("softmax_bwd", dtype, m, n, "torch", ms, bwd_bytes))

@@ -1,13 +1,19 @@
 """flashlite: the online-softmax pair behind FlashAttention, as row softmax and tiled attention."""
 
+from importlib.metadata import PackageNotFoundError, version
+
 from flashlite import (
     _backend,  # noqa: F401  (chooses compiled vs interpreted Triton first)
+    masks,
     reference,
     stats,
 )
-from flashlite.attention import attention
-from flashlite.softmax import log_softmax, softmax
+from flashlite.ops.attention import attention
+from flashlite.ops.softmax import log_softmax, softmax
 
-__version__ = "0.1.0"
+try:
+    __version__ = version("flashlite")
+except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
+    __version__ = "0+unknown"
 
-__all__ = ["__version__", "attention", "log_softmax", "reference", "softmax", "stats"]
+__all__ = ["__version__", "attention", "log_softmax", "masks", "reference", "softmax", "stats"]

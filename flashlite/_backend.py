@@ -1,125 +1,63 @@
-"""Where a kernel runs: compiled Triton for CUDA tensors; CPU tensors in Triton's interpreter on
-a machine without a GPU, and through the GPU (copied there and back) on a CUDA machine.
+"""Where kernels run, and the facts about this process's Triton that the kernels depend on.
 
-This is the only module that knows about ``TRITON_INTERPRET`` and the interpreter's quirks.
+This is the only module that knows about ``TRITON_INTERPRET`` and the interpreter's quirks. It
+patches nothing in Triton.
 
-* On a machine without a CUDA device we switch the interpreter on *before* ``triton`` is first
-  imported, so every ``@triton.jit`` function (kernels and the ``stats`` helpers they call) is
-  created as an interpreted function. That is the supported way to interpret kernels that call
-  other jitted helpers.
-* On a CUDA machine the jitted functions are compiled ones (Triton decides at import). CPU
-  tensors given to a kernel there go to the GPU and back: :func:`launcher` copies the storages
-  they view (same strides and offsets), runs the compiled kernel and copies the storages back.
-  (Interpreting kernels in a compiling process leaves Triton 3.6's language module patched for
-  the interpreter, which then breaks every later compile: seen on the H200.)
-* Where ``triton`` was imported before flashlite on a machine without a GPU, the jitted
-  functions are compiled ones too, and nothing can run them: :func:`launcher` wraps the kernel
-  in an interpreted function, and while it runs, a call of any compiled ``@triton.jit`` function
-  (our helpers and Triton's own library: ``tl.cdiv``, ``tl.max``, …) is redirected to an
-  interpreted copy of it. Wrapping only the kernel is not enough: its first helper call would
-  fail ("Cannot call @triton.jit'd outside of the scope of a kernel").
-* The interpreter computes ``tl.dot`` on bf16 operands wrongly (seen with Triton 3.9), so
-  :func:`dot_upcast` tells kernels to feed fp32 operands to ``tl.dot`` there.
+* **CUDA tensors** run compiled kernels.
+* **A process without CUDA** interprets: before ``triton`` is first imported we set
+  ``TRITON_INTERPRET=1``, so every ``@triton.jit`` function (our kernels, the ``stats``/``masks``
+  helpers and Triton's own ``tl.*`` library) is created as an interpreted function. Triton
+  decides this once per function, when it is decorated, so a ``triton`` imported *before*
+  flashlite without that variable leaves compiled functions nothing can run:
+  :func:`compute_device` then raises and says how to fix it.
+* **CPU tensors on a CUDA machine** are moved to the GPU once per op call by the front-end
+  (:func:`compute_device` says where to run, the op copies the results back).
+* The interpreter computes ``tl.dot`` on bf16 operands wrongly and converts fp32 to bf16 by
+  truncation (Triton 3.9): :func:`dot_upcast` asks kernels for fp32 dot operands, and
+  :func:`round_bf16` for the round-to-nearest-even cast of ``kernels/common.py``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-if "triton" not in sys.modules and not torch.cuda.is_available():
+_HAS_CUDA = torch.cuda.is_available()
+_TRITON_FIRST = "triton" in sys.modules
+if not _HAS_CUDA and not _TRITON_FIRST:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import triton  # noqa: E402
 
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-from triton.runtime.jit import JITFunction  # noqa: E402
+#: The oldest Triton flashlite runs on: host ``TensorDescriptor`` (``triton.tools.
+#: tensor_descriptor``) and ``tl.range(warp_specialize=)`` arrived in 3.4. CI tests it.
+MIN_TRITON = (3, 4)
+TRITON_VERSION: tuple[int, int] = tuple(int(p) for p in triton.__version__.split(".")[:2])  # type: ignore[assignment]
+if TRITON_VERSION < MIN_TRITON:
+    raise ImportError(
+        f"flashlite needs triton >= {'.'.join(map(str, MIN_TRITON))}, found {triton.__version__}"
+    )
 
-_interpreted: dict[Any, Any] = {}
+#: Whether this process's ``@triton.jit`` functions are interpreted (read once: Triton decides
+#: when each function is decorated, which for flashlite's kernels is at import).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
-
-def _interpreted_copy(fn: JITFunction) -> Any:
-    # keyed by id: hashing a JITFunction parses its source, which fails mid-interpretation
-    key = id(fn)
-    if key not in _interpreted:
-        _interpreted[key] = InterpretedFunction(fn.fn)
-    return _interpreted[key]
-
-
-@contextlib.contextmanager
-def _jit_calls_interpreted() -> Iterator[None]:
-    """Route calls of compiled ``@triton.jit`` functions to interpreted copies (one thread)."""
-    original = JITFunction.__call__
-
-    def call(self: JITFunction, *args: Any, **kwargs: Any) -> Any:
-        return _interpreted_copy(self)(*args, **kwargs)
-
-    JITFunction.__call__ = call  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        JITFunction.__call__ = original  # type: ignore[method-assign]
-
-
-class _InterpretedLaunch:
-    """``kernel[grid](...)`` for CPU tensors when the process compiles its kernels."""
-
-    def __init__(self, kernel: JITFunction) -> None:
-        self.kernel = _interpreted_copy(kernel)
-
-    def __getitem__(self, grid: Any) -> Any:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            with _jit_calls_interpreted():
-                return self.kernel[grid](*args, **kwargs)
-
-        return run
-
-
-class _GpuRoundTrip:
-    """``kernel[grid](...)`` for CPU tensors in a process that compiles for its CUDA device."""
-
-    def __init__(self, kernel: JITFunction) -> None:
-        self.kernel = kernel
-
-    def __getitem__(self, grid: Any) -> Any:
-        def run(*args: Any, **kwargs: Any) -> Any:
-            # one GPU copy per CPU storage (views of one buffer stay views of one buffer)
-            copies: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-            def to_gpu(a: Any) -> Any:
-                if not (isinstance(a, torch.Tensor) and a.device.type == "cpu"):
-                    return a
-                storage = a.untyped_storage()
-                if storage.data_ptr() not in copies:
-                    whole = torch.empty(0, dtype=a.dtype).set_(storage)
-                    copies[storage.data_ptr()] = (whole, whole.to("cuda"))
-                gpu = copies[storage.data_ptr()][1]
-                return gpu.as_strided(a.shape, a.stride(), a.storage_offset())
-
-            out = self.kernel[grid](*map(to_gpu, args), **{k: to_gpu(v) for k, v in kwargs.items()})
-            for whole, gpu in copies.values():  # outputs (inputs come back unchanged)
-                whole.copy_(gpu)
-            return out
-
-        return run
+_CUDA0 = torch.device("cuda", torch.cuda.current_device()) if _HAS_CUDA else None
 
 
 def kernels_interpreted() -> bool:
-    """Whether kernels on CPU tensors run in Triton's interpreter in this process (not so on a
-    CUDA machine unless ``TRITON_INTERPRET=1`` was set before flashlite was imported)."""
-    return os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available()
+    """Whether kernels run in Triton's interpreter in this process (machines without CUDA, or
+    ``TRITON_INTERPRET=1`` set before triton was imported)."""
+    return INTERPRETED
 
 
 def is_interpreted(device: torch.device) -> bool:
     """True when kernels for tensors on ``device`` run in Triton's interpreter."""
-    return os.environ.get("TRITON_INTERPRET") == "1" or (
-        device.type == "cpu" and kernels_interpreted()
-    )
+    return INTERPRETED
 
 
 def check_device(t: torch.Tensor, name: str) -> None:
@@ -127,50 +65,91 @@ def check_device(t: torch.Tensor, name: str) -> None:
     if t.device.type not in ("cuda", "cpu"):
         raise ValueError(
             f"{name} is on device {t.device}; flashlite runs on 'cuda' (compiled Triton) "
-            "and 'cpu' (Triton interpreter) tensors"
+            "and 'cpu' (Triton interpreter, or the GPU when there is one) tensors"
         )
 
 
-def launcher(kernel: Any, device: torch.device) -> Any:
-    """The kernel object to index with a grid for tensors on ``device``."""
-    if device.type == "cpu" and isinstance(kernel, JITFunction):
-        return _GpuRoundTrip(kernel) if torch.cuda.is_available() else _InterpretedLaunch(kernel)
-    return kernel
+def compute_device(device: torch.device) -> torch.device:
+    """Where kernels for tensors on ``device`` run: the device itself, except CPU tensors in a
+    process that compiles its kernels, which run on the current CUDA device (the front-end
+    moves them there once per call and the results back)."""
+    if device.type == "cuda" or INTERPRETED:
+        return device
+    if _CUDA0 is not None:
+        return _CUDA0
+    raise RuntimeError(
+        "flashlite cannot run kernels in this process: there is no CUDA device, and `triton` "
+        "was imported before flashlite without TRITON_INTERPRET=1, so its functions were "
+        "created for compilation, not for the interpreter. Import flashlite before triton, "
+        "or set TRITON_INTERPRET=1 in the environment before starting Python."
+    )
 
 
-def dot_upcast(dtype: torch.dtype, device: torch.device) -> bool:
+def dot_upcast(dtype: torch.dtype) -> bool:
     """Whether ``tl.dot`` operands must be cast to fp32 (bf16 in the interpreter is wrong)."""
-    return dtype == torch.bfloat16 and is_interpreted(device)
+    return dtype == torch.bfloat16 and INTERPRETED
 
 
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of the CUDA ``device``."""
-    return torch.cuda.get_device_properties(device).multi_processor_count
+def round_bf16(dtype: torch.dtype) -> bool:
+    """Whether kernels must round fp32 → bf16 themselves (the interpreter truncates)."""
+    return dtype == torch.bfloat16 and INTERPRETED
+
+
+@functools.cache
+def capability(index: int) -> tuple[int, int]:
+    """Compute capability of CUDA device ``index`` (asked once)."""
+    return torch.cuda.get_device_capability(index)
+
+
+@functools.cache
+def num_sms(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index`` (asked once)."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _private_api_error(what: str, err: Exception) -> RuntimeError:
+    return RuntimeError(
+        f"flashlite uses Triton's {what}, which triton {triton.__version__} does not provide "
+        f"as expected ({type(err).__name__}: {err}); flashlite is tested with triton "
+        f"{'.'.join(map(str, MIN_TRITON))} to 3.9"
+    )
 
 
 @functools.cache
 def cooperative_launch_supported() -> bool:
     """Whether this Triton can launch a cooperative grid (all programs resident at once)."""
-    try:
+    try:  # private: the CUDA backend's option list
         from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:  # pragma: no cover
+    except ImportError:
         return False
     return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
 
 
-def resident_programs(compiled: Any, device: torch.device) -> int:
-    """How many programs of a compiled kernel fit on ``device`` at once."""
-    if not hasattr(compiled, "n_regs"):  # loaded lazily by Triton 3.x
-        compiled._init_handles()
-    props = torch.cuda.get_device_properties(device)
-    threads = 32 * compiled.metadata.num_warps
-    regs_per_warp = -(-max(compiled.n_regs, 1) * 32 // 256) * 256  # allocated per warp, by 256
+_resident: dict[tuple[int, Any], int] = {}
+
+
+def resident_programs(compiled: Any, index: int) -> int:
+    """How many programs of a compiled kernel fit on CUDA device ``index`` at once (cached per
+    compiled kernel: registers and shared memory do not change)."""
+    key = (index, compiled.hash if hasattr(compiled, "hash") else id(compiled))
+    if key in _resident:
+        return _resident[key]
+    try:  # private: the compiled kernel's resource usage
+        if not hasattr(compiled, "n_regs"):  # loaded lazily
+            compiled._init_handles()
+        n_regs, meta = compiled.n_regs, compiled.metadata
+        num_warps, shared = meta.num_warps, meta.shared
+    except AttributeError as err:
+        raise _private_api_error("CompiledKernel.n_regs / metadata", err) from err
+    props = torch.cuda.get_device_properties(index)
+    threads = 32 * num_warps
+    regs_per_warp = -(-max(n_regs, 1) * 32 // 256) * 256  # allocated per warp, by 256
     per_sm = min(
         getattr(props, "max_threads_per_multi_processor", 2048) // threads,
         getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * threads // 32),
         32,
     )
-    shared = compiled.metadata.shared
     if shared:
         per_sm = min(per_sm, getattr(props, "shared_memory_per_multiprocessor", 233472) // shared)
-    return per_sm * props.multi_processor_count
+    _resident[key] = per_sm * props.multi_processor_count
+    return _resident[key]

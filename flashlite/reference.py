@@ -1,6 +1,7 @@
 """Plain torch baselines: every test and every traffic comparison is held against these.
 
-Nothing here imports the rest of flashlite.
+Nothing here imports the rest of flashlite but :mod:`flashlite.masks`, the one definition of
+which keys a query sees.
 """
 
 from __future__ import annotations
@@ -8,6 +9,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from flashlite.masks import torch_visible
 
 
 def softmax_three_pass(x: torch.Tensor, dim: int = -1, *, log: bool = False) -> torch.Tensor:
@@ -42,7 +45,7 @@ def attention(
     """Naive attention that materialises ``S = Q Kᵀ`` and ``P = softmax(S)`` (layout b h n d).
 
     The ops, in the order the traffic model counts them: ``S = Q Kᵀ`` (matmul), ``S·scale``,
-    the causal ``masked_fill`` (when causal), ``P = softmax(S)``, ``O = P V`` (matmul).
+    the causal mask (``torch.where``, when causal), ``P = softmax(S)``, ``O = P V`` (matmul).
 
     Args:
         q: ``(B, Hq, Nq, D)``.
@@ -69,9 +72,7 @@ def attention(
     s = torch.matmul(q, k.transpose(-1, -2))
     s = s * scale
     if causal:
-        i = torch.arange(nq, device=q.device).unsqueeze(-1)
-        j = torch.arange(nk, device=q.device)
-        s = s.masked_fill(j > i + (nk - nq), -math.inf)
+        s = torch.where(torch_visible(nq, nk, causal, device=q.device), s, -math.inf)
     p = torch.softmax(s, dim=-1)
     if causal:  # rows that see no key are all −inf: softmax gives NaN, the convention is 0
         p = p.nan_to_num(0.0)

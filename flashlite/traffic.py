@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import csv
-import importlib
 import io
 import json
 import math
@@ -41,8 +40,10 @@ import torch
 import triton
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flashlite import _backend, reference
+from flashlite import _backend, masks, reference
 from flashlite.kernels import softmax as softmax_kernels
+from flashlite.ops import attention as attention_ops
+from flashlite.ops import softmax as softmax_ops
 
 __all__ = [
     "ATTENTION_METHODS",
@@ -189,7 +190,7 @@ def model_naive_attention(shape: AttentionShape, *, return_lse: bool = False) ->
     S = Q Kᵀ        ``Q + K'``                       ``S·b``
     S·scale         ``S·b``                          ``S·b``
     causal mask     int64 aranges (tiny)             ``Nq·Nk`` bools (+ tiny)
-    masked_fill     ``S·b + Nq·Nk``                  ``S·b``
+    where (mask)    ``S·b + Nq·Nk``                  ``S·b``
     softmax         ``S·b``                          ``S·b``
     nan_to_num      ``S·b`` (causal only)            ``S·b``
     O = P V         ``S·b + V'``                     ``O``
@@ -225,7 +226,7 @@ def model_naive_attention(shape: AttentionShape, *, return_lse: bool = False) ->
         i64 = 8
         # arange(Nq), arange(Nk), i + (Nk - Nq), j > i + (Nk - Nq)
         t.add("causal mask", i64 * (Nq + Nk + Nq), i64 * (Nq + Nk + Nq) + Nq * Nk)
-        t.add("masked_fill", s + Nq * Nk, s)
+        t.add("where (mask)", s + Nq * Nk, s)
     t.add("softmax", s, s)
     if shape.causal:
         t.add("nan_to_num", s, s)
@@ -236,11 +237,6 @@ def model_naive_attention(shape: AttentionShape, *, return_lse: bool = False) ->
             t.add("S.float()", s, s32)
         t.add("logsumexp", s32, B * H * Nq * 4)
     return t
-
-
-def _visible_keys(row_last: int, nq: int, nk: int) -> int:
-    """Keys a causal (bottom-right aligned) query block sees: those ``j <= row_last + Nk - Nq``."""
-    return max(0, min(nk, row_last + nk - nq + 1))
 
 
 def model_flashlite_attention(
@@ -267,11 +263,9 @@ def model_flashlite_attention(
     B, H, Nq, Nk, D = shape.batch, shape.heads, shape.seq_q, shape.nk, shape.head_dim
     keys = 0
     for m0 in range(0, Nq, block_m):
-        if shape.causal:
-            vis = _visible_keys(min(m0 + block_m, Nq) - 1, Nq, Nk)
-            keys += min(Nk, block_n * triton.cdiv(vis, block_n))
-        else:
-            keys += Nk
+        # the kernel's own key range: tiles [0, hi) step BLOCK_N, lanes past Nk masked
+        _, hi = masks.torch_key_range(m0, block_m, block_n, Nq, Nk, shape.causal)
+        keys += min(Nk, block_n * triton.cdiv(hi, block_n))
     bh = B * H
     t = Traffic()
     t.add("q", bh * Nq * D * b, 0)
@@ -289,13 +283,11 @@ def flashlite_config(shape: AttentionShape, device: str = "cpu") -> dict[str, An
     ``CPU_CONFIG``, as the front-end picks them. CUDA: one call of the host launcher, which reports
     the autotuner's choice for the shape (tuning once if it has not yet).
     """
-    # the package re-exports the function under the module's name: fetch the module itself
-    attention_module = importlib.import_module("flashlite.attention")
-    fixed = attention_module.fixed_config(torch.device(device))
+    fixed = attention_ops.fixed_config(torch.device(device))
     if fixed is not None:  # interpreted or pinned: no launch needed to know it
         return {**fixed.constexprs(), "num_warps": fixed.num_warps, "num_stages": fixed.num_stages}
     q, k, v = make_inputs(shape, device)
-    _, _, info = attention_module._attention_fwd(q, k, v, shape.causal, shape.head_dim**-0.5)
+    _, _, info = attention_ops.attention_fwd(q, k, v, shape.causal, shape.head_dim**-0.5)
     if info is None:  # empty problem: nothing launched
         return {"BLOCK_M": 1, "BLOCK_N": 1}
     cfg = info.config
@@ -420,8 +412,8 @@ class OpCounter(TorchDispatchMode):
     @classmethod
     def _bytes(cls, func: Any, args: Any, kwargs: Any, out: Any) -> tuple[int, int]:
         name = func.overloadpacket.__name__
-        if func.is_view or name in cls._NO_DATA:
-            return 0, 0
+        if func.is_view or name in cls._NO_DATA or func.namespace == "flashlite":
+            return 0, 0  # (flashlite's own custom ops: their kernels are counted, not the op)
         schema = func._schema
         mutated: set[int] = set()
         write_only: set[int] = set()
@@ -664,10 +656,9 @@ def count_attention(
     if use_desc is None:
         fn = _attention_fn(method, shape)
     else:
-        attention_module = importlib.import_module("flashlite.attention")
 
         def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-            return attention_module._attention_fwd(
+            return attention_ops.attention_fwd(
                 q, k, v, shape.causal, shape.head_dim**-0.5, use_desc=use_desc
             )
 
@@ -695,16 +686,14 @@ def count_softmax(
     and ``split`` are launched through the front-end's host launcher, since the public API picks
     between them only by row length.
     """
-    # the package re-exports the function under the module's name: fetch the module itself
-    softmax_module = importlib.import_module("flashlite.softmax")
     x = torch.randn(rows, n, generator=torch.Generator().manual_seed(0)).to(dtype)
     resolved = _resolve_softmax(algorithm, n, x.element_size())
     with count_kernels() as kern:
         if algorithm in ("auto", "three_pass", "online"):
-            fn = softmax_module.log_softmax if log else softmax_module.softmax
+            fn = softmax_ops.log_softmax if log else softmax_ops.softmax
             fn(x, -1, algorithm=algorithm)
         else:
-            softmax_module._softmax_fwd(x, torch.empty_like(x), log, resolved)
+            softmax_ops.softmax_fwd(x, torch.empty_like(x), log, resolved)
     return kern.traffic
 
 

@@ -15,7 +15,6 @@ import torch
 from conftest import TOL
 
 import flashlite
-from flashlite import _backend
 from flashlite.kernels import softmax as ksm
 
 NEG_INF = -math.inf
@@ -51,13 +50,18 @@ def algorithm(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
 def launched(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """Names of the kernels launched during the test, in order."""
     names: list[str] = []
-    real = _backend.launcher
 
-    def spy(kernel: object, device: torch.device) -> object:
-        names.append(kernel.fn.__name__)  # type: ignore[attr-defined]
-        return real(kernel, device)
+    class Spy:
+        def __init__(self, name: str, kernel: object) -> None:
+            self.name, self.kernel = name, kernel
 
-    monkeypatch.setattr(_backend, "launcher", spy)
+        def __getitem__(self, grid: object) -> object:
+            names.append(self.name)
+            return self.kernel[grid]  # type: ignore[index]
+
+    for name in dir(ksm):
+        if name.startswith("_softmax_") and name.endswith("_kernel"):
+            monkeypatch.setattr(ksm, name, Spy(name, getattr(ksm, name)))
     return names
 
 

@@ -15,7 +15,7 @@ import triton.language as tl
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from flashlite import _backend, reference, stats
+from flashlite import reference, stats
 from flashlite.stats import (
     finalize_lse,
     merge_pair,
@@ -245,7 +245,7 @@ SCALES = [pytest.param(1.0, id="softmax"), pytest.param(0.35, id="scaled")]
 
 
 def _launch(kernel, *args, **meta) -> None:  # noqa: ANN001
-    _backend.launcher(kernel, DEVICE)[(1,)](*args, **meta)
+    kernel[(1,)](*args, **meta)
 
 
 def _tiles() -> torch.Tensor:

@@ -15,7 +15,7 @@ split (2 kernels) chunk pairs → workspace; merge; write       2 reads + 1 writ
 
 ``split`` is for rows too long to hold on one program (64k–256k+ vocabularies): many programs
 share a row, each writes the (m, s) of its chunk, and ``merge_partials`` combines them.
-No validation here: the front-end (``flashlite/softmax.py``) owns that.
+No validation here: the front-end (``flashlite/ops/softmax.py``) owns that.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flashlite.kernels.common import cast
 from flashlite.stats import LOG2E, merge_partials, online_update, rescale, tile_stats
 
 # ----------------------------------------------------------------------------- block tables
@@ -119,6 +120,7 @@ def _normalise(x, m, s, LOG: tl.constexpr):
 def _softmax_single_read_fwd_kernel(
     X, Y, n_rows, n_cols, stride_xm, stride_xn, stride_ym, stride_yn,
     LOG: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, COL_INT64: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
     """Rows that fit on chip: one read, statistics from the identity pair, one write."""
     row0 = tl.program_id(0).to(tl.int64) * ROWS
@@ -132,14 +134,14 @@ def _softmax_single_read_fwd_kernel(
         y = p * (1.0 / s)[:, None]
     offs, mask = _tile_offsets(row0, 0, n_rows, n_cols, stride_ym, stride_yn, ROWS, BLOCK_N,
                                COL_INT64)  # fmt: skip
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offs, cast(y, Y.dtype.element_ty, ROUND_BF16), mask=mask)
 
 
 @triton.jit
 def _softmax_online_fwd_kernel(
     X, Y, n_rows, n_cols, stride_xm, stride_xn, stride_ym, stride_yn,
     LOG: tl.constexpr, THREE_PASS: tl.constexpr, BLOCK_N: tl.constexpr,
-    COL_INT64: tl.constexpr,
+    COL_INT64: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
     """One program per row, tiles of BLOCK_N. ``THREE_PASS`` finds the max in a pass of its own
     (the textbook safe softmax); otherwise the max and the sum come from one online pass."""
@@ -166,7 +168,7 @@ def _softmax_online_fwd_kernel(
         y = _normalise(x, m, s, LOG)
         offs, mask = _tile_offsets(row, col0, n_rows, n_cols, stride_ym, stride_yn, 1, BLOCK_N,
                                    COL_INT64)  # fmt: skip
-        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + offs, cast(y, Y.dtype.element_ty, ROUND_BF16), mask=mask)
 
 
 @triton.jit
@@ -191,6 +193,7 @@ def _softmax_split_stats_kernel(
 def _softmax_split_write_kernel(
     X, Y, M_ws, S_ws, n_rows, n_cols, stride_xm, stride_xn, stride_ym, stride_yn, n_chunks,
     LOG: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS_PAD: tl.constexpr, COL_INT64: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
     """Split rows, step 2: merge the row's chunk pairs, then normalise this program's chunk.
 
@@ -212,7 +215,7 @@ def _softmax_split_write_kernel(
     y = _normalise(x, m, s, LOG)
     offs, mask = _tile_offsets(row, chunk * BLOCK_N, n_rows, n_cols, stride_ym, stride_yn, 1,
                                BLOCK_N, COL_INT64)  # fmt: skip
-    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(Y + offs, cast(y, Y.dtype.element_ty, ROUND_BF16), mask=mask)
 
 
 @triton.jit
@@ -220,6 +223,7 @@ def _softmax_team_fwd_kernel(
     X, Y, M_ws, S_ws, Count, n_rows, n_cols, stride_xm, stride_xn, stride_ym, stride_yn,
     n_chunks, n_teams,
     LOG: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS_PAD: tl.constexpr, COL_INT64: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
     """Long rows read once (GPU only): a team of ``n_chunks`` co-resident programs shares a row.
 
@@ -258,7 +262,7 @@ def _softmax_team_fwd_kernel(
             y = p * (rescale(m, m_row, LOG2E) / s_row)[:, None]
         offs, mask = _tile_offsets(row64, chunk * BLOCK_N, n_rows, n_cols, stride_ym, stride_yn,
                                    1, BLOCK_N, COL_INT64)  # fmt: skip
-        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+        tl.store(Y + offs, cast(y, Y.dtype.element_ty, ROUND_BF16), mask=mask)
 
 
 # ----------------------------------------------------------------------------- backward
@@ -266,7 +270,7 @@ def _softmax_team_fwd_kernel(
 def _softmax_bwd_kernel(
     Y, DY, DX, n_rows, n_cols, stride_ym, stride_yn, stride_gm, stride_gn, stride_dm, stride_dn,
     LOG: tl.constexpr, ONE_TILE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    COL_INT64: tl.constexpr,
+    COL_INT64: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
     """Backward of softmax and log_softmax from the saved output.
 
@@ -290,7 +294,7 @@ def _softmax_bwd_kernel(
             dx = y * (dy - tl.sum(y * dy, 1)[:, None])
         offs, mask = _tile_offsets(row0, 0, n_rows, n_cols, stride_dm, stride_dn, ROWS, BLOCK_N,
                                    COL_INT64)  # fmt: skip
-        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        tl.store(DX + offs, cast(dx, DX.dtype.element_ty, ROUND_BF16), mask=mask)
     else:
         acc = tl.zeros([ROWS], tl.float32)
         for col0 in tl.range(0, n_cols, BLOCK_N):
@@ -317,4 +321,4 @@ def _softmax_bwd_kernel(
                 dx = y * (dy - acc[:, None])
             offs, mask = _tile_offsets(row0, col0, n_rows, n_cols, stride_dm, stride_dn, ROWS,
                                        BLOCK_N, COL_INT64)  # fmt: skip
-            tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+            tl.store(DX + offs, cast(dx, DX.dtype.element_ty, ROUND_BF16), mask=mask)

@@ -1,10 +1,18 @@
-"""Row softmax and log_softmax: validation, layouts, dispatch and autograd.
+"""Row softmax and log_softmax: validation, layouts, dispatch, custom ops and autograd.
 
 The kernels live in :mod:`flashlite.kernels.softmax`; this module picks one for the shape, hands it
-a 2-D strided view of the rows (no copy when the layout allows one) and wires up autograd.
+a 2-D strided view of the rows (no copy when the layout allows one) and registers
+``flashlite::softmax_fwd`` / ``flashlite::softmax_bwd`` as ``torch.library`` custom ops (fakes
+and autograd included), so ``torch.compile(fullgraph=True)`` traces through :func:`softmax` and
+:func:`log_softmax` forward and backward. They are ``custom_op`` rather than ``triton_op`` for
+the reason ``ops/attention.py`` gives: one op serves the interpreter, the GPU and CPU tensors
+moved to the GPU, with host-side dispatch per call.
 """
 
 from __future__ import annotations
+
+import functools
+import math
 
 import torch
 import triton
@@ -13,7 +21,7 @@ from flashlite import _backend
 from flashlite.kernels import softmax as K
 
 ALGORITHMS = ("auto", "three_pass", "online")
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INT32_LIMIT = 2**31
 
 
@@ -21,7 +29,7 @@ def _check(x: object, dim: object, algorithm: object) -> int:
     """Validate the public arguments; return ``dim`` as a non-negative index."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype not in _DTYPES:
+    if x.dtype not in DTYPES:
         raise TypeError(
             f"x has dtype {x.dtype}; flashlite softmax accepts torch.float16, torch.bfloat16 "
             "and torch.float32 (statistics are fp32; use torch.softmax for float64)"
@@ -54,12 +62,18 @@ def _col_int64(n_cols: int, *tensors: torch.Tensor) -> bool:
     return any((n_cols - 1) * abs(t.stride(1)) >= _INT32_LIMIT for t in tensors)
 
 
-def _softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str) -> None:
-    """Launch the forward kernel for ``algorithm`` on the ``(rows, n)`` views ``x2 → y2``."""
+def softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = "auto") -> None:
+    """Launch the forward kernel for ``algorithm`` on the ``(rows, n)`` views ``x2 → y2``.
+
+    Both views live where kernels run (no checks, no autograd, no device moves). ``algorithm``
+    also takes the kernel names ``"single_read"``, ``"split"`` and ``"team"`` (GPU) that
+    ``"auto"`` chooses from.
+    """
     n_rows, n_cols = x2.shape
     dev = x2.device
     col64 = _col_int64(n_cols, x2, y2)
     strides = (*x2.stride(), *y2.stride())
+    flags = {"LOG": log, "COL_INT64": col64, "ROUND_BF16": _backend.round_bf16(y2.dtype)}
     if algorithm == "auto":
         if K.fits_single_read(n_cols, x2.element_size()):
             algorithm = "single_read"
@@ -70,20 +84,18 @@ def _softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str) 
     if algorithm == "single_read":
         cfg = K.single_read_config(n_cols)
         grid = (triton.cdiv(n_rows, cfg["ROWS"]),)
-        kernel = _backend.launcher(K._softmax_single_read_fwd_kernel, dev)
-        kernel[grid](x2, y2, n_rows, n_cols, *strides, LOG=log, COL_INT64=col64, **cfg)
+        K._softmax_single_read_fwd_kernel[grid](x2, y2, n_rows, n_cols, *strides, **flags, **cfg)
     elif algorithm == "split":
         cfg = K.split_config(n_cols)
         n_chunks = cfg.pop("n_chunks")
         m_ws = torch.empty((n_rows, n_chunks), device=dev, dtype=torch.float32)
         s_ws = torch.empty_like(m_ws)
         grid = (n_rows * n_chunks,)
-        stats = _backend.launcher(K._softmax_split_stats_kernel, dev)
-        stats[grid](x2, m_ws, s_ws, n_rows, n_cols, *x2.stride(), n_chunks, BLOCK_N=cfg["BLOCK_N"],
-                    COL_INT64=col64, num_warps=cfg["num_warps"])  # fmt: skip
-        write = _backend.launcher(K._softmax_split_write_kernel, dev)
-        write[grid](x2, y2, m_ws, s_ws, n_rows, n_cols, *strides, n_chunks, LOG=log,
-                    COL_INT64=col64, **cfg)  # fmt: skip
+        K._softmax_split_stats_kernel[grid](x2, m_ws, s_ws, n_rows, n_cols, *x2.stride(),
+                                            n_chunks, BLOCK_N=cfg["BLOCK_N"], COL_INT64=col64,
+                                            num_warps=cfg["num_warps"])  # fmt: skip
+        K._softmax_split_write_kernel[grid](x2, y2, m_ws, s_ws, n_rows, n_cols, *strides,
+                                            n_chunks, **flags, **cfg)  # fmt: skip
     elif algorithm == "team":
         if dev.type != "cuda":  # its programs wait for each other: the interpreter runs them
             raise ValueError("the team kernel needs a CUDA device")  # one after another
@@ -93,20 +105,22 @@ def _softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str) 
         s_ws = torch.empty_like(m_ws)
         count = torch.zeros(n_rows, device=dev, dtype=torch.int32)
         args = [x2, y2, m_ws, s_ws, count, n_rows, n_cols, *strides, n_chunks, n_rows]
-        opts = dict(LOG=log, COL_INT64=col64, launch_cooperative_grid=True, **cfg)
+        opts = dict(launch_cooperative_grid=True, **flags, **cfg)
         # Every program of a team waits for the others, so all must be resident at once: size
         # the grid from the compiled kernel's registers and shared memory. The cooperative
         # launch makes the driver refuse, rather than hang, should that ever fall short.
         compiled = K._softmax_team_fwd_kernel.warmup(*args, grid=(1,), **opts)
-        capacity = _backend.resident_programs(compiled, dev)
+        capacity = _backend.resident_programs(compiled, dev.index or 0)
         args[-1] = n_teams = max(1, min(n_rows, capacity // n_chunks))
         K._softmax_team_fwd_kernel[(n_teams * n_chunks,)](*args, **opts)
-    else:  # "online" or "three_pass": one program per row, looping over tiles
+    elif algorithm in ("online", "three_pass"):  # one program per row, looping over tiles
         cfg = K.loop_config(n_cols)
         del cfg["ROWS"]
-        kernel = _backend.launcher(K._softmax_online_fwd_kernel, dev)
-        kernel[(n_rows,)](x2, y2, n_rows, n_cols, *strides, LOG=log,
-                          THREE_PASS=algorithm == "three_pass", COL_INT64=col64, **cfg)  # fmt: skip
+        K._softmax_online_fwd_kernel[(n_rows,)](x2, y2, n_rows, n_cols, *strides,
+                                                THREE_PASS=algorithm == "three_pass", **flags,
+                                                **cfg)  # fmt: skip
+    else:
+        raise ValueError(f"algorithm={algorithm!r} is not a softmax kernel")
 
 
 def _team_kernel_usable(dev: torch.device, n_chunks: int) -> bool:
@@ -114,72 +128,109 @@ def _team_kernel_usable(dev: torch.device, n_chunks: int) -> bool:
     return (
         dev.type == "cuda"
         and _backend.cooperative_launch_supported()
-        and n_chunks <= _backend.num_sms(dev)
+        and n_chunks <= _backend.num_sms(dev.index or 0)
     )
 
 
-def _softmax_bwd(y2: torch.Tensor, dy2: torch.Tensor, dx2: torch.Tensor, log: bool) -> None:
+def softmax_bwd(y2: torch.Tensor, dy2: torch.Tensor, dx2: torch.Tensor, log: bool) -> None:
     """Launch the backward kernel on ``(rows, n)`` views: ``dx2`` from saved ``y2`` and ``dy2``."""
     n_rows, n_cols = y2.shape
     one_tile = K.fits_single_read(n_cols, y2.element_size())
     cfg = K.single_read_config(n_cols) if one_tile else K.loop_config(n_cols)
-    kernel = _backend.launcher(K._softmax_bwd_kernel, y2.device)
-    kernel[(triton.cdiv(n_rows, cfg["ROWS"]),)](
+    K._softmax_bwd_kernel[(triton.cdiv(n_rows, cfg["ROWS"]),)](
         y2, dy2, dx2, n_rows, n_cols, *y2.stride(), *dy2.stride(), *dx2.stride(), LOG=log,
-        ONE_TILE=one_tile, COL_INT64=_col_int64(n_cols, y2, dy2, dx2), **cfg,
+        ONE_TILE=one_tile, COL_INT64=_col_int64(n_cols, y2, dy2, dx2),
+        ROUND_BF16=_backend.round_bf16(dx2.dtype), **cfg,
     )  # fmt: skip
 
 
-def _apply_rows(inputs: tuple[torch.Tensor, ...], dim: int, launch: object) -> torch.Tensor:
-    """Run ``launch(*row_views, out_rows)`` with ``dim`` moved last; copy only when no view exists.
-
-    The output takes the first input's memory layout (``empty_like``) when that gives a row view.
-    """
-    like = inputs[0]
-    views = []
-    for t in inputs:
-        v = _rows(t, dim)
-        views.append(v if v is not None else t.movedim(dim, -1).reshape(-1, t.shape[dim]))
+def _empty_rows(like: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An output shaped like ``like`` and its ``(rows, n)`` view with ``dim`` last: ``like``'s
+    memory layout (``empty_like``) when that gives a row view, else rows made dense."""
     out = torch.empty_like(like)
     out2 = _rows(out, dim)
     if out2 is None:
         moved_shape = like.movedim(dim, -1).shape
-        out2 = torch.empty((views[0].shape[0], like.shape[dim]), device=like.device,
-                           dtype=like.dtype)  # fmt: skip
+        out2 = like.new_empty((math.prod(moved_shape[:-1]), like.shape[dim]))
         out = out2.view(moved_shape).movedim(-1, dim)
-    launch(*views, out2)  # type: ignore[operator]
-    return out
+    return out, out2
 
 
-class SoftmaxFunction(torch.autograd.Function):
-    """Autograd for softmax (``log=False``) and log_softmax (``log=True``); saves the output."""
+def _row_view(t: torch.Tensor, dim: int) -> torch.Tensor:
+    """``t`` as ``(rows, n)`` with ``dim`` last: a view when one exists, else a copy."""
+    v = _rows(t, dim)
+    return v if v is not None else t.movedim(dim, -1).reshape(-1, t.shape[dim])
 
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, dim: int, algorithm: str, log: bool) -> torch.Tensor:  # type: ignore[override]
-        squeeze = x.dim() == 0
-        xs = x.reshape(1) if squeeze else x
-        if xs.numel() == 0:
-            y = torch.empty_like(xs)
-        else:
-            y = _apply_rows((xs,), dim, lambda x2, y2: _softmax_fwd(x2, y2, log, algorithm))
-        y = y.reshape(()) if squeeze else y
-        ctx.save_for_backward(y)
-        ctx.dim, ctx.log = dim, log
-        return y
 
-    @staticmethod
-    def backward(ctx, dy: torch.Tensor):  # type: ignore[override]
-        (y,) = ctx.saved_tensors
-        squeeze = y.dim() == 0
-        ys, dys = (y.reshape(1), dy.reshape(1)) if squeeze else (y, dy)
-        if ys.numel() == 0:
-            dx = torch.empty_like(ys)
-        else:
-            dx = _apply_rows(
-                (ys, dys.to(ys.dtype)), ctx.dim,
-                lambda y2, dy2, dx2: _softmax_bwd(y2, dy2, dx2, ctx.log),
-            )  # fmt: skip
-        return (dx.reshape(()) if squeeze else dx), None, None, None
+def _on_compute_device(fn):  # type: ignore[no-untyped-def]
+    """Run an op body where kernels run: CPU tensors in a compiling process go to the GPU once
+    and the result comes back."""
+
+    @functools.wraps(fn)  # custom_op reads the schema from fn's annotations
+    def run(*args):  # type: ignore[no-untyped-def]
+        here = args[0].device
+        dev = _backend.compute_device(here)
+        if dev == here:
+            return fn(*args)
+        moved = [a.to(dev) if isinstance(a, torch.Tensor) else a for a in args]
+        return fn(*moved).to(here)
+
+    return run
+
+
+# ----------------------------------------------------------------------------- custom ops
+def _softmax_forward(x: torch.Tensor, dim: int, algorithm: str, log: bool) -> torch.Tensor:
+    if x.dim() == 0:  # one value: a row of one
+        return _softmax_forward(x.reshape(1), 0, algorithm, log).reshape(())
+    y, y2 = _empty_rows(x, dim)
+    if x.numel():
+        softmax_fwd(_row_view(x, dim), y2, log, algorithm)
+    return y
+
+
+_softmax_fwd_op = torch.library.custom_op("flashlite::softmax_fwd", mutates_args=())(
+    _on_compute_device(_softmax_forward)
+)
+
+
+@_softmax_fwd_op.register_fake
+def _(x: torch.Tensor, dim: int, algorithm: str, log: bool) -> torch.Tensor:
+    return _empty_rows(x.reshape(1), 0)[0].reshape(()) if x.dim() == 0 else _empty_rows(x, dim)[0]
+
+
+def _softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    if y.dim() == 0:
+        return _softmax_backward(y.reshape(1), dy.reshape(1), 0, log).reshape(())
+    dx, dx2 = _empty_rows(y, dim)
+    if y.numel():
+        softmax_bwd(_row_view(y, dim), _row_view(dy.to(y.dtype), dim), dx2, log)
+    return dx
+
+
+_softmax_bwd_op = torch.library.custom_op("flashlite::softmax_bwd", mutates_args=())(
+    _on_compute_device(_softmax_backward)
+)
+
+
+@_softmax_bwd_op.register_fake
+def _(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    return _empty_rows(y.reshape(1), 0)[0].reshape(()) if y.dim() == 0 else _empty_rows(y, dim)[0]
+
+
+def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    _, dim, _, log = inputs
+    ctx.save_for_backward(output)
+    ctx.dim, ctx.log = dim, log
+
+
+def _backward(ctx, dy):  # type: ignore[no-untyped-def]
+    (y,) = ctx.saved_tensors
+    return _SOFTMAX_BWD(y, dy, ctx.dim, ctx.log), None, None, None
+
+
+_softmax_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+_SOFTMAX_FWD = torch.ops.flashlite.softmax_fwd.default
+_SOFTMAX_BWD = torch.ops.flashlite.softmax_bwd.default
 
 
 def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch.Tensor:
@@ -203,7 +254,7 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch
         ValueError: unknown ``algorithm`` or device.
     """
     d = _check(x, dim, algorithm)
-    return SoftmaxFunction.apply(x, d, algorithm, False)
+    return _SOFTMAX_FWD(x, d, algorithm, False)
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch.Tensor:
@@ -212,4 +263,4 @@ def log_softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> t
     Args, returns and errors as :func:`softmax`. A row that is entirely −inf gives NaN.
     """
     d = _check(x, dim, algorithm)
-    return SoftmaxFunction.apply(x, d, algorithm, True)
+    return _SOFTMAX_FWD(x, d, algorithm, True)

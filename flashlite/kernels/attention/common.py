@@ -1,0 +1,84 @@
+"""Pieces of the attention forward loop, shared by its loop variants: load a tile, score it,
+fold it into the statistics, accumulate ``p·v``. The statistics are :mod:`flashlite.stats`'s, the
+mask is :mod:`flashlite.masks`'s, the cast :mod:`flashlite.kernels.common`'s.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashlite.kernels.common import cast
+from flashlite.masks import visible
+from flashlite.stats import online_update, online_update_lazy
+
+
+@triton.jit
+def load_tile(src, b, h, row0, n_rows, stride_row, stride_d, offs_r, offs_d,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_DESC: tl.constexpr,
+               CHECK_ROWS: tl.constexpr):  # fmt: skip
+    """A ``[rows, BLOCK_D]`` tile of head (b, h) starting at row ``row0``; zeros past the ends.
+
+    ``src`` is a 4-D ``(B, H, N, D)`` tensor descriptor (TMA; it pads out-of-bounds rows and
+    columns itself) or a pointer already offset to head (b, h).
+    """
+    # (one return at the end: the compiler builds both arms of a constexpr `if` otherwise)
+    if USE_DESC:
+        tile = src.load([b, h, row0, 0]).reshape(offs_r.shape[0], BLOCK_D)
+    else:
+        rows = row0 + offs_r
+        ptrs = src + rows.to(tl.int64)[:, None] * stride_row + offs_d[None, :] * stride_d
+        if HEAD_DIM == BLOCK_D and not CHECK_ROWS:
+            tile = tl.load(ptrs)
+        else:
+            mask = offs_d[None, :] < HEAD_DIM
+            if CHECK_ROWS:
+                mask = mask & (rows[:, None] < n_rows)
+            tile = tl.load(ptrs, mask=mask, other=0.0)
+    return tile
+
+
+@triton.jit
+def scores(q, k_src, b, h_kv, start_n, offs_m, offs_n, offs_d, seq_q, seq_k, stride_kn, stride_kd,
+            MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+            BLOCK_D: tl.constexpr, USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """fp32 scores ``q·kᵀ`` of the key tile at ``start_n``; on ``MASKED`` tiles the keys a row
+    does not see (:func:`flashlite.masks.visible`) get −inf."""
+    k = load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, offs_n, offs_d,
+                   HEAD_DIM, BLOCK_D, USE_DESC, MASKED)  # fmt: skip
+    if DOT_FP32:
+        k = k.to(tl.float32)
+    qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if MASKED:
+        qk = tl.where(visible(offs_m, start_n + offs_n, seq_q, seq_k, IS_CAUSAL), qk, float("-inf"))
+    return qk
+
+
+@triton.jit
+def update(m, s, qk, exp_scale, LAZY_RESCALE: tl.constexpr):
+    """Fold a score tile into ``(m, s)``: ``(m, s, alpha, p, moved)``; the accumulator needs
+    ``acc·alpha`` only where ``moved`` (always, unless the reference moves lazily)."""
+    if LAZY_RESCALE:  # the reference moves only when a row's maximum grows by a factor > 2^8
+        m, s, alpha, p, moved = online_update_lazy(m, s, qk, exp_scale, 8.0)
+    else:
+        m, s, alpha, p = online_update(m, s, qk, exp_scale)
+        moved = True
+    return m, s, alpha, p, moved
+
+
+@triton.jit
+def accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd,
+                offs_n, offs_d, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
+                BLOCK_D: tl.constexpr, USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,
+                DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
+    """``acc·alpha + p·v`` for the value tile at ``start_n`` (the multiply only where
+    :func:`update` says the reference ``moved``)."""
+    if moved:
+        acc = acc * alpha[:, None]
+    v = load_tile(v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_n, offs_d,
+                   HEAD_DIM, BLOCK_D, USE_DESC, MASKED)  # fmt: skip
+    p = cast(p, v.dtype, ROUND_BF16)  # tensor-core operands in the input precision
+    if DOT_FP32:  # the interpreter: bf16 values (p keeps its bf16 rounding), fp32 dot
+        p, v = p.to(tl.float32), v.to(tl.float32)
+    return tl.dot(p, v, acc, input_precision=DOT_PRECISION)

@@ -1,0 +1,175 @@
+"""Tiled attention forward (FlashAttention-2 loop order) on the shared (m, s) statistics.
+
+One program owns ``BLOCK_M`` query rows of one (batch, head). It loads its Q block once, then
+walks the key/value tiles of ``BLOCK_N`` keys, folding each tile of scores into the running pair
+with :func:`flashlite.stats.online_update` — the very helper the row softmax uses — and rescaling
+its fp32 output accumulator by the factor the update returns. The ``Nq × Nk`` score matrix never
+leaves the chip. HBM traffic per program: its Q block once, one K and one V tile per visited key
+tile, its O block and LSE once.
+
+Causal attention is bottom-right aligned (query i sees key j iff ``j <= i + Nk − Nq``). The key
+range (:func:`flashlite.masks.key_range`) splits in two loops: tiles every row of the block sees
+completely (no mask arithmetic) and the diagonal/boundary tiles (masked); tiles above the
+diagonal are never visited.
+
+Two loop variants, chosen per :class:`~flashlite.kernels.configs.Config`, give the same result:
+lazy rescaling (the accumulator is rescaled only on tiles that move a row's reference maximum)
+and the overlapped
+loop of :func:`_attend_overlapped` (each tile's ``p·v`` runs on the tensor cores while the next
+tile's softmax is computed).
+
+Loads go through 4-D ``(B, H, N, D)`` tensor descriptors built on the host (TMA on Hopper;
+out-of-bounds rows and columns padded with zeros) when the strides are 16-byte aligned, else
+through plain masked pointer loads.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashlite.kernels.attention.common import accumulate, load_tile, scores, update
+from flashlite.kernels.common import cast
+from flashlite.masks import key_range
+from flashlite.stats import LOG2E, finalize_lse
+
+
+# ----------------------------------------------------------------------------- kernel
+@triton.jit
+def _attend(acc, m, s, q, k_src, v_src, b, h_kv, lo, hi, offs_m, offs_n, offs_d, seq_q, seq_k,
+            exp_scale, stride_kn, stride_kd, stride_vn, stride_vd,
+            MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
+            DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+            WARP_SPECIALIZE: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
+    """Fold key tiles ``[lo, hi)`` into ``(acc, m, s)``, one tile after the other: scores,
+    statistics, ``acc = acc·alpha + p·v``."""
+    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
+        qk = scores(q, k_src, b, h_kv, start_n, offs_m, offs_n, offs_d, seq_q, seq_k, stride_kn,
+                     stride_kd, MASKED, IS_CAUSAL, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
+                     DOT_PRECISION)  # fmt: skip
+        m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE)
+        acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, seq_k, stride_vn,
+                          stride_vd, offs_n, offs_d, MASKED, HEAD_DIM, BLOCK_D, USE_DESC,
+                          DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
+    return acc, m, s
+
+
+@triton.jit
+def _attend_overlapped(acc, m, s, q, k_src, v_src, b, h_kv, lo, hi, offs_m, offs_n, offs_d,
+                       seq_q, seq_k, exp_scale, stride_kn, stride_kd, stride_vn, stride_vd,
+                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                       USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+                       ROUND_BF16: tl.constexpr):  # fmt: skip
+    """:func:`_attend` over unmasked tiles ``[lo, hi)`` (``hi > lo``), reordered so that the
+    tensor cores work while the statistics are computed: the loop computes tile j's softmax,
+    then tile j+1's scores, then issues tile j's ``p·v`` and moves on without waiting for it, so
+    that product runs under tile j+1's softmax. Same arithmetic, same order of accumulation."""
+    qk = scores(q, k_src, b, h_kv, lo, offs_m, offs_n, offs_d, seq_q, seq_k, stride_kn,
+                 stride_kd, False, False, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
+                 DOT_PRECISION)  # fmt: skip
+    for start_n in tl.range(lo, hi - BLOCK_N, BLOCK_N):
+        m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE)
+        # the next scores; Triton waits for this dot (and the p·v still running) right here
+        qk = scores(q, k_src, b, h_kv, start_n + BLOCK_N, offs_m, offs_n, offs_d, seq_q, seq_k,
+                     stride_kn, stride_kd, False, False, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
+                     DOT_PRECISION)  # fmt: skip
+        # the rescale reads acc after that wait; the product is left in flight: only the next
+        # iteration's score dot waits for it
+        acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, seq_k, stride_vn,
+                          stride_vd, offs_n, offs_d, False, HEAD_DIM, BLOCK_D, USE_DESC,
+                          DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
+    m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE)
+    acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, hi - BLOCK_N, seq_k, stride_vn,
+                      stride_vd, offs_n, offs_d, False, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
+                      DOT_PRECISION, ROUND_BF16)  # fmt: skip
+    return acc, m, s
+
+
+@triton.jit
+def _attention_fwd_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    n_heads, group, seq_q, seq_k, sm_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
+    OVERLAP: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, ROUND_BF16: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``. Writes O ``(B, Hq, Nq, D)`` and fp32 LSE ``(B·Hq, Nq)``.
+
+    Q, K, V, O are 4-D tensor descriptors when ``USE_DESC``, else tensors read through strides.
+    """
+    n_m_blocks = tl.cdiv(seq_q, BLOCK_M)
+    pid_m = tl.program_id(0)
+    if IS_CAUSAL:  # the last query blocks see the most keys: start them first
+        pid_m = n_m_blocks - 1 - pid_m
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_heads
+    h = pid_bh % n_heads
+    h_kv = h // group  # GQA/MQA: query heads of a group share one K/V head, no copies
+    if USE_DESC:
+        q_src, k_src, v_src = Q, K, V
+    else:
+        q_src = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        k_src = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
+        v_src = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
+
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q = load_tile(q_src, b, h, start_m, seq_q, stride_qm, stride_qd, tl.arange(0, BLOCK_M),
+                   offs_d, HEAD_DIM, BLOCK_D, USE_DESC, True)  # fmt: skip
+    qk_scale = sm_scale * LOG2E
+    if PRESCALE_Q:
+        # Fold sm_scale·log2(e) into Q once per block: the scores arrive in exp2's units and
+        # the update's exponent is one subtraction per score instead of a subtract and a
+        # multiply. Costs one rounding of Q·scale to the input dtype.
+        q = cast(q * qk_scale, q.dtype, ROUND_BF16)
+        exp_scale: tl.constexpr = 1.0
+    else:
+        exp_scale = qk_scale
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # Key tiles [0, full_hi) are seen by every row of the block and lie inside the sequence;
+    # [full_hi, hi) are the diagonal and boundary tiles (masked).
+    full_hi, hi = key_range(start_m, seq_q, seq_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    if OVERLAP:
+        if full_hi > 0:
+            acc, m, s = _attend_overlapped(acc, m, s, q, k_src, v_src, b, h_kv, 0, full_hi,
+                                           offs_m, offs_n, offs_d, seq_q, seq_k, exp_scale,
+                                           stride_kn, stride_kd, stride_vn, stride_vd, HEAD_DIM,
+                                           BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION,
+                                           LAZY_RESCALE, ROUND_BF16)  # fmt: skip
+    else:
+        acc, m, s = _attend(acc, m, s, q, k_src, v_src, b, h_kv, 0, full_hi, offs_m, offs_n,
+                            offs_d, seq_q, seq_k, exp_scale, stride_kn, stride_kd, stride_vn,
+                            stride_vd, False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC,
+                            DOT_FP32, DOT_PRECISION, LAZY_RESCALE, WARP_SPECIALIZE,
+                            ROUND_BF16)  # fmt: skip
+    acc, m, s = _attend(acc, m, s, q, k_src, v_src, b, h_kv, full_hi, hi, offs_m, offs_n,
+                        offs_d, seq_q, seq_k, exp_scale, stride_kn, stride_kd, stride_vn,
+                        stride_vd, True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC,
+                        DOT_FP32, DOT_PRECISION, LAZY_RESCALE, False, ROUND_BF16)  # fmt: skip
+
+    # Rows that saw no key (causal with Nq > Nk) have s = 0: output 0 and LSE −inf, not NaN.
+    inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)
+    lse = finalize_lse(m, s, exp_scale)
+    tl.store(LSE + pid_bh.to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
+    if USE_DESC:
+        o = cast(acc * inv_s[:, None], O.dtype, ROUND_BF16)
+        O.store([b, h, start_m, 0], o.reshape(1, 1, BLOCK_M, BLOCK_D))
+    else:
+        o = cast(acc * inv_s[:, None], O.dtype.element_ty, ROUND_BF16)
+        o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+        ptrs = o_base + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od
+        tl.store(ptrs, o, mask=(offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM))

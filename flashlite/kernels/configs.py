@@ -1,0 +1,131 @@
+"""Tile configs of the attention kernels: one ``Config`` type, one measured table per GPU family,
+the autotuner's list for shapes without an entry, and the filter that drops configs a shape
+cannot fit. Host-side only (no ``@triton.jit`` here); the front-end (``ops/attention.py``) picks.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import NamedTuple
+
+import triton
+
+
+class Config(NamedTuple):
+    """One launch config: tile sizes, Triton's ``num_warps``/``num_stages``, and the loop
+    variants (all give the same results; which is fastest depends on the tile and head dim)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    #: ``tl.range(warp_specialize=True)`` on the unmasked loop (TMA loads only)
+    warp_specialize: bool = False
+    #: rescale the accumulator only on tiles that move a row's reference maximum
+    lazy_rescale: bool = False
+    #: leave each tile's ``p·v`` running on the tensor cores under the next tile's softmax
+    overlap: bool = False
+
+    def constexprs(self) -> dict[str, object]:
+        """The kernel constexprs this config sets (warps and stages are launch options)."""
+        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
+                "WARP_SPECIALIZE": self.warp_specialize, "LAZY_RESCALE": self.lazy_rescale,
+                "OVERLAP": self.overlap}  # fmt: skip
+
+    @classmethod
+    def of(cls, c: triton.Config) -> Config:
+        """The config an autotuner's ``triton.Config`` (from :func:`as_triton_config`) holds."""
+        kw = c.kwargs
+        return cls(kw["BLOCK_M"], kw["BLOCK_N"], c.num_warps, c.num_stages,
+                   kw["WARP_SPECIALIZE"], kw["LAZY_RESCALE"], kw["OVERLAP"])  # fmt: skip
+
+
+#: Configs the GPU autotuner tries for shapes without a measured entry below; ``keep_config``
+#: drops the ones that cannot fit a shape. The last ones are small fallbacks for fp32 and head
+#: dims up to 256. Warp specialisation is supported but left out: with Triton 3.6 on the H200 it
+#: was no faster than the same config without it, and two such configs crashed the compiler.
+GPU_CONFIGS = [
+    Config(128, 128, 8, 3, lazy_rescale=True),
+    Config(128, 128, 8, 2, lazy_rescale=True),
+    Config(128, 64, 4, 3),
+    Config(64, 64, 4, 2, overlap=True),
+    Config(64, 64, 4, 3),
+    Config(64, 128, 4, 2, overlap=True),
+    Config(64, 64, 4, 2),
+    Config(64, 32, 4, 2),
+]
+#: The config Hopper (sm_90) runs for 16-bit inputs at these ``(BLOCK_D, causal)``, without
+#: autotuning: the fastest in three sweeps on an H200 (bf16, B·N = 16k tokens, N = 4k and
+#: 16k; ``benchmarks/NOTES.md``). Autotuning over ``GPU_CONFIGS`` picks between configs a few
+#: percent apart from one timing each, so its choice moved between runs; a table does not.
+HOPPER_CONFIGS = {
+    (64, False): Config(128, 64, 4, 3),
+    (64, True): Config(64, 64, 4, 3),
+    (128, False): Config(64, 64, 4, 2, overlap=True),
+    (128, True): Config(64, 64, 4, 2, overlap=True),
+}
+#: The config the interpreter (CPU) runs: small tiles keep it quick; several tiles per sequence
+#: in the tests exercise the loop bounds.
+CPU_CONFIG = Config(16, 16, 4, 1)
+#: ``FLASHLITE_ATTENTION_CONFIG="BM,BN,warps,stages[,ws[,lazy[,overlap]]]"`` (0/1 flags) pins
+#: one config (tests, benchmarks).
+PIN_ENV = "FLASHLITE_ATTENTION_CONFIG"
+#: Shared memory a config may plan for (Hopper gives a block 227 KB).
+SMEM_BUDGET = 224 * 1024
+
+
+def pinned_config() -> Config | None:
+    """The config pinned through the environment, if any."""
+    text = os.environ.get(PIN_ENV)
+    if not text:
+        return None
+    fields = [int(v) for v in text.split(",")]
+    if not 4 <= len(fields) <= 7:
+        raise ValueError(
+            f"{PIN_ENV}={text!r}: expected 4 to 7 comma-separated integers "
+            "BM,BN,warps,stages[,ws[,lazy[,overlap]]]"
+        )
+    bm, bn, w, s, *flags = fields
+    return Config(bm, bn, w, s, *(bool(f) for f in flags))
+
+
+def as_triton_config(cfg: Config, pre_hook: object = None) -> triton.Config:
+    return triton.Config(
+        cfg.constexprs(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, pre_hook=pre_hook
+    )
+
+
+def set_block_shapes(nargs: dict) -> None:
+    """Autotune pre-hook: give the host descriptors the block shape of the config being run."""
+    if not nargs["USE_DESC"]:
+        return
+    bm, bn, bd = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_D"]
+    nargs["Q"].block_shape = nargs["O"].block_shape = [1, 1, bm, bd]
+    nargs["K"].block_shape = nargs["V"].block_shape = [1, 1, bn, bd]
+
+
+def keep_config(cfg: Config, block_d: int, elem_bytes: int, use_desc: bool) -> bool:
+    """Whether a config fits this shape: ``stages`` K and V tiles (plus room for Q) in shared
+    memory, the fp32 accumulator and score tile in registers; warp specialisation only with TMA
+    loads. fp32 counts double: its three-pass TF32 dots keep split copies of the operands (the
+    H200 refused fp32 configs this estimate now rejects). The overlapped loop loads one more K
+    and V tile outside the pipelined loop (its first scores and last values)."""
+    if cfg.warp_specialize and not use_desc:
+        return False
+    elem = 2 * elem_bytes if elem_bytes >= 4 else elem_bytes
+    kv_tiles = 2 * cfg.num_stages + (2 if cfg.overlap else 0)
+    smem = (kv_tiles * cfg.block_n + cfg.block_m) * block_d * elem
+    threads = 32 * cfg.num_warps
+    return (
+        smem <= SMEM_BUDGET
+        and cfg.block_m * block_d <= 128 * threads
+        and cfg.block_m * cfg.block_n <= 64 * threads
+    )
+
+
+def default_config(block_d: int, elem_bytes: int, use_desc: bool) -> Config:
+    """The first config that fits: what runs when nothing is tuned or pinned."""
+    for cfg in GPU_CONFIGS:
+        if keep_config(cfg, block_d, elem_bytes, use_desc):
+            return cfg
+    return Config(32, 32, 4, 1)

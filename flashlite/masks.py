@@ -1,0 +1,91 @@
+"""Which keys a query sees: the one place that answers it, for kernels, models, references, tests.
+
+Today's masks: none, and causal aligned bottom-right (flash-attn >= 2.1, ``causal_lower_right``):
+query ``i`` of ``Nq`` sees key ``j`` of ``Nk`` iff ``j <= i + Nk − Nq``. With ``Nq > Nk`` the first
+``Nq − Nk`` queries see nothing (their output is 0 and their LSE −inf).
+
+Two questions, each a ``@triton.jit`` helper and its torch twin (same arithmetic, host ints or
+tensors):
+
+===================  ======================  ===============================================
+helper               twin                    answers
+===================  ======================  ===============================================
+``key_range``        ``torch_key_range``     the key tiles a block of ``BLOCK_M`` queries
+                                             visits: ``[0, full_hi)`` seen by every row of the
+                                             block (no mask arithmetic), ``[full_hi, hi)`` the
+                                             diagonal and boundary tiles (masked); keys from
+                                             ``hi`` on are never loaded
+``visible``          ``torch_visible``       per (query, key) pair: is it seen?
+===================  ======================  ===============================================
+
+The next masks (sliding window, per-batch key lengths, varlen offsets, split-KV ranges) extend
+these two functions, so everything that asks keeps agreeing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["key_range", "visible", "torch_key_range", "torch_visible"]
+
+
+# --------------------------------------------------------------------------- Triton helpers
+@triton.jit
+def key_range(start_m, seq_q, seq_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              IS_CAUSAL: tl.constexpr):  # fmt: skip
+    """``(full_hi, hi)`` for the query block ``[start_m, start_m + BLOCK_M)``; ``full_hi`` is a
+    multiple of ``BLOCK_N``, ``0 <= full_hi <= hi <= seq_k``."""
+    if IS_CAUSAL:
+        diag = seq_k - seq_q
+        # the block's first row sees keys [0, start_m + diag + 1): whole tiles below that are
+        # seen by every row; its last row sees [0, start_m + BLOCK_M + diag)
+        first_row_sees = tl.minimum(tl.maximum(start_m + diag + 1, 0), seq_k)
+        full_hi = (first_row_sees // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(tl.maximum(start_m + BLOCK_M + diag, 0), seq_k)
+    else:
+        full_hi = (seq_k // BLOCK_N) * BLOCK_N
+        hi = seq_k
+    return full_hi, hi
+
+
+@triton.jit
+def visible(rows, cols, seq_q, seq_k, IS_CAUSAL: tl.constexpr):
+    """``[R, C]`` bools: query ``rows[r]`` sees key ``cols[c]`` (keys past ``seq_k`` never)."""
+    seen = cols[None, :] < seq_k
+    if IS_CAUSAL:
+        seen = seen & (cols[None, :] <= rows[:, None] + (seq_k - seq_q))
+    return seen
+
+
+# --------------------------------------------------------------------------- torch twins
+def torch_key_range(
+    start_m: int, block_m: int, block_n: int, seq_q: int, seq_k: int, causal: bool
+) -> tuple[int, int]:
+    """Host twin of :func:`key_range`: ``(full_hi, hi)`` for one query block."""
+    if causal:
+        diag = seq_k - seq_q
+        first_row_sees = min(max(start_m + diag + 1, 0), seq_k)
+        return (first_row_sees // block_n) * block_n, min(max(start_m + block_m + diag, 0), seq_k)
+    return (seq_k // block_n) * block_n, seq_k
+
+
+def torch_visible(
+    seq_q: int,
+    seq_k: int,
+    causal: bool,
+    *,
+    rows: torch.Tensor | None = None,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Twin of :func:`visible`: ``(len(rows), Nk)`` bools, query ``rows[r]`` sees key ``j``.
+
+    ``rows`` defaults to every query, ``arange(Nq)``, giving the ``(Nq, Nk)`` mask.
+    """
+    if rows is None:
+        rows = torch.arange(seq_q, device=device)
+    cols = torch.arange(seq_k, device=rows.device)
+    if not causal:
+        return torch.ones(rows.shape[0], seq_k, dtype=torch.bool, device=rows.device)
+    return cols[None, :] <= rows[:, None] + (seq_k - seq_q)

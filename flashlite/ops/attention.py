@@ -1,0 +1,322 @@
+"""Tiled attention front-end: validation, layouts, config choice, launch, custom op, autograd.
+
+The kernel lives in :mod:`flashlite.kernels.attention.fwd` and its tile table in
+:mod:`flashlite.kernels.configs`. This module reads any layout through strides (no copies),
+chooses tensor-descriptor or pointer loads and the tile config (:func:`fixed_config`, else the
+autotuner, once per length bucket), and launches it.
+
+``flashlite::attention_fwd`` is a ``torch.library`` custom op with a fake implementation, so
+``torch.compile(fullgraph=True)`` traces through :func:`attention` without a graph break; its
+autograd formula is registered with it (the backward kernel is a later issue, so it raises).
+It is a ``custom_op`` rather than a ``triton_op``: the same op runs CPU tensors in Triton's
+interpreter or moves them to the GPU, picks descriptors and configs on the host per call, and
+Inductor could only inline the CUDA case.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from flashlite import _backend
+from flashlite.kernels import configs as C
+from flashlite.kernels.attention import fwd as K
+
+LAYOUTS = ("b h n d", "b n h d")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+#: Problems with fewer multiply-adds than this (``B·Hq·Nq·Nk·D``) load through pointers. Tensor
+#: descriptors cost host time on every call (built in Python, then encoded by the launcher:
+#: about 35 µs per call on the H200 with Triton 3.6), more than TMA saves on a small problem;
+#: from about a billion multiply-adds the kernel runs long enough for TMA to pay.
+DESC_MIN_WORK = 1 << 30
+#: The tile small problems run on a GPU (few programs: a 64-row tile keeps more SMs busy).
+SMALL_CONFIG = C.Config(64, 64, 4, 2)
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What one kernel launch used (read by the traffic tools and the benchmark)."""
+
+    config: C.Config
+    block_d: int
+    use_desc: bool
+
+
+def _check(
+    q: object, k: object, v: object, layout: object, scale: object
+) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate the public arguments; return the softmax scale and q, k, v as ``b h n d`` views."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+    assert isinstance(v, torch.Tensor)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {', '.join(map(repr, LAYOUTS))}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dimensions ({layout}), got shape {tuple(t.shape)}"
+            )
+        if t.dtype not in DTYPES:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; accepted: "
+                "torch.float16, torch.bfloat16, torch.float32"
+            )
+        _backend.check_device(t, name)
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if layout == "b n h d":  # a strided view, no copy
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    (b, hq, _, d), (bk, hkv, _, dk) = q.shape, k.shape
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape (B, Hkv, Nk, D) in layout {layout!r}, got "
+            f"{tuple(k.shape)} and {tuple(v.shape)} (as b h n d)"
+        )
+    if bk != b:
+        raise ValueError(f"q and k must have the same batch size, got {b} and {bk}")
+    if dk != d:
+        raise ValueError(f"q and k must have the same head dim, got {d} and {dk}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"the number of query heads ({hq}) must be a multiple of the number of key/value "
+            f"heads ({hkv}) for GQA/MQA"
+        )
+    if d == 0:
+        raise ValueError("head dim must be at least 1, got 0")
+    if d > MAX_HEAD_DIM:
+        raise NotImplementedError(f"head dim {d} is not supported: flashlite supports 1 to 256")
+    if scale is None:
+        return 1.0 / math.sqrt(d), q, k, v
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale must be a finite positive number, got {scale}")
+    return float(scale), q, k, v
+
+
+def _descriptor_ok(*tensors: torch.Tensor) -> bool:
+    """TMA descriptors need a CUDA tensor, unit stride along D, 16-byte aligned base and strides."""
+    for t in tensors:
+        if t.device.type != "cuda" or t.stride(-1) != 1 or t.data_ptr() % 16:
+            return False
+        if any((st * t.element_size()) % 16 for st in t.stride()[:-1]):
+            return False
+    return True
+
+
+_tuned: dict[tuple[int, int], object] = {}
+
+
+def _tuned_kernel(seq_q: int, seq_k: int) -> object:
+    """The kernel with its filtered autotune list, one per power-of-two length bucket: a
+    config tuned at one length serves every length of its bucket, so a decoding or varlen loop
+    over many lengths tunes a handful of times, not once per length."""
+    bucket = (triton.next_power_of_2(seq_q), triton.next_power_of_2(seq_k))
+    if bucket not in _tuned:
+
+        def prune(configs: list, named_args: dict, **kwargs: object) -> list:
+            out = named_args["O"]
+            esize = (out.base if kwargs["USE_DESC"] else out).element_size()
+            fits = (kwargs["BLOCK_D"], esize, kwargs["USE_DESC"])
+            keep = [c for c in configs if C.keep_config(C.Config.of(c), *fits)]
+            return keep or [C.as_triton_config(C.default_config(*fits), C.set_block_shapes)]
+
+        _tuned[bucket] = triton.autotune(
+            configs=[C.as_triton_config(c, C.set_block_shapes) for c in C.GPU_CONFIGS],
+            key=["HEAD_DIM", "IS_CAUSAL", "USE_DESC", "DOT_FP32", "DOT_PRECISION"],
+            prune_configs_by={"early_config_prune": prune},
+        )(K._attention_fwd_kernel)
+    return _tuned[bucket]
+
+
+def fixed_config(
+    device: torch.device,
+    block_d: int | None = None,
+    causal: bool = False,
+    dtype: torch.dtype | None = None,
+    small: bool = False,
+) -> C.Config | None:
+    """The config used without autotuning: the one pinned through ``$FLASHLITE_ATTENTION_CONFIG``,
+    else ``CPU_CONFIG`` in the interpreter, else ``SMALL_CONFIG`` for ``small`` problems that fit
+    it, else on Hopper for 16-bit inputs the measured ``HOPPER_CONFIGS`` entry for
+    ``(block_d, causal)``; None means autotune."""
+    pinned = C.pinned_config()
+    if pinned is not None:
+        return pinned
+    if _backend.is_interpreted(device):
+        return C.CPU_CONFIG
+    fits_small = block_d is not None and dtype is not None
+    if small and fits_small and C.keep_config(SMALL_CONFIG, block_d, dtype.itemsize, False):
+        return SMALL_CONFIG
+    hopper = device.type == "cuda" and _backend.capability(device.index or 0) == (9, 0)
+    if hopper and dtype in (torch.float16, torch.bfloat16):
+        return C.HOPPER_CONFIGS.get((block_d, bool(causal)))
+    return None
+
+
+def empty_output(q: torch.Tensor) -> torch.Tensor:
+    """``O`` for ``q`` (``b h n d`` view): dense in the order of q's strides, so it keeps q's
+    layout (``b n h d`` too, also for slices of a packed qkv buffer)."""
+    order = sorted(range(4), key=lambda i: -q.stride(i))
+    o = q.new_empty([q.shape[i] for i in order])
+    return o.permute([order.index(i) for i in range(4)])
+
+
+def attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    *,
+    config: C.Config | None = None,
+    use_desc: bool | None = None,
+    prescale_q: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, LaunchInfo | None]:
+    """Launch the forward kernel on validated ``(B, H, N, D)`` views (no autograd, no checks).
+
+    Args:
+        q: ``(B, Hq, Nq, D)``; k, v: ``(B, Hkv, Nk, D)``; any strides, one dtype and device.
+        causal: bottom-right aligned mask (:mod:`flashlite.masks`).
+        scale: the softmax scale.
+        config: pin a :class:`~flashlite.kernels.configs.Config` (else :func:`fixed_config` or
+            the autotuner chooses).
+        use_desc: force descriptor (True) or pointer (False) loads.
+        prescale_q: fold the scale into Q (default for 16-bit inputs).
+
+    Returns:
+        ``O`` ``(B, Hq, Nq, D)`` strided like ``q``, the fp32 LSE ``(B, Hq, Nq)`` and what the
+        launch used (None when nothing was launched). CPU tensors in a process that compiles its
+        kernels run on the GPU: moved there once, results moved back.
+    """
+    dev = _backend.compute_device(q.device)
+    if dev != q.device:
+        opts = {"config": config, "use_desc": use_desc, "prescale_q": prescale_q}
+        o, lse, info = attention_fwd(q.to(dev), k.to(dev), v.to(dev), causal, scale, **opts)
+        return o.to(q.device), lse.to(q.device), info
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    o = empty_output(q)
+    lse = q.new_empty((b, hq, nq), dtype=torch.float32)
+    if b * hq * nq == 0:
+        return o, lse, None
+    if nk == 0:  # no key at all: every row sees nothing
+        return o.zero_(), lse.fill_(-math.inf), None
+
+    block_d = max(16, triton.next_power_of_2(d))
+    small = b * hq * nq * nk * d < DESC_MIN_WORK
+    if use_desc is None:
+        use_desc = not small and _descriptor_ok(q, k, v, o)
+    if prescale_q is None:
+        prescale_q = q.dtype != torch.float32
+    if config is None:
+        config = fixed_config(dev, block_d, causal, q.dtype, small=not use_desc and small)
+    if config is not None:  # a plain tuple works too
+        config = C.Config(*config)
+    if use_desc:  # block shapes are set per config (set_block_shapes), placeholders here
+        bm, bn = (config.block_m, config.block_n) if config is not None else (16, 16)
+        srcs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])
+                for t, r in ((q, bm), (k, bn), (v, bn), (o, bm))]  # fmt: skip
+    else:
+        srcs = [q, k, v, o]
+    args = (*srcs, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            hq, hq // hkv, nq, nk, scale)  # fmt: skip
+    consts = {
+        "HEAD_DIM": d,
+        "BLOCK_D": block_d,
+        "IS_CAUSAL": bool(causal),
+        "USE_DESC": use_desc,
+        "PRESCALE_Q": prescale_q,
+        "DOT_FP32": _backend.dot_upcast(q.dtype),
+        # fp32 inputs: three TF32 passes give about fp32 accuracy on tensor cores
+        "DOT_PRECISION": "tf32x3" if q.dtype == torch.float32 else "tf32",
+        "ROUND_BF16": _backend.round_bf16(q.dtype),
+    }
+    if config is not None:
+        grid = (triton.cdiv(nq, config.block_m), b * hq)
+        K._attention_fwd_kernel[grid](*args, **config.constexprs(), num_warps=config.num_warps,
+                                      num_stages=config.num_stages, **consts)  # fmt: skip
+    else:
+        tuned = _tuned_kernel(nq, nk)
+        tuned[lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), b * hq)](*args, **consts)  # type: ignore[index]
+        config = C.Config.of(tuned.best_config)  # type: ignore[attr-defined]
+    return o, lse, LaunchInfo(config, block_d, use_desc)
+
+
+# ----------------------------------------------------------------------------- custom op
+@torch.library.custom_op("flashlite::attention_fwd", mutates_args=())
+def _attention_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    o, lse, _ = attention_fwd(q, k, v, causal, scale)
+    return o, lse
+
+
+@_attention_fwd_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+    return empty_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    pass
+
+
+def _backward(ctx, grad_o, grad_lse):  # type: ignore[no-untyped-def]
+    raise NotImplementedError(
+        "flashlite.attention has no backward pass yet; use "
+        "torch.nn.functional.scaled_dot_product_attention for training"
+    )
+
+
+_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+_ATTENTION_FWD = torch.ops.flashlite.attention_fwd.default
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "b h n d",
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention computed tile by tile (FlashAttention-2 loop order).
+
+    Args:
+        q: ``(B, Hq, Nq, D)`` (or ``(B, Nq, Hq, D)`` with ``layout="b n h d"``).
+        k, v: ``(B, Hkv, Nk, D)`` in the same layout; ``Hq % Hkv == 0`` gives GQA/MQA without
+            repeating k and v in memory. Any strides: slices of a packed qkv buffer work.
+        causal: bottom-right aligned mask (flash-attn >= 2.1, ``causal_lower_right``): query i
+            sees key j iff ``j <= i + Nk - Nq``. Rows that see no key give 0 and LSE −inf.
+        scale: multiplies ``QKᵀ`` before the softmax; defaults to ``1/sqrt(D)``; must be > 0.
+        layout: ``"b h n d"`` or ``"b n h d"`` (einops notation).
+        return_lse: also return the natural-log LSE of the scaled scores.
+
+    Returns:
+        ``out`` in ``q``'s layout and dtype, or ``(out, lse)`` with ``lse`` fp32 ``(B, Hq, Nq)``.
+        fp16/bf16 run on tensor cores with fp32 accumulation; fp32 uses three TF32 passes
+        (``tf32x3``) on a GPU, about fp32 accuracy. D runs from 1 to 256. A custom op
+        (``torch.ops.flashlite.attention_fwd``): ``torch.compile`` traces through it.
+
+    Raises:
+        TypeError: non-tensors, unsupported or mixed dtypes, a non-numeric scale.
+        ValueError: wrong rank, mismatched batch/heads/lengths/head dims, unknown layout,
+            mixed devices, a non-positive scale.
+        NotImplementedError: head dim above 256.
+    """
+    sm_scale, qc, kc, vc = _check(q, k, v, layout, scale)
+    o, lse = _ATTENTION_FWD(qc, kc, vc, bool(causal), sm_scale)
+    if layout != "b h n d":
+        o = o.transpose(1, 2)
+    return (o, lse) if return_lse else o
