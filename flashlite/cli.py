@@ -222,41 +222,37 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
 
 def plot_traffic(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> str:
     """Bytes vs sequence length (log-log) per method, with the compulsory bytes as a line."""
-    import matplotlib
+    from flashlite.plotting import Figure, Line, Panel, save
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    methods = list(dict.fromkeys(r["method"] for r in rows))
     styles = {
         "model_bytes": ("-", "o", "model"),
         "counted_bytes": (":", "s", "counted"),
         "measured_bytes": ("--", "^", "measured"),
     }
-    for color, method in zip(
-        plt.rcParams["axes.prop_cycle"].by_key()["color"], methods, strict=False
-    ):
+    lines = []
+    for i, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
         mine = [r for r in rows if r["method"] == method]
         for key, (ls, marker, label) in styles.items():
             pts = [(r["seq_len"], r[key]) for r in mine if r[key] is not None]
             if pts:
                 xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, ls=ls, marker=marker, color=color, label=f"{method} ({label})")
+                style = {"ls": ls, "marker": marker, "color": f"C{i}"}
+                lines.append(Line(xs, ys, f"{method} ({label})", style=style))
     comp = sorted({(r["seq_len"], r["compulsory_bytes"]) for r in rows})
     if comp:
         xs, ys = zip(*comp, strict=True)
-        ax.plot(xs, ys, color="black", lw=2, label="compulsory (Q, K, V, O once)")
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("sequence length N")
-    ax.set_ylabel("HBM bytes per call")
-    ax.set_title(title or "attention HBM traffic")
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        style = {"color": "black", "lw": 2}
+        lines.append(Line(xs, ys, "compulsory (Q, K, V, O once)", style=style))
+    panel = Panel(
+        lines,
+        title=title or "attention HBM traffic",
+        xlabel="sequence length N",
+        ylabel="HBM bytes per call",
+        xlog=2,
+        ylog=10,
+        grid="both",
+    )
+    save(Figure([[panel]], panel_size=(7, 4.5)), path)
     return path
 
 
