@@ -12,6 +12,9 @@ import torch
 
 from flashlite.masks import torch_visible
 
+#: ``backend=`` names of :func:`sdpa` and the torch backend each one pins.
+SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
+
 
 def softmax_three_pass(x: torch.Tensor, dim: int = -1, *, log: bool = False) -> torch.Tensor:
     """The safe softmax as three passes over the row: max, sum of exponentials, write.
@@ -81,3 +84,55 @@ def attention(
         return o
     lse = torch.logsumexp(s.float() if not upcast else s, dim=-1).reshape(b, hq, nq).float()
     return o, lse
+
+
+def sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    backend: str | None = "flash",
+) -> torch.Tensor:
+    """torch's ``scaled_dot_product_attention`` on one pinned backend, with flashlite's conventions.
+
+    The one SDPA runner of the benchmarks and the traffic tool. Two conventions differ from SDPA's
+    defaults and are bridged here: ``causal`` is bottom-right aligned (SDPA's ``is_causal`` is
+    top-left; the two agree when ``Nq == Nk``, otherwise ``causal_lower_right`` is passed), and
+    ``Hq != Hkv`` (GQA) is passed as ``enable_gqa=True`` instead of repeating k and v.
+
+    Args:
+        q: ``(B, Hq, Nq, D)``.
+        k, v: ``(B, Hkv, Nk, D)`` with ``Hq % Hkv == 0``.
+        causal: query i sees key j iff ``j <= i + Nk - Nq`` (as :func:`attention`).
+        scale: defaults to ``1/sqrt(D)``.
+        backend: one of ``"flash"``, ``"cudnn"``, ``"efficient"``, ``"math"`` (the call fails
+            when that backend cannot run the inputs, instead of silently falling back), or None
+            to let torch choose (e.g. inside the caller's own ``sdpa_kernel`` context).
+
+    Returns:
+        ``O`` ``(B, Hq, Nq, D)`` in ``q``'s dtype.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention.bias import causal_lower_right
+
+    if backend is not None and backend not in SDPA_BACKENDS:
+        raise ValueError(f"backend={backend!r} is not one of {', '.join(SDPA_BACKENDS)} or None")
+    nq, nk = q.shape[-2], k.shape[-2]
+    extra: dict = {"enable_gqa": True} if q.shape[1] != k.shape[1] else {}
+    if causal and nq != nk:
+        extra["attn_mask"] = causal_lower_right(nq, nk)
+    else:
+        extra["is_causal"] = causal
+    run = torch.nn.functional.scaled_dot_product_attention
+    if backend is None:
+        return run(q, k, v, scale=scale, **extra)
+    pinned = {
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }[backend]
+    with sdpa_kernel(pinned):
+        return run(q, k, v, scale=scale, **extra)

@@ -610,26 +610,8 @@ def _attention_fn(method: str, shape: AttentionShape) -> Callable[..., torch.Ten
 
         return lambda q, k, v: flashlite.attention(q, k, v, causal=shape.causal)
     if method in ("sdpa-flash", "sdpa-cudnn"):
-        from torch.nn.attention import SDPBackend, sdpa_kernel
-        from torch.nn.attention.bias import causal_lower_right
-
-        backend = {
-            "sdpa-flash": SDPBackend.FLASH_ATTENTION,
-            "sdpa-cudnn": SDPBackend.CUDNN_ATTENTION,
-        }[method]
-        gqa = shape.heads != shape.hkv
-
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-            extra: dict[str, Any] = {"enable_gqa": True} if gqa else {}
-            # sdpa's is_causal is top-left aligned; ours is bottom-right (same when Nq == Nk)
-            if shape.causal and shape.seq_q != shape.nk:
-                extra["attn_mask"] = causal_lower_right(shape.seq_q, shape.nk)
-            else:
-                extra["is_causal"] = shape.causal
-            with sdpa_kernel(backend):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, **extra)
-
-        return run
+        backend = method.removeprefix("sdpa-")
+        return lambda q, k, v: reference.sdpa(q, k, v, causal=shape.causal, backend=backend)
     raise ValueError(f"method={method!r} is not one of {', '.join(ATTENTION_METHODS)}")
 
 
