@@ -13,24 +13,29 @@ provider alike. ``--sweep`` first checks and times every flashlite config (``GPU
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import math
-import platform
-import re
 import statistics
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 import triton
-from torch.nn.attention import SDPBackend, sdpa_kernel
+from _common import (
+    PeerUnavailableError,
+    bench,
+    device_name,
+    device_slug,
+    flex_attention,
+    metadata,
+    write_results,
+)
 
 import flashlite
+from flashlite import reference
 from flashlite.kernels import configs as K
 from flashlite.ops.attention import attention_fwd
+from flashlite.plotting import Figure, Line, Panel
 from flashlite.reference import attention as naive_attention
 
-RESULTS = Path(__file__).resolve().parent / "results"
 TOKENS = 16384
 SEQS = (1024, 2048, 4096, 8192, 16384)
 HEAD_DIMS = (64, 128)
@@ -41,26 +46,9 @@ def tflops(b: int, h: int, n: int, d: int, causal: bool, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
 
 
-def bench(fn) -> float:
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def sdpa(backend: SDPBackend, causal: bool):
-    def run(q, k, v):
-        with sdpa_kernel(backend):
-            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-
-    return run
-
-
-def flex(causal: bool, n: int):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    compiled = torch.compile(flex_attention)
-    if not causal:
-        return lambda q, k, v: compiled(q, k, v)
-    mask = create_block_mask(lambda b, h, qi, ki: ki <= qi, None, None, n, n, device="cuda")
-    return lambda q, k, v: compiled(q, k, v, block_mask=mask)
+def sdpa(backend: str, causal: bool) -> Callable[..., torch.Tensor]:
+    """``f(q, k, v)``: :func:`flashlite.reference.sdpa` pinned to ``backend``."""
+    return lambda q, k, v: reference.sdpa(q, k, v, causal=causal, backend=backend)
 
 
 def check(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -84,7 +72,7 @@ def sweep(rows: list[dict]) -> None:
             b = TOKENS // n
             q, k, v = make(b, h, n, d)
             for causal in (False, True):
-                ref = sdpa(SDPBackend.FLASH_ATTENTION, causal)(q, k, v)
+                ref = sdpa("flash", causal)(q, k, v)
                 for cfg in dict.fromkeys([*K.GPU_CONFIGS, *K.HOPPER_CONFIGS.values()]):
                     bd = max(16, triton.next_power_of_2(d))
                     if not K.keep_config(cfg, bd, 2, True):
@@ -122,31 +110,37 @@ def main() -> None:
 
     providers = {
         "flashlite": lambda causal, n: lambda q, k, v: flashlite.attention(q, k, v, causal=causal),
-        "sdpa-flash": lambda causal, n: sdpa(SDPBackend.FLASH_ATTENTION, causal),
-        "sdpa-cudnn": lambda causal, n: sdpa(SDPBackend.CUDNN_ATTENTION, causal),
-        "sdpa-efficient": lambda causal, n: sdpa(SDPBackend.EFFICIENT_ATTENTION, causal),
-        "flex": flex,
+        "sdpa-flash": lambda causal, n: sdpa("flash", causal),
+        "sdpa-cudnn": lambda causal, n: sdpa("cudnn", causal),
+        "sdpa-efficient": lambda causal, n: sdpa("efficient", causal),
+        "flex": lambda causal, n: flex_attention(causal, n, n),
         "naive": lambda causal, n: lambda q, k, v: naive_attention(q, k, v, causal),
     }
     if args.no_flex:
         del providers["flex"]
+    unavailable: set[str] = set()  # optional peers that cannot run here: noted once, skipped
     for d in HEAD_DIMS:
         h = 2048 // d
         for n in args.seqs:
             b = TOKENS // n
             q, k, v = make(b, h, n, d)
             for causal in (False, True):
-                ref = sdpa(SDPBackend.FLASH_ATTENTION, causal)(q, k, v)
+                ref = sdpa("flash", causal)(q, k, v)
                 fns, errs = {}, {}
                 for name, factory in providers.items():
                     if name == "naive" and b * h * n * n * 2 * 3 > 40e9:  # S, P, softmax temp
                         continue
                     if name == "flex" and n not in (4096, 16384):  # each shape compiles anew
                         continue
+                    if name in unavailable:
+                        continue
                     try:
                         fn = factory(causal, n)
                         errs[name] = check(fn(q, k, v), ref)
                         fns[name] = fn
+                    except PeerUnavailableError as exc:
+                        print(f"skipping {name}: {exc}")
+                        unavailable.add(name)
                     except Exception as exc:
                         print(f"{name} D={d} N={n} causal={causal} failed: {exc}"[:200])
                 times: dict[str, list[float]] = {name: [] for name in fns}
@@ -184,51 +178,44 @@ def main() -> None:
 
 
 def write(rows: list[dict]) -> None:
-    dev = torch.cuda.get_device_name()
-    slug = re.sub(r"[^a-z0-9]+", "-", dev.lower()).strip("-")
-    meta = {"device": dev, "torch": torch.__version__, "triton": triton.__version__,
-            "python": platform.python_version(), "date": datetime.date.today().isoformat(),
-            "dtype": "bfloat16", "tokens": TOKENS,
-            "autotune_configs": [c._asdict() for c in K.GPU_CONFIGS],
-            "hopper_configs": {f"D{bd}{'-causal' if c else ''}": cfg._asdict()
-                               for (bd, c), cfg in K.HOPPER_CONFIGS.items()}}  # fmt: skip
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = RESULTS / f"attention-{slug}.json"
-    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    plot(rows, RESULTS / f"attention-{slug}.png", dev)
+    dev = device_name()
+    meta = metadata(
+        dtype="bfloat16",
+        tokens=TOKENS,
+        autotune_configs=[c._asdict() for c in K.GPU_CONFIGS],
+        hopper_configs={f"D{bd}{'-causal' if c else ''}": cfg._asdict()
+                        for (bd, c), cfg in K.HOPPER_CONFIGS.items()},
+    )  # fmt: skip
+    paths = write_results(f"attention-{device_slug()}", rows, meta, figure=figure(rows, dev))
     summary(rows)
-    print("wrote", out)
+    print("wrote", paths["json"])
 
 
-def plot(rows: list[dict], path: Path, dev: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 4, figsize=(18, 4), sharey=True)
-    for ax, (d, causal) in zip(
-        axes, [(64, False), (64, True), (128, False), (128, True)], strict=True
-    ):
+def figure(rows: list[dict], dev: str) -> Figure:
+    """TFLOP/s against N per provider, one panel per (D, causal), flashlite drawn thick."""
+    panels = []
+    for i, (d, causal) in enumerate([(64, False), (64, True), (128, False), (128, True)]):
         fwd = [r for r in rows if r["kind"] == "fwd" and r["d"] == d and r["causal"] == causal]
+        lines = []
         for prov in dict.fromkeys(r["provider"] for r in fwd):
             pts = [(r["n"], r["tflops"]) for r in fwd if r["provider"] == prov
                    and math.isfinite(r["tflops"])]  # fmt: skip
             if pts:
-                ax.plot(
-                    *zip(*pts, strict=True),
-                    marker="o",
-                    label=prov,
-                    lw=2.5 if prov == "flashlite" else 1,
-                )
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"D={d} {'causal' if causal else 'non-causal'}")
-        ax.set_xlabel("sequence length (B·N = 16k)")
-    axes[0].set_ylabel("TFLOP/s (bf16, fwd)")
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"attention forward on {dev}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+                style = {"marker": "o", "lw": 2.5 if prov == "flashlite" else 1}
+                lines.append(Line(*zip(*pts, strict=True), label=prov, style=style))
+        panels.append(
+            Panel(
+                lines,
+                title=f"D={d} {'causal' if causal else 'non-causal'}",
+                xlabel="sequence length (B·N = 16k)",
+                ylabel="TFLOP/s (bf16, fwd)" if i == 0 else "",
+                xlog=2,
+                legend=8 if i == 0 else None,
+            )
+        )
+    return Figure(
+        [panels], title=f"attention forward on {dev}", panel_size=(4.5, 4), sharey=True, dpi=110
+    )
 
 
 def summary(rows: list[dict]) -> None:

@@ -14,10 +14,7 @@ Every flashlite variant is checked against an fp32 torch reference before it is 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
-import json
 import math
-import re
 import statistics
 import time
 from collections.abc import Callable
@@ -25,15 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from _common import RESULTS, bench, device_name, device_slug, metadata, write_results
 
 import flashlite
 from flashlite.ops.softmax import softmax_bwd
-
-try:  # the compiled GPU timer; the CPU smoke run does not need it
-    import triton
-    import triton.testing
-except ImportError:  # pragma: no cover
-    triton = None  # type: ignore[assignment]
+from flashlite.plotting import Figure, Line, Panel
 
 FULL_NS = [1024, 4096, 16384, 65536, 262144]
 QUICK_NS = [64, 1000]
@@ -46,22 +39,10 @@ TOL = {torch.bfloat16: (1e-2, 1.6e-2), torch.float32: (1e-5, 1e-5)}
 ALGORITHMS = ["auto", "online", "three_pass"]
 
 
-def _slug(name: str) -> str:
-    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
-
-
-def _device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "cpu"
-
-
 def _timer(device: torch.device, quick: bool) -> Callable[[Callable[[], Any]], float]:
     """Median milliseconds of ``fn``: CUDA-event timing on a GPU, wall clock on the CPU."""
     if device.type == "cuda":
-        return lambda fn: float(
-            triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-        )
+        return lambda fn: bench(fn, warmup=25, rep=100)
 
     def wall(fn: Callable[[], Any]) -> float:
         fn()
@@ -176,38 +157,26 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         r["vs_torch"] = gbps / torch_row["GB/s"] if ok else None
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+def figure(rows: list[dict[str, Any]], title: str) -> Figure:
     """GB/s against N, one panel per dtype, the copy as a dashed ceiling."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    dtypes = sorted({r["dtype"] for r in rows})
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(6.5 * len(dtypes), 4.5), squeeze=False)
-    for ax, dtype in zip(axes[0], dtypes, strict=True):
+    panels = []
+    for dtype in sorted({r["dtype"] for r in rows}):
         series: dict[tuple[str, str], list[tuple[int, float]]] = {}
         for r in rows:
             if r["dtype"] == dtype and r["GB/s"] is not None:
                 series.setdefault((r["op"], r["provider"]), []).append((r["N"], r["GB/s"]))
+        lines = []
         for (op, provider), pts in sorted(series.items()):
-            pts.sort()
-            ns, gb = zip(*pts, strict=True)
+            ns, gb = zip(*sorted(pts), strict=True)
             if op == "copy":
-                ax.plot(ns, gb, "k--", lw=1.5, label="copy (ceiling)")
+                lines.append(Line(ns, gb, "copy (ceiling)", "k--", {"lw": 1.5}))
             else:
                 style = {"softmax": "-o", "log_softmax": ":s", "softmax_bwd": "-.^"}[op]
-                ax.plot(ns, gb, style, ms=4, label=f"{op} {provider}")
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("N (row length)")
-        ax.set_ylabel("GB/s")
-        ax.set_title(f"{dtype}")
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+                lines.append(Line(ns, gb, f"{op} {provider}", style, {"ms": 4}))
+        panels.append(
+            Panel(lines, title=dtype, xlabel="N (row length)", ylabel="GB/s", xlog=2, grid="major")
+        )
+    return Figure([panels], title=title, panel_size=(6.5, 4.5))
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -229,9 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     parser.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
-    parser.add_argument(
-        "--out-dir", type=Path, default=Path(__file__).parent / "results", help="results folder"
-    )
+    parser.add_argument("--out-dir", type=Path, default=RESULTS, help="results folder")
     parser.add_argument(
         "--compile",
         choices=["auto", "on", "off"],
@@ -258,29 +225,24 @@ def main(argv: list[str] | None = None) -> int:
                 rows.extend(bench_shape(dtype, max(1, total // n), n, device, timer, compiled))
     add_ratios(rows)
 
-    name = _device_name(device)
-    result = {
-        "device": name,
-        "torch": torch.__version__,
-        "triton": getattr(triton, "__version__", None),
-        "flashlite": flashlite.__version__,
-        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "quick": args.quick,
-        "timing": "triton.testing.do_bench median (warmup=25, rep=100)"
+    name = device_name(device)
+    meta = metadata(
+        device,
+        quick=args.quick,
+        timing="triton.testing.do_bench median (warmup=25, rep=100)"
         if device.type == "cuda"
         else "wall-clock median (CPU, Triton interpreter)",
-        "bytes": "softmax/log_softmax/copy: read x + write y; softmax_bwd: read y, dy + write dx",
-        "seconds": round(time.perf_counter() - t0, 1),
-        "rows": rows,
-    }
-    args.out_dir.mkdir(parents=True, exist_ok=True)
-    stem = args.out_dir / f"softmax-{_slug(name)}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    try:
-        plot(rows, stem.with_suffix(".png"), f"flashlite softmax bandwidth, {name}")
-    except ImportError:
-        print("matplotlib not installed: no plot")
-    print(f"wrote {stem.with_suffix('.json')} ({result['seconds']} s)")
+        bytes="softmax/log_softmax/copy: read x + write y; softmax_bwd: read y, dy + write dx",
+        seconds=round(time.perf_counter() - t0, 1),
+    )
+    paths = write_results(
+        f"softmax-{device_slug(device)}",
+        rows,
+        meta,
+        out_dir=args.out_dir,
+        figure=figure(rows, f"flashlite softmax bandwidth, {name}"),
+    )
+    print(f"wrote {paths['json']} ({meta['seconds']} s)")
     print_table(rows)
     return 1 if any(r["ok"] is False for r in rows) else 0
 

@@ -5,7 +5,7 @@ ncu process profiles a child that runs all configs, each measured call in its ow
 the slow ncu start-up and the autotuning happen once per method, not once per config.
 
 Grid: N ∈ {1024, 4096, 16384}, D ∈ {64, 128}, H = 16, B = 1, bf16, causal and not.
-Writes ``benchmarks/results/traffic-<gpu>.json`` and ``.png`` and prints a table last.
+Writes ``benchmarks/results/traffic-<device slug>.json`` and ``.png`` and prints a table last.
 
     python benchmarks/bench_traffic.py [--seq 1024 4096] [--methods naive flashlite]
 """
@@ -13,29 +13,18 @@ Writes ``benchmarks/results/traffic-<gpu>.json`` and ``.png`` and prints a table
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import platform
-import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
-import triton
+from _common import device_name, device_slug, metadata, write_results
 
 from flashlite import traffic
+from flashlite.plotting import Figure, Line, Panel
 from flashlite.traffic import AttentionShape
-
-RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def gpu_slug(name: str) -> str:
-    """``NVIDIA H200`` → ``h200``: a file-name friendly device name."""
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-")
-    return slug or "gpu"
 
 
 def ncu_version(ncu: str | None) -> str | None:
@@ -48,29 +37,15 @@ def ncu_version(ncu: str | None) -> str | None:
         return None
 
 
-def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
+def figure(rows: list[dict[str, Any]], title: str) -> Figure:
     """One panel per (D, causal): measured (solid) and model (dotted) bytes vs N, log-log."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    dims = sorted({r["head_dim"] for r in rows})
-    causals = sorted({r["causal"] for r in rows})
-    fig, axes = plt.subplots(
-        len(dims), len(causals), figsize=(5.5 * len(causals), 4 * len(dims)), squeeze=False
-    )
-    colors = dict(
-        zip(
-            traffic.ATTENTION_METHODS,
-            plt.rcParams["axes.prop_cycle"].by_key()["color"],
-            strict=False,
-        )
-    )
-    for i, d in enumerate(dims):
-        for j, causal in enumerate(causals):
-            ax = axes[i][j]
+    colors = {method: f"C{i}" for i, method in enumerate(traffic.ATTENTION_METHODS)}
+    grid = []
+    for d in sorted({r["head_dim"] for r in rows}):
+        panels = []
+        for causal in sorted({r["causal"] for r in rows}):
             panel = [r for r in rows if r["head_dim"] == d and r["causal"] == causal]
+            lines = []
             for method in traffic.ATTENTION_METHODS:
                 mine = sorted(
                     (r for r in panel if r["method"] == method), key=lambda r: r["seq_len"]
@@ -81,32 +56,28 @@ def plot(rows: list[dict[str, Any]], path: Path, title: str) -> None:
                 ):
                     pts = [(r["seq_len"], r[key]) for r in mine if r[key]]
                     if pts:
-                        xs, ys = zip(*pts, strict=True)
-                        ax.plot(
-                            xs,
-                            ys,
-                            ls=ls,
-                            marker="o",
-                            color=colors[method],
-                            label=f"{method} {label}",
+                        style = {"ls": ls, "marker": "o", "color": colors[method]}
+                        lines.append(
+                            Line(*zip(*pts, strict=True), f"{method} {label}", style=style)
                         )
             comp = sorted({(r["seq_len"], r["compulsory_bytes"]) for r in panel})
             if comp:
-                xs, ys = zip(*comp, strict=True)
-                ax.plot(xs, ys, color="black", lw=2, label="compulsory")
-            ax.set(
-                xscale="log",
-                yscale="log",
-                xlabel="N",
-                ylabel="DRAM bytes",
-                title=f"D={d}{' causal' if causal else ''}",
+                style = {"color": "black", "lw": 2}
+                lines.append(Line(*zip(*comp, strict=True), "compulsory", style=style))
+            panels.append(
+                Panel(
+                    lines,
+                    title=f"D={d}{' causal' if causal else ''}",
+                    xlabel="N",
+                    ylabel="DRAM bytes",
+                    xlog=10,
+                    ylog=10,
+                    grid="both",
+                    legend=6,
+                )
             )
-            ax.grid(True, which="both", alpha=0.3)
-            ax.legend(fontsize=6)
-    fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        grid.append(panels)
+    return Figure(grid, title=title, panel_size=(5.5, 4))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,33 +147,20 @@ def main(argv: list[str] | None = None) -> int:
                 }
             )
 
-    name = torch.cuda.get_device_name(0)
-    slug = gpu_slug(name)
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    out = {
-        "device": name,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "cuda": torch.version.cuda,
-        "ncu": ncu_version(ncu),
-        "python": platform.python_version(),
-        "l2_bytes": torch.cuda.get_device_properties(0).L2_cache_size,
-        "notes": [results[m].message for m in args.methods if results[m].message],
-        "rows": rows,
-    }
-    json_path = RESULTS / f"traffic-{slug}.json"
-    json_path.write_text(json.dumps(out, indent=2))
-    png_path = RESULTS / f"traffic-{slug}.png"
-    plot(
-        rows,
-        png_path,
-        f"attention forward DRAM traffic, {name}, B={args.batch} H={args.heads} bf16",
+    name = device_name()
+    meta = metadata(
+        ncu=ncu_version(ncu),
+        l2_bytes=torch.cuda.get_device_properties(0).L2_cache_size,
+        notes=[results[m].message for m in args.methods if results[m].message],
     )
+    title = f"attention forward DRAM traffic, {name}, B={args.batch} H={args.heads} bf16"
+    paths = write_results(f"traffic-{device_slug()}", rows, meta, figure=figure(rows, title))
 
     def gb(x: float | None) -> str:
         return "-" if x is None else f"{x / 1e9:.3f}"
 
-    print(f"\n{name}: {json_path.name}, {png_path.name} ({time.perf_counter() - t0:.0f} s)")
+    written = ", ".join(p.name for p in paths.values())
+    print(f"\n{name}: {written} ({time.perf_counter() - t0:.0f} s)")
     print(
         f"{'method':<11}{'N':>6}{'D':>5}{'causal':>8}{'model GB':>10}{'measured GB':>13}"
         f"{'compulsory GB':>15}{'meas/comp':>11}"
