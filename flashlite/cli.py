@@ -1,8 +1,9 @@
-"""The ``flashlite`` command: ``demo | softmax | attention | traffic | bench``.
+"""The `flashlite` command: demo | softmax | attention | traffic | bench.
 
-Everything runs on a CPU (Triton's interpreter) unless ``--device cuda`` is given; ``traffic
---measure`` needs a GPU and Nsight Compute. ``--json`` prints machine-readable results on stdout
-(notes and progress go to stderr).
+Everything runs on a CPU (Triton's interpreter) unless `--device cuda` is given; `traffic
+--measure` needs a GPU and Nsight Compute. `--json` prints machine-readable results on stdout
+(notes and progress go to stderr). The help texts shown to users are the plain-text constants
+below (`_DESCRIPTION`, `_EXAMPLES`, ...), not this docstring.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import os
 import subprocess
 import sys
 import time
+import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -279,7 +282,8 @@ def _cmd_traffic(args: argparse.Namespace) -> int:
             f"B={shape.batch} H={shape.heads} Hkv={shape.hkv} D={shape.head_dim} "
             f"{args.dtype}{' causal' if shape.causal else ''}"
         )
-        print(f"plot: {plot_traffic(rows, args.plot, title)}", file=sys.stderr)
+        plot_traffic(rows, str(args.plot), title)
+        print(f"wrote plot: {args.plot}", file=sys.stderr)  # stderr: stdout may be --json
     _emit(args, rows, [format_table(rows)])
     return 0
 
@@ -314,8 +318,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     shapes = [AttentionShape(1, 2, n, 16, dtype=torch.float32, causal=True) for n in (32, 64, 128)]
     rows, _ = traffic_rows(shapes, ["naive", "flashlite"], count=True, show_progress=False)
     print(format_table(rows))
-    path = plot_traffic(rows, args.plot, "B=1 H=2 D=16 fp32 causal (CPU: model and counted)")
-    print(f"\nplot written to {path}")
+    plot_traffic(rows, str(args.out), "B=1 H=2 D=16 fp32 causal (CPU: model and counted)")
+    print(f"\nwrote plot: {args.out}")
     return 0
 
 
@@ -331,66 +335,273 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 # =============================================================================== parser
-def build_parser() -> argparse.ArgumentParser:
-    """The argparse tree of the ``flashlite`` command."""
-    p = argparse.ArgumentParser(prog="flashlite", description=__doc__.split("\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+_DESCRIPTION = """\
+Online softmax and tiled attention in Triton: check them against torch, and count the
+HBM bytes they move.
 
-    d = sub.add_parser("demo", help="quick CPU tour: accuracy checks, traffic table, plot")
-    d.add_argument("--plot", default="flashlite-traffic.png", help="where to write the plot")
+Without a CUDA GPU every kernel runs in Triton's interpreter on the CPU: the same kernel
+source, slower, no setting needed. Give --device cuda to run compiled on a GPU."""
+
+_EXAMPLES = """\
+examples:
+  flashlite demo                        accuracy checks, traffic table and a plot (CPU)
+  flashlite softmax --rows 4 --n 4096 --algorithm online
+  flashlite attention --seq 128 --seq-k 256 --causal --json
+  flashlite traffic --seq 64 128 256 --count --plot traffic.png
+  flashlite traffic --seq 4096 16384 --head-dim 128 --dtype bfloat16 --measure   (GPU + ncu)
+
+Run 'flashlite COMMAND --help' for the options of one command. With --json, results go to
+stdout as JSON; notes and progress go to stderr."""
+
+_DEMO = """\
+A quick tour on the CPU (Triton's interpreter, a few seconds):
+  1. softmax (every algorithm) and attention (causal and not) against fp64 references;
+  2. the bytes each softmax kernel loads and stores, counted, next to the traffic model;
+  3. the same for attention (naive vs flashlite), as a table and a log-log plot.
+The plot is written to --out; the command prints its absolute path."""
+
+_DEMO_EXAMPLES = """\
+examples:
+  flashlite demo                        writes ./flashlite-traffic.png
+  flashlite demo --out /tmp/traffic.svg"""
+
+_SOFTMAX = """\
+Run flashlite.softmax (or log_softmax) on a random (rows, n) tensor and print the largest
+absolute error against torch computed in fp64, and the time the call took."""
+
+_SOFTMAX_EXAMPLES = """\
+examples:
+  flashlite softmax --rows 4 --n 4096 --algorithm online
+  flashlite softmax --log --dtype bfloat16 --json"""
+
+_ATTENTION = """\
+Run flashlite.attention on random Q, K, V of shape (batch, heads, seq, head-dim) and print
+the largest absolute error against flashlite.reference.attention in fp64."""
+
+_ATTENTION_EXAMPLES = """\
+examples:
+  flashlite attention --seq 128 --causal
+  flashlite attention --heads 8 --kv-heads 2 --seq 1 --seq-k 300 --json   (GQA, one query)"""
+
+_TRAFFIC = """\
+HBM bytes of one attention call, per method and sequence length, three ways:
+  model     closed-form bytes (always shown);
+  counted   bytes of every load and store, running the kernels in Triton's interpreter
+            (--count; on a CUDA machine the command re-runs itself with TRITON_INTERPRET=1);
+  measured  DRAM bytes from Nsight Compute (--measure; needs a CUDA GPU and ncu).
+The last column compares the best available figure with the compulsory bytes (Q, K, V and
+O each moved once)."""
+
+_TRAFFIC_EXAMPLES = """\
+examples:
+  flashlite traffic --seq 1024 4096 --head-dim 64                   model only, instant
+  flashlite traffic --seq 64 128 256 --causal --count --plot traffic.png
+  flashlite traffic --seq 4096 16384 --heads 16 --head-dim 128 --dtype bfloat16 --measure"""
+
+_BENCH = """\
+Print how to run the benchmark scripts in benchmarks/ (they need a GPU and write JSON and
+PNG files to benchmarks/results/)."""
+
+
+# keeps the line breaks of descriptions and examples; option help is wrapped as usual
+_Formatter = argparse.RawDescriptionHelpFormatter
+
+
+def _option(parser: argparse.ArgumentParser, *flags: str, help: str, **kwargs: Any) -> None:
+    """`parser.add_argument` whose help always ends with the default (unless it states one)."""
+    if "default" not in help:
+        on_off = kwargs.get("action") == "store_true"
+        help += " (default: off)" if on_off else " (default: %(default)s)"
+    parser.add_argument(*flags, help=help, **kwargs)
+
+
+def _plot_path(value: str) -> Path:
+    """argparse type of a plot path: absolute, in a folder that exists, with a format matplotlib
+    writes (checked before any slow work, so a typo does not cost a whole run)."""
+    path = Path(value).expanduser().resolve()
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{value!r}: folder {path.parent} does not exist")
+    try:
+        from matplotlib.backend_bases import FigureCanvasBase
+    except ImportError as err:
+        raise argparse.ArgumentTypeError(
+            "plots need matplotlib: pip install matplotlib (or flashlite[bench])"
+        ) from err
+    formats = FigureCanvasBase.get_supported_filetypes()
+    if path.suffix.lstrip(".").lower() not in formats:
+        raise argparse.ArgumentTypeError(
+            f"{value!r}: the file name must end in one of {', '.join('.' + f for f in formats)}"
+        )
+    return path
+
+
+class _Version(argparse.Action):
+    """`--version`: imports flashlite only when asked (importing it loads triton)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        import triton
+
+        import flashlite
+
+        versions = f"torch {torch.__version__}, triton {triton.__version__}"
+        print(f"flashlite {flashlite.__version__} ({versions})")
+        parser.exit()
+
+
+_DEVICE_HELP = (
+    "where the tensors live: cpu runs the kernels in Triton's interpreter, cuda or cuda:N "
+    "compiles them for that GPU"
+)
+
+
+def _shape_options(sp: argparse.ArgumentParser, *, many: bool, device_help: str) -> None:
+    """The attention shape options `attention` and `traffic` share."""
+    _option(sp, "--batch", type=int, default=1, help="batch size B")
+    _option(sp, "--heads", type=int, default=2, help="query heads H")
+    _option(
+        sp,
+        "--kv-heads",
+        type=int,
+        default=None,
+        help="key/value heads (fewer than --heads for GQA; default: --heads)",
+    )
+    if many:
+        _option(
+            sp,
+            "--seq",
+            type=int,
+            nargs="+",
+            default=[64, 128],
+            metavar="N",
+            help="sequence lengths, one row each (queries and keys; default: 64 128)",
+        )
+    else:
+        _option(sp, "--seq", type=int, default=64, help="query length")
+        _option(sp, "--seq-k", type=int, default=None, help="key length (default: --seq)")
+    _option(sp, "--head-dim", type=int, default=16, help="head dimension D")
+    _option(sp, "--dtype", choices=list(_DTYPES), default="float32", help="Q, K, V dtype")
+    _option(
+        sp,
+        "--causal",
+        action="store_true",
+        help="causal mask, aligned bottom-right when there are more keys than queries",
+    )
+    _option(sp, "--device", default="cpu", help=device_help)
+    _option(sp, "--json", action="store_true", help="print the results as JSON on stdout")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree of the `flashlite` command."""
+    p = argparse.ArgumentParser(
+        prog="flashlite", description=_DESCRIPTION, epilog=_EXAMPLES, formatter_class=_Formatter
+    )
+    p.add_argument(
+        "--version", action=_Version, help="print the flashlite, torch and triton versions and exit"
+    )
+    sub = p.add_subparsers(dest="command", required=True, title="commands")
+
+    def command(name: str, summary: str, description: str, examples: str | None = None) -> Any:
+        return sub.add_parser(
+            name,
+            help=summary,
+            description=description,
+            epilog=examples,
+            formatter_class=_Formatter,
+        )
+
+    d = command(
+        "demo", "quick CPU tour: accuracy checks, traffic table, plot", _DEMO, _DEMO_EXAMPLES
+    )
+    _option(
+        d,
+        "--out",
+        "--plot",
+        dest="out",
+        type=_plot_path,
+        default="flashlite-traffic.png",
+        metavar="PATH",
+        help="where to write the plot (.png, .svg, .pdf, ...); relative paths are taken from "
+        "the current folder and the absolute path is printed (default: %(default)s)",
+    )
     d.set_defaults(func=_cmd_demo)
 
-    s = sub.add_parser("softmax", help="flashlite.softmax on a random (rows, n) tensor")
-    s.add_argument("--rows", type=int, default=8)
-    s.add_argument("--n", type=int, default=1000)
-    s.add_argument("--dtype", choices=list(_DTYPES), default="float32")
-    s.add_argument("--algorithm", choices=["auto", "three_pass", "online"], default="auto")
-    s.add_argument("--log", action="store_true", help="log_softmax instead")
-    s.add_argument("--device", default="cpu")
-    s.add_argument("--json", action="store_true")
+    s = command(
+        "softmax", "flashlite.softmax on a random (rows, n) tensor", _SOFTMAX, _SOFTMAX_EXAMPLES
+    )
+    _option(s, "--rows", type=int, default=8, help="number of rows")
+    _option(s, "--n", type=int, default=1000, help="row length, the softmax dimension")
+    _option(s, "--dtype", choices=list(_DTYPES), default="float32", help="input dtype")
+    _option(
+        s,
+        "--algorithm",
+        choices=["auto", "three_pass", "online"],
+        default="auto",
+        help="auto: the fastest correct kernel; online: one tiled pass for the row statistics, "
+        "then the write; three_pass: max, sum, write",
+    )
+    _option(s, "--log", action="store_true", help="run log_softmax instead of softmax")
+    _option(s, "--device", default="cpu", help=_DEVICE_HELP)
+    _option(s, "--json", action="store_true", help="print the result as JSON on stdout")
     s.set_defaults(func=_cmd_softmax)
 
-    def shape_args(sp: argparse.ArgumentParser, seq_default: Any, many: bool) -> None:
-        sp.add_argument("--batch", type=int, default=1)
-        sp.add_argument("--heads", type=int, default=2)
-        sp.add_argument("--kv-heads", type=int, default=None, help="GQA: K/V heads (default H)")
-        if many:
-            sp.add_argument("--seq", type=int, nargs="+", default=seq_default)
-        else:
-            sp.add_argument("--seq", type=int, default=seq_default)
-            sp.add_argument("--seq-k", type=int, default=None, help="key length (default --seq)")
-        sp.add_argument("--head-dim", type=int, default=16)
-        sp.add_argument("--dtype", choices=list(_DTYPES), default="float32")
-        sp.add_argument("--causal", action="store_true")
-        sp.add_argument("--device", default="cpu")
-        sp.add_argument("--json", action="store_true")
-
-    a = sub.add_parser("attention", help="flashlite.attention vs the fp64 reference")
-    shape_args(a, 64, many=False)
+    a = command(
+        "attention", "flashlite.attention vs the fp64 reference", _ATTENTION, _ATTENTION_EXAMPLES
+    )
+    _shape_options(a, many=False, device_help=_DEVICE_HELP)
     a.set_defaults(func=_cmd_attention)
 
-    t = sub.add_parser("traffic", help="HBM bytes: model, counted (CPU), measured (ncu, GPU)")
-    shape_args(t, [64, 128], many=True)
-    t.add_argument(
+    t = command(
+        "traffic",
+        "HBM bytes: model, counted (CPU), measured (ncu, GPU)",
+        _TRAFFIC,
+        _TRAFFIC_EXAMPLES,
+    )
+    _shape_options(
+        t,
+        many=True,
+        device_help="whose tile sizes the flashlite model uses: cpu, the interpreter's fixed "
+        "small tiles; cuda or cuda:N, that GPU's config. Counting always runs on the CPU",
+    )
+    methods = ["naive", "flashlite", "sdpa-flash", "sdpa-cudnn"]
+    _option(
+        t,
         "--methods",
         nargs="+",
         default=None,
-        choices=["naive", "flashlite", "sdpa-flash", "sdpa-cudnn"],
-        help="default: naive flashlite (all four with --measure)",
+        choices=methods,
+        metavar="METHOD",
+        help=f"attention implementations to show, any of {', '.join(methods)}; sdpa-* are only "
+        "measured (default: naive flashlite; all four with --measure)",
     )
-    t.add_argument("--count", action="store_true", help="count bytes by running on CPU")
-    t.add_argument("--measure", action="store_true", help="DRAM bytes with ncu (needs CUDA)")
-    t.add_argument("--plot", default=None, metavar="PATH", help="write a log-log plot")
-    t.add_argument("--quiet", action="store_true", help="no progress bar")
+    _option(t, "--count", action="store_true", help="count bytes by running on the CPU")
+    _option(
+        t,
+        "--measure",
+        action="store_true",
+        help="measure DRAM bytes with Nsight Compute; needs a CUDA GPU and ncu",
+    )
+    _option(
+        t,
+        "--plot",
+        type=_plot_path,
+        default=None,
+        metavar="PATH",
+        help="also write a log-log plot there; its absolute path is printed on stderr "
+        "(default: no plot)",
+    )
+    _option(t, "--quiet", action="store_true", help="no progress bar on stderr")
     t.set_defaults(func=_cmd_traffic)
 
-    b = sub.add_parser("bench", help="how to run the benchmark scripts")
+    b = command("bench", "how to run the benchmark scripts", _BENCH)
     b.set_defaults(func=_cmd_bench)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``flashlite`` console script."""
+    """Entry point of the `flashlite` console script."""
     args = build_parser().parse_args(argv)
     counts = args.func is _cmd_demo or (args.func is _cmd_traffic and args.count)
     if counts:
@@ -401,7 +612,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             # its GPU cannot switch on: run the same command in one that interprets.
             cmd = [sys.executable, "-m", "flashlite.cli", *(sys.argv[1:] if argv is None else argv)]
             return subprocess.call(cmd, env={**os.environ, "TRITON_INTERPRET": "1"})
-    return int(args.func(args) or 0)
+    with warnings.catch_warnings():
+        # The interpreter evaluates masked-off lanes too (-inf - -inf there) and numpy warns;
+        # those lanes are never stored, so the warnings only alarm users (pyproject does the
+        # same for the tests).
+        warnings.filterwarnings(
+            "ignore", category=RuntimeWarning, module=r"triton\.runtime\.interpreter"
+        )
+        return int(args.func(args) or 0)
 
 
 if __name__ == "__main__":

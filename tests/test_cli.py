@@ -27,25 +27,10 @@ def _json(capsys: pytest.CaptureFixture[str], argv: list[str]) -> object:
 @pytest.mark.interpreter
 def test_traffic_json_schema(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     plot = tmp_path / "t.png"
-    rows = _json(
-        capsys,
-        [
-            "traffic",
-            "--seq",
-            "16",
-            "24",
-            "--heads",
-            "2",
-            "--kv-heads",
-            "1",
-            "--causal",
-            "--count",
-            "--json",
-            "--quiet",
-            "--plot",
-            str(plot),
-        ],
-    )
+    argv = ["traffic", "--seq", "16", "24", "--heads", "2", "--kv-heads", "1", "--causal"]
+    assert cli.main([*argv, "--count", "--json", "--quiet", "--plot", str(plot)]) == 0
+    captured = capsys.readouterr()
+    rows = json.loads(captured.out)  # the plot's path goes to stderr: stdout stays pure JSON
     assert isinstance(rows, list) and len(rows) == 4
     for r in rows:
         assert set(r) >= TRAFFIC_KEYS
@@ -57,6 +42,7 @@ def test_traffic_json_schema(capsys: pytest.CaptureFixture[str], tmp_path: Path)
             assert r["counted_bytes"] == pytest.approx(r["model_bytes"], rel=0.01)
         assert r["model_bytes"] >= r["compulsory_bytes"]
     assert plot.stat().st_size > 0
+    assert f"wrote plot: {plot.resolve()}" in captured.err
 
 
 def test_traffic_table_model_only(capsys: pytest.CaptureFixture[str]) -> None:
@@ -94,11 +80,102 @@ def test_attention_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 @pytest.mark.interpreter
-def test_demo_writes_plot(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    plot = tmp_path / "demo.png"
-    assert cli.main(["demo", "--plot", str(plot)]) == 0
+def test_demo_writes_plot_where_asked_and_says_so(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    monkeypatch.chdir(cwd)
+    plot = tmp_path / "x.png"
+    assert cli.main(["demo", "--out", str(plot)]) == 0
     out = capsys.readouterr().out
     assert "DIFFERENT" not in out and plot.stat().st_size > 0
+    assert f"wrote plot: {plot.resolve()}" in out.splitlines()
+    assert not any(cwd.iterdir())  # nothing left in the current folder
+
+
+def test_demo_out_default_and_alias_are_absolute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    parser = cli.build_parser()
+    assert parser.parse_args(["demo"]).out == tmp_path.resolve() / "flashlite-traffic.png"
+    assert parser.parse_args(["demo", "--plot", "a.svg"]).out == tmp_path.resolve() / "a.svg"
+    assert parser.parse_args(["traffic"]).plot is None
+
+
+@pytest.mark.parametrize(
+    ("name", "message"), [("missing/x.png", "does not exist"), ("x.txt", "must end in one of")]
+)
+def test_bad_plot_path_fails_before_any_work(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, name: str, message: str
+) -> None:
+    for argv in (["demo", "--out"], ["traffic", "--count", "--plot"]):
+        with pytest.raises(SystemExit) as exc:
+            cli.main([*argv, str(tmp_path / name)])
+        assert exc.value.code == 2
+        assert message in capsys.readouterr().err
+    assert not (tmp_path / "x.txt").exists()
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+    import triton
+
+    import flashlite
+
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--version"])
+    assert exc.value.code in (0, None)
+    out = capsys.readouterr().out.strip()
+    assert out.startswith(f"flashlite {flashlite.__version__} ")
+    assert f"torch {torch.__version__}" in out and f"triton {triton.__version__}" in out
+
+
+COMMANDS = ["demo", "softmax", "attention", "traffic", "bench"]
+NO_DEFAULT = {"-h, --help", "--version"}  # actions, not settings
+
+
+def _option_entries(help_text: str) -> dict[str, str]:
+    """The "options:" section of argparse's help as {flags: whole entry, wrapped lines joined}."""
+    entries: dict[str, str] = {}
+    section = help_text.split("\noptions:\n", 1)[1].split("\n\n", 1)[0]
+    flags = ""
+    for line in section.splitlines():
+        if line.startswith("  -"):
+            flags = line.strip().split("  ")[0]
+            entries[flags] = line.strip()
+        else:
+            entries[flags] += " " + line.strip()
+    return entries
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help_is_plain_text_and_states_every_default(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, command: str | None
+) -> None:
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as exc:
+        cli.main([*([command] if command else []), "--help"])
+    assert exc.value.code == 0
+    text = capsys.readouterr().out
+    for markup in ("``", ":func:", ":class:", ":mod:", "**"):
+        assert markup not in text
+    if command is None:
+        assert all(c in text for c in COMMANDS) and "examples:" in text
+    entries = _option_entries(text)
+    assert "-h, --help" in entries
+    for flags, entry in entries.items():
+        if flags not in NO_DEFAULT:
+            assert "(default: " in entry or "; default: " in entry, entry
+            assert "None" not in entry and "False" not in entry, entry
+    for flags, entry in entries.items():  # choices are listed
+        if flags.startswith("--dtype"):
+            assert all(d in entry for d in ("float16", "bfloat16", "float32"))
+        if flags.startswith("--algorithm"):
+            assert all(a in entry for a in ("auto", "three_pass", "online"))
+        if flags.startswith("--methods"):
+            assert all(m in entry for m in ("naive", "flashlite", "sdpa-flash", "sdpa-cudnn"))
 
 
 def test_bench_and_usage(capsys: pytest.CaptureFixture[str]) -> None:
