@@ -2,20 +2,50 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
 import pytest
 import torch
 
 import flashlite  # noqa: F401  (switches on the interpreter before any test imports triton)
 from flashlite import _backend
 
-#: (atol, rtol) per dtype for results compared against an fp64 reference. fp32 leaves room for
-#: exp2-vs-exp and summation-order differences; fp16/bf16 are about 2x one rounding of the output
-#: (the kernels compute in fp32 and round once on the store).
-TOL: dict[torch.dtype, tuple[float, float]] = {
-    torch.float32: (1e-5, 1e-5),
-    torch.float16: (1e-3, 2e-3),
-    torch.bfloat16: (8e-3, 1.6e-2),
+
+class Tol(NamedTuple):
+    """Tolerances against an fp64 reference, one row per dtype."""
+
+    #: softmax-family outputs and gradients: ``assert_close(atol, rtol)``
+    atol: float
+    rtol: float
+    #: attention: absolute floor on top of 2x PyTorch's own low-precision error (flash-attn's rule)
+    floor: float
+
+
+#: The one tolerance table. fp32 leaves room for exp2-vs-exp and summation-order differences;
+#: fp16/bf16 are about 2x one rounding of the output (the kernels compute in fp32 and round once
+#: on the store).
+TOL: dict[torch.dtype, Tol] = {
+    torch.float32: Tol(1e-5, 1e-5, 2e-5),
+    torch.float16: Tol(1e-3, 2e-3, 1e-3),
+    torch.bfloat16: Tol(8e-3, 1.6e-2, 8e-3),
 }
+
+# Correctness tests also run compiled: each parametrisation compiles a small graph of its own.
+torch._dynamo.config.recompile_limit = 1_000_000
+torch._dynamo.config.accumulated_recompile_limit = 1_000_000
+
+
+@pytest.fixture(params=[False, True], ids=["eager", "compiled"])
+def use_compile(request: pytest.FixtureRequest) -> bool:
+    """Run the test's flashlite calls eagerly, then under ``torch.compile``."""
+    return request.param
+
+
+def maybe_compile(fn: Callable[..., Any], use_compile: bool) -> Callable[..., Any]:
+    """``fn``, or ``fn`` under ``torch.compile(fullgraph=True, dynamic=True)`` (a graph break
+    fails the test)."""
+    return torch.compile(fn, fullgraph=True, dynamic=True) if use_compile else fn
 
 
 def devices() -> list[str]:

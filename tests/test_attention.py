@@ -13,6 +13,7 @@ import math
 import pytest
 import torch
 import triton
+from conftest import TOL, maybe_compile
 
 import flashlite
 from flashlite.kernels.configs import (
@@ -29,8 +30,6 @@ from flashlite.kernels.configs import (
 from flashlite.ops.attention import attention_fwd
 from flashlite.reference import attention as ref_attention
 
-#: absolute error floor per dtype, added to 2x PyTorch's own error
-ATOL = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
@@ -46,14 +45,14 @@ def assert_close_to_reference(out, q, k, v, causal=False, scale=None, lse=None):
     assert torch.isfinite(out).all(), "NaN/inf in the output"
     err = (out.double() - ref).abs().max().item()
     torch_err = (torch_lp.double() - ref).abs().max().item()
-    assert err <= 2 * torch_err + ATOL[q.dtype], (err, torch_err)
+    assert err <= 2 * torch_err + TOL[q.dtype].floor, (err, torch_err)
     if lse is not None:
         assert lse.dtype == torch.float32 and lse.shape == q.shape[:3]
         assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "wrong -inf rows"
         fin = torch.isfinite(ref_lse)
         diff = (lse[fin].double() - ref_lse[fin]).abs().max().item()
         torch_diff = (torch_lse[fin].double() - ref_lse[fin]).abs().max().item()
-        floor = ATOL[q.dtype] * max(1.0, ref_lse[fin].abs().max().item())
+        floor = TOL[q.dtype].floor * max(1.0, ref_lse[fin].abs().max().item())
         assert diff <= 2 * torch_diff + floor, diff
 
 
@@ -70,22 +69,25 @@ def assert_close_to_reference(out, q, k, v, causal=False, scale=None, lse=None):
         (130, 1),
     ],
 )
-def test_lengths(nq: int, nk: int, causal: bool) -> None:
+def test_lengths(nq: int, nk: int, causal: bool, use_compile: bool) -> None:
     q, k, v = rand(1, 4, nq, 64), rand(1, 2, nk, 64), rand(1, 2, nk, 64)
-    out, lse = flashlite.attention(q, k, v, causal=causal, return_lse=True)
+    out, lse = maybe_compile(flashlite.attention, use_compile)(
+        q, k, v, causal=causal, return_lse=True
+    )
     assert_close_to_reference(out, q, k, v, causal, lse=lse)
 
 
 @pytest.mark.parametrize("d", [1, 16, 40, 59, 64, 80, 111, 128, 256])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_head_dims(d: int, dtype: torch.dtype) -> None:
+def test_head_dims(d: int, dtype: torch.dtype, use_compile: bool) -> None:
     # every D from 1 to 256 works: D is padded to a power of two >= 16 on chip and masked
     q, k, v = (
         rand(1, 2, 33, d, dtype=dtype),
         rand(1, 2, 20, d, dtype=dtype),
         rand(1, 2, 20, d, dtype=dtype),
     )
-    assert_close_to_reference(flashlite.attention(q, k, v, causal=True), q, k, v, True)
+    out = maybe_compile(flashlite.attention, use_compile)(q, k, v, causal=True)
+    assert_close_to_reference(out, q, k, v, True)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -152,27 +154,30 @@ def test_pinned_config_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (6, 1)], ids=["MHA", "GQA", "MQA"])
-def test_gqa_mqa(hq: int, hkv: int) -> None:
+def test_gqa_mqa(hq: int, hkv: int, use_compile: bool) -> None:
     q, k, v = rand(2, hq, 19, 32), rand(2, hkv, 23, 32), rand(2, hkv, 23, 32)
-    assert_close_to_reference(flashlite.attention(q, k, v, causal=True), q, k, v, True)
+    out = maybe_compile(flashlite.attention, use_compile)(q, k, v, causal=True)
+    assert_close_to_reference(out, q, k, v, True)
 
 
-def test_custom_scale_and_lse_against_logsumexp() -> None:
+def test_custom_scale_and_lse_against_logsumexp(use_compile: bool) -> None:
     q, k, v = (
         rand(1, 2, 20, 16, dtype=torch.float32),
         rand(1, 2, 28, 16, dtype=torch.float32),
         rand(1, 2, 28, 16, dtype=torch.float32),
     )
-    out, lse = flashlite.attention(q, k, v, scale=0.3, return_lse=True)
+    out, lse = maybe_compile(flashlite.attention, use_compile)(q, k, v, scale=0.3, return_lse=True)
     assert_close_to_reference(out, q, k, v, False, 0.3, lse=lse)
     scores = (q.double() @ k.double().transpose(-1, -2)) * 0.3
     torch.testing.assert_close(lse.double(), torch.logsumexp(scores, -1), atol=1e-5, rtol=1e-5)
 
 
-def test_fully_masked_rows_give_zero_and_neg_inf() -> None:
+def test_fully_masked_rows_give_zero_and_neg_inf(use_compile: bool) -> None:
     # causal with Nq = 40 > Nk = 8: rows i < 32 see no key (j <= i - 32)
     q, k, v = rand(1, 1, 40, 16), rand(1, 1, 8, 16), rand(1, 1, 8, 16)
-    out, lse = flashlite.attention(q, k, v, causal=True, return_lse=True)
+    out, lse = maybe_compile(flashlite.attention, use_compile)(
+        q, k, v, causal=True, return_lse=True
+    )
     assert (out[0, 0, :32] == 0).all() and torch.isneginf(lse[0, 0, :32]).all()
     assert torch.isfinite(lse[0, 0, 32:]).all()
     assert_close_to_reference(out, q, k, v, True, lse=lse)
@@ -184,26 +189,26 @@ def test_large_scores_do_not_overflow() -> None:
 
 
 # --------------------------------------------------------------------------- layouts and strides
-def test_layout_b_n_h_d_reads_packed_qkv_without_copies() -> None:
+def test_layout_b_n_h_d_reads_packed_qkv_without_copies(use_compile: bool) -> None:
     b, n, h, d = 2, 21, 4, 32
     qkv = rand(b, n, 3, h, d)  # a packed projection output, as flash-attn's qkvpacked API takes
     q, k, v = qkv.unbind(2)  # strided views, no copies
-    out = flashlite.attention(q, k, v, layout="b n h d", causal=True)
+    out = maybe_compile(flashlite.attention, use_compile)(q, k, v, layout="b n h d", causal=True)
     assert out.shape == (b, n, h, d)
     expect = ref_attention(*(t.transpose(1, 2) for t in (q, k, v)), True, upcast=True)
     torch_lp = ref_attention(*(t.transpose(1, 2) for t in (q, k, v)), True)
     err = (out.transpose(1, 2).double() - expect).abs().max().item()
-    assert err <= 2 * (torch_lp.double() - expect).abs().max().item() + ATOL[torch.float16]
+    assert err <= 2 * (torch_lp.double() - expect).abs().max().item() + TOL[torch.float16].floor
 
 
-def test_non_contiguous_strides() -> None:
+def test_non_contiguous_strides(use_compile: bool) -> None:
     # head dim strided (not unit stride) and sequence sliced with a step
     base = rand(1, 2, 64, 80)
     q = base[:, :, ::2, ::2]  # (1, 2, 32, 40), stride 2 along D
     k = rand(1, 2, 40, 29).transpose(-1, -2)  # (1, 2, 29, 40), D has stride 29
     v = rand(1, 2, 29, 40)
     assert not q.is_contiguous() and not k.is_contiguous()
-    assert_close_to_reference(flashlite.attention(q, k, v), q, k, v)
+    assert_close_to_reference(maybe_compile(flashlite.attention, use_compile)(q, k, v), q, k, v)
 
 
 def test_empty_inputs() -> None:

@@ -98,7 +98,7 @@ def _check(
         return 1.0 / math.sqrt(d), q, k, v
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
-    if not (math.isfinite(scale) and scale > 0):
+    if not 0 < scale < math.inf:  # (NaN fails it too; comparisons trace under torch.compile)
         raise ValueError(f"scale must be a finite positive number, got {scale}")
     return float(scale), q, k, v
 

@@ -45,16 +45,26 @@ def _check(x: object, dim: object, algorithm: object) -> int:
         )
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm={algorithm!r} is not one of {', '.join(ALGORITHMS)}")
-    return dim % ndim
+    return int(dim) % ndim  # int(): torch.compile specialises the dim instead of tracing it
 
 
 def _rows(t: torch.Tensor, dim: int) -> torch.Tensor | None:
     """A 2-D ``(rows, n)`` view of ``t`` with ``dim`` last, or None if no view exists."""
     moved = t.movedim(dim, -1)
-    try:
-        return moved.view(-1, moved.shape[-1])
-    except RuntimeError:
-        return None
+    # The leading dims merge into one row index when each (of size > 1) strides over exactly the
+    # ones inside it. Decided from sizes and strides, not by trying .view(): the fake (meta)
+    # implementation must take the same branch with symbolic shapes under torch.compile.
+    inner = None
+    lead = zip(moved.shape[:-1], moved.stride()[:-1], strict=True)
+    for size, stride in reversed(list(lead)):
+        if size == 0:
+            break
+        if size == 1:
+            continue
+        if inner is not None and stride != inner:
+            return None
+        inner = stride * size
+    return moved.view(math.prod(moved.shape[:-1]), moved.shape[-1])
 
 
 def _col_int64(n_cols: int, *tensors: torch.Tensor) -> bool:
