@@ -1,0 +1,129 @@
+"""The architecture of ../shared/DESIGN.md, checked: imports point down the floors, floors 3-4
+use no private names of other modules, and no module shares a public function's name."""
+
+from __future__ import annotations
+
+import ast
+import importlib
+from pathlib import Path
+
+import pytest
+
+import flashlite
+
+ROOT = Path(__file__).parents[1]
+PACKAGE = ROOT / "flashlite"
+
+#: floor of each module (by dotted-name prefix; the longest prefix wins)
+FLOORS = {
+    "flashlite.stats": 0,
+    "flashlite.masks": 0,
+    "flashlite._backend": 0,
+    "flashlite.reference": 0,
+    "flashlite.kernels": 1,
+    "flashlite.ops": 2,
+    "flashlite.traffic": 3,
+    "flashlite.distributed": 3,
+    "flashlite.integrations": 3,
+    "flashlite.nn": 3,
+    "flashlite.plotting": 3,
+    "flashlite.cli": 4,
+}
+
+
+def _floor(module: str) -> int | None:
+    if module == "flashlite":  # the package: its public functions are the front-ends'
+        return 2
+    best = max((p for p in FLOORS if module == p or module.startswith(p + ".")), key=len,
+               default=None)  # fmt: skip
+    return None if best is None else FLOORS[best]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _flashlite_imports(tree: ast.AST) -> list[tuple[str, list[str], int]]:
+    """(module, imported names, line) for every import of a flashlite module."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("flashlite"):
+            names = [a.name for a in node.names]
+            # `from flashlite import stats` imports a module: resolve to it
+            subs = [f"{node.module}.{n}" for n in names if _is_module(f"{node.module}.{n}")]
+            if subs:
+                found += [(s, [], node.lineno) for s in subs]
+            else:
+                found.append((node.module, names, node.lineno))
+        elif isinstance(node, ast.Import):
+            found += [
+                (a.name, [], node.lineno) for a in node.names if a.name.startswith("flashlite")
+            ]
+    return found
+
+
+def _is_module(name: str) -> bool:
+    rel = Path(*name.split("."))
+    return (ROOT / rel).with_suffix(".py").exists() or (ROOT / rel / "__init__.py").exists()
+
+
+SOURCES = [
+    p for p in sorted(PACKAGE.rglob("*.py")) if p.name != "__init__.py" or p.parent != PACKAGE
+]
+
+
+def test_every_module_has_a_floor() -> None:
+    missing = [_module_name(p) for p in SOURCES if _floor(_module_name(p)) is None]
+    missing = [m for m in missing if m not in ("flashlite.kernels", "flashlite.ops")]
+    assert not missing, f"add these modules to FLOORS (and DESIGN.md): {missing}"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_imports_point_down(path: Path) -> None:
+    here = _module_name(path)
+    floor = _floor(here)
+    assert floor is not None
+    for target, _, line in _flashlite_imports(ast.parse(path.read_text())):
+        there = _floor(target)
+        assert there is not None and there <= floor, (
+            f"{path.name}:{line} imports {target} (floor {there}) from floor {floor}"
+        )
+
+
+UPPER = [p for p in SOURCES if (_floor(_module_name(p)) or 0) >= 3]
+BENCHMARKS = sorted((ROOT / "benchmarks").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", UPPER + BENCHMARKS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_upper_floors_use_public_names_only(path: Path) -> None:
+    tree = ast.parse(path.read_text())
+    aliases: set[str] = set()
+    for target, names, line in _flashlite_imports(tree):
+        private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+        assert not private, f"{path.name}:{line} imports private {private} from {target}"
+    for node in ast.walk(tree):  # names bound to flashlite modules
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            module = getattr(node, "module", None) or ""
+            for a in node.names:
+                full = a.name if isinstance(node, ast.Import) else f"{module}.{a.name}"
+                if full.startswith("flashlite") and _is_module(full):
+                    aliases.add(a.asname or a.name.split(".")[0])
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+            and node.attr != "_backend"  # the floor-0 module that holds device facts
+        ):
+            raise AssertionError(f"{path.name}:{node.lineno} uses {node.value.id}.{node.attr}")
+
+
+def test_no_module_shares_a_public_function_name() -> None:
+    for name in flashlite.__all__:
+        if callable(getattr(flashlite, name)):
+            assert not _is_module(f"flashlite.{name}"), f"flashlite/{name}.py shadows a function"
+    with pytest.raises(ModuleNotFoundError):
+        importlib.import_module("flashlite.attention")
