@@ -74,6 +74,21 @@ PIN_ENV = "FLASHLITE_ATTENTION_CONFIG"
 SMEM_BUDGET = 224 * 1024
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (host arithmetic, cheaper than Triton's wrapper)."""
+    return 1 << (n - 1).bit_length() if n > 1 else 1
+
+
+def cdiv(a: int, b: int) -> int:
+    """``⌈a / b⌉`` for positive ``b``."""
+    return -(-a // b)
+
+
+def pinned_text() -> str | None:
+    """The raw ``$FLASHLITE_ATTENTION_CONFIG`` (part of the front-end's per-call cache key)."""
+    return os.environ.get(PIN_ENV)
+
+
 def pinned_config() -> Config | None:
     """The config pinned through the environment, if any."""
     text = os.environ.get(PIN_ENV)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from flashlite.kernels.common import cast
+from flashlite.kernels.configs import cdiv, next_pow2
 from flashlite.stats import LOG2E, merge_partials, online_update, rescale, tile_stats
 
 # ----------------------------------------------------------------------------- block tables
@@ -42,13 +43,13 @@ ELEMS_PER_PROGRAM = 4096
 
 def fits_single_read(n_cols: int, elem_bytes: int) -> bool:
     """Whether a row of ``n_cols`` elements takes the single-read kernel."""
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_pow2(n_cols)
     return block_n <= SINGLE_READ_MAX and block_n * elem_bytes <= SINGLE_READ_BYTES
 
 
 def single_read_config(n_cols: int) -> dict[str, int]:
     """Block shape and warps for the single-read kernels, from the row length."""
-    block_n = triton.next_power_of_2(n_cols)
+    block_n = next_pow2(n_cols)
     rows = max(1, ELEMS_PER_PROGRAM // block_n)
     elems = rows * block_n
     # about 16 fp32 values per thread: enough loads in flight, no spills
@@ -64,12 +65,12 @@ TEAM_WARPS = 8
 
 def _chunked(n_cols: int, max_chunk: int, num_warps: int) -> dict[str, int]:
     """A row cut into power-of-two chunks of at most ``max_chunk`` columns."""
-    chunk = min(max_chunk, triton.next_power_of_2(n_cols))
-    n_chunks = triton.cdiv(n_cols, chunk)
+    chunk = min(max_chunk, next_pow2(n_cols))
+    n_chunks = cdiv(n_cols, chunk)
     return {
         "BLOCK_N": chunk,
         "n_chunks": n_chunks,
-        "CHUNKS_PAD": triton.next_power_of_2(n_chunks),
+        "CHUNKS_PAD": next_pow2(n_chunks),
         "num_warps": num_warps,
     }
 
@@ -81,13 +82,13 @@ def team_config(n_cols: int, elem_bytes: int) -> dict[str, int]:
 
 def loop_config(n_cols: int) -> dict[str, int]:
     """Tile width and warps for the looping kernels."""
-    block_n = min(LOOP_TILE, triton.next_power_of_2(n_cols))
+    block_n = min(LOOP_TILE, next_pow2(n_cols))
     return {"ROWS": 1, "BLOCK_N": block_n, "num_warps": min(16, max(4, block_n // 256))}
 
 
 def split_config(n_cols: int) -> dict[str, int]:
     """Chunk width, chunk count and warps for the split kernels."""
-    chunk = min(SPLIT_CHUNK, triton.next_power_of_2(n_cols))
+    chunk = min(SPLIT_CHUNK, next_pow2(n_cols))
     return _chunked(n_cols, SPLIT_CHUNK, min(16, max(4, chunk // 512)))
 
 

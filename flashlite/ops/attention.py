@@ -120,7 +120,7 @@ def _tuned_kernel(seq_q: int, seq_k: int) -> object:
     """The kernel with its filtered autotune list, one per power-of-two length bucket: a
     config tuned at one length serves every length of its bucket, so a decoding or varlen loop
     over many lengths tunes a handful of times, not once per length."""
-    bucket = (triton.next_power_of_2(seq_q), triton.next_power_of_2(seq_k))
+    bucket = (C.next_pow2(seq_q), C.next_pow2(seq_k))
     if bucket not in _tuned:
 
         def prune(configs: list, named_args: dict, **kwargs: object) -> list:
@@ -166,6 +166,8 @@ def fixed_config(
 def empty_output(q: torch.Tensor) -> torch.Tensor:
     """``O`` for ``q`` (``b h n d`` view): dense in the order of q's strides, so it keeps q's
     layout (``b n h d`` too, also for slices of a packed qkv buffer)."""
+    if q.is_contiguous() or q.transpose(1, 2).is_contiguous():  # the usual layouts, quickly
+        return torch.empty_like(q)
     order = sorted(range(4), key=lambda i: -q.stride(i))
     o = q.new_empty([q.shape[i] for i in order])
     return o.permute([order.index(i) for i in range(4)])
@@ -212,16 +214,12 @@ def attention_fwd(
     if nk == 0:  # no key at all: every row sees nothing
         return o.zero_(), lse.fill_(-math.inf), None
 
-    block_d = max(16, triton.next_power_of_2(d))
     small = b * hq * nq * nk * d < DESC_MIN_WORK
     if use_desc is None:
         use_desc = not small and _descriptor_ok(q, k, v, o)
-    if prescale_q is None:
-        prescale_q = q.dtype != torch.float32
-    if config is None:
-        config = fixed_config(dev, block_d, causal, q.dtype, small=not use_desc and small)
-    if config is not None:  # a plain tuple works too
-        config = C.Config(*config)
+    config, launch = _plan(dev, q.dtype, d, bool(causal), small and not use_desc, use_desc,
+                           prescale_q, config)  # fmt: skip
+    block_d = launch["BLOCK_D"]
     if use_desc:  # block shapes are set per config (set_block_shapes), placeholders here
         bm, bn = (config.block_m, config.block_n) if config is not None else (16, 16)
         srcs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])
@@ -230,26 +228,56 @@ def attention_fwd(
         srcs = [q, k, v, o]
     args = (*srcs, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
             hq, hq // hkv, nq, nk, scale)  # fmt: skip
-    consts = {
-        "HEAD_DIM": d,
-        "BLOCK_D": block_d,
-        "IS_CAUSAL": bool(causal),
-        "USE_DESC": use_desc,
-        "PRESCALE_Q": prescale_q,
-        "DOT_FP32": _backend.dot_upcast(q.dtype),
-        # fp32 inputs: three TF32 passes give about fp32 accuracy on tensor cores
-        "DOT_PRECISION": "tf32x3" if q.dtype == torch.float32 else "tf32",
-        "ROUND_BF16": _backend.round_bf16(q.dtype),
-    }
     if config is not None:
-        grid = (triton.cdiv(nq, config.block_m), b * hq)
-        K._attention_fwd_kernel[grid](*args, **config.constexprs(), num_warps=config.num_warps,
-                                      num_stages=config.num_stages, **consts)  # fmt: skip
+        K._attention_fwd_kernel[(C.cdiv(nq, config.block_m), b * hq)](*args, **launch)
     else:
         tuned = _tuned_kernel(nq, nk)
-        tuned[lambda meta: (triton.cdiv(nq, meta["BLOCK_M"]), b * hq)](*args, **consts)  # type: ignore[index]
+        tuned[lambda meta: (C.cdiv(nq, meta["BLOCK_M"]), b * hq)](*args, **launch)  # type: ignore[index]
         config = C.Config.of(tuned.best_config)  # type: ignore[attr-defined]
     return o, lse, LaunchInfo(config, block_d, use_desc)
+
+
+_plans: dict[tuple, tuple[C.Config | None, dict]] = {}
+
+
+def _plan(
+    dev: torch.device,
+    dtype: torch.dtype,
+    d: int,
+    causal: bool,
+    small: bool,
+    use_desc: bool,
+    prescale_q: bool | None,
+    config: C.Config | None,
+) -> tuple[C.Config | None, dict]:
+    """The config and the kernel's keyword arguments for one kind of call, worked out once per
+    kind (small problems feel every microsecond of host work)."""
+    key = (dev, dtype, d, causal, small, use_desc, prescale_q, config, C.pinned_text())
+    plan = _plans.get(key)
+    if plan is not None:
+        return plan
+    block_d = max(16, C.next_pow2(d))
+    if config is None:
+        config = fixed_config(dev, block_d, causal, dtype, small=small)
+    if config is not None:  # a plain tuple works too
+        config = C.Config(*config)
+    launch = {
+        "HEAD_DIM": d,
+        "BLOCK_D": block_d,
+        "IS_CAUSAL": causal,
+        "USE_DESC": use_desc,
+        # fold the scale into Q for 16-bit inputs (see the kernel)
+        "PRESCALE_Q": dtype != torch.float32 if prescale_q is None else prescale_q,
+        "DOT_FP32": _backend.dot_upcast(dtype),
+        # fp32 inputs: three TF32 passes give about fp32 accuracy on tensor cores
+        "DOT_PRECISION": "tf32x3" if dtype == torch.float32 else "tf32",
+        "ROUND_BF16": _backend.round_bf16(dtype),
+    }
+    if config is not None:
+        launch |= config.constexprs()
+        launch |= {"num_warps": config.num_warps, "num_stages": config.num_stages}
+    _plans[key] = (config, launch)
+    return config, launch
 
 
 # ----------------------------------------------------------------------------- custom op
