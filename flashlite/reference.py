@@ -109,7 +109,8 @@ def sdpa(
         scale: defaults to ``1/sqrt(D)``.
         backend: one of ``"flash"``, ``"cudnn"``, ``"efficient"``, ``"math"`` (the call fails
             when that backend cannot run the inputs, instead of silently falling back), or None
-            to let torch choose (e.g. inside the caller's own ``sdpa_kernel`` context).
+            to let torch choose. Pinning enters ``sdpa_kernel`` on every call, which costs host
+            time; a loop timing per-call cost pins once around it and passes None.
 
     Returns:
         ``O`` ``(B, Hq, Nq, D)`` in ``q``'s dtype.
