@@ -15,6 +15,11 @@ Four numbers per provider and shape, all in µs per call:
     graph     replay of a CUDA graph that captured 20 calls (do_bench median / 20)
     compile   ``torch.compile(mode="reduce-overhead", fullgraph=True)``, do_bench median
 
+do_bench, graph and compile are the median of 5 interleaved rounds (every round in the JSON).
+SDPA's backend is pinned once around each of its timings (``sdpa_kernel``), not on every call.
+do_bench flushes L2 before each call, and host work that fits under the flush is not seen: loop
+is the number that shows host cost.
+
 Every flashlite output (eager, graph replay, compiled) is checked against the fp64 reference
 first; a wrong or NaN result is printed at once, kept out of the timings and makes the exit
 status 1. The ratio flashlite / baseline (SDPA-flash for attention, torch.softmax for softmax)
@@ -22,7 +27,7 @@ is reported per metric; issue 8's bar on the do_bench ratio: must <= 1.5, aim <=
 or metric that cannot run here (cuDNN unavailable, capture or compile failing) is noted and
 skipped. Writes ``benchmarks/results/overhead-<device slug>.{json,png,log}``, prints a table last.
 
-    python benchmarks/bench_overhead.py                 # about 2 minutes on an H200
+    python benchmarks/bench_overhead.py                 # about 75 s on an H200
     python benchmarks/bench_overhead.py --no-compile    # skip the torch.compile column
 """
 
