@@ -46,6 +46,24 @@ if TRITON_VERSION < MIN_TRITON:
 #: when each function is decorated, which for flashlite's kernels is at import).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
+
+def _interpreter_problem() -> str | None:
+    """Why this Triton's interpreter cannot run flashlite's kernels here, if it cannot."""
+    import numpy
+
+    numpy_version = tuple(int(p) for p in numpy.__version__.split(".")[:2])
+    # Before 3.7 the interpreter turns 1-element arrays into loop bounds with int(array), which
+    # numpy 2.3 made an error (tl.range over runtime sizes fails in every kernel).
+    if TRITON_VERSION < (3, 7) and numpy_version >= (2, 3):
+        return (
+            f"Triton {triton.__version__}'s interpreter cannot run with numpy "
+            f"{numpy.__version__}: install numpy<2.3, or triton>=3.7"
+        )
+    return None
+
+
+INTERPRETER_PROBLEM = _interpreter_problem() if INTERPRETED else None
+
 _CUDA0 = torch.device("cuda", torch.cuda.current_device()) if _HAS_CUDA else None
 
 
@@ -73,6 +91,8 @@ def compute_device(device: torch.device) -> torch.device:
     """Where kernels for tensors on ``device`` run: the device itself, except CPU tensors in a
     process that compiles its kernels, which run on the current CUDA device (the front-end
     moves them there once per call and the results back)."""
+    if INTERPRETER_PROBLEM is not None:
+        raise RuntimeError(f"flashlite cannot run kernels in this process: {INTERPRETER_PROBLEM}")
     if device.type == "cuda" or INTERPRETED:
         return device
     if _CUDA0 is not None:
@@ -153,3 +173,84 @@ def resident_programs(compiled: Any, index: int) -> int:
         per_sm = min(per_sm, getattr(props, "shared_memory_per_multiprocessor", 233472) // shared)
     _resident[key] = per_sm * props.multi_processor_count
     return _resident[key]
+
+
+# ----------------------------------------------------------------------------- launching
+#: Triton versions whose compiled-kernel launch (``JITFunction.warmup`` returning a
+#: ``CompiledKernel``, ``CompiledKernel[grid](*all_args)``) :class:`Launcher` was written against.
+_DIRECT_LAUNCH_TESTED = ((3, 4), (3, 9))
+_LAUNCH_CACHE_LIMIT = 4096
+
+
+class Launcher:
+    """``kernel[grid](*args, **options)``, with Triton's per-call argument binding done once.
+
+    ``JITFunction.run`` binds and specialises every argument on every call (about 15 µs of host
+    time for the attention kernel's 30 arguments, more than its whole GPU time at small shapes).
+    Here the compiled kernel is looked up by a key that pins everything Triton specialises on —
+    each tensor's dtype and 16-byte alignment, the exact value of every other argument, the
+    options and the device — and launched directly. Keys beyond the cache's limit start it
+    afresh. Interpreted kernels, tensor-descriptor arguments and untested Triton versions take
+    Triton's own path.
+    """
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        self.compiled: dict[tuple, tuple[Any, list[Any]]] = {}
+        low, high = _DIRECT_LAUNCH_TESTED
+        self.direct = not INTERPRETED and low <= TRITON_VERSION <= high
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        return functools.partial(self.launch, grid)
+
+    def launch(self, grid: tuple[int, ...], *args: Any, **options: Any) -> None:
+        key = self._key(args, options) if self.direct else None
+        if key is None:
+            self.kernel[grid](*args, **options)
+            return
+        entry = self.compiled.get(key)
+        if entry is None:
+            entry = self._compile(grid, args, options)
+            if len(self.compiled) >= _LAUNCH_CACHE_LIMIT:
+                self.compiled.clear()
+            self.compiled[key] = entry
+        compiled, constants = entry
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        compiled[grid3](*args, *constants)
+
+    @staticmethod
+    def _key(args: tuple, options: dict) -> tuple | None:
+        key: list[Any] = []
+        device = None
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                key.append((a.dtype, a.data_ptr() % 16 == 0))
+                device = a.device.index
+            elif isinstance(a, (int, float)):  # bool is an int: its value is kept too
+                key.append((type(a), a))
+            else:  # tensor descriptors and anything else: Triton's own path
+                return None
+        key.append(device)
+        key.append(tuple(options.items()))
+        return tuple(key)
+
+    def _compile(self, grid: tuple[int, ...], args: tuple, options: dict) -> tuple[Any, list]:
+        try:  # private: warmup's return value and the compiled kernel's launch
+            compiled = self.kernel.warmup(*args, grid=grid, **options)
+            names = self.kernel.arg_names[len(args) :]
+            constants = [options[n] for n in names]
+            compiled.__getitem__  # noqa: B018
+        except (AttributeError, KeyError, TypeError) as err:
+            raise _private_api_error("JITFunction.warmup / CompiledKernel launch", err) from err
+        return compiled, constants
+
+
+_launchers: dict[int, Launcher] = {}
+
+
+def launcher(kernel: Any) -> Launcher:
+    """The :class:`Launcher` of ``kernel`` (one per kernel object, made on first use)."""
+    found = _launchers.get(id(kernel))
+    if found is None or found.kernel is not kernel:
+        found = _launchers[id(kernel)] = Launcher(kernel)
+    return found

@@ -65,7 +65,11 @@ def test_triton_imported_first() -> None:
 def test_triton_imported_first_with_the_interpreter_on() -> None:
     out = _run(TRITON_FIRST, interpret=True)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.strip().endswith("ok"), out.stdout
+    problem = _backend._interpreter_problem()
+    if problem is not None:  # e.g. Triton 3.6 with numpy 2.5 (the GPU machine): said clearly
+        assert problem in out.stdout, out.stdout
+    else:
+        assert out.stdout.strip().endswith("ok"), out.stdout
 
 
 def test_nothing_in_triton_is_patched() -> None:
@@ -154,3 +158,20 @@ def test_bf16_results_are_not_biased() -> None:
     x = torch.randn(64, 200, dtype=torch.bfloat16)
     err = flashlite.softmax(x).double() - torch.softmax(x.double(), -1)
     assert err.mean().abs() < 0.1 * err.abs().mean(), (err.mean(), err.abs().mean())
+
+
+@pytest.mark.gpu
+def test_gpu_direct_launch_keeps_specialisations_apart() -> None:
+    # The Launcher reuses compiled kernels by key: an aligned call must not lend its kernel
+    # (which assumes 16-byte alignment and divisible strides) to a misaligned or odd-sized one.
+    for n in (16, 17, 1, 64):
+        for offset in (0, 1, 0):
+            buf = torch.randn(offset + 4 * n, device="cuda")
+            x = buf[offset:].view(4, n)
+            torch.testing.assert_close(flashlite.softmax(x), torch.softmax(x, -1))
+    for offset in (0, 1, 0):
+        buf = torch.randn(offset + 2 * 40 * 4 * 16, device="cuda", dtype=torch.float16)
+        q = buf[offset:].view(2, 40, 4, 16)
+        out = flashlite.attention(q, q, q, causal=True, layout="b n h d")
+        ref = flashlite.reference.sdpa(*(t.transpose(1, 2) for t in (q, q, q)), causal=True)
+        torch.testing.assert_close(out.transpose(1, 2), ref, atol=2e-3, rtol=2e-3)

@@ -229,7 +229,8 @@ def attention_fwd(
     args = (*srcs, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
             hq, hq // hkv, nq, nk, scale)  # fmt: skip
     if config is not None:
-        K._attention_fwd_kernel[(C.cdiv(nq, config.block_m), b * hq)](*args, **launch)
+        fwd = _backend.launcher(K._attention_fwd_kernel)
+        fwd[(C.cdiv(nq, config.block_m), b * hq)](*args, **launch)
     else:
         tuned = _tuned_kernel(nq, nk)
         tuned[lambda meta: (C.cdiv(nq, meta["BLOCK_M"]), b * hq)](*args, **launch)  # type: ignore[index]
