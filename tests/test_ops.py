@@ -96,3 +96,26 @@ def test_attention_backward_says_not_implemented_under_compile() -> None:
     compiled = torch.compile(CALLS["attention"], fullgraph=True)
     with pytest.raises(Exception, match="no backward pass yet"):  # noqa: B017
         compiled(_input("attention", requires_grad=True)).sum().backward()
+
+
+def test_watchers_see_the_op() -> None:
+    # eager calls skip torch's dispatcher only when nothing could tell the difference: under a
+    # dispatch mode (FakeTensorMode, FlopCounterMode, traffic counting) the op is what runs
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x, q = torch.randn(3, 10), torch.randn(1, 1, 5, 16)
+    with Watch():
+        flashlite.softmax(x)
+        flashlite.attention(q, q, q)
+    assert any("flashlite.softmax_fwd" in s for s in seen)
+    assert any("flashlite.attention_fwd" in s for s in seen)
+    with torch._subclasses.fake_tensor.FakeTensorMode():
+        out = flashlite.attention(*(torch.empty(2, 3, 7, 16) for _ in range(3)))
+    assert out.shape == (2, 3, 7, 16)

@@ -18,6 +18,7 @@ import torch
 
 from flashlite import _backend
 from flashlite.kernels import softmax as K
+from flashlite.ops.common import skip_dispatcher
 
 ALGORITHMS = ("auto", "three_pass", "online")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -198,8 +199,9 @@ def _softmax_forward(x: torch.Tensor, dim: int, algorithm: str, log: bool) -> to
     return y
 
 
+_softmax_fwd_op_body = _on_compute_device(_softmax_forward)
 _softmax_fwd_op = torch.library.custom_op("flashlite::softmax_fwd", mutates_args=())(
-    _on_compute_device(_softmax_forward)
+    _softmax_fwd_op_body
 )
 
 
@@ -264,6 +266,8 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch
         ValueError: unknown ``algorithm`` or device.
     """
     d = _check(x, dim, algorithm)
+    if skip_dispatcher(x):  # the op's own body, minus the dispatcher's host cost
+        return _softmax_fwd_op_body(x, d, algorithm, False)
     return _SOFTMAX_FWD(x, d, algorithm, False)
 
 
@@ -273,4 +277,6 @@ def log_softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> t
     Args, returns and errors as :func:`softmax`. A row that is entirely −inf gives NaN.
     """
     d = _check(x, dim, algorithm)
+    if skip_dispatcher(x):
+        return _softmax_fwd_op_body(x, d, algorithm, True)
     return _SOFTMAX_FWD(x, d, algorithm, True)
