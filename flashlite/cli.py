@@ -329,6 +329,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
         "  python benchmarks/bench_softmax.py      # GB/s against torch and the copy ceiling\n"
         "  python benchmarks/bench_attention.py    # TFLOP/s against SDPA backends and Flex\n"
         "  python benchmarks/bench_traffic.py      # DRAM bytes with Nsight Compute\n"
+        "  python benchmarks/bench_overhead.py     # per-call cost at small shapes\n"
         "Each writes JSON + PNG to benchmarks/results/ and prints a table last."
     )
     return 0

@@ -27,6 +27,7 @@ from flashlite.kernels.configs import (
     keep_config,
     pinned_config,
 )
+from flashlite.masks import torch_visible
 from flashlite.ops.attention import attention_fwd
 from flashlite.reference import attention as ref_attention
 
@@ -276,8 +277,7 @@ def _rows_reference(q, k, v, causal, rows):
     kk, vv = (t.double().repeat_interleave(group, 1) for t in (k, v))
     s = (q[:, :, rows].double() @ kk.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     if causal:
-        keys = torch.arange(nk, device=q.device)
-        s = s.masked_fill(keys[None, :] > rows[:, None] + (nk - nq), -math.inf)
+        s = s.masked_fill(~torch_visible(nq, nk, True, rows=rows), -math.inf)
     return torch.softmax(s, -1).nan_to_num(0.0) @ vv
 
 
