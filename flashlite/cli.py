@@ -23,26 +23,12 @@ from typing import Any
 import torch
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
-_MB = 1e6
 
 
 # =============================================================================== helpers
-def _progress(done: int, total: int, label: str = "") -> None:
-    """A one-line progress bar on stderr (redrawn in place)."""
-    width = 24
-    filled = int(width * done / max(total, 1))
-    end = "\n" if done >= total else ""
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}{end}")
-    sys.stderr.flush()
-
-
 def _max_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     diff = (out.double() - ref.double()).abs()
     return float(diff.nan_to_num(nan=math.inf).max()) if diff.numel() else 0.0
-
-
-def _mb(x: int | float | None) -> str:
-    return "-" if x is None else f"{x / _MB:.3f}"
 
 
 def _emit(args: argparse.Namespace, result: Any, lines: Sequence[str]) -> None:
@@ -140,127 +126,9 @@ def _cmd_attention(args: argparse.Namespace) -> int:
 
 
 # =============================================================================== traffic
-def traffic_rows(
-    shapes: Sequence[Any],
-    methods: Sequence[str],
-    *,
-    count: bool = False,
-    measure: bool = False,
-    device: str = "cpu",
-    show_progress: bool = True,
-) -> tuple[list[dict[str, Any]], list[str]]:
-    """One row per (method, shape): model, counted, measured and compulsory bytes, plus notes."""
-    from flashlite import traffic
-
-    notes: list[str] = []
-    measured: dict[str, traffic.Measurement] = {}
-    if measure:
-        for i, method in enumerate(methods):
-            if show_progress:
-                _progress(i, len(methods), f"measuring {method}")
-            measured[method] = traffic.measure_attention(method, shapes)
-            if measured[method].message:
-                notes.append(measured[method].message)
-        if show_progress:
-            _progress(len(methods), len(methods), "measured")
-    rows: list[dict[str, Any]] = []
-    total = len(methods) * len(shapes)
-    for i, method in enumerate(methods):
-        for j, shape in enumerate(shapes):
-            counted = None
-            if count:
-                if show_progress:
-                    _progress(i * len(shapes) + j, total, f"counting {method} N={shape.seq_q}")
-                counted = traffic.count_attention(method, shape)
-            config: dict[str, Any] = {}
-            if method == "flashlite":
-                m = measured.get(method)
-                if m is not None and j in m.configs:
-                    config = m.configs[j]
-                elif device.startswith("cuda") and torch.cuda.is_available():
-                    config = traffic.flashlite_config(shape, device)
-                else:
-                    config = traffic.flashlite_config(shape, "cpu")
-            model = traffic.model_attention(method, shape, **config)
-            meas = measured[method].traffic[j] if method in measured else None
-            comp = traffic.compulsory_attention(shape)
-            best = next((t for t in (meas, counted, model) if t is not None), None)
-            rows.append(
-                {
-                    "method": method,
-                    "seq_len": shape.seq_q,
-                    **traffic.byte_fields(model=model, counted=counted, measured=meas),
-                    "compulsory_bytes": comp.total,
-                    "vs_compulsory": best.total / comp.total if best else None,
-                    "block_m": config.get("BLOCK_M"),
-                    "block_n": config.get("BLOCK_N"),
-                    "shape": shape.to_json(),
-                }
-            )
-    if count and show_progress:
-        _progress(total, total, "counted")
-    if measure:
-        for shape in shapes:
-            note = traffic.l2_note(shape)
-            if note:
-                notes.append(f"N={shape.seq_q}: {note}")
-    return rows, notes
-
-
-def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The traffic table: one line per (method, sequence length)."""
-    head = (
-        f"{'method':<12}{'seq':>7}{'model MB':>12}{'counted MB':>13}{'measured MB':>14}"
-        f"{'vs compulsory':>15}"
-    )
-    out = [head, "-" * len(head)]
-    for r in rows:
-        ratio = "-" if r["vs_compulsory"] is None else f"{r['vs_compulsory']:.2f}x"
-        out.append(
-            f"{r['method']:<12}{r['seq_len']:>7}{_mb(r['model_bytes']):>12}"
-            f"{_mb(r['counted_bytes']):>13}{_mb(r['measured_bytes']):>14}{ratio:>15}"
-        )
-    return "\n".join(out)
-
-
-def plot_traffic(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> str:
-    """Bytes vs sequence length (log-log) per method, with the compulsory bytes as a line."""
-    from flashlite.plotting import Figure, Line, Panel, save
-
-    styles = {
-        "model_bytes": ("-", "o", "model"),
-        "counted_bytes": (":", "s", "counted"),
-        "measured_bytes": ("--", "^", "measured"),
-    }
-    lines = []
-    for i, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
-        mine = [r for r in rows if r["method"] == method]
-        for key, (ls, marker, label) in styles.items():
-            pts = [(r["seq_len"], r[key]) for r in mine if r[key] is not None]
-            if pts:
-                xs, ys = zip(*pts, strict=True)
-                style = {"ls": ls, "marker": marker, "color": f"C{i}"}
-                lines.append(Line(xs, ys, f"{method} ({label})", style=style))
-    comp = sorted({(r["seq_len"], r["compulsory_bytes"]) for r in rows})
-    if comp:
-        xs, ys = zip(*comp, strict=True)
-        style = {"color": "black", "lw": 2}
-        lines.append(Line(xs, ys, "compulsory (Q, K, V, O once)", style=style))
-    panel = Panel(
-        lines,
-        title=title or "attention HBM traffic",
-        xlabel="sequence length N",
-        ylabel="HBM bytes per call",
-        xlog=2,
-        ylog=10,
-        grid="both",
-    )
-    save(Figure([[panel]], panel_size=(7, 4.5)), path)
-    return path
-
-
 def _cmd_traffic(args: argparse.Namespace) -> int:
     from flashlite import traffic
+    from flashlite.traffic import format_table, plot_traffic, traffic_rows
 
     methods = args.methods or (
         list(traffic.ATTENTION_METHODS) if args.measure else ["naive", "flashlite"]
@@ -290,7 +158,14 @@ def _cmd_traffic(args: argparse.Namespace) -> int:
 
 # =============================================================================== demo / bench
 def _cmd_demo(args: argparse.Namespace) -> int:
-    from flashlite.traffic import AttentionShape, count_softmax, model_softmax
+    from flashlite.traffic import (
+        AttentionShape,
+        count_softmax,
+        format_table,
+        model_softmax,
+        plot_traffic,
+        traffic_rows,
+    )
 
     print("== softmax vs torch (CPU, Triton interpreter)")
     for alg in ("auto", "online", "three_pass"):

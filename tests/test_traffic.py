@@ -7,8 +7,10 @@ match the counts exactly; the naive model within 1%. Shapes are tiny: the interp
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import stat
 import sys
 from pathlib import Path
@@ -17,7 +19,7 @@ import pytest
 import torch
 
 from flashlite import reference, traffic
-from flashlite.traffic import AttentionShape
+from flashlite.traffic import AttentionShape, measure
 
 DATA = Path(__file__).parent / "data"
 
@@ -170,6 +172,39 @@ def test_counters_restore_the_interpreter() -> None:
     assert "create_masked_load" not in vars(interpreter.interpreter_builder)
 
 
+@pytest.mark.interpreter
+def test_nested_kernel_counters_each_count_everything() -> None:
+    # each counter holds its own counts (no module state): nested three deep, all see every byte
+    dtype = torch.float16
+    with traffic.count_kernels() as outer, traffic.count_kernels() as inner:
+        innermost = traffic.count_softmax(3, 100, dtype, "online")
+    model = traffic.model_softmax(3, 100, dtype, "online").total
+    assert outer.traffic.total == inner.traffic.total == innermost.total == model
+
+
+def test_memory_hooks_restore_on_error_and_name_the_version(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import triton
+    from triton.runtime import interpreter
+
+    from flashlite import _backend
+
+    builder, executor = interpreter.interpreter_builder, interpreter.GridExecutor
+    call = vars(executor)["__call__"]
+    hooks = _backend.interpreter_memory_hooks(
+        lambda *a: None, lambda *a: None, lambda name: contextlib.nullcontext()
+    )
+    with pytest.raises(KeyError), hooks:
+        raise KeyError("inside")
+    assert "create_masked_load" not in vars(builder) and vars(executor)["__call__"] is call
+    monkeypatch.delattr(type(builder), "create_masked_store")  # a Triton without the hook point
+    missing = pytest.raises(RuntimeError, match=f"triton {re.escape(triton.__version__)}")
+    with missing, _backend.interpreter_memory_hooks(on_store=lambda *a: None):
+        pass
+    assert "create_masked_load" not in vars(builder)
+
+
 def test_kernel_counting_refuses_compiled_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
     # where kernels are compiled (a CUDA machine) the interpreter hooks would see nothing
     from flashlite import _backend
@@ -213,7 +248,7 @@ def test_parse_ncu_csv_quoted_kernel_names() -> None:
 def test_parse_ncu_csv_without_table() -> None:
     assert traffic.parse_ncu_csv("==PROF== No kernels were profiled.\n") == []
     with pytest.raises(ValueError, match="unit"):
-        traffic._ncu_value("1", "furlong")
+        measure._ncu_value("1", "furlong")
 
 
 def _fake_ncu(tmp_path: Path) -> Path:
@@ -264,7 +299,7 @@ def test_measure_without_gpu_or_ncu(monkeypatch: pytest.MonkeyPatch) -> None:
     m = traffic.measure_attention("flashlite", [shape])
     assert m.traffic == [None] and "CUDA" in m.message
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(traffic, "find_ncu", lambda: None)
+    monkeypatch.setattr(measure, "find_ncu", lambda: None)
     m = traffic.measure_attention("flashlite", [shape])
     assert m.traffic == [None] and "ncu" in m.message
 

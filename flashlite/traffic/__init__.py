@@ -1,15 +1,94 @@
 """HBM traffic of one attention or softmax call: modelled, counted, measured.
 
-The module moved to ``flashlite/traffic/count.py`` unchanged (so its history follows); the next
-commit splits it into the package's modules. Every name, private ones included, is forwarded.
+Three independent ways to get the bytes a call moves between DRAM (HBM) and the chip:
+
+* **model** (:mod:`~flashlite.traffic.model`) — closed-form bytes read and written. For the
+  naive reference it is the sum over the ops :func:`flashlite.reference.attention` runs, each
+  reading its inputs once and writing its output once. For flashlite it is what the kernel
+  issues: Q once, K and V once per query block (only the tiles with a visible key when causal),
+  O and LSE once — counting only unmasked lanes of partial tiles, with the block sizes the
+  kernel really used.
+* **counted** (:mod:`~flashlite.traffic.count`) — run the real code and add up bytes. Triton
+  kernels are run in Triton's interpreter with its load/store entry points wrapped by
+  :func:`flashlite._backend.interpreter_memory_hooks` (:func:`count_kernels`); torch ops are
+  seen by a :class:`~torch.utils._python_dispatch.TorchDispatchMode` (:func:`count_torch_ops`).
+* **measured** (:mod:`~flashlite.traffic.measure`) — DRAM bytes of the kernels of one call on a
+  GPU, from Nsight Compute (``dram__bytes_read.sum``, ``dram__bytes_write.sum``) run on a child
+  process (:func:`measure_attention`).
+
+:mod:`~flashlite.traffic.shapes` holds what they share (:class:`AttentionShape`,
+:class:`Traffic`), and :mod:`~flashlite.traffic.report` the rows, table and plot of the
+``flashlite traffic`` command. Counted equals the model exactly for flashlite kernels; measured
+differs from both (L2 reuse of K/V across query blocks, caches, ECC, prefetch):
+``docs/hbm-traffic.md`` explains.
 """
 
-from typing import Any
+from flashlite.traffic.count import (
+    KernelCounter,
+    OpCounter,
+    count_attention,
+    count_kernels,
+    count_softmax,
+    count_torch_ops,
+    tensor_bytes,
+)
+from flashlite.traffic.measure import (
+    KernelMetrics,
+    Measurement,
+    find_ncu,
+    measure_attention,
+    parse_ncu_csv,
+)
+from flashlite.traffic.model import DEFAULT_L2_BYTES as DEFAULT_L2_BYTES
+from flashlite.traffic.model import (
+    compulsory_attention,
+    compulsory_softmax,
+    flashlite_config,
+    l2_note,
+    model_attention,
+    model_flashlite_attention,
+    model_naive_attention,
+    model_softmax,
+)
+from flashlite.traffic.report import format_table, plot_traffic, traffic_rows
+from flashlite.traffic.shapes import (
+    ATTENTION_METHODS,
+    SOFTMAX_ALGORITHMS,
+    SOFTMAX_GPU_ALGORITHMS,
+    AttentionShape,
+    Traffic,
+    make_inputs,
+)
+from flashlite.traffic.shapes import byte_fields as byte_fields
 
-from flashlite.traffic import count as _count
-
-__all__ = _count.__all__
-
-
-def __getattr__(name: str) -> Any:
-    return getattr(_count, name)
+__all__ = [
+    "ATTENTION_METHODS",
+    "SOFTMAX_ALGORITHMS",
+    "SOFTMAX_GPU_ALGORITHMS",
+    "AttentionShape",
+    "Traffic",
+    "KernelCounter",
+    "OpCounter",
+    "compulsory_attention",
+    "compulsory_softmax",
+    "model_naive_attention",
+    "model_flashlite_attention",
+    "model_attention",
+    "model_softmax",
+    "count_kernels",
+    "count_torch_ops",
+    "count_attention",
+    "make_inputs",
+    "flashlite_config",
+    "Measurement",
+    "KernelMetrics",
+    "count_softmax",
+    "parse_ncu_csv",
+    "find_ncu",
+    "measure_attention",
+    "l2_note",
+    "tensor_bytes",
+    "traffic_rows",
+    "format_table",
+    "plot_traffic",
+]

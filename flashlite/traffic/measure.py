@@ -1,0 +1,290 @@
+"""Measured DRAM bytes of one attention call on a GPU, from Nsight Compute.
+
+``ncu`` runs a child process (:func:`_child_main`) that calls the method once per shape inside
+its own NVTX range, and reads ``dram__bytes_read.sum`` / ``dram__bytes_write.sum`` of the
+kernels in those ranges. Measured differs from the model and the count (L2 reuse of K/V across
+query blocks, caches, ECC, prefetch): ``docs/hbm-traffic.md`` explains.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flashlite.traffic.count import attention_fn
+from flashlite.traffic.model import flashlite_config
+from flashlite.traffic.shapes import ATTENTION_METHODS, AttentionShape, Traffic, make_inputs
+
+
+@dataclass
+class KernelMetrics:
+    """DRAM bytes of one profiled kernel (one ncu result ID)."""
+
+    id: int
+    name: str
+    read: float = math.nan
+    write: float = math.nan
+
+
+_UNITS = {
+    "byte": 1,
+    "bytes": 1,
+    "b": 1,
+    "kbyte": 1e3,
+    "mbyte": 1e6,
+    "gbyte": 1e9,
+    "tbyte": 1e12,
+    "kb": 1e3,
+    "mb": 1e6,
+    "gb": 1e9,
+    "tb": 1e12,
+    "kibyte": 2**10,
+    "mibyte": 2**20,
+    "gibyte": 2**30,
+    "tibyte": 2**40,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def _ncu_value(value: str, unit: str) -> float:
+    """A metric value in bytes from ncu's text: thousands separators and SI/IEC units."""
+    scale = _UNITS.get(unit.strip().lower())
+    if scale is None:
+        raise ValueError(f"unknown ncu unit {unit!r} for value {value!r}")
+    return float(value.replace(",", "").strip()) * scale
+
+
+def parse_ncu_csv(text: str) -> list[KernelMetrics]:
+    """Per-kernel DRAM bytes from ``ncu --csv`` output (``--page details``, the default).
+
+    Lines before the ``"ID",...`` header (ncu's ``==PROF==`` chatter, the program's own output)
+    are skipped. Returns kernels in ID order with ``read``/``write`` in bytes.
+    """
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if start is None:
+        return []
+    kernels: dict[int, KernelMetrics] = {}
+    for row in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
+        try:
+            kid = int(row["ID"])
+        except (KeyError, TypeError, ValueError):
+            continue  # program output interleaved with the table
+        k = kernels.setdefault(kid, KernelMetrics(kid, row.get("Kernel Name", "")))
+        metric = row.get("Metric Name", "")
+        if metric not in ("dram__bytes_read.sum", "dram__bytes_write.sum"):
+            continue
+        value = _ncu_value(row["Metric Value"], row.get("Metric Unit", "byte"))
+        if metric.endswith("read.sum"):
+            k.read = value
+        else:
+            k.write = value
+    return [kernels[i] for i in sorted(kernels)]
+
+
+def find_ncu() -> str | None:
+    """Path of Nsight Compute's CLI: ``$NCU``, ``/usr/local/cuda/bin/ncu``, then ``PATH``."""
+    for candidate in (os.environ.get("NCU"), "/usr/local/cuda/bin/ncu", shutil.which("ncu")):
+        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def _range_name(i: int) -> str:
+    # fixed width so no range name is a prefix of another
+    return f"flt_{i:04d}_"
+
+
+_RANGE_RE = re.compile(r"flt_(\d{4})_")
+
+
+def _child_main(spec_path: str) -> None:
+    """Run inside ncu: warm up (autotune) every config, then one measured call per NVTX range."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    report: dict[str, Any] = {"errors": {}, "configs": {}}
+    for i, d in enumerate(spec["shapes"]):
+        shape = AttentionShape.from_json(d)
+        try:
+            q, k, v = make_inputs(shape, "cuda")
+            fn = attention_fn(spec["method"], shape)
+            for _ in range(2):  # compile and autotune outside the measured range
+                fn(q, k, v)
+            torch.cuda.synchronize()
+            if spec["method"] == "flashlite":
+                with contextlib.suppress(Exception):
+                    report["configs"][i] = flashlite_config(shape, "cuda")
+            torch.cuda.nvtx.range_push(_range_name(i))
+            fn(q, k, v)
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_pop()
+            del q, k, v
+        except Exception as e:  # unsupported by this backend: recorded, the others go on
+            report["errors"][i] = f"{type(e).__name__}: {e}"
+    with open(spec["report"], "w") as f:
+        json.dump(report, f)
+
+
+@dataclass
+class Measurement:
+    """Measured DRAM traffic per shape (None where unavailable) and why any is missing."""
+
+    traffic: list[Traffic | None]
+    message: str = ""
+    configs: dict[int, dict[str, int]] = field(default_factory=dict)
+    kernels: list[list[KernelMetrics]] = field(default_factory=list)
+
+
+def _ncu_command(ncu: str, ranges: Sequence[str], rename: bool) -> list[str]:
+    cmd = [ncu, "--nvtx"]
+    for r in ranges:
+        cmd += ["--nvtx-include", f"{r}/"]
+    cmd += [
+        "--metrics",
+        "dram__bytes_read.sum,dram__bytes_write.sum",
+        "--cache-control",
+        "all",
+        "--clock-control",
+        "none",
+        "--csv",
+    ]
+    if rename:  # kernel names become the enclosing range name: attributes kernels to configs
+        cmd += ["--print-nvtx-rename", "kernel"]
+    return cmd
+
+
+def _run_ncu(
+    ncu: str, method: str, shapes: Sequence[AttentionShape], rename: bool, timeout: float
+) -> tuple[list[KernelMetrics], dict[str, Any], str]:
+    """One ncu process over a child that runs every shape; returns (kernels, report, error)."""
+    with tempfile.TemporaryDirectory(prefix="flashlite-ncu-") as tmp:
+        spec_path, report_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "report.json")
+        with open(spec_path, "w") as f:
+            json.dump(
+                {"method": method, "shapes": [s.to_json() for s in shapes], "report": report_path},
+                f,
+            )
+        child = [
+            sys.executable,
+            "-c",
+            "import sys; from flashlite.traffic.measure import _child_main; "
+            "_child_main(sys.argv[1])",
+            spec_path,
+        ]
+        cmd = _ncu_command(ncu, [_range_name(i) for i in range(len(shapes))], rename) + child
+        try:
+            # the child runs compiled kernels even where this process interprets them (counting)
+            env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        except subprocess.TimeoutExpired:
+            return [], {}, f"ncu timed out after {timeout:.0f} s"
+        except OSError as e:
+            return [], {}, f"could not start ncu: {e}"
+        out = proc.stdout + "\n" + proc.stderr
+        if "ERR_NVGPUCTRPERM" in out:
+            return (
+                [],
+                {},
+                (
+                    "ncu is not permitted to read GPU performance counters "
+                    "(ERR_NVGPUCTRPERM): run as root or enable profiling for all users"
+                ),
+            )
+        report: dict[str, Any] = {}
+        if os.path.exists(report_path):
+            with open(report_path) as f:
+                report = json.load(f)
+        kernels = parse_ncu_csv(proc.stdout)
+        if proc.returncode != 0 and not kernels:
+            tail = "\n".join(out.strip().splitlines()[-8:])
+            return [], report, f"ncu exited with status {proc.returncode}:\n{tail}"
+        return kernels, report, ""
+
+
+def measure_attention(
+    method: str,
+    shapes: Sequence[AttentionShape],
+    *,
+    timeout: float = 600.0,
+    progress: Callable[[str], None] | None = None,
+) -> Measurement:
+    """Measured DRAM bytes of one call of ``method`` for each shape, with Nsight Compute.
+
+    One child process runs every shape (warm-up and autotune first, then the measured call inside
+    its own NVTX range); ncu profiles only the kernels inside those ranges, flushing caches
+    before each (``--cache-control all``), and the per-kernel bytes are summed per range.
+
+    Never raises for a missing GPU or profiler: the result is None per shape and ``message`` says
+    why (no CUDA, ncu missing, counters not permitted, backend unsupported for a shape).
+    """
+    if method not in ATTENTION_METHODS:
+        raise ValueError(f"method={method!r} is not one of {', '.join(ATTENTION_METHODS)}")
+    none = [None] * len(shapes)
+    if not torch.cuda.is_available():
+        return Measurement(list(none), "measured: no CUDA device, DRAM bytes need a GPU")
+    ncu = find_ncu()
+    if ncu is None:
+        return Measurement(
+            list(none),
+            "measured: ncu (Nsight Compute CLI) not found; set $NCU "
+            "or install it under /usr/local/cuda/bin",
+        )
+    if progress:
+        progress(f"{method}: ncu over {len(shapes)} shape(s)")
+    kernels, report, error = _run_ncu(ncu, method, shapes, rename=True, timeout=timeout)
+    groups: list[list[KernelMetrics]] = [[] for _ in shapes]
+    fatal = ("not permitted", "timed out", "could not start")
+    if error and any(f in error for f in fatal):
+        return Measurement(list(none), f"measured ({method}): {error}")
+    if not error and all(_RANGE_RE.search(k.name) for k in kernels):
+        for k in kernels:
+            groups[int(_RANGE_RE.search(k.name).group(1))].append(k)  # type: ignore[union-attr]
+    elif not error and len(shapes) == 1:
+        groups[0] = kernels
+    else:
+        # this ncu did not rename kernels after their ranges (or refused the option):
+        # one ncu process per shape, slower but unambiguous
+        report, error = {}, ""
+        for i, shape in enumerate(shapes):
+            if progress:
+                progress(f"{method}: shape {i + 1}/{len(shapes)} (one ncu each)")
+            ks, rep, error = _run_ncu(ncu, method, [shape], rename=False, timeout=timeout)
+            if error:
+                break
+            groups[i] = ks
+            # the child numbered its only shape 0; renumber to this shape's index
+            for key in ("errors", "configs"):
+                if "0" in rep.get(key, {}):
+                    report.setdefault(key, {})[str(i)] = rep[key]["0"]
+    if error:
+        return Measurement(list(none), f"measured ({method}): {error}")
+    errors = {int(i): e for i, e in report.get("errors", {}).items()}
+    traffic: list[Traffic | None] = []
+    for i, group in enumerate(groups):
+        if i in errors or not group or any(math.isnan(k.read + k.write) for k in group):
+            traffic.append(None)
+            continue
+        t = Traffic()
+        for k in group:
+            t.add(k.name, round(k.read), round(k.write))
+        traffic.append(t)
+    message = "; ".join(f"{method} shape {i}: {e}" for i, e in sorted(errors.items()))
+    configs = {int(i): c for i, c in report.get("configs", {}).items()}
+    return Measurement(traffic, message, configs, groups)

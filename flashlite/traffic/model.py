@@ -1,0 +1,237 @@
+"""Closed-form bytes: what no implementation can avoid, and what each one issues.
+
+For the naive reference the model is the sum over the ops :func:`flashlite.reference.attention`
+runs, each reading its inputs once and writing its output once. For flashlite it is what the
+kernel issues: Q once, K and V once per query block (only the tiles with a visible key when
+causal), O and LSE once — counting only unmasked lanes of partial tiles, with the block sizes the
+kernel really used. The softmax models count the passes each kernel makes over x.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import triton
+
+from flashlite import masks
+from flashlite.kernels import softmax as softmax_kernels
+from flashlite.ops import attention as attention_ops
+from flashlite.traffic.shapes import (
+    ATTENTION_METHODS,
+    SOFTMAX_ALGORITHMS,
+    SOFTMAX_GPU_ALGORITHMS,
+    AttentionShape,
+    Traffic,
+    make_inputs,
+)
+
+#: L2 size used in notes when no GPU says otherwise (an H200 has 60 MiB).
+DEFAULT_L2_BYTES = 60 * 2**20
+
+
+def compulsory_attention(shape: AttentionShape) -> Traffic:
+    """Bytes no attention implementation can avoid: Q, K, V read once and O written once."""
+    b, t = shape.itemsize, Traffic()
+    q = shape.batch * shape.heads * shape.seq_q * shape.head_dim * b
+    kv = shape.batch * shape.hkv * shape.nk * shape.head_dim * b
+    t.add("q", q, 0)
+    t.add("k", kv, 0)
+    t.add("v", kv, 0)
+    t.add("o", 0, q)
+    return t
+
+
+def model_naive_attention(shape: AttentionShape, *, return_lse: bool = False) -> Traffic:
+    """Bytes of :func:`flashlite.reference.attention` (``upcast=False``), op by op.
+
+    Each op reads its tensor inputs once and writes its output once. With ``S`` the
+    ``B·H·Nq·Nk`` score elements, ``b`` the element size and ``G = H / Hkv``:
+
+    ==============  ===============================  ==============================
+    op              read                             write
+    ==============  ===============================  ==============================
+    expand K, V     ``B·Hkv·Nk·D·b`` each (G > 1)    ``B·H·Nk·D·b`` each
+    S = Q Kᵀ        ``Q + K'``                       ``S·b``
+    S·scale         ``S·b``                          ``S·b``
+    causal mask     int64 aranges (tiny)             ``Nq·Nk`` bools (+ tiny)
+    where (mask)    ``S·b + Nq·Nk``                  ``S·b``
+    softmax         ``S·b``                          ``S·b``
+    nan_to_num      ``S·b`` (causal only)            ``S·b``
+    O = P V         ``S·b + V'``                     ``O``
+    ==============  ===============================  ==============================
+
+    ``K' = K`` without GQA; with GQA ``torch.matmul`` broadcasts K and V over the group and its
+    reshape of the broadcast view copies them (unless ``B·Hkv = 1``, where it stays a view), so
+    the matmuls read the ``G``-fold copies.
+    """
+    b = shape.itemsize
+    B, H, Hkv, Nq, Nk, D = (
+        shape.batch,
+        shape.heads,
+        shape.hkv,
+        shape.seq_q,
+        shape.nk,
+        shape.head_dim,
+    )
+    q = B * H * Nq * D * b
+    kv = B * Hkv * Nk * D * b
+    s = B * H * Nq * Nk * b
+    t = Traffic()
+    kv_read = kv
+    # torch.matmul folds (B, Hkv, G) into one batch dim; with a broadcast G that is a view only
+    # when B·Hkv == 1, otherwise its reshape copies K and V G-fold first
+    if Hkv != H and B * Hkv > 1:
+        kv_read = kv * (H // Hkv)
+        t.add("expand k", kv, kv_read)
+        t.add("expand v", kv, kv_read)
+    t.add("S = Q K^T", q + kv_read, s)
+    t.add("S * scale", s, s)
+    if shape.causal:
+        i64 = 8
+        # arange(Nq), arange(Nk), i + (Nk - Nq), j > i + (Nk - Nq)
+        t.add("causal mask", i64 * (Nq + Nk + Nq), i64 * (Nq + Nk + Nq) + Nq * Nk)
+        t.add("where (mask)", s + Nq * Nk, s)
+    t.add("softmax", s, s)
+    if shape.causal:
+        t.add("nan_to_num", s, s)
+    t.add("O = P V", s + kv_read, q)
+    if return_lse:
+        s32 = B * H * Nq * Nk * 4
+        if b != 4:
+            t.add("S.float()", s, s32)
+        t.add("logsumexp", s32, B * H * Nq * 4)
+    return t
+
+
+def model_flashlite_attention(
+    shape: AttentionShape, block_m: int | None = None, block_n: int | None = None
+) -> Traffic:
+    """Bytes the flashlite forward kernel issues, with its real ``BLOCK_M × BLOCK_N`` tiles.
+
+    One program per (query block, batch·head): Q block loaded once, then K and V tiles of
+    ``BLOCK_N`` keys — all ``⌈Nk/BLOCK_N⌉`` tiles, or when causal the tiles up to the last key the
+    block's last row sees — then O and the fp32 LSE stored once. Lanes past ``Nq`` / ``Nk`` are
+    masked and not counted, so for ``n_m = ⌈Nq/BLOCK_M⌉`` query blocks::
+
+        read  = B·H·(Nq·D·b + 2·D·b·Σ_blocks keys_loaded(block))
+        write = B·H·Nq·(D·b + 4)
+
+    with ``keys_loaded = Nk`` without a mask and ``min(Nk, BLOCK_N·⌈vis/BLOCK_N⌉)`` causal, ``vis``
+    the keys visible to the block's last row. Each query head reads its KV head's tiles itself,
+    so GQA does not reduce the K/V term (only the compulsory bytes).
+    """
+    if block_m is None or block_n is None:
+        cfg = flashlite_config(shape)
+        block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    b = shape.itemsize
+    B, H, Nq, Nk, D = shape.batch, shape.heads, shape.seq_q, shape.nk, shape.head_dim
+    keys = 0
+    for m0 in range(0, Nq, block_m):
+        # the kernel's own key range: tiles [0, hi) step BLOCK_N, lanes past Nk masked
+        _, hi = masks.torch_key_range(m0, block_m, block_n, Nq, Nk, shape.causal)
+        keys += min(Nk, block_n * triton.cdiv(hi, block_n))
+    bh = B * H
+    t = Traffic()
+    t.add("q", bh * Nq * D * b, 0)
+    t.add("k", bh * keys * D * b, 0)
+    t.add("v", bh * keys * D * b, 0)
+    t.add("o", 0, bh * Nq * D * b)
+    t.add("lse", 0, bh * Nq * 4)
+    return t
+
+
+def flashlite_config(shape: AttentionShape, device: str = "cpu") -> dict[str, Any]:
+    """The launch config flashlite's attention kernel uses for ``shape`` on ``device``.
+
+    Interpreted (CPU): the pinned config (``$FLASHLITE_ATTENTION_CONFIG``) or the kernel module's
+    ``CPU_CONFIG``, as the front-end picks them. CUDA: one call of the host launcher, which reports
+    the autotuner's choice for the shape (tuning once if it has not yet).
+    """
+    fixed = attention_ops.fixed_config(torch.device(device))
+    if fixed is not None:  # interpreted or pinned: no launch needed to know it
+        return {**fixed.constexprs(), "num_warps": fixed.num_warps, "num_stages": fixed.num_stages}
+    q, k, v = make_inputs(shape, device)
+    _, _, info = attention_ops.attention_fwd(q, k, v, shape.causal, shape.head_dim**-0.5)
+    if info is None:  # empty problem: nothing launched
+        return {"BLOCK_M": 1, "BLOCK_N": 1}
+    cfg = info.config
+    return {**cfg.constexprs(), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+            "USE_DESC": info.use_desc}  # fmt: skip
+
+
+def model_attention(method: str, shape: AttentionShape, **config: int) -> Traffic | None:
+    """Model bytes of ``method`` (``naive`` or ``flashlite``); None for the sdpa-* methods."""
+    if method == "naive":
+        return model_naive_attention(shape)
+    if method == "flashlite":
+        return model_flashlite_attention(shape, config.get("BLOCK_M"), config.get("BLOCK_N"))
+    if method in ATTENTION_METHODS:
+        return None
+    raise ValueError(f"method={method!r} is not one of {', '.join(ATTENTION_METHODS)}")
+
+
+def resolve_softmax_algorithm(algorithm: str, n: int, elem_bytes: int) -> str:
+    """The softmax kernel ``algorithm`` names for rows of ``n`` elements of ``elem_bytes``."""
+    # mirrors the front-end's "auto" on a CPU: one read when the row fits on chip, split
+    # otherwise (a GPU runs long rows with the team kernel: one read, see kernels/softmax.py)
+    if algorithm == "auto":
+        fits = softmax_kernels.fits_single_read(n, elem_bytes)
+        return "single_read" if fits else "split"
+    if algorithm not in SOFTMAX_ALGORITHMS + SOFTMAX_GPU_ALGORITHMS:
+        accepted = ", ".join(("auto", *SOFTMAX_ALGORITHMS, *SOFTMAX_GPU_ALGORITHMS))
+        raise ValueError(f"algorithm={algorithm!r} is not one of {accepted}")
+    return algorithm
+
+
+def compulsory_softmax(rows: int, n: int, dtype: torch.dtype) -> Traffic:
+    """Read x once and write y once: ``rows·n·b`` each way."""
+    b = torch.empty((), dtype=dtype).element_size()
+    t = Traffic()
+    t.add("x", rows * n * b, 0)
+    t.add("y", 0, rows * n * b)
+    return t
+
+
+def model_softmax(rows: int, n: int, dtype: torch.dtype, algorithm: str = "auto") -> Traffic:
+    """Bytes the softmax forward kernels issue for ``(rows, n)`` (softmax and log_softmax alike).
+
+    With ``E = rows·n·b``: three_pass ``3E`` read + ``E`` write, online ``2E + E``, single_read
+    ``E + E``, split ``2E + E`` plus the workspace: ``C = ⌈n/chunk⌉`` fp32 (m, s) pairs per row,
+    written once by the stats kernel (``8·rows·C``) and read by each of the row's ``C`` write
+    programs, which all repeat the C-way merge (``8·rows·C²``). team (GPU, what ``auto`` runs
+    for long rows there) ``E + E`` plus the same workspace with its own chunk count and the
+    zeroed per-row arrival counters (``4·rows``); the spin-wait atomics stay in L2 and are not
+    modelled.
+    """
+    elem_bytes = torch.empty((), dtype=dtype).element_size()
+    algorithm = resolve_softmax_algorithm(algorithm, n, elem_bytes)
+    e = rows * n * elem_bytes
+    t = Traffic()
+    passes = {"three_pass": 3, "online": 2, "single_read": 1, "split": 2, "team": 1}[algorithm]
+    t.add("x", passes * e, 0)
+    t.add("y", 0, e)
+    if algorithm == "split":
+        chunks = softmax_kernels.split_config(n)["n_chunks"]
+        t.add("workspace", 8 * rows * chunks * chunks, 8 * rows * chunks)
+    elif algorithm == "team":
+        chunks = softmax_kernels.team_config(n, elem_bytes)["n_chunks"]
+        t.add("workspace", 8 * rows * chunks * chunks, 8 * rows * chunks)
+        t.add("counters", 0, 4 * rows)
+    return t
+
+
+def l2_note(shape: AttentionShape, l2_bytes: int | None = None) -> str | None:
+    """A warning when the call's data fits in L2, where DRAM counters understate traffic."""
+    if l2_bytes is None:
+        l2_bytes = DEFAULT_L2_BYTES
+        if torch.cuda.is_available():
+            l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    data = compulsory_attention(shape).total
+    if data <= l2_bytes:
+        return (
+            f"Q, K, V and O ({data / 1e6:.1f} MB) fit in L2 ({l2_bytes / 1e6:.0f} MB): "
+            "measured DRAM bytes are misleading for this shape (writes can stay in L2, "
+            "re-reads hit it)"
+        )
+    return None

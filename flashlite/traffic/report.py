@@ -1,0 +1,156 @@
+"""The traffic report: one JSON row per (method, shape), the table, and the log-log plot.
+
+Rows gather every figure :mod:`flashlite.traffic` has for a shape: the model (always), the count
+(``count=True``, interpreter) and the measurement (``measure=True``, ncu on a GPU), next to the
+compulsory bytes. The ``flashlite traffic`` and ``flashlite demo`` commands print these.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from flashlite.traffic.count import count_attention
+from flashlite.traffic.measure import Measurement, measure_attention
+from flashlite.traffic.model import (
+    compulsory_attention,
+    flashlite_config,
+    l2_note,
+    model_attention,
+)
+from flashlite.traffic.shapes import AttentionShape, byte_fields
+
+_MB = 1e6
+
+
+def _progress(done: int, total: int, label: str = "") -> None:
+    """A one-line progress bar on stderr (redrawn in place)."""
+    width = 24
+    filled = int(width * done / max(total, 1))
+    end = "\n" if done >= total else ""
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<40}{end}")
+    sys.stderr.flush()
+
+
+def _mb(x: int | float | None) -> str:
+    return "-" if x is None else f"{x / _MB:.3f}"
+
+
+def traffic_rows(
+    shapes: Sequence[AttentionShape],
+    methods: Sequence[str],
+    *,
+    count: bool = False,
+    measure: bool = False,
+    device: str = "cpu",
+    show_progress: bool = True,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """One row per (method, shape): model, counted, measured and compulsory bytes, plus notes."""
+    notes: list[str] = []
+    measured: dict[str, Measurement] = {}
+    if measure:
+        for i, method in enumerate(methods):
+            if show_progress:
+                _progress(i, len(methods), f"measuring {method}")
+            measured[method] = measure_attention(method, shapes)
+            if measured[method].message:
+                notes.append(measured[method].message)
+        if show_progress:
+            _progress(len(methods), len(methods), "measured")
+    rows: list[dict[str, Any]] = []
+    total = len(methods) * len(shapes)
+    for i, method in enumerate(methods):
+        for j, shape in enumerate(shapes):
+            counted = None
+            if count:
+                if show_progress:
+                    _progress(i * len(shapes) + j, total, f"counting {method} N={shape.seq_q}")
+                counted = count_attention(method, shape)
+            config: dict[str, Any] = {}
+            if method == "flashlite":
+                m = measured.get(method)
+                if m is not None and j in m.configs:
+                    config = m.configs[j]
+                elif device.startswith("cuda") and torch.cuda.is_available():
+                    config = flashlite_config(shape, device)
+                else:
+                    config = flashlite_config(shape, "cpu")
+            model = model_attention(method, shape, **config)
+            meas = measured[method].traffic[j] if method in measured else None
+            comp = compulsory_attention(shape)
+            best = next((t for t in (meas, counted, model) if t is not None), None)
+            rows.append(
+                {
+                    "method": method,
+                    "seq_len": shape.seq_q,
+                    **byte_fields(model=model, counted=counted, measured=meas),
+                    "compulsory_bytes": comp.total,
+                    "vs_compulsory": best.total / comp.total if best else None,
+                    "block_m": config.get("BLOCK_M"),
+                    "block_n": config.get("BLOCK_N"),
+                    "shape": shape.to_json(),
+                }
+            )
+    if count and show_progress:
+        _progress(total, total, "counted")
+    if measure:
+        for shape in shapes:
+            note = l2_note(shape)
+            if note:
+                notes.append(f"N={shape.seq_q}: {note}")
+    return rows, notes
+
+
+def format_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The traffic table: one line per (method, sequence length)."""
+    head = (
+        f"{'method':<12}{'seq':>7}{'model MB':>12}{'counted MB':>13}{'measured MB':>14}"
+        f"{'vs compulsory':>15}"
+    )
+    out = [head, "-" * len(head)]
+    for r in rows:
+        ratio = "-" if r["vs_compulsory"] is None else f"{r['vs_compulsory']:.2f}x"
+        out.append(
+            f"{r['method']:<12}{r['seq_len']:>7}{_mb(r['model_bytes']):>12}"
+            f"{_mb(r['counted_bytes']):>13}{_mb(r['measured_bytes']):>14}{ratio:>15}"
+        )
+    return "\n".join(out)
+
+
+def plot_traffic(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> str:
+    """Bytes vs sequence length (log-log) per method, with the compulsory bytes as a line."""
+    from flashlite.plotting import Figure, Line, Panel, save
+
+    styles = {
+        "model_bytes": ("-", "o", "model"),
+        "counted_bytes": (":", "s", "counted"),
+        "measured_bytes": ("--", "^", "measured"),
+    }
+    lines = []
+    for i, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
+        mine = [r for r in rows if r["method"] == method]
+        for key, (ls, marker, label) in styles.items():
+            pts = [(r["seq_len"], r[key]) for r in mine if r[key] is not None]
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                style = {"ls": ls, "marker": marker, "color": f"C{i}"}
+                lines.append(Line(xs, ys, f"{method} ({label})", style=style))
+    comp = sorted({(r["seq_len"], r["compulsory_bytes"]) for r in rows})
+    if comp:
+        xs, ys = zip(*comp, strict=True)
+        style = {"color": "black", "lw": 2}
+        lines.append(Line(xs, ys, "compulsory (Q, K, V, O once)", style=style))
+    panel = Panel(
+        lines,
+        title=title or "attention HBM traffic",
+        xlabel="sequence length N",
+        ylabel="HBM bytes per call",
+        xlog=2,
+        ylog=10,
+        grid="both",
+    )
+    save(Figure([[panel]], panel_size=(7, 4.5)), path)
+    return path
