@@ -1,7 +1,9 @@
 """Where kernels run, and the facts about this process's Triton that the kernels depend on.
 
-This is the only module that knows about ``TRITON_INTERPRET`` and the interpreter's quirks. It
-patches nothing in Triton.
+This is the only module that knows about ``TRITON_INTERPRET`` and the interpreter's quirks.
+Running kernels patches nothing in Triton; the one exception is byte counting
+(:func:`interpreter_memory_hooks`), which wraps the interpreter's memory entry points only inside
+its ``with`` block, always restores them, and checks the Triton version it was written for.
 
 * **CUDA tensors** run compiled kernels.
 * **A process without CUDA** interprets: before ``triton`` is first imported we set

@@ -141,6 +141,8 @@ def _cmd_traffic(args: argparse.Namespace) -> int:
         measure=args.measure,
         device=args.device,
         show_progress=not args.quiet,
+        gpu=args.gpu,
+        config=args.config,
     )
     for note in dict.fromkeys(notes):  # once each, in order
         print(f"note: {note}", file=sys.stderr)
@@ -191,7 +193,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         )
     print("\n== attention traffic, B=1 H=2 D=16 fp32 causal: counted vs model")
     shapes = [AttentionShape(1, 2, n, 16, dtype=torch.float32, causal=True) for n in (32, 64, 128)]
-    rows, _ = traffic_rows(shapes, ["naive", "flashlite"], count=True, show_progress=False)
+    rows, _ = traffic_rows(
+        shapes,
+        ["naive", "flashlite"],
+        count=True,
+        show_progress=False,
+        gpu=args.gpu,
+        config=args.config,
+    )
     print(format_table(rows))
     plot_traffic(rows, str(args.out), "B=1 H=2 D=16 fp32 causal (CPU: model and counted)")
     print(f"\nwrote plot: {args.out}")
@@ -289,6 +298,26 @@ def _option(parser: argparse.ArgumentParser, *flags: str, help: str, **kwargs: A
         on_off = kwargs.get("action") == "store_true"
         help += " (default: off)" if on_off else " (default: %(default)s)"
     parser.add_argument(*flags, help=help, **kwargs)
+
+
+def _tile_options(parser: argparse.ArgumentParser) -> None:
+    """--gpu and --config: which tiles flashlite's kernels are counted and modelled with."""
+    _option(
+        parser,
+        "--gpu",
+        choices=["h200", "generic"],
+        default="h200",
+        help="whose tile table picks flashlite's config for each shape (the interpreter runs any "
+        "tile): h200, Hopper's measured table; generic, the autotuner's first fitting candidate",
+    )
+    _option(
+        parser,
+        "--config",
+        default=None,
+        metavar="BMxBN[xWARPSxSTAGES]",
+        help="count and model flashlite with this tile config instead, e.g. 64x64 or 128x64x4x3 "
+        "(default: the --gpu table's choice)",
+    )
 
 
 def _plot_path(value: str) -> Path:
@@ -402,6 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="where to write the plot (.png, .svg, .pdf, ...); relative paths are taken from "
         "the current folder and the absolute path is printed (default: %(default)s)",
     )
+    _tile_options(d)
     d.set_defaults(func=_cmd_demo)
 
     s = command(
@@ -438,8 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     _shape_options(
         t,
         many=True,
-        device_help="whose tile sizes the flashlite model uses: cpu, the interpreter's fixed "
-        "small tiles; cuda or cuda:N, that GPU's config. Counting always runs on the CPU",
+        device_help="where the flashlite model's tile config comes from: cpu, the --gpu "
+        "table (or --config); cuda or cuda:N, what that GPU runs. Counting always runs on the CPU",
     )
     methods = ["naive", "flashlite", "sdpa-flash", "sdpa-cudnn"]
     _option(
@@ -468,6 +498,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write a log-log plot there; its absolute path is printed on stderr "
         "(default: no plot)",
     )
+    _tile_options(t)
     _option(t, "--quiet", action="store_true", help="no progress bar on stderr")
     t.set_defaults(func=_cmd_traffic)
 
@@ -478,7 +509,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `flashlite` console script."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):  # a bad --config fails now, before any slow work
+        from flashlite.traffic import parse_config
+
+        head_dims = [getattr(args, "head_dim", 16)]
+        dtype = _DTYPES[getattr(args, "dtype", "float32")]
+        try:
+            for d in head_dims:
+                parse_config(args.config, d, dtype)
+        except ValueError as err:
+            parser.error(str(err))
     counts = args.func is _cmd_demo or (args.func is _cmd_traffic and args.count)
     if counts:
         from flashlite import _backend

@@ -48,7 +48,7 @@ def test_traffic_json_schema(capsys: pytest.CaptureFixture[str], tmp_path: Path)
 def test_traffic_table_model_only(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["traffic", "--seq", "1024", "4096", "--head-dim", "64", "--quiet"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].split()[:3] == ["method", "seq", "model"]
+    assert out.splitlines()[0].split()[:4] == ["method", "config", "seq", "model"]
     assert "vs compulsory" in out and "flashlite" in out and "naive" in out
 
 
@@ -200,3 +200,18 @@ def test_counting_commands_rerun_where_kernels_are_interpreted(
     ((cmd, env),) = calls
     assert cmd[-len(argv) :] == argv and cmd[1:3] == ["-m", "flashlite.cli"]
     assert env["TRITON_INTERPRET"] == "1"
+
+
+@pytest.mark.interpreter
+def test_traffic_names_the_counted_config(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["traffic", "--seq", "64", "--heads", "1", "--head-dim", "16", "--count", "--quiet"]
+    assert cli.main([*argv, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    flash = [r for r in rows if r["method"] == "flashlite"]
+    assert flash and all(r["config"] == "64x64x4x2" and r["gpu"] == "h200" for r in flash)
+    assert cli.main([*argv, "--config", "32x16"]) == 0
+    assert "32x16x4x2" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--config", "48x64"])
+    assert exit_info.value.code == 2
+    assert "powers of two" in capsys.readouterr().err

@@ -336,3 +336,64 @@ def test_team_softmax_model_reads_once() -> None:
     assert t.parts["x"] == [e, 0] and t.parts["y"] == [0, e]
     assert t.parts["workspace"] == [8 * rows * chunks**2, 8 * rows * chunks]
     assert t.parts["counters"] == [0, 4 * rows]
+
+
+# --------------------------------------------------------------------------- the GPU's tiles
+@pytest.mark.interpreter
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("d", [16, 64, 128])
+def test_default_tiles_count_no_more_than_naive(d: int, dtype: torch.dtype, causal: bool) -> None:
+    # counted with the config the H200 table runs: at N >= 64 flashlite moves fewer bytes than
+    # naive (the interpreter's old 16x16 tile re-read K/V once per 16 queries and did not)
+    for n in (64, 200):
+        shape = AttentionShape(1, 2, n, d, dtype=dtype, causal=causal)
+        counted = traffic.count_attention("flashlite", shape)
+        naive = traffic.count_attention("naive", shape)
+        model = traffic.model_flashlite_attention(shape)
+        assert counted is not None and naive is not None
+        assert (counted.read, counted.write) == (model.read, model.write)
+        assert counted.total <= naive.total, (n, counted.total, naive.total)
+        assert counted.info["config"] == traffic.flashlite_config(shape)["config"]
+        assert counted.info["gpu"] == "h200"
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("gpu", ["h200", "generic"])
+def test_default_tiles_model_no_more_than_naive(gpu: str, dtype: torch.dtype, causal: bool) -> None:
+    # the issued-bytes model (equal to the count, above) at lengths too long to interpret
+    for d in (16, 32, 64, 96, 128):
+        for n in (64, 100, 1024, 4096, 16384):
+            shape = AttentionShape(1, 16, n, d, dtype=dtype, causal=causal)
+            cfg = traffic.flashlite_config(shape, gpu=gpu)
+            flash = traffic.model_flashlite_attention(shape, cfg["BLOCK_M"], cfg["BLOCK_N"])
+            naive = traffic.model_naive_attention(shape)
+            assert flash.total <= naive.total, (d, n, cfg["config"], flash.total, naive.total)
+
+
+def test_gpu_tables_and_named_configs() -> None:
+    big = AttentionShape(1, 16, 4096, 128, dtype=torch.bfloat16, causal=True)
+    assert traffic.flashlite_config(big, gpu="h200")["config"] == "64x64x4x2+overlap"
+    assert traffic.flashlite_config(big, gpu="generic")["config"] == "128x128x8x3+lazy"
+    small = AttentionShape(1, 2, 128, 64, dtype=torch.bfloat16)
+    assert traffic.flashlite_config(small, gpu="generic")["config"] == "64x64x4x2"
+    pinned = traffic.parse_config("32x16", 64, torch.float16)
+    assert traffic.flashlite_config(small, config=pinned)["config"] == "32x16x4x2"
+    with pytest.raises(ValueError, match="gpu="):
+        traffic.flashlite_config(small, gpu="a100")
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("48x64", "powers of two"),
+        ("64", "BMxBN"),
+        ("64x64x3x2", "warps"),
+        ("abc", "BMxBN"),
+        ("256x256x1x4", "does not fit head dim 128"),
+    ],  # fmt: skip
+)
+def test_bad_config(text: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        traffic.parse_config(text, 128, torch.float32)

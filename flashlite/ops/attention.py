@@ -155,13 +155,54 @@ def fixed_config(
         return pinned
     if _backend.is_interpreted(device):
         return C.CPU_CONFIG
-    fits_small = block_d is not None and dtype is not None
-    if small and fits_small and C.keep_config(SMALL_CONFIG, block_d, dtype.itemsize, False):
-        return SMALL_CONFIG
     hopper = device.type == "cuda" and _backend.capability(device.index or 0) == (9, 0)
+    return _table_entry(block_d, causal, dtype, small, hopper)
+
+
+def _table_entry(
+    block_d: int | None, causal: bool, dtype: torch.dtype | None, small: bool, hopper: bool
+) -> C.Config | None:
+    """A GPU's fixed choice: the small-problem config, else Hopper's measured table."""
+    if block_d is None or dtype is None:
+        return None
+    if small and C.keep_config(SMALL_CONFIG, block_d, dtype.itemsize, False):
+        return SMALL_CONFIG
     if hopper and dtype in (torch.float16, torch.bfloat16):
         return C.HOPPER_CONFIGS.get((block_d, bool(causal)))
     return None
+
+
+#: The GPU tables :func:`gpu_config` knows: the H200's (Hopper's measured table) and any other
+#: GPU's (no measured entry: the autotuner's first candidate that fits stands in for its pick).
+GPU_TABLES = ("h200", "generic")
+
+
+def gpu_config(
+    shape: tuple[int, int, int, int, int],
+    dtype: torch.dtype,
+    causal: bool,
+    gpu: str = "h200",
+) -> tuple[C.Config, bool]:
+    """The tile config a GPU runs for a problem, known without one (what the traffic tools count
+    and model; the interpreter runs any tile).
+
+    Args:
+        shape: ``(B, Hq, Nq, Nk, D)``.
+        dtype: the inputs' dtype.
+        causal: the mask.
+        gpu: ``"h200"`` or ``"generic"`` (:data:`GPU_TABLES`).
+
+    Returns:
+        The config (the pinned one when ``$FLASHLITE_ATTENTION_CONFIG`` is set) and whether that
+        GPU loads through tensor descriptors (problems past :data:`DESC_MIN_WORK`).
+    """
+    if gpu not in GPU_TABLES:
+        raise ValueError(f"gpu={gpu!r} is not one of {', '.join(map(repr, GPU_TABLES))}")
+    b, hq, nq, nk, d = shape
+    block_d = max(16, C.next_pow2(d))
+    use_desc = b * hq * nq * nk * d >= DESC_MIN_WORK
+    config = C.pinned_config() or _table_entry(block_d, causal, dtype, not use_desc, gpu == "h200")
+    return config or C.default_config(block_d, dtype.itemsize, use_desc), use_desc
 
 
 def empty_output(q: torch.Tensor) -> torch.Tensor:

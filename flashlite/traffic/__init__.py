@@ -43,12 +43,14 @@ from flashlite.traffic.model import DEFAULT_L2_BYTES as DEFAULT_L2_BYTES
 from flashlite.traffic.model import (
     compulsory_attention,
     compulsory_softmax,
+    config_name,
     flashlite_config,
     l2_note,
     model_attention,
     model_flashlite_attention,
     model_naive_attention,
     model_softmax,
+    parse_config,
 )
 from flashlite.traffic.report import format_table, plot_traffic, traffic_rows
 from flashlite.traffic.shapes import (
@@ -80,6 +82,8 @@ __all__ = [
     "count_attention",
     "make_inputs",
     "flashlite_config",
+    "config_name",
+    "parse_config",
     "Measurement",
     "KernelMetrics",
     "count_softmax",

@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashlite import _backend, reference
+from flashlite.kernels.configs import Config
 from flashlite.ops import attention as attention_ops
 from flashlite.ops import softmax as softmax_ops
 from flashlite.traffic.model import flashlite_config, resolve_softmax_algorithm
@@ -235,15 +236,21 @@ def attention_fn(method: str, shape: AttentionShape) -> Callable[..., torch.Tens
 
 
 def count_attention(
-    method: str, shape: AttentionShape, *, use_desc: bool | None = None
+    method: str,
+    shape: AttentionShape,
+    *,
+    use_desc: bool | None = None,
+    gpu: str = "h200",
+    config: Config | None = None,
 ) -> Traffic | None:
     """Counted bytes of one call of ``method`` on CPU tensors of ``shape``.
 
-    ``naive`` counts torch ops; ``flashlite`` counts the kernel's loads and stores in the
-    interpreter plus any torch op of the front-end that moves data (``parts["torch ops"]``; zero
-    for contiguous ``b h n d`` inputs), and records the block sizes in ``info``. ``use_desc``
-    (flashlite only) forces tensor-descriptor (True) or pointer (False) loads through the host
-    launcher instead of the public function. Returns None for the sdpa-* methods (GPU kernels).
+    ``naive`` counts torch ops. ``flashlite`` counts the kernel's loads and stores in the
+    interpreter, run with the tile config the ``gpu`` table uses for the shape (or ``config``;
+    :func:`~flashlite.traffic.model.flashlite_config`), through the front-end's launcher, plus
+    any torch op that moves data (``parts["torch ops"]``); ``info`` names the config. Loads go
+    through pointers unless ``use_desc`` (descriptor loads count the same in-bounds bytes).
+    Returns None for the sdpa-* methods (GPU kernels).
     """
     if method not in ("naive", "flashlite"):
         if method in ATTENTION_METHODS:
@@ -254,22 +261,17 @@ def count_attention(
         with count_torch_ops() as ops:
             attention_fn(method, shape)(q, k, v)
         return ops.traffic
-    if use_desc is None:
-        fn = attention_fn(method, shape)
-    else:
-
-        def fn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Any:
-            return attention_ops.attention_fwd(
-                q, k, v, shape.causal, shape.head_dim**-0.5, use_desc=use_desc
-            )
-
+    info = flashlite_config(shape, "cpu", gpu=gpu, config=config)
+    cfg = Config(info["BLOCK_M"], info["BLOCK_N"], info["num_warps"], info["num_stages"],
+                 info["WARP_SPECIALIZE"], info["LAZY_RESCALE"], info["OVERLAP"])  # fmt: skip
     with count_kernels() as kern, count_torch_ops() as ops:
         kern.watch(q=q, k=k, v=v)
-        fn(q, k, v)
+        attention_ops.attention_fwd(q, k, v, shape.causal, shape.head_dim**-0.5, config=cfg,
+                                    use_desc=bool(use_desc))  # fmt: skip
     t = kern.traffic
     if ops.traffic.total:
         t.add("torch ops", ops.traffic.read, ops.traffic.write)
-    t.info = flashlite_config(shape, "cpu")
+    t.info = info
     return t
 
 

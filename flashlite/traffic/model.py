@@ -16,6 +16,7 @@ import triton
 
 from flashlite import masks
 from flashlite.kernels import softmax as softmax_kernels
+from flashlite.kernels.configs import Config, keep_config
 from flashlite.ops import attention as attention_ops
 from flashlite.traffic.shapes import (
     ATTENTION_METHODS,
@@ -141,23 +142,62 @@ def model_flashlite_attention(
     return t
 
 
-def flashlite_config(shape: AttentionShape, device: str = "cpu") -> dict[str, Any]:
-    """The launch config flashlite's attention kernel uses for ``shape`` on ``device``.
+def _dims(shape: AttentionShape) -> tuple[int, int, int, int, int]:
+    return shape.batch, shape.heads, shape.seq_q, shape.nk, shape.head_dim
 
-    Interpreted (CPU): the pinned config (``$FLASHLITE_ATTENTION_CONFIG``) or the kernel module's
-    ``CPU_CONFIG``, as the front-end picks them. CUDA: one call of the host launcher, which reports
-    the autotuner's choice for the shape (tuning once if it has not yet).
+
+def config_name(cfg: Config) -> str:
+    """``BMxBNxWARPSxSTAGES`` plus the loop variants that are on, e.g. ``64x64x4x2+overlap``."""
+    flags = [n for n in ("warp_specialize", "lazy_rescale", "overlap") if getattr(cfg, n)]
+    return "x".join(map(str, cfg[:4])) + "".join(f"+{f.split('_')[0]}" for f in flags)
+
+
+def parse_config(text: str, head_dim: int, dtype: torch.dtype) -> Config:
+    """``BMxBN[xWARPSxSTAGES]`` (e.g. ``64x64`` or ``128x64x4x3``) as a config that fits the head
+    dim; ``ValueError`` naming the accepted values otherwise."""
+    try:
+        fields = [int(f) for f in text.lower().split("x")]
+    except ValueError:
+        fields = []
+    if len(fields) not in (2, 4):
+        raise ValueError(f"config={text!r}: expected BMxBN or BMxBNxWARPSxSTAGES, e.g. 64x64x4x2")
+    bm, bn, warps, stages = (*fields, 4, 2) if len(fields) == 2 else fields
+    tiles, warp_counts = (16, 32, 64, 128, 256), (1, 2, 4, 8, 16)
+    if bm not in tiles or bn not in tiles:
+        raise ValueError(f"config={text!r}: BM and BN must be powers of two in {tiles}")
+    if warps not in warp_counts or stages < 1:
+        raise ValueError(f"config={text!r}: warps must be one of {warp_counts}, stages >= 1")
+    cfg = Config(bm, bn, warps, stages)
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    if not keep_config(cfg, block_d, dtype.itemsize, False):
+        raise ValueError(
+            f"config={text!r} does not fit head dim {head_dim} ({dtype}): the tiles must fit "
+            "shared memory and registers (try smaller BM/BN or more warps, e.g. 64x64x4x2)"
+        )
+    return cfg
+
+
+def flashlite_config(
+    shape: AttentionShape, device: str = "cpu", *, gpu: str = "h200", config: Config | None = None
+) -> dict[str, Any]:
+    """The launch config flashlite's attention kernel uses for ``shape``.
+
+    Counting and modelling (``device="cpu"``): the config the ``gpu`` table runs for the shape
+    (:func:`flashlite.ops.attention.gpu_config`), or ``config``; the interpreter runs any tile.
+    CUDA: one call of the host launcher, which reports what it ran (autotuning once if needed).
     """
-    fixed = attention_ops.fixed_config(torch.device(device))
-    if fixed is not None:  # interpreted or pinned: no launch needed to know it
-        return {**fixed.constexprs(), "num_warps": fixed.num_warps, "num_stages": fixed.num_stages}
+    if not device.startswith("cuda"):
+        cfg, desc = attention_ops.gpu_config(_dims(shape), shape.dtype, shape.causal, gpu)
+        cfg = config or cfg
+        return {**cfg.constexprs(), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                "USE_DESC": desc, "gpu": gpu, "config": config_name(cfg)}  # fmt: skip
     q, k, v = make_inputs(shape, device)
     _, _, info = attention_ops.attention_fwd(q, k, v, shape.causal, shape.head_dim**-0.5)
     if info is None:  # empty problem: nothing launched
         return {"BLOCK_M": 1, "BLOCK_N": 1}
     cfg = info.config
     return {**cfg.constexprs(), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-            "USE_DESC": info.use_desc}  # fmt: skip
+            "USE_DESC": info.use_desc, "gpu": device, "config": config_name(cfg)}  # fmt: skip
 
 
 def model_attention(method: str, shape: AttentionShape, **config: int) -> Traffic | None:

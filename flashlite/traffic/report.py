@@ -20,6 +20,7 @@ from flashlite.traffic.model import (
     flashlite_config,
     l2_note,
     model_attention,
+    parse_config,
 )
 from flashlite.traffic.shapes import AttentionShape, byte_fields
 
@@ -47,8 +48,17 @@ def traffic_rows(
     measure: bool = False,
     device: str = "cpu",
     show_progress: bool = True,
+    gpu: str = "h200",
+    config: str | None = None,
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """One row per (method, shape): model, counted, measured and compulsory bytes, plus notes."""
+    """One row per (method, shape): model, counted, measured and compulsory bytes, plus notes.
+
+    flashlite is counted and modelled with the tile config the ``gpu`` table runs for each
+    shape, or with ``config`` (``"BMxBN[xWARPSxSTAGES]"``); each row names it.
+    """
+    pinned = {}  # head dim -> the --config, checked against each head dim before any work
+    if config:
+        pinned = {s.head_dim: parse_config(config, s.head_dim, s.dtype) for s in shapes}
     notes: list[str] = []
     measured: dict[str, Measurement] = {}
     if measure:
@@ -68,7 +78,7 @@ def traffic_rows(
             if count:
                 if show_progress:
                     _progress(i * len(shapes) + j, total, f"counting {method} N={shape.seq_q}")
-                counted = count_attention(method, shape)
+                counted = count_attention(method, shape, gpu=gpu, config=pinned.get(shape.head_dim))
             config: dict[str, Any] = {}
             if method == "flashlite":
                 m = measured.get(method)
@@ -77,7 +87,7 @@ def traffic_rows(
                 elif device.startswith("cuda") and torch.cuda.is_available():
                     config = flashlite_config(shape, device)
                 else:
-                    config = flashlite_config(shape, "cpu")
+                    config = flashlite_config(shape, gpu=gpu, config=pinned.get(shape.head_dim))
             model = model_attention(method, shape, **config)
             meas = measured[method].traffic[j] if method in measured else None
             comp = compulsory_attention(shape)
@@ -91,6 +101,8 @@ def traffic_rows(
                     "vs_compulsory": best.total / comp.total if best else None,
                     "block_m": config.get("BLOCK_M"),
                     "block_n": config.get("BLOCK_N"),
+                    "config": config.get("config"),
+                    "gpu": config.get("gpu"),
                     "shape": shape.to_json(),
                 }
             )
@@ -107,14 +119,15 @@ def traffic_rows(
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """The traffic table: one line per (method, sequence length)."""
     head = (
-        f"{'method':<12}{'seq':>7}{'model MB':>12}{'counted MB':>13}{'measured MB':>14}"
-        f"{'vs compulsory':>15}"
+        f"{'method':<12}{'config':<20}{'seq':>7}{'model MB':>12}{'counted MB':>13}"
+        f"{'measured MB':>14}{'vs compulsory':>15}"
     )
     out = [head, "-" * len(head)]
     for r in rows:
         ratio = "-" if r["vs_compulsory"] is None else f"{r['vs_compulsory']:.2f}x"
         out.append(
-            f"{r['method']:<12}{r['seq_len']:>7}{_mb(r['model_bytes']):>12}"
+            f"{r['method']:<12}{r.get('config') or '-':<20}{r['seq_len']:>7}"
+            f"{_mb(r['model_bytes']):>12}"
             f"{_mb(r['counted_bytes']):>13}{_mb(r['measured_bytes']):>14}{ratio:>15}"
         )
     return "\n".join(out)
