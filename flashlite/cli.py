@@ -143,6 +143,7 @@ def _cmd_traffic(args: argparse.Namespace) -> int:
         show_progress=not args.quiet,
         gpu=args.gpu,
         config=args.config,
+        l2_bytes=None if args.l2_mib is None else int(args.l2_mib * 2**20),
     )
     for note in dict.fromkeys(notes):  # once each, in order
         print(f"note: {note}", file=sys.stderr)
@@ -200,6 +201,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         show_progress=False,
         gpu=args.gpu,
         config=args.config,
+        l2_bytes=None if args.l2_mib is None else int(args.l2_mib * 2**20),
     )
     print(format_table(rows))
     plot_traffic(rows, str(args.out), "B=1 H=2 D=16 fp32 causal (CPU: model and counted)")
@@ -309,6 +311,14 @@ def _tile_options(parser: argparse.ArgumentParser) -> None:
         default="h200",
         help="whose tile table picks flashlite's config for each shape (the interpreter runs any "
         "tile): h200, Hopper's measured table; generic, the autotuner's first fitting candidate",
+    )
+    _option(
+        parser,
+        "--l2-mib",
+        type=float,
+        default=None,
+        help="L2 size in MiB for the DRAM estimate (default: the --gpu table's, 60 for h200, "
+        "40 for generic)",
     )
     _option(
         parser,
@@ -511,6 +521,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `flashlite` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "l2_mib", None) is not None and not args.l2_mib > 0:
+        parser.error(f"--l2-mib={args.l2_mib}: the L2 size must be a positive number of MiB")
     if getattr(args, "config", None):  # a bad --config fails now, before any slow work
         from flashlite.traffic import parse_config
 

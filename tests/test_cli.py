@@ -215,3 +215,14 @@ def test_traffic_names_the_counted_config(capsys: pytest.CaptureFixture[str]) ->
         cli.main([*argv, "--config", "48x64"])
     assert exit_info.value.code == 2
     assert "powers of two" in capsys.readouterr().err
+
+
+def test_traffic_dram_column_and_l2_option(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["traffic", "--seq", "4096", "--heads", "16", "--head-dim", "128", "--quiet"]
+    assert cli.main([*argv, "--dtype", "bfloat16"]) == 0
+    assert "DRAM est MB" in capsys.readouterr().out
+    rows = _json(capsys, [*argv, "--json", "--l2-mib", "1"])
+    assert all(r["dram_bytes"] is not None for r in rows)
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main([*argv, "--l2-mib", "0"])
+    assert exit_info.value.code == 2 and "positive" in capsys.readouterr().err

@@ -9,6 +9,7 @@ kernel really used. The softmax models count the passes each kernel makes over x
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -275,3 +276,115 @@ def l2_note(shape: AttentionShape, l2_bytes: int | None = None) -> str | None:
             "re-reads hit it)"
         )
     return None
+
+
+# =============================================================================== DRAM estimate
+@dataclass(frozen=True)
+class Gpu:
+    """What the DRAM estimate needs of a GPU."""
+
+    sms: int
+    l2_bytes: int
+    smem_per_sm: int = 228 * 1024
+
+
+#: The GPU tables ``--gpu`` names: the H200 (132 SMs, 60 MiB L2) and a generic GPU of the A100's
+#: size (108 SMs, 40 MiB L2).
+GPUS = {"h200": Gpu(132, 60 * 2**20), "generic": Gpu(108, 40 * 2**20, 164 * 1024)}
+#: The share of L2 that holds a kernel's working set, fitted to the H200 measurements in
+#: ``benchmarks/results/traffic-nvidia-h200.json`` (docs/hbm-traffic.md): the dirty bytes left in
+#: L2 when a streaming kernel ends, and the working set past which K/V tiles miss, both behave as
+#: if about 0.65 of the 60 MiB were available (the rest holds lines of the other partition).
+L2_EFFECTIVE = 0.65
+
+
+def _l2(gpu: str, l2_bytes: int | None) -> int:
+    if l2_bytes is not None and l2_bytes <= 0:
+        raise ValueError(f"l2_bytes={l2_bytes}: the L2 size must be positive")
+    return int(L2_EFFECTIVE * (l2_bytes if l2_bytes is not None else GPUS[gpu].l2_bytes))
+
+
+def _written_back(read: int, write: int, l2: int) -> int:
+    """DRAM writes of one kernel that starts with a cold L2, as ncu counts them: dirty lines are
+    written back only when evicted during the kernel. A kernel whose reads and writes fit in L2
+    writes nothing back; a larger one keeps ``l2·write/(read + write)`` dirty bytes (LRU mixes
+    its reads and writes in proportion) and writes the rest."""
+    if read + write <= l2:
+        return 0
+    return write - (l2 * write) // (read + write)
+
+
+def dram_naive_attention(
+    shape: AttentionShape, *, gpu: str = "h200", l2_bytes: int | None = None
+) -> Traffic:
+    """DRAM bytes of naive attention: each op of :func:`model_naive_attention` is one kernel that
+    reads its inputs once from a cold L2 and writes back what does not stay dirty in L2."""
+    l2 = _l2(gpu, l2_bytes)
+    t = Traffic()
+    for name, (read, write) in model_naive_attention(shape).parts.items():
+        t.add(name, read, _written_back(read, write, l2))
+    return t
+
+
+def dram_flashlite_attention(
+    shape: AttentionShape,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    *,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    gpu: str = "h200",
+    l2_bytes: int | None = None,
+) -> Traffic:
+    """DRAM bytes of the flashlite kernel, one launch from a cold L2.
+
+    The grid runs the query blocks of one head next to each other (axis 0 is the block), and
+    the ``P`` programs in flight (SMs × programs per SM, from the tile's shared memory and warps)
+    start together and sweep the same K/V tiles at about the same pace, so within a wave every
+    re-read of a tile hits L2. A head's ``n_m = ⌈Nq / BLOCK_M⌉`` query blocks take
+    ``⌈n_m / P⌉`` waves; a later wave re-reads the head's K/V from L2 if the K/V of the heads in
+    flight (``⌈P / n_m⌉`` heads, ``⌈that / G⌉`` K/V heads with GQA groups of ``G``) fit in L2
+    beside the programs' Q and O tiles, else from DRAM once more per wave. Q is read once; O and
+    the LSE are written back as :func:`_written_back` says.
+    """
+    if block_m is None or block_n is None:
+        cfg = flashlite_config(shape, gpu=gpu)
+        block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+        num_warps, num_stages = cfg["num_warps"], cfg["num_stages"]
+    issued = model_flashlite_attention(shape, block_m, block_n)
+    device, l2 = GPUS[gpu], _l2(gpu, l2_bytes)
+    b, d = shape.itemsize, max(16, 1 << (shape.head_dim - 1).bit_length())
+    smem = (2 * num_stages * block_n + block_m) * d * b
+    per_sm = max(1, min(device.smem_per_sm // max(smem, 1), 64 // num_warps))
+    programs = device.sms * per_sm
+    n_m = triton.cdiv(shape.seq_q, block_m)
+    heads = min(shape.batch * shape.heads, triton.cdiv(programs, n_m))
+    kv_heads = triton.cdiv(heads, shape.heads // shape.hkv)
+    working_set = kv_heads * 2 * shape.nk * shape.head_dim * b
+    working_set += programs * 2 * block_m * shape.head_dim * b  # Q and O tiles in flight
+    waves = 1 if working_set <= l2 else triton.cdiv(n_m, programs)
+    comp = compulsory_attention(shape)
+    t = Traffic(info={"programs_in_flight": programs, "kv_working_set": working_set,
+                      "kv_reads_per_head": waves})  # fmt: skip
+    t.add("q", issued.parts["q"][0], 0)
+    for name in ("k", "v"):  # never more than the kernel issues
+        t.add(name, min(waves * comp.parts[name][0], issued.parts[name][0]), 0)
+    write = issued.parts["o"][1] + issued.parts["lse"][1]
+    t.add("o + lse", 0, _written_back(t.read, write, l2))
+    return t
+
+
+def dram_attention(
+    method: str, shape: AttentionShape, *, gpu: str = "h200", l2_bytes: int | None = None,
+    **config: Any,
+) -> Traffic | None:  # fmt: skip
+    """DRAM estimate of ``method`` (``naive`` or ``flashlite``); None for the sdpa-* methods."""
+    if method == "naive":
+        return dram_naive_attention(shape, gpu=gpu, l2_bytes=l2_bytes)
+    if method == "flashlite":
+        extra = {k: config[k] for k in ("num_warps", "num_stages") if k in config}
+        return dram_flashlite_attention(shape, config.get("BLOCK_M"), config.get("BLOCK_N"),
+                                        gpu=gpu, l2_bytes=l2_bytes, **extra)  # fmt: skip
+    if method in ATTENTION_METHODS:
+        return None
+    raise ValueError(f"method={method!r} is not one of {', '.join(ATTENTION_METHODS)}")

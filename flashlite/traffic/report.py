@@ -17,6 +17,7 @@ from flashlite.traffic.count import count_attention
 from flashlite.traffic.measure import Measurement, measure_attention
 from flashlite.traffic.model import (
     compulsory_attention,
+    dram_attention,
     flashlite_config,
     l2_note,
     model_attention,
@@ -50,12 +51,17 @@ def traffic_rows(
     show_progress: bool = True,
     gpu: str = "h200",
     config: str | None = None,
+    l2_bytes: int | None = None,
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """One row per (method, shape): model, counted, measured and compulsory bytes, plus notes.
+    """One row per (method, shape): issued (model, counted), DRAM (estimate, measured) and
+    compulsory bytes, plus notes.
 
     flashlite is counted and modelled with the tile config the ``gpu`` table runs for each
-    shape, or with ``config`` (``"BMxBN[xWARPSxSTAGES]"``); each row names it.
+    shape, or with ``config`` (``"BMxBN[xWARPSxSTAGES]"``); each row names it. The DRAM
+    estimate uses ``l2_bytes`` (default: the ``gpu`` table's L2).
     """
+    if l2_bytes is not None and l2_bytes <= 0:
+        raise ValueError(f"l2_bytes={l2_bytes}: the L2 size must be positive")
     pinned = {}  # head dim -> the --config, checked against each head dim before any work
     if config:
         pinned = {s.head_dim: parse_config(config, s.head_dim, s.dtype) for s in shapes}
@@ -89,6 +95,8 @@ def traffic_rows(
                 else:
                     config = flashlite_config(shape, gpu=gpu, config=pinned.get(shape.head_dim))
             model = model_attention(method, shape, **config)
+            tiles = {k: v for k, v in config.items() if k not in ("gpu", "config")}
+            dram = dram_attention(method, shape, gpu=gpu, l2_bytes=l2_bytes, **tiles)
             meas = measured[method].traffic[j] if method in measured else None
             comp = compulsory_attention(shape)
             best = next((t for t in (meas, counted, model) if t is not None), None)
@@ -96,7 +104,7 @@ def traffic_rows(
                 {
                     "method": method,
                     "seq_len": shape.seq_q,
-                    **byte_fields(model=model, counted=counted, measured=meas),
+                    **byte_fields(model=model, counted=counted, dram=dram, measured=meas),
                     "compulsory_bytes": comp.total,
                     "vs_compulsory": best.total / comp.total if best else None,
                     "block_m": config.get("BLOCK_M"),
@@ -120,7 +128,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """The traffic table: one line per (method, sequence length)."""
     head = (
         f"{'method':<12}{'config':<20}{'seq':>7}{'model MB':>12}{'counted MB':>13}"
-        f"{'measured MB':>14}{'vs compulsory':>15}"
+        f"{'DRAM est MB':>14}{'measured MB':>14}{'vs compulsory':>15}"
     )
     out = [head, "-" * len(head)]
     for r in rows:
@@ -128,7 +136,8 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
         out.append(
             f"{r['method']:<12}{r.get('config') or '-':<20}{r['seq_len']:>7}"
             f"{_mb(r['model_bytes']):>12}"
-            f"{_mb(r['counted_bytes']):>13}{_mb(r['measured_bytes']):>14}{ratio:>15}"
+            f"{_mb(r['counted_bytes']):>13}{_mb(r.get('dram_bytes')):>14}"
+            f"{_mb(r['measured_bytes']):>14}{ratio:>15}"
         )
     return "\n".join(out)
 
@@ -138,15 +147,16 @@ def plot_traffic(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> 
     from flashlite.plotting import Figure, Line, Panel, save
 
     styles = {
-        "model_bytes": ("-", "o", "model"),
-        "counted_bytes": (":", "s", "counted"),
-        "measured_bytes": ("--", "^", "measured"),
+        "model_bytes": ("-", "o", "issued, model"),
+        "counted_bytes": (":", "s", "issued, counted"),
+        "dram_bytes": ("-.", "D", "DRAM estimate"),
+        "measured_bytes": ("--", "^", "DRAM measured"),
     }
     lines = []
     for i, method in enumerate(dict.fromkeys(r["method"] for r in rows)):
         mine = [r for r in rows if r["method"] == method]
         for key, (ls, marker, label) in styles.items():
-            pts = [(r["seq_len"], r[key]) for r in mine if r[key] is not None]
+            pts = [(r["seq_len"], r[key]) for r in mine if r.get(key) is not None]
             if pts:
                 xs, ys = zip(*pts, strict=True)
                 style = {"ls": ls, "marker": marker, "color": f"C{i}"}
