@@ -126,9 +126,37 @@ def _cmd_attention(args: argparse.Namespace) -> int:
 
 
 # =============================================================================== traffic
+def _cmd_softmax_traffic(args: argparse.Namespace) -> int:
+    from flashlite.traffic import format_softmax_table, softmax_rows
+
+    rows, notes = softmax_rows(
+        args.rows,
+        args.n,
+        _DTYPES[args.dtype],
+        args.algorithm,
+        count=args.count,
+        measure=args.measure,
+        gpu=args.gpu,
+        l2_bytes=None if args.l2_mib is None else int(args.l2_mib * 2**20),
+    )
+    for note in dict.fromkeys(notes):
+        print(f"note: {note}", file=sys.stderr)
+    _emit(args, rows, [format_softmax_table(rows)])
+    return _measure_status(args, rows)
+
+
+def _measure_status(args: argparse.Namespace, rows: Sequence[dict[str, Any]]) -> int:
+    """2 when --measure was the whole job and measured nothing (no GPU or ncu), else 0."""
+    nothing = all(r.get("measured_bytes") is None for r in rows)
+    return 2 if args.measure and nothing and not args.count else 0
+
+
 def _cmd_traffic(args: argparse.Namespace) -> int:
     from flashlite import traffic
     from flashlite.traffic import format_table, plot_traffic, traffic_rows
+
+    if args.softmax:
+        return _cmd_softmax_traffic(args)
 
     methods = args.methods or (
         list(traffic.ATTENTION_METHODS) if args.measure else ["naive", "flashlite"]
@@ -156,7 +184,7 @@ def _cmd_traffic(args: argparse.Namespace) -> int:
         plot_traffic(rows, str(args.plot), title)
         print(f"wrote plot: {args.plot}", file=sys.stderr)  # stderr: stdout may be --json
     _emit(args, rows, [format_table(rows)])
-    return 0
+    return _measure_status(args, rows)
 
 
 # =============================================================================== demo / bench
@@ -509,6 +537,25 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: no plot)",
     )
     _tile_options(t)
+    _option(
+        t,
+        "--softmax",
+        action="store_true",
+        help="show the row softmax's bytes instead of attention's (--rows, --n, --algorithm)",
+    )
+    _option(t, "--rows", type=int, default=4096, help="softmax rows (with --softmax)")
+    _option(t, "--n", type=int, default=4096, help="softmax row length (with --softmax)")
+    algorithms = ["auto", "three_pass", "online", "single_read", "split", "team"]
+    _option(
+        t,
+        "--algorithm",
+        nargs="+",
+        choices=algorithms,
+        default=["three_pass", "online", "single_read", "team"],
+        metavar="ALG",
+        help=f"softmax kernels to show, any of {', '.join(algorithms)} (team runs on GPUs "
+        "only: modelled, not counted) (default: three_pass online single_read team)",
+    )
     _option(t, "--quiet", action="store_true", help="no progress bar on stderr")
     t.set_defaults(func=_cmd_traffic)
 

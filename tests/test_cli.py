@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from flashlite import cli
 
@@ -58,7 +59,11 @@ def test_traffic_measure_without_gpu_does_not_crash(
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    rows = _json(capsys, ["traffic", "--seq", "64", "--measure", "--json", "--quiet"])
+    # a table and a note, and exit status 2: --measure was the whole job and measured nothing
+    assert cli.main(["traffic", "--seq", "64", "--measure", "--json", "--quiet"]) == 2
+    captured = capsys.readouterr()
+    assert "no CUDA device" in captured.err
+    rows = json.loads(captured.out)
     assert isinstance(rows, list) and {r["method"] for r in rows} == {
         "naive",
         "flashlite",
@@ -226,3 +231,15 @@ def test_traffic_dram_column_and_l2_option(capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit) as exit_info:
         cli.main([*argv, "--l2-mib", "0"])
     assert exit_info.value.code == 2 and "positive" in capsys.readouterr().err
+
+
+@pytest.mark.interpreter
+def test_traffic_softmax_and_measure_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["traffic", "--softmax", "--rows", "8", "--n", "500", "--count"]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "flashlite-three_pass" in out and "flashlite-team" in out and "DRAM est MB" in out
+    if not torch.cuda.is_available():  # --measure alone measured nothing: exit 2, with a note
+        assert cli.main(["traffic", "--softmax", "--rows", "8", "--n", "500", "--measure"]) == 2
+        assert "no CUDA device" in capsys.readouterr().err
+        assert cli.main(["traffic", "--seq", "64", "--measure", "--count", "--quiet"]) == 0

@@ -442,3 +442,29 @@ def test_dram_estimate_levels() -> None:
     assert naive.write < traffic.model_naive_attention(shape).write
     with pytest.raises(ValueError, match="positive"):
         traffic.dram_naive_attention(shape, l2_bytes=0)
+
+
+# --------------------------------------------------------------------------- softmax traffic
+@pytest.mark.interpreter
+def test_softmax_rows_issued_counted_and_dram() -> None:
+    rows, notes = traffic.softmax_rows(8, 3000, torch.float16, count=True)
+    by = {r["method"]: r for r in rows}
+    e = 8 * 3000 * 2
+    # the lesson in bytes: three passes read x three times, the online form twice, single-read once
+    assert by["flashlite-three_pass"]["model_read"] == 3 * e
+    assert by["flashlite-online"]["model_read"] == 2 * e
+    assert by["flashlite-single_read"]["model_read"] == e
+    for name in ("flashlite-three_pass", "flashlite-online", "flashlite-single_read"):
+        assert by[name]["counted_bytes"] == by[name]["model_bytes"]
+        assert by[name]["dram_read"] == e  # small rows stay in L2 between the passes
+    assert by["flashlite-team"]["counted_bytes"] is None  # GPU-only: modelled
+    assert not notes
+
+
+def test_softmax_dram_rereads_when_rows_outgrow_l2() -> None:
+    for algorithm, passes in (("three_pass", 3), ("online", 2), ("single_read", 1)):
+        fits = traffic.dram_softmax(1024, 4096, torch.float32, algorithm)
+        tight = traffic.dram_softmax(1024, 4096, torch.float32, algorithm, l2_bytes=2**20)
+        assert fits.info["x_reads"] == 1 and tight.info["x_reads"] == passes
+    split = traffic.dram_softmax(64, 262144, torch.float32, "split")
+    assert split.info["x_reads"] == 2  # two kernels, each from a cold L2

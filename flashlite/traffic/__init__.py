@@ -37,6 +37,7 @@ from flashlite.traffic.measure import (
     Measurement,
     find_ncu,
     measure_attention,
+    measure_softmax,
     parse_ncu_csv,
 )
 from flashlite.traffic.model import DEFAULT_L2_BYTES as DEFAULT_L2_BYTES
@@ -47,6 +48,7 @@ from flashlite.traffic.model import (
     dram_attention,
     dram_flashlite_attention,
     dram_naive_attention,
+    dram_softmax,
     flashlite_config,
     l2_note,
     model_attention,
@@ -55,7 +57,14 @@ from flashlite.traffic.model import (
     model_softmax,
     parse_config,
 )
-from flashlite.traffic.report import format_table, plot_traffic, traffic_rows
+from flashlite.traffic.report import (
+    SOFTMAX_SHOWN,
+    format_softmax_table,
+    format_table,
+    plot_traffic,
+    softmax_rows,
+    traffic_rows,
+)
 from flashlite.traffic.shapes import (
     ATTENTION_METHODS,
     SOFTMAX_ALGORITHMS,
@@ -86,6 +95,11 @@ __all__ = [
     "make_inputs",
     "flashlite_config",
     "config_name",
+    "SOFTMAX_SHOWN",
+    "format_softmax_table",
+    "softmax_rows",
+    "dram_softmax",
+    "measure_softmax",
     "dram_attention",
     "dram_flashlite_attention",
     "dram_naive_attention",

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from flashlite.ops import softmax as softmax_ops
 from flashlite.traffic.count import attention_fn
 from flashlite.traffic.model import flashlite_config
 from flashlite.traffic.shapes import ATTENTION_METHODS, AttentionShape, Traffic, make_inputs
@@ -115,11 +116,39 @@ def _range_name(i: int) -> str:
 _RANGE_RE = re.compile(r"flt_(\d{4})_")
 
 
+def _softmax_child(spec: dict[str, Any], report: dict[str, Any]) -> None:
+    """The softmax half of :func:`_child_main`: one range per algorithm (``torch`` too)."""
+    dtype = getattr(torch, spec["dtype"])
+    for i, algorithm in enumerate(spec["algorithms"]):
+        try:
+            x = torch.randn(spec["rows"], spec["n"], device="cuda").to(dtype)
+            y = torch.empty_like(x)
+            if algorithm == "torch":
+                fn: Callable[[], Any] = lambda x=x: torch.softmax(x, -1)  # noqa: E731
+            else:
+                fn = lambda x=x, y=y, a=algorithm: softmax_ops.softmax_fwd(x, y, False, a)  # noqa: E731
+            for _ in range(2):  # compile outside the measured range
+                fn()
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_push(_range_name(i))
+            fn()
+            torch.cuda.synchronize()
+            torch.cuda.nvtx.range_pop()
+            del x, y
+        except Exception as e:  # e.g. the team kernel without cooperative launches
+            report["errors"][i] = f"{type(e).__name__}: {e}"
+
+
 def _child_main(spec_path: str) -> None:
     """Run inside ncu: warm up (autotune) every config, then one measured call per NVTX range."""
     with open(spec_path) as f:
         spec = json.load(f)
     report: dict[str, Any] = {"errors": {}, "configs": {}}
+    if spec.get("kind") == "softmax":
+        _softmax_child(spec, report)
+        with open(spec["report"], "w") as f:
+            json.dump(report, f)
+        return
     for i, d in enumerate(spec["shapes"]):
         shape = AttentionShape.from_json(d)
         try:
@@ -174,13 +203,18 @@ def _run_ncu(
     ncu: str, method: str, shapes: Sequence[AttentionShape], rename: bool, timeout: float
 ) -> tuple[list[KernelMetrics], dict[str, Any], str]:
     """One ncu process over a child that runs every shape; returns (kernels, report, error)."""
+    spec = {"method": method, "shapes": [s.to_json() for s in shapes]}
+    return _run_ncu_spec(ncu, spec, len(shapes), rename, timeout)
+
+
+def _run_ncu_spec(
+    ncu: str, spec: dict[str, Any], n_ranges: int, rename: bool, timeout: float
+) -> tuple[list[KernelMetrics], dict[str, Any], str]:
+    """One ncu process over a child that runs ``spec``'s ``n_ranges`` calls."""
     with tempfile.TemporaryDirectory(prefix="flashlite-ncu-") as tmp:
         spec_path, report_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "report.json")
         with open(spec_path, "w") as f:
-            json.dump(
-                {"method": method, "shapes": [s.to_json() for s in shapes], "report": report_path},
-                f,
-            )
+            json.dump({**spec, "report": report_path}, f)
         child = [
             sys.executable,
             "-c",
@@ -188,7 +222,7 @@ def _run_ncu(
             "_child_main(sys.argv[1])",
             spec_path,
         ]
-        cmd = _ncu_command(ncu, [_range_name(i) for i in range(len(shapes))], rename) + child
+        cmd = _ncu_command(ncu, [_range_name(i) for i in range(n_ranges)], rename) + child
         try:
             # the child runs compiled kernels even where this process interprets them (counting)
             env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -288,3 +322,33 @@ def measure_attention(
     message = "; ".join(f"{method} shape {i}: {e}" for i, e in sorted(errors.items()))
     configs = {int(i): c for i, c in report.get("configs", {}).items()}
     return Measurement(traffic, message, configs, groups)
+
+
+def measure_softmax(
+    rows: int, n: int, dtype: torch.dtype, algorithms: Sequence[str], *, timeout: float = 600.0
+) -> tuple[dict[str, Traffic | None], str]:
+    """Measured DRAM bytes of one softmax forward per algorithm (``"torch"`` for
+    ``torch.softmax``), with Nsight Compute; ``(traffic per algorithm, message)``, never raising
+    for a missing GPU or profiler (the message says why)."""
+    none: dict[str, Traffic | None] = dict.fromkeys(algorithms)
+    if not torch.cuda.is_available():
+        return none, "measured: no CUDA device, DRAM bytes need a GPU"
+    ncu = find_ncu()
+    if ncu is None:
+        return none, "measured: ncu (Nsight Compute CLI) not found; set $NCU"
+    spec = {"kind": "softmax", "rows": rows, "n": n, "dtype": str(dtype).removeprefix("torch."),
+            "algorithms": list(algorithms)}  # fmt: skip
+    kernels, report, error = _run_ncu_spec(ncu, spec, len(algorithms), True, timeout)
+    if error:
+        return none, f"measured (softmax): {error}"
+    out = dict(none)
+    for k in kernels:
+        found = _RANGE_RE.search(k.name)
+        if found is None or math.isnan(k.read + k.write):
+            continue
+        t = out[algorithms[int(found.group(1))]] or Traffic()
+        t.add(k.name, round(k.read), round(k.write))
+        out[algorithms[int(found.group(1))]] = t
+    errors = report.get("errors", {})
+    message = "; ".join(f"softmax {algorithms[int(i)]}: {e}" for i, e in sorted(errors.items()))
+    return out, message

@@ -388,3 +388,44 @@ def dram_attention(
     if method in ATTENTION_METHODS:
         return None
     raise ValueError(f"method={method!r} is not one of {', '.join(ATTENTION_METHODS)}")
+
+
+def dram_softmax(
+    rows: int,
+    n: int,
+    dtype: torch.dtype,
+    algorithm: str = "auto",
+    *,
+    gpu: str = "h200",
+    l2_bytes: int | None = None,
+) -> Traffic:
+    """DRAM bytes of the softmax forward for a contiguous ``(rows, n)`` input, each kernel from a
+    cold L2 (as ncu measures it).
+
+    single_read and team read x once whatever the L2. three_pass and online re-read each row
+    (two more passes, one more): the ``P`` rows in flight (one per program; SMs × programs per
+    SM from the kernel's warps) stay in L2 between the passes when ``P·n·b`` fits in the
+    effective L2, so x comes from DRAM once; otherwise every pass reads it again. split runs two
+    kernels, and the second starts cold: x is read twice. Writes as :func:`_written_back`.
+    """
+    l2 = _l2(gpu, l2_bytes)
+    b = dtype.itemsize
+    algorithm = resolve_softmax_algorithm(algorithm, n, b)
+    issued = model_softmax(rows, n, dtype, algorithm)
+    e = rows * n * b
+    passes = issued.parts["x"][0] // e if e else 1
+    if algorithm in ("three_pass", "online") and passes > 1:
+        warps = softmax_kernels.loop_config(n)["num_warps"]
+        in_flight = min(rows, GPUS[gpu].sms * max(1, 64 // warps))
+        if in_flight * n * b <= l2:
+            passes = 1
+    t = Traffic(info={"algorithm": algorithm, "x_reads": passes})
+    t.add("x", passes * e, 0)
+    work_read, work_write = issued.parts.get("workspace", [0, 0])
+    t.add("workspace", work_read, 0)
+    if algorithm == "split":  # stats kernel: x → workspace; write kernel: x + workspace → y
+        written = _written_back(e, work_write, l2) + _written_back(e + work_read, e, l2)
+    else:
+        written = _written_back(t.read, issued.write, l2)
+    t.add("y + workspace", 0, written)
+    return t

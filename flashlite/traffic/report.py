@@ -13,17 +13,25 @@ from typing import Any
 
 import torch
 
-from flashlite.traffic.count import count_attention
-from flashlite.traffic.measure import Measurement, measure_attention
+from flashlite.traffic.count import count_attention, count_softmax
+from flashlite.traffic.measure import Measurement, measure_attention, measure_softmax
 from flashlite.traffic.model import (
     compulsory_attention,
+    compulsory_softmax,
     dram_attention,
+    dram_softmax,
     flashlite_config,
     l2_note,
     model_attention,
+    model_softmax,
     parse_config,
 )
-from flashlite.traffic.shapes import AttentionShape, byte_fields
+from flashlite.traffic.shapes import (
+    SOFTMAX_GPU_ALGORITHMS,
+    AttentionShape,
+    Traffic,
+    byte_fields,
+)
 
 _MB = 1e6
 
@@ -177,3 +185,70 @@ def plot_traffic(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> 
     )
     save(Figure([[panel]], panel_size=(7, 4.5)), path)
     return path
+
+
+#: What ``flashlite traffic --softmax`` shows by default: the lesson of the softmax seeds in bytes
+#: (three passes read x three times, the online form twice, single-read once; team is the GPU's
+#: one-read kernel for long rows).
+SOFTMAX_SHOWN = ("three_pass", "online", "single_read", "team")
+
+
+def softmax_rows(
+    rows: int,
+    n: int,
+    dtype: torch.dtype,
+    algorithms: Sequence[str] = SOFTMAX_SHOWN,
+    *,
+    count: bool = False,
+    measure: bool = False,
+    gpu: str = "h200",
+    l2_bytes: int | None = None,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """One row per softmax algorithm (and ``torch`` when measuring): issued bytes (model,
+    counted on CPU; team is GPU-only and modelled), the DRAM estimate, measured DRAM bytes and
+    the compulsory ``x`` read + ``y`` write."""
+    notes: list[str] = []
+    measured: dict[str, Traffic | None] = {}
+    if measure:
+        measured, message = measure_softmax(rows, n, dtype, [*algorithms, "torch"])
+        if message:
+            notes.append(message)
+    comp = compulsory_softmax(rows, n, dtype)
+    out: list[dict[str, Any]] = []
+    for algorithm in [*algorithms, *(["torch"] if measure else [])]:
+        model = dram = counted = None
+        if algorithm != "torch":
+            model = model_softmax(rows, n, dtype, algorithm)
+            dram = dram_softmax(rows, n, dtype, algorithm, gpu=gpu, l2_bytes=l2_bytes)
+            if count and algorithm not in SOFTMAX_GPU_ALGORITHMS:
+                counted = count_softmax(rows, n, dtype, algorithm)
+        meas = measured.get(algorithm)
+        best = next((t for t in (meas, model) if t is not None), None)
+        out.append(
+            {
+                "method": "torch.softmax" if algorithm == "torch" else f"flashlite-{algorithm}",
+                "rows": rows,
+                "n": n,
+                "dtype": str(dtype).removeprefix("torch."),
+                **byte_fields(model=model, counted=counted, dram=dram, measured=meas),
+                "compulsory_bytes": comp.total,
+                "vs_compulsory": best.total / comp.total if best else None,
+            }
+        )
+    return out, notes
+
+
+def format_softmax_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The softmax traffic table: one line per algorithm."""
+    head = (
+        f"{'method':<24}{'issued MB':>11}{'counted MB':>12}{'DRAM est MB':>13}"
+        f"{'measured MB':>13}{'vs compulsory':>15}"
+    )
+    out = [head, "-" * len(head)]
+    for r in rows:
+        ratio = "-" if r["vs_compulsory"] is None else f"{r['vs_compulsory']:.2f}x"
+        out.append(
+            f"{r['method']:<24}{_mb(r['model_bytes']):>11}{_mb(r['counted_bytes']):>12}"
+            f"{_mb(r['dram_bytes']):>13}{_mb(r['measured_bytes']):>13}{ratio:>15}"
+        )
+    return "\n".join(out)
