@@ -16,6 +16,8 @@ helper               twin                    answers
                                              diagonal and boundary tiles (masked); keys from
                                              ``hi`` on are never loaded
 ``visible``          ``torch_visible``       per (query, key) pair: is it seen?
+``query_start``      ``torch_query_start``   the first query block that sees a block of keys
+                                             (the backward's dK/dV loop starts there)
 ===================  ======================  ===============================================
 
 The next masks (sliding window, per-batch key lengths, varlen offsets, split-KV ranges) extend
@@ -28,7 +30,14 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["key_range", "visible", "torch_key_range", "torch_visible"]
+__all__ = [
+    "key_range",
+    "query_start",
+    "visible",
+    "torch_key_range",
+    "torch_query_start",
+    "torch_visible",
+]
 
 
 # --------------------------------------------------------------------------- Triton helpers
@@ -59,7 +68,26 @@ def visible(rows, cols, seq_q, seq_k, IS_CAUSAL: tl.constexpr):
     return seen
 
 
+@triton.jit
+def query_start(start_n, seq_q, seq_k, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
+    """Start (a multiple of ``BLOCK_M``) of the first query block that sees any key of the block
+    starting at ``start_n``: query i sees key j iff ``j <= i + Nk − Nq`` when causal."""
+    if IS_CAUSAL:
+        first = tl.maximum(start_n - (seq_k - seq_q), 0)
+        lo = (first // BLOCK_M) * BLOCK_M
+    else:
+        lo = start_n * 0
+    return lo
+
+
 # --------------------------------------------------------------------------- torch twins
+def torch_query_start(start_n: int, block_m: int, seq_q: int, seq_k: int, causal: bool) -> int:
+    """Host twin of :func:`query_start`."""
+    if not causal:
+        return 0
+    return (max(start_n - (seq_k - seq_q), 0) // block_m) * block_m
+
+
 def torch_key_range(
     start_m: int, block_m: int, block_n: int, seq_q: int, seq_k: int, causal: bool
 ) -> tuple[int, int]:

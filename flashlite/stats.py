@@ -18,6 +18,7 @@ Triton helpers (``@triton.jit``, called from kernels):
 ``merge_pair``           the associative merge of two pairs
 ``merge_partials``       the same merge over the last axis of ``[R, C]`` partial pairs
 ``finalize_lse``         natural-log LSE from a pair
+``probs_from_lse``       normalised probabilities of a tile from a finished LSE (backward)
 =======================  ============================================================
 
 ``m`` is kept in the logits' own units and every exponential is ``2^((x − m)·SCALE)`` for a
@@ -59,12 +60,14 @@ __all__ = [
     "merge_pair",
     "merge_partials",
     "finalize_lse",
+    "probs_from_lse",
     "merge",
     "merge_attention",
     "torch_tile_stats",
     "torch_online_update",
     "torch_rescale",
     "torch_finalize_lse",
+    "torch_probs_from_lse",
 ]
 
 
@@ -153,6 +156,15 @@ def finalize_lse(m, s, SCALE):
     return m * (SCALE * LN2) + tl.log(s)
 
 
+@triton.jit
+def probs_from_lse(x, lse, SCALE):
+    """The normalised probabilities ``2^(x·SCALE − lse·log2 e)`` of an ``[R, C]`` tile of logits
+    from its rows' finished natural-log LSE (``[R]``): how a backward pass gets P back without a
+    second pass of statistics. Rows whose LSE is −inf (they saw nothing) give 0, not NaN."""
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
+    return tl.exp2(x * SCALE - lse2[:, None])
+
+
 # --------------------------------------------------------------------------- torch twins
 def _ref_point(m: torch.Tensor) -> torch.Tensor:
     return torch.where(m == -math.inf, torch.zeros_like(m), m)
@@ -230,3 +242,10 @@ def merge_attention(
         o_a.dtype
     )
     return o, lse
+
+
+def torch_probs_from_lse(x: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """Twin of :func:`probs_from_lse` in natural units: ``e^(x − lse)`` along the last axis of
+    ``x``; 0 for rows whose ``lse`` is −inf."""
+    safe = torch.where(lse == -math.inf, math.inf, lse)
+    return torch.exp(x - safe.unsqueeze(-1))

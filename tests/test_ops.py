@@ -14,14 +14,17 @@ from torch.library import opcheck
 
 import flashlite
 
-OPS = ("attention_fwd", "softmax_fwd", "softmax_bwd")
+OPS = ("attention_fwd", "attention_bwd", "softmax_fwd", "softmax_bwd")
 
 
 def _inputs(op: str, device: str, requires_grad: bool = False) -> tuple:
-    if op == "attention_fwd":  # b h n d views, one of them strided (b n h d storage)
+    if op.startswith("attention"):  # b h n d views, one of them strided (b n h d storage)
         q = torch.randn(2, 19, 4, 32, device=device).transpose(1, 2)
         k, v = (torch.randn(2, 2, 23, 32, device=device) for _ in range(2))
-        return (q, k, v, True, 0.2)
+        if op == "attention_fwd":
+            return (q.requires_grad_(requires_grad), k, v, True, 0.2)
+        o, lse = flashlite.attention(q, k, v, causal=True, scale=0.2, return_lse=True)
+        return (torch.randn_like(o), q, k, v, o, lse, torch.randn_like(lse), True, 0.2)
     x = torch.randn(3, 5, 37, device=device, requires_grad=requires_grad)
     if op == "softmax_fwd":
         return (x, 1, "auto", False)
@@ -45,7 +48,8 @@ def test_registered_with_a_fake(op: str) -> None:
 @pytest.mark.parametrize("op", OPS)
 def test_opcheck(op: str, device: str) -> None:
     # schema, fake tensor, autograd registration and AOT dispatch (static and dynamic shapes)
-    opcheck(getattr(torch.ops.flashlite, op).default, _inputs(op, device, op == "softmax_fwd"))
+    grad = op in ("softmax_fwd", "attention_fwd")
+    opcheck(getattr(torch.ops.flashlite, op).default, _inputs(op, device, grad))
 
 
 CALLS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -91,11 +95,16 @@ def test_compiled_attention_fullgraph_dynamic(name: str) -> None:
         torch.testing.assert_close(compiled(x), CALLS[name](x), atol=0, rtol=0)
 
 
-def test_attention_backward_says_not_implemented_under_compile() -> None:
-    # AOT autograd traces the backward while compiling, so the message comes at compile time
-    compiled = torch.compile(CALLS["attention"], fullgraph=True)
-    with pytest.raises(Exception, match="no backward pass yet"):  # noqa: B017
-        compiled(_input("attention", requires_grad=True)).sum().backward()
+def test_compiled_attention_forward_and_backward() -> None:
+    fn = CALLS["attention"]
+    compiled = torch.compile(lambda x: fn(x).square().sum(), fullgraph=True, dynamic=True)
+    for n in (24, 37):
+        x = _input("attention", n, requires_grad=True)
+        compiled(x).backward()
+        xr = x.detach().clone().requires_grad_()
+        fn(xr).square().sum().backward()
+        assert x.grad is not None and xr.grad is not None
+        torch.testing.assert_close(x.grad, xr.grad, atol=1e-5, rtol=1e-5)
 
 
 def test_watchers_see_the_op() -> None:

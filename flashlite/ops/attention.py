@@ -24,6 +24,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashlite import _backend
 from flashlite.kernels import configs as C
+from flashlite.kernels.attention import bwd as KB
 from flashlite.kernels.attention import fwd as K
 from flashlite.ops.common import skip_dispatcher
 
@@ -337,18 +338,127 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: fl
     return empty_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
+#: Backward tiles (query block × key block): the interpreter's small tile on CPU; on a GPU 64×64
+#: for 16-bit inputs up to D = 128, 32×32 for fp32 or larger head dims (not yet tuned).
+BWD_CPU_TILES, BWD_TILES, BWD_SMALL_TILES = (16, 16), (64, 64), (32, 32)
+
+
+def _bwd_tiles(dev: torch.device, dtype: torch.dtype, block_d: int) -> tuple[int, int]:
+    if _backend.is_interpreted(dev):
+        return BWD_CPU_TILES
+    return BWD_TILES if dtype.itemsize <= 2 and block_d <= 128 else BWD_SMALL_TILES
+
+
+def attention_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward kernels on ``(B, H, N, D)`` views (no autograd, no checks).
+
+    Args:
+        do: ``(B, Hq, Nq, D)`` gradient of the output; q, o alike; k, v ``(B, Hkv, Nk, D)``.
+        lse: the forward's fp32 ``(B, Hq, Nq)`` LSE; dlse: its gradient, or None.
+        causal, scale: as in the forward.
+
+    Returns:
+        ``(dq, dk, dv)``, each strided like its input. Extra memory: delta, fp32 ``(B, Hq, Nq)``.
+    """
+    dev = _backend.compute_device(q.device)
+    if dev != q.device:
+        moved = [t if t is None else t.to(dev) for t in (do, q, k, v, o, lse, dlse)]
+        grads = attention_bwd(*moved, causal, scale)  # type: ignore[arg-type]
+        return tuple(g.to(q.device) for g in grads)  # type: ignore[return-value]
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
+    if b * hq * nq == 0 or nk == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    block_d = max(16, C.next_pow2(d))
+    bm, bn = _bwd_tiles(dev, q.dtype, block_d)
+    # the kernels index the (B, Hq, Nq) statistics densely: an expanded or strided dlse (autograd
+    # may hand one over) is made dense here, O(N)
+    lse = lse.contiguous()
+    dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
+    delta = torch.empty_like(lse)
+    common = {
+        "HEAD_DIM": d,
+        "BLOCK_D": block_d,
+        "num_warps": 4,
+        "num_stages": 1,
+    }
+    prep = _backend.launcher(KB._attention_bwd_preprocess_kernel)
+    prep[(C.cdiv(nq, bm), b * hq)](
+        o, do, dlse if dlse is not None else lse, delta, *o.stride(), *do.stride(), hq, nq,
+        BLOCK_M=bm, HAS_DLSE=dlse is not None, **common,
+    )  # fmt: skip
+    flags = {
+        "IS_CAUSAL": bool(causal),
+        "PRESCALE_Q": q.dtype != torch.float32,  # as the forward computed the scores
+        "DOT_FP32": _backend.dot_upcast(q.dtype),
+        "DOT_PRECISION": "tf32x3" if q.dtype == torch.float32 else "tf32",
+        "ROUND_BF16": _backend.round_bf16(q.dtype),
+        "BLOCK_M": bm,
+        "BLOCK_N": bn,
+        **common,
+    }
+    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
+    dkdv = _backend.launcher(KB._attention_bwd_dkdv_kernel)
+    dkdv[(C.cdiv(nk, bn), b * hkv)](
+        q, k, v, do, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(),
+        hq, hkv, hq // hkv, nq, nk, scale, **flags,
+    )  # fmt: skip
+    dq_kernel = _backend.launcher(KB._attention_bwd_dq_kernel)
+    dq_kernel[(C.cdiv(nq, bm), b * hq)](
+        q, k, v, do, lse, delta, dq, *strides, *dq.stride(), hq, hq // hkv, nq, nk, scale,
+        **flags,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+@torch.library.custom_op("flashlite::attention_bwd", mutates_args=())
+def _attention_bwd_op(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return attention_bwd(do, q, k, v, o, lse, dlse, causal, scale)
+
+
+@_attention_bwd_op.register_fake
+def _(do, q, k, v, o, lse, dlse, causal, scale):  # type: ignore[no-untyped-def]
+    return empty_output(q), empty_output(k), empty_output(v)
+
+
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    pass
+    q, k, v, causal, scale = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)  # O(N) beyond the tensors: nothing N×N
+    ctx.causal, ctx.scale = causal, scale
 
 
 def _backward(ctx, grad_o, grad_lse):  # type: ignore[no-untyped-def]
-    raise NotImplementedError(
-        "flashlite.attention has no backward pass yet; use "
-        "torch.nn.functional.scaled_dot_product_attention for training"
-    )
+    q, k, v, o, lse = ctx.saved_tensors
+    if grad_o is None:
+        grad_o = torch.zeros_like(o)
+    dq, dk, dv = _ATTENTION_BWD(grad_o, q, k, v, o, lse, grad_lse, ctx.causal, ctx.scale)
+    return dq, dk, dv, None, None
 
 
 _attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+_ATTENTION_BWD = torch.ops.flashlite.attention_bwd.default
 _ATTENTION_FWD = torch.ops.flashlite.attention_fwd.default
 
 

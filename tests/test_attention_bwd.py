@@ -1,0 +1,134 @@
+"""flashlite.attention's backward against fp64 autograd through reference.attention.
+
+Rule (flash-attn's): each gradient's error against the fp64 one stays within 2x the error of
+PyTorch's own math attention in the same low precision, plus a small floor (``TOL[dtype].floor``
+scaled by the gradient's size). CPU runs the kernels in the interpreter with 16x16 tiles, so the
+lengths below cover full, partial and several tiles.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TOL, maybe_compile
+
+import flashlite
+from flashlite.reference import attention as ref_attention
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _grads(fn, q, k, v, do, dlse=None):  # noqa: ANN001, ANN202
+    """(dq, dk, dv) of ``fn(q, k, v) -> (o, lse)`` for upstream ``do`` (and ``dlse``)."""
+    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    o, lse = fn(q, k, v)
+    loss = (o.float() * do.float()).sum()
+    if dlse is not None:
+        loss = loss + (lse.float() * dlse.float()).sum()
+    loss.backward()
+    return tuple(t.grad for t in (q, k, v))
+
+
+def assert_grads_close(fn, q, k, v, *, causal=False, scale=None, with_lse=False) -> None:  # noqa: ANN001
+    do = torch.randn(q.shape, dtype=q.dtype)
+    dlse = torch.randn(q.shape[:3]) if with_lse else None
+
+    def ref(up):  # noqa: ANN001, ANN202
+        return lambda q, k, v: ref_attention(q, k, v, causal, scale, upcast=up, return_lse=True)
+
+    want = _grads(ref(True), q.double(), k.double(), v.double(), do.double(), dlse)
+    torch_lp = _grads(ref(False), q, k, v, do, dlse)
+    got = _grads(fn, q, k, v, do, dlse)
+    for name, g, w, t in zip("qkv", got, want, torch_lp, strict=True):
+        assert g.dtype == q.dtype and g.shape == w.shape, name
+        assert torch.isfinite(g).all(), f"NaN/inf in d{name}"
+        err = (g.double() - w).abs().max().item()
+        torch_err = (t.double() - w).abs().max().item()
+        floor = TOL[q.dtype].floor * max(1.0, w.abs().max().item())
+        assert err <= 2 * torch_err + floor, (name, err, torch_err)
+
+
+def _fa(causal=False, scale=None, layout="b h n d", use_compile=False):  # noqa: ANN001, ANN202
+    call = maybe_compile(flashlite.attention, use_compile)
+    return lambda q, k, v: call(q, k, v, causal=causal, scale=scale, layout=layout,
+                                return_lse=True)  # fmt: skip
+
+
+def rand(*shape: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    return torch.randn(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "nq,nk", [(1, 1), (17, 17), (40, 23), (23, 40), (1, 37), (37, 1)], ids=lambda x: str(x)
+)
+def test_lengths_and_causal(nq: int, nk: int, causal: bool, use_compile: bool) -> None:
+    # Nq != Nk: the causal diagonal is bottom-right; Nq > Nk leaves rows that see no key
+    q, k, v = rand(1, 2, nq, 32), rand(1, 2, nk, 32), rand(1, 2, nk, 32)
+    assert_grads_close(_fa(causal, use_compile=use_compile), q, k, v, causal=causal)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_dtypes_and_lse_gradient(dtype: torch.dtype, causal: bool, use_compile: bool) -> None:
+    q = rand(2, 2, 21, 16, dtype=dtype)
+    k, v = rand(2, 2, 30, 16, dtype=dtype), rand(2, 2, 30, 16, dtype=dtype)
+    fn = _fa(causal, use_compile=use_compile)
+    assert_grads_close(fn, q, k, v, causal=causal, with_lse=True)
+
+
+@pytest.mark.parametrize("hq,hkv", [(4, 4), (4, 2), (6, 1)], ids=["MHA", "GQA", "MQA"])
+def test_gqa_mqa_sum_over_the_group(hq: int, hkv: int) -> None:
+    q, k, v = rand(2, hq, 19, 16), rand(2, hkv, 26, 16), rand(2, hkv, 26, 16)
+    assert_grads_close(_fa(True), q, k, v, causal=True)
+
+
+@pytest.mark.parametrize("d", [1, 16, 40, 59, 128, 256])
+def test_head_dims(d: int) -> None:
+    q, k, v = rand(1, 1, 20, d), rand(1, 1, 17, d), rand(1, 1, 17, d)
+    assert_grads_close(_fa(True), q, k, v, causal=True)
+
+
+def test_scale() -> None:
+    q, k, v = (rand(1, 2, 18, 16, dtype=torch.float32) for _ in range(3))
+    assert_grads_close(_fa(False, 0.3), q, k, v, scale=0.3, with_lse=True)
+
+
+def test_layout_b_n_h_d_packed_qkv() -> None:
+    qkv = rand(2, 21, 3, 4, 16).requires_grad_()
+    q, k, v = qkv.unbind(2)
+    out = flashlite.attention(q, k, v, layout="b n h d", causal=True)
+    do = torch.randn_like(out)
+    (out.float() * do.float()).sum().backward()
+    assert qkv.grad is not None and qkv.grad.shape == qkv.shape  # back in the packed buffer
+    qd = qkv.detach().double().requires_grad_()
+    qq, kk, vv = (t.transpose(1, 2) for t in qd.unbind(2))
+    ref = ref_attention(qq, kk, vv, True, upcast=True).transpose(1, 2)
+    (ref * do.double()).sum().backward()
+    assert qd.grad is not None
+    assert (qkv.grad.double() - qd.grad).abs().max().item() < 1e-2
+
+
+def test_rows_that_see_no_key_get_zero_gradient() -> None:
+    q = rand(1, 1, 40, 16, dtype=torch.float32).requires_grad_()
+    k, v = rand(1, 1, 8, 16, dtype=torch.float32), rand(1, 1, 8, 16, dtype=torch.float32)
+    out, lse = flashlite.attention(q, k, v, causal=True, return_lse=True)
+    # the LSE of those rows is -inf: their gradient is defined only through the output
+    (out.sum() + lse[torch.isfinite(lse)].sum()).backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+    assert (q.grad[0, 0, :32] == 0).all()  # rows i < 32 see no key
+
+
+def test_non_contiguous_grad_output() -> None:
+    q, k, v = rand(1, 2, 33, 32), rand(1, 2, 33, 32), rand(1, 2, 33, 32)
+    fn = _fa(True)
+    do = torch.randn(1, 2, 32, 66, dtype=q.dtype).transpose(-1, -2)[:, :, :33]
+    assert not do.is_contiguous()
+    qs, ks, vs = (t.clone().requires_grad_() for t in (q, k, v))
+    o, _ = fn(qs, ks, vs)
+    o.backward(do)
+    qd, kd, vd = (t.double().requires_grad_() for t in (q, k, v))
+    ref_attention(qd, kd, vd, True, upcast=True).backward(do.double())
+    for g, w in ((qs.grad, qd.grad), (ks.grad, kd.grad), (vs.grad, vd.grad)):
+        assert g is not None and w is not None
+        assert (g.double() - w).abs().max().item() < 2e-2
