@@ -8,7 +8,14 @@ import triton
 import triton.language as tl
 
 from flashlite import _backend
-from flashlite.masks import key_range, torch_key_range, torch_visible, visible
+from flashlite.masks import (
+    key_range,
+    query_start,
+    torch_key_range,
+    torch_query_start,
+    torch_visible,
+    visible,
+)
 from flashlite.ops.attention import _tuned_kernel
 
 
@@ -60,3 +67,28 @@ def test_autotuning_is_per_length_bucket_not_per_length() -> None:
     tuners = {id(_tuned_kernel(1, nk)) for nk in range(100, 200)}
     assert len(tuners) <= 2
     assert _tuned_kernel(1, 129) is _tuned_kernel(1, 255)
+
+
+@triton.jit
+def _query_start_kernel(OUT, seq_q, seq_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        IS_CAUSAL: tl.constexpr):  # fmt: skip
+    pid = tl.program_id(0)
+    lo = query_start(pid * BLOCK_N, seq_q, seq_k, BLOCK_M, IS_CAUSAL)
+    tl.store(OUT + pid + tl.arange(0, 1), lo + tl.zeros([1], tl.int32))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("nq,nk", [(1, 1), (40, 13), (13, 40), (64, 64)])
+def test_query_start_matches_its_twin_and_misses_no_visible_query(
+    nq: int, nk: int, causal: bool
+) -> None:
+    dev = _backend.compute_device(torch.device("cpu"))
+    bm, bn = 16, 8
+    n_blocks = triton.cdiv(nk, bn)
+    out = torch.empty(n_blocks, dtype=torch.int32, device=dev)
+    _query_start_kernel[(n_blocks,)](out, nq, nk, BLOCK_M=bm, BLOCK_N=bn, IS_CAUSAL=causal)
+    mask = torch_visible(nq, nk, causal)
+    for block in range(n_blocks):
+        lo = torch_query_start(block * bn, bm, nq, nk, causal)
+        assert out[block].item() == lo and lo % bm == 0
+        assert not mask[:lo, block * bn : (block + 1) * bn].any()  # nothing seen is skipped
