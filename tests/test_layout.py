@@ -92,7 +92,7 @@ def test_imports_point_down(path: Path) -> None:
 
 
 UPPER = [p for p in SOURCES if (_floor(_module_name(p)) or 0) >= 3]
-BENCHMARKS = sorted((ROOT / "benchmarks").glob("*.py"))
+BENCHMARKS = sorted((ROOT / "benchmarks").glob("*.py")) + sorted((ROOT / "examples").glob("*.py"))
 
 
 @pytest.mark.parametrize("path", UPPER + BENCHMARKS, ids=lambda p: str(p.relative_to(ROOT)))
