@@ -157,6 +157,13 @@ def _cmd_traffic(args: argparse.Namespace) -> int:
 
     if args.softmax:
         return _cmd_softmax_traffic(args)
+    if args.backward:
+        from flashlite.traffic import backward_rows
+
+        shapes = [_shape_from(args, n) for n in args.seq]
+        rows = backward_rows(shapes, count=args.count, show_progress=not args.quiet)
+        _emit(args, rows, [format_table(rows)])
+        return 0
 
     methods = args.methods or (
         list(traffic.ATTENTION_METHODS) if args.measure else ["naive", "flashlite"]
@@ -542,6 +549,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--softmax",
         action="store_true",
         help="show the row softmax's bytes instead of attention's (--rows, --n, --algorithm)",
+    )
+    _option(
+        t,
+        "--backward",
+        action="store_true",
+        help="show the attention backward's bytes: flashlite's three kernels (model; --count "
+        "counts them) against naive autograd (counted)",
     )
     _option(t, "--rows", type=int, default=4096, help="softmax rows (with --softmax)")
     _option(t, "--n", type=int, default=4096, help="softmax row length (with --softmax)")

@@ -468,3 +468,33 @@ def test_softmax_dram_rereads_when_rows_outgrow_l2() -> None:
         assert fits.info["x_reads"] == 1 and tight.info["x_reads"] == passes
     split = traffic.dram_softmax(64, 262144, torch.float32, "split")
     assert split.info["x_reads"] == 2  # two kernels, each from a cold L2
+
+
+# --------------------------------------------------------------------------- backward
+@pytest.mark.interpreter
+@pytest.mark.parametrize("with_lse_grad", [False, True], ids=["dO", "dO+dlse"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dims", ATTENTION_SHAPES, ids=lambda d: "x".join(map(str, d)))
+def test_backward_counted_equals_model(
+    dims: tuple[int, ...], causal: bool, with_lse_grad: bool
+) -> None:
+    b, h, hkv, nq, nk, d = dims
+    shape = AttentionShape(b, h, nq, d, seq_k=nk, kv_heads=hkv, dtype=torch.float16,
+                           causal=causal)  # fmt: skip
+    flash, naive = traffic.count_attention_bwd(shape, with_lse_grad=with_lse_grad)
+    model = traffic.model_flashlite_attention_bwd(shape, with_lse_grad=with_lse_grad)
+    assert (flash.read, flash.write) == (model.read, model.write)
+    assert naive.total > 0
+
+
+@pytest.mark.interpreter
+def test_backward_rows_and_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    from flashlite import cli
+
+    argv = ["traffic", "--backward", "--seq", "64", "--heads", "2", "--head-dim", "32",
+            "--count", "--quiet", "--json"]  # fmt: skip
+    assert cli.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    by = {r["method"]: r for r in rows}
+    assert by["flashlite-bwd"]["counted_bytes"] == by["flashlite-bwd"]["model_bytes"]
+    assert by["flashlite-bwd"]["counted_bytes"] < by["naive-bwd"]["counted_bytes"]

@@ -343,10 +343,14 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: fl
 BWD_CPU_TILES, BWD_TILES, BWD_SMALL_TILES = (16, 16), (64, 64), (32, 32)
 
 
-def _bwd_tiles(dev: torch.device, dtype: torch.dtype, block_d: int) -> tuple[int, int]:
-    if _backend.is_interpreted(dev):
-        return BWD_CPU_TILES
-    return BWD_TILES if dtype.itemsize <= 2 and block_d <= 128 else BWD_SMALL_TILES
+def gpu_bwd_tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
+    """The backward's ``(BLOCK_M, BLOCK_N)`` on a GPU for this dtype and head dim."""
+    small = dtype.itemsize <= 2 and C.next_pow2(head_dim) <= 128
+    return BWD_TILES if small else BWD_SMALL_TILES
+
+
+def _bwd_tiles(dev: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
+    return BWD_CPU_TILES if _backend.is_interpreted(dev) else gpu_bwd_tiles(dtype, head_dim)
 
 
 def attention_bwd(
@@ -359,6 +363,8 @@ def attention_bwd(
     dlse: torch.Tensor | None,
     causal: bool,
     scale: float,
+    *,
+    tiles: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels on ``(B, H, N, D)`` views (no autograd, no checks).
 
@@ -366,6 +372,7 @@ def attention_bwd(
         do: ``(B, Hq, Nq, D)`` gradient of the output; q, o alike; k, v ``(B, Hkv, Nk, D)``.
         lse: the forward's fp32 ``(B, Hq, Nq)`` LSE; dlse: its gradient, or None.
         causal, scale: as in the forward.
+        tiles: pin ``(BLOCK_M, BLOCK_N)`` (the traffic tools count the GPU's tiles on a CPU).
 
     Returns:
         ``(dq, dk, dv)``, each strided like its input. Extra memory: delta, fp32 ``(B, Hq, Nq)``.
@@ -373,7 +380,7 @@ def attention_bwd(
     dev = _backend.compute_device(q.device)
     if dev != q.device:
         moved = [t if t is None else t.to(dev) for t in (do, q, k, v, o, lse, dlse)]
-        grads = attention_bwd(*moved, causal, scale)  # type: ignore[arg-type]
+        grads = attention_bwd(*moved, causal, scale, tiles=tiles)  # type: ignore[arg-type]
         return tuple(g.to(q.device) for g in grads)  # type: ignore[return-value]
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
@@ -381,7 +388,7 @@ def attention_bwd(
     if b * hq * nq == 0 or nk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     block_d = max(16, C.next_pow2(d))
-    bm, bn = _bwd_tiles(dev, q.dtype, block_d)
+    bm, bn = tiles or _bwd_tiles(dev, q.dtype, d)
     # the kernels index the (B, Hq, Nq) statistics densely: an expanded or strided dlse (autograd
     # may hand one over) is made dense here, O(N)
     lse = lse.contiguous()

@@ -27,6 +27,7 @@ from flashlite.traffic.count import (
     KernelCounter,
     OpCounter,
     count_attention,
+    count_attention_bwd,
     count_kernels,
     count_softmax,
     count_torch_ops,
@@ -43,6 +44,7 @@ from flashlite.traffic.measure import (
 from flashlite.traffic.model import DEFAULT_L2_BYTES as DEFAULT_L2_BYTES
 from flashlite.traffic.model import (
     compulsory_attention,
+    compulsory_attention_bwd,
     compulsory_softmax,
     config_name,
     dram_attention,
@@ -53,12 +55,14 @@ from flashlite.traffic.model import (
     l2_note,
     model_attention,
     model_flashlite_attention,
+    model_flashlite_attention_bwd,
     model_naive_attention,
     model_softmax,
     parse_config,
 )
 from flashlite.traffic.report import (
     SOFTMAX_SHOWN,
+    backward_rows,
     format_softmax_table,
     format_table,
     plot_traffic,
@@ -95,6 +99,10 @@ __all__ = [
     "make_inputs",
     "flashlite_config",
     "config_name",
+    "backward_rows",
+    "compulsory_attention_bwd",
+    "count_attention_bwd",
+    "model_flashlite_attention_bwd",
     "SOFTMAX_SHOWN",
     "format_softmax_table",
     "softmax_rows",

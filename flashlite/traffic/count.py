@@ -275,6 +275,36 @@ def count_attention(
     return t
 
 
+def count_attention_bwd(
+    shape: AttentionShape, *, gpu: str = "h200", with_lse_grad: bool = False
+) -> tuple[Traffic, Traffic]:
+    """Counted bytes of one backward on CPU tensors of ``shape``: ``(flashlite, naive)``.
+
+    flashlite: the three backward kernels in the interpreter, with the GPU's tiles
+    (:func:`flashlite.ops.attention.gpu_bwd_tiles`; the forward that gives O and the LSE is not
+    counted). naive: every torch op of autograd's backward through
+    :func:`flashlite.reference.attention` (the forward's ops are not counted).
+    """
+    del gpu  # one backward table so far: every GPU runs the same tiles
+    q, k, v = make_inputs(shape, "cpu")
+    scale = shape.head_dim**-0.5
+    o, lse, _ = attention_ops.attention_fwd(q, k, v, shape.causal, scale)
+    gen = torch.Generator().manual_seed(1)
+    do = torch.randn(o.shape, generator=gen).to(o.dtype)
+    dlse = torch.randn(lse.shape, generator=gen) if with_lse_grad else None
+    tiles = attention_ops.gpu_bwd_tiles(shape.dtype, shape.head_dim)
+    with count_kernels() as kern:
+        attention_ops.attention_bwd(do, q, k, v, o, lse, dlse, shape.causal, scale, tiles=tiles)
+    flash = kern.traffic
+    flash.info = {"BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "config": "x".join(map(str, tiles))}
+    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, ref_lse = reference.attention(qr, kr, vr, shape.causal, scale, return_lse=True)
+    with count_torch_ops() as ops:
+        grads = [do] + ([dlse] if dlse is not None else [])
+        torch.autograd.backward([out] + ([ref_lse] if dlse is not None else []), grads)
+    return flash, ops.traffic
+
+
 def count_softmax(
     rows: int,
     n: int,

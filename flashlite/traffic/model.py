@@ -429,3 +429,61 @@ def dram_softmax(
         written = _written_back(t.read, issued.write, l2)
     t.add("y + workspace", 0, written)
     return t
+
+
+# =============================================================================== backward
+def compulsory_attention_bwd(shape: AttentionShape) -> Traffic:
+    """Read Q, K, V, O, dO (and the LSE) once; write dQ, dK, dV once."""
+    b = shape.itemsize
+    q = shape.batch * shape.heads * shape.seq_q * shape.head_dim * b
+    kv = shape.batch * shape.hkv * shape.nk * shape.head_dim * b
+    t = Traffic()
+    t.add("q, o, dO", 3 * q, 0)
+    t.add("k, v", 2 * kv, 0)
+    t.add("lse", shape.batch * shape.heads * shape.seq_q * 4, 0)
+    t.add("dq", 0, q)
+    t.add("dk, dv", 0, 2 * kv)
+    return t
+
+
+def model_flashlite_attention_bwd(
+    shape: AttentionShape,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    *,
+    with_lse_grad: bool = False,
+) -> Traffic:
+    """Bytes the three backward kernels issue (in-bounds lanes only, as they are counted).
+
+    With ``b`` the element size, per (batch, head) and the fp32 statistics at 4 bytes a row:
+
+    * preprocess: read O and dO (``Nq·D·b`` each) and dlse if given; write delta (``4·Nq``);
+    * dK/dV, per block of ``BLOCK_N`` keys of a K/V head: read its K and V tiles once, then for
+      each of the ``G`` query heads of its group the ``Nq − lo`` query rows that can see it
+      (``lo`` = :func:`flashlite.masks.torch_query_start`): Q and dO (``D·b`` a row) and LSE and
+      delta (4 bytes each); write the dK and dV tiles;
+    * dQ, per block of ``BLOCK_M`` query rows: read Q, dO, LSE, delta once and the K and V tiles
+      up to the forward's ``hi`` (:func:`flashlite.masks.torch_key_range`); write dQ.
+    """
+    if block_m is None or block_n is None:
+        block_m, block_n = attention_ops.gpu_bwd_tiles(shape.dtype, shape.head_dim)
+    b, D = shape.itemsize, shape.head_dim
+    B, H, Hkv, Nq, Nk = shape.batch, shape.heads, shape.hkv, shape.seq_q, shape.nk
+    G = H // Hkv
+    t = Traffic(info={"BLOCK_M": block_m, "BLOCK_N": block_n})
+    rows = B * H * Nq
+    t.add("preprocess", 2 * rows * D * b + (4 * rows if with_lse_grad else 0), 4 * rows)
+    q_rows = 0  # query rows the dK/dV programs of one K/V head read, over its key blocks
+    for n0 in range(0, Nk, block_n):
+        q_rows += Nq - masks.torch_query_start(n0, block_m, Nq, Nk, shape.causal)
+    t.add("dk/dv: k, v", 2 * B * Hkv * Nk * D * b, 0)
+    t.add("dk/dv: q, dO, lse, delta", B * Hkv * G * q_rows * (2 * D * b + 8), 0)
+    t.add("dk/dv: dk, dv", 0, 2 * B * Hkv * Nk * D * b)
+    keys = 0  # keys each query head's dQ programs read
+    for m0 in range(0, Nq, block_m):
+        _, hi = masks.torch_key_range(m0, block_m, block_n, Nq, Nk, shape.causal)
+        keys += min(Nk, block_n * triton.cdiv(hi, block_n))
+    t.add("dq: q, dO, lse, delta", rows * (2 * D * b + 8), 0)
+    t.add("dq: k, v", B * H * keys * 2 * D * b, 0)
+    t.add("dq: dq", 0, rows * D * b)
+    return t

@@ -13,16 +13,18 @@ from typing import Any
 
 import torch
 
-from flashlite.traffic.count import count_attention, count_softmax
+from flashlite.traffic.count import count_attention, count_attention_bwd, count_softmax
 from flashlite.traffic.measure import Measurement, measure_attention, measure_softmax
 from flashlite.traffic.model import (
     compulsory_attention,
+    compulsory_attention_bwd,
     compulsory_softmax,
     dram_attention,
     dram_softmax,
     flashlite_config,
     l2_note,
     model_attention,
+    model_flashlite_attention_bwd,
     model_softmax,
     parse_config,
 )
@@ -135,14 +137,14 @@ def traffic_rows(
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """The traffic table: one line per (method, sequence length)."""
     head = (
-        f"{'method':<12}{'config':<20}{'seq':>7}{'model MB':>12}{'counted MB':>13}"
+        f"{'method':<14}{'config':<20}{'seq':>7}{'model MB':>12}{'counted MB':>13}"
         f"{'DRAM est MB':>14}{'measured MB':>14}{'vs compulsory':>15}"
     )
     out = [head, "-" * len(head)]
     for r in rows:
         ratio = "-" if r["vs_compulsory"] is None else f"{r['vs_compulsory']:.2f}x"
         out.append(
-            f"{r['method']:<12}{r.get('config') or '-':<20}{r['seq_len']:>7}"
+            f"{r['method']:<14}{r.get('config') or '-':<20}{r['seq_len']:>7}"
             f"{_mb(r['model_bytes']):>12}"
             f"{_mb(r['counted_bytes']):>13}{_mb(r.get('dram_bytes')):>14}"
             f"{_mb(r['measured_bytes']):>14}{ratio:>15}"
@@ -252,3 +254,37 @@ def format_softmax_table(rows: Sequence[dict[str, Any]]) -> str:
             f"{_mb(r['dram_bytes']):>13}{_mb(r['measured_bytes']):>13}{ratio:>15}"
         )
     return "\n".join(out)
+
+
+def backward_rows(
+    shapes: Sequence[AttentionShape], *, count: bool = False, show_progress: bool = True
+) -> list[dict[str, Any]]:
+    """One row per (method, shape) for the attention backward: flashlite's issued bytes (model;
+    counted on CPU with the GPU's tiles) and naive autograd's counted torch-op bytes, beside the
+    compulsory ones. DRAM estimates and measurements of the backward are not built yet."""
+    rows: list[dict[str, Any]] = []
+    for j, shape in enumerate(shapes):
+        if show_progress:
+            _progress(j, len(shapes), f"backward N={shape.seq_q}")
+        model = model_flashlite_attention_bwd(shape)
+        flash = naive = None
+        if count:
+            flash, naive = count_attention_bwd(shape)
+        comp = compulsory_attention_bwd(shape)
+        config = "x".join(map(str, (model.info["BLOCK_M"], model.info["BLOCK_N"])))
+        for method, m, c in (("flashlite-bwd", model, flash), ("naive-bwd", None, naive)):
+            best = next((t for t in (c, m) if t is not None), None)
+            rows.append(
+                {
+                    "method": method,
+                    "seq_len": shape.seq_q,
+                    **byte_fields(model=m, counted=c, dram=None, measured=None),
+                    "compulsory_bytes": comp.total,
+                    "vs_compulsory": best.total / comp.total if best else None,
+                    "config": config if method == "flashlite-bwd" else None,
+                    "shape": shape.to_json(),
+                }
+            )
+    if show_progress:
+        _progress(len(shapes), len(shapes), "backward")
+    return rows
