@@ -132,3 +132,58 @@ def test_non_contiguous_grad_output() -> None:
     for g, w in ((qs.grad, qd.grad), (ks.grad, kd.grad), (vs.grad, vd.grad)):
         assert g is not None and w is not None
         assert (g.double() - w).abs().max().item() < 2e-2
+
+
+# --------------------------------------------------------------------------- GPU (compiled kernels)
+def _gpu_case(q, k, v, causal, tiles=None):  # noqa: ANN001, ANN202
+    """Largest gradient error of flashlite (optionally with pinned backward tiles) and of
+    PyTorch's own low-precision math attention, both against fp32 math on the GPU."""
+    from flashlite.ops.attention import attention_bwd
+
+    do = torch.randn_like(q)
+
+    def grads(fn, *ts):  # noqa: ANN001, ANN202
+        ts = [t.detach().clone().requires_grad_() for t in ts]
+        fn(*ts).backward(do.to(ts[0].dtype))
+        return [t.grad for t in ts]
+
+    want = grads(lambda a, b, c: ref_attention(a, b, c, causal), q.float(), k.float(), v.float())
+    torch_lp = grads(lambda a, b, c: ref_attention(a, b, c, causal), q, k, v)
+    if tiles is None:
+        got = grads(lambda a, b, c: flashlite.attention(a, b, c, causal=causal), q, k, v)
+    else:
+        o, lse = flashlite.attention(q, k, v, causal=causal, return_lse=True)
+        got = attention_bwd(do, q, k, v, o, lse, None, causal, q.shape[-1] ** -0.5, tiles=tiles)
+    for g, w, t in zip(got, want, torch_lp, strict=True):
+        assert torch.isfinite(g).all()
+        err = (g.float() - w).abs().max().item()
+        torch_err = (t.float() - w).abs().max().item()
+        assert err <= 2 * torch_err + TOL[q.dtype].floor * max(1.0, w.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "nq,nk,d,hq,hkv",
+    [
+        (4096, 4096, 64, 2, 2),
+        (2000, 3001, 128, 4, 2),
+        (3001, 1000, 96, 2, 1),
+        (16384, 16384, 128, 1, 1),
+        (1024, 1024, 256, 2, 2),
+    ],  # fmt: skip
+)
+def test_gpu_long(dtype, causal, nq, nk, d, hq, hkv) -> None:  # noqa: ANN001
+    q = torch.randn(1, hq, nq, d, device="cuda", dtype=dtype)
+    k, v = (torch.randn(1, hkv, nk, d, device="cuda", dtype=dtype) for _ in range(2))
+    _gpu_case(q, k, v, causal)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", [(64, 64), (32, 32), (16, 16)], ids=str)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_gpu_every_backward_tile(tiles: tuple[int, int], d: int) -> None:
+    for dtype in (torch.bfloat16, torch.float32):
+        q, k, v = (torch.randn(1, 2, 300, d, device="cuda", dtype=dtype) for _ in range(3))
+        _gpu_case(q, k, v, True, tiles)
