@@ -185,5 +185,9 @@ def test_gpu_long(dtype, causal, nq, nk, d, hq, hkv) -> None:  # noqa: ANN001
 @pytest.mark.parametrize("d", [64, 128, 256])
 def test_gpu_every_backward_tile(tiles: tuple[int, int], d: int) -> None:
     for dtype in (torch.bfloat16, torch.float32):
+        if dtype == torch.float32 and tiles[0] >= 64 and d >= 256:
+            # 416 KB of shared memory (compiled for sm_90 with Triton 3.6); the library runs
+            # fp32 on 32x32 tiles
+            continue
         q, k, v = (torch.randn(1, 2, 300, d, device="cuda", dtype=dtype) for _ in range(3))
         _gpu_case(q, k, v, True, tiles)
