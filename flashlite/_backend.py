@@ -82,11 +82,6 @@ def kernels_interpreted() -> bool:
     return INTERPRETED
 
 
-def is_interpreted(device: torch.device) -> bool:
-    """True when kernels for tensors on ``device`` run in Triton's interpreter."""
-    return INTERPRETED
-
-
 def check_device(t: torch.Tensor, name: str) -> None:
     """Raise a clear error for tensors on devices flashlite cannot run on."""
     if t.device.type not in ("cuda", "cpu"):

@@ -587,11 +587,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "config", None):  # a bad --config fails now, before any slow work
         from flashlite.traffic import parse_config
 
-        head_dims = [getattr(args, "head_dim", 16)]
-        dtype = _DTYPES[getattr(args, "dtype", "float32")]
+        head_dim = getattr(args, "head_dim", 16)  # demo: D = 16
         try:
-            for d in head_dims:
-                parse_config(args.config, d, dtype)
+            parse_config(args.config, head_dim, _DTYPES[getattr(args, "dtype", "float32")])
         except ValueError as err:
             parser.error(str(err))
     counts = args.func is _cmd_demo or (args.func is _cmd_traffic and args.count)

@@ -79,6 +79,11 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 1 else 1
 
 
+def block_d(head_dim: int) -> int:
+    """The on-chip width of a head: D rounded up to a power of two, at least 16 (``tl.dot``)."""
+    return max(16, next_pow2(head_dim))
+
+
 def cdiv(a: int, b: int) -> int:
     """``⌈a / b⌉`` for positive ``b``."""
     return -(-a // b)
@@ -127,15 +132,19 @@ def keep_config(cfg: Config, block_d: int, elem_bytes: int, use_desc: bool) -> b
     and V tile outside the pipelined loop (its first scores and last values)."""
     if cfg.warp_specialize and not use_desc:
         return False
-    elem = 2 * elem_bytes if elem_bytes >= 4 else elem_bytes
-    kv_tiles = 2 * cfg.num_stages + (2 if cfg.overlap else 0)
-    smem = (kv_tiles * cfg.block_n + cfg.block_m) * block_d * elem
     threads = 32 * cfg.num_warps
     return (
-        smem <= SMEM_BUDGET
+        smem_bytes(cfg, block_d, elem_bytes) <= SMEM_BUDGET
         and cfg.block_m * block_d <= 128 * threads
         and cfg.block_m * cfg.block_n <= 64 * threads
     )
+
+
+def smem_bytes(cfg: Config, block_d: int, elem_bytes: int) -> int:
+    """Shared memory a config plans for (see :func:`keep_config`)."""
+    elem = 2 * elem_bytes if elem_bytes >= 4 else elem_bytes
+    kv_tiles = 2 * cfg.num_stages + (2 if cfg.overlap else 0)
+    return (kv_tiles * cfg.block_n + cfg.block_m) * block_d * elem
 
 
 def default_config(block_d: int, elem_bytes: int, use_desc: bool) -> Config:

@@ -7,7 +7,7 @@ autotuner, once per length bucket), and launches it.
 
 ``flashlite::attention_fwd`` is a ``torch.library`` custom op with a fake implementation, so
 ``torch.compile(fullgraph=True)`` traces through :func:`attention` without a graph break; its
-autograd formula is registered with it (the backward kernel is a later issue, so it raises).
+autograd formula is ``flashlite::attention_bwd`` (the kernels of :mod:`..kernels.attention.bwd`).
 It is a ``custom_op`` rather than a ``triton_op``: the same op runs CPU tensors in Triton's
 interpreter or moves them to the GPU, picks descriptors and configs on the host per call, and
 Inductor could only inline the CUDA case.
@@ -154,7 +154,7 @@ def fixed_config(
     pinned = C.pinned_config()
     if pinned is not None:
         return pinned
-    if _backend.is_interpreted(device):
+    if _backend.kernels_interpreted():
         return C.CPU_CONFIG
     hopper = device.type == "cuda" and _backend.capability(device.index or 0) == (9, 0)
     return _table_entry(block_d, causal, dtype, small, hopper)
@@ -200,7 +200,7 @@ def gpu_config(
     if gpu not in GPU_TABLES:
         raise ValueError(f"gpu={gpu!r} is not one of {', '.join(map(repr, GPU_TABLES))}")
     b, hq, nq, nk, d = shape
-    block_d = max(16, C.next_pow2(d))
+    block_d = C.block_d(d)
     use_desc = b * hq * nq * nk * d >= DESC_MIN_WORK
     config = C.pinned_config() or _table_entry(block_d, causal, dtype, not use_desc, gpu == "h200")
     return config or C.default_config(block_d, dtype.itemsize, use_desc), use_desc
@@ -300,7 +300,7 @@ def _plan(
     plan = _plans.get(key)
     if plan is not None:
         return plan
-    block_d = max(16, C.next_pow2(d))
+    block_d = C.block_d(d)
     if config is None:
         config = fixed_config(dev, block_d, causal, dtype, small=small)
     if config is not None:  # a plain tuple works too
@@ -345,12 +345,12 @@ BWD_CPU_TILES, BWD_TILES, BWD_SMALL_TILES = (16, 16), (64, 64), (32, 32)
 
 def gpu_bwd_tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
     """The backward's ``(BLOCK_M, BLOCK_N)`` on a GPU for this dtype and head dim."""
-    small = dtype.itemsize <= 2 and C.next_pow2(head_dim) <= 128
+    small = dtype.itemsize <= 2 and C.block_d(head_dim) <= 128
     return BWD_TILES if small else BWD_SMALL_TILES
 
 
 def _bwd_tiles(dev: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
-    return BWD_CPU_TILES if _backend.is_interpreted(dev) else gpu_bwd_tiles(dtype, head_dim)
+    return BWD_CPU_TILES if _backend.kernels_interpreted() else gpu_bwd_tiles(dtype, head_dim)
 
 
 def attention_bwd(
@@ -387,7 +387,7 @@ def attention_bwd(
     dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
     if b * hq * nq == 0 or nk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    block_d = max(16, C.next_pow2(d))
+    block_d = C.block_d(d)
     bm, bn = tiles or _bwd_tiles(dev, q.dtype, d)
     # the kernels index the (B, Hq, Nq) statistics densely: an expanded or strided dlse (autograd
     # may hand one over) is made dense here, O(N)

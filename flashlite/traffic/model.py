@@ -16,6 +16,7 @@ import torch
 import triton
 
 from flashlite import masks
+from flashlite.kernels import configs
 from flashlite.kernels import softmax as softmax_kernels
 from flashlite.kernels.configs import Config, keep_config
 from flashlite.ops import attention as attention_ops
@@ -28,8 +29,21 @@ from flashlite.traffic.shapes import (
     make_inputs,
 )
 
-#: L2 size used in notes when no GPU says otherwise (an H200 has 60 MiB).
-DEFAULT_L2_BYTES = 60 * 2**20
+
+@dataclass(frozen=True)
+class Gpu:
+    """What the DRAM estimate needs of a GPU."""
+
+    sms: int
+    l2_bytes: int
+    smem_per_sm: int = 228 * 1024
+
+
+#: The GPU tables ``--gpu`` names: the H200 (132 SMs, 60 MiB L2) and a generic GPU of the A100's
+#: size (108 SMs, 40 MiB L2).
+GPUS = {"h200": Gpu(132, 60 * 2**20), "generic": Gpu(108, 40 * 2**20, 164 * 1024)}
+#: L2 assumed where no GPU says (the H200's)
+DEFAULT_L2_BYTES = GPUS["h200"].l2_bytes
 
 
 def compulsory_attention(shape: AttentionShape) -> Traffic:
@@ -169,7 +183,7 @@ def parse_config(text: str, head_dim: int, dtype: torch.dtype) -> Config:
     if warps not in warp_counts or stages < 1:
         raise ValueError(f"config={text!r}: warps must be one of {warp_counts}, stages >= 1")
     cfg = Config(bm, bn, warps, stages)
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    block_d = configs.block_d(head_dim)
     if not keep_config(cfg, block_d, dtype.itemsize, False):
         raise ValueError(
             f"config={text!r} does not fit head dim {head_dim} ({dtype}): the tiles must fit "
@@ -279,18 +293,6 @@ def l2_note(shape: AttentionShape, l2_bytes: int | None = None) -> str | None:
 
 
 # =============================================================================== DRAM estimate
-@dataclass(frozen=True)
-class Gpu:
-    """What the DRAM estimate needs of a GPU."""
-
-    sms: int
-    l2_bytes: int
-    smem_per_sm: int = 228 * 1024
-
-
-#: The GPU tables ``--gpu`` names: the H200 (132 SMs, 60 MiB L2) and a generic GPU of the A100's
-#: size (108 SMs, 40 MiB L2).
-GPUS = {"h200": Gpu(132, 60 * 2**20), "generic": Gpu(108, 40 * 2**20, 164 * 1024)}
 #: The share of L2 that holds a kernel's working set, fitted to the H200 measurements in
 #: ``benchmarks/results/traffic-nvidia-h200.json`` (docs/hbm-traffic.md): the dirty bytes left in
 #: L2 when a streaming kernel ends, and the working set past which K/V tiles miss, both behave as
@@ -353,8 +355,9 @@ def dram_flashlite_attention(
         num_warps, num_stages = cfg["num_warps"], cfg["num_stages"]
     issued = model_flashlite_attention(shape, block_m, block_n)
     device, l2 = GPUS[gpu], _l2(gpu, l2_bytes)
-    b, d = shape.itemsize, max(16, 1 << (shape.head_dim - 1).bit_length())
-    smem = (2 * num_stages * block_n + block_m) * d * b
+    smem = configs.smem_bytes(Config(block_m, block_n, num_warps, num_stages),
+                              configs.block_d(shape.head_dim), shape.itemsize)  # fmt: skip
+    b = shape.itemsize
     per_sm = max(1, min(device.smem_per_sm // max(smem, 1), 64 // num_warps))
     programs = device.sms * per_sm
     n_m = triton.cdiv(shape.seq_q, block_m)
