@@ -128,3 +128,23 @@ def test_watchers_see_the_op() -> None:
     with torch._subclasses.fake_tensor.FakeTensorMode():
         out = flashlite.attention(*(torch.empty(2, 3, 7, 16) for _ in range(3)))
     assert out.shape == (2, 3, 7, 16)
+
+
+def test_bodies_run_on_the_compute_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CPU tensors in a process that compiles its kernels run on the GPU: every tensor argument
+    # moves there once, keyword arguments pass through, returned tensors come back
+    from flashlite import _backend
+    from flashlite.ops.common import on_compute_device
+
+    seen: list[object] = []
+
+    @on_compute_device
+    def body(a: torch.Tensor, b: torch.Tensor | None, n: int, *, tag: str) -> tuple:
+        seen.extend([a.device.type, b, n, tag])
+        return a.new_ones(2), None, n
+
+    # stand-ins: "meta" plays the CPU tensors' device, "cpu" the GPU the kernels run on
+    monkeypatch.setattr(_backend, "compute_device", lambda device: torch.device("cpu"))
+    out, none, n = body(torch.zeros(3, device="meta"), None, 7, tag="t")
+    assert seen == ["cpu", None, 7, "t"]
+    assert out.device.type == "meta" and none is None and n == 7

@@ -26,7 +26,7 @@ from flashlite import _backend
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import bwd as KB
 from flashlite.kernels.attention import fwd as K
-from flashlite.ops.common import skip_dispatcher
+from flashlite.ops.common import on_compute_device, skip_dispatcher
 
 LAYOUTS = ("b h n d", "b n h d")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -216,6 +216,7 @@ def empty_output(q: torch.Tensor) -> torch.Tensor:
     return o.permute([order.index(i) for i in range(4)])
 
 
+@on_compute_device
 def attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -243,11 +244,7 @@ def attention_fwd(
         launch used (None when nothing was launched). CPU tensors in a process that compiles its
         kernels run on the GPU: moved there once, results moved back.
     """
-    dev = _backend.compute_device(q.device)
-    if dev != q.device:
-        opts = {"config": config, "use_desc": use_desc, "prescale_q": prescale_q}
-        o, lse, info = attention_fwd(q.to(dev), k.to(dev), v.to(dev), causal, scale, **opts)
-        return o.to(q.device), lse.to(q.device), info
+    dev = q.device
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     o = empty_output(q)
@@ -353,6 +350,7 @@ def _bwd_tiles(dev: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[in
     return BWD_CPU_TILES if _backend.kernels_interpreted() else gpu_bwd_tiles(dtype, head_dim)
 
 
+@on_compute_device
 def attention_bwd(
     do: torch.Tensor,
     q: torch.Tensor,
@@ -377,11 +375,7 @@ def attention_bwd(
     Returns:
         ``(dq, dk, dv)``, each strided like its input. Extra memory: delta, fp32 ``(B, Hq, Nq)``.
     """
-    dev = _backend.compute_device(q.device)
-    if dev != q.device:
-        moved = [t if t is None else t.to(dev) for t in (do, q, k, v, o, lse, dlse)]
-        grads = attention_bwd(*moved, causal, scale, tiles=tiles)  # type: ignore[arg-type]
-        return tuple(g.to(q.device) for g in grads)  # type: ignore[return-value]
+    dev = q.device
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)

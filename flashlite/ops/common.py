@@ -1,8 +1,40 @@
-"""What the front-ends share about calling their custom ops."""
+"""What the front-ends share: where their bodies run, and when to skip the dispatcher."""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
 import torch
+
+from flashlite import _backend
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _moved(x: Any, device: torch.device) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, tuple):
+        return tuple(_moved(v, device) for v in x)
+    return x
+
+
+def on_compute_device(fn: F) -> F:
+    """Run a front-end body where kernels run (:func:`flashlite._backend.compute_device`): CPU
+    tensors in a process that compiles its kernels go to the GPU once per call, every tensor
+    argument, and the tensors it returns come back (also inside a returned tuple)."""
+
+    @functools.wraps(fn)  # custom_op reads the schema from fn's annotations
+    def run(*args: Any, **kwargs: Any) -> Any:
+        here = next(a.device for a in args if isinstance(a, torch.Tensor))
+        dev = _backend.compute_device(here)
+        if dev == here:
+            return fn(*args, **kwargs)
+        return _moved(fn(*(_moved(a, dev) for a in args), **kwargs), here)
+
+    return run  # type: ignore[return-value]
 
 
 def skip_dispatcher(*tensors: torch.Tensor) -> bool:

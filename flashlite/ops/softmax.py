@@ -11,14 +11,13 @@ moved to the GPU, with host-side dispatch per call.
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
 
 from flashlite import _backend
 from flashlite.kernels import softmax as K
-from flashlite.ops.common import skip_dispatcher
+from flashlite.ops.common import on_compute_device, skip_dispatcher
 
 ALGORITHMS = ("auto", "three_pass", "online")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -173,22 +172,6 @@ def _row_view(t: torch.Tensor, dim: int) -> torch.Tensor:
     return v if v is not None else t.movedim(dim, -1).reshape(-1, t.shape[dim])
 
 
-def _on_compute_device(fn):  # type: ignore[no-untyped-def]
-    """Run an op body where kernels run: CPU tensors in a compiling process go to the GPU once
-    and the result comes back."""
-
-    @functools.wraps(fn)  # custom_op reads the schema from fn's annotations
-    def run(*args):  # type: ignore[no-untyped-def]
-        here = args[0].device
-        dev = _backend.compute_device(here)
-        if dev == here:
-            return fn(*args)
-        moved = [a.to(dev) if isinstance(a, torch.Tensor) else a for a in args]
-        return fn(*moved).to(here)
-
-    return run
-
-
 # ----------------------------------------------------------------------------- custom ops
 def _softmax_forward(x: torch.Tensor, dim: int, algorithm: str, log: bool) -> torch.Tensor:
     if x.dim() == 0:  # one value: a row of one
@@ -199,7 +182,7 @@ def _softmax_forward(x: torch.Tensor, dim: int, algorithm: str, log: bool) -> to
     return y
 
 
-_softmax_fwd_op_body = _on_compute_device(_softmax_forward)
+_softmax_fwd_op_body = on_compute_device(_softmax_forward)
 _softmax_fwd_op = torch.library.custom_op("flashlite::softmax_fwd", mutates_args=())(
     _softmax_fwd_op_body
 )
@@ -220,7 +203,7 @@ def _softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) ->
 
 
 _softmax_bwd_op = torch.library.custom_op("flashlite::softmax_bwd", mutates_args=())(
-    _on_compute_device(_softmax_backward)
+    on_compute_device(_softmax_backward)
 )
 
 
