@@ -141,10 +141,10 @@ def test_bodies_run_on_the_compute_device(monkeypatch: pytest.MonkeyPatch) -> No
     @on_compute_device
     def body(a: torch.Tensor, b: torch.Tensor | None, n: int, *, tag: str) -> tuple:
         seen.extend([a.device.type, b, n, tag])
-        return a.new_ones(2), None, n
+        return torch.ones(2), None, n  # (meta tensors hold no data to copy back: a CPU one)
 
-    # stand-ins: "meta" plays the CPU tensors' device, "cpu" the GPU the kernels run on
-    monkeypatch.setattr(_backend, "compute_device", lambda device: torch.device("cpu"))
-    out, none, n = body(torch.zeros(3, device="meta"), None, 7, tag="t")
-    assert seen == ["cpu", None, 7, "t"]
-    assert out.device.type == "meta" and none is None and n == 7
+    # a stand-in: "meta" plays the GPU the kernels run on
+    monkeypatch.setattr(_backend, "compute_device", lambda device: torch.device("meta"))
+    out, none, n = body(torch.zeros(3), None, 7, tag="t")
+    assert seen == ["meta", None, 7, "t"]
+    assert out.device.type == "cpu" and out.tolist() == [1.0, 1.0] and none is None and n == 7
