@@ -30,7 +30,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashlite.kernels.attention.common import load_tile
+from flashlite.kernels.attention.common import load_tile, scale_q
 from flashlite.kernels.common import cast
 from flashlite.masks import key_range, query_start, visible
 from flashlite.stats import LOG2E, probs_from_lse
@@ -65,15 +65,20 @@ def _attention_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _scaled_q(q, qk_scale, PRESCALE_Q: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """Q as the forward fed it to the score product, and the exponent scale that goes with it."""
-    if PRESCALE_Q:
-        qs = cast(q.to(tl.float32) * qk_scale, q.dtype, ROUND_BF16)
-        exp_scale = 1.0
-    else:
-        qs = q
-        exp_scale = qk_scale
-    return qs, exp_scale
+def _probs_and_dscores(qs, k, v, do, lse, delta, rows, cols, seq_q, seq_k, exp_scale,
+                       DT: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
+    """One ``[BLOCK_M, BLOCK_N]`` tile's P (from the LSE, masked) and ``dS = P ∘ (dO·Vᵀ −
+    delta)`` rounded to the inputs' dtype ``DT`` for the tensor cores (back in fp32 for the
+    interpreter's dots, after that rounding). Both backward kernels start here."""
+    s = tl.dot(qs, tl.trans(k), input_precision=DOT_PRECISION)
+    p = probs_from_lse(s, lse, exp_scale)
+    p = tl.where(visible(rows, cols, seq_q, seq_k, IS_CAUSAL), p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = cast(p * (dp - delta[:, None]), DT, ROUND_BF16)
+    if DOT_FP32:
+        ds = ds.to(tl.float32)
+    return p, ds
 
 
 @triton.jit
@@ -122,17 +127,15 @@ def _attention_bwd_dkdv_kernel(
             rows = start_m + offs_r
             lse = tl.load(LSE + stats + rows, mask=rows < seq_q, other=float("-inf"))
             delta = tl.load(DELTA + stats + rows, mask=rows < seq_q, other=0.0)
-            qs, exp_scale = _scaled_q(q, qk_scale, PRESCALE_Q, ROUND_BF16)
+            qs, exp_scale = scale_q(q, qk_scale, PRESCALE_Q, ROUND_BF16)
             if DOT_FP32:
                 qs, q, do = qs.to(tl.float32), q.to(tl.float32), do.to(tl.float32)
-            s = tl.dot(qs, tl.trans(k), input_precision=DOT_PRECISION)
-            p = probs_from_lse(s, lse, exp_scale)
-            p = tl.where(visible(rows, offs_n, seq_q, seq_k, IS_CAUSAL), p, 0.0)
+            p, ds = _probs_and_dscores(qs, k, v, do, lse, delta, rows, offs_n, seq_q, seq_k,
+                                       exp_scale, dt, IS_CAUSAL, DOT_FP32, DOT_PRECISION,
+                                       ROUND_BF16)  # fmt: skip
             pc = cast(p, dt, ROUND_BF16)  # tensor-core operands in the input precision
-            dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-            ds = cast(p * (dp - delta[:, None]), dt, ROUND_BF16)
             if DOT_FP32:  # the interpreter: rounded to bf16 above, multiplied in fp32
-                pc, ds = pc.to(tl.float32), ds.to(tl.float32)
+                pc = pc.to(tl.float32)
             dv = tl.dot(tl.trans(pc), do, dv, input_precision=DOT_PRECISION)
             dk = tl.dot(tl.trans(ds), q, dk, input_precision=DOT_PRECISION)
     mask = (offs_n[:, None] < seq_k) & (offs_d[None, :] < HEAD_DIM)
@@ -176,7 +179,7 @@ def _attention_bwd_dq_kernel(
     stats = pid_bh.to(tl.int64) * seq_q
     lse = tl.load(LSE + stats + rows, mask=rows < seq_q, other=float("-inf"))
     delta = tl.load(DELTA + stats + rows, mask=rows < seq_q, other=0.0)
-    qs, exp_scale = _scaled_q(q, sm_scale * LOG2E, PRESCALE_Q, ROUND_BF16)
+    qs, exp_scale = scale_q(q, sm_scale * LOG2E, PRESCALE_Q, ROUND_BF16)
     if DOT_FP32:
         qs, do = qs.to(tl.float32), do.to(tl.float32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -188,13 +191,9 @@ def _attention_bwd_dq_kernel(
                       HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
         if DOT_FP32:
             k, v = k.to(tl.float32), v.to(tl.float32)
-        s = tl.dot(qs, tl.trans(k), input_precision=DOT_PRECISION)
-        p = probs_from_lse(s, lse, exp_scale)
-        p = tl.where(visible(rows, start_n + offs_c, seq_q, seq_k, IS_CAUSAL), p, 0.0)
-        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-        ds = cast(p * (dp - delta[:, None]), Q.dtype.element_ty, ROUND_BF16)
-        if DOT_FP32:
-            ds = ds.to(tl.float32)
+        _p, ds = _probs_and_dscores(qs, k, v, do, lse, delta, rows, start_n + offs_c, seq_q,
+                                   seq_k, exp_scale, Q.dtype.element_ty, IS_CAUSAL, DOT_FP32,
+                                   DOT_PRECISION, ROUND_BF16)  # fmt: skip
         dq = tl.dot(ds, k, dq, input_precision=DOT_PRECISION)
     dq_base = DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
     ptrs = dq_base + rows.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :] * stride_dqd

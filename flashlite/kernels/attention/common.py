@@ -39,6 +39,24 @@ def load_tile(src, b, h, row0, n_rows, stride_row, stride_d, offs_r, offs_d,
 
 
 @triton.jit
+def scale_q(q, qk_scale, PRESCALE_Q: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Q as the score product takes it, and the exponent scale that goes with those scores.
+
+    With ``PRESCALE_Q``, ``sm_scale·log2(e)`` is folded into Q once per block: the scores arrive
+    in exp2's units and the softmax's exponent is one subtraction per score instead of a
+    subtract and a multiply, at the cost of one rounding of Q·scale to the input dtype. The
+    backward recomputes the scores through the same function, so they match the saved LSE.
+    """
+    if PRESCALE_Q:
+        qs = cast(q.to(tl.float32) * qk_scale, q.dtype, ROUND_BF16)
+        exp_scale: tl.constexpr = 1.0
+    else:
+        qs = q
+        exp_scale = qk_scale
+    return qs, exp_scale
+
+
+@triton.jit
 def scores(q, k_src, b, h_kv, start_n, offs_m, offs_n, offs_d, seq_q, seq_k, stride_kn, stride_kd,
             MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_D: tl.constexpr, USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,

@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashlite.kernels.attention.common import accumulate, load_tile, scores, update
+from flashlite.kernels.attention.common import accumulate, load_tile, scale_q, scores, update
 from flashlite.kernels.common import cast
 from flashlite.masks import key_range
 from flashlite.stats import LOG2E, finalize_lse
@@ -126,14 +126,7 @@ def _attention_fwd_kernel(
     q = load_tile(q_src, b, h, start_m, seq_q, stride_qm, stride_qd, tl.arange(0, BLOCK_M),
                    offs_d, HEAD_DIM, BLOCK_D, USE_DESC, True)  # fmt: skip
     qk_scale = sm_scale * LOG2E
-    if PRESCALE_Q:
-        # Fold sm_scale·log2(e) into Q once per block: the scores arrive in exp2's units and
-        # the update's exponent is one subtraction per score instead of a subtract and a
-        # multiply. Costs one rounding of Q·scale to the input dtype.
-        q = cast(q * qk_scale, q.dtype, ROUND_BF16)
-        exp_scale: tl.constexpr = 1.0
-    else:
-        exp_scale = qk_scale
+    q, exp_scale = scale_q(q, qk_scale, PRESCALE_Q, ROUND_BF16)
     if DOT_FP32:
         q = q.to(tl.float32)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
