@@ -8,7 +8,7 @@ compulsory bytes. The ``flashlite traffic`` and ``flashlite demo`` commands prin
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -134,22 +134,37 @@ def traffic_rows(
     return rows, notes
 
 
+def _ratio(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+#: A column: header, width (negative: left-aligned) and the cell's text for a row.
+Column = tuple[str, int, Callable[[dict[str, Any]], str]]
+
+
+def _table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> str:
+    """A fixed-width text table with a rule under the header."""
+
+    def line(cells: Sequence[str]) -> str:
+        pairs = zip(cells, (w for _, w, _ in columns), strict=True)
+        return "".join(f"{c:<{-w}}" if w < 0 else f"{c:>{w}}" for c, w in pairs)
+
+    head = line([h for h, _, _ in columns])
+    return "\n".join([head, "-" * len(head)] + [line([f(r) for _, _, f in columns]) for r in rows])
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """The traffic table: one line per (method, sequence length)."""
-    head = (
-        f"{'method':<14}{'config':<20}{'seq':>7}{'model MB':>12}{'counted MB':>13}"
-        f"{'DRAM est MB':>14}{'measured MB':>14}{'vs compulsory':>15}"
-    )
-    out = [head, "-" * len(head)]
-    for r in rows:
-        ratio = "-" if r["vs_compulsory"] is None else f"{r['vs_compulsory']:.2f}x"
-        out.append(
-            f"{r['method']:<14}{r.get('config') or '-':<20}{r['seq_len']:>7}"
-            f"{_mb(r['model_bytes']):>12}"
-            f"{_mb(r['counted_bytes']):>13}{_mb(r.get('dram_bytes')):>14}"
-            f"{_mb(r['measured_bytes']):>14}{ratio:>15}"
-        )
-    return "\n".join(out)
+    return _table(rows, [
+        ("method", -14, lambda r: r["method"]),
+        ("config", -20, lambda r: r.get("config") or "-"),
+        ("seq", 7, lambda r: str(r["seq_len"])),
+        ("model MB", 12, lambda r: _mb(r["model_bytes"])),
+        ("counted MB", 13, lambda r: _mb(r["counted_bytes"])),
+        ("DRAM est MB", 14, lambda r: _mb(r.get("dram_bytes"))),
+        ("measured MB", 14, lambda r: _mb(r["measured_bytes"])),
+        ("vs compulsory", 15, lambda r: _ratio(r["vs_compulsory"])),
+    ])  # fmt: skip
 
 
 def plot_traffic(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> str:
@@ -242,18 +257,14 @@ def softmax_rows(
 
 def format_softmax_table(rows: Sequence[dict[str, Any]]) -> str:
     """The softmax traffic table: one line per algorithm."""
-    head = (
-        f"{'method':<24}{'issued MB':>11}{'counted MB':>12}{'DRAM est MB':>13}"
-        f"{'measured MB':>13}{'vs compulsory':>15}"
-    )
-    out = [head, "-" * len(head)]
-    for r in rows:
-        ratio = "-" if r["vs_compulsory"] is None else f"{r['vs_compulsory']:.2f}x"
-        out.append(
-            f"{r['method']:<24}{_mb(r['model_bytes']):>11}{_mb(r['counted_bytes']):>12}"
-            f"{_mb(r['dram_bytes']):>13}{_mb(r['measured_bytes']):>13}{ratio:>15}"
-        )
-    return "\n".join(out)
+    return _table(rows, [
+        ("method", -24, lambda r: r["method"]),
+        ("issued MB", 11, lambda r: _mb(r["model_bytes"])),
+        ("counted MB", 12, lambda r: _mb(r["counted_bytes"])),
+        ("DRAM est MB", 13, lambda r: _mb(r["dram_bytes"])),
+        ("measured MB", 13, lambda r: _mb(r["measured_bytes"])),
+        ("vs compulsory", 15, lambda r: _ratio(r["vs_compulsory"])),
+    ])  # fmt: skip
 
 
 def backward_rows(
