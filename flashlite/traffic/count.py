@@ -23,7 +23,7 @@ from flashlite import _backend, reference
 from flashlite.kernels.configs import Config
 from flashlite.ops import attention as attention_ops
 from flashlite.ops import softmax as softmax_ops
-from flashlite.traffic.model import flashlite_config, resolve_softmax_algorithm
+from flashlite.traffic.model import counted_config, flashlite_config, resolve_softmax_algorithm
 from flashlite.traffic.shapes import ATTENTION_METHODS, AttentionShape, Traffic, make_inputs
 
 
@@ -261,9 +261,7 @@ def count_attention(
         with count_torch_ops() as ops:
             attention_fn(method, shape)(q, k, v)
         return ops.traffic
-    info = flashlite_config(shape, "cpu", gpu=gpu, config=config)
-    cfg = Config(info["BLOCK_M"], info["BLOCK_N"], info["num_warps"], info["num_stages"],
-                 info["WARP_SPECIALIZE"], info["LAZY_RESCALE"], info["OVERLAP"])  # fmt: skip
+    cfg, _ = counted_config(shape, gpu=gpu, config=config)
     with count_kernels() as kern, count_torch_ops() as ops:
         kern.watch(q=q, k=k, v=v)
         attention_ops.attention_fwd(q, k, v, shape.causal, shape.head_dim**-0.5, config=cfg,
@@ -271,12 +269,12 @@ def count_attention(
     t = kern.traffic
     if ops.traffic.total:
         t.add("torch ops", ops.traffic.read, ops.traffic.write)
-    t.info = info
+    t.info = flashlite_config(shape, "cpu", gpu=gpu, config=config)
     return t
 
 
 def count_attention_bwd(
-    shape: AttentionShape, *, gpu: str = "h200", with_lse_grad: bool = False
+    shape: AttentionShape, *, with_lse_grad: bool = False
 ) -> tuple[Traffic, Traffic]:
     """Counted bytes of one backward on CPU tensors of ``shape``: ``(flashlite, naive)``.
 
@@ -285,7 +283,6 @@ def count_attention_bwd(
     counted). naive: every torch op of autograd's backward through
     :func:`flashlite.reference.attention` (the forward's ops are not counted).
     """
-    del gpu  # one backward table so far: every GPU runs the same tiles
     q, k, v = make_inputs(shape, "cpu")
     scale = shape.head_dim**-0.5
     o, lse, _ = attention_ops.attention_fwd(q, k, v, shape.causal, scale)

@@ -192,6 +192,15 @@ def parse_config(text: str, head_dim: int, dtype: torch.dtype) -> Config:
     return cfg
 
 
+def counted_config(
+    shape: AttentionShape, *, gpu: str = "h200", config: Config | None = None
+) -> tuple[Config, bool]:
+    """The config flashlite is counted and modelled with (``config``, else what the ``gpu``
+    table runs for the shape) and whether that GPU loads through tensor descriptors."""
+    cfg, desc = attention_ops.gpu_config(_dims(shape), shape.dtype, shape.causal, gpu)
+    return config or cfg, desc
+
+
 def flashlite_config(
     shape: AttentionShape, device: str = "cpu", *, gpu: str = "h200", config: Config | None = None
 ) -> dict[str, Any]:
@@ -202,8 +211,7 @@ def flashlite_config(
     CUDA: one call of the host launcher, which reports what it ran (autotuning once if needed).
     """
     if not device.startswith("cuda"):
-        cfg, desc = attention_ops.gpu_config(_dims(shape), shape.dtype, shape.causal, gpu)
-        cfg = config or cfg
+        cfg, desc = counted_config(shape, gpu=gpu, config=config)
         return {**cfg.constexprs(), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
                 "USE_DESC": desc, "gpu": gpu, "config": config_name(cfg)}  # fmt: skip
     q, k, v = make_inputs(shape, device)
