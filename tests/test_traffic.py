@@ -498,3 +498,27 @@ def test_backward_rows_and_cli(capsys: pytest.CaptureFixture[str]) -> None:
     by = {r["method"]: r for r in rows}
     assert by["flashlite-bwd"]["counted_bytes"] == by["flashlite-bwd"]["model_bytes"]
     assert by["flashlite-bwd"]["counted_bytes"] < by["naive-bwd"]["counted_bytes"]
+
+
+@pytest.mark.interpreter
+def test_ncu_child_runs_one_range_per_call(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    # what runs inside ncu, on CPU: warm-up outside the ranges, one range per shape/algorithm
+    from flashlite.traffic import measure
+
+    ranges: list[str] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_push", ranges.append)
+    monkeypatch.setattr(torch.cuda.nvtx, "range_pop", lambda: None)
+    shapes = [_shape(1, 1, 1, 16, 16, 16, torch.float32, False).to_json()] * 2
+    for spec in (
+        {"method": "naive", "shapes": shapes},
+        {"kind": "softmax", "rows": 2, "n": 40, "dtype": "float32",
+         "algorithms": ["online", "torch"]},
+    ):  # fmt: skip
+        report_path = tmp_path / "report.json"
+        spec_path = tmp_path / "spec.json"
+        spec_path.write_text(json.dumps({**spec, "device": "cpu", "report": str(report_path)}))
+        ranges.clear()
+        measure._child_main(str(spec_path))
+        assert ranges == ["flt_0000_", "flt_0001_"]
+        assert json.loads(report_path.read_text())["errors"] == {}

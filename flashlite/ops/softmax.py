@@ -17,6 +17,7 @@ import torch
 
 from flashlite import _backend
 from flashlite.kernels import softmax as K
+from flashlite.kernels.configs import cdiv
 from flashlite.ops.common import on_compute_device, skip_dispatcher
 
 ALGORITHMS = ("auto", "three_pass", "online")
@@ -92,7 +93,7 @@ def softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = 
             algorithm = "split"
     if algorithm == "single_read":
         cfg = K.single_read_config(n_cols)
-        grid = (K.cdiv(n_rows, cfg["ROWS"]),)
+        grid = (cdiv(n_rows, cfg["ROWS"]),)
         kernel = _backend.launcher(K._softmax_single_read_fwd_kernel)
         kernel[grid](x2, y2, n_rows, n_cols, *strides, **flags, **cfg)
     elif algorithm == "split":
@@ -147,7 +148,7 @@ def softmax_bwd(y2: torch.Tensor, dy2: torch.Tensor, dx2: torch.Tensor, log: boo
     n_rows, n_cols = y2.shape
     one_tile = K.fits_single_read(n_cols, y2.element_size())
     cfg = K.single_read_config(n_cols) if one_tile else K.loop_config(n_cols)
-    _backend.launcher(K._softmax_bwd_kernel)[(K.cdiv(n_rows, cfg["ROWS"]),)](
+    _backend.launcher(K._softmax_bwd_kernel)[(cdiv(n_rows, cfg["ROWS"]),)](
         y2, dy2, dx2, n_rows, n_cols, *y2.stride(), *dy2.stride(), *dx2.stride(), LOG=log,
         ONE_TILE=one_tile, COL_INT64=_col_int64(n_cols, y2, dy2, dx2),
         ROUND_BF16=_backend.round_bf16(dx2.dtype), **cfg,

@@ -116,26 +116,53 @@ def _range_name(i: int) -> str:
 _RANGE_RE = re.compile(r"flt_(\d{4})_")
 
 
+def _warm_up(fn: Callable[[], Any]) -> None:
+    for _ in range(2):  # compile and autotune outside the measured range
+        fn()
+    torch.cuda.synchronize()
+
+
+def _measure_once(i: int, fn: Callable[[], Any]) -> None:
+    """One call of ``fn`` inside the NVTX range ncu profiles as number ``i``."""
+    torch.cuda.nvtx.range_push(_range_name(i))
+    fn()
+    torch.cuda.synchronize()
+    torch.cuda.nvtx.range_pop()
+
+
 def _softmax_child(spec: dict[str, Any], report: dict[str, Any]) -> None:
     """The softmax half of :func:`_child_main`: one range per algorithm (``torch`` too)."""
     dtype = getattr(torch, spec["dtype"])
     for i, algorithm in enumerate(spec["algorithms"]):
         try:
-            x = torch.randn(spec["rows"], spec["n"], device="cuda").to(dtype)
+            x = torch.randn(spec["rows"], spec["n"], device=spec.get("device", "cuda")).to(dtype)
             y = torch.empty_like(x)
             if algorithm == "torch":
                 fn: Callable[[], Any] = lambda x=x: torch.softmax(x, -1)  # noqa: E731
             else:
                 fn = lambda x=x, y=y, a=algorithm: softmax_ops.softmax_fwd(x, y, False, a)  # noqa: E731
-            for _ in range(2):  # compile outside the measured range
-                fn()
-            torch.cuda.synchronize()
-            torch.cuda.nvtx.range_push(_range_name(i))
-            fn()
-            torch.cuda.synchronize()
-            torch.cuda.nvtx.range_pop()
+            _warm_up(fn)
+            _measure_once(i, fn)
             del x, y
         except Exception as e:  # e.g. the team kernel without cooperative launches
+            report["errors"][i] = f"{type(e).__name__}: {e}"
+
+
+def _attention_child(spec: dict[str, Any], report: dict[str, Any]) -> None:
+    """The attention half of :func:`_child_main`: one range per shape."""
+    for i, d in enumerate(spec["shapes"]):
+        shape = AttentionShape.from_json(d)
+        try:
+            q, k, v = make_inputs(shape, spec.get("device", "cuda"))
+            call = attention_fn(spec["method"], shape)
+            fn: Callable[[], Any] = lambda call=call, q=q, k=k, v=v: call(q, k, v)  # noqa: E731
+            _warm_up(fn)
+            if spec["method"] == "flashlite":
+                with contextlib.suppress(Exception):
+                    report["configs"][i] = flashlite_config(shape, "cuda")
+            _measure_once(i, fn)
+            del q, k, v
+        except Exception as e:  # unsupported by this backend: recorded, the others go on
             report["errors"][i] = f"{type(e).__name__}: {e}"
 
 
@@ -144,29 +171,7 @@ def _child_main(spec_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     report: dict[str, Any] = {"errors": {}, "configs": {}}
-    if spec.get("kind") == "softmax":
-        _softmax_child(spec, report)
-        with open(spec["report"], "w") as f:
-            json.dump(report, f)
-        return
-    for i, d in enumerate(spec["shapes"]):
-        shape = AttentionShape.from_json(d)
-        try:
-            q, k, v = make_inputs(shape, "cuda")
-            fn = attention_fn(spec["method"], shape)
-            for _ in range(2):  # compile and autotune outside the measured range
-                fn(q, k, v)
-            torch.cuda.synchronize()
-            if spec["method"] == "flashlite":
-                with contextlib.suppress(Exception):
-                    report["configs"][i] = flashlite_config(shape, "cuda")
-            torch.cuda.nvtx.range_push(_range_name(i))
-            fn(q, k, v)
-            torch.cuda.synchronize()
-            torch.cuda.nvtx.range_pop()
-            del q, k, v
-        except Exception as e:  # unsupported by this backend: recorded, the others go on
-            report["errors"][i] = f"{type(e).__name__}: {e}"
+    (_softmax_child if spec.get("kind") == "softmax" else _attention_child)(spec, report)
     with open(spec["report"], "w") as f:
         json.dump(report, f)
 
