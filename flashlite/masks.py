@@ -16,12 +16,14 @@ helper               twin                    answers
                                              diagonal and boundary tiles (masked); keys from
                                              ``hi`` on are never loaded
 ``visible``          ``torch_visible``       per (query, key) pair: is it seen?
-``query_start``      ``torch_query_start``   the first query block that sees a block of keys
-                                             (the backward's dK/dV loop starts there)
+``query_range``      ``torch_query_range``   the query blocks that see a block of keys, the
+                                             backward's dK/dV loop: from ``lo`` some rows
+                                             see some keys (masked), from ``full_lo`` every
+                                             row sees every key of the block (no mask)
 ===================  ======================  ===============================================
 
 The next masks (sliding window, per-batch key lengths, varlen offsets, split-KV ranges) extend
-these two functions, so everything that asks keeps agreeing.
+these functions, so everything that asks keeps agreeing.
 """
 
 from __future__ import annotations
@@ -32,10 +34,11 @@ import triton.language as tl
 
 __all__ = [
     "key_range",
-    "query_start",
+    "query_range",
     "visible",
+    "visible_t",
     "torch_key_range",
-    "torch_query_start",
+    "torch_query_range",
     "torch_visible",
 ]
 
@@ -69,23 +72,45 @@ def visible(rows, cols, seq_q, seq_k, IS_CAUSAL: tl.constexpr):
 
 
 @triton.jit
-def query_start(start_n, seq_q, seq_k, BLOCK_M: tl.constexpr, IS_CAUSAL: tl.constexpr):
-    """Start (a multiple of ``BLOCK_M``) of the first query block that sees any key of the block
-    starting at ``start_n``: query i sees key j iff ``j <= i + Nk − Nq`` when causal."""
+def visible_t(cols, rows, seq_q, seq_k, IS_CAUSAL: tl.constexpr):
+    """:func:`visible` transposed: ``[C, R]`` bools for keys ``cols`` (down) and queries ``rows``
+    (across), for the backward's keys-major tiles."""
+    seen = cols[:, None] < seq_k
     if IS_CAUSAL:
-        first = tl.maximum(start_n - (seq_k - seq_q), 0)
-        lo = (first // BLOCK_M) * BLOCK_M
+        seen = seen & (cols[:, None] <= rows[None, :] + (seq_k - seq_q))
+    return seen
+
+
+@triton.jit
+def query_range(start_n, seq_q, seq_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                IS_CAUSAL: tl.constexpr):  # fmt: skip
+    """``(lo, full_lo)`` for the key block ``[start_n, start_n + BLOCK_N)``, both multiples of
+    ``BLOCK_M``: query blocks before ``lo`` see none of its keys; from ``full_lo`` on, every row
+    sees every key of the block below ``seq_k``. Query i sees key j iff ``j <= i + Nk − Nq``
+    when causal."""
+    if IS_CAUSAL:
+        diag = seq_k - seq_q
+        lo = (tl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M
+        # the first row that sees the block's last key, rounded up to a block boundary
+        last_key = tl.minimum(start_n + BLOCK_N, seq_k) - 1
+        full_lo = tl.cdiv(tl.maximum(last_key - diag, 0), BLOCK_M) * BLOCK_M
     else:
         lo = start_n * 0
-    return lo
+        full_lo = lo
+    return lo, full_lo
 
 
 # --------------------------------------------------------------------------- torch twins
-def torch_query_start(start_n: int, block_m: int, seq_q: int, seq_k: int, causal: bool) -> int:
-    """Host twin of :func:`query_start`."""
+def torch_query_range(
+    start_n: int, block_m: int, block_n: int, seq_q: int, seq_k: int, causal: bool
+) -> tuple[int, int]:
+    """Host twin of :func:`query_range`: ``(lo, full_lo)`` for one key block."""
     if not causal:
-        return 0
-    return (max(start_n - (seq_k - seq_q), 0) // block_m) * block_m
+        return 0, 0
+    diag = seq_k - seq_q
+    lo = (max(start_n - diag, 0) // block_m) * block_m
+    last_key = min(start_n + block_n, seq_k) - 1
+    return lo, -(-max(last_key - diag, 0) // block_m) * block_m
 
 
 def torch_key_range(

@@ -19,6 +19,7 @@ Triton helpers (``@triton.jit``, called from kernels):
 ``merge_partials``       the same merge over the last axis of ``[R, C]`` partial pairs
 ``finalize_lse``         natural-log LSE from a pair
 ``probs_from_lse``       normalised probabilities of a tile from a finished LSE (backward)
+``probs_from_lse_t``     the same for a transposed ``[C, R]`` tile (one LSE per column)
 =======================  ============================================================
 
 ``m`` is kept in the logits' own units and every exponential is ``2^((x − m)·SCALE)`` for a
@@ -61,6 +62,7 @@ __all__ = [
     "merge_partials",
     "finalize_lse",
     "probs_from_lse",
+    "probs_from_lse_t",
     "merge",
     "merge_attention",
     "torch_tile_stats",
@@ -161,8 +163,21 @@ def probs_from_lse(x, lse, SCALE):
     """The normalised probabilities ``2^(x·SCALE − lse·log2 e)`` of an ``[R, C]`` tile of logits
     from its rows' finished natural-log LSE (``[R]``): how a backward pass gets P back without a
     second pass of statistics. Rows whose LSE is −inf (they saw nothing) give 0, not NaN."""
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
-    return tl.exp2(x * SCALE - lse2[:, None])
+    return tl.exp2(x * SCALE - _lse_log2(lse)[:, None])
+
+
+@triton.jit
+def probs_from_lse_t(xt, lse, SCALE):
+    """:func:`probs_from_lse` of a transposed ``[C, R]`` tile, the rows' LSE (``[R]``) running
+    along its columns: the backward's dK/dV kernel works keys-major (``Sᵀ = K·Qᵀ``) so that
+    ``Pᵀ`` feeds the next products straight from registers."""
+    return tl.exp2(xt * SCALE - _lse_log2(lse)[None, :])
+
+
+@triton.jit
+def _lse_log2(lse):
+    # base-2 LSE; +inf where a row saw nothing, so that its probabilities come out 0, not NaN
+    return tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
 
 
 # --------------------------------------------------------------------------- torch twins

@@ -13,6 +13,7 @@ import torch
 from conftest import TOL, maybe_compile
 
 import flashlite
+from flashlite.kernels import configs as C
 from flashlite.reference import attention as ref_attention
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -135,8 +136,8 @@ def test_non_contiguous_grad_output() -> None:
 
 
 # --------------------------------------------------------------------------- GPU (compiled kernels)
-def _gpu_case(q, k, v, causal, tiles=None):  # noqa: ANN001, ANN202
-    """Largest gradient error of flashlite (optionally with pinned backward tiles) and of
+def _gpu_case(q, k, v, causal, config=None):  # noqa: ANN001, ANN202
+    """Largest gradient error of flashlite (optionally with a pinned backward config) and of
     PyTorch's own low-precision math attention, both against fp32 math on the GPU."""
     from flashlite.ops.attention import attention_bwd
 
@@ -149,11 +150,11 @@ def _gpu_case(q, k, v, causal, tiles=None):  # noqa: ANN001, ANN202
 
     want = grads(lambda a, b, c: ref_attention(a, b, c, causal), q.float(), k.float(), v.float())
     torch_lp = grads(lambda a, b, c: ref_attention(a, b, c, causal), q, k, v)
-    if tiles is None:
+    if config is None:
         got = grads(lambda a, b, c: flashlite.attention(a, b, c, causal=causal), q, k, v)
     else:
         o, lse = flashlite.attention(q, k, v, causal=causal, return_lse=True)
-        got = attention_bwd(do, q, k, v, o, lse, None, causal, q.shape[-1] ** -0.5, tiles=tiles)
+        got = attention_bwd(do, q, k, v, o, lse, None, causal, q.shape[-1] ** -0.5, config=config)
     for g, w, t in zip(got, want, torch_lp, strict=True):
         assert torch.isfinite(g).all()
         err = (g.float() - w).abs().max().item()
@@ -180,14 +181,21 @@ def test_gpu_long(dtype, causal, nq, nk, d, hq, hkv) -> None:  # noqa: ANN001
     _gpu_case(q, k, v, causal)
 
 
+def _backward_configs() -> list[C.BwdConfig]:
+    return sorted({C.GPU_BWD_CONFIG, C.GPU_BWD_SMALL_CONFIG, C.CPU_BWD_CONFIG,
+                   *C.HOPPER_BWD_CONFIGS.values()})  # fmt: skip
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", [(64, 64), (32, 32), (16, 16)], ids=str)
+@pytest.mark.parametrize("config", _backward_configs(), ids=lambda c: "-".join(map(str, c)))
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_gpu_every_backward_tile(tiles: tuple[int, int], d: int) -> None:
+def test_gpu_every_backward_config(config: C.BwdConfig, d: int) -> None:
+    # every config the library can pick, where it picks it: the big tiles for 16-bit inputs up
+    # to D = 128, the small ones everywhere; ragged lengths, Nq != Nk, GQA, causal
+    small = config in (C.GPU_BWD_SMALL_CONFIG, C.CPU_BWD_CONFIG)
     for dtype in (torch.bfloat16, torch.float32):
-        if dtype == torch.float32 and tiles[0] >= 64 and d >= 256:
-            # 416 KB of shared memory (compiled for sm_90 with Triton 3.6); the library runs
-            # fp32 on 32x32 tiles
+        if not small and (dtype == torch.float32 or d > 128):
             continue
-        q, k, v = (torch.randn(1, 2, 300, d, device="cuda", dtype=dtype) for _ in range(3))
-        _gpu_case(q, k, v, True, tiles)
+        q = torch.randn(1, 2, 300, d, device="cuda", dtype=dtype)
+        k, v = (torch.randn(1, 1, 257, d, device="cuda", dtype=dtype) for _ in range(2))
+        _gpu_case(q, k, v, True, config)

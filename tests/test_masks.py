@@ -10,11 +10,12 @@ import triton.language as tl
 from flashlite import _backend
 from flashlite.masks import (
     key_range,
-    query_start,
+    query_range,
     torch_key_range,
-    torch_query_start,
+    torch_query_range,
     torch_visible,
     visible,
+    visible_t,
 )
 from flashlite.ops.attention import _tuned_kernel
 
@@ -70,25 +71,38 @@ def test_autotuning_is_per_length_bucket_not_per_length() -> None:
 
 
 @triton.jit
-def _query_start_kernel(OUT, seq_q, seq_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        IS_CAUSAL: tl.constexpr):  # fmt: skip
+def _query_range_kernel(OUT, SEEN_T, seq_q, seq_k, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, ROWS: tl.constexpr,
+                        COLS: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
-    lo = query_start(pid * BLOCK_N, seq_q, seq_k, BLOCK_M, IS_CAUSAL)
-    tl.store(OUT + pid + tl.arange(0, 1), lo + tl.zeros([1], tl.int32))
+    lo, full_lo = query_range(pid * BLOCK_N, seq_q, seq_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    tl.store(OUT + 2 * pid + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, lo, full_lo))
+    if pid == 0:
+        cols, rows = tl.arange(0, COLS), tl.arange(0, ROWS)
+        seen = visible_t(cols, rows, seq_q, seq_k, IS_CAUSAL)
+        tl.store(SEEN_T + cols[:, None] * ROWS + rows[None, :], seen.to(tl.int8))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("nq,nk", [(1, 1), (40, 13), (13, 40), (64, 64)])
-def test_query_start_matches_its_twin_and_misses_no_visible_query(
+@pytest.mark.parametrize("nq,nk", [(1, 1), (40, 13), (13, 40), (64, 64), (5, 64), (64, 5)])
+def test_query_range_matches_its_twin_and_covers_exactly_the_visible_queries(
     nq: int, nk: int, causal: bool
 ) -> None:
     dev = _backend.compute_device(torch.device("cpu"))
     bm, bn = 16, 8
     n_blocks = triton.cdiv(nk, bn)
-    out = torch.empty(n_blocks, dtype=torch.int32, device=dev)
-    _query_start_kernel[(n_blocks,)](out, nq, nk, BLOCK_M=bm, BLOCK_N=bn, IS_CAUSAL=causal)
+    out = torch.empty(n_blocks, 2, dtype=torch.int32, device=dev)
+    seen_t = torch.empty(64, 64, dtype=torch.int8, device=dev)
+    _query_range_kernel[(n_blocks,)](out, seen_t, nq, nk, BLOCK_M=bm, BLOCK_N=bn,
+                                     IS_CAUSAL=causal, ROWS=64, COLS=64)  # fmt: skip
     mask = torch_visible(nq, nk, causal)
     for block in range(n_blocks):
-        lo = torch_query_start(block * bn, bm, nq, nk, causal)
-        assert out[block].item() == lo and lo % bm == 0
-        assert not mask[:lo, block * bn : (block + 1) * bn].any()  # nothing seen is skipped
+        lo, full_lo = torch_query_range(block * bn, bm, bn, nq, nk, causal)
+        assert tuple(out[block].tolist()) == (lo, full_lo)
+        assert lo % bm == 0 and full_lo % bm == 0 and lo <= full_lo
+        keys = mask[:, block * bn : (block + 1) * bn]
+        assert not keys[:lo].any()  # nothing seen is skipped
+        assert keys[full_lo:].all()  # the unmasked loop: every row sees every key
+    # visible_t is visible transposed
+    twin = torch_visible(nq, nk, causal, rows=torch.arange(64, device=dev))  # (64, Nk)
+    assert torch.equal(seen_t[:nk].bool(), twin.T) and not seen_t[nk:].any()

@@ -74,6 +74,60 @@ PIN_ENV = "FLASHLITE_ATTENTION_CONFIG"
 SMEM_BUDGET = 224 * 1024
 
 
+class BwdConfig(NamedTuple):
+    """Launch config of the backward's two main kernels. dK/dV: one program per ``kv_block_n``
+    keys, stepping through ``kv_block_m`` query rows at a time; dQ: one program per
+    ``q_block_m`` queries, stepping through ``q_block_n`` keys at a time."""
+
+    kv_block_m: int
+    kv_block_n: int
+    kv_warps: int
+    kv_stages: int
+    q_block_m: int
+    q_block_n: int
+    q_warps: int
+    q_stages: int
+
+    def dkdv(self) -> dict[str, int]:
+        """The dK/dV kernel's tile constexprs and launch options."""
+        return {"BLOCK_M": self.kv_block_m, "BLOCK_N": self.kv_block_n,
+                "num_warps": self.kv_warps, "num_stages": self.kv_stages}  # fmt: skip
+
+    def dq(self) -> dict[str, int]:
+        """The dQ kernel's tile constexprs and launch options."""
+        return {"BLOCK_M": self.q_block_m, "BLOCK_N": self.q_block_n,
+                "num_warps": self.q_warps, "num_stages": self.q_stages}  # fmt: skip
+
+
+#: The backward on the interpreter: small tiles (fast in Python, several blocks per test).
+CPU_BWD_CONFIG = BwdConfig(16, 16, 4, 1, 16, 16, 4, 1)
+#: The backward for 16-bit inputs with a head of up to 128 on a GPU, and the small fallback for
+#: fp32 (its three-pass dots double the operands) and wider heads (the dK and dV accumulators are
+#: ``2·BLOCK_N·BLOCK_D`` fp32 registers). See ``HOPPER_BWD_CONFIGS`` for the measured table.
+GPU_BWD_CONFIG = BwdConfig(32, 64, 4, 3, 64, 64, 4, 2)
+GPU_BWD_SMALL_CONFIG = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)
+#: Hopper (sm_90), 16-bit inputs, by ``(BLOCK_D, causal)``: measured on an H200
+#: (``benchmarks/NOTES.md``).
+HOPPER_BWD_CONFIGS: dict[tuple[int, bool], BwdConfig] = {
+    (64, False): BwdConfig(32, 64, 4, 3, 128, 64, 8, 4),
+    (64, True): BwdConfig(32, 64, 4, 3, 128, 64, 8, 4),
+    (128, False): BwdConfig(32, 128, 8, 3, 64, 64, 4, 2),
+    (128, True): BwdConfig(32, 128, 8, 3, 64, 64, 4, 2),
+}
+
+
+def bwd_config(
+    elem_bytes: int, head_dim: int, causal: bool, capability: tuple[int, int]
+) -> BwdConfig:
+    """The backward's config on a GPU of this compute capability."""
+    bd = block_d(head_dim)
+    if elem_bytes > 2 or bd > 128:
+        return GPU_BWD_SMALL_CONFIG
+    if capability == (9, 0) and (bd, causal) in HOPPER_BWD_CONFIGS:
+        return HOPPER_BWD_CONFIGS[(bd, causal)]
+    return GPU_BWD_CONFIG
+
+
 def next_pow2(n: int) -> int:
     """The smallest power of two >= ``n`` (host arithmetic, cheaper than Triton's wrapper)."""
     return 1 << (n - 1).bit_length() if n > 1 else 1

@@ -335,19 +335,12 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: fl
     return empty_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-#: Backward tiles (query block × key block): the interpreter's small tile on CPU; on a GPU 64×64
-#: for 16-bit inputs up to D = 128, 32×32 for fp32 or larger head dims (not yet tuned).
-BWD_CPU_TILES, BWD_TILES, BWD_SMALL_TILES = (16, 16), (64, 64), (32, 32)
-
-
-def gpu_bwd_tiles(dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
-    """The backward's ``(BLOCK_M, BLOCK_N)`` on a GPU for this dtype and head dim."""
-    small = dtype.itemsize <= 2 and C.block_d(head_dim) <= 128
-    return BWD_TILES if small else BWD_SMALL_TILES
-
-
-def _bwd_tiles(dev: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[int, int]:
-    return BWD_CPU_TILES if _backend.kernels_interpreted() else gpu_bwd_tiles(dtype, head_dim)
+def bwd_config(dev: torch.device, dtype: torch.dtype, head_dim: int, causal: bool) -> C.BwdConfig:
+    """The backward's tiles and launch options: the interpreter's small tiles on CPU, else
+    :func:`flashlite.kernels.configs.bwd_config` for this GPU."""
+    if _backend.kernels_interpreted():
+        return C.CPU_BWD_CONFIG
+    return C.bwd_config(dtype.itemsize, head_dim, causal, _backend.capability(dev.index or 0))
 
 
 @on_compute_device
@@ -362,7 +355,7 @@ def attention_bwd(
     causal: bool,
     scale: float,
     *,
-    tiles: tuple[int, int] | None = None,
+    config: C.BwdConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels on ``(B, H, N, D)`` views (no autograd, no checks).
 
@@ -370,57 +363,100 @@ def attention_bwd(
         do: ``(B, Hq, Nq, D)`` gradient of the output; q, o alike; k, v ``(B, Hkv, Nk, D)``.
         lse: the forward's fp32 ``(B, Hq, Nq)`` LSE; dlse: its gradient, or None.
         causal, scale: as in the forward.
-        tiles: pin ``(BLOCK_M, BLOCK_N)`` (the traffic tools count the GPU's tiles on a CPU).
+        config: pin the kernels' tiles (the traffic tools count the GPU's on a CPU; benchmarks).
 
     Returns:
         ``(dq, dk, dv)``, each strided like its input. Extra memory: delta, fp32 ``(B, Hq, Nq)``.
     """
-    dev = q.device
     b, hq, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
+    nk = k.shape[2]
     dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
     if b * hq * nq == 0 or nk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    block_d = C.block_d(d)
-    bm, bn = tiles or _bwd_tiles(dev, q.dtype, d)
-    # the kernels index the (B, Hq, Nq) statistics densely: an expanded or strided dlse (autograd
-    # may hand one over) is made dense here, O(N)
-    lse = lse.contiguous()
-    dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
-    delta = torch.empty_like(lse)
-    common = {
-        "HEAD_DIM": d,
-        "BLOCK_D": block_d,
-        "num_warps": 4,
-        "num_stages": 1,
-    }
-    prep = _backend.launcher(KB._attention_bwd_preprocess_kernel)
-    prep[(C.cdiv(nq, bm), b * hq)](
-        o, do, dlse if dlse is not None else lse, delta, *o.stride(), *do.stride(), hq, nq,
-        BLOCK_M=bm, HAS_DLSE=dlse is not None, **common,
-    )  # fmt: skip
-    flags = {
+    cfg = config or bwd_config(q.device, q.dtype, d, causal)
+    # 16-bit inputs: the preprocess writes Qs (Q·scale·log2 e, as the forward rounded it) into
+    # dq's memory; the dQ kernel reads each block of it before overwriting it with dQ
+    qs = dq if _prescale_q(q) else q
+    delta = bwd_preprocess(o, do, lse, dlse, q, qs, scale)
+    lse = lse.contiguous()  # the kernels index the (B, Hq, Nq) statistics densely
+    bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, causal, scale, cfg)
+    bwd_dq(qs, k, v, do, lse, delta, dq, causal, scale, cfg)
+    return dq, dk, dv
+
+
+def _prescale_q(q: torch.Tensor) -> bool:
+    return q.dtype != torch.float32  # as the forward computed the scores
+
+
+def _bwd_flags(q: torch.Tensor, causal: bool) -> dict[str, object]:
+    return {
+        "HEAD_DIM": q.shape[-1],
+        "BLOCK_D": C.block_d(q.shape[-1]),
         "IS_CAUSAL": bool(causal),
-        "PRESCALE_Q": q.dtype != torch.float32,  # as the forward computed the scores
+        "PRESCALE_Q": _prescale_q(q),
         "DOT_FP32": _backend.dot_upcast(q.dtype),
         "DOT_PRECISION": "tf32x3" if q.dtype == torch.float32 else "tf32",
         "ROUND_BF16": _backend.round_bf16(q.dtype),
-        "BLOCK_M": bm,
-        "BLOCK_N": bn,
-        **common,
     }
-    strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride())
-    dkdv = _backend.launcher(KB._attention_bwd_dkdv_kernel)
-    dkdv[(C.cdiv(nk, bn), b * hkv)](
-        q, k, v, do, lse, delta, dk, dv, *strides, *dk.stride(), *dv.stride(),
-        hq, hkv, hq // hkv, nq, nk, scale, **flags,
+
+
+def bwd_preprocess(
+    o: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    q: torch.Tensor,
+    qs: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``delta = rowsum(dO ∘ O) − dlse``: fp32 ``(B, Hq, Nq)`` from ``(B, Hq, Nq, D)`` O, dO;
+    for 16-bit inputs also ``qs = Q·scale·log2 e`` rounded as the forward rounded it (``qs`` is
+    ``q`` itself for fp32, and not written)."""
+    b, hq, nq, d = o.shape
+    # an expanded or strided dlse (autograd may hand one over) is made dense here, O(N)
+    dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
+    delta = torch.empty((b, hq, nq), device=o.device, dtype=torch.float32)
+    bm = 64 if d <= 128 else 32
+    prep = _backend.launcher(KB._attention_bwd_preprocess_kernel)
+    prep[(C.cdiv(nq, bm), b * hq)](
+        o, do, dlse if dlse is not None else delta, delta, q, qs, *o.stride(), *do.stride(),
+        *q.stride(), *qs.stride(), hq, nq, scale, HEAD_DIM=d, BLOCK_D=C.block_d(d),
+        BLOCK_M=bm, HAS_DLSE=dlse is not None, PRESCALE_Q=_prescale_q(q),
+        ROUND_BF16=_backend.round_bf16(q.dtype), num_warps=4, num_stages=1,
     )  # fmt: skip
-    dq_kernel = _backend.launcher(KB._attention_bwd_dq_kernel)
-    dq_kernel[(C.cdiv(nq, bm), b * hq)](
-        q, k, v, do, lse, delta, dq, *strides, *dq.stride(), hq, hq // hkv, nq, nk, scale,
-        **flags,
+    return delta
+
+
+def bwd_dkdv(
+    qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+    delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
+    cfg: C.BwdConfig,
+) -> None:  # fmt: skip
+    """The dK/dV kernel into ``dk``, ``dv``; ``qs`` as :func:`bwd_preprocess` left it (``lse``,
+    ``delta`` dense ``(B, Hq, Nq)``)."""
+    b, hq, nq, _ = qs.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    kernel = _backend.launcher(KB._attention_bwd_dkdv_kernel)
+    kernel[(C.cdiv(nk, cfg.kv_block_n), b * hkv)](
+        qs, k, v, do, lse, delta, dk, dv, *qs.stride(), *k.stride(), *v.stride(), *do.stride(),
+        *dk.stride(), *dv.stride(), hq, hkv, hq // hkv, nq, nk, scale,
+        **_bwd_flags(qs, causal), **cfg.dkdv(),
     )  # fmt: skip
-    return dq, dk, dv
+
+
+def bwd_dq(
+    qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+    delta: torch.Tensor, dq: torch.Tensor, causal: bool, scale: float, cfg: C.BwdConfig,
+) -> None:  # fmt: skip
+    """The dQ kernel into ``dq``; ``qs`` as :func:`bwd_preprocess` left it, possibly ``dq``
+    itself (``lse``, ``delta`` dense ``(B, Hq, Nq)``)."""
+    b, hq, nq, _ = qs.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    kernel = _backend.launcher(KB._attention_bwd_dq_kernel)
+    kernel[(C.cdiv(nq, cfg.q_block_m), b * hq)](
+        qs, k, v, do, lse, delta, dq, *qs.stride(), *k.stride(), *v.stride(), *do.stride(),
+        *dq.stride(), hq, hq // hkv, nq, nk, scale, **_bwd_flags(qs, causal), **cfg.dq(),
+    )  # fmt: skip
 
 
 @torch.library.custom_op("flashlite::attention_bwd", mutates_args=())

@@ -23,7 +23,13 @@ from flashlite import _backend, reference
 from flashlite.kernels.configs import Config
 from flashlite.ops import attention as attention_ops
 from flashlite.ops import softmax as softmax_ops
-from flashlite.traffic.model import counted_config, flashlite_config, resolve_softmax_algorithm
+from flashlite.traffic.model import (
+    bwd_info,
+    counted_bwd_config,
+    counted_config,
+    flashlite_config,
+    resolve_softmax_algorithm,
+)
 from flashlite.traffic.shapes import ATTENTION_METHODS, AttentionShape, Traffic, make_inputs
 
 
@@ -279,8 +285,8 @@ def count_attention_bwd(
     """Counted bytes of one backward on CPU tensors of ``shape``: ``(flashlite, naive)``.
 
     flashlite: the three backward kernels in the interpreter, with the GPU's tiles
-    (:func:`flashlite.ops.attention.gpu_bwd_tiles`; the forward that gives O and the LSE is not
-    counted). naive: every torch op of autograd's backward through
+    (:func:`flashlite.traffic.model.counted_bwd_config`; the forward that gives O and the LSE is
+    not counted). naive: every torch op of autograd's backward through
     :func:`flashlite.reference.attention` (the forward's ops are not counted).
     """
     q, k, v = make_inputs(shape, "cpu")
@@ -289,11 +295,11 @@ def count_attention_bwd(
     gen = torch.Generator().manual_seed(1)
     do = torch.randn(o.shape, generator=gen).to(o.dtype)
     dlse = torch.randn(lse.shape, generator=gen) if with_lse_grad else None
-    tiles = attention_ops.gpu_bwd_tiles(shape.dtype, shape.head_dim)
+    cfg = counted_bwd_config(shape)
     with count_kernels() as kern:
-        attention_ops.attention_bwd(do, q, k, v, o, lse, dlse, shape.causal, scale, tiles=tiles)
+        attention_ops.attention_bwd(do, q, k, v, o, lse, dlse, shape.causal, scale, config=cfg)
     flash = kern.traffic
-    flash.info = {"BLOCK_M": tiles[0], "BLOCK_N": tiles[1], "config": "x".join(map(str, tiles))}
+    flash.info = bwd_info(cfg)
     qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
     out, ref_lse = reference.attention(qr, kr, vr, shape.causal, scale, return_lse=True)
     with count_torch_ops() as ops:

@@ -18,7 +18,7 @@ import triton
 from flashlite import masks
 from flashlite.kernels import configs
 from flashlite.kernels import softmax as softmax_kernels
-from flashlite.kernels.configs import Config, keep_config
+from flashlite.kernels.configs import BwdConfig, Config, bwd_config, keep_config
 from flashlite.ops import attention as attention_ops
 from flashlite.traffic.shapes import (
     ATTENTION_METHODS,
@@ -457,10 +457,14 @@ def compulsory_attention_bwd(shape: AttentionShape) -> Traffic:
     return t
 
 
+def counted_bwd_config(shape: AttentionShape) -> BwdConfig:
+    """The backward config the model and the count use: the H200's for this shape."""
+    return bwd_config(shape.itemsize, shape.head_dim, shape.causal, (9, 0))
+
+
 def model_flashlite_attention_bwd(
     shape: AttentionShape,
-    block_m: int | None = None,
-    block_n: int | None = None,
+    config: BwdConfig | None = None,
     *,
     with_lse_grad: bool = False,
 ) -> Traffic:
@@ -469,32 +473,44 @@ def model_flashlite_attention_bwd(
     With ``b`` the element size, per (batch, head) and the fp32 statistics at 4 bytes a row:
 
     * preprocess: read O and dO (``Nq·D·b`` each) and dlse if given; write delta (``4·Nq``);
-    * dK/dV, per block of ``BLOCK_N`` keys of a K/V head: read its K and V tiles once, then for
-      each of the ``G`` query heads of its group the ``Nq − lo`` query rows that can see it
-      (``lo`` = :func:`flashlite.masks.torch_query_start`): Q and dO (``D·b`` a row) and LSE and
-      delta (4 bytes each); write the dK and dV tiles;
-    * dQ, per block of ``BLOCK_M`` query rows: read Q, dO, LSE, delta once and the K and V tiles
-      up to the forward's ``hi`` (:func:`flashlite.masks.torch_key_range`); write dQ.
+      for 16-bit inputs also read Q and write Qs, the prescaled Q (``Nq·D·b`` each);
+    * dK/dV, per block of ``kv_block_n`` keys of a K/V head: read its K and V tiles once, then
+      for each of the ``G`` query heads of its group the ``Nq − lo`` query rows that can see it
+      (``lo`` from :func:`flashlite.masks.torch_query_range`): Qs (Q for fp32) and dO (``D·b``
+      a row) and LSE and delta (4 bytes each); write the dK and dV tiles;
+    * dQ, per block of ``q_block_m`` query rows: read Qs, dO, LSE, delta once and the K and V
+      tiles up to the forward's ``hi`` (:func:`flashlite.masks.torch_key_range`); write dQ.
     """
-    if block_m is None or block_n is None:
-        block_m, block_n = attention_ops.gpu_bwd_tiles(shape.dtype, shape.head_dim)
+    cfg = config or counted_bwd_config(shape)
     b, D = shape.itemsize, shape.head_dim
     B, H, Hkv, Nq, Nk = shape.batch, shape.heads, shape.hkv, shape.seq_q, shape.nk
     G = H // Hkv
-    t = Traffic(info={"BLOCK_M": block_m, "BLOCK_N": block_n})
+    t = Traffic(info=bwd_info(cfg))
     rows = B * H * Nq
     t.add("preprocess", 2 * rows * D * b + (4 * rows if with_lse_grad else 0), 4 * rows)
+    if b < 4:
+        t.add("preprocess: q -> qs", rows * D * b, rows * D * b)
     q_rows = 0  # query rows the dK/dV programs of one K/V head read, over its key blocks
-    for n0 in range(0, Nk, block_n):
-        q_rows += Nq - masks.torch_query_start(n0, block_m, Nq, Nk, shape.causal)
+    for n0 in range(0, Nk, cfg.kv_block_n):
+        lo, _ = masks.torch_query_range(n0, cfg.kv_block_m, cfg.kv_block_n, Nq, Nk, shape.causal)
+        q_rows += Nq - lo
     t.add("dk/dv: k, v", 2 * B * Hkv * Nk * D * b, 0)
     t.add("dk/dv: q, dO, lse, delta", B * Hkv * G * q_rows * (2 * D * b + 8), 0)
     t.add("dk/dv: dk, dv", 0, 2 * B * Hkv * Nk * D * b)
     keys = 0  # keys each query head's dQ programs read
-    for m0 in range(0, Nq, block_m):
-        _, hi = masks.torch_key_range(m0, block_m, block_n, Nq, Nk, shape.causal)
-        keys += min(Nk, block_n * triton.cdiv(hi, block_n))
+    bm, bn = cfg.q_block_m, cfg.q_block_n
+    for m0 in range(0, Nq, bm):
+        _, hi = masks.torch_key_range(m0, bm, bn, Nq, Nk, shape.causal)
+        keys += min(Nk, bn * triton.cdiv(hi, bn))
     t.add("dq: q, dO, lse, delta", rows * (2 * D * b + 8), 0)
     t.add("dq: k, v", B * H * keys * 2 * D * b, 0)
     t.add("dq: dq", 0, rows * D * b)
     return t
+
+
+def bwd_info(cfg: BwdConfig) -> dict[str, object]:
+    """How a table or JSON names a backward config."""
+    return {
+        "config": f"dkdv {cfg.kv_block_m}x{cfg.kv_block_n}, dq {cfg.q_block_m}x{cfg.q_block_n}",
+        **cfg._asdict(),
+    }

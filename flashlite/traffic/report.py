@@ -282,7 +282,7 @@ def backward_rows(
         if count:
             flash, naive = count_attention_bwd(shape)
         comp = compulsory_attention_bwd(shape)
-        config = "x".join(map(str, (model.info["BLOCK_M"], model.info["BLOCK_N"])))
+        config = model.info["config"]
         for method, m, c in (("flashlite-bwd", model, flash), ("naive-bwd", None, naive)):
             best = next((t for t in (c, m) if t is not None), None)
             rows.append(

@@ -11,18 +11,29 @@ LSE is an output too)::
 (``delta_i = Σ_j P_ij dP_ij`` because ``O = PV``; an LSE gradient adds ``dlse_i·P_ij`` to
 ``dS_ij``, which is the same as subtracting it from delta.) Three kernels:
 
-1. ``_attention_bwd_preprocess_kernel``: delta per query row, ``(B, Hq, Nq)`` fp32.
+1. ``_attention_bwd_preprocess_kernel``: delta per query row, ``(B, Hq, Nq)`` fp32; for 16-bit
+   inputs also ``Qs``, Q times ``scale·log2 e`` rounded to the input dtype, exactly the operand
+   the forward's scores came from (``PRESCALE_Q``), written into the dQ output's memory: the
+   scores are recomputed bit for bit with no extra buffer, and the loops below feed Qs to the
+   tensor cores straight from memory (scaling Q in a loop would stage every tile in registers).
 2. ``_attention_bwd_dkdv_kernel``: one program per block of ``BLOCK_N`` keys of one K/V head; it
    loops over the query heads of its GQA group and over the query blocks that see its keys
-   (:func:`flashlite.masks.query_start`), accumulating dK and dV in registers. GQA's sum over a
-   group happens in the loop: no repeated K/V, no atomics.
+   (:func:`flashlite.masks.query_range`), accumulating dK and dV in registers. GQA's sum over a
+   group happens in the loop: no repeated K/V, no atomics. It works keys-major, ``Sᵀ = K·Qsᵀ``:
+   ``Pᵀ`` and ``dSᵀ`` come out of the tensor cores in the layout that ``dV += Pᵀ·dO`` and
+   ``dK += dSᵀ·Qs`` take as their register operand, so no tile is transposed on chip. dK is
+   summed against Qs and divided by ``log2 e`` at the end (``Qs = Q·scale·log2 e``), which adds
+   one bf16/fp16 rounding of Q to dK's error, the size of the rounding of dS it already has.
 3. ``_attention_bwd_dq_kernel``: one program per query block, looping over the key tiles the
-   forward visited (:func:`flashlite.masks.key_range`). A separate kernel recomputes P once more
-   instead of adding dQ with atomics from the dK/dV kernel: the result is deterministic, and dQ
-   needs no fp32 ``(B, Hq, Nq, D)`` accumulator.
+   forward visited (:func:`flashlite.masks.key_range`); it reads its Qs block from the dQ buffer
+   and then overwrites that block with dQ. A separate kernel recomputes P once more instead of
+   adding dQ with atomics from the dK/dV kernel: the result is deterministic, and dQ needs no
+   fp32 ``(B, Hq, Nq, D)`` accumulator.
 
-Scores are recomputed exactly as the forward computed them (Q·scale·log2 e rounded to the input
-dtype when ``PRESCALE_Q``), so P matches the saved LSE. Loads go through masked pointers.
+Both loops split like the forward's: blocks where every (query, key) pair is visible run without
+mask arithmetic or bounds checks; only the diagonal and the ragged last block pay for them. fp32
+inputs keep Q as it is (the forward did not prescale them) and ``scale·log2 e`` in the exponent.
+Loads go through pointers.
 """
 
 from __future__ import annotations
@@ -32,20 +43,23 @@ import triton.language as tl
 
 from flashlite.kernels.attention.common import load_tile, scale_q
 from flashlite.kernels.common import cast
-from flashlite.masks import key_range, query_start, visible
-from flashlite.stats import LOG2E, probs_from_lse
+from flashlite.masks import key_range, query_range, visible, visible_t
+from flashlite.stats import LOG2E, probs_from_lse, probs_from_lse_t
 
 
 @triton.jit
 def _attention_bwd_preprocess_kernel(
-    O, DO, DLSE, DELTA,
+    O, DO, DLSE, DELTA, Q, QS,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_gb, stride_gh, stride_gm, stride_gd,
-    n_heads, seq_q,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_sb, stride_sh, stride_sm, stride_sd,
+    n_heads, seq_q, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    HAS_DLSE: tl.constexpr,
+    HAS_DLSE: tl.constexpr, PRESCALE_Q: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``: ``delta = rowsum(dO ∘ O) − dlse``, fp32."""
+    """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``: ``delta = rowsum(dO ∘ O) − dlse``, fp32; with
+    ``PRESCALE_Q`` also ``Qs`` (see the module's docstring) into ``QS``."""
     pid_bh = tl.program_id(1)
     b, h = pid_bh // n_heads, pid_bh % n_heads
     start_m = tl.program_id(0) * BLOCK_M
@@ -62,28 +76,61 @@ def _attention_bwd_preprocess_kernel(
     if HAS_DLSE:
         delta -= tl.load(DLSE + at, mask=rows < seq_q, other=0.0)
     tl.store(DELTA + at, delta, mask=rows < seq_q)
+    if PRESCALE_Q:
+        q_src = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        q = load_tile(q_src, b, h, start_m, seq_q, stride_qm, stride_qd, offs_r, offs_d,
+                      HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
+        qs, _ = scale_q(q, sm_scale * LOG2E, True, ROUND_BF16)  # as the forward rounded it
+        s_dst = QS + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
+        ptrs = s_dst + rows.to(tl.int64)[:, None] * stride_sm + offs_d[None, :] * stride_sd
+        tl.store(ptrs, qs, mask=(rows[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM))
 
 
 @triton.jit
-def _probs_and_dscores(qs, k, v, do, lse, delta, rows, cols, seq_q, seq_k, exp_scale,
-                       DT: tl.constexpr, IS_CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
-    """One ``[BLOCK_M, BLOCK_N]`` tile's P (from the LSE, masked) and ``dS = P ∘ (dO·Vᵀ −
-    delta)`` rounded to the inputs' dtype ``DT`` for the tensor cores (back in fp32 for the
-    interpreter's dots, after that rounding). Both backward kernels start here."""
-    s = tl.dot(qs, tl.trans(k), input_precision=DOT_PRECISION)
-    p = probs_from_lse(s, lse, exp_scale)
-    p = tl.where(visible(rows, cols, seq_q, seq_k, IS_CAUSAL), p, 0.0)
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-    ds = cast(p * (dp - delta[:, None]), DT, ROUND_BF16)
+def _dscores(p, dp, delta, DT: tl.constexpr, DOT_FP32: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """``dS = P ∘ (dP − delta)`` (``delta`` broadcast to the tile by the caller), rounded to the
+    inputs' dtype ``DT`` for the tensor cores; also ``P`` so rounded. Back in fp32 for the
+    interpreter's dots, after that rounding."""
+    ds = cast(p * (dp - delta), DT, ROUND_BF16)
+    pc = cast(p, DT, ROUND_BF16)
     if DOT_FP32:
-        ds = ds.to(tl.float32)
-    return p, ds
+        ds, pc = ds.to(tl.float32), pc.to(tl.float32)
+    return pc, ds
+
+
+@triton.jit
+def _dkdv_step(dk, dv, k, v, qs_src, g_src, LSE, DELTA, stats, start_m, offs_r, offs_n, offs_d,
+               seq_q, seq_k, stride_qm, stride_qd, stride_gm, stride_gd, exp_scale,
+               DT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               MASK_CAUSAL: tl.constexpr, CHECK_ROWS: tl.constexpr, DOT_FP32: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
+    """Fold the query block at ``start_m`` into one key block's dK and dV, keys-major."""
+    qs = load_tile(qs_src, 0, 0, start_m, seq_q, stride_qm, stride_qd, offs_r, offs_d, HEAD_DIM,
+                   BLOCK_D, False, CHECK_ROWS)  # fmt: skip
+    do = load_tile(g_src, 0, 0, start_m, seq_q, stride_gm, stride_gd, offs_r, offs_d, HEAD_DIM,
+                   BLOCK_D, False, CHECK_ROWS)  # fmt: skip
+    rows = start_m + offs_r
+    if CHECK_ROWS:  # rows past Nq: LSE −inf gives P = 0, so they add nothing
+        lse = tl.load(LSE + stats + rows, mask=rows < seq_q, other=float("-inf"))
+        delta = tl.load(DELTA + stats + rows, mask=rows < seq_q, other=0.0)
+    else:
+        lse = tl.load(LSE + stats + rows)
+        delta = tl.load(DELTA + stats + rows)
+    if DOT_FP32:
+        qs, do = qs.to(tl.float32), do.to(tl.float32)
+    pt = probs_from_lse_t(tl.dot(k, tl.trans(qs), input_precision=DOT_PRECISION), lse, exp_scale)
+    if MASK_CAUSAL:
+        pt = tl.where(visible_t(offs_n, rows, seq_q, seq_k, True), pt, 0.0)
+    dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    pc, dst = _dscores(pt, dpt, delta[None, :], DT, DOT_FP32, ROUND_BF16)
+    dv = tl.dot(pc, do, dv, input_precision=DOT_PRECISION)
+    dk = tl.dot(dst, qs, dk, input_precision=DOT_PRECISION)
+    return dk, dv
 
 
 @triton.jit
 def _attention_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
+    QS, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -95,13 +142,18 @@ def _attention_bwd_dkdv_kernel(
     IS_CAUSAL: tl.constexpr, PRESCALE_Q: tl.constexpr, DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(cdiv(Nk, BLOCK_N), B·Hkv)``: dK, dV of one key block, summed over the group."""
+    """Grid ``(cdiv(Nk, BLOCK_N), B·Hkv)``: dK, dV of one key block, summed over the group.
+    ``QS`` is Qs (``PRESCALE_Q``) or Q.
+
+    Keys past Nk are loaded as zeros and never stored: each row of dK and dV depends only on its
+    own key, so they need no mask.
+    """
     pid_bh = tl.program_id(1)
     b, h_kv = pid_bh // kv_heads, pid_bh % kv_heads
     start_n = tl.program_id(0) * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d, offs_r = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_M)
-    dt = Q.dtype.element_ty  # the inputs' dtype: tensor-core operands are rounded to it
+    dt = QS.dtype.element_ty  # tensor-core operands are rounded to the inputs' dtype
     k_src = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
     v_src = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
     k = load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, tl.arange(0, BLOCK_N),
@@ -112,45 +164,68 @@ def _attention_bwd_dkdv_kernel(
         k, v = k.to(tl.float32), v.to(tl.float32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    qk_scale = sm_scale * LOG2E
-    lo = query_start(start_n, seq_q, seq_k, BLOCK_M, IS_CAUSAL)
+    # scores of Qs are in exp2's units already; dK summed against Qs carries a factor log2 e
+    exp_scale = 1.0 if PRESCALE_Q else sm_scale * LOG2E
+    dk_scale = 1.0 / LOG2E if PRESCALE_Q else sm_scale
+    # query blocks [mid, full_end): every pair seen, no checks; the others are masked: the
+    # diagonal [lo, mid) and the ragged last block from full_end (one loop keeps the registers
+    # of one masked and one unmasked body live, not three)
+    lo, full_lo = query_range(start_n, seq_q, seq_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    mid = tl.minimum(full_lo, seq_q)
+    full_end = tl.maximum((seq_q // BLOCK_M) * BLOCK_M, mid)
+    n_diag = tl.cdiv(mid - lo, BLOCK_M)
+    n_masked = n_diag + tl.cdiv(seq_q - full_end, BLOCK_M)
     for g in range(0, group):
         h = h_kv * group + g
-        q_src = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        qs_src = QS + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
         g_src = DO + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
         stats = (b * n_heads + h).to(tl.int64) * seq_q
-        for start_m in range(lo, seq_q, BLOCK_M):
-            q = load_tile(q_src, b, h, start_m, seq_q, stride_qm, stride_qd, offs_r, offs_d,
-                          HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
-            do = load_tile(g_src, b, h, start_m, seq_q, stride_gm, stride_gd, offs_r, offs_d,
-                           HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
-            rows = start_m + offs_r
-            lse = tl.load(LSE + stats + rows, mask=rows < seq_q, other=float("-inf"))
-            delta = tl.load(DELTA + stats + rows, mask=rows < seq_q, other=0.0)
-            qs, exp_scale = scale_q(q, qk_scale, PRESCALE_Q, ROUND_BF16)
-            if DOT_FP32:
-                qs, q, do = qs.to(tl.float32), q.to(tl.float32), do.to(tl.float32)
-            p, ds = _probs_and_dscores(qs, k, v, do, lse, delta, rows, offs_n, seq_q, seq_k,
-                                       exp_scale, dt, IS_CAUSAL, DOT_FP32, DOT_PRECISION,
-                                       ROUND_BF16)  # fmt: skip
-            pc = cast(p, dt, ROUND_BF16)  # tensor-core operands in the input precision
-            if DOT_FP32:  # the interpreter: rounded to bf16 above, multiplied in fp32
-                pc = pc.to(tl.float32)
-            dv = tl.dot(tl.trans(pc), do, dv, input_precision=DOT_PRECISION)
-            dk = tl.dot(tl.trans(ds), q, dk, input_precision=DOT_PRECISION)
+        for i in range(0, n_masked):
+            start_m = tl.where(i < n_diag, lo + i * BLOCK_M, full_end)
+            dk, dv = _dkdv_step(dk, dv, k, v, qs_src, g_src, LSE, DELTA, stats, start_m, offs_r,
+                                offs_n, offs_d, seq_q, seq_k, stride_qm, stride_qd, stride_gm,
+                                stride_gd, exp_scale, dt, HEAD_DIM, BLOCK_D, IS_CAUSAL, True,
+                                DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
+        for start_m in range(mid, full_end, BLOCK_M):
+            dk, dv = _dkdv_step(dk, dv, k, v, qs_src, g_src, LSE, DELTA, stats, start_m, offs_r,
+                                offs_n, offs_d, seq_q, seq_k, stride_qm, stride_qd, stride_gm,
+                                stride_gd, exp_scale, dt, HEAD_DIM, BLOCK_D, False, False,
+                                DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
     mask = (offs_n[:, None] < seq_k) & (offs_d[None, :] < HEAD_DIM)
     dk_base = DK + b.to(tl.int64) * stride_dkb + h_kv.to(tl.int64) * stride_dkh
     dv_base = DV + b.to(tl.int64) * stride_dvb + h_kv.to(tl.int64) * stride_dvh
     n64 = offs_n.to(tl.int64)[:, None]
     tl.store(dk_base + n64 * stride_dkn + offs_d[None, :] * stride_dkd,
-             cast(dk * sm_scale, DK.dtype.element_ty, ROUND_BF16), mask=mask)  # fmt: skip
+             cast(dk * dk_scale, DK.dtype.element_ty, ROUND_BF16), mask=mask)  # fmt: skip
     tl.store(dv_base + n64 * stride_dvn + offs_d[None, :] * stride_dvd,
              cast(dv, DV.dtype.element_ty, ROUND_BF16), mask=mask)  # fmt: skip
 
 
 @triton.jit
+def _dq_step(dq, qs, do, lse, delta, k_src, v_src, start_n, rows, offs_c, offs_d, seq_q, seq_k,
+             stride_kn, stride_kd, stride_vn, stride_vd, exp_scale, DT: tl.constexpr,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
+             IS_CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+             ROUND_BF16: tl.constexpr):  # fmt: skip
+    """Fold the key tile at ``start_n`` into one query block's dQ; ``MASKED`` tiles check the
+    keys' bounds and the causal diagonal."""
+    k = load_tile(k_src, 0, 0, start_n, seq_k, stride_kn, stride_kd, offs_c, offs_d, HEAD_DIM,
+                  BLOCK_D, False, MASKED)  # fmt: skip
+    v = load_tile(v_src, 0, 0, start_n, seq_k, stride_vn, stride_vd, offs_c, offs_d, HEAD_DIM,
+                  BLOCK_D, False, MASKED)  # fmt: skip
+    if DOT_FP32:
+        k, v = k.to(tl.float32), v.to(tl.float32)
+    p = probs_from_lse(tl.dot(qs, tl.trans(k), input_precision=DOT_PRECISION), lse, exp_scale)
+    if MASKED:
+        p = tl.where(visible(rows, start_n + offs_c, seq_q, seq_k, IS_CAUSAL), p, 0.0)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    _pc, ds = _dscores(p, dp, delta[:, None], DT, DOT_FP32, ROUND_BF16)
+    return tl.dot(ds, k, dq, input_precision=DOT_PRECISION)
+
+
+@triton.jit
 def _attention_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    QS, K, V, DO, LSE, DELTA, DQ,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
@@ -161,40 +236,41 @@ def _attention_bwd_dq_kernel(
     IS_CAUSAL: tl.constexpr, PRESCALE_Q: tl.constexpr, DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``: dQ of one query block over the keys it sees."""
+    """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``: dQ of one query block over the keys it sees. ``QS``
+    is Qs (``PRESCALE_Q``; then it may be ``DQ`` itself: each program reads its block before it
+    writes it) or Q."""
     pid_bh = tl.program_id(1)
     b, h = pid_bh // n_heads, pid_bh % n_heads
     h_kv = h // group
     start_m = tl.program_id(0) * BLOCK_M
     offs_r, offs_d, offs_c = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
     rows = start_m + offs_r
-    q_src = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+    dt = QS.dtype.element_ty
+    qs_src = QS + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     g_src = DO + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
     k_src = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
     v_src = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
-    q = load_tile(q_src, b, h, start_m, seq_q, stride_qm, stride_qd, offs_r, offs_d, HEAD_DIM,
-                  BLOCK_D, False, True)  # fmt: skip
+    qs = load_tile(qs_src, b, h, start_m, seq_q, stride_qm, stride_qd, offs_r, offs_d, HEAD_DIM,
+                   BLOCK_D, False, True)  # fmt: skip
     do = load_tile(g_src, b, h, start_m, seq_q, stride_gm, stride_gd, offs_r, offs_d, HEAD_DIM,
                    BLOCK_D, False, True)  # fmt: skip
     stats = pid_bh.to(tl.int64) * seq_q
     lse = tl.load(LSE + stats + rows, mask=rows < seq_q, other=float("-inf"))
     delta = tl.load(DELTA + stats + rows, mask=rows < seq_q, other=0.0)
-    qs, exp_scale = scale_q(q, sm_scale * LOG2E, PRESCALE_Q, ROUND_BF16)
+    exp_scale = 1.0 if PRESCALE_Q else sm_scale * LOG2E
     if DOT_FP32:
         qs, do = qs.to(tl.float32), do.to(tl.float32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    _, hi = key_range(start_m, seq_q, seq_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    for start_n in range(0, hi, BLOCK_N):
-        k = load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, offs_c, offs_d,
-                      HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
-        v = load_tile(v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_c, offs_d,
-                      HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
-        if DOT_FP32:
-            k, v = k.to(tl.float32), v.to(tl.float32)
-        _p, ds = _probs_and_dscores(qs, k, v, do, lse, delta, rows, start_n + offs_c, seq_q,
-                                   seq_k, exp_scale, Q.dtype.element_ty, IS_CAUSAL, DOT_FP32,
-                                   DOT_PRECISION, ROUND_BF16)  # fmt: skip
-        dq = tl.dot(ds, k, dq, input_precision=DOT_PRECISION)
+    # key tiles [0, full_hi): seen by every row, no checks; [full_hi, hi): diagonal and ragged end
+    full_hi, hi = key_range(start_m, seq_q, seq_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    for start_n in range(0, full_hi, BLOCK_N):
+        dq = _dq_step(dq, qs, do, lse, delta, k_src, v_src, start_n, rows, offs_c, offs_d, seq_q,
+                      seq_k, stride_kn, stride_kd, stride_vn, stride_vd, exp_scale, dt, HEAD_DIM,
+                      BLOCK_D, False, IS_CAUSAL, DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
+    for start_n in range(full_hi, hi, BLOCK_N):
+        dq = _dq_step(dq, qs, do, lse, delta, k_src, v_src, start_n, rows, offs_c, offs_d, seq_q,
+                      seq_k, stride_kn, stride_kd, stride_vn, stride_vd, exp_scale, dt, HEAD_DIM,
+                      BLOCK_D, True, IS_CAUSAL, DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
     dq_base = DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
     ptrs = dq_base + rows.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     mask = (rows[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM)
