@@ -51,12 +51,17 @@ def grads(fn, q, k, v, do) -> list[torch.Tensor]:  # noqa: ANN001
 
 
 def extra_memory(fn, q, k, v, do) -> float:  # noqa: ANN001
-    """MiB allocated at the peak of forward + backward beyond q, k, v, do, O and the grads."""
+    """MiB allocated at the peak of forward + backward beyond q, k, v, do, O and the grads.
+
+    The grads start as None, so autograd keeps the backward's own dq, dk, dv as ``.grad``
+    (pre-set grads would be accumulated into, and the fresh ones counted as extra).
+    """
     for t in (q, k, v):
-        t.grad = torch.empty_like(t)  # the grads count as outputs, not as extra
+        t.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated() + q.numel() * q.element_size()  # + O
+    outputs = sum(t.numel() * t.element_size() for t in (q, q, k, v))  # O, dq, dk, dv
+    base = torch.cuda.memory_allocated() + outputs
     out = fn(q, k, v)
     out.backward(do)
     torch.cuda.synchronize()
