@@ -135,6 +135,46 @@ def test_non_contiguous_grad_output() -> None:
         assert (g.double() - w).abs().max().item() < 2e-2
 
 
+@pytest.mark.filterwarnings("ignore:Input #")  # gradcheck prefers fp64, which no kernel takes
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gradcheck_fp32_through_output_and_lse(causal: bool) -> None:
+    # fp32 is the widest dtype the kernels take: finite differences with eps 1e-3 against the
+    # analytic backward (fast mode: one random projection), GQA and Nq != Nk included
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 7, 8, generator=gen).requires_grad_()
+    k, v = (torch.randn(1, 1, 9, 8, generator=gen).requires_grad_() for _ in range(2))
+
+    def fn(q, k, v):  # noqa: ANN001, ANN202
+        return flashlite.attention(q, k, v, causal=causal, return_lse=True)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-3, atol=2e-3, rtol=1e-2, fast_mode=True)
+
+
+def test_backward_after_a_no_grad_forward_is_torchs_error() -> None:
+    q, k, v = (rand(1, 1, 8, 16, dtype=torch.float32).requires_grad_() for _ in range(3))
+    with torch.no_grad():
+        out = flashlite.attention(q, k, v)
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        out.sum().backward()
+
+
+def test_gradients_of_another_shape_or_dtype_are_refused() -> None:
+    q, k, v = (rand(1, 2, 8, 16, dtype=torch.float32).requires_grad_() for _ in range(3))
+    out = flashlite.attention(q, k, v)
+    with pytest.raises(RuntimeError, match="shape"):  # autograd's own check
+        out.backward(torch.ones(1, 2, 8, 15))
+    # the op called directly: a clear error, not an out-of-bounds read
+    o, lse = flashlite.attention(q.detach(), k.detach(), v.detach(), return_lse=True)
+    bwd = torch.ops.flashlite.attention_bwd
+    args = (q.detach(), k.detach(), v.detach(), o, lse)
+    with pytest.raises(ValueError, match="do must match"):
+        bwd(torch.ones_like(o).half(), *args, None, False, 0.25)
+    with pytest.raises(ValueError, match="do must match"):
+        bwd(torch.ones(1, 2, 7, 16), *args, None, False, 0.25)
+    with pytest.raises(ValueError, match="dlse must match"):
+        bwd(torch.ones_like(o), *args, torch.ones(1, 2, 9), False, 0.25)
+
+
 # --------------------------------------------------------------------------- GPU (compiled kernels)
 def _gpu_case(q, k, v, causal, config=None):  # noqa: ANN001, ANN202
     """Largest gradient error of flashlite (optionally with a pinned backward config) and of

@@ -471,12 +471,31 @@ def _attention_bwd_op(
     causal: bool,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _check_bwd_grads(do, o, lse, dlse)
     return attention_bwd(do, q, k, v, o, lse, dlse, causal, scale)
 
 
 @_attention_bwd_op.register_fake
 def _(do, q, k, v, o, lse, dlse, causal, scale):  # type: ignore[no-untyped-def]
+    _check_bwd_grads(do, o, lse, dlse)
     return empty_output(q), empty_output(k), empty_output(v)
+
+
+def _check_bwd_grads(
+    do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None
+) -> None:
+    # autograd already matches shapes (and casts dtypes) for `out.backward(grad)`; this guards
+    # direct calls of the op, whose kernels would otherwise read out of bounds
+    if do.shape != o.shape or do.dtype != o.dtype:
+        raise ValueError(
+            f"attention_bwd: do must match the output O, {tuple(o.shape)} {o.dtype}; got "
+            f"{tuple(do.shape)} {do.dtype}"
+        )
+    if dlse is not None and dlse.shape != lse.shape:
+        raise ValueError(
+            f"attention_bwd: dlse must match the LSE's shape {tuple(lse.shape)}; got "
+            f"{tuple(dlse.shape)}"
+        )
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
