@@ -161,9 +161,13 @@ def _cmd_traffic(args: argparse.Namespace) -> int:
         from flashlite.traffic import backward_rows
 
         shapes = [_shape_from(args, n) for n in args.seq]
-        rows = backward_rows(shapes, count=args.count, show_progress=not args.quiet)
+        rows, notes = backward_rows(
+            shapes, count=args.count, measure=args.measure, show_progress=not args.quiet
+        )
+        for note in dict.fromkeys(notes):
+            print(f"note: {note}", file=sys.stderr)
         _emit(args, rows, [format_table(rows)])
-        return 0
+        return _measure_status(args, rows)
 
     methods = args.methods or (
         list(traffic.ATTENTION_METHODS) if args.measure else ["naive", "flashlite"]
@@ -555,7 +559,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--backward",
         action="store_true",
         help="show the attention backward's bytes: flashlite's three kernels (model; --count "
-        "counts them) against naive autograd (counted)",
+        "counts them) against naive autograd (counted); --measure: DRAM bytes of each backward "
+        "alone (GPU + ncu)",
     )
     _option(t, "--rows", type=int, default=4096, help="softmax rows (with --softmax)")
     _option(t, "--n", type=int, default=4096, help="softmax row length (with --softmax)")

@@ -325,6 +325,11 @@ def test_measure_one_config_on_gpu() -> None:
     # caches are flushed before the kernel: Q, K, V must come from DRAM at least once
     assert m.traffic[0].read >= 0.9 * comp.read
     assert os.environ.get("FLASHLITE_ATTENTION_CONFIG") or m.configs.get(0)
+    # the backward alone: its kernels read Q, K, V, O, dO (and the statistics) at least once
+    # (naive's backward is not measurable this way yet: ncu sees none of autograd's kernels)
+    bwd = traffic.measure_attention("flashlite", [shape], timeout=300, backward=True)
+    assert bwd.traffic[0] is not None, bwd.message
+    assert bwd.traffic[0].read >= 0.9 * 5 * comp.read / 3
 
 
 def test_team_softmax_model_reads_once() -> None:
@@ -515,6 +520,8 @@ def test_ncu_child_runs_one_range_per_call(monkeypatch: pytest.MonkeyPatch, tmp_
         {"method": "naive", "shapes": shapes},
         {"kind": "softmax", "rows": 2, "n": 40, "dtype": "float32",
          "algorithms": ["online", "torch"]},
+        {"kind": "attention_bwd", "method": "flashlite", "shapes": shapes},
+        {"kind": "attention_bwd", "method": "naive", "shapes": shapes},
     ):  # fmt: skip
         report_path = tmp_path / "report.json"
         spec_path = tmp_path / "spec.json"
@@ -523,3 +530,39 @@ def test_ncu_child_runs_one_range_per_call(monkeypatch: pytest.MonkeyPatch, tmp_
         measure._child_main(str(spec_path))
         assert ranges == ["flt_0000_", "flt_0001_"]
         assert json.loads(report_path.read_text())["errors"] == {}
+
+
+@pytest.mark.interpreter
+def test_backward_measure_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from flashlite import cli
+
+    with pytest.raises(ValueError, match="method='sdpa-flash'"):
+        traffic.measure_attention("sdpa-flash", [], backward=True)
+    argv = ["traffic", "--backward", "--seq", "32", "--heads", "1", "--head-dim", "16",
+            "--measure", "--quiet", "--json"]  # fmt: skip
+    assert cli.main(argv) == (0 if torch.cuda.is_available() else 2)
+    captured = capsys.readouterr()
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in captured.err
+        assert all(r["measured_bytes"] is None for r in json.loads(captured.out))
+    assert cli.main([*argv, "--count"]) == 0
+
+
+BWD_MEASURED = MEASURED.with_name("traffic-bwd-nvidia-h200.json")
+
+
+def test_backward_dram_estimate_against_the_h200_measurements() -> None:
+    # ncu's DRAM bytes of flashlite's three backward kernels (committed H200 run): within 15%
+    data = json.loads(BWD_MEASURED.read_text())
+    checked = 0
+    for r in data["rows"]:
+        if r["method"] != "flashlite-bwd" or not r.get("measured_bytes"):
+            continue
+        shape = AttentionShape.from_json(r["shape"])
+        est = traffic.dram_flashlite_attention_bwd(shape, l2_bytes=data["meta"]["l2_bytes"])
+        ratio = est.total / r["measured_bytes"]
+        assert 0.85 <= ratio <= 1.15, (r["seq_len"], shape.head_dim, shape.causal, ratio)
+        # and far below the issued bytes, which count every L2 hit
+        assert r["measured_bytes"] < r["model_bytes"] / 8
+        checked += 1
+    assert checked == 8

@@ -279,32 +279,54 @@ def count_attention(
     return t
 
 
+BACKWARD_METHODS = ("naive", "flashlite")
+
+
+def attention_bwd_fn(
+    method: str, shape: AttentionShape, device: str = "cpu", *, with_lse_grad: bool = False
+) -> Callable[[], Any]:
+    """A call that runs one backward of ``method`` on ``shape``, its forward already done: what
+    the count (CPU) and the ncu measurement (GPU) both take.
+
+    flashlite: the three backward kernels (``ops.attention.attention_bwd``; on CPU with the
+    GPU's config, :func:`flashlite.traffic.model.counted_bwd_config`, on a GPU with its own).
+    naive: autograd's backward through :func:`flashlite.reference.attention` (graph retained, so
+    the call can repeat). dO (and dlse) are the same seeded values for both.
+    """
+    if method not in BACKWARD_METHODS:
+        raise ValueError(f"method={method!r} is not one of {', '.join(BACKWARD_METHODS)}")
+    q, k, v = make_inputs(shape, device)
+    scale = shape.head_dim**-0.5
+    gen = torch.Generator().manual_seed(1)
+    o_shape = (shape.batch, shape.heads, shape.seq_q, shape.head_dim)
+    do = torch.randn(o_shape, generator=gen).to(device=device, dtype=q.dtype)
+    dlse = torch.randn(o_shape[:3], generator=gen).to(device) if with_lse_grad else None
+    if method == "flashlite":
+        o, lse, _ = attention_ops.attention_fwd(q, k, v, shape.causal, scale)
+        cfg = counted_bwd_config(shape) if device == "cpu" else None
+        return lambda: attention_ops.attention_bwd(
+            do, q, k, v, o, lse, dlse, shape.causal, scale, config=cfg
+        )
+    leaves = tuple(t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, ref_lse = reference.attention(*leaves, shape.causal, scale, return_lse=True)
+    outs, grads = ([out, ref_lse], [do, dlse]) if dlse is not None else ([out], [do])
+    return lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True)
+
+
 def count_attention_bwd(
     shape: AttentionShape, *, with_lse_grad: bool = False
 ) -> tuple[Traffic, Traffic]:
-    """Counted bytes of one backward on CPU tensors of ``shape``: ``(flashlite, naive)``.
-
-    flashlite: the three backward kernels in the interpreter, with the GPU's tiles
-    (:func:`flashlite.traffic.model.counted_bwd_config`; the forward that gives O and the LSE is
-    not counted). naive: every torch op of autograd's backward through
-    :func:`flashlite.reference.attention` (the forward's ops are not counted).
-    """
-    q, k, v = make_inputs(shape, "cpu")
-    scale = shape.head_dim**-0.5
-    o, lse, _ = attention_ops.attention_fwd(q, k, v, shape.causal, scale)
-    gen = torch.Generator().manual_seed(1)
-    do = torch.randn(o.shape, generator=gen).to(o.dtype)
-    dlse = torch.randn(lse.shape, generator=gen) if with_lse_grad else None
-    cfg = counted_bwd_config(shape)
+    """Counted bytes of one backward on CPU tensors of ``shape``: ``(flashlite, naive)``, each
+    the call :func:`attention_bwd_fn` builds (the forwards are not counted): flashlite's three
+    kernels in the interpreter with the GPU's config, every torch op of naive autograd's."""
+    flash_call = attention_bwd_fn("flashlite", shape, with_lse_grad=with_lse_grad)
     with count_kernels() as kern:
-        attention_ops.attention_bwd(do, q, k, v, o, lse, dlse, shape.causal, scale, config=cfg)
+        flash_call()
     flash = kern.traffic
-    flash.info = bwd_info(cfg)
-    qr, kr, vr = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out, ref_lse = reference.attention(qr, kr, vr, shape.causal, scale, return_lse=True)
+    flash.info = bwd_info(counted_bwd_config(shape))
+    naive_call = attention_bwd_fn("naive", shape, with_lse_grad=with_lse_grad)
     with count_torch_ops() as ops:
-        grads = [do] + ([dlse] if dlse is not None else [])
-        torch.autograd.backward([out] + ([ref_lse] if dlse is not None else []), grads)
+        naive_call()
     return flash, ops.traffic
 
 

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from flashlite.ops import softmax as softmax_ops
-from flashlite.traffic.count import attention_fn
+from flashlite.traffic.count import BACKWARD_METHODS, attention_bwd_fn, attention_fn
 from flashlite.traffic.model import flashlite_config
 from flashlite.traffic.shapes import ATTENTION_METHODS, AttentionShape, Traffic, make_inputs
 
@@ -166,12 +166,34 @@ def _attention_child(spec: dict[str, Any], report: dict[str, Any]) -> None:
             report["errors"][i] = f"{type(e).__name__}: {e}"
 
 
+def _attention_bwd_child(spec: dict[str, Any], report: dict[str, Any]) -> None:
+    """The backward's half of :func:`_child_main`: one range per shape, holding only the
+    backward (its forward runs before the range, in :func:`attention_bwd_fn`)."""
+    for i, d in enumerate(spec["shapes"]):
+        shape = AttentionShape.from_json(d)
+        try:
+            fn = attention_bwd_fn(spec["method"], shape, spec.get("device", "cuda"))
+            _warm_up(fn)
+            _measure_once(i, fn)
+            del fn
+        except Exception as e:  # e.g. naive's N x N intermediates out of memory
+            report["errors"][i] = f"{type(e).__name__}: {e}"
+        torch.cuda.empty_cache()
+
+
+_CHILDREN = {
+    "attention": _attention_child,
+    "attention_bwd": _attention_bwd_child,
+    "softmax": _softmax_child,
+}
+
+
 def _child_main(spec_path: str) -> None:
     """Run inside ncu: warm up (autotune) every config, then one measured call per NVTX range."""
     with open(spec_path) as f:
         spec = json.load(f)
     report: dict[str, Any] = {"errors": {}, "configs": {}}
-    (_softmax_child if spec.get("kind") == "softmax" else _attention_child)(spec, report)
+    _CHILDREN[spec.get("kind", "attention")](spec, report)
     with open(spec["report"], "w") as f:
         json.dump(report, f)
 
@@ -205,10 +227,15 @@ def _ncu_command(ncu: str, ranges: Sequence[str], rename: bool) -> list[str]:
 
 
 def _run_ncu(
-    ncu: str, method: str, shapes: Sequence[AttentionShape], rename: bool, timeout: float
+    ncu: str,
+    method: str,
+    shapes: Sequence[AttentionShape],
+    rename: bool,
+    timeout: float,
+    kind: str = "attention",
 ) -> tuple[list[KernelMetrics], dict[str, Any], str]:
     """One ncu process over a child that runs every shape; returns (kernels, report, error)."""
-    spec = {"method": method, "shapes": [s.to_json() for s in shapes]}
+    spec = {"kind": kind, "method": method, "shapes": [s.to_json() for s in shapes]}
     return _run_ncu_spec(ncu, spec, len(shapes), rename, timeout)
 
 
@@ -263,8 +290,11 @@ def measure_attention(
     *,
     timeout: float = 600.0,
     progress: Callable[[str], None] | None = None,
+    backward: bool = False,
 ) -> Measurement:
-    """Measured DRAM bytes of one call of ``method`` for each shape, with Nsight Compute.
+    """Measured DRAM bytes of one call of ``method`` for each shape, with Nsight Compute; with
+    ``backward``, of one backward alone (``method`` naive or flashlite; the forward runs outside
+    the measured range).
 
     One child process runs every shape (warm-up and autotune first, then the measured call inside
     its own NVTX range); ncu profiles only the kernels inside those ranges, flushing caches
@@ -273,8 +303,10 @@ def measure_attention(
     Never raises for a missing GPU or profiler: the result is None per shape and ``message`` says
     why (no CUDA, ncu missing, counters not permitted, backend unsupported for a shape).
     """
-    if method not in ATTENTION_METHODS:
-        raise ValueError(f"method={method!r} is not one of {', '.join(ATTENTION_METHODS)}")
+    allowed = BACKWARD_METHODS if backward else ATTENTION_METHODS
+    if method not in allowed:
+        raise ValueError(f"method={method!r} is not one of {', '.join(allowed)}")
+    kind = "attention_bwd" if backward else "attention"
     none = [None] * len(shapes)
     if not torch.cuda.is_available():
         return Measurement(list(none), "measured: no CUDA device, DRAM bytes need a GPU")
@@ -287,7 +319,7 @@ def measure_attention(
         )
     if progress:
         progress(f"{method}: ncu over {len(shapes)} shape(s)")
-    kernels, report, error = _run_ncu(ncu, method, shapes, rename=True, timeout=timeout)
+    kernels, report, error = _run_ncu(ncu, method, shapes, True, timeout, kind)
     groups: list[list[KernelMetrics]] = [[] for _ in shapes]
     fatal = ("not permitted", "timed out", "could not start")
     if error and any(f in error for f in fatal):
@@ -304,7 +336,7 @@ def measure_attention(
         for i, shape in enumerate(shapes):
             if progress:
                 progress(f"{method}: shape {i + 1}/{len(shapes)} (one ncu each)")
-            ks, rep, error = _run_ncu(ncu, method, [shape], rename=False, timeout=timeout)
+            ks, rep, error = _run_ncu(ncu, method, [shape], False, timeout, kind)
             if error:
                 break
             groups[i] = ks
@@ -315,6 +347,11 @@ def measure_attention(
     if error:
         return Measurement(list(none), f"measured ({method}): {error}")
     errors = {int(i): e for i, e in report.get("errors", {}).items()}
+    for i, group in enumerate(groups):
+        if not group and i not in errors:
+            # e.g. naive's backward: autograd launches it from its own thread, and the range
+            # that selects the kernels was pushed on the child's main thread
+            errors[i] = "ncu saw no kernel inside the measured range"
     traffic: list[Traffic | None] = []
     for i, group in enumerate(groups):
         if i in errors or not group or any(math.isnan(k.read + k.write) for k in group):

@@ -385,6 +385,39 @@ def dram_flashlite_attention(
     return t
 
 
+def dram_flashlite_attention_bwd(
+    shape: AttentionShape,
+    *,
+    with_lse_grad: bool = False,
+    gpu: str = "h200",
+    l2_bytes: int | None = None,
+) -> Traffic:
+    """DRAM bytes of the three backward kernels, each from a cold L2 (as ncu measures them).
+
+    Each kernel reads every operand it issues once from DRAM: the dK/dV programs of a K/V head
+    sweep its query rows (Qs, dO, LSE, delta) together and the dQ programs its K/V, so, as in the
+    forward's first wave, the re-reads hit L2 (true at the measured sizes: a K/V head's working
+    set of one wave is a few MB). Writes as :func:`_written_back`. With ``b`` the element size:
+    preprocess reads O, dO (and Q for 16-bit inputs) and writes delta (and Qs); dK/dV reads K, V
+    once and Qs, dO, LSE, delta once per query head; dQ the same; they write dK, dV and dQ.
+    """
+    l2 = _l2(gpu, l2_bytes)
+    issued = model_flashlite_attention_bwd(shape, with_lse_grad=with_lse_grad)
+    b, D = shape.itemsize, shape.head_dim
+    rows, kv = shape.batch * shape.heads * shape.seq_q, shape.batch * shape.hkv * shape.nk
+    per_query = rows * (2 * D * b + 8)  # Qs (or Q), dO, LSE, delta
+    t = Traffic()
+    pre_r = sum(issued.parts[k][0] for k in issued.parts if k.startswith("preprocess"))
+    pre_w = sum(issued.parts[k][1] for k in issued.parts if k.startswith("preprocess"))
+    for name, read, write in (
+        ("preprocess", pre_r, pre_w),
+        ("dk/dv", 2 * kv * D * b + per_query, 2 * kv * D * b),
+        ("dq", 2 * kv * D * b + per_query, rows * D * b),
+    ):
+        t.add(name, read, _written_back(read, write, l2))
+    return t
+
+
 def dram_attention(
     method: str, shape: AttentionShape, *, gpu: str = "h200", l2_bytes: int | None = None,
     **config: Any,

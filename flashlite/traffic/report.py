@@ -20,6 +20,7 @@ from flashlite.traffic.model import (
     compulsory_attention_bwd,
     compulsory_softmax,
     dram_attention,
+    dram_flashlite_attention_bwd,
     dram_softmax,
     flashlite_config,
     l2_note,
@@ -268,34 +269,48 @@ def format_softmax_table(rows: Sequence[dict[str, Any]]) -> str:
 
 
 def backward_rows(
-    shapes: Sequence[AttentionShape], *, count: bool = False, show_progress: bool = True
-) -> list[dict[str, Any]]:
-    """One row per (method, shape) for the attention backward: flashlite's issued bytes (model;
-    counted on CPU with the GPU's tiles) and naive autograd's counted torch-op bytes, beside the
-    compulsory ones. DRAM estimates and measurements of the backward are not built yet."""
+    shapes: Sequence[AttentionShape],
+    *,
+    count: bool = False,
+    measure: bool = False,
+    show_progress: bool = True,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """One row per (method, shape) for the attention backward, plus notes: flashlite's issued
+    bytes (model; counted on CPU with the GPU's config), naive autograd's counted torch-op bytes,
+    flashlite's DRAM estimate (:func:`flashlite.traffic.model.dram_flashlite_attention_bwd`),
+    DRAM bytes measured with ncu (``measure``; the backward alone), and the compulsory ones."""
+    measured: dict[str, Measurement] = {}
+    notes: list[str] = []
+    if measure:
+        for method in ("flashlite", "naive"):
+            measured[method] = measure_attention(method, shapes, backward=True)
+            if measured[method].message:
+                notes.append(measured[method].message)
     rows: list[dict[str, Any]] = []
     for j, shape in enumerate(shapes):
         if show_progress:
             _progress(j, len(shapes), f"backward N={shape.seq_q}")
         model = model_flashlite_attention_bwd(shape)
+        dram = dram_flashlite_attention_bwd(shape)
         flash = naive = None
         if count:
             flash, naive = count_attention_bwd(shape)
         comp = compulsory_attention_bwd(shape)
         config = model.info["config"]
-        for method, m, c in (("flashlite-bwd", model, flash), ("naive-bwd", None, naive)):
-            best = next((t for t in (c, m) if t is not None), None)
+        for method, m, c in (("flashlite", model, flash), ("naive", None, naive)):
+            meas = measured[method].traffic[j] if method in measured else None
+            best = next((t for t in (meas, c, m) if t is not None), None)
             rows.append(
                 {
-                    "method": method,
+                    "method": f"{method}-bwd",
                     "seq_len": shape.seq_q,
-                    **byte_fields(model=m, counted=c, dram=None, measured=None),
+                    **byte_fields(model=m, counted=c, dram=dram if m else None, measured=meas),
                     "compulsory_bytes": comp.total,
                     "vs_compulsory": best.total / comp.total if best else None,
-                    "config": config if method == "flashlite-bwd" else None,
+                    "config": config if method == "flashlite" else None,
                     "shape": shape.to_json(),
                 }
             )
     if show_progress:
         _progress(len(shapes), len(shapes), "backward")
-    return rows
+    return rows, notes
