@@ -6,7 +6,13 @@ Backward time = (forward + backward) − forward, each a ``do_bench`` median, in
 provider's gradients are checked against SDPA-flash's (NaN fails the point). Also: extra memory of
 forward + backward beyond inputs, outputs and gradients at the largest N, D = 128.
 
+``--sweep`` instead times the dK/dV and dQ kernels apart for every candidate config
+(``SWEEP_DKDV``, ``SWEEP_DQ``, each with pointer and TMA-descriptor loads), after checking each
+config's gradients against SDPA-flash's; it prints the fastest per point and writes
+``attention-bwd-sweep-<device>.json``: the data for ``HOPPER_BWD_CONFIGS``.
+
     python benchmarks/bench_attention_bwd.py            # JSON + PNG in benchmarks/results
+    python benchmarks/bench_attention_bwd.py --sweep    # per-kernel config sweep
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import torch
 from _common import bench, device_name, device_slug, metadata, write_results
 
 import flashlite
+from flashlite.kernels.configs import BwdConfig
+from flashlite.ops import attention as attention_ops
 from flashlite.plotting import Bars, Figure, Panel
 from flashlite.reference import sdpa
 
@@ -68,15 +76,117 @@ def extra_memory(fn, q, k, v, do) -> float:  # noqa: ANN001
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
+#: Sweep candidates by head dim: dK/dV (query step, key block, warps, stages) and dQ (query
+#: block, key step, warps, stages); each runs with pointer and with descriptor loads.
+SWEEP_DKDV = {
+    64: [(32, 64, 4, 3), (32, 64, 4, 4), (64, 128, 8, 2), (32, 128, 8, 3)],
+    128: [(32, 128, 8, 3), (32, 128, 8, 4), (16, 128, 8, 3), (64, 128, 8, 2)],
+}
+SWEEP_DQ = {
+    64: [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 2)],
+    128: [(64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 8, 2)],
+}
+
+
+_DEVICE, _REF_BACKEND = "cuda", "flash"  # (a CPU smoke run swaps these)
+
+
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    if not torch.isfinite(got).all():
+        return float("inf")
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def sweep(seqs: list[int], head_dims: list[int]) -> int:
+    """Time every candidate config of the two main backward kernels apart (see module doc)."""
+    rows: list[dict[str, Any]] = []
+    for d in head_dims:
+        for n in seqs:
+            for causal in (False, True):
+                b, h = max(1, 16384 // n), 2048 // d
+                q, k, v, do = (torch.randn(b, h, n, d, device=_DEVICE, dtype=torch.bfloat16)
+                               for _ in range(4))  # fmt: skip
+                scale = d**-0.5
+                o, lse, _ = attention_ops.attention_fwd(q, k, v, causal, scale)
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                sdpa(*leaves, causal=causal, backend=_REF_BACKEND).backward(do)
+                ref = [t.grad for t in leaves]
+                qs = torch.empty_like(q)
+                delta = attention_ops.bwd_preprocess(o, do, lse, None, q, qs, scale)
+                base = {"D": d, "N": n, "causal": causal, "B": b, "H": h}
+                for kind, cands in (("dkdv", SWEEP_DKDV), ("dq", SWEEP_DQ)):
+                    for tiles in cands.get(d, []):
+                        for use_desc in (False, True):
+                            cfg = (BwdConfig(*tiles, 64, 64, 4, 2, use_desc) if kind == "dkdv"
+                                   else BwdConfig(32, 64, 4, 3, *tiles, use_desc))  # fmt: skip
+                            rows.append({**base, **_sweep_one(kind, cfg, qs, k, v, do, lse, delta,
+                                                              causal, scale, ref)})  # fmt: skip
+                            r = rows[-1]
+                            print(
+                                f"D={d} N={n} causal={causal!s:5} {kind:4} {tiles} "
+                                f"desc={use_desc!s:5} ms={r['ms']} err={r['err']}",
+                                flush=True,
+                            )
+                del q, k, v, do, o, lse, leaves, ref, qs, delta
+                torch.cuda.empty_cache()
+    meta = metadata(dtype="bfloat16", tokens=16384, kind="backward kernel sweep")
+    write_results(f"attention-bwd-sweep-{device_slug()}", rows, meta)
+    print(f"{'D':>4}{'N':>7}{'causal':>8}  fastest dK/dV                     fastest dQ")
+    for d in head_dims:
+        for n in seqs:
+            for causal in (False, True):
+                line = f"{d:>4}{n:>7}{causal!s:>8}"
+                for kind in ("dkdv", "dq"):
+                    ok = [r for r in rows if (r["D"], r["N"], r["causal"], r["kind"]) ==
+                          (d, n, causal, kind) and r["ms"] is not None]  # fmt: skip
+                    best = min(ok, key=lambda r: r["ms"]) if ok else None
+                    line += f"  {_cell(best):<32}"
+                print(line)
+    return 0
+
+
+def _cell(row: dict[str, Any] | None) -> str:
+    if row is None:
+        return "-"
+    return f"{tuple(row['tiles'])}{' desc' if row['use_desc'] else ''} {row['ms']:.3f} ms"
+
+
+def _sweep_one(kind, cfg, qs, k, v, do, lse, delta, causal, scale, ref) -> dict[str, Any]:  # noqa: ANN001
+    """Check one config's gradients against SDPA-flash's, then time its kernel alone."""
+    tiles = cfg[:4] if kind == "dkdv" else cfg[4:8]
+    out: dict[str, Any] = {"kind": kind, "tiles": list(tiles), "use_desc": cfg.use_desc}
+    try:
+        if kind == "dkdv":
+            dk, dv = torch.empty_like(k), torch.empty_like(v)
+            run = lambda: attention_ops.bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, causal,  # noqa: E731
+                                                 scale, cfg)  # fmt: skip
+            run()
+            err = max(_rel_err(dk, ref[1]), _rel_err(dv, ref[2]))
+        else:
+            dq = torch.empty_like(qs)
+            run = lambda: attention_ops.bwd_dq(qs, k, v, do, lse, delta, dq, causal, scale, cfg)  # noqa: E731
+            run()
+            err = _rel_err(dq, ref[0])
+    except Exception as e:  # a config that does not compile or launch here: recorded
+        return {**out, "ms": None, "err": f"{type(e).__name__}: {str(e)[:120]}"}
+    # a wrong or NaN config is not timed (Triton 3.6 has produced NaN for one config only)
+    out["err"] = err
+    out["ms"] = bench(run) if err < 2e-2 else None
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seqs", type=int, nargs="+", default=[4096, 16384])
     p.add_argument("--head-dims", type=int, nargs="+", default=[64, 128])
     p.add_argument("--rounds", type=int, default=3, help="interleaved timings per provider")
+    p.add_argument("--sweep", action="store_true", help="per-kernel config sweep instead")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("bench_attention_bwd needs a CUDA GPU")
         return 2
+    if args.sweep:
+        return sweep(args.seqs, args.head_dims)
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
     memory: dict[str, float] = {}

@@ -135,6 +135,48 @@ def test_non_contiguous_grad_output() -> None:
         assert (g.double() - w).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+def test_descriptor_loads(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    # BwdConfig.use_desc: the loops' tiles through TMA descriptors (the interpreter runs them on
+    # CPU tensors), ragged lengths and GQA, against the same fp64 rule
+    from flashlite.ops import attention as ops
+
+    made: list[object] = []
+
+    def descriptor(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        made.append(args[0])
+        return real(*args, **kwargs)
+
+    real = ops.TensorDescriptor
+    monkeypatch.setattr(ops, "TensorDescriptor", descriptor)
+    cfg = C.CPU_BWD_CONFIG._replace(use_desc=True)
+    q = rand(1, 4, 37, 24, dtype=dtype)
+    k, v = rand(1, 2, 29, 24, dtype=dtype), rand(1, 2, 29, 24, dtype=dtype)
+    assert_grads_close(lambda q, k, v: _WithConfig.apply(q, k, v, cfg), q, k, v, causal=True,
+                       with_lse=True)  # fmt: skip
+    assert len(made) >= 4  # Qs and dO for dK/dV, K and V for dQ
+
+
+class _WithConfig(torch.autograd.Function):
+    """flashlite's forward and a backward with a pinned config (autograd's plumbing only)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cfg):  # noqa: ANN001, ANN205
+        o, lse = flashlite.attention(q, k, v, causal=True, return_lse=True)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.cfg = cfg
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):  # noqa: ANN001, ANN205
+        from flashlite.ops.attention import attention_bwd
+
+        q, k, v, o, lse = ctx.saved_tensors
+        scale = q.shape[-1] ** -0.5
+        dq, dk, dv = attention_bwd(do, q, k, v, o, lse, dlse, True, scale, config=ctx.cfg)
+        return dq, dk, dv, None
+
+
 @pytest.mark.filterwarnings("ignore:Input #")  # gradcheck prefers fp64, which no kernel takes
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_gradcheck_fp32_through_output_and_lse(causal: bool) -> None:

@@ -87,6 +87,9 @@ class BwdConfig(NamedTuple):
     q_block_n: int
     q_warps: int
     q_stages: int
+    #: load the loops' tiles (dK/dV: Qs and dO; dQ: K and V) through TMA descriptors where the
+    #: tensors allow it (not yet measured on a GPU: off in every table entry)
+    use_desc: bool = False
 
     def dkdv(self) -> dict[str, int]:
         """The dK/dV kernel's tile constexprs and launch options."""

@@ -434,14 +434,24 @@ def bwd_dkdv(
 ) -> None:  # fmt: skip
     """The dK/dV kernel into ``dk``, ``dv``; ``qs`` as :func:`bwd_preprocess` left it (``lse``,
     ``delta`` dense ``(B, Hq, Nq)``)."""
-    b, hq, nq, _ = qs.shape
+    b, hq, nq, d = qs.shape
     hkv, nk = k.shape[1], k.shape[2]
+    use_desc = cfg.use_desc and (_backend.kernels_interpreted() or _descriptor_ok(qs, do))
+    srcs = _tile_sources((qs, do), cfg.kv_block_m, d) if use_desc else (qs, do)
     kernel = _backend.launcher(KB._attention_bwd_dkdv_kernel)
     kernel[(C.cdiv(nk, cfg.kv_block_n), b * hkv)](
-        qs, k, v, do, lse, delta, dk, dv, *qs.stride(), *k.stride(), *v.stride(), *do.stride(),
-        *dk.stride(), *dv.stride(), hq, hkv, hq // hkv, nq, nk, scale,
-        **_bwd_flags(qs, causal), **cfg.dkdv(),
+        srcs[0], k, v, srcs[1], lse, delta, dk, dv, *qs.stride(), *k.stride(), *v.stride(),
+        *do.stride(), *dk.stride(), *dv.stride(), hq, hkv, hq // hkv, nq, nk, scale,
+        USE_DESC=use_desc, **_bwd_flags(qs, causal), **cfg.dkdv(),
     )  # fmt: skip
+
+
+def _tile_sources(
+    tensors: tuple[torch.Tensor, ...], rows: int, head_dim: int
+) -> tuple[TensorDescriptor, ...]:
+    """4-D TMA descriptors over ``(B, H, N, D)`` tensors, ``[1, 1, rows, BLOCK_D]`` blocks."""
+    block = [1, 1, rows, C.block_d(head_dim)]
+    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in tensors)
 
 
 def bwd_dq(
@@ -450,12 +460,15 @@ def bwd_dq(
 ) -> None:  # fmt: skip
     """The dQ kernel into ``dq``; ``qs`` as :func:`bwd_preprocess` left it, possibly ``dq``
     itself (``lse``, ``delta`` dense ``(B, Hq, Nq)``)."""
-    b, hq, nq, _ = qs.shape
+    b, hq, nq, d = qs.shape
     hkv, nk = k.shape[1], k.shape[2]
+    use_desc = cfg.use_desc and (_backend.kernels_interpreted() or _descriptor_ok(k, v))
+    srcs = _tile_sources((k, v), cfg.q_block_n, d) if use_desc else (k, v)
     kernel = _backend.launcher(KB._attention_bwd_dq_kernel)
     kernel[(C.cdiv(nq, cfg.q_block_m), b * hq)](
-        qs, k, v, do, lse, delta, dq, *qs.stride(), *k.stride(), *v.stride(), *do.stride(),
-        *dq.stride(), hq, hq // hkv, nq, nk, scale, **_bwd_flags(qs, causal), **cfg.dq(),
+        qs, *srcs, do, lse, delta, dq, *qs.stride(), *k.stride(), *v.stride(), *do.stride(),
+        *dq.stride(), hq, hq // hkv, nq, nk, scale, USE_DESC=use_desc,
+        **_bwd_flags(qs, causal), **cfg.dq(),
     )  # fmt: skip
 
 

@@ -33,7 +33,8 @@ LSE is an output too)::
 Both loops split like the forward's: blocks where every (query, key) pair is visible run without
 mask arithmetic or bounds checks; only the diagonal and the ragged last block pay for them. fp32
 inputs keep Q as it is (the forward did not prescale them) and ``scale·log2 e`` in the exponent.
-Loads go through pointers.
+Loads go through pointers, or (``BwdConfig.use_desc``) the loops' tiles through TMA
+descriptors.
 """
 
 from __future__ import annotations
@@ -99,16 +100,17 @@ def _dscores(p, dp, delta, DT: tl.constexpr, DOT_FP32: tl.constexpr, ROUND_BF16:
 
 
 @triton.jit
-def _dkdv_step(dk, dv, k, v, qs_src, g_src, LSE, DELTA, stats, start_m, offs_r, offs_n, offs_d,
-               seq_q, seq_k, stride_qm, stride_qd, stride_gm, stride_gd, exp_scale,
+def _dkdv_step(dk, dv, k, v, qs_src, g_src, b, h, LSE, DELTA, stats, start_m, offs_r, offs_n,
+               offs_d, seq_q, seq_k, stride_qm, stride_qd, stride_gm, stride_gd, exp_scale,
                DT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               MASK_CAUSAL: tl.constexpr, CHECK_ROWS: tl.constexpr, DOT_FP32: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
+               MASK_CAUSAL: tl.constexpr, CHECK_ROWS: tl.constexpr, USE_DESC: tl.constexpr,
+               DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               ROUND_BF16: tl.constexpr):  # fmt: skip
     """Fold the query block at ``start_m`` into one key block's dK and dV, keys-major."""
-    qs = load_tile(qs_src, 0, 0, start_m, seq_q, stride_qm, stride_qd, offs_r, offs_d, HEAD_DIM,
-                   BLOCK_D, False, CHECK_ROWS)  # fmt: skip
-    do = load_tile(g_src, 0, 0, start_m, seq_q, stride_gm, stride_gd, offs_r, offs_d, HEAD_DIM,
-                   BLOCK_D, False, CHECK_ROWS)  # fmt: skip
+    qs = load_tile(qs_src, b, h, start_m, seq_q, stride_qm, stride_qd, offs_r, offs_d, HEAD_DIM,
+                   BLOCK_D, USE_DESC, CHECK_ROWS)  # fmt: skip
+    do = load_tile(g_src, b, h, start_m, seq_q, stride_gm, stride_gd, offs_r, offs_d, HEAD_DIM,
+                   BLOCK_D, USE_DESC, CHECK_ROWS)  # fmt: skip
     rows = start_m + offs_r
     if CHECK_ROWS:  # rows past Nq: LSE −inf gives P = 0, so they add nothing
         lse = tl.load(LSE + stats + rows, mask=rows < seq_q, other=float("-inf"))
@@ -139,11 +141,12 @@ def _attention_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     n_heads, kv_heads, group, seq_q, seq_k, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, PRESCALE_Q: tl.constexpr, DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, PRESCALE_Q: tl.constexpr, USE_DESC: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(cdiv(Nk, BLOCK_N), B·Hkv)``: dK, dV of one key block, summed over the group.
-    ``QS`` is Qs (``PRESCALE_Q``) or Q.
+    ``QS`` is Qs (``PRESCALE_Q``) or Q; with ``USE_DESC``, ``QS`` and ``DO`` are 4-D tensor
+    descriptors (TMA loads of the loop's tiles).
 
     Keys past Nk are loaded as zeros and never stored: each row of dK and dV depends only on its
     own key, so they need no mask.
@@ -153,7 +156,7 @@ def _attention_bwd_dkdv_kernel(
     start_n = tl.program_id(0) * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d, offs_r = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_M)
-    dt = QS.dtype.element_ty  # tensor-core operands are rounded to the inputs' dtype
+    dt = DK.dtype.element_ty  # tensor-core operands are rounded to the inputs' dtype
     k_src = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
     v_src = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
     k = load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, tl.arange(0, BLOCK_N),
@@ -177,20 +180,23 @@ def _attention_bwd_dkdv_kernel(
     n_masked = n_diag + tl.cdiv(seq_q - full_end, BLOCK_M)
     for g in range(0, group):
         h = h_kv * group + g
-        qs_src = QS + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        g_src = DO + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
+        if USE_DESC:
+            qs_src, g_src = QS, DO
+        else:
+            qs_src = QS + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+            g_src = DO + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
         stats = (b * n_heads + h).to(tl.int64) * seq_q
         for i in range(0, n_masked):
             start_m = tl.where(i < n_diag, lo + i * BLOCK_M, full_end)
-            dk, dv = _dkdv_step(dk, dv, k, v, qs_src, g_src, LSE, DELTA, stats, start_m, offs_r,
-                                offs_n, offs_d, seq_q, seq_k, stride_qm, stride_qd, stride_gm,
-                                stride_gd, exp_scale, dt, HEAD_DIM, BLOCK_D, IS_CAUSAL, True,
-                                DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
+            dk, dv = _dkdv_step(dk, dv, k, v, qs_src, g_src, b, h, LSE, DELTA, stats, start_m,
+                                offs_r, offs_n, offs_d, seq_q, seq_k, stride_qm, stride_qd,
+                                stride_gm, stride_gd, exp_scale, dt, HEAD_DIM, BLOCK_D, IS_CAUSAL,
+                                True, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
         for start_m in range(mid, full_end, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, qs_src, g_src, LSE, DELTA, stats, start_m, offs_r,
-                                offs_n, offs_d, seq_q, seq_k, stride_qm, stride_qd, stride_gm,
-                                stride_gd, exp_scale, dt, HEAD_DIM, BLOCK_D, False, False,
-                                DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
+            dk, dv = _dkdv_step(dk, dv, k, v, qs_src, g_src, b, h, LSE, DELTA, stats, start_m,
+                                offs_r, offs_n, offs_d, seq_q, seq_k, stride_qm, stride_qd,
+                                stride_gm, stride_gd, exp_scale, dt, HEAD_DIM, BLOCK_D, False,
+                                False, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
     mask = (offs_n[:, None] < seq_k) & (offs_d[None, :] < HEAD_DIM)
     dk_base = DK + b.to(tl.int64) * stride_dkb + h_kv.to(tl.int64) * stride_dkh
     dv_base = DV + b.to(tl.int64) * stride_dvb + h_kv.to(tl.int64) * stride_dvh
@@ -202,17 +208,17 @@ def _attention_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_step(dq, qs, do, lse, delta, k_src, v_src, start_n, rows, offs_c, offs_d, seq_q, seq_k,
-             stride_kn, stride_kd, stride_vn, stride_vd, exp_scale, DT: tl.constexpr,
+def _dq_step(dq, qs, do, lse, delta, k_src, v_src, b, h_kv, start_n, rows, offs_c, offs_d, seq_q,
+             seq_k, stride_kn, stride_kd, stride_vn, stride_vd, exp_scale, DT: tl.constexpr,
              HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-             IS_CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-             ROUND_BF16: tl.constexpr):  # fmt: skip
+             IS_CAUSAL: tl.constexpr, USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,
+             DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
     """Fold the key tile at ``start_n`` into one query block's dQ; ``MASKED`` tiles check the
     keys' bounds and the causal diagonal."""
-    k = load_tile(k_src, 0, 0, start_n, seq_k, stride_kn, stride_kd, offs_c, offs_d, HEAD_DIM,
-                  BLOCK_D, False, MASKED)  # fmt: skip
-    v = load_tile(v_src, 0, 0, start_n, seq_k, stride_vn, stride_vd, offs_c, offs_d, HEAD_DIM,
-                  BLOCK_D, False, MASKED)  # fmt: skip
+    k = load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, offs_c, offs_d, HEAD_DIM,
+                  BLOCK_D, USE_DESC, MASKED)  # fmt: skip
+    v = load_tile(v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_c, offs_d, HEAD_DIM,
+                  BLOCK_D, USE_DESC, MASKED)  # fmt: skip
     if DOT_FP32:
         k, v = k.to(tl.float32), v.to(tl.float32)
     p = probs_from_lse(tl.dot(qs, tl.trans(k), input_precision=DOT_PRECISION), lse, exp_scale)
@@ -233,23 +239,26 @@ def _attention_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     n_heads, group, seq_q, seq_k, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, PRESCALE_Q: tl.constexpr, DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, PRESCALE_Q: tl.constexpr, USE_DESC: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``: dQ of one query block over the keys it sees. ``QS``
     is Qs (``PRESCALE_Q``; then it may be ``DQ`` itself: each program reads its block before it
-    writes it) or Q."""
+    writes it) or Q; with ``USE_DESC``, ``K`` and ``V`` are 4-D tensor descriptors."""
     pid_bh = tl.program_id(1)
     b, h = pid_bh // n_heads, pid_bh % n_heads
     h_kv = h // group
     start_m = tl.program_id(0) * BLOCK_M
     offs_r, offs_d, offs_c = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
     rows = start_m + offs_r
-    dt = QS.dtype.element_ty
+    dt = DQ.dtype.element_ty
     qs_src = QS + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
     g_src = DO + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
-    k_src = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
-    v_src = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
+    if USE_DESC:
+        k_src, v_src = K, V
+    else:
+        k_src = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
+        v_src = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
     qs = load_tile(qs_src, b, h, start_m, seq_q, stride_qm, stride_qd, offs_r, offs_d, HEAD_DIM,
                    BLOCK_D, False, True)  # fmt: skip
     do = load_tile(g_src, b, h, start_m, seq_q, stride_gm, stride_gd, offs_r, offs_d, HEAD_DIM,
@@ -264,13 +273,15 @@ def _attention_bwd_dq_kernel(
     # key tiles [0, full_hi): seen by every row, no checks; [full_hi, hi): diagonal and ragged end
     full_hi, hi = key_range(start_m, seq_q, seq_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
     for start_n in range(0, full_hi, BLOCK_N):
-        dq = _dq_step(dq, qs, do, lse, delta, k_src, v_src, start_n, rows, offs_c, offs_d, seq_q,
-                      seq_k, stride_kn, stride_kd, stride_vn, stride_vd, exp_scale, dt, HEAD_DIM,
-                      BLOCK_D, False, IS_CAUSAL, DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
+        dq = _dq_step(dq, qs, do, lse, delta, k_src, v_src, b, h_kv, start_n, rows, offs_c,
+                      offs_d, seq_q, seq_k, stride_kn, stride_kd, stride_vn, stride_vd, exp_scale,
+                      dt, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, USE_DESC, DOT_FP32, DOT_PRECISION,
+                      ROUND_BF16)  # fmt: skip
     for start_n in range(full_hi, hi, BLOCK_N):
-        dq = _dq_step(dq, qs, do, lse, delta, k_src, v_src, start_n, rows, offs_c, offs_d, seq_q,
-                      seq_k, stride_kn, stride_kd, stride_vn, stride_vd, exp_scale, dt, HEAD_DIM,
-                      BLOCK_D, True, IS_CAUSAL, DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
+        dq = _dq_step(dq, qs, do, lse, delta, k_src, v_src, b, h_kv, start_n, rows, offs_c,
+                      offs_d, seq_q, seq_k, stride_kn, stride_kd, stride_vn, stride_vd, exp_scale,
+                      dt, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, USE_DESC, DOT_FP32, DOT_PRECISION,
+                      ROUND_BF16)  # fmt: skip
     dq_base = DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
     ptrs = dq_base + rows.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
     mask = (rows[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM)
