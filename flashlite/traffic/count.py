@@ -291,7 +291,8 @@ def attention_bwd_fn(
     flashlite: the three backward kernels (``ops.attention.attention_bwd``; on CPU with the
     GPU's config, :func:`flashlite.traffic.model.counted_bwd_config`, on a GPU with its own).
     naive: autograd's backward through :func:`flashlite.reference.attention` (graph retained, so
-    the call can repeat). dO (and dlse) are the same seeded values for both.
+    the call can repeat), run on the calling thread. dO (and dlse) are the same seeded values
+    for both.
     """
     if method not in BACKWARD_METHODS:
         raise ValueError(f"method={method!r} is not one of {', '.join(BACKWARD_METHODS)}")
@@ -310,7 +311,14 @@ def attention_bwd_fn(
     leaves = tuple(t.detach().clone().requires_grad_() for t in (q, k, v))
     out, ref_lse = reference.attention(*leaves, shape.causal, scale, return_lse=True)
     outs, grads = ([out, ref_lse], [do, dlse]) if dlse is not None else ([out], [do])
-    return lambda: torch.autograd.grad(outs, leaves, grads, retain_graph=True)
+
+    def naive_backward() -> Any:
+        # on the calling thread: autograd otherwise runs CUDA work on its device thread, outside
+        # the NVTX range (per thread) that selects the kernels ncu measures
+        with torch.autograd.set_multithreading_enabled(False):
+            return torch.autograd.grad(outs, leaves, grads, retain_graph=True)
+
+    return naive_backward
 
 
 def count_attention_bwd(
