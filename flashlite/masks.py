@@ -40,6 +40,7 @@ __all__ = [
     "torch_key_range",
     "torch_query_range",
     "torch_visible",
+    "window_bounds",
 ]
 
 
@@ -124,21 +125,52 @@ def torch_key_range(
     return (seq_k // block_n) * block_n, seq_k
 
 
+def window_bounds(window: tuple[int, int] | None, causal: bool) -> tuple[int, int]:
+    """``(left, right)`` key offsets a query sees around its bottom-right diagonal, −1 meaning
+    unlimited: ``window`` (flash-attn's ``window_size``), with ``causal`` setting right to 0.
+
+    Raises:
+        TypeError: ``window`` is not a pair of ints.
+        ValueError: a bound below −1.
+    """
+    if window is None:
+        return (-1, 0) if causal else (-1, -1)
+    if (
+        not isinstance(window, (tuple, list))
+        or len(window) != 2
+        or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)
+    ):
+        raise TypeError(f"window must be a pair of ints (left, right); got {window!r}")
+    left, right = window
+    if left < -1 or right < -1:
+        raise ValueError(f"window={tuple(window)}: each bound is >= 0, or -1 for unlimited")
+    return left, 0 if causal else right
+
+
 def torch_visible(
     seq_q: int,
     seq_k: int,
     causal: bool,
     *,
+    window: tuple[int, int] | None = None,
     rows: torch.Tensor | None = None,
     device: torch.device | str | None = None,
 ) -> torch.Tensor:
     """Twin of :func:`visible`: ``(len(rows), Nk)`` bools, query ``rows[r]`` sees key ``j``.
 
-    ``rows`` defaults to every query, ``arange(Nq)``, giving the ``(Nq, Nk)`` mask.
+    ``rows`` defaults to every query, ``arange(Nq)``, giving the ``(Nq, Nk)`` mask. With
+    ``window=(left, right)`` (see :func:`window_bounds`) query i sees key j iff
+    ``i + Nk − Nq − left <= j <= i + Nk − Nq + right``; ``causal`` is ``(-1, 0)``. (The kernels'
+    helpers do not take windows yet.)
     """
     if rows is None:
         rows = torch.arange(seq_q, device=device)
     cols = torch.arange(seq_k, device=rows.device)
-    if not causal:
+    left, right = window_bounds(window, causal)
+    if left < 0 and right < 0:
         return torch.ones(rows.shape[0], seq_k, dtype=torch.bool, device=rows.device)
-    return cols[None, :] <= rows[:, None] + (seq_k - seq_q)
+    diag = rows[:, None] + (seq_k - seq_q)
+    if left < 0:  # causal and right-bounded windows: one comparison (the traffic model's count)
+        return cols[None, :] <= diag + right if right else cols[None, :] <= diag
+    seen = cols[None, :] >= diag - left
+    return seen & (cols[None, :] <= diag + right) if right >= 0 else seen

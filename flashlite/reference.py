@@ -44,11 +44,16 @@ def attention(
     *,
     upcast: bool = False,
     return_lse: bool = False,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Naive attention that materialises ``S = Q Kᵀ`` and ``P = softmax(S)`` (layout b h n d).
 
     The ops, in the order the traffic model counts them: ``S = Q Kᵀ`` (matmul), ``S·scale``,
     the causal mask (``torch.where``, when causal), ``P = softmax(S)``, ``O = P V`` (matmul).
+    With ``softcap`` the scaled scores become ``softcap·tanh(S/softcap)`` before the mask; with
+    ``window`` the mask is :func:`flashlite.masks.torch_visible`'s window (the traffic model
+    does not count those two yet).
 
     Args:
         q: ``(B, Hq, Nq, D)``.
@@ -57,6 +62,9 @@ def attention(
         scale: defaults to ``1/sqrt(D)``.
         upcast: compute in fp64 (the accurate reference) instead of the input dtype.
         return_lse: also return the fp32 ``(B, Hq, Nq)`` natural-log LSE of the scaled scores.
+        window: ``(left, right)`` keys around the bottom-right diagonal, −1 unlimited
+            (flash-attn's ``window_size``; with ``causal`` right is 0).
+        softcap: cap ``c > 0`` of Gemma 2's ``c·tanh(s/c)`` on the scaled scores.
 
     Returns:
         ``O`` ``(B, Hq, Nq, D)`` in ``q``'s dtype (and the LSE). Rows with no visible key give 0.
@@ -74,10 +82,14 @@ def attention(
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     s = torch.matmul(q, k.transpose(-1, -2))
     s = s * scale
-    if causal:
-        s = torch.where(torch_visible(nq, nk, causal, device=q.device), s, -math.inf)
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    masked = causal or window is not None
+    if masked:
+        seen = torch_visible(nq, nk, causal, window=window, device=q.device)
+        s = torch.where(seen, s, -math.inf)
     p = torch.softmax(s, dim=-1)
-    if causal:  # rows that see no key are all −inf: softmax gives NaN, the convention is 0
+    if masked:  # rows that see no key are all −inf: softmax gives NaN, the convention is 0
         p = p.nan_to_num(0.0)
     o = torch.matmul(p, v).reshape(b, hq, nq, d).to(dtype)
     if not return_lse:

@@ -16,8 +16,10 @@ from flashlite.masks import (
     torch_visible,
     visible,
     visible_t,
+    window_bounds,
 )
 from flashlite.ops.attention import _tuned_kernel
+from flashlite.reference import attention as ref_attention
 
 
 @triton.jit
@@ -106,3 +108,68 @@ def test_query_range_matches_its_twin_and_covers_exactly_the_visible_queries(
     # visible_t is visible transposed
     twin = torch_visible(nq, nk, causal, rows=torch.arange(64, device=dev))  # (64, Nk)
     assert torch.equal(seen_t[:nk].bool(), twin.T) and not seen_t[nk:].any()
+
+
+# --------------------------------------------------------------------------- windows (issue 11)
+WINDOWS = [(-1, -1), (-1, 0), (0, -1), (0, 0), (2, 0), (0, 2), (3, 1), (1, 3), (20, 20)]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("window", WINDOWS, ids=str)
+@pytest.mark.parametrize("nq,nk", [(7, 7), (5, 9), (9, 5), (1, 6)])
+def test_window_mask_is_flash_attns(
+    nq: int, nk: int, window: tuple[int, int], causal: bool
+) -> None:
+    # query i sees key j iff i + Nk - Nq - left <= j <= i + Nk - Nq + right (-1: unlimited);
+    # causal makes right 0
+    left, right = window[0], 0 if causal else window[1]
+    want = torch.zeros(nq, nk, dtype=torch.bool)
+    for i in range(nq):
+        for j in range(nk):
+            d = i + nk - nq
+            want[i, j] = (left == -1 or j >= d - left) and (right == -1 or j <= d + right)
+    assert torch.equal(torch_visible(nq, nk, causal, window=window), want)
+
+
+def test_window_of_causal_and_unlimited() -> None:
+    for nq, nk in ((6, 6), (4, 9), (9, 4)):
+        assert torch.equal(
+            torch_visible(nq, nk, False, window=(-1, 0)), torch_visible(nq, nk, True)
+        )
+        assert torch.equal(torch_visible(nq, nk, False, window=(-1, -1)),
+                           torch_visible(nq, nk, False))  # fmt: skip
+    assert window_bounds(None, True) == (-1, 0) and window_bounds((4, 7), True) == (4, 0)
+
+
+@pytest.mark.parametrize("bad", [(-2, 0), (0, -5)])
+def test_window_below_minus_one_is_refused(bad: tuple[int, int]) -> None:
+    with pytest.raises(ValueError, match="-1 for unlimited"):
+        window_bounds(bad, False)
+
+
+@pytest.mark.parametrize("bad", [3, (1, 2, 3), (1.0, 2), (True, 0), "ab"])
+def test_window_that_is_not_a_pair_of_ints_is_refused(bad: object) -> None:
+    with pytest.raises(TypeError, match="pair of ints"):
+        window_bounds(bad, False)  # type: ignore[arg-type]
+
+
+def test_reference_window_and_softcap_against_a_row_by_row_softmax() -> None:
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, n, 8, generator=gen, dtype=torch.float64) * 3 for n in (6, 9, 9))
+    window, cap, scale = (2, 1), 1.5, 0.5
+    o, lse = ref_attention(q, k, v, False, scale, window=window, softcap=cap, return_lse=True)
+    seen = torch_visible(6, 9, False, window=window)
+    for i in range(6):
+        s = cap * torch.tanh((q[0, 0, i] @ k[0, 0].T) * scale / cap)
+        s = s[seen[i]]
+        p = torch.softmax(s, 0)
+        assert torch.allclose(o[0, 0, i], p @ v[0, 0][seen[i]])
+        assert torch.allclose(lse[0, 0, i].double(), torch.logsumexp(s, 0), atol=1e-6)
+
+
+def test_reference_rows_outside_every_window_give_zero() -> None:
+    q, k, v = (torch.randn(1, 1, 8, 4, dtype=torch.float64) for _ in range(3))
+    o, lse = ref_attention(q, k[:, :, :3], v[:, :, :3], window=(0, 0), return_lse=True)
+    # Nq = 8, Nk = 3: query i sees only key i - 5, so rows 0..4 see nothing
+    assert (o[0, 0, :5] == 0).all() and torch.isinf(lse[0, 0, :5]).all()
+    assert torch.isfinite(o).all() and torch.isfinite(lse[0, 0, 5:]).all()
