@@ -42,7 +42,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashlite.kernels.attention.common import load_tile, scale_q
+from flashlite.kernels.attention.common import head_ptr, load_tile, scale_q, store_tile
 from flashlite.kernels.common import cast
 from flashlite.masks import key_range, query_range, visible, visible_t
 from flashlite.stats import LOG2E, probs_from_lse, probs_from_lse_t
@@ -65,8 +65,8 @@ def _attention_bwd_preprocess_kernel(
     b, h = pid_bh // n_heads, pid_bh % n_heads
     start_m = tl.program_id(0) * BLOCK_M
     offs_r, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
-    o_src = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-    g_src = DO + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
+    o_src = head_ptr(O, b, h, stride_ob, stride_oh)
+    g_src = head_ptr(DO, b, h, stride_gb, stride_gh)
     o = load_tile(o_src, b, h, start_m, seq_q, stride_om, stride_od, offs_r, offs_d, HEAD_DIM,
                   BLOCK_D, False, True).to(tl.float32)  # fmt: skip
     do = load_tile(g_src, b, h, start_m, seq_q, stride_gm, stride_gd, offs_r, offs_d, HEAD_DIM,
@@ -78,13 +78,12 @@ def _attention_bwd_preprocess_kernel(
         delta -= tl.load(DLSE + at, mask=rows < seq_q, other=0.0)
     tl.store(DELTA + at, delta, mask=rows < seq_q)
     if PRESCALE_Q:
-        q_src = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
+        q_src = head_ptr(Q, b, h, stride_qb, stride_qh)
         q = load_tile(q_src, b, h, start_m, seq_q, stride_qm, stride_qd, offs_r, offs_d,
                       HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
         qs, _ = scale_q(q, sm_scale * LOG2E, True, ROUND_BF16)  # as the forward rounded it
-        s_dst = QS + b.to(tl.int64) * stride_sb + h.to(tl.int64) * stride_sh
-        ptrs = s_dst + rows.to(tl.int64)[:, None] * stride_sm + offs_d[None, :] * stride_sd
-        tl.store(ptrs, qs, mask=(rows[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM))
+        store_tile(head_ptr(QS, b, h, stride_sb, stride_sh), qs, rows, seq_q, stride_sm,
+                   stride_sd, offs_d, HEAD_DIM)  # fmt: skip
 
 
 @triton.jit
@@ -157,8 +156,8 @@ def _attention_bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d, offs_r = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_M)
     dt = DK.dtype.element_ty  # tensor-core operands are rounded to the inputs' dtype
-    k_src = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
-    v_src = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
+    k_src = head_ptr(K, b, h_kv, stride_kb, stride_kh)
+    v_src = head_ptr(V, b, h_kv, stride_vb, stride_vh)
     k = load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, tl.arange(0, BLOCK_N),
                   offs_d, HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
     v = load_tile(v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, tl.arange(0, BLOCK_N),
@@ -183,8 +182,8 @@ def _attention_bwd_dkdv_kernel(
         if USE_DESC:
             qs_src, g_src = QS, DO
         else:
-            qs_src = QS + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-            g_src = DO + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
+            qs_src = head_ptr(QS, b, h, stride_qb, stride_qh)
+            g_src = head_ptr(DO, b, h, stride_gb, stride_gh)
         stats = (b * n_heads + h).to(tl.int64) * seq_q
         for i in range(0, n_masked):
             start_m = tl.where(i < n_diag, lo + i * BLOCK_M, full_end)
@@ -197,14 +196,12 @@ def _attention_bwd_dkdv_kernel(
                                 offs_r, offs_n, offs_d, seq_q, seq_k, stride_qm, stride_qd,
                                 stride_gm, stride_gd, exp_scale, dt, HEAD_DIM, BLOCK_D, False,
                                 False, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
-    mask = (offs_n[:, None] < seq_k) & (offs_d[None, :] < HEAD_DIM)
-    dk_base = DK + b.to(tl.int64) * stride_dkb + h_kv.to(tl.int64) * stride_dkh
-    dv_base = DV + b.to(tl.int64) * stride_dvb + h_kv.to(tl.int64) * stride_dvh
-    n64 = offs_n.to(tl.int64)[:, None]
-    tl.store(dk_base + n64 * stride_dkn + offs_d[None, :] * stride_dkd,
-             cast(dk * dk_scale, DK.dtype.element_ty, ROUND_BF16), mask=mask)  # fmt: skip
-    tl.store(dv_base + n64 * stride_dvn + offs_d[None, :] * stride_dvd,
-             cast(dv, DV.dtype.element_ty, ROUND_BF16), mask=mask)  # fmt: skip
+    store_tile(head_ptr(DK, b, h_kv, stride_dkb, stride_dkh),
+               cast(dk * dk_scale, DK.dtype.element_ty, ROUND_BF16), offs_n, seq_k, stride_dkn,
+               stride_dkd, offs_d, HEAD_DIM)  # fmt: skip
+    store_tile(head_ptr(DV, b, h_kv, stride_dvb, stride_dvh),
+               cast(dv, DV.dtype.element_ty, ROUND_BF16), offs_n, seq_k, stride_dvn, stride_dvd,
+               offs_d, HEAD_DIM)  # fmt: skip
 
 
 @triton.jit
@@ -252,13 +249,13 @@ def _attention_bwd_dq_kernel(
     offs_r, offs_d, offs_c = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
     rows = start_m + offs_r
     dt = DQ.dtype.element_ty
-    qs_src = QS + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-    g_src = DO + b.to(tl.int64) * stride_gb + h.to(tl.int64) * stride_gh
+    qs_src = head_ptr(QS, b, h, stride_qb, stride_qh)
+    g_src = head_ptr(DO, b, h, stride_gb, stride_gh)
     if USE_DESC:
         k_src, v_src = K, V
     else:
-        k_src = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
-        v_src = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
+        k_src = head_ptr(K, b, h_kv, stride_kb, stride_kh)
+        v_src = head_ptr(V, b, h_kv, stride_vb, stride_vh)
     qs = load_tile(qs_src, b, h, start_m, seq_q, stride_qm, stride_qd, offs_r, offs_d, HEAD_DIM,
                    BLOCK_D, False, True)  # fmt: skip
     do = load_tile(g_src, b, h, start_m, seq_q, stride_gm, stride_gd, offs_r, offs_d, HEAD_DIM,
@@ -282,7 +279,6 @@ def _attention_bwd_dq_kernel(
                       offs_d, seq_q, seq_k, stride_kn, stride_kd, stride_vn, stride_vd, exp_scale,
                       dt, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, USE_DESC, DOT_FP32, DOT_PRECISION,
                       ROUND_BF16)  # fmt: skip
-    dq_base = DQ + b.to(tl.int64) * stride_dqb + h.to(tl.int64) * stride_dqh
-    ptrs = dq_base + rows.to(tl.int64)[:, None] * stride_dqm + offs_d[None, :] * stride_dqd
-    mask = (rows[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM)
-    tl.store(ptrs, cast(dq * sm_scale, DQ.dtype.element_ty, ROUND_BF16), mask=mask)
+    store_tile(head_ptr(DQ, b, h, stride_dqb, stride_dqh),
+               cast(dq * sm_scale, DQ.dtype.element_ty, ROUND_BF16), rows, seq_q, stride_dqm,
+               stride_dqd, offs_d, HEAD_DIM)  # fmt: skip

@@ -39,6 +39,20 @@ def load_tile(src, b, h, row0, n_rows, stride_row, stride_d, offs_r, offs_d,
 
 
 @triton.jit
+def head_ptr(X, b, h, stride_b, stride_h):
+    """Pointer to head ``(b, h)`` of a ``(B, H, N, D)`` tensor (64-bit offsets: big tensors)."""
+    return X + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h
+
+
+@triton.jit
+def store_tile(dst, tile, rows, n_rows, stride_row, stride_d, offs_d, HEAD_DIM: tl.constexpr):
+    """Store a ``[rows, BLOCK_D]`` tile at the head pointer ``dst``, rows below ``n_rows`` and
+    columns below ``HEAD_DIM`` only."""
+    ptrs = dst + rows.to(tl.int64)[:, None] * stride_row + offs_d[None, :] * stride_d
+    tl.store(ptrs, tile, mask=(rows[:, None] < n_rows) & (offs_d[None, :] < HEAD_DIM))
+
+
+@triton.jit
 def scale_q(q, qk_scale, PRESCALE_Q: tl.constexpr, ROUND_BF16: tl.constexpr):
     """Q as the score product takes it, and the exponent scale that goes with those scores.
 

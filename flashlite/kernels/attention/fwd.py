@@ -28,7 +28,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashlite.kernels.attention.common import accumulate, load_tile, scale_q, scores, update
+from flashlite.kernels.attention.common import (
+    accumulate,
+    head_ptr,
+    load_tile,
+    scale_q,
+    scores,
+    store_tile,
+    update,
+)
 from flashlite.kernels.common import cast
 from flashlite.masks import key_range
 from flashlite.stats import LOG2E, finalize_lse
@@ -115,9 +123,9 @@ def _attention_fwd_kernel(
     if USE_DESC:
         q_src, k_src, v_src = Q, K, V
     else:
-        q_src = Q + b.to(tl.int64) * stride_qb + h.to(tl.int64) * stride_qh
-        k_src = K + b.to(tl.int64) * stride_kb + h_kv.to(tl.int64) * stride_kh
-        v_src = V + b.to(tl.int64) * stride_vb + h_kv.to(tl.int64) * stride_vh
+        q_src = head_ptr(Q, b, h, stride_qb, stride_qh)
+        k_src = head_ptr(K, b, h_kv, stride_kb, stride_kh)
+        v_src = head_ptr(V, b, h_kv, stride_vb, stride_vh)
 
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -163,6 +171,5 @@ def _attention_fwd_kernel(
         O.store([b, h, start_m, 0], o.reshape(1, 1, BLOCK_M, BLOCK_D))
     else:
         o = cast(acc * inv_s[:, None], O.dtype.element_ty, ROUND_BF16)
-        o_base = O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-        ptrs = o_base + offs_m.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od
-        tl.store(ptrs, o, mask=(offs_m[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM))
+        store_tile(head_ptr(O, b, h, stride_ob, stride_oh), o, offs_m, seq_q, stride_om,
+                   stride_od, offs_d, HEAD_DIM)  # fmt: skip
