@@ -169,8 +169,13 @@ def torch_visible(
     left, right = window_bounds(window, causal)
     if left < 0 and right < 0:
         return torch.ones(rows.shape[0], seq_k, dtype=torch.bool, device=rows.device)
-    diag = rows[:, None] + (seq_k - seq_q)
-    if left < 0:  # causal and right-bounded windows: one comparison (the traffic model's count)
-        return cols[None, :] <= diag + right if right else cols[None, :] <= diag
-    seen = cols[None, :] >= diag - left
-    return seen & (cols[None, :] <= diag + right) if right >= 0 else seen
+    # each bound folds its offset into the scalar: causal stays one add and one comparison (what
+    # the naive traffic model counts)
+    diag = seq_k - seq_q
+    seen = None
+    if right >= 0:
+        seen = cols[None, :] <= rows[:, None] + (diag + right)
+    if left >= 0:
+        after = cols[None, :] >= rows[:, None] + (diag - left)
+        seen = after if seen is None else seen & after
+    return seen
