@@ -436,8 +436,7 @@ def bwd_dkdv(
     ``delta`` dense ``(B, Hq, Nq)``)."""
     b, hq, nq, d = qs.shape
     hkv, nk = k.shape[1], k.shape[2]
-    use_desc = cfg.use_desc and (_backend.kernels_interpreted() or _descriptor_ok(qs, do))
-    srcs = _tile_sources((qs, do), cfg.kv_block_m, d) if use_desc else (qs, do)
+    srcs, use_desc = _tile_sources(cfg.use_desc, (qs, do), cfg.kv_block_m, d)
     kernel = _backend.launcher(KB._attention_bwd_dkdv_kernel)
     kernel[(C.cdiv(nk, cfg.kv_block_n), b * hkv)](
         srcs[0], k, v, srcs[1], lse, delta, dk, dv, *qs.stride(), *k.stride(), *v.stride(),
@@ -447,11 +446,16 @@ def bwd_dkdv(
 
 
 def _tile_sources(
-    tensors: tuple[torch.Tensor, ...], rows: int, head_dim: int
-) -> tuple[TensorDescriptor, ...]:
-    """4-D TMA descriptors over ``(B, H, N, D)`` tensors, ``[1, 1, rows, BLOCK_D]`` blocks."""
+    want: bool, tensors: tuple[torch.Tensor, ...], rows: int, head_dim: int
+) -> tuple[tuple[torch.Tensor | TensorDescriptor, ...], bool]:
+    """``(sources, use_desc)``: 4-D TMA descriptors over the ``(B, H, N, D)`` tensors with
+    ``[1, 1, rows, BLOCK_D]`` blocks when ``want`` and the tensors allow it (always in the
+    interpreter), else the tensors themselves."""
+    if not want or not (_backend.kernels_interpreted() or _descriptor_ok(*tensors)):
+        return tensors, False
     block = [1, 1, rows, C.block_d(head_dim)]
-    return tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in tensors)
+    descs = tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in tensors)
+    return descs, True
 
 
 def bwd_dq(
@@ -462,8 +466,7 @@ def bwd_dq(
     itself (``lse``, ``delta`` dense ``(B, Hq, Nq)``)."""
     b, hq, nq, d = qs.shape
     hkv, nk = k.shape[1], k.shape[2]
-    use_desc = cfg.use_desc and (_backend.kernels_interpreted() or _descriptor_ok(k, v))
-    srcs = _tile_sources((k, v), cfg.q_block_n, d) if use_desc else (k, v)
+    srcs, use_desc = _tile_sources(cfg.use_desc, (k, v), cfg.q_block_n, d)
     kernel = _backend.launcher(KB._attention_bwd_dq_kernel)
     kernel[(C.cdiv(nq, cfg.q_block_m), b * hq)](
         qs, *srcs, do, lse, delta, dq, *qs.stride(), *k.stride(), *v.stride(), *do.stride(),
