@@ -79,8 +79,15 @@ def extra_memory(fn, q, k, v, do) -> float:  # noqa: ANN001
 #: Sweep candidates by head dim: dK/dV (query step, key block, warps, stages) and dQ (query
 #: block, key step, warps, stages); each runs with pointer and with descriptor loads.
 SWEEP_DKDV = {
-    64: [(32, 64, 4, 3), (32, 64, 4, 4), (64, 128, 8, 2), (32, 128, 8, 3)],
-    128: [(32, 128, 8, 3), (32, 128, 8, 4), (16, 128, 8, 3), (64, 128, 8, 2)],
+    64: [
+        (32, 64, 4, 3),
+        (32, 64, 4, 4),
+        (64, 64, 4, 2),
+        (64, 64, 4, 3),
+        (64, 128, 8, 2),
+        (32, 128, 8, 3),
+    ],
+    128: [(32, 128, 8, 3), (32, 128, 8, 4), (32, 128, 8, 2), (64, 128, 8, 2)],
 }
 SWEEP_DQ = {
     64: [(128, 64, 8, 4), (128, 64, 8, 3), (64, 64, 4, 2)],

@@ -88,7 +88,7 @@ class BwdConfig(NamedTuple):
     q_warps: int
     q_stages: int
     #: load the loops' tiles (dK/dV: Qs and dO; dQ: K and V) through TMA descriptors where the
-    #: tensors allow it (not yet measured on a GPU: off in every table entry)
+    #: tensors allow it
     use_desc: bool = False
 
     def dkdv(self) -> dict[str, int]:
@@ -109,13 +109,13 @@ CPU_BWD_CONFIG = BwdConfig(16, 16, 4, 1, 16, 16, 4, 1)
 #: ``2·BLOCK_N·BLOCK_D`` fp32 registers). See ``HOPPER_BWD_CONFIGS`` for the measured table.
 GPU_BWD_CONFIG = BwdConfig(32, 64, 4, 3, 64, 64, 4, 2)
 GPU_BWD_SMALL_CONFIG = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)
-#: Hopper (sm_90), 16-bit inputs, by ``(BLOCK_D, causal)``: measured on an H200
-#: (``benchmarks/NOTES.md``).
+#: Hopper (sm_90), 16-bit inputs, by ``(BLOCK_D, causal)``: the fastest of three sweeps on an
+#: H200 (``benchmarks/NOTES.md``); TMA descriptor loads won 2–10% in both kernels.
 HOPPER_BWD_CONFIGS: dict[tuple[int, bool], BwdConfig] = {
-    (64, False): BwdConfig(32, 64, 4, 3, 128, 64, 8, 4),
-    (64, True): BwdConfig(32, 64, 4, 3, 128, 64, 8, 4),
-    (128, False): BwdConfig(32, 128, 8, 3, 64, 64, 4, 2),
-    (128, True): BwdConfig(32, 128, 8, 3, 64, 64, 4, 2),
+    (64, False): BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, use_desc=True),
+    (64, True): BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, use_desc=True),
+    (128, False): BwdConfig(64, 128, 8, 2, 128, 64, 8, 3, use_desc=True),
+    (128, True): BwdConfig(64, 128, 8, 2, 128, 64, 8, 3, use_desc=True),
 }
 
 

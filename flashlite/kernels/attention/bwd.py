@@ -245,7 +245,10 @@ def _attention_bwd_dq_kernel(
     pid_bh = tl.program_id(1)
     b, h = pid_bh // n_heads, pid_bh % n_heads
     h_kv = h // group
-    start_m = tl.program_id(0) * BLOCK_M
+    pid_m = tl.program_id(0)
+    if IS_CAUSAL:  # the last query blocks see the most keys: start them first (as the forward)
+        pid_m = tl.cdiv(seq_q, BLOCK_M) - 1 - pid_m
+    start_m = pid_m * BLOCK_M
     offs_r, offs_d, offs_c = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
     rows = start_m + offs_r
     dt = DQ.dtype.element_ty
