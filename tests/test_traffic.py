@@ -566,6 +566,6 @@ def test_backward_dram_estimate_against_the_h200_measurements() -> None:
         ratio = est.total / r["measured_bytes"]
         assert 0.85 <= ratio <= 1.15, (r["seq_len"], shape.head_dim, shape.causal, ratio)
         # and far below the issued bytes, which count every L2 hit
-        assert r["measured_bytes"] < r["model_bytes"] / 8
+        assert r["measured_bytes"] < r["model_bytes"] / 4
         checked += 1
     assert checked == 8
