@@ -109,13 +109,14 @@ CPU_BWD_CONFIG = BwdConfig(16, 16, 4, 1, 16, 16, 4, 1)
 #: ``2·BLOCK_N·BLOCK_D`` fp32 registers). See ``HOPPER_BWD_CONFIGS`` for the measured table.
 GPU_BWD_CONFIG = BwdConfig(32, 64, 4, 3, 64, 64, 4, 2)
 GPU_BWD_SMALL_CONFIG = BwdConfig(32, 32, 4, 1, 32, 32, 4, 1)
-#: Hopper (sm_90), 16-bit inputs, by ``(BLOCK_D, causal)``: the fastest of three sweeps on an
-#: H200 (``benchmarks/NOTES.md``); TMA descriptor loads won 2–10% in both kernels.
+#: Hopper (sm_90), 16-bit inputs, by ``(BLOCK_D, causal)``: the fastest of four sweeps on an
+#: H200 (``benchmarks/NOTES.md``); TMA descriptor loads won 2–10% in both kernels. At D = 128
+#: dK/dV takes 64 keys and one warpgroup: two programs fit an SM and hide each other's waits.
 HOPPER_BWD_CONFIGS: dict[tuple[int, bool], BwdConfig] = {
     (64, False): BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, use_desc=True),
     (64, True): BwdConfig(64, 64, 4, 3, 128, 64, 8, 3, use_desc=True),
-    (128, False): BwdConfig(64, 128, 8, 2, 128, 64, 8, 3, use_desc=True),
-    (128, True): BwdConfig(64, 128, 8, 2, 128, 64, 8, 3, use_desc=True),
+    (128, False): BwdConfig(64, 64, 4, 2, 128, 64, 8, 4, use_desc=True),
+    (128, True): BwdConfig(64, 64, 4, 2, 128, 64, 8, 4, use_desc=True),
 }
 
 
