@@ -8,6 +8,7 @@ provider alike. ``--sweep`` first checks and times every flashlite config (``GPU
 
     python benchmarks/bench_attention.py            # full table, JSON + PNG in benchmarks/results
     python benchmarks/bench_attention.py --sweep    # per-config check and timing first
+    python benchmarks/bench_attention.py --backward # backward and fwd+bwd (bench_attention_bwd)
 """
 
 from __future__ import annotations
@@ -98,7 +99,14 @@ def main() -> None:
     ap.add_argument("--no-flex", action="store_true", help="skip FlexAttention (slow compiles)")
     ap.add_argument("--seqs", type=int, nargs="*", default=list(SEQS))
     ap.add_argument("--rounds", type=int, default=5, help="interleaved timings per provider")
-    args = ap.parse_args()
+    ap.add_argument("--backward", action="store_true", help="backward and fwd+bwd table instead")
+    args, rest = ap.parse_known_args()
+    if args.backward:  # one entry point; the backward's own script holds its method
+        import bench_attention_bwd
+
+        raise SystemExit(bench_attention_bwd.main(rest))
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     assert torch.cuda.is_available(), "this benchmark needs a CUDA GPU"
     rows: list[dict] = []
     if args.sweep:
