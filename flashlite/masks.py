@@ -1,29 +1,36 @@
 """Which keys a query sees: the one place that answers it, for kernels, models, references, tests.
 
-Today's masks: none, and causal aligned bottom-right (flash-attn >= 2.1, ``causal_lower_right``):
-query ``i`` of ``Nq`` sees key ``j`` of ``Nk`` iff ``j <= i + Nk − Nq``. With ``Nq > Nk`` the first
-``Nq − Nk`` queries see nothing (their output is 0 and their LSE −inf).
+Masks, all aligned bottom-right (flash-attn >= 2.1, ``causal_lower_right``), with
+``diag = Nk − Nq``:
 
-Two questions, each a ``@triton.jit`` helper and its torch twin (same arithmetic, host ints or
-tensors):
+- none: every query sees every key;
+- causal: query ``i`` sees key ``j`` iff ``j <= i + diag``. With ``Nq > Nk`` the first ``Nq − Nk``
+  queries see nothing (their output is 0 and their LSE −inf);
+- sliding window ``(left, right)`` (flash-attn's ``window_size``, −1 unlimited): query ``i`` sees
+  ``i + diag − left <= j <= i + diag + right``; ``(-1, 0)`` is causal, and ``causal=True`` sets
+  ``right = 0``.
+
+Three questions, each a ``@triton.jit`` helper and its torch twin (same arithmetic, host ints or
+tensors); :func:`kernel_window` turns the public arguments into the helpers' ``IS_CAUSAL``,
+``WINDOW``, ``left``, ``right`` (no mask and causal keep code paths of their own):
 
 ===================  ======================  ===============================================
 helper               twin                    answers
 ===================  ======================  ===============================================
 ``key_range``        ``torch_key_range``     the key tiles a block of ``BLOCK_M`` queries
-                                             visits: ``[0, full_hi)`` seen by every row of the
-                                             block (no mask arithmetic), ``[full_hi, hi)`` the
-                                             diagonal and boundary tiles (masked); keys from
-                                             ``hi`` on are never loaded
+                                             visits, ``(lo, full_lo, full_hi, hi)``:
+                                             ``[full_lo, full_hi)`` seen whole by every row
+                                             of the block (no mask arithmetic), ``[lo,
+                                             full_lo)`` and ``[full_hi, hi)`` in part
+                                             (masked); other keys are never loaded
 ``visible``          ``torch_visible``       per (query, key) pair: is it seen?
 ``query_range``      ``torch_query_range``   the query blocks that see a block of keys, the
-                                             backward's dK/dV loop: from ``lo`` some rows
-                                             see some keys (masked), from ``full_lo`` every
-                                             row sees every key of the block (no mask)
+                                             backward's dK/dV loop, ``(lo, full_lo, full_hi,
+                                             hi)`` the same way round
 ===================  ======================  ===============================================
 
-The next masks (sliding window, per-batch key lengths, varlen offsets, split-KV ranges) extend
-these functions, so everything that asks keeps agreeing.
+The next masks (per-batch key lengths, varlen offsets, split-KV ranges) extend these functions,
+so everything that asks keeps agreeing.
 """
 
 from __future__ import annotations
@@ -40,89 +47,181 @@ __all__ = [
     "torch_key_range",
     "torch_query_range",
     "torch_visible",
+    "kernel_window",
     "window_bounds",
 ]
 
 
 # --------------------------------------------------------------------------- Triton helpers
 @triton.jit
-def key_range(start_m, seq_q, seq_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              IS_CAUSAL: tl.constexpr):  # fmt: skip
-    """``(full_hi, hi)`` for the query block ``[start_m, start_m + BLOCK_M)``; ``full_hi`` is a
-    multiple of ``BLOCK_N``, ``0 <= full_hi <= hi <= seq_k``."""
-    if IS_CAUSAL:
-        diag = seq_k - seq_q
+def key_range(start_m, seq_q, seq_k, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
+    """``(lo, full_lo, full_hi, hi)`` for the query block ``[start_m, start_m + BLOCK_M)``: key
+    tiles ``[full_lo, full_hi)`` are seen whole by every row of the block (no mask arithmetic),
+    ``[lo, full_lo)`` and ``[full_hi, hi)`` in part (masked), the rest not at all (never
+    loaded). ``lo``, ``full_lo`` and ``full_hi`` are multiples of ``BLOCK_N``;
+    ``0 <= lo <= full_lo <= full_hi <= hi <= seq_k``. ``WINDOW``: query i sees keys
+    ``[i + diag − left, i + diag + right]`` (``diag = seq_k − seq_q``; the host passes a bound
+    past both lengths for an unlimited side); ``IS_CAUSAL`` is the window ``(∞, 0)``."""
+    diag = seq_k - seq_q
+    if WINDOW:
+        last_row = start_m + BLOCK_M - 1
+        lo = (tl.maximum(start_m + diag - left, 0) // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(tl.maximum(last_row + diag + right + 1, 0), seq_k)
+        lo = tl.minimum(lo, (hi // BLOCK_N) * BLOCK_N)  # a block that sees nothing: empty
+        # whole tiles between the last row's first key and the first row's last key
+        full_lo = tl.cdiv(tl.maximum(last_row + diag - left, 0), BLOCK_N) * BLOCK_N
+        full_hi = (
+            tl.minimum(tl.maximum(start_m + diag + right + 1, 0), seq_k) // BLOCK_N
+        ) * BLOCK_N
+        # no whole tile (a window narrower than the block): everything is masked, split anywhere
+        full_lo = tl.maximum(tl.minimum(full_lo, full_hi), lo)
+        full_hi = tl.maximum(full_hi, full_lo)
+    elif IS_CAUSAL:
+        lo = start_m * 0
+        full_lo = lo
         # the block's first row sees keys [0, start_m + diag + 1): whole tiles below that are
         # seen by every row; its last row sees [0, start_m + BLOCK_M + diag)
         first_row_sees = tl.minimum(tl.maximum(start_m + diag + 1, 0), seq_k)
         full_hi = (first_row_sees // BLOCK_N) * BLOCK_N
         hi = tl.minimum(tl.maximum(start_m + BLOCK_M + diag, 0), seq_k)
     else:
+        lo = start_m * 0
+        full_lo = lo
         full_hi = (seq_k // BLOCK_N) * BLOCK_N
         hi = seq_k
-    return full_hi, hi
+    return lo, full_lo, full_hi, hi
 
 
 @triton.jit
-def visible(rows, cols, seq_q, seq_k, IS_CAUSAL: tl.constexpr):
+def visible(rows, cols, seq_q, seq_k, left, right, IS_CAUSAL: tl.constexpr,
+            WINDOW: tl.constexpr):  # fmt: skip
     """``[R, C]`` bools: query ``rows[r]`` sees key ``cols[c]`` (keys past ``seq_k`` never)."""
     seen = cols[None, :] < seq_k
-    if IS_CAUSAL:
+    if WINDOW:
+        rel = cols[None, :] - rows[:, None]  # key offset from the query's diagonal, plus diag
+        seen = seen & (rel <= (seq_k - seq_q) + right) & (rel >= (seq_k - seq_q) - left)
+    elif IS_CAUSAL:
         seen = seen & (cols[None, :] <= rows[:, None] + (seq_k - seq_q))
     return seen
 
 
 @triton.jit
-def visible_t(cols, rows, seq_q, seq_k, IS_CAUSAL: tl.constexpr):
+def visible_t(cols, rows, seq_q, seq_k, left, right, IS_CAUSAL: tl.constexpr,
+              WINDOW: tl.constexpr):  # fmt: skip
     """:func:`visible` transposed: ``[C, R]`` bools for keys ``cols`` (down) and queries ``rows``
     (across), for the backward's keys-major tiles."""
     seen = cols[:, None] < seq_k
-    if IS_CAUSAL:
+    if WINDOW:
+        rel = cols[:, None] - rows[None, :]
+        seen = seen & (rel <= (seq_k - seq_q) + right) & (rel >= (seq_k - seq_q) - left)
+    elif IS_CAUSAL:
         seen = seen & (cols[:, None] <= rows[None, :] + (seq_k - seq_q))
     return seen
 
 
 @triton.jit
-def query_range(start_n, seq_q, seq_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                IS_CAUSAL: tl.constexpr):  # fmt: skip
-    """``(lo, full_lo)`` for the key block ``[start_n, start_n + BLOCK_N)``, both multiples of
-    ``BLOCK_M``: query blocks before ``lo`` see none of its keys; from ``full_lo`` on, every row
-    sees every key of the block below ``seq_k``. Query i sees key j iff ``j <= i + Nk − Nq``
-    when causal."""
-    if IS_CAUSAL:
-        diag = seq_k - seq_q
-        lo = (tl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M
-        # the first row that sees the block's last key, rounded up to a block boundary
-        last_key = tl.minimum(start_n + BLOCK_N, seq_k) - 1
-        full_lo = tl.cdiv(tl.maximum(last_key - diag, 0), BLOCK_M) * BLOCK_M
+def query_range(start_n, seq_q, seq_k, left, right, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
+    """``(lo, full_lo, full_hi, hi)`` for the key block ``[start_n, start_n + BLOCK_N)``, the
+    first three multiples of ``BLOCK_M`` (or ``seq_q``): query blocks ``[full_lo, full_hi)`` see every key of
+    the block below ``seq_k`` in every row (no mask), ``[lo, full_lo)`` and ``[full_hi, hi)``
+    some (masked), the others none; ``0 <= lo <= full_lo <= full_hi <= hi <= seq_q``. Query i
+    sees key j iff ``j − diag − right <= i <= j − diag + left`` (see :func:`key_range`)."""
+    diag = seq_k - seq_q
+    last_key = tl.minimum(start_n + BLOCK_N, seq_k) - 1
+    if WINDOW:
+        lo = (tl.maximum(start_n - diag - right, 0) // BLOCK_M) * BLOCK_M
+        hi = tl.minimum(tl.maximum(last_key - diag + left + 1, 0), seq_q)
+        lo = tl.minimum(lo, (hi // BLOCK_M) * BLOCK_M)
+        full_lo = tl.cdiv(tl.maximum(last_key - diag - right, 0), BLOCK_M) * BLOCK_M
+        full_hi = (tl.minimum(tl.maximum(start_n - diag + left + 1, 0), seq_q) // BLOCK_M) * BLOCK_M
+        full_lo = tl.maximum(tl.minimum(full_lo, full_hi), lo)
+        full_hi = tl.maximum(full_hi, full_lo)
     else:
-        lo = start_n * 0
-        full_lo = lo
-    return lo, full_lo
+        if IS_CAUSAL:
+            lo = (tl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M
+            # the first row that sees the block's last key, rounded up to a block boundary
+            full_lo = tl.cdiv(tl.maximum(last_key - diag, 0), BLOCK_M) * BLOCK_M
+        else:
+            lo = start_n * 0
+            full_lo = lo
+        full_lo = tl.minimum(full_lo, seq_q)
+        # the ragged last query block is masked too
+        full_hi = tl.maximum((seq_q // BLOCK_M) * BLOCK_M, full_lo)
+        hi = seq_q
+    return lo, full_lo, full_hi, hi
 
 
 # --------------------------------------------------------------------------- torch twins
+def kernel_window(
+    window: tuple[int, int] | None, causal: bool, seq_q: int, seq_k: int
+) -> tuple[bool, bool, int, int]:
+    """The kernels' mask arguments ``(IS_CAUSAL, WINDOW, left, right)`` for a call: no mask and
+    causal (``(-1, 0)``) keep their own code paths; any other window sets ``WINDOW`` with an
+    unlimited side (−1) turned into a bound past both lengths (``seq_q + seq_k``)."""
+    left, right = window_bounds(window, causal)
+    if left < 0 and right < 0:
+        return False, False, 0, 0
+    if left < 0 and right == 0:
+        return True, False, 0, 0
+    far = seq_q + seq_k
+    return False, True, far if left < 0 else left, far if right < 0 else right
+
+
 def torch_query_range(
-    start_n: int, block_m: int, block_n: int, seq_q: int, seq_k: int, causal: bool
-) -> tuple[int, int]:
-    """Host twin of :func:`query_range`: ``(lo, full_lo)`` for one key block."""
-    if not causal:
-        return 0, 0
+    start_n: int,
+    block_m: int,
+    block_n: int,
+    seq_q: int,
+    seq_k: int,
+    causal: bool,
+    window: tuple[int, int] | None = None,
+) -> tuple[int, int, int, int]:
+    """Host twin of :func:`query_range`: ``(lo, full_lo, full_hi, hi)`` for one key block."""
+    is_causal, has_window, left, right = kernel_window(window, causal, seq_q, seq_k)
     diag = seq_k - seq_q
-    lo = (max(start_n - diag, 0) // block_m) * block_m
     last_key = min(start_n + block_n, seq_k) - 1
-    return lo, -(-max(last_key - diag, 0) // block_m) * block_m
+    if has_window:
+        hi = min(max(last_key - diag + left + 1, 0), seq_q)
+        lo = min((max(start_n - diag - right, 0) // block_m) * block_m, (hi // block_m) * block_m)
+        full_lo = -(-max(last_key - diag - right, 0) // block_m) * block_m
+        full_hi = (min(max(start_n - diag + left + 1, 0), seq_q) // block_m) * block_m
+        full_lo = max(min(full_lo, full_hi), lo)
+        return lo, full_lo, max(full_hi, full_lo), hi
+    lo = full_lo = 0
+    if is_causal:
+        lo = (max(start_n - diag, 0) // block_m) * block_m
+        full_lo = -(-max(last_key - diag, 0) // block_m) * block_m
+    full_lo = min(full_lo, seq_q)
+    return lo, full_lo, max((seq_q // block_m) * block_m, full_lo), seq_q
 
 
 def torch_key_range(
-    start_m: int, block_m: int, block_n: int, seq_q: int, seq_k: int, causal: bool
-) -> tuple[int, int]:
-    """Host twin of :func:`key_range`: ``(full_hi, hi)`` for one query block."""
-    if causal:
-        diag = seq_k - seq_q
+    start_m: int,
+    block_m: int,
+    block_n: int,
+    seq_q: int,
+    seq_k: int,
+    causal: bool,
+    window: tuple[int, int] | None = None,
+) -> tuple[int, int, int, int]:
+    """Host twin of :func:`key_range`: ``(lo, full_lo, full_hi, hi)`` for one query block."""
+    is_causal, has_window, left, right = kernel_window(window, causal, seq_q, seq_k)
+    diag = seq_k - seq_q
+    if has_window:
+        last_row = start_m + block_m - 1
+        hi = min(max(last_row + diag + right + 1, 0), seq_k)
+        lo = min((max(start_m + diag - left, 0) // block_n) * block_n, (hi // block_n) * block_n)
+        full_lo = -(-max(last_row + diag - left, 0) // block_n) * block_n
+        full_hi = (min(max(start_m + diag + right + 1, 0), seq_k) // block_n) * block_n
+        full_lo = max(min(full_lo, full_hi), lo)
+        return lo, full_lo, max(full_hi, full_lo), hi
+    if is_causal:
         first_row_sees = min(max(start_m + diag + 1, 0), seq_k)
-        return (first_row_sees // block_n) * block_n, min(max(start_m + block_m + diag, 0), seq_k)
-    return (seq_k // block_n) * block_n, seq_k
+        hi = min(max(start_m + block_m + diag, 0), seq_k)
+        return 0, 0, (first_row_sees // block_n) * block_n, hi
+    return 0, 0, (seq_k // block_n) * block_n, seq_k
 
 
 def window_bounds(window: tuple[int, int] | None, causal: bool) -> tuple[int, int]:
@@ -160,8 +259,7 @@ def torch_visible(
 
     ``rows`` defaults to every query, ``arange(Nq)``, giving the ``(Nq, Nk)`` mask. With
     ``window=(left, right)`` (see :func:`window_bounds`) query i sees key j iff
-    ``i + Nk − Nq − left <= j <= i + Nk − Nq + right``; ``causal`` is ``(-1, 0)``. (The kernels'
-    helpers do not take windows yet.)
+    ``i + Nk − Nq − left <= j <= i + Nk − Nq + right``; ``causal`` is ``(-1, 0)``.
     """
     if rows is None:
         rows = torch.arange(seq_q, device=device)

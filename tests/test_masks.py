@@ -9,6 +9,7 @@ import triton.language as tl
 
 from flashlite import _backend
 from flashlite.masks import (
+    kernel_window,
     key_range,
     query_range,
     torch_key_range,
@@ -21,48 +22,68 @@ from flashlite.masks import (
 from flashlite.ops.attention import _tuned_kernel
 from flashlite.reference import attention as ref_attention
 
+#: (causal, window) pairs every helper is checked on: none, causal, and windows of each shape
+MASKS = [(False, None), (True, None), (False, (3, 1)), (False, (0, 0)), (False, (-1, 2)),
+         (False, (5, -1)), (True, (2, 7)), (False, (20, 20))]  # fmt: skip
+
+
+def _mask_id(m: tuple[bool, tuple[int, int] | None]) -> str:
+    return ("causal" if m[0] else "full") + ("" if m[1] is None else f"-w{m[1][0]}_{m[1][1]}")
+
 
 @triton.jit
-def _masks_kernel(RANGE, SEEN, seq_q, seq_k, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  IS_CAUSAL: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):  # fmt: skip
+def _masks_kernel(RANGE, SEEN, seq_q, seq_k, left, right, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                  ROWS: tl.constexpr, COLS: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
-    full_hi, hi = key_range(pid * BLOCK_M, seq_q, seq_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    tl.store(RANGE + 2 * pid + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, full_hi, hi))
+    lo, full_lo, full_hi, hi = key_range(pid * BLOCK_M, seq_q, seq_k, left, right, BLOCK_M,
+                                         BLOCK_N, IS_CAUSAL, WINDOW)  # fmt: skip
+    i = tl.arange(0, 4)
+    tl.store(RANGE + 4 * pid + i,
+             tl.where(i == 0, lo, tl.where(i == 1, full_lo, tl.where(i == 2, full_hi, hi))))
     if pid == 0:
         rows, cols = tl.arange(0, ROWS), tl.arange(0, COLS)
-        seen = visible(rows, cols, seq_q, seq_k, IS_CAUSAL)
+        seen = visible(rows, cols, seq_q, seq_k, left, right, IS_CAUSAL, WINDOW)
         tl.store(SEEN + rows[:, None] * COLS + cols[None, :], seen.to(tl.int8))
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("mask", MASKS, ids=_mask_id)
 @pytest.mark.parametrize("nq,nk", [(1, 1), (17, 17), (40, 13), (13, 40), (5, 64), (64, 5)])
-def test_helpers_match_their_twins(nq: int, nk: int, causal: bool) -> None:
+def test_helpers_match_their_twins(nq: int, nk: int, mask: tuple) -> None:
+    causal, window = mask
     dev = _backend.compute_device(torch.device("cpu"))
     bm, bn = 16, 8
     n_blocks = triton.cdiv(nq, bm)
-    ranges = torch.empty(n_blocks, 2, dtype=torch.int32, device=dev)
+    ranges = torch.empty(n_blocks, 4, dtype=torch.int32, device=dev)
     seen = torch.empty(64, 64, dtype=torch.int8, device=dev)
-    _masks_kernel[(n_blocks,)](ranges, seen, nq, nk, BLOCK_M=bm, BLOCK_N=bn, IS_CAUSAL=causal,
-                               ROWS=64, COLS=64)  # fmt: skip
+    is_causal, has_window, left, right = kernel_window(window, causal, nq, nk)
+    _masks_kernel[(n_blocks,)](ranges, seen, nq, nk, left, right, BLOCK_M=bm, BLOCK_N=bn,
+                               IS_CAUSAL=is_causal, WINDOW=has_window, ROWS=64,
+                               COLS=64)  # fmt: skip
     for block in range(n_blocks):
-        want = torch_key_range(block * bm, bm, bn, nq, nk, causal)
+        want = torch_key_range(block * bm, bm, bn, nq, nk, causal, window)
         assert tuple(ranges[block].tolist()) == want
-    rows = torch.arange(64, device=dev)
-    twin = torch_visible(nq, nk, causal, rows=rows)  # (64, Nk)
-    assert torch.equal(seen[:, :nk].bool(), twin) and not seen[:, nk:].any()
+    # (rows past Nq only exist in a ragged last block: an unlimited side is a finite bound
+    # there, past every real row's keys)
+    twin = torch_visible(nq, nk, causal, window=window, device=dev)  # (Nq, Nk)
+    assert torch.equal(seen[:nq, :nk].bool(), twin) and not seen[:, nk:].any()
 
 
-@pytest.mark.parametrize("nq,nk", [(7, 7), (10, 4), (4, 10), (1, 33)])
-def test_key_range_covers_exactly_the_visible_keys(nq: int, nk: int) -> None:
-    mask = torch_visible(nq, nk, True)
-    assert torch.equal(mask.sum(1), (torch.arange(nq) + nk - nq + 1).clamp(0, nk))
-    for bm, bn in ((1, 1), (4, 2), (16, 16)):
+@pytest.mark.parametrize("mask", MASKS, ids=_mask_id)
+@pytest.mark.parametrize("nq,nk", [(7, 7), (10, 4), (4, 10), (1, 33), (33, 1), (50, 37)])
+def test_key_range_covers_exactly_the_visible_keys(nq: int, nk: int, mask: tuple) -> None:
+    causal, window = mask
+    seen = torch_visible(nq, nk, causal, window=window)
+    for bm, bn in ((1, 1), (4, 2), (16, 16), (16, 4)):
         for start in range(0, nq, bm):
-            full_hi, hi = torch_key_range(start, bm, bn, nq, nk, True)
-            block = mask[start : start + bm]
-            assert full_hi % bn == 0 and 0 <= full_hi <= hi <= nk
-            assert block[:, :full_hi].all()  # unmasked tiles: every row sees every key
-            assert not block[:, hi:].any()  # keys from hi on are never needed
+            lo, full_lo, full_hi, hi = torch_key_range(start, bm, bn, nq, nk, causal, window)
+            block = seen[start : start + bm]
+            assert lo % bn == 0 and full_lo % bn == 0 and full_hi % bn == 0
+            assert 0 <= lo <= full_lo <= full_hi <= hi <= nk
+            assert block[:, full_lo:full_hi].all()  # unmasked tiles: every row sees every key
+            assert not block[:, :lo].any() and not block[:, hi:].any()  # skipped: never seen
+    if window is None and causal:
+        assert torch.equal(seen.sum(1), (torch.arange(nq) + nk - nq + 1).clamp(0, nk))
 
 
 def test_autotuning_is_per_length_bucket_not_per_length() -> None:
@@ -73,41 +94,48 @@ def test_autotuning_is_per_length_bucket_not_per_length() -> None:
 
 
 @triton.jit
-def _query_range_kernel(OUT, SEEN_T, seq_q, seq_k, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, ROWS: tl.constexpr,
-                        COLS: tl.constexpr):  # fmt: skip
+def _query_range_kernel(OUT, SEEN_T, seq_q, seq_k, left, right, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                        ROWS: tl.constexpr, COLS: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
-    lo, full_lo = query_range(pid * BLOCK_N, seq_q, seq_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    tl.store(OUT + 2 * pid + tl.arange(0, 2), tl.where(tl.arange(0, 2) == 0, lo, full_lo))
+    lo, full_lo, full_hi, hi = query_range(pid * BLOCK_N, seq_q, seq_k, left, right, BLOCK_M,
+                                           BLOCK_N, IS_CAUSAL, WINDOW)  # fmt: skip
+    i = tl.arange(0, 4)
+    tl.store(OUT + 4 * pid + i,
+             tl.where(i == 0, lo, tl.where(i == 1, full_lo, tl.where(i == 2, full_hi, hi))))
     if pid == 0:
         cols, rows = tl.arange(0, COLS), tl.arange(0, ROWS)
-        seen = visible_t(cols, rows, seq_q, seq_k, IS_CAUSAL)
+        seen = visible_t(cols, rows, seq_q, seq_k, left, right, IS_CAUSAL, WINDOW)
         tl.store(SEEN_T + cols[:, None] * ROWS + rows[None, :], seen.to(tl.int8))
 
 
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("mask", MASKS, ids=_mask_id)
 @pytest.mark.parametrize("nq,nk", [(1, 1), (40, 13), (13, 40), (64, 64), (5, 64), (64, 5)])
 def test_query_range_matches_its_twin_and_covers_exactly_the_visible_queries(
-    nq: int, nk: int, causal: bool
+    nq: int, nk: int, mask: tuple
 ) -> None:
+    causal, window = mask
     dev = _backend.compute_device(torch.device("cpu"))
     bm, bn = 16, 8
     n_blocks = triton.cdiv(nk, bn)
-    out = torch.empty(n_blocks, 2, dtype=torch.int32, device=dev)
+    out = torch.empty(n_blocks, 4, dtype=torch.int32, device=dev)
     seen_t = torch.empty(64, 64, dtype=torch.int8, device=dev)
-    _query_range_kernel[(n_blocks,)](out, seen_t, nq, nk, BLOCK_M=bm, BLOCK_N=bn,
-                                     IS_CAUSAL=causal, ROWS=64, COLS=64)  # fmt: skip
-    mask = torch_visible(nq, nk, causal)
+    is_causal, has_window, left, right = kernel_window(window, causal, nq, nk)
+    _query_range_kernel[(n_blocks,)](out, seen_t, nq, nk, left, right, BLOCK_M=bm, BLOCK_N=bn,
+                                     IS_CAUSAL=is_causal, WINDOW=has_window, ROWS=64,
+                                     COLS=64)  # fmt: skip
+    seen = torch_visible(nq, nk, causal, window=window)
     for block in range(n_blocks):
-        lo, full_lo = torch_query_range(block * bn, bm, bn, nq, nk, causal)
-        assert tuple(out[block].tolist()) == (lo, full_lo)
-        assert lo % bm == 0 and full_lo % bm == 0 and lo <= full_lo
-        keys = mask[:, block * bn : (block + 1) * bn]
-        assert not keys[:lo].any()  # nothing seen is skipped
-        assert keys[full_lo:].all()  # the unmasked loop: every row sees every key
+        lo, full_lo, full_hi, hi = torch_query_range(block * bn, bm, bn, nq, nk, causal, window)
+        assert tuple(out[block].tolist()) == (lo, full_lo, full_hi, hi)
+        assert lo % bm == 0 and all(x % bm == 0 or x == nq for x in (full_lo, full_hi))
+        assert 0 <= lo <= full_lo <= full_hi <= hi <= nq
+        keys = seen[:, block * bn : (block + 1) * bn]
+        assert not keys[:lo].any() and not keys[hi:].any()  # nothing seen is skipped
+        assert keys[full_lo:full_hi].all()  # the unmasked loop: every row sees every key
     # visible_t is visible transposed
-    twin = torch_visible(nq, nk, causal, rows=torch.arange(64, device=dev))  # (64, Nk)
-    assert torch.equal(seen_t[:nk].bool(), twin.T) and not seen_t[nk:].any()
+    twin = torch_visible(nq, nk, causal, window=window, device=dev)  # (Nq, Nk)
+    assert torch.equal(seen_t[:nk, :nq].bool(), twin.T) and not seen_t[nk:].any()
 
 
 # --------------------------------------------------------------------------- windows (issue 11)

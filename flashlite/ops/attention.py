@@ -22,7 +22,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashlite import _backend
+from flashlite import _backend, masks
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import bwd as KB
 from flashlite.kernels.attention import fwd as K
@@ -224,6 +224,8 @@ def attention_fwd(
     causal: bool,
     scale: float,
     *,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
     config: C.Config | None = None,
     use_desc: bool | None = None,
     prescale_q: bool | None = None,
@@ -234,6 +236,8 @@ def attention_fwd(
         q: ``(B, Hq, Nq, D)``; k, v: ``(B, Hkv, Nk, D)``; any strides, one dtype and device.
         causal: bottom-right aligned mask (:mod:`flashlite.masks`).
         scale: the softmax scale.
+        window: ``(left, right)`` sliding window, −1 unlimited (:mod:`flashlite.masks`).
+        softcap: cap the scaled scores at ``softcap·tanh(s/softcap)`` (None: no cap).
         config: pin a :class:`~flashlite.kernels.configs.Config` (else :func:`fixed_config` or
             the autotuner chooses).
         use_desc: force descriptor (True) or pointer (False) loads.
@@ -257,8 +261,9 @@ def attention_fwd(
     small = b * hq * nq * nk * d < DESC_MIN_WORK
     if use_desc is None:
         use_desc = not small and _descriptor_ok(q, k, v, o)
-    config, launch = _plan(dev, q.dtype, d, bool(causal), small and not use_desc, use_desc,
-                           prescale_q, config)  # fmt: skip
+    is_causal, has_window, left, right = masks.kernel_window(window, causal, nq, nk)
+    config, launch = _plan(dev, q.dtype, d, is_causal, small and not use_desc, use_desc,
+                           prescale_q, config, has_window, softcap is not None)  # fmt: skip
     block_d = launch["BLOCK_D"]
     if use_desc:  # block shapes are set per config (set_block_shapes), placeholders here
         bm, bn = (config.block_m, config.block_n) if config is not None else (16, 16)
@@ -267,7 +272,7 @@ def attention_fwd(
     else:
         srcs = [q, k, v, o]
     args = (*srcs, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-            hq, hq // hkv, nq, nk, scale)  # fmt: skip
+            hq, hq // hkv, nq, nk, scale, left, right, softcap or 0.0)  # fmt: skip
     if config is not None:
         fwd = _backend.launcher(K._attention_fwd_kernel)
         fwd[(C.cdiv(nq, config.block_m), b * hq)](*args, **launch)
@@ -290,10 +295,13 @@ def _plan(
     use_desc: bool,
     prescale_q: bool | None,
     config: C.Config | None,
+    window: bool = False,
+    softcap: bool = False,
 ) -> tuple[C.Config | None, dict]:
     """The config and the kernel's keyword arguments for one kind of call, worked out once per
     kind (small problems feel every microsecond of host work)."""
-    key = (dev, dtype, d, causal, small, use_desc, prescale_q, config, C.pinned_text())
+    key = (dev, dtype, d, causal, small, use_desc, prescale_q, config, window, softcap,
+           C.pinned_text())  # fmt: skip
     plan = _plans.get(key)
     if plan is not None:
         return plan
@@ -306,6 +314,8 @@ def _plan(
         "HEAD_DIM": d,
         "BLOCK_D": block_d,
         "IS_CAUSAL": causal,
+        "WINDOW": window,
+        "SOFTCAP": softcap,
         "USE_DESC": use_desc,
         # fold the scale into Q for 16-bit inputs (see the kernel)
         "PRESCALE_Q": dtype != torch.float32 if prescale_q is None else prescale_q,
@@ -324,15 +334,31 @@ def _plan(
 # ----------------------------------------------------------------------------- custom op
 @torch.library.custom_op("flashlite::attention_fwd", mutates_args=())
 def _attention_fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    o, lse, _ = attention_fwd(q, k, v, causal, scale)
+    window, cap = _op_extras(window_left, window_right, softcap)
+    o, lse, _ = attention_fwd(q, k, v, causal, scale, window=window, softcap=cap)
     return o, lse
 
 
 @_attention_fwd_op.register_fake
-def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float):
+def _(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0):  # type: ignore[no-untyped-def]
     return empty_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _op_extras(
+    window_left: int, window_right: int, softcap: float
+) -> tuple[tuple[int, int] | None, float | None]:
+    """The ops' flat mask arguments (−1, −1 and 0.0 mean none) as the launchers take them."""
+    window = None if window_left == window_right == -1 else (window_left, window_right)
+    return window, (softcap if softcap > 0 else None)
 
 
 def bwd_config(dev: torch.device, dtype: torch.dtype, head_dim: int, causal: bool) -> C.BwdConfig:
@@ -355,6 +381,8 @@ def attention_bwd(
     causal: bool,
     scale: float,
     *,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
     config: C.BwdConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels on ``(B, H, N, D)`` views (no autograd, no checks).
@@ -362,7 +390,7 @@ def attention_bwd(
     Args:
         do: ``(B, Hq, Nq, D)`` gradient of the output; q, o alike; k, v ``(B, Hkv, Nk, D)``.
         lse: the forward's fp32 ``(B, Hq, Nq)`` LSE; dlse: its gradient, or None.
-        causal, scale: as in the forward.
+        causal, scale, window, softcap: as in the forward.
         config: pin the kernels' tiles (the traffic tools count the GPU's on a CPU; benchmarks).
 
     Returns:
@@ -373,14 +401,15 @@ def attention_bwd(
     dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
     if b * hq * nq == 0 or nk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    cfg = config or bwd_config(q.device, q.dtype, d, causal)
+    is_causal = masks.kernel_window(window, causal, nq, nk)[0]
+    cfg = config or bwd_config(q.device, q.dtype, d, is_causal)
     # 16-bit inputs: the preprocess writes Qs (Q·scale·log2 e, as the forward rounded it) into
     # dq's memory; the dQ kernel reads each block of it before overwriting it with dQ
     qs = dq if _prescale_q(q) else q
     delta = bwd_preprocess(o, do, lse, dlse, q, qs, scale)
     lse = lse.contiguous()  # the kernels index the (B, Hq, Nq) statistics densely
-    bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, causal, scale, cfg)
-    bwd_dq(qs, k, v, do, lse, delta, dq, causal, scale, cfg)
+    bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, causal, scale, cfg, window=window, softcap=softcap)
+    bwd_dq(qs, k, v, do, lse, delta, dq, causal, scale, cfg, window=window, softcap=softcap)
     return dq, dk, dv
 
 
@@ -388,11 +417,21 @@ def _prescale_q(q: torch.Tensor) -> bool:
     return q.dtype != torch.float32  # as the forward computed the scores
 
 
-def _bwd_flags(q: torch.Tensor, causal: bool) -> dict[str, object]:
-    return {
+def _bwd_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    causal: bool,
+    window: tuple[int, int] | None,
+    softcap: float | None,
+) -> tuple[tuple[int, int, float], dict[str, object]]:
+    """The backward kernels' mask arguments ``(win_left, win_right, softcap)`` and flags."""
+    is_causal, has_window, left, right = masks.kernel_window(window, causal, q.shape[2], k.shape[2])
+    return (left, right, softcap or 0.0), {
         "HEAD_DIM": q.shape[-1],
         "BLOCK_D": C.block_d(q.shape[-1]),
-        "IS_CAUSAL": bool(causal),
+        "IS_CAUSAL": is_causal,
+        "WINDOW": has_window,
+        "SOFTCAP": softcap is not None,
         "PRESCALE_Q": _prescale_q(q),
         "DOT_FP32": _backend.dot_upcast(q.dtype),
         "DOT_PRECISION": "tf32x3" if q.dtype == torch.float32 else "tf32",
@@ -430,18 +469,19 @@ def bwd_preprocess(
 def bwd_dkdv(
     qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
-    cfg: C.BwdConfig,
+    cfg: C.BwdConfig, *, window: tuple[int, int] | None = None, softcap: float | None = None,
 ) -> None:  # fmt: skip
     """The dK/dV kernel into ``dk``, ``dv``; ``qs`` as :func:`bwd_preprocess` left it (``lse``,
     ``delta`` dense ``(B, Hq, Nq)``)."""
     b, hq, nq, d = qs.shape
     hkv, nk = k.shape[1], k.shape[2]
     srcs, use_desc = _tile_sources(cfg.use_desc, (qs, do), cfg.kv_block_m, d)
+    extra, flags = _bwd_args(qs, k, causal, window, softcap)
     kernel = _backend.launcher(KB._attention_bwd_dkdv_kernel)
     kernel[(C.cdiv(nk, cfg.kv_block_n), b * hkv)](
         srcs[0], k, v, srcs[1], lse, delta, dk, dv, *qs.stride(), *k.stride(), *v.stride(),
-        *do.stride(), *dk.stride(), *dv.stride(), hq, hkv, hq // hkv, nq, nk, scale,
-        USE_DESC=use_desc, **_bwd_flags(qs, causal), **cfg.dkdv(),
+        *do.stride(), *dk.stride(), *dv.stride(), hq, hkv, hq // hkv, nq, nk, scale, *extra,
+        USE_DESC=use_desc, **flags, **cfg.dkdv(),
     )  # fmt: skip
 
 
@@ -460,18 +500,20 @@ def _tile_sources(
 
 def bwd_dq(
     qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
-    delta: torch.Tensor, dq: torch.Tensor, causal: bool, scale: float, cfg: C.BwdConfig,
+    delta: torch.Tensor, dq: torch.Tensor, causal: bool, scale: float, cfg: C.BwdConfig, *,
+    window: tuple[int, int] | None = None, softcap: float | None = None,
 ) -> None:  # fmt: skip
     """The dQ kernel into ``dq``; ``qs`` as :func:`bwd_preprocess` left it, possibly ``dq``
     itself (``lse``, ``delta`` dense ``(B, Hq, Nq)``)."""
     b, hq, nq, d = qs.shape
     hkv, nk = k.shape[1], k.shape[2]
     srcs, use_desc = _tile_sources(cfg.use_desc, (k, v), cfg.q_block_n, d)
+    extra, flags = _bwd_args(qs, k, causal, window, softcap)
     kernel = _backend.launcher(KB._attention_bwd_dq_kernel)
     kernel[(C.cdiv(nq, cfg.q_block_m), b * hq)](
         qs, *srcs, do, lse, delta, dq, *qs.stride(), *k.stride(), *v.stride(), *do.stride(),
-        *dq.stride(), hq, hq // hkv, nq, nk, scale, USE_DESC=use_desc,
-        **_bwd_flags(qs, causal), **cfg.dq(),
+        *dq.stride(), hq, hq // hkv, nq, nk, scale, *extra, USE_DESC=use_desc, **flags,
+        **cfg.dq(),
     )  # fmt: skip
 
 
@@ -486,13 +528,17 @@ def _attention_bwd_op(
     dlse: torch.Tensor | None,
     causal: bool,
     scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_bwd_grads(do, o, lse, dlse)
-    return attention_bwd(do, q, k, v, o, lse, dlse, causal, scale)
+    window, cap = _op_extras(window_left, window_right, softcap)
+    return attention_bwd(do, q, k, v, o, lse, dlse, causal, scale, window=window, softcap=cap)
 
 
 @_attention_bwd_op.register_fake
-def _(do, q, k, v, o, lse, dlse, causal, scale):  # type: ignore[no-untyped-def]
+def _(do, q, k, v, o, lse, dlse, causal, scale, window_left=-1, window_right=-1, softcap=0.0):  # type: ignore[no-untyped-def]
     _check_bwd_grads(do, o, lse, dlse)
     return empty_output(q), empty_output(k), empty_output(v)
 
@@ -515,18 +561,19 @@ def _check_bwd_grads(
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    q, k, v, causal, scale = inputs
+    q, k, v, causal, scale, *extras = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)  # O(N) beyond the tensors: nothing N×N
-    ctx.causal, ctx.scale = causal, scale
+    ctx.causal, ctx.scale, ctx.extras = causal, scale, extras
 
 
 def _backward(ctx, grad_o, grad_lse):  # type: ignore[no-untyped-def]
     q, k, v, o, lse = ctx.saved_tensors
     if grad_o is None:
         grad_o = torch.zeros_like(o)
-    dq, dk, dv = _ATTENTION_BWD(grad_o, q, k, v, o, lse, grad_lse, ctx.causal, ctx.scale)
-    return dq, dk, dv, None, None
+    dq, dk, dv = _ATTENTION_BWD(grad_o, q, k, v, o, lse, grad_lse, ctx.causal, ctx.scale,
+                                *ctx.extras)  # fmt: skip
+    return dq, dk, dv, None, None, *(None for _ in ctx.extras)
 
 
 _attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -543,6 +590,8 @@ def attention(
     scale: float | None = None,
     layout: str = "b h n d",
     return_lse: bool = False,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention computed tile by tile (FlashAttention-2 loop order).
 
@@ -555,6 +604,12 @@ def attention(
         scale: multiplies ``QKᵀ`` before the softmax; defaults to ``1/sqrt(D)``; must be > 0.
         layout: ``"b h n d"`` or ``"b n h d"`` (einops notation).
         return_lse: also return the natural-log LSE of the scaled scores.
+        window: ``(left, right)`` sliding window aligned bottom-right like ``causal``: query i
+            sees key j iff ``i + Nk − Nq − left <= j <= i + Nk − Nq + right``, −1 meaning
+            unlimited (flash-attn's ``window_size``); ``(-1, 0)`` is causal, and with
+            ``causal=True`` right becomes 0. Key tiles outside every row's window are skipped.
+        softcap: scores ``s = scale·q·k`` become ``softcap·tanh(s/softcap)`` before masking
+            and the softmax (Gemma 2); the LSE is of the capped scores.
 
     Returns:
         ``out`` in ``q``'s layout and dtype, or ``(out, lse)`` with ``lse`` fp32 ``(B, Hq, Nq)``.
@@ -563,16 +618,38 @@ def attention(
         (``torch.ops.flashlite.attention_fwd``): ``torch.compile`` traces through it.
 
     Raises:
-        TypeError: non-tensors, unsupported or mixed dtypes, a non-numeric scale.
+        TypeError: non-tensors, unsupported or mixed dtypes, a non-numeric scale or softcap,
+            a window that is not a pair of ints.
         ValueError: wrong rank, mismatched batch/heads/lengths/head dims, unknown layout,
-            mixed devices, a non-positive scale.
+            mixed devices, a non-positive scale or softcap, a window bound below −1.
         NotImplementedError: head dim above 256.
     """
     sm_scale, qc, kc, vc = _check(q, k, v, layout, scale)
-    if skip_dispatcher(q, k, v):  # the op's own body, minus the dispatcher's host cost
-        o, lse, _ = attention_fwd(qc, kc, vc, bool(causal), sm_scale)
+    causal = bool(causal)
+    if window is None and softcap is None:
+        if skip_dispatcher(q, k, v):  # the op's own body, minus the dispatcher's host cost
+            o, lse, _ = attention_fwd(qc, kc, vc, causal, sm_scale)
+        else:
+            o, lse = _ATTENTION_FWD(qc, kc, vc, causal, sm_scale)
     else:
-        o, lse = _ATTENTION_FWD(qc, kc, vc, bool(causal), sm_scale)
+        left, right = masks.window_bounds(window, causal)
+        cap = _check_softcap(softcap)
+        if skip_dispatcher(q, k, v):
+            o, lse, _ = attention_fwd(qc, kc, vc, causal, sm_scale, window=(left, right),
+                                      softcap=cap or None)  # fmt: skip
+        else:
+            o, lse = _ATTENTION_FWD(qc, kc, vc, causal, sm_scale, left, right, cap)
     if layout != "b h n d":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
+
+
+def _check_softcap(softcap: object) -> float:
+    """``softcap`` as the op takes it (0.0 for none)."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
+    if not 0 < softcap < math.inf:
+        raise ValueError(f"softcap must be a finite positive number or None, got {softcap}")
+    return float(softcap)

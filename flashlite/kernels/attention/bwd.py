@@ -42,7 +42,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashlite.kernels.attention.common import head_ptr, load_tile, scale_q, store_tile
+from flashlite.kernels.attention.common import head_ptr, load_tile, scale_q, soft_cap, store_tile
 from flashlite.kernels.common import cast
 from flashlite.masks import key_range, query_range, visible, visible_t
 from flashlite.stats import LOG2E, probs_from_lse, probs_from_lse_t
@@ -87,11 +87,16 @@ def _attention_bwd_preprocess_kernel(
 
 
 @triton.jit
-def _dscores(p, dp, delta, DT: tl.constexpr, DOT_FP32: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """``dS = P ∘ (dP − delta)`` (``delta`` broadcast to the tile by the caller), rounded to the
-    inputs' dtype ``DT`` for the tensor cores; also ``P`` so rounded. Back in fp32 for the
-    interpreter's dots, after that rounding."""
-    ds = cast(p * (dp - delta), DT, ROUND_BF16)
+def _dscores(p, dp, delta, dcap, SOFTCAP: tl.constexpr, DT: tl.constexpr,
+             DOT_FP32: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
+    """``dS = P ∘ (dP − delta)`` (``delta`` broadcast to the tile by the caller), times the soft
+    cap's derivative ``dcap`` with ``SOFTCAP``, rounded to the inputs' dtype ``DT`` for the
+    tensor cores; also ``P`` so rounded. Back in fp32 for the interpreter's dots, after that
+    rounding."""
+    ds = p * (dp - delta)
+    if SOFTCAP:
+        ds = ds * dcap
+    ds = cast(ds, DT, ROUND_BF16)
     pc = cast(p, DT, ROUND_BF16)
     if DOT_FP32:
         ds, pc = ds.to(tl.float32), pc.to(tl.float32)
@@ -100,9 +105,11 @@ def _dscores(p, dp, delta, DT: tl.constexpr, DOT_FP32: tl.constexpr, ROUND_BF16:
 
 @triton.jit
 def _dkdv_step(dk, dv, k, v, qs_src, g_src, b, h, LSE, DELTA, stats, start_m, offs_r, offs_n,
-               offs_d, seq_q, seq_k, stride_qm, stride_qd, stride_gm, stride_gd, exp_scale,
-               DT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               MASK_CAUSAL: tl.constexpr, CHECK_ROWS: tl.constexpr, USE_DESC: tl.constexpr,
+               offs_d, seq_q, seq_k, left, right, cap, stride_qm, stride_qd, stride_gm,
+               stride_gd, exp_scale, DT: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+               WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, CHECK_ROWS: tl.constexpr,
+               USE_DESC: tl.constexpr,
                DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
                ROUND_BF16: tl.constexpr):  # fmt: skip
     """Fold the query block at ``start_m`` into one key block's dK and dV, keys-major."""
@@ -119,11 +126,18 @@ def _dkdv_step(dk, dv, k, v, qs_src, g_src, b, h, LSE, DELTA, stats, start_m, of
         delta = tl.load(DELTA + stats + rows)
     if DOT_FP32:
         qs, do = qs.to(tl.float32), do.to(tl.float32)
-    pt = probs_from_lse_t(tl.dot(k, tl.trans(qs), input_precision=DOT_PRECISION), lse, exp_scale)
-    if MASK_CAUSAL:
-        pt = tl.where(visible_t(offs_n, rows, seq_q, seq_k, True), pt, 0.0)
+    st = tl.dot(k, tl.trans(qs), input_precision=DOT_PRECISION)
+    if SOFTCAP:
+        st, tt = soft_cap(st, cap)
+    pt = probs_from_lse_t(st, lse, exp_scale)
+    if MASKED:
+        pt = tl.where(visible_t(offs_n, rows, seq_q, seq_k, left, right, IS_CAUSAL, WINDOW), pt,
+                      0.0)  # fmt: skip
     dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-    pc, dst = _dscores(pt, dpt, delta[None, :], DT, DOT_FP32, ROUND_BF16)
+    dcap = 1.0
+    if SOFTCAP:  # through the cap: d(cap·tanh(x/cap))/dx = 1 − tanh²
+        dcap = 1.0 - tt * tt
+    pc, dst = _dscores(pt, dpt, delta[None, :], dcap, SOFTCAP, DT, DOT_FP32, ROUND_BF16)
     dv = tl.dot(pc, do, dv, input_precision=DOT_PRECISION)
     dk = tl.dot(dst, qs, dk, input_precision=DOT_PRECISION)
     return dk, dv
@@ -138,9 +152,10 @@ def _attention_bwd_dkdv_kernel(
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    n_heads, kv_heads, group, seq_q, seq_k, sm_scale,
+    n_heads, kv_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, PRESCALE_Q: tl.constexpr, USE_DESC: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    PRESCALE_Q: tl.constexpr, USE_DESC: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(cdiv(Nk, BLOCK_N), B·Hkv)``: dK, dV of one key block, summed over the group.
@@ -169,14 +184,17 @@ def _attention_bwd_dkdv_kernel(
     # scores of Qs are in exp2's units already; dK summed against Qs carries a factor log2 e
     exp_scale = 1.0 if PRESCALE_Q else sm_scale * LOG2E
     dk_scale = 1.0 / LOG2E if PRESCALE_Q else sm_scale
-    # query blocks [mid, full_end): every pair seen, no checks; the others are masked: the
-    # diagonal [lo, mid) and the ragged last block from full_end (one loop keeps the registers
-    # of one masked and one unmasked body live, not three)
-    lo, full_lo = query_range(start_n, seq_q, seq_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    mid = tl.minimum(full_lo, seq_q)
-    full_end = tl.maximum((seq_q // BLOCK_M) * BLOCK_M, mid)
-    n_diag = tl.cdiv(mid - lo, BLOCK_M)
-    n_masked = n_diag + tl.cdiv(seq_q - full_end, BLOCK_M)
+    cap = 0.0
+    if SOFTCAP:  # the cap in the scores' units (see the forward)
+        cap = softcap * LOG2E / exp_scale
+    # query blocks [full_lo, full_hi): every pair seen, no checks; the others are masked: the
+    # diagonal or the window's edge [lo, full_lo) and from full_hi the window's other edge or
+    # the ragged last block (one loop keeps the registers of one masked and one unmasked body
+    # live, not three)
+    lo, full_lo, full_hi, hi = query_range(start_n, seq_q, seq_k, win_left, win_right, BLOCK_M,
+                                           BLOCK_N, IS_CAUSAL, WINDOW)  # fmt: skip
+    n_diag = tl.cdiv(full_lo - lo, BLOCK_M)
+    n_masked = n_diag + tl.cdiv(hi - full_hi, BLOCK_M)
     for g in range(0, group):
         h = h_kv * group + g
         if USE_DESC:
@@ -186,16 +204,22 @@ def _attention_bwd_dkdv_kernel(
             g_src = head_ptr(DO, b, h, stride_gb, stride_gh)
         stats = (b * n_heads + h).to(tl.int64) * seq_q
         for i in range(0, n_masked):
-            start_m = tl.where(i < n_diag, lo + i * BLOCK_M, full_end)
+            if WINDOW:  # a window's far edge can span several blocks
+                start_m = tl.where(i < n_diag, lo + i * BLOCK_M, full_hi + (i - n_diag) * BLOCK_M)
+            else:  # at most the one ragged block
+                start_m = tl.where(i < n_diag, lo + i * BLOCK_M, full_hi)
             dk, dv = _dkdv_step(dk, dv, k, v, qs_src, g_src, b, h, LSE, DELTA, stats, start_m,
-                                offs_r, offs_n, offs_d, seq_q, seq_k, stride_qm, stride_qd,
-                                stride_gm, stride_gd, exp_scale, dt, HEAD_DIM, BLOCK_D, IS_CAUSAL,
-                                True, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
-        for start_m in range(mid, full_end, BLOCK_M):
+                                offs_r, offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap,
+                                stride_qm, stride_qd, stride_gm, stride_gd, exp_scale, dt,
+                                HEAD_DIM, BLOCK_D, IS_CAUSAL or WINDOW, IS_CAUSAL, WINDOW,
+                                SOFTCAP, True, USE_DESC, DOT_FP32, DOT_PRECISION,
+                                ROUND_BF16)  # fmt: skip
+        for start_m in range(full_lo, full_hi, BLOCK_M):
             dk, dv = _dkdv_step(dk, dv, k, v, qs_src, g_src, b, h, LSE, DELTA, stats, start_m,
-                                offs_r, offs_n, offs_d, seq_q, seq_k, stride_qm, stride_qd,
-                                stride_gm, stride_gd, exp_scale, dt, HEAD_DIM, BLOCK_D, False,
-                                False, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
+                                offs_r, offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap,
+                                stride_qm, stride_qd, stride_gm, stride_gd, exp_scale, dt,
+                                HEAD_DIM, BLOCK_D, False, IS_CAUSAL, WINDOW, SOFTCAP, False,
+                                USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
     store_tile(head_ptr(DK, b, h_kv, stride_dkb, stride_dkh),
                cast(dk * dk_scale, DK.dtype.element_ty, ROUND_BF16), offs_n, seq_k, stride_dkn,
                stride_dkd, offs_d, HEAD_DIM)  # fmt: skip
@@ -206,23 +230,30 @@ def _attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _dq_step(dq, qs, do, lse, delta, k_src, v_src, b, h_kv, start_n, rows, offs_c, offs_d, seq_q,
-             seq_k, stride_kn, stride_kd, stride_vn, stride_vd, exp_scale, DT: tl.constexpr,
-             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, MASKED: tl.constexpr,
-             IS_CAUSAL: tl.constexpr, USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,
+             seq_k, left, right, cap, stride_kn, stride_kd, stride_vn, stride_vd, exp_scale,
+             DT: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+             MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+             SOFTCAP: tl.constexpr, USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,
              DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
     """Fold the key tile at ``start_n`` into one query block's dQ; ``MASKED`` tiles check the
-    keys' bounds and the causal diagonal."""
+    keys' bounds, the causal diagonal or the window."""
     k = load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, offs_c, offs_d, HEAD_DIM,
                   BLOCK_D, USE_DESC, MASKED)  # fmt: skip
     v = load_tile(v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_c, offs_d, HEAD_DIM,
                   BLOCK_D, USE_DESC, MASKED)  # fmt: skip
     if DOT_FP32:
         k, v = k.to(tl.float32), v.to(tl.float32)
-    p = probs_from_lse(tl.dot(qs, tl.trans(k), input_precision=DOT_PRECISION), lse, exp_scale)
+    sc = tl.dot(qs, tl.trans(k), input_precision=DOT_PRECISION)
+    dcap = 1.0
+    if SOFTCAP:
+        sc, t = soft_cap(sc, cap)
+        dcap = 1.0 - t * t
+    p = probs_from_lse(sc, lse, exp_scale)
     if MASKED:
-        p = tl.where(visible(rows, start_n + offs_c, seq_q, seq_k, IS_CAUSAL), p, 0.0)
+        p = tl.where(visible(rows, start_n + offs_c, seq_q, seq_k, left, right, IS_CAUSAL,
+                             WINDOW), p, 0.0)  # fmt: skip
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-    _pc, ds = _dscores(p, dp, delta[:, None], DT, DOT_FP32, ROUND_BF16)
+    _pc, ds = _dscores(p, dp, delta[:, None], dcap, SOFTCAP, DT, DOT_FP32, ROUND_BF16)
     return tl.dot(ds, k, dq, input_precision=DOT_PRECISION)
 
 
@@ -234,9 +265,10 @@ def _attention_bwd_dq_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    n_heads, group, seq_q, seq_k, sm_scale,
+    n_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, PRESCALE_Q: tl.constexpr, USE_DESC: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    PRESCALE_Q: tl.constexpr, USE_DESC: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``: dQ of one query block over the keys it sees. ``QS``
@@ -270,18 +302,30 @@ def _attention_bwd_dq_kernel(
     if DOT_FP32:
         qs, do = qs.to(tl.float32), do.to(tl.float32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    # key tiles [0, full_hi): seen by every row, no checks; [full_hi, hi): diagonal and ragged end
-    full_hi, hi = key_range(start_m, seq_q, seq_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
-    for start_n in range(0, full_hi, BLOCK_N):
+    cap = 0.0
+    if SOFTCAP:
+        cap = softcap * LOG2E / exp_scale
+    # key tiles [full_lo, full_hi): seen by every row, no checks; [lo, full_lo) (a window's
+    # left edge) and [full_hi, hi) (diagonal, window edge, ragged end): masked
+    lo, full_lo, full_hi, hi = key_range(start_m, seq_q, seq_k, win_left, win_right, BLOCK_M,
+                                         BLOCK_N, IS_CAUSAL, WINDOW)  # fmt: skip
+    if WINDOW:
+        for start_n in range(lo, full_lo, BLOCK_N):
+            dq = _dq_step(dq, qs, do, lse, delta, k_src, v_src, b, h_kv, start_n, rows, offs_c,
+                          offs_d, seq_q, seq_k, win_left, win_right, cap, stride_kn, stride_kd,
+                          stride_vn, stride_vd, exp_scale, dt, HEAD_DIM, BLOCK_D, True, IS_CAUSAL,
+                          WINDOW, SOFTCAP, USE_DESC, DOT_FP32, DOT_PRECISION,
+                          ROUND_BF16)  # fmt: skip
+    for start_n in range(full_lo, full_hi, BLOCK_N):
         dq = _dq_step(dq, qs, do, lse, delta, k_src, v_src, b, h_kv, start_n, rows, offs_c,
-                      offs_d, seq_q, seq_k, stride_kn, stride_kd, stride_vn, stride_vd, exp_scale,
-                      dt, HEAD_DIM, BLOCK_D, False, IS_CAUSAL, USE_DESC, DOT_FP32, DOT_PRECISION,
-                      ROUND_BF16)  # fmt: skip
+                      offs_d, seq_q, seq_k, win_left, win_right, cap, stride_kn, stride_kd,
+                      stride_vn, stride_vd, exp_scale, dt, HEAD_DIM, BLOCK_D, False, IS_CAUSAL,
+                      WINDOW, SOFTCAP, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
     for start_n in range(full_hi, hi, BLOCK_N):
         dq = _dq_step(dq, qs, do, lse, delta, k_src, v_src, b, h_kv, start_n, rows, offs_c,
-                      offs_d, seq_q, seq_k, stride_kn, stride_kd, stride_vn, stride_vd, exp_scale,
-                      dt, HEAD_DIM, BLOCK_D, True, IS_CAUSAL, USE_DESC, DOT_FP32, DOT_PRECISION,
-                      ROUND_BF16)  # fmt: skip
+                      offs_d, seq_q, seq_k, win_left, win_right, cap, stride_kn, stride_kd,
+                      stride_vn, stride_vd, exp_scale, dt, HEAD_DIM, BLOCK_D, True, IS_CAUSAL,
+                      WINDOW, SOFTCAP, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
     store_tile(head_ptr(DQ, b, h, stride_dqb, stride_dqh),
                cast(dq * sm_scale, DQ.dtype.element_ty, ROUND_BF16), rows, seq_q, stride_dqm,
                stride_dqd, offs_d, HEAD_DIM)  # fmt: skip

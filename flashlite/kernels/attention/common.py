@@ -10,7 +10,7 @@ import triton.language as tl
 
 from flashlite.kernels.common import cast
 from flashlite.masks import visible
-from flashlite.stats import online_update, online_update_lazy
+from flashlite.stats import LOG2E, online_update, online_update_lazy
 
 
 @triton.jit
@@ -71,19 +71,39 @@ def scale_q(q, qk_scale, PRESCALE_Q: tl.constexpr, ROUND_BF16: tl.constexpr):
 
 
 @triton.jit
-def scores(q, k_src, b, h_kv, start_n, offs_m, offs_n, offs_d, seq_q, seq_k, stride_kn, stride_kd,
-            MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+def tanh(x):
+    """``tanh(x)`` from one ``exp2`` (the same code in the interpreter and on a GPU); ±1, not
+    NaN, where ``exp2`` overflows or underflows."""
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+
+
+@triton.jit
+def soft_cap(x, cap):
+    """Gemma 2's soft cap ``cap·tanh(x/cap)`` of a score tile, and ``tanh(x/cap)`` for the
+    backward's derivative ``1 − tanh²``. ``cap`` is in the scores' own units: the host passes
+    ``softcap / scale`` for raw ``q·kᵀ`` and ``softcap·log2 e`` for prescaled ones."""
+    t = tanh(x / cap)
+    return cap * t, t
+
+
+@triton.jit
+def scores(q, k_src, b, h_kv, start_n, offs_m, offs_n, offs_d, seq_q, seq_k, left, right, cap,
+            stride_kn, stride_kd, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+            WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_D: tl.constexpr, USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,
             DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """fp32 scores ``q·kᵀ`` of the key tile at ``start_n``; on ``MASKED`` tiles the keys a row
-    does not see (:func:`flashlite.masks.visible`) get −inf."""
+    """fp32 scores ``q·kᵀ`` of the key tile at ``start_n``, soft-capped with ``SOFTCAP``; on
+    ``MASKED`` tiles the keys a row does not see (:func:`flashlite.masks.visible`) get −inf."""
     k = load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, offs_n, offs_d,
                    HEAD_DIM, BLOCK_D, USE_DESC, MASKED)  # fmt: skip
     if DOT_FP32:
         k = k.to(tl.float32)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if SOFTCAP:
+        qk, _t = soft_cap(qk, cap)
     if MASKED:
-        qk = tl.where(visible(offs_m, start_n + offs_n, seq_q, seq_k, IS_CAUSAL), qk, float("-inf"))
+        seen = visible(offs_m, start_n + offs_n, seq_q, seq_k, left, right, IS_CAUSAL, WINDOW)
+        qk = tl.where(seen, qk, float("-inf"))
     return qk
 
 

@@ -45,17 +45,18 @@ from flashlite.stats import LOG2E, finalize_lse
 # ----------------------------------------------------------------------------- kernel
 @triton.jit
 def _attend(acc, m, s, q, k_src, v_src, b, h_kv, lo, hi, offs_m, offs_n, offs_d, seq_q, seq_k,
-            exp_scale, stride_kn, stride_kd, stride_vn, stride_vd,
-            MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr,
+            left, right, cap, exp_scale, stride_kn, stride_kd, stride_vn, stride_vd,
+            MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+            SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
             DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
             WARP_SPECIALIZE: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
     """Fold key tiles ``[lo, hi)`` into ``(acc, m, s)``, one tile after the other: scores,
     statistics, ``acc = acc·alpha + p·v``."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        qk = scores(q, k_src, b, h_kv, start_n, offs_m, offs_n, offs_d, seq_q, seq_k, stride_kn,
-                     stride_kd, MASKED, IS_CAUSAL, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
-                     DOT_PRECISION)  # fmt: skip
+        qk = scores(q, k_src, b, h_kv, start_n, offs_m, offs_n, offs_d, seq_q, seq_k, left,
+                     right, cap, stride_kn, stride_kd, MASKED, IS_CAUSAL, WINDOW, SOFTCAP,
+                     HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32, DOT_PRECISION)  # fmt: skip
         m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE)
         acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, seq_k, stride_vn,
                           stride_vd, offs_n, offs_d, MASKED, HEAD_DIM, BLOCK_D, USE_DESC,
@@ -65,24 +66,24 @@ def _attend(acc, m, s, q, k_src, v_src, b, h_kv, lo, hi, offs_m, offs_n, offs_d,
 
 @triton.jit
 def _attend_overlapped(acc, m, s, q, k_src, v_src, b, h_kv, lo, hi, offs_m, offs_n, offs_d,
-                       seq_q, seq_k, exp_scale, stride_kn, stride_kd, stride_vn, stride_vd,
-                       HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                       USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,
+                       seq_q, seq_k, cap, exp_scale, stride_kn, stride_kd, stride_vn, stride_vd,
+                       SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                       BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,
                        DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
                        ROUND_BF16: tl.constexpr):  # fmt: skip
     """:func:`_attend` over unmasked tiles ``[lo, hi)`` (``hi > lo``), reordered so that the
     tensor cores work while the statistics are computed: the loop computes tile j's softmax,
     then tile j+1's scores, then issues tile j's ``p·v`` and moves on without waiting for it, so
     that product runs under tile j+1's softmax. Same arithmetic, same order of accumulation."""
-    qk = scores(q, k_src, b, h_kv, lo, offs_m, offs_n, offs_d, seq_q, seq_k, stride_kn,
-                 stride_kd, False, False, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
-                 DOT_PRECISION)  # fmt: skip
+    qk = scores(q, k_src, b, h_kv, lo, offs_m, offs_n, offs_d, seq_q, seq_k, 0, 0, cap,
+                 stride_kn, stride_kd, False, False, False, SOFTCAP, HEAD_DIM, BLOCK_D, USE_DESC,
+                 DOT_FP32, DOT_PRECISION)  # fmt: skip
     for start_n in tl.range(lo, hi - BLOCK_N, BLOCK_N):
         m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE)
         # the next scores; Triton waits for this dot (and the p·v still running) right here
         qk = scores(q, k_src, b, h_kv, start_n + BLOCK_N, offs_m, offs_n, offs_d, seq_q, seq_k,
-                     stride_kn, stride_kd, False, False, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
-                     DOT_PRECISION)  # fmt: skip
+                     0, 0, cap, stride_kn, stride_kd, False, False, False, SOFTCAP, HEAD_DIM,
+                     BLOCK_D, USE_DESC, DOT_FP32, DOT_PRECISION)  # fmt: skip
         # the rescale reads acc after that wait; the product is left in flight: only the next
         # iteration's score dot waits for it
         acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, seq_k, stride_vn,
@@ -102,15 +103,18 @@ def _attention_fwd_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    n_heads, group, seq_q, seq_k, sm_scale,
+    n_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
     OVERLAP: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``. Writes O ``(B, Hq, Nq, D)`` and fp32 LSE ``(B·Hq, Nq)``.
 
     Q, K, V, O are 4-D tensor descriptors when ``USE_DESC``, else tensors read through strides.
+    ``WINDOW``: sliding window ``[i + diag − win_left, i + diag + win_right]`` (see
+    :mod:`flashlite.masks`); ``SOFTCAP``: scores capped at ``softcap`` (in natural units).
     """
     n_m_blocks = tl.cdiv(seq_q, BLOCK_M)
     pid_m = tl.program_id(0)
@@ -141,26 +145,39 @@ def _attention_fwd_kernel(
     s = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # Key tiles [0, full_hi) are seen by every row of the block and lie inside the sequence;
-    # [full_hi, hi) are the diagonal and boundary tiles (masked).
-    full_hi, hi = key_range(start_m, seq_q, seq_k, BLOCK_M, BLOCK_N, IS_CAUSAL)
+    # the cap in the scores' units (softcap is in natural units: scores·scale)
+    cap = 0.0
+    if SOFTCAP:
+        cap = softcap * LOG2E / exp_scale
+    # Key tiles [full_lo, full_hi) are seen by every row of the block and lie inside the
+    # sequence; [lo, full_lo) (a window's left edge) and [full_hi, hi) (the diagonal and
+    # boundary tiles) are masked; other tiles are never visited.
+    lo, full_lo, full_hi, hi = key_range(start_m, seq_q, seq_k, win_left, win_right, BLOCK_M,
+                                         BLOCK_N, IS_CAUSAL, WINDOW)  # fmt: skip
+    if WINDOW:
+        acc, m, s = _attend(acc, m, s, q, k_src, v_src, b, h_kv, lo, full_lo, offs_m, offs_n,
+                            offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale, stride_kn,
+                            stride_kd, stride_vn, stride_vd, True, IS_CAUSAL, WINDOW, SOFTCAP,
+                            HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION,
+                            LAZY_RESCALE, False, ROUND_BF16)  # fmt: skip
     if OVERLAP:
-        if full_hi > 0:
-            acc, m, s = _attend_overlapped(acc, m, s, q, k_src, v_src, b, h_kv, 0, full_hi,
-                                           offs_m, offs_n, offs_d, seq_q, seq_k, exp_scale,
-                                           stride_kn, stride_kd, stride_vn, stride_vd, HEAD_DIM,
-                                           BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION,
-                                           LAZY_RESCALE, ROUND_BF16)  # fmt: skip
+        if full_hi > full_lo:
+            acc, m, s = _attend_overlapped(acc, m, s, q, k_src, v_src, b, h_kv, full_lo, full_hi,
+                                           offs_m, offs_n, offs_d, seq_q, seq_k, cap, exp_scale,
+                                           stride_kn, stride_kd, stride_vn, stride_vd, SOFTCAP,
+                                           HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
+                                           DOT_PRECISION, LAZY_RESCALE, ROUND_BF16)  # fmt: skip
     else:
-        acc, m, s = _attend(acc, m, s, q, k_src, v_src, b, h_kv, 0, full_hi, offs_m, offs_n,
-                            offs_d, seq_q, seq_k, exp_scale, stride_kn, stride_kd, stride_vn,
-                            stride_vd, False, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC,
-                            DOT_FP32, DOT_PRECISION, LAZY_RESCALE, WARP_SPECIALIZE,
-                            ROUND_BF16)  # fmt: skip
+        acc, m, s = _attend(acc, m, s, q, k_src, v_src, b, h_kv, full_lo, full_hi, offs_m,
+                            offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale,
+                            stride_kn, stride_kd, stride_vn, stride_vd, False, IS_CAUSAL, WINDOW,
+                            SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
+                            DOT_PRECISION, LAZY_RESCALE, WARP_SPECIALIZE, ROUND_BF16)  # fmt: skip
     acc, m, s = _attend(acc, m, s, q, k_src, v_src, b, h_kv, full_hi, hi, offs_m, offs_n,
-                        offs_d, seq_q, seq_k, exp_scale, stride_kn, stride_kd, stride_vn,
-                        stride_vd, True, IS_CAUSAL, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC,
-                        DOT_FP32, DOT_PRECISION, LAZY_RESCALE, False, ROUND_BF16)  # fmt: skip
+                        offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale, stride_kn,
+                        stride_kd, stride_vn, stride_vd, True, IS_CAUSAL, WINDOW, SOFTCAP,
+                        HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION,
+                        LAZY_RESCALE, False, ROUND_BF16)  # fmt: skip
 
     # Rows that saw no key (causal with Nq > Nk) have s = 0: output 0 and LSE −inf, not NaN.
     inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)
