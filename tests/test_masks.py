@@ -39,8 +39,10 @@ def _masks_kernel(RANGE, SEEN, seq_q, seq_k, left, right, BLOCK_M: tl.constexpr,
     lo, full_lo, full_hi, hi = key_range(pid * BLOCK_M, seq_q, seq_k, left, right, BLOCK_M,
                                          BLOCK_N, IS_CAUSAL, WINDOW)  # fmt: skip
     i = tl.arange(0, 4)
-    tl.store(RANGE + 4 * pid + i,
-             tl.where(i == 0, lo, tl.where(i == 1, full_lo, tl.where(i == 2, full_hi, hi))))
+    tl.store(
+        RANGE + 4 * pid + i,
+        tl.where(i == 0, lo, tl.where(i == 1, full_lo, tl.where(i == 2, full_hi, hi))),
+    )
     if pid == 0:
         rows, cols = tl.arange(0, ROWS), tl.arange(0, COLS)
         seen = visible(rows, cols, seq_q, seq_k, left, right, IS_CAUSAL, WINDOW)
@@ -101,8 +103,10 @@ def _query_range_kernel(OUT, SEEN_T, seq_q, seq_k, left, right, BLOCK_M: tl.cons
     lo, full_lo, full_hi, hi = query_range(pid * BLOCK_N, seq_q, seq_k, left, right, BLOCK_M,
                                            BLOCK_N, IS_CAUSAL, WINDOW)  # fmt: skip
     i = tl.arange(0, 4)
-    tl.store(OUT + 4 * pid + i,
-             tl.where(i == 0, lo, tl.where(i == 1, full_lo, tl.where(i == 2, full_hi, hi))))
+    tl.store(
+        OUT + 4 * pid + i,
+        tl.where(i == 0, lo, tl.where(i == 1, full_lo, tl.where(i == 2, full_hi, hi))),
+    )
     if pid == 0:
         cols, rows = tl.arange(0, COLS), tl.arange(0, ROWS)
         seen = visible_t(cols, rows, seq_q, seq_k, left, right, IS_CAUSAL, WINDOW)
@@ -201,3 +205,25 @@ def test_reference_rows_outside_every_window_give_zero() -> None:
     # Nq = 8, Nk = 3: query i sees only key i - 5, so rows 0..4 see nothing
     assert (o[0, 0, :5] == 0).all() and torch.isinf(lse[0, 0, :5]).all()
     assert torch.isfinite(o).all() and torch.isfinite(lse[0, 0, 5:]).all()
+
+
+def test_mask_gallery_example_runs_and_draws_the_ranges(capsys: pytest.CaptureFixture) -> None:
+    # examples/masks.py (docs/attention.md §5): every seen pair is drawn '#' or '+', skipped
+    # tiles are blank, and the CLI form runs
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parents[1] / "examples" / "masks.py"
+    spec = importlib.util.spec_from_file_location("masks_example", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    pic = example.draw(12, 16, False, (3, 3), 4, 4).splitlines()
+    assert pic[0] == "  0 |.+++####....    |"
+    for causal, window in [(True, None), (False, (4, 0)), (False, (-1, 2)), (False, None)]:
+        seen = torch_visible(12, 16, causal, window=window)
+        rows = [r for r in example.draw(12, 16, causal, window, 4, 4).splitlines() if "|" in r]
+        drawn = torch.tensor([[c in "#+" for c in r.split("|")[1]] for r in rows])
+        assert torch.equal(drawn, seen)
+    assert example.main(["--nq", "5", "--nk", "7", "--window", "2", "0"]) == 0
+    assert "window=[2, 0]" in capsys.readouterr().out

@@ -34,7 +34,9 @@ Both loops split like the forward's: blocks where every (query, key) pair is vis
 mask arithmetic or bounds checks; only the diagonal and the ragged last block pay for them. fp32
 inputs keep Q as it is (the forward did not prescale them) and ``scale·log2 e`` in the exponent.
 Loads go through pointers, or (``BwdConfig.use_desc``) the loops' tiles through TMA
-descriptors.
+descriptors. Sliding windows (``WINDOW``) change only the ranges the masks helpers return and
+the masked tiles' test; a soft cap (``SOFTCAP``) recomputes the capped scores and multiplies
+``dS`` by the cap's derivative ``1 − tanh²`` (docs/attention.md §5a).
 """
 
 from __future__ import annotations
