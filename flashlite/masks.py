@@ -124,10 +124,11 @@ def visible_t(cols, rows, seq_q, seq_k, left, right, IS_CAUSAL: tl.constexpr,
 def query_range(start_n, seq_q, seq_k, left, right, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
     """``(lo, full_lo, full_hi, hi)`` for the key block ``[start_n, start_n + BLOCK_N)``, the
-    first three multiples of ``BLOCK_M`` (or ``seq_q``): query blocks ``[full_lo, full_hi)`` see every key of
-    the block below ``seq_k`` in every row (no mask), ``[lo, full_lo)`` and ``[full_hi, hi)``
-    some (masked), the others none; ``0 <= lo <= full_lo <= full_hi <= hi <= seq_q``. Query i
-    sees key j iff ``j − diag − right <= i <= j − diag + left`` (see :func:`key_range`)."""
+    first three multiples of ``BLOCK_M`` (or ``seq_q``): query blocks ``[full_lo, full_hi)``
+    see every key of the block below ``seq_k`` in every row (no mask), ``[lo, full_lo)`` and
+    ``[full_hi, hi)`` some (masked), the others none;
+    ``0 <= lo <= full_lo <= full_hi <= hi <= seq_q``. Query i sees key j iff
+    ``j − diag − right <= i <= j − diag + left`` (see :func:`key_range`)."""
     diag = seq_k - seq_q
     last_key = tl.minimum(start_n + BLOCK_N, seq_k) - 1
     if WINDOW:

@@ -46,6 +46,7 @@ def attention(
     return_lse: bool = False,
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
+    seqlens_k: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Naive attention that materialises ``S = Q Kᵀ`` and ``P = softmax(S)`` (layout b h n d).
 
@@ -65,6 +66,8 @@ def attention(
         window: ``(left, right)`` keys around the bottom-right diagonal, −1 unlimited
             (flash-attn's ``window_size``; with ``causal`` right is 0).
         softcap: cap ``c > 0`` of Gemma 2's ``c·tanh(s/c)`` on the scaled scores.
+        seqlens_k: ``(B,)`` ints: batch b has only its first ``seqlens_k[b]`` keys (the mask
+            of each batch is built for that length, so causal and window align to it).
 
     Returns:
         ``O`` ``(B, Hq, Nq, D)`` in ``q``'s dtype (and the LSE). Rows with no visible key give 0.
@@ -84,8 +87,14 @@ def attention(
     s = s * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    masked = causal or window is not None
-    if masked:
+    masked = causal or window is not None or seqlens_k is not None
+    if seqlens_k is not None:  # one (Nq, Nk) mask per batch, broadcast over the heads
+        seen = torch.zeros(b, nq, nk, dtype=torch.bool, device=q.device)
+        for i, n in enumerate(seqlens_k.tolist()):
+            seen[i, :, :n] = torch_visible(nq, n, causal, window=window, device=q.device)
+        seen = seen.view(b, *([1] * (s.dim() - 3)), nq, nk)
+        s = torch.where(seen, s, -math.inf)
+    elif masked:
         seen = torch_visible(nq, nk, causal, window=window, device=q.device)
         s = torch.where(seen, s, -math.inf)
     p = torch.softmax(s, dim=-1)

@@ -1,5 +1,6 @@
-"""Sliding windows and soft-capping (issue 11, must 1): forward and backward against the fp64
-reference, through ``flashlite.attention(window=..., softcap=...)``.
+"""Sliding windows, soft-capping and per-batch key lengths (issue 11, musts 1 and 2): forward and
+backward against the fp64 reference, through ``flashlite.attention(window=..., softcap=...,
+seqlens_k=...)``.
 
 Each check allows twice PyTorch's own low-precision error (the same math in the inputs' dtype)
 plus the dtype's floor, like the dense tests.
@@ -193,6 +194,86 @@ def test_compiled_forward_and_backward_with_window_and_softcap() -> None:
         torch.testing.assert_close(a, b)
 
 
+# --------------------------------------------------------------------------- seqlens_k
+SEQLENS_CASES = [
+    # (Nq, Nk, lengths, causal, window, softcap): lengths 0, 1, full, ragged
+    (9, 40, [40, 0, 17, 1], False, None, None),
+    (33, 33, [33, 5, 20, 0], True, None, None),
+    (7, 50, [50, 13, 30, 2], True, (6, 0), 3.0),
+    (40, 30, [10, 30, 0, 29], False, (4, 2), None),
+]
+
+
+@pytest.mark.parametrize("case", SEQLENS_CASES, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_seqlens_k_forward_and_backward(case: tuple, dtype: torch.dtype) -> None:
+    nq, nk, lengths, causal, window, softcap = case
+    b = len(lengths)
+    seqlens = torch.tensor(lengths, dtype=torch.int32)
+    q, k, v = (
+        rand(b, 4, nq, 24, dtype=dtype),
+        rand(b, 2, nk, 24, dtype=dtype),
+        rand(b, 2, nk, 24, dtype=dtype),
+    )
+    out, lse = flashlite.attention(q, k, v, causal=causal, window=window, softcap=softcap,
+                                   seqlens_k=seqlens, return_lse=True)  # fmt: skip
+    for i, n in enumerate(lengths):  # each batch equals attention over its own keys only
+        if n == 0:
+            assert (out[i] == 0).all() and torch.isneginf(lse[i]).all()
+            continue
+        kw = {"causal": causal, "window": window, "softcap": softcap}
+        check_forward(q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], **kw)
+        want = flashlite.attention(q[i : i + 1], k[i : i + 1, :, :n], v[i : i + 1, :, :n], **kw)
+        torch.testing.assert_close(out[i : i + 1], want, atol=TOL[dtype].floor, rtol=0)
+    # gradients against the reference with the same lengths; keys past them get exactly 0
+    do = torch.randn_like(out)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    flashlite.attention(*leaves, causal=causal, window=window, softcap=softcap,
+                        seqlens_k=seqlens).backward(do)  # fmt: skip
+    ref = [t.double().requires_grad_() for t in (q, k, v)]
+    ref_attention(*ref, causal, upcast=True, window=window, softcap=softcap,
+                  seqlens_k=seqlens).backward(do.double())  # fmt: skip
+    lp = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_attention(*lp, causal, window=window, softcap=softcap, seqlens_k=seqlens).backward(do)
+    for name, g, w, t in zip("qkv", leaves, ref, lp, strict=True):
+        assert torch.isfinite(g.grad).all(), name
+        ok, info = _err_ok(g.grad, w.grad, t.grad, dtype)
+        assert ok, (f"d{name}", info)
+    for i, n in enumerate(lengths):
+        assert (leaves[1].grad[i, :, n:] == 0).all() and (leaves[2].grad[i, :, n:] == 0).all()
+
+
+def test_seqlens_k_compiled_and_through_the_op() -> None:
+    q, k, v = (rand(3, 2, 12, 16, dtype=torch.float32).requires_grad_() for _ in range(3))
+    seqlens = torch.tensor([12, 3, 0], dtype=torch.int32)
+
+    def step(q, k, v, s):  # noqa: ANN001, ANN202
+        return flashlite.attention(q, k, v, causal=True, seqlens_k=s).sum()
+
+    eager = torch.autograd.grad(step(q, k, v, seqlens), (q, k, v))
+    compiled = torch.autograd.grad(torch.compile(step, fullgraph=True)(q, k, v, seqlens), (q, k, v))
+    for a, b in zip(eager, compiled, strict=True):
+        torch.testing.assert_close(a, b)
+    from torch.library import opcheck
+
+    args = (q.detach().requires_grad_(), k.detach(), v.detach(), True, 0.25, 3, 0, 2.0, seqlens)
+    opcheck(torch.ops.flashlite.attention_fwd.default, args)
+
+
+def test_bad_seqlens_k_are_refused() -> None:
+    q = rand(2, 1, 4, 16)
+    with pytest.raises(TypeError, match="seqlens_k"):
+        flashlite.attention(q, q, q, seqlens_k=[4, 4])  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="int32"):
+        flashlite.attention(q, q, q, seqlens_k=torch.tensor([4, 4]))
+    with pytest.raises(ValueError, match="shape"):
+        flashlite.attention(q, q, q, seqlens_k=torch.tensor([4], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"\[0, Nk = 4\]"):
+        flashlite.attention(q, q, q, seqlens_k=torch.tensor([5, 1], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"\[0, Nk = 4\]"):
+        flashlite.attention(q, q, q, seqlens_k=torch.tensor([-1, 1], dtype=torch.int32))
+
+
 # --------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
@@ -229,3 +310,28 @@ def test_gpu_window_softcap(dtype, nq, nk, d, window, softcap) -> None:  # noqa:
         err = (got.float() - w).abs().max().item()
         torch_err = (t.float() - w).abs().max().item()
         assert err <= 2 * torch_err + TOL[dtype].floor * max(1.0, w.abs().max().item())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_gpu_seqlens_k(dtype: torch.dtype, causal: bool) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    lengths = [4096, 0, 1, 3001]
+    q = torch.randn(4, 4, 777, 128, device="cuda", dtype=dtype)
+    k, v = (torch.randn(4, 2, 4096, 128, device="cuda", dtype=dtype) for _ in range(2))
+    seqlens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = flashlite.attention(*leaves, causal=causal, window=(1000, -1), seqlens_k=seqlens)
+    do = torch.randn_like(out)
+    out.backward(do)
+    ref = [t.float().clone().requires_grad_() for t in (q, k, v)]
+    want = ref_attention(*ref, causal, window=(1000, -1), seqlens_k=seqlens.cpu())
+    want.backward(do.float())
+    for got, w in [(out, want)] + [(a.grad, r.grad) for a, r in zip(leaves, ref, strict=True)]:
+        assert torch.isfinite(got).all()
+        tol = 2e-2 if dtype == torch.bfloat16 else 2e-3
+        assert (got.float() - w).abs().max().item() <= tol * max(1.0, w.abs().max().item())
+    for i, n in enumerate(lengths):
+        assert (leaves[1].grad[i, :, n:] == 0).all()

@@ -226,6 +226,7 @@ def attention_fwd(
     *,
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
+    seqlens_k: torch.Tensor | None = None,
     config: C.Config | None = None,
     use_desc: bool | None = None,
     prescale_q: bool | None = None,
@@ -238,6 +239,7 @@ def attention_fwd(
         scale: the softmax scale.
         window: ``(left, right)`` sliding window, −1 unlimited (:mod:`flashlite.masks`).
         softcap: cap the scaled scores at ``softcap·tanh(s/softcap)`` (None: no cap).
+        seqlens_k: int32 ``(B,)``: batch b has only its first ``seqlens_k[b]`` keys.
         config: pin a :class:`~flashlite.kernels.configs.Config` (else :func:`fixed_config` or
             the autotuner chooses).
         use_desc: force descriptor (True) or pointer (False) loads.
@@ -263,7 +265,8 @@ def attention_fwd(
         use_desc = not small and _descriptor_ok(q, k, v, o)
     is_causal, has_window, left, right = masks.kernel_window(window, causal, nq, nk)
     config, launch = _plan(dev, q.dtype, d, is_causal, small and not use_desc, use_desc,
-                           prescale_q, config, has_window, softcap is not None)  # fmt: skip
+                           prescale_q, config, has_window, softcap is not None,
+                           seqlens_k is not None)  # fmt: skip
     block_d = launch["BLOCK_D"]
     if use_desc:  # block shapes are set per config (set_block_shapes), placeholders here
         bm, bn = (config.block_m, config.block_n) if config is not None else (16, 16)
@@ -272,7 +275,8 @@ def attention_fwd(
     else:
         srcs = [q, k, v, o]
     args = (*srcs, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-            hq, hq // hkv, nq, nk, scale, left, right, softcap or 0.0)  # fmt: skip
+            hq, hq // hkv, nq, nk, scale, left, right, softcap or 0.0,
+            seqlens_k if seqlens_k is not None else lse)  # fmt: skip
     if config is not None:
         fwd = _backend.launcher(K._attention_fwd_kernel)
         fwd[(C.cdiv(nq, config.block_m), b * hq)](*args, **launch)
@@ -297,10 +301,11 @@ def _plan(
     config: C.Config | None,
     window: bool = False,
     softcap: bool = False,
+    seqlens: bool = False,
 ) -> tuple[C.Config | None, dict]:
     """The config and the kernel's keyword arguments for one kind of call, worked out once per
     kind (small problems feel every microsecond of host work)."""
-    key = (dev, dtype, d, causal, small, use_desc, prescale_q, config, window, softcap,
+    key = (dev, dtype, d, causal, small, use_desc, prescale_q, config, window, softcap, seqlens,
            C.pinned_text())  # fmt: skip
     plan = _plans.get(key)
     if plan is not None:
@@ -316,6 +321,7 @@ def _plan(
         "IS_CAUSAL": causal,
         "WINDOW": window,
         "SOFTCAP": softcap,
+        "HAS_SEQLENS": seqlens,
         "USE_DESC": use_desc,
         # fold the scale into Q for 16-bit inputs (see the kernel)
         "PRESCALE_Q": dtype != torch.float32 if prescale_q is None else prescale_q,
@@ -342,14 +348,16 @@ def _attention_fwd_op(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
+    seqlens_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window, cap = _op_extras(window_left, window_right, softcap)
-    o, lse, _ = attention_fwd(q, k, v, causal, scale, window=window, softcap=cap)
+    o, lse, _ = attention_fwd(q, k, v, causal, scale, window=window, softcap=cap,
+                              seqlens_k=seqlens_k)  # fmt: skip
     return o, lse
 
 
 @_attention_fwd_op.register_fake
-def _(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0):  # type: ignore[no-untyped-def]
+def _(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0, seqlens_k=None):  # type: ignore[no-untyped-def]
     return empty_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -383,6 +391,7 @@ def attention_bwd(
     *,
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
+    seqlens_k: torch.Tensor | None = None,
     config: C.BwdConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels on ``(B, H, N, D)`` views (no autograd, no checks).
@@ -390,7 +399,7 @@ def attention_bwd(
     Args:
         do: ``(B, Hq, Nq, D)`` gradient of the output; q, o alike; k, v ``(B, Hkv, Nk, D)``.
         lse: the forward's fp32 ``(B, Hq, Nq)`` LSE; dlse: its gradient, or None.
-        causal, scale, window, softcap: as in the forward.
+        causal, scale, window, softcap, seqlens_k: as in the forward.
         config: pin the kernels' tiles (the traffic tools count the GPU's on a CPU; benchmarks).
 
     Returns:
@@ -408,8 +417,9 @@ def attention_bwd(
     qs = dq if _prescale_q(q) else q
     delta = bwd_preprocess(o, do, lse, dlse, q, qs, scale)
     lse = lse.contiguous()  # the kernels index the (B, Hq, Nq) statistics densely
-    bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, causal, scale, cfg, window=window, softcap=softcap)
-    bwd_dq(qs, k, v, do, lse, delta, dq, causal, scale, cfg, window=window, softcap=softcap)
+    masking = {"window": window, "softcap": softcap, "seqlens_k": seqlens_k}
+    bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, causal, scale, cfg, **masking)
+    bwd_dq(qs, k, v, do, lse, delta, dq, causal, scale, cfg, **masking)
     return dq, dk, dv
 
 
@@ -423,10 +433,15 @@ def _bwd_args(
     causal: bool,
     window: tuple[int, int] | None,
     softcap: float | None,
-) -> tuple[tuple[int, int, float], dict[str, object]]:
-    """The backward kernels' mask arguments ``(win_left, win_right, softcap)`` and flags."""
+    seqlens_k: torch.Tensor | None,
+    lse: torch.Tensor,
+) -> tuple[tuple[object, ...], dict[str, object]]:
+    """The backward kernels' mask arguments ``(win_left, win_right, softcap, SEQLENS_K)`` and
+    flags."""
     is_causal, has_window, left, right = masks.kernel_window(window, causal, q.shape[2], k.shape[2])
-    return (left, right, softcap or 0.0), {
+    lengths = seqlens_k if seqlens_k is not None else lse  # (a placeholder pointer)
+    return (left, right, softcap or 0.0, lengths), {
+        "HAS_SEQLENS": seqlens_k is not None,
         "HEAD_DIM": q.shape[-1],
         "BLOCK_D": C.block_d(q.shape[-1]),
         "IS_CAUSAL": is_causal,
@@ -470,13 +485,14 @@ def bwd_dkdv(
     qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
     cfg: C.BwdConfig, *, window: tuple[int, int] | None = None, softcap: float | None = None,
+    seqlens_k: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """The dK/dV kernel into ``dk``, ``dv``; ``qs`` as :func:`bwd_preprocess` left it (``lse``,
     ``delta`` dense ``(B, Hq, Nq)``)."""
     b, hq, nq, d = qs.shape
     hkv, nk = k.shape[1], k.shape[2]
     srcs, use_desc = _tile_sources(cfg.use_desc, (qs, do), cfg.kv_block_m, d)
-    extra, flags = _bwd_args(qs, k, causal, window, softcap)
+    extra, flags = _bwd_args(qs, k, causal, window, softcap, seqlens_k, lse)
     kernel = _backend.launcher(KB._attention_bwd_dkdv_kernel)
     kernel[(C.cdiv(nk, cfg.kv_block_n), b * hkv)](
         srcs[0], k, v, srcs[1], lse, delta, dk, dv, *qs.stride(), *k.stride(), *v.stride(),
@@ -502,13 +518,14 @@ def bwd_dq(
     qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, dq: torch.Tensor, causal: bool, scale: float, cfg: C.BwdConfig, *,
     window: tuple[int, int] | None = None, softcap: float | None = None,
+    seqlens_k: torch.Tensor | None = None,
 ) -> None:  # fmt: skip
     """The dQ kernel into ``dq``; ``qs`` as :func:`bwd_preprocess` left it, possibly ``dq``
     itself (``lse``, ``delta`` dense ``(B, Hq, Nq)``)."""
     b, hq, nq, d = qs.shape
     hkv, nk = k.shape[1], k.shape[2]
     srcs, use_desc = _tile_sources(cfg.use_desc, (k, v), cfg.q_block_n, d)
-    extra, flags = _bwd_args(qs, k, causal, window, softcap)
+    extra, flags = _bwd_args(qs, k, causal, window, softcap, seqlens_k, lse)
     kernel = _backend.launcher(KB._attention_bwd_dq_kernel)
     kernel[(C.cdiv(nq, cfg.q_block_m), b * hq)](
         qs, *srcs, do, lse, delta, dq, *qs.stride(), *k.stride(), *v.stride(), *do.stride(),
@@ -531,14 +548,17 @@ def _attention_bwd_op(
     window_left: int = -1,
     window_right: int = -1,
     softcap: float = 0.0,
+    seqlens_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_bwd_grads(do, o, lse, dlse)
     window, cap = _op_extras(window_left, window_right, softcap)
-    return attention_bwd(do, q, k, v, o, lse, dlse, causal, scale, window=window, softcap=cap)
+    return attention_bwd(do, q, k, v, o, lse, dlse, causal, scale, window=window, softcap=cap,
+                         seqlens_k=seqlens_k)  # fmt: skip
 
 
 @_attention_bwd_op.register_fake
-def _(do, q, k, v, o, lse, dlse, causal, scale, window_left=-1, window_right=-1, softcap=0.0):  # type: ignore[no-untyped-def]
+def _(do, q, k, v, o, lse, dlse, causal, scale, window_left=-1, window_right=-1, softcap=0.0,  # type: ignore[no-untyped-def]
+      seqlens_k=None):  # fmt: skip
     _check_bwd_grads(do, o, lse, dlse)
     return empty_output(q), empty_output(k), empty_output(v)
 
@@ -592,6 +612,7 @@ def attention(
     return_lse: bool = False,
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
+    seqlens_k: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention computed tile by tile (FlashAttention-2 loop order).
 
@@ -610,6 +631,11 @@ def attention(
             ``causal=True`` right becomes 0. Key tiles outside every row's window are skipped.
         softcap: scores ``s = scale·q·k`` become ``softcap·tanh(s/softcap)`` before masking
             and the softmax (Gemma 2); the LSE is of the capped scores.
+        seqlens_k: int32 ``(B,)`` tensor on q's device: batch b has only its first
+            ``seqlens_k[b]`` keys (a padded KV cache or batch); ``causal`` and ``window`` align
+            to that length, and a length of 0 gives output 0 and LSE −inf. Keys past it get
+            zero gradients. CPU tensors are checked to lie in ``[0, Nk]``; on a GPU (no host
+            sync) values outside are clamped to it.
 
     Returns:
         ``out`` in ``q``'s layout and dtype, or ``(out, lse)`` with ``lse`` fp32 ``(B, Hq, Nq)``.
@@ -619,14 +645,15 @@ def attention(
 
     Raises:
         TypeError: non-tensors, unsupported or mixed dtypes, a non-numeric scale or softcap,
-            a window that is not a pair of ints.
+            a window that is not a pair of ints, a seqlens_k that is not an int32 tensor.
         ValueError: wrong rank, mismatched batch/heads/lengths/head dims, unknown layout,
-            mixed devices, a non-positive scale or softcap, a window bound below −1.
+            mixed devices, a non-positive scale or softcap, a window bound below −1, a
+            seqlens_k of the wrong shape or device (or, on CPU, values outside ``[0, Nk]``).
         NotImplementedError: head dim above 256.
     """
     sm_scale, qc, kc, vc = _check(q, k, v, layout, scale)
     causal = bool(causal)
-    if window is None and softcap is None:
+    if window is None and softcap is None and seqlens_k is None:
         if skip_dispatcher(q, k, v):  # the op's own body, minus the dispatcher's host cost
             o, lse, _ = attention_fwd(qc, kc, vc, causal, sm_scale)
         else:
@@ -634,11 +661,12 @@ def attention(
     else:
         left, right = masks.window_bounds(window, causal)
         cap = _check_softcap(softcap)
+        lengths = _check_seqlens(seqlens_k, qc, kc)
         if skip_dispatcher(q, k, v):
             o, lse, _ = attention_fwd(qc, kc, vc, causal, sm_scale, window=(left, right),
-                                      softcap=cap or None)  # fmt: skip
+                                      softcap=cap or None, seqlens_k=lengths)  # fmt: skip
         else:
-            o, lse = _ATTENTION_FWD(qc, kc, vc, causal, sm_scale, left, right, cap)
+            o, lse = _ATTENTION_FWD(qc, kc, vc, causal, sm_scale, left, right, cap, lengths)
     if layout != "b h n d":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
@@ -653,3 +681,24 @@ def _check_softcap(softcap: object) -> float:
     if not 0 < softcap < math.inf:
         raise ValueError(f"softcap must be a finite positive number or None, got {softcap}")
     return float(softcap)
+
+
+def _check_seqlens(seqlens_k: object, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """``seqlens_k`` validated: an int32 ``(B,)`` tensor on q's device (values checked on CPU)."""
+    if seqlens_k is None:
+        return None
+    if not isinstance(seqlens_k, torch.Tensor):
+        raise TypeError(f"seqlens_k must be an int32 torch.Tensor, got {type(seqlens_k).__name__}")
+    if seqlens_k.dtype != torch.int32:
+        raise TypeError(f"seqlens_k must have dtype torch.int32, got {seqlens_k.dtype}")
+    if seqlens_k.shape != (q.shape[0],):
+        raise ValueError(
+            f"seqlens_k must have shape (B,) = ({q.shape[0]},), got {tuple(seqlens_k.shape)}"
+        )
+    if seqlens_k.device != q.device:
+        raise ValueError(f"seqlens_k must be on q's device {q.device}, got {seqlens_k.device}")
+    if seqlens_k.device.type == "cpu" and not torch.compiler.is_compiling():
+        nk = k.shape[2]
+        if bool(((seqlens_k < 0) | (seqlens_k > nk)).any()):
+            raise ValueError(f"seqlens_k values must lie in [0, Nk = {nk}]: {seqlens_k.tolist()}")
+    return seqlens_k.contiguous()

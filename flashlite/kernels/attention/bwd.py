@@ -154,10 +154,10 @@ def _attention_bwd_dkdv_kernel(
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    n_heads, kv_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap,
+    n_heads, kv_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap, SEQLENS_K,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    PRESCALE_Q: tl.constexpr, USE_DESC: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, PRESCALE_Q: tl.constexpr, USE_DESC: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(cdiv(Nk, BLOCK_N), B·Hkv)``: dK, dV of one key block, summed over the group.
@@ -165,11 +165,17 @@ def _attention_bwd_dkdv_kernel(
     descriptors (TMA loads of the loop's tiles).
 
     Keys past Nk are loaded as zeros and never stored: each row of dK and dV depends only on its
-    own key, so they need no mask.
+    own key, so they need no mask. With ``HAS_SEQLENS`` the keys past this batch's length do not
+    exist: their dK and dV rows are stored as zeros.
     """
     pid_bh = tl.program_id(1)
     b, h_kv = pid_bh // kv_heads, pid_bh % kv_heads
     start_n = tl.program_id(0) * BLOCK_N
+    n_keys = seq_k  # rows of dK and dV in memory
+    heads = group
+    if HAS_SEQLENS:
+        seq_k = tl.minimum(tl.maximum(tl.load(SEQLENS_K + b), 0), seq_k)
+        heads = tl.where(start_n < seq_k, group, 0)  # a block past the length: zeros only
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d, offs_r = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_M)
     dt = DK.dtype.element_ty  # tensor-core operands are rounded to the inputs' dtype
@@ -197,7 +203,7 @@ def _attention_bwd_dkdv_kernel(
                                            BLOCK_N, IS_CAUSAL, WINDOW)  # fmt: skip
     n_diag = tl.cdiv(full_lo - lo, BLOCK_M)
     n_masked = n_diag + tl.cdiv(hi - full_hi, BLOCK_M)
-    for g in range(0, group):
+    for g in range(0, heads):
         h = h_kv * group + g
         if USE_DESC:
             qs_src, g_src = QS, DO
@@ -222,11 +228,14 @@ def _attention_bwd_dkdv_kernel(
                                 stride_qm, stride_qd, stride_gm, stride_gd, exp_scale, dt,
                                 HEAD_DIM, BLOCK_D, False, IS_CAUSAL, WINDOW, SOFTCAP, False,
                                 USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
+    if HAS_SEQLENS:  # keys that do not exist get zero gradients (the unmasked loop ran them)
+        dk = tl.where(offs_n[:, None] < seq_k, dk, 0.0)
+        dv = tl.where(offs_n[:, None] < seq_k, dv, 0.0)
     store_tile(head_ptr(DK, b, h_kv, stride_dkb, stride_dkh),
-               cast(dk * dk_scale, DK.dtype.element_ty, ROUND_BF16), offs_n, seq_k, stride_dkn,
+               cast(dk * dk_scale, DK.dtype.element_ty, ROUND_BF16), offs_n, n_keys, stride_dkn,
                stride_dkd, offs_d, HEAD_DIM)  # fmt: skip
     store_tile(head_ptr(DV, b, h_kv, stride_dvb, stride_dvh),
-               cast(dv, DV.dtype.element_ty, ROUND_BF16), offs_n, seq_k, stride_dvn, stride_dvd,
+               cast(dv, DV.dtype.element_ty, ROUND_BF16), offs_n, n_keys, stride_dvn, stride_dvd,
                offs_d, HEAD_DIM)  # fmt: skip
 
 
@@ -267,10 +276,10 @@ def _attention_bwd_dq_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    n_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap,
+    n_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap, SEQLENS_K,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    PRESCALE_Q: tl.constexpr, USE_DESC: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, PRESCALE_Q: tl.constexpr, USE_DESC: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``: dQ of one query block over the keys it sees. ``QS``
@@ -279,6 +288,8 @@ def _attention_bwd_dq_kernel(
     pid_bh = tl.program_id(1)
     b, h = pid_bh // n_heads, pid_bh % n_heads
     h_kv = h // group
+    if HAS_SEQLENS:
+        seq_k = tl.minimum(tl.maximum(tl.load(SEQLENS_K + b), 0), seq_k)
     pid_m = tl.program_id(0)
     if IS_CAUSAL:  # the last query blocks see the most keys: start them first (as the forward)
         pid_m = tl.cdiv(seq_q, BLOCK_M) - 1 - pid_m

@@ -103,10 +103,10 @@ def _attention_fwd_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    n_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap,
+    n_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap, SEQLENS_K,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
     OVERLAP: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
@@ -114,7 +114,9 @@ def _attention_fwd_kernel(
 
     Q, K, V, O are 4-D tensor descriptors when ``USE_DESC``, else tensors read through strides.
     ``WINDOW``: sliding window ``[i + diag − win_left, i + diag + win_right]`` (see
-    :mod:`flashlite.masks`); ``SOFTCAP``: scores capped at ``softcap`` (in natural units).
+    :mod:`flashlite.masks`); ``SOFTCAP``: scores capped at ``softcap`` (in natural units);
+    ``HAS_SEQLENS``: batch b has only its first ``SEQLENS_K[b]`` keys (clamped to
+    ``[0, seq_k]``), and causal and window align to that length.
     """
     n_m_blocks = tl.cdiv(seq_q, BLOCK_M)
     pid_m = tl.program_id(0)
@@ -124,6 +126,8 @@ def _attention_fwd_kernel(
     b = pid_bh // n_heads
     h = pid_bh % n_heads
     h_kv = h // group  # GQA/MQA: query heads of a group share one K/V head, no copies
+    if HAS_SEQLENS:  # this batch's key length: every range and mask below follows it
+        seq_k = tl.minimum(tl.maximum(tl.load(SEQLENS_K + b), 0), seq_k)
     if USE_DESC:
         q_src, k_src, v_src = Q, K, V
     else:
