@@ -8,7 +8,7 @@ from flashlite import (
     reference,
     stats,
 )
-from flashlite.ops.attention import attention
+from flashlite.ops.attention import attention, attention_varlen
 from flashlite.ops.softmax import log_softmax, softmax
 
 try:
@@ -16,4 +16,13 @@ try:
 except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
     __version__ = "0+unknown"
 
-__all__ = ["__version__", "attention", "log_softmax", "masks", "reference", "softmax", "stats"]
+__all__ = [
+    "__version__",
+    "attention",
+    "attention_varlen",
+    "log_softmax",
+    "masks",
+    "reference",
+    "softmax",
+    "stats",
+]

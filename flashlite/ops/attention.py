@@ -227,6 +227,7 @@ def attention_fwd(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     seqlens_k: torch.Tensor | None = None,
+    varlen: Varlen | None = None,
     config: C.Config | None = None,
     use_desc: bool | None = None,
     prescale_q: bool | None = None,
@@ -240,6 +241,8 @@ def attention_fwd(
         window: ``(left, right)`` sliding window, −1 unlimited (:mod:`flashlite.masks`).
         softcap: cap the scaled scores at ``softcap·tanh(s/softcap)`` (None: no cap).
         seqlens_k: int32 ``(B,)``: batch b has only its first ``seqlens_k[b]`` keys.
+        varlen: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for packed
+            sequences; q, k, v are then ``(1, H, total, D)`` views (pointer loads only).
         config: pin a :class:`~flashlite.kernels.configs.Config` (else :func:`fixed_config` or
             the autotuner chooses).
         use_desc: force descriptor (True) or pointer (False) loads.
@@ -261,12 +264,14 @@ def attention_fwd(
         return o.zero_(), lse.fill_(-math.inf), None
 
     small = b * hq * nq * nk * d < DESC_MIN_WORK
+    if varlen is not None:  # a descriptor's block would cross into the next sequence
+        use_desc = False
     if use_desc is None:
         use_desc = not small and _descriptor_ok(q, k, v, o)
     is_causal, has_window, left, right = masks.kernel_window(window, causal, nq, nk)
     config, launch = _plan(dev, q.dtype, d, is_causal, small and not use_desc, use_desc,
                            prescale_q, config, has_window, softcap is not None,
-                           seqlens_k is not None)  # fmt: skip
+                           seqlens_k is not None, varlen is not None)  # fmt: skip
     block_d = launch["BLOCK_D"]
     if use_desc:  # block shapes are set per config (set_block_shapes), placeholders here
         bm, bn = (config.block_m, config.block_n) if config is not None else (16, 16)
@@ -276,13 +281,16 @@ def attention_fwd(
         srcs = [q, k, v, o]
     args = (*srcs, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
             hq, hq // hkv, nq, nk, scale, left, right, softcap or 0.0,
-            seqlens_k if seqlens_k is not None else lse)  # fmt: skip
+            seqlens_k if seqlens_k is not None else lse,
+            *(varlen[:2] if varlen is not None else (lse, lse)))  # fmt: skip
+    # packed sequences: one program row per sequence, as many query blocks as the longest has
+    rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
     if config is not None:
         fwd = _backend.launcher(K._attention_fwd_kernel)
-        fwd[(C.cdiv(nq, config.block_m), b * hq)](*args, **launch)
+        fwd[(C.cdiv(rows, config.block_m), seqs * hq)](*args, **launch)
     else:
-        tuned = _tuned_kernel(nq, nk)
-        tuned[lambda meta: (C.cdiv(nq, meta["BLOCK_M"]), b * hq)](*args, **launch)  # type: ignore[index]
+        tuned = _tuned_kernel(rows, nk)
+        tuned[lambda meta: (C.cdiv(rows, meta["BLOCK_M"]), seqs * hq)](*args, **launch)  # type: ignore[index]
         config = C.Config.of(tuned.best_config)  # type: ignore[attr-defined]
     return o, lse, LaunchInfo(config, block_d, use_desc)
 
@@ -302,11 +310,12 @@ def _plan(
     window: bool = False,
     softcap: bool = False,
     seqlens: bool = False,
+    varlen: bool = False,
 ) -> tuple[C.Config | None, dict]:
     """The config and the kernel's keyword arguments for one kind of call, worked out once per
     kind (small problems feel every microsecond of host work)."""
     key = (dev, dtype, d, causal, small, use_desc, prescale_q, config, window, softcap, seqlens,
-           C.pinned_text())  # fmt: skip
+           varlen, C.pinned_text())  # fmt: skip
     plan = _plans.get(key)
     if plan is not None:
         return plan
@@ -322,6 +331,7 @@ def _plan(
         "WINDOW": window,
         "SOFTCAP": softcap,
         "HAS_SEQLENS": seqlens,
+        "VARLEN": varlen,
         "USE_DESC": use_desc,
         # fold the scale into Q for 16-bit inputs (see the kernel)
         "PRESCALE_Q": dtype != torch.float32 if prescale_q is None else prescale_q,
@@ -349,16 +359,33 @@ def _attention_fwd_op(
     window_right: int = -1,
     softcap: float = 0.0,
     seqlens_k: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window, cap = _op_extras(window_left, window_right, softcap)
+    varlen = _op_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse, _ = attention_fwd(q, k, v, causal, scale, window=window, softcap=cap,
-                              seqlens_k=seqlens_k)  # fmt: skip
+                              seqlens_k=seqlens_k, varlen=varlen)  # fmt: skip
     return o, lse
 
 
 @_attention_fwd_op.register_fake
-def _(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0, seqlens_k=None):  # type: ignore[no-untyped-def]
+def _(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0, seqlens_k=None,  # type: ignore[no-untyped-def]
+      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):  # fmt: skip
     return empty_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+#: packed sequences as the launchers take them: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+#: max_seqlen_k)``
+Varlen = tuple[torch.Tensor, torch.Tensor, int, int]
+
+
+def _op_varlen(
+    cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, max_q: int, max_k: int
+) -> Varlen | None:
+    return None if cu_q is None or cu_k is None else (cu_q, cu_k, max_q, max_k)
 
 
 def _op_extras(
@@ -392,6 +419,7 @@ def attention_bwd(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     seqlens_k: torch.Tensor | None = None,
+    varlen: Varlen | None = None,
     config: C.BwdConfig | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels on ``(B, H, N, D)`` views (no autograd, no checks).
@@ -399,7 +427,7 @@ def attention_bwd(
     Args:
         do: ``(B, Hq, Nq, D)`` gradient of the output; q, o alike; k, v ``(B, Hkv, Nk, D)``.
         lse: the forward's fp32 ``(B, Hq, Nq)`` LSE; dlse: its gradient, or None.
-        causal, scale, window, softcap, seqlens_k: as in the forward.
+        causal, scale, window, softcap, seqlens_k, varlen: as in the forward.
         config: pin the kernels' tiles (the traffic tools count the GPU's on a CPU; benchmarks).
 
     Returns:
@@ -417,7 +445,7 @@ def attention_bwd(
     qs = dq if _prescale_q(q) else q
     delta = bwd_preprocess(o, do, lse, dlse, q, qs, scale)
     lse = lse.contiguous()  # the kernels index the (B, Hq, Nq) statistics densely
-    masking = {"window": window, "softcap": softcap, "seqlens_k": seqlens_k}
+    masking = {"window": window, "softcap": softcap, "seqlens_k": seqlens_k, "varlen": varlen}
     bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, causal, scale, cfg, **masking)
     bwd_dq(qs, k, v, do, lse, delta, dq, causal, scale, cfg, **masking)
     return dq, dk, dv
@@ -434,14 +462,17 @@ def _bwd_args(
     window: tuple[int, int] | None,
     softcap: float | None,
     seqlens_k: torch.Tensor | None,
+    varlen: Varlen | None,
     lse: torch.Tensor,
 ) -> tuple[tuple[object, ...], dict[str, object]]:
-    """The backward kernels' mask arguments ``(win_left, win_right, softcap, SEQLENS_K)`` and
-    flags."""
+    """The backward kernels' mask arguments ``(win_left, win_right, softcap, SEQLENS_K, CU_Q,
+    CU_K)`` and flags."""
     is_causal, has_window, left, right = masks.kernel_window(window, causal, q.shape[2], k.shape[2])
     lengths = seqlens_k if seqlens_k is not None else lse  # (a placeholder pointer)
-    return (left, right, softcap or 0.0, lengths), {
+    cu = varlen[:2] if varlen is not None else (lse, lse)
+    return (left, right, softcap or 0.0, lengths, *cu), {
         "HAS_SEQLENS": seqlens_k is not None,
+        "VARLEN": varlen is not None,
         "HEAD_DIM": q.shape[-1],
         "BLOCK_D": C.block_d(q.shape[-1]),
         "IS_CAUSAL": is_causal,
@@ -485,16 +516,17 @@ def bwd_dkdv(
     qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
     cfg: C.BwdConfig, *, window: tuple[int, int] | None = None, softcap: float | None = None,
-    seqlens_k: torch.Tensor | None = None,
+    seqlens_k: torch.Tensor | None = None, varlen: Varlen | None = None,
 ) -> None:  # fmt: skip
     """The dK/dV kernel into ``dk``, ``dv``; ``qs`` as :func:`bwd_preprocess` left it (``lse``,
     ``delta`` dense ``(B, Hq, Nq)``)."""
     b, hq, nq, d = qs.shape
     hkv, nk = k.shape[1], k.shape[2]
-    srcs, use_desc = _tile_sources(cfg.use_desc, (qs, do), cfg.kv_block_m, d)
-    extra, flags = _bwd_args(qs, k, causal, window, softcap, seqlens_k, lse)
+    srcs, use_desc = _tile_sources(cfg.use_desc and varlen is None, (qs, do), cfg.kv_block_m, d)
+    extra, flags = _bwd_args(qs, k, causal, window, softcap, seqlens_k, varlen, lse)
+    rows, seqs = (varlen[3], varlen[0].shape[0] - 1) if varlen is not None else (nk, b)
     kernel = _backend.launcher(KB._attention_bwd_dkdv_kernel)
-    kernel[(C.cdiv(nk, cfg.kv_block_n), b * hkv)](
+    kernel[(C.cdiv(rows, cfg.kv_block_n), seqs * hkv)](
         srcs[0], k, v, srcs[1], lse, delta, dk, dv, *qs.stride(), *k.stride(), *v.stride(),
         *do.stride(), *dk.stride(), *dv.stride(), hq, hkv, hq // hkv, nq, nk, scale, *extra,
         USE_DESC=use_desc, **flags, **cfg.dkdv(),
@@ -518,16 +550,17 @@ def bwd_dq(
     qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, dq: torch.Tensor, causal: bool, scale: float, cfg: C.BwdConfig, *,
     window: tuple[int, int] | None = None, softcap: float | None = None,
-    seqlens_k: torch.Tensor | None = None,
+    seqlens_k: torch.Tensor | None = None, varlen: Varlen | None = None,
 ) -> None:  # fmt: skip
     """The dQ kernel into ``dq``; ``qs`` as :func:`bwd_preprocess` left it, possibly ``dq``
     itself (``lse``, ``delta`` dense ``(B, Hq, Nq)``)."""
     b, hq, nq, d = qs.shape
     hkv, nk = k.shape[1], k.shape[2]
-    srcs, use_desc = _tile_sources(cfg.use_desc, (k, v), cfg.q_block_n, d)
-    extra, flags = _bwd_args(qs, k, causal, window, softcap, seqlens_k, lse)
+    srcs, use_desc = _tile_sources(cfg.use_desc and varlen is None, (k, v), cfg.q_block_n, d)
+    extra, flags = _bwd_args(qs, k, causal, window, softcap, seqlens_k, varlen, lse)
+    rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
     kernel = _backend.launcher(KB._attention_bwd_dq_kernel)
-    kernel[(C.cdiv(nq, cfg.q_block_m), b * hq)](
+    kernel[(C.cdiv(rows, cfg.q_block_m), seqs * hq)](
         qs, *srcs, do, lse, delta, dq, *qs.stride(), *k.stride(), *v.stride(), *do.stride(),
         *dq.stride(), hq, hq // hkv, nq, nk, scale, *extra, USE_DESC=use_desc, **flags,
         **cfg.dq(),
@@ -549,16 +582,22 @@ def _attention_bwd_op(
     window_right: int = -1,
     softcap: float = 0.0,
     seqlens_k: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_bwd_grads(do, o, lse, dlse)
     window, cap = _op_extras(window_left, window_right, softcap)
+    varlen = _op_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return attention_bwd(do, q, k, v, o, lse, dlse, causal, scale, window=window, softcap=cap,
-                         seqlens_k=seqlens_k)  # fmt: skip
+                         seqlens_k=seqlens_k, varlen=varlen)  # fmt: skip
 
 
 @_attention_bwd_op.register_fake
 def _(do, q, k, v, o, lse, dlse, causal, scale, window_left=-1, window_right=-1, softcap=0.0,  # type: ignore[no-untyped-def]
-      seqlens_k=None):  # fmt: skip
+      seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
+      max_seqlen_k=0):  # fmt: skip
     _check_bwd_grads(do, o, lse, dlse)
     return empty_output(q), empty_output(k), empty_output(v)
 
@@ -702,3 +741,97 @@ def _check_seqlens(seqlens_k: object, q: torch.Tensor, k: torch.Tensor) -> torch
         if bool(((seqlens_k < 0) | (seqlens_k > nk)).any()):
             raise ValueError(f"seqlens_k values must lie in [0, Nk = {nk}]: {seqlens_k.tolist()}")
     return seqlens_k.contiguous()
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over packed sequences of different lengths (flash-attn's varlen convention),
+    without padding: sequence b is rows ``[cu_seqlens_q[b], cu_seqlens_q[b + 1])`` of q and
+    ``[cu_seqlens_k[b], cu_seqlens_k[b + 1])`` of k and v.
+
+    Args:
+        q: ``(total_q, Hq, D)``; k, v: ``(total_k, Hkv, D)``, ``Hq % Hkv == 0``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` offsets: start at 0, non-decreasing,
+            last entry the packed length.
+        max_seqlen_q, max_seqlen_k: the longest sequence's lengths (at least the true maxima;
+            the grid is sized by them).
+        causal, scale, window, softcap: as :func:`attention`, per sequence (causal and window
+            aligned bottom-right to each sequence's own lengths).
+        return_lse: also return the fp32 LSE, ``(Hq, total_q)``.
+
+    Returns:
+        ``out`` ``(total_q, Hq, D)`` (and the LSE). Differentiable in q, k, v (and through the
+        LSE). Sequences of length 0 give nothing; a query that sees no key gives 0, LSE −inf.
+
+    Raises:
+        TypeError: non-tensors, wrong dtypes (cu_seqlens must be int32), as :func:`attention`.
+        ValueError: shapes, devices, cu_seqlens that do not start at 0, decrease or do not end at
+            the packed length, max_seqlen below a sequence's length (checked on the host: one
+            device sync on a GPU; not checked inside ``torch.compile``).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be (total, heads, head_dim), got {tuple(t.shape)}")
+    # (1, H, total, D) views: one 'batch' in the layout the kernels read, no copy
+    sm_scale, qc, kc, vc = _check(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), "b n h d", scale)
+    cu_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q, q.shape[0], max_seqlen_q)
+    cu_k = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q, k.shape[0], max_seqlen_k)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+            f"{tuple(cu_q.shape)} and {tuple(cu_k.shape)}"
+        )
+    left, right = masks.window_bounds(window, bool(causal))
+    cap = _check_softcap(softcap)
+    o, lse = _ATTENTION_FWD(qc, kc, vc, bool(causal), sm_scale, left, right, cap, None, cu_q,
+                            cu_k, int(max_seqlen_q), int(max_seqlen_k))  # fmt: skip
+    o = o.transpose(1, 2).squeeze(0)
+    return (o, lse.squeeze(0)) if return_lse else o
+
+
+def _check_cu_seqlens(
+    cu: object, name: str, q: torch.Tensor, total: int, max_seqlen: object
+) -> torch.Tensor:
+    """``cu`` validated: int32 ``(batch + 1,)`` offsets from 0 to ``total`` on q's device, none
+    decreasing, no sequence longer than ``max_seqlen``."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise ValueError(
+            f"{name} must have shape (batch + 1,) with batch >= 1, got {tuple(cu.shape)}"
+        )
+    if cu.device != q.device:
+        raise ValueError(f"{name} must be on q's device {q.device}, got {cu.device}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise TypeError(f"max_seqlen for {name} must be a non-negative int, got {max_seqlen!r}")
+    if not torch.compiler.is_compiling():  # (data-dependent: one host sync on a GPU)
+        lengths = cu[1:] - cu[:-1]
+        first, last = int(cu[0]), int(cu[-1])
+        if first != 0 or last != total or bool((lengths < 0).any()):
+            raise ValueError(
+                f"{name} must start at 0, never decrease and end at the packed length {total}; "
+                f"got {cu.tolist() if cu.numel() <= 16 else 'first ' + str(first)}"
+            )
+        if int(lengths.max()) > max_seqlen:
+            raise ValueError(
+                f"max_seqlen ({max_seqlen}) is below the longest sequence of {name} "
+                f"({int(lengths.max())})"
+            )
+    return cu.contiguous()

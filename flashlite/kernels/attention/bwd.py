@@ -44,7 +44,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashlite.kernels.attention.common import head_ptr, load_tile, scale_q, soft_cap, store_tile
+from flashlite.kernels.attention.common import (
+    head_ptr,
+    load_tile,
+    packed_ptr,
+    scale_q,
+    soft_cap,
+    store_tile,
+)
 from flashlite.kernels.common import cast
 from flashlite.masks import key_range, query_range, visible, visible_t
 from flashlite.stats import LOG2E, probs_from_lse, probs_from_lse_t
@@ -155,9 +162,11 @@ def _attention_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     n_heads, kv_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap, SEQLENS_K,
+    CU_Q, CU_K,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, PRESCALE_Q: tl.constexpr, USE_DESC: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, VARLEN: tl.constexpr, PRESCALE_Q: tl.constexpr,
+    USE_DESC: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(cdiv(Nk, BLOCK_N), B·Hkv)``: dK, dV of one key block, summed over the group.
@@ -166,13 +175,23 @@ def _attention_bwd_dkdv_kernel(
 
     Keys past Nk are loaded as zeros and never stored: each row of dK and dV depends only on its
     own key, so they need no mask. With ``HAS_SEQLENS`` the keys past this batch's length do not
-    exist: their dK and dV rows are stored as zeros.
+    exist: their dK and dV rows are stored as zeros. ``VARLEN``: packed sequences, as in the
+    forward.
     """
     pid_bh = tl.program_id(1)
     b, h_kv = pid_bh // kv_heads, pid_bh % kv_heads
     start_n = tl.program_id(0) * BLOCK_N
     n_keys = seq_k  # rows of dK and dV in memory
+    q_mem = seq_q  # rows of the LSE and delta per head
     heads = group
+    if VARLEN:
+        q0 = tl.load(CU_Q + b)
+        seq_q = tl.load(CU_Q + b + 1) - q0
+        k0 = tl.load(CU_K + b)
+        seq_k = tl.load(CU_K + b + 1) - k0
+        n_keys = seq_k  # the next sequence's rows are not ours to write
+        if start_n >= seq_k:
+            return
     if HAS_SEQLENS:
         seq_k = tl.minimum(tl.maximum(tl.load(SEQLENS_K + b), 0), seq_k)
         heads = tl.where(start_n < seq_k, group, 0)  # a block past the length: zeros only
@@ -181,6 +200,9 @@ def _attention_bwd_dkdv_kernel(
     dt = DK.dtype.element_ty  # tensor-core operands are rounded to the inputs' dtype
     k_src = head_ptr(K, b, h_kv, stride_kb, stride_kh)
     v_src = head_ptr(V, b, h_kv, stride_vb, stride_vh)
+    if VARLEN:
+        k_src = packed_ptr(K, h_kv, k0, stride_kh, stride_kn)
+        v_src = packed_ptr(V, h_kv, k0, stride_vh, stride_vn)
     k = load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, tl.arange(0, BLOCK_N),
                   offs_d, HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
     v = load_tile(v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, tl.arange(0, BLOCK_N),
@@ -207,10 +229,16 @@ def _attention_bwd_dkdv_kernel(
         h = h_kv * group + g
         if USE_DESC:
             qs_src, g_src = QS, DO
+        elif VARLEN:
+            qs_src = packed_ptr(QS, h, q0, stride_qh, stride_qm)
+            g_src = packed_ptr(DO, h, q0, stride_gh, stride_gm)
         else:
             qs_src = head_ptr(QS, b, h, stride_qb, stride_qh)
             g_src = head_ptr(DO, b, h, stride_gb, stride_gh)
-        stats = (b * n_heads + h).to(tl.int64) * seq_q
+        if VARLEN:
+            stats = h.to(tl.int64) * q_mem + q0
+        else:
+            stats = (b * n_heads + h).to(tl.int64) * q_mem
         for i in range(0, n_masked):
             if WINDOW:  # a window's far edge can span several blocks
                 start_m = tl.where(i < n_diag, lo + i * BLOCK_M, full_hi + (i - n_diag) * BLOCK_M)
@@ -231,12 +259,16 @@ def _attention_bwd_dkdv_kernel(
     if HAS_SEQLENS:  # keys that do not exist get zero gradients (the unmasked loop ran them)
         dk = tl.where(offs_n[:, None] < seq_k, dk, 0.0)
         dv = tl.where(offs_n[:, None] < seq_k, dv, 0.0)
-    store_tile(head_ptr(DK, b, h_kv, stride_dkb, stride_dkh),
-               cast(dk * dk_scale, DK.dtype.element_ty, ROUND_BF16), offs_n, n_keys, stride_dkn,
-               stride_dkd, offs_d, HEAD_DIM)  # fmt: skip
-    store_tile(head_ptr(DV, b, h_kv, stride_dvb, stride_dvh),
-               cast(dv, DV.dtype.element_ty, ROUND_BF16), offs_n, n_keys, stride_dvn, stride_dvd,
-               offs_d, HEAD_DIM)  # fmt: skip
+    if VARLEN:
+        dk_dst = packed_ptr(DK, h_kv, k0, stride_dkh, stride_dkn)
+        dv_dst = packed_ptr(DV, h_kv, k0, stride_dvh, stride_dvn)
+    else:
+        dk_dst = head_ptr(DK, b, h_kv, stride_dkb, stride_dkh)
+        dv_dst = head_ptr(DV, b, h_kv, stride_dvb, stride_dvh)
+    store_tile(dk_dst, cast(dk * dk_scale, DK.dtype.element_ty, ROUND_BF16), offs_n, n_keys,
+               stride_dkn, stride_dkd, offs_d, HEAD_DIM)  # fmt: skip
+    store_tile(dv_dst, cast(dv, DV.dtype.element_ty, ROUND_BF16), offs_n, n_keys, stride_dvn,
+               stride_dvd, offs_d, HEAD_DIM)  # fmt: skip
 
 
 @triton.jit
@@ -276,10 +308,11 @@ def _attention_bwd_dq_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    n_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap, SEQLENS_K,
+    n_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap, SEQLENS_K, CU_Q, CU_K,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, PRESCALE_Q: tl.constexpr, USE_DESC: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, VARLEN: tl.constexpr, PRESCALE_Q: tl.constexpr,
+    USE_DESC: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``: dQ of one query block over the keys it sees. ``QS``
@@ -288,9 +321,17 @@ def _attention_bwd_dq_kernel(
     pid_bh = tl.program_id(1)
     b, h = pid_bh // n_heads, pid_bh % n_heads
     h_kv = h // group
+    q_mem = seq_q
+    if VARLEN:
+        q0 = tl.load(CU_Q + b)
+        seq_q = tl.load(CU_Q + b + 1) - q0
+        k0 = tl.load(CU_K + b)
+        seq_k = tl.load(CU_K + b + 1) - k0
     if HAS_SEQLENS:
         seq_k = tl.minimum(tl.maximum(tl.load(SEQLENS_K + b), 0), seq_k)
     pid_m = tl.program_id(0)
+    if VARLEN and pid_m >= tl.cdiv(seq_q, BLOCK_M):
+        return
     if IS_CAUSAL:  # the last query blocks see the most keys: start them first (as the forward)
         pid_m = tl.cdiv(seq_q, BLOCK_M) - 1 - pid_m
     start_m = pid_m * BLOCK_M
@@ -301,6 +342,11 @@ def _attention_bwd_dq_kernel(
     g_src = head_ptr(DO, b, h, stride_gb, stride_gh)
     if USE_DESC:
         k_src, v_src = K, V
+    elif VARLEN:
+        qs_src = packed_ptr(QS, h, q0, stride_qh, stride_qm)
+        g_src = packed_ptr(DO, h, q0, stride_gh, stride_gm)
+        k_src = packed_ptr(K, h_kv, k0, stride_kh, stride_kn)
+        v_src = packed_ptr(V, h_kv, k0, stride_vh, stride_vn)
     else:
         k_src = head_ptr(K, b, h_kv, stride_kb, stride_kh)
         v_src = head_ptr(V, b, h_kv, stride_vb, stride_vh)
@@ -308,7 +354,10 @@ def _attention_bwd_dq_kernel(
                    BLOCK_D, False, True)  # fmt: skip
     do = load_tile(g_src, b, h, start_m, seq_q, stride_gm, stride_gd, offs_r, offs_d, HEAD_DIM,
                    BLOCK_D, False, True)  # fmt: skip
-    stats = pid_bh.to(tl.int64) * seq_q
+    if VARLEN:
+        stats = h.to(tl.int64) * q_mem + q0
+    else:
+        stats = pid_bh.to(tl.int64) * q_mem
     lse = tl.load(LSE + stats + rows, mask=rows < seq_q, other=float("-inf"))
     delta = tl.load(DELTA + stats + rows, mask=rows < seq_q, other=0.0)
     exp_scale = 1.0 if PRESCALE_Q else sm_scale * LOG2E
@@ -339,6 +388,10 @@ def _attention_bwd_dq_kernel(
                       offs_d, seq_q, seq_k, win_left, win_right, cap, stride_kn, stride_kd,
                       stride_vn, stride_vd, exp_scale, dt, HEAD_DIM, BLOCK_D, True, IS_CAUSAL,
                       WINDOW, SOFTCAP, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
-    store_tile(head_ptr(DQ, b, h, stride_dqb, stride_dqh),
+    if VARLEN:
+        dq_dst = packed_ptr(DQ, h, q0, stride_dqh, stride_dqm)
+    else:
+        dq_dst = head_ptr(DQ, b, h, stride_dqb, stride_dqh)
+    store_tile(dq_dst,
                cast(dq * sm_scale, DQ.dtype.element_ty, ROUND_BF16), rows, seq_q, stride_dqm,
                stride_dqd, offs_d, HEAD_DIM)  # fmt: skip

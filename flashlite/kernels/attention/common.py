@@ -45,6 +45,13 @@ def head_ptr(X, b, h, stride_b, stride_h):
 
 
 @triton.jit
+def packed_ptr(X, h, row0, stride_h, stride_row):
+    """Pointer to head ``h`` of a packed ``(1, H, total, D)`` tensor (varlen), at the first row
+    ``row0`` of one sequence."""
+    return X + h.to(tl.int64) * stride_h + row0.to(tl.int64) * stride_row
+
+
+@triton.jit
 def store_tile(dst, tile, rows, n_rows, stride_row, stride_d, offs_d, HEAD_DIM: tl.constexpr):
     """Store a ``[rows, BLOCK_D]`` tile at the head pointer ``dst``, rows below ``n_rows`` and
     columns below ``HEAD_DIM`` only."""

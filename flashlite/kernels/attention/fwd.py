@@ -32,6 +32,7 @@ from flashlite.kernels.attention.common import (
     accumulate,
     head_ptr,
     load_tile,
+    packed_ptr,
     scale_q,
     scores,
     store_tile,
@@ -103,10 +104,11 @@ def _attention_fwd_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    n_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap, SEQLENS_K,
+    n_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap, SEQLENS_K, CU_Q, CU_K,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, VARLEN: tl.constexpr, USE_DESC: tl.constexpr,
+    PRESCALE_Q: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
     OVERLAP: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
@@ -116,20 +118,35 @@ def _attention_fwd_kernel(
     ``WINDOW``: sliding window ``[i + diag − win_left, i + diag + win_right]`` (see
     :mod:`flashlite.masks`); ``SOFTCAP``: scores capped at ``softcap`` (in natural units);
     ``HAS_SEQLENS``: batch b has only its first ``SEQLENS_K[b]`` keys (clamped to
-    ``[0, seq_k]``), and causal and window align to that length.
+    ``[0, seq_k]``), and causal and window align to that length. ``VARLEN``: Q, K, V, O are
+    packed ``(1, H, total, D)`` views and sequence b is rows ``[CU_Q[b], CU_Q[b + 1])`` of Q
+    (``CU_K`` of K and V); ``seq_q`` is then the packed length and the grid covers the longest
+    sequence (pointer loads only: a descriptor's block would cross into the next sequence).
     """
-    n_m_blocks = tl.cdiv(seq_q, BLOCK_M)
-    pid_m = tl.program_id(0)
-    if IS_CAUSAL:  # the last query blocks see the most keys: start them first
-        pid_m = n_m_blocks - 1 - pid_m
     pid_bh = tl.program_id(1)
     b = pid_bh // n_heads
     h = pid_bh % n_heads
     h_kv = h // group  # GQA/MQA: query heads of a group share one K/V head, no copies
+    q_mem = seq_q  # rows of Q, O and the LSE in memory per head
+    if VARLEN:  # this program's sequence: its rows and its lengths
+        q0 = tl.load(CU_Q + b)
+        seq_q = tl.load(CU_Q + b + 1) - q0
+        k0 = tl.load(CU_K + b)
+        seq_k = tl.load(CU_K + b + 1) - k0
+    n_m_blocks = tl.cdiv(seq_q, BLOCK_M)
+    pid_m = tl.program_id(0)
+    if VARLEN and pid_m >= n_m_blocks:  # the grid covers the longest sequence
+        return
+    if IS_CAUSAL:  # the last query blocks see the most keys: start them first
+        pid_m = n_m_blocks - 1 - pid_m
     if HAS_SEQLENS:  # this batch's key length: every range and mask below follows it
         seq_k = tl.minimum(tl.maximum(tl.load(SEQLENS_K + b), 0), seq_k)
     if USE_DESC:
         q_src, k_src, v_src = Q, K, V
+    elif VARLEN:  # batch 0 of the packed views, from the sequence's first row
+        q_src = packed_ptr(Q, h, q0, stride_qh, stride_qm)
+        k_src = packed_ptr(K, h_kv, k0, stride_kh, stride_kn)
+        v_src = packed_ptr(V, h_kv, k0, stride_vh, stride_vn)
     else:
         q_src = head_ptr(Q, b, h, stride_qb, stride_qh)
         k_src = head_ptr(K, b, h_kv, stride_kb, stride_kh)
@@ -186,11 +203,17 @@ def _attention_fwd_kernel(
     # Rows that saw no key (causal with Nq > Nk) have s = 0: output 0 and LSE −inf, not NaN.
     inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)
     lse = finalize_lse(m, s, exp_scale)
-    tl.store(LSE + pid_bh.to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
+    if VARLEN:  # the packed (Hq, total) LSE
+        tl.store(LSE + h.to(tl.int64) * q_mem + q0 + offs_m, lse, mask=offs_m < seq_q)
+    else:
+        tl.store(LSE + pid_bh.to(tl.int64) * q_mem + offs_m, lse, mask=offs_m < seq_q)
     if USE_DESC:
         o = cast(acc * inv_s[:, None], O.dtype, ROUND_BF16)
         O.store([b, h, start_m, 0], o.reshape(1, 1, BLOCK_M, BLOCK_D))
     else:
         o = cast(acc * inv_s[:, None], O.dtype.element_ty, ROUND_BF16)
-        store_tile(head_ptr(O, b, h, stride_ob, stride_oh), o, offs_m, seq_q, stride_om,
+        o_dst = head_ptr(O, b, h, stride_ob, stride_oh)
+        if VARLEN:
+            o_dst = packed_ptr(O, h, q0, stride_oh, stride_om)
+        store_tile(o_dst, o, offs_m, seq_q, stride_om,
                    stride_od, offs_d, HEAD_DIM)  # fmt: skip
