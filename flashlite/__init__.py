@@ -8,7 +8,7 @@ from flashlite import (
     reference,
     stats,
 )
-from flashlite.ops.attention import attention, attention_varlen
+from flashlite.ops.attention import attention, attention_kvcache, attention_varlen
 from flashlite.ops.softmax import log_softmax, softmax
 
 try:
@@ -19,6 +19,7 @@ except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
 __all__ = [
     "__version__",
     "attention",
+    "attention_kvcache",
     "attention_varlen",
     "log_softmax",
     "masks",

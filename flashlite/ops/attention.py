@@ -25,6 +25,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flashlite import _backend, masks
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import bwd as KB
+from flashlite.kernels.attention import decode as KD
 from flashlite.kernels.attention import fwd as K
 from flashlite.ops.common import on_compute_device, skip_dispatcher
 
@@ -282,7 +283,7 @@ def attention_fwd(
     args = (*srcs, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
             hq, hq // hkv, nq, nk, scale, left, right, softcap or 0.0,
             seqlens_k if seqlens_k is not None else lse,
-            *(varlen[:2] if varlen is not None else (lse, lse)))  # fmt: skip
+            *(varlen[:2] if varlen is not None else (lse, lse)), lse, 0, 0)  # fmt: skip
     # packed sequences: one program row per sequence, as many query blocks as the longest has
     rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
     if config is not None:
@@ -298,6 +299,93 @@ def attention_fwd(
 _plans: dict[tuple, tuple[C.Config | None, dict]] = {}
 
 
+@on_compute_device
+def attention_decode_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    causal: bool,
+    scale: float,
+    *,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    block_table: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: C.Config | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The forward against a KV cache, with the keys split across programs (flash-decoding).
+
+    Args:
+        q: ``(B, Hq, Nq, D)`` view. k, v: a contiguous cache ``(B, Hkv, Ncap, D)`` or, with
+            ``block_table`` ``(B, max_pages)`` int32, a paged one ``(num_pages, Hkv, page_size,
+            D)`` (both as ``b h n d`` views of the ``b n h d`` storage).
+        seqlens_k: int32 ``(B,)`` keys in use per batch (already validated).
+        num_splits: key chunks per query block (None: enough to fill the GPU; 1 on CPU).
+
+    Returns:
+        ``O`` ``(B, Hq, Nq, D)`` strided like q, the fp32 LSE ``(B, Hq, Nq)``, the splits used.
+    """
+    b, hq, nq, d = q.shape
+    hkv = k.shape[1]
+    page_size = k.shape[2] if block_table is not None else 0
+    nk = block_table.shape[1] * page_size if block_table is not None else k.shape[2]
+    o = empty_output(q)
+    lse = q.new_empty((b, hq, nq), dtype=torch.float32)
+    if b * hq * nq == 0 or nk == 0:
+        return o.zero_(), lse.fill_(-math.inf), 1
+    is_causal, has_window, left, right = masks.kernel_window(window, causal, nq, nk)
+    if num_splits is None:
+        num_splits = _default_splits(q.device, b * hq, nq, nk)
+    config, launch = _plan(q.device, q.dtype, d, is_causal, True, False, None, config,
+                           has_window, softcap is not None, True, False, page_size,
+                           num_splits > 1)  # fmt: skip
+    if config is None:
+        config, launch = _plan(q.device, q.dtype, d, is_causal, True, False, None,
+                               C.default_config(C.block_d(d), q.dtype.itemsize, False),
+                               has_window, softcap is not None, True, False, page_size,
+                               num_splits > 1)  # fmt: skip
+    assert config is not None
+    bn = config.block_n
+    split_len = bn * C.cdiv(C.cdiv(nk, bn), num_splits)
+    splits = C.cdiv(nk, split_len)  # chunks of whole tiles: at most num_splits
+    if (splits > 1) != launch["SPLIT"]:  # whole tiles per chunk can leave fewer chunks
+        config, launch = _plan(q.device, q.dtype, d, is_causal, True, False, None, config,
+                               has_window, softcap is not None, True, False, page_size,
+                               splits > 1)  # fmt: skip
+    if splits > 1:  # fp32 partials, merged below
+        o_out = q.new_empty((splits * b, hq, nq, d), dtype=torch.float32)
+        lse_out = q.new_empty((splits * b * hq, nq), dtype=torch.float32)
+    else:
+        o_out, lse_out = o, lse
+    table = block_table if block_table is not None else lse
+    args = (q, k, v, o_out, lse_out, *q.stride(), *k.stride(), *v.stride(), *o_out.stride(),
+            hq, hq // hkv, nq, nk, scale, left, right, softcap or 0.0, seqlens_k, lse, lse,
+            table, table.stride(0) if block_table is not None else 0, split_len)  # fmt: skip
+    fwd = _backend.launcher(K._attention_fwd_kernel)
+    fwd[(C.cdiv(nq, config.block_m), b * hq, splits)](*args, **launch)
+    if splits > 1:
+        op = o_out.view(splits, b, hq, nq, d)
+        bm = 16 if _backend.kernels_interpreted() else 64
+        combine = _backend.launcher(KD._split_kv_combine_kernel)
+        combine[(C.cdiv(nq, bm), b * hq)](
+            op, lse_out, o, lse, *op.stride(), *o.stride(), hq, nq, splits, HEAD_DIM=d,
+            BLOCK_D=launch["BLOCK_D"], BLOCK_M=bm, ROUND_BF16=launch["ROUND_BF16"],
+            num_warps=4, num_stages=1,
+        )  # fmt: skip
+    return o, lse, splits
+
+
+def _default_splits(dev: torch.device, programs: int, nq: int, nk: int) -> int:
+    """Key chunks per query block: about two programs per SM, none shorter than 256 keys; 1 in
+    the interpreter (its programs run one after the other)."""
+    if _backend.kernels_interpreted() or dev.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count
+    blocks = programs * C.cdiv(nq, 64)
+    return max(1, min(C.cdiv(2 * sms, blocks), C.cdiv(nk, 256), 64))
+
+
 def _plan(
     dev: torch.device,
     dtype: torch.dtype,
@@ -311,19 +399,28 @@ def _plan(
     softcap: bool = False,
     seqlens: bool = False,
     varlen: bool = False,
+    page_size: int = 0,
+    split: bool = False,
 ) -> tuple[C.Config | None, dict]:
     """The config and the kernel's keyword arguments for one kind of call, worked out once per
     kind (small problems feel every microsecond of host work)."""
     key = (dev, dtype, d, causal, small, use_desc, prescale_q, config, window, softcap, seqlens,
-           varlen, C.pinned_text())  # fmt: skip
+           varlen, page_size, split, C.pinned_text())  # fmt: skip
     plan = _plans.get(key)
     if plan is not None:
         return plan
     block_d = C.block_d(d)
     if config is None:
         config = fixed_config(dev, block_d, causal, dtype, small=small)
+    if page_size and config is None:  # paged: a fixed tile, no autotuning
+        config = C.default_config(block_d, dtype.itemsize, False)
     if config is not None:  # a plain tuple works too
         config = C.Config(*config)
+    if page_size and config is not None:  # tiles within one page; the plain loop
+        bn = min(config.block_n, 1 << (page_size.bit_length() - 1))  # a power of two
+        while page_size % bn:  # page sizes are multiples of 16: 16 always divides
+            bn //= 2
+        config = config._replace(block_n=bn, overlap=False)
     launch = {
         "HEAD_DIM": d,
         "BLOCK_D": block_d,
@@ -332,6 +429,8 @@ def _plan(
         "SOFTCAP": softcap,
         "HAS_SEQLENS": seqlens,
         "VARLEN": varlen,
+        "PAGE_SIZE": page_size,
+        "SPLIT": split,
         "USE_DESC": use_desc,
         # fold the scale into Q for 16-bit inputs (see the kernel)
         "PRESCALE_Q": dtype != torch.float32 if prescale_q is None else prescale_q,
@@ -835,3 +934,136 @@ def _check_cu_seqlens(
                 f"({int(lengths.max())})"
             )
     return cu.contiguous()
+
+
+def attention_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cache_seqlens: torch.Tensor,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Decoding against a KV cache (layout ``b n h d``), optionally paged, keys split across
+    programs (flash-decoding). Forward only.
+
+    Args:
+        q: ``(B, Nq, Hq, D)``, the new tokens' queries.
+        k_cache, v_cache: ``(B, Ncap, Hkv, D)``, or with ``block_table`` a paged cache
+            ``(num_pages, page_size, Hkv, D)``, page size a multiple of 16 from 16 to 256.
+        cache_seqlens: int32 ``(B,)``: keys already in the cache per batch.
+        k_new, v_new: ``(B, Nnew, Hkv, D)``, written into the cache in place at
+            ``cache_seqlens[b]`` before attending (both or neither).
+        block_table: int32 ``(B, max_pages)``: batch b's key j lives in page
+            ``block_table[b, j // page_size]`` (vLLM's convention).
+        causal, scale, window, softcap: as :func:`attention`, aligned bottom-right to
+            ``cache_seqlens[b] + Nnew`` keys (so with ``causal`` query i of Nq sees keys up to
+            ``cache_seqlens[b] + Nnew − Nq + i``).
+        num_splits: key chunks per query block (None: enough to fill the GPU, 1 on CPU).
+        return_lse: also return the fp32 LSE ``(B, Hq, Nq)``.
+
+    Returns:
+        ``out`` ``(B, Nq, Hq, D)`` (and the LSE).
+
+    Raises:
+        TypeError: non-tensors, mixed or unsupported dtypes, index tensors that are not int32.
+        ValueError: shapes, devices, ``cache_seqlens + Nnew`` past the cache's capacity, a
+            block-table entry outside ``[0, num_pages)`` among the pages in use. These are
+            checked before anything is written (one device sync on a GPU).
+    """
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("cache_seqlens", cache_seqlens)):  # fmt: skip
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new come together: pass both or neither")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
+                    ("v_new", v_new)):  # fmt: skip
+        if t is None:
+            continue
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (b n h d), got {tuple(t.shape)}")
+        if t.dtype != q.dtype or t.dtype not in DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; q, the caches and k_new/v_new share "
+                            "one of torch.float16, torch.bfloat16, torch.float32")  # fmt: skip
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+        _backend.check_device(t, name)
+    bsz, nq, hq, d = q.shape
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")  # fmt: skip
+    slots, hkv, dk = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    if dk != d or hkv == 0 or hq % hkv:
+        raise ValueError(f"the caches must be (.., .., Hkv, D={d}) with Hq={hq} a multiple of "
+                         f"Hkv; got {tuple(k_cache.shape)}")  # fmt: skip
+    if d > MAX_HEAD_DIM:
+        raise NotImplementedError(f"head dim {d} is not supported: flashlite supports 1 to 256")
+    for name, t, dims in (("cache_seqlens", cache_seqlens, 1), ("block_table", block_table, 2)):
+        if t is None:
+            continue
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must have dtype torch.int32, got {t.dtype}")
+        if t.dim() != dims or t.shape[0] != bsz or t.device != q.device:
+            shape = "(B,)" if dims == 1 else "(B, max_pages)"
+            raise ValueError(f"{name} must be a {shape} tensor with B={bsz} on {q.device}, "
+                             f"got {tuple(t.shape)} on {t.device}")  # fmt: skip
+    if block_table is None:
+        if k_cache.shape[0] != bsz:
+            raise ValueError(f"k_cache must be (B={bsz}, Ncap, Hkv, D), got {tuple(k_cache.shape)}")
+        capacity = slots
+    else:
+        if slots % 16 or not 16 <= slots <= 256:
+            raise ValueError(f"page size {slots}: must be a multiple of 16 from 16 to 256")
+        capacity = block_table.shape[1] * slots
+    n_new = 0 if k_new is None else k_new.shape[1]
+    if k_new is not None:
+        want = (bsz, n_new, hkv, d)
+        if k_new.shape != want or v_new.shape != want:  # type: ignore[union-attr]
+            raise ValueError(f"k_new and v_new must be (B, Nnew, Hkv, D) = {want}, got "
+                             f"{tuple(k_new.shape)} and {tuple(v_new.shape)}")  # type: ignore[union-attr]  # fmt: skip
+    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
+                                   or num_splits < 1):  # fmt: skip
+        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+    left, right = masks.window_bounds(window, bool(causal))
+    cap = _check_softcap(softcap)
+    sm_scale = _check(q, q, q, "b n h d", scale)[0]
+    # every check that reads values, before anything is written (one host sync on a GPU)
+    lengths = cache_seqlens.long() + n_new
+    if bool(((cache_seqlens < 0) | (lengths > capacity)).any()):
+        raise ValueError(f"cache_seqlens + Nnew must lie in [0, {capacity}] (the cache's "
+                         f"capacity); got {lengths.tolist()}")  # fmt: skip
+    if block_table is not None:
+        used = (
+            torch.arange(block_table.shape[1], device=q.device)[None, :]
+            < (-(-lengths // slots))[:, None]
+        )
+        bad = used & ((block_table < 0) | (block_table >= k_cache.shape[0]))
+        if bool(bad.any()):
+            raise ValueError(f"block_table holds pages outside [0, {k_cache.shape[0]}) among "
+                             "the pages in use")  # fmt: skip
+    if n_new:
+        pos = cache_seqlens.long()[:, None] + torch.arange(n_new, device=q.device)[None, :]
+        if block_table is None:
+            rows = torch.arange(bsz, device=q.device)[:, None].expand_as(pos)
+            k_cache[rows, pos] = k_new  # type: ignore[index]
+            v_cache[rows, pos] = v_new  # type: ignore[index]
+        else:
+            page = torch.gather(block_table.long(), 1, pos // slots)
+            k_cache[page, pos % slots] = k_new  # type: ignore[index]
+            v_cache[page, pos % slots] = v_new  # type: ignore[index]
+    o, lse, _ = attention_decode_fwd(
+        q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+        lengths.to(torch.int32), bool(causal), sm_scale, window=(left, right),
+        softcap=cap or None, block_table=block_table, num_splits=num_splits,
+    )  # fmt: skip
+    o = o.transpose(1, 2)
+    return (o, lse) if return_lse else o

@@ -46,23 +46,42 @@ from flashlite.stats import LOG2E, finalize_lse
 # ----------------------------------------------------------------------------- kernel
 @triton.jit
 def _attend(acc, m, s, q, k_src, v_src, b, h_kv, lo, hi, offs_m, offs_n, offs_d, seq_q, seq_k,
-            left, right, cap, exp_scale, stride_kn, stride_kd, stride_vn, stride_vd,
+            left, right, cap, exp_scale, stride_kn, stride_kd, stride_vn, stride_vd, TABLE,
+            stride_tb, stride_kb, stride_kh, stride_vb, stride_vh,
             MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-            SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
+            SOFTCAP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
             DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
             WARP_SPECIALIZE: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
     """Fold key tiles ``[lo, hi)`` into ``(acc, m, s)``, one tile after the other: scores,
-    statistics, ``acc = acc·alpha + p·v``."""
+    statistics, ``acc = acc·alpha + p·v``. ``PAGE_SIZE`` > 0: K and V are paged, ``k_src`` and
+    ``v_src`` the caches themselves, and each tile's page comes from the block table."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        qk = scores(q, k_src, b, h_kv, start_n, offs_m, offs_n, offs_d, seq_q, seq_k, left,
+        k_tile, v_tile = k_src, v_src
+        if PAGE_SIZE > 0:
+            k_tile = page_ptr(k_src, TABLE, b, h_kv, start_n, stride_tb, stride_kb, stride_kh,
+                              stride_kn, PAGE_SIZE)  # fmt: skip
+            v_tile = page_ptr(v_src, TABLE, b, h_kv, start_n, stride_tb, stride_vb, stride_vh,
+                              stride_vn, PAGE_SIZE)  # fmt: skip
+        qk = scores(q, k_tile, b, h_kv, start_n, offs_m, offs_n, offs_d, seq_q, seq_k, left,
                      right, cap, stride_kn, stride_kd, MASKED, IS_CAUSAL, WINDOW, SOFTCAP,
                      HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32, DOT_PRECISION)  # fmt: skip
         m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE)
-        acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, seq_k, stride_vn,
+        acc = accumulate(acc, alpha, moved, p, v_tile, b, h_kv, start_n, seq_k, stride_vn,
                           stride_vd, offs_n, offs_d, MASKED, HEAD_DIM, BLOCK_D, USE_DESC,
                           DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
     return acc, m, s
+
+
+@triton.jit
+def page_ptr(X, TABLE, b, h_kv, start_n, stride_tb, stride_page, stride_h, stride_row,
+             PAGE_SIZE: tl.constexpr):  # fmt: skip
+    """A paged cache ``(num_pages, page_size, Hkv, D)`` read as if contiguous: the pointer from
+    which key row ``start_n`` and the ``BLOCK_N <= PAGE_SIZE`` rows after it (one page: tiles
+    never straddle pages) are addressed as ``ptr + row·stride_row``."""
+    page = tl.load(TABLE + b.to(tl.int64) * stride_tb + start_n // PAGE_SIZE).to(tl.int64)
+    first = (start_n // PAGE_SIZE) * PAGE_SIZE  # the page's first key row
+    return X + page * stride_page + h_kv.to(tl.int64) * stride_h - first.to(tl.int64) * stride_row
 
 
 @triton.jit
@@ -105,9 +124,11 @@ def _attention_fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     n_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap, SEQLENS_K, CU_Q, CU_K,
+    TABLE, stride_tb, split_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, VARLEN: tl.constexpr, USE_DESC: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, VARLEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    SPLIT: tl.constexpr, USE_DESC: tl.constexpr,
     PRESCALE_Q: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
     OVERLAP: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, ROUND_BF16: tl.constexpr,
@@ -122,6 +143,11 @@ def _attention_fwd_kernel(
     packed ``(1, H, total, D)`` views and sequence b is rows ``[CU_Q[b], CU_Q[b + 1])`` of Q
     (``CU_K`` of K and V); ``seq_q`` is then the packed length and the grid covers the longest
     sequence (pointer loads only: a descriptor's block would cross into the next sequence).
+    ``PAGE_SIZE`` > 0: K and V are paged caches ``(num_pages, Hkv, PAGE_SIZE, D)`` (as b h n d
+    views) and batch b's key j lives in page ``TABLE[b, j // PAGE_SIZE]``. ``SPLIT``: program
+    ``(m, bh, s)`` attends to keys ``[s·split_len, (s + 1)·split_len)`` only and writes that
+    chunk's normalised output and LSE into the partial buffers O ``(S·B, Hq, Nq, D)`` and LSE
+    ``(S·B·Hq, Nq)`` (merged by :mod:`.decode`).
     """
     pid_bh = tl.program_id(1)
     b = pid_bh // n_heads
@@ -151,6 +177,8 @@ def _attention_fwd_kernel(
         q_src = head_ptr(Q, b, h, stride_qb, stride_qh)
         k_src = head_ptr(K, b, h_kv, stride_kb, stride_kh)
         v_src = head_ptr(V, b, h_kv, stride_vb, stride_vh)
+    if PAGE_SIZE > 0:  # the caches themselves: each tile finds its page (page_ptr)
+        k_src, v_src = K, V
 
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -175,10 +203,18 @@ def _attention_fwd_kernel(
     # boundary tiles) are masked; other tiles are never visited.
     lo, full_lo, full_hi, hi = key_range(start_m, seq_q, seq_k, win_left, win_right, BLOCK_M,
                                          BLOCK_N, IS_CAUSAL, WINDOW)  # fmt: skip
-    if WINDOW:
+    if SPLIT:  # this program's chunk of the keys (clamping keeps the four bounds in order)
+        c0 = tl.program_id(2) * split_len
+        lo = tl.minimum(tl.maximum(lo, c0), c0 + split_len)
+        full_lo = tl.minimum(tl.maximum(full_lo, c0), c0 + split_len)
+        full_hi = tl.minimum(tl.maximum(full_hi, c0), c0 + split_len)
+        hi = tl.minimum(tl.maximum(hi, c0), c0 + split_len)
+    if WINDOW or SPLIT:
         acc, m, s = _attend(acc, m, s, q, k_src, v_src, b, h_kv, lo, full_lo, offs_m, offs_n,
                             offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale, stride_kn,
-                            stride_kd, stride_vn, stride_vd, True, IS_CAUSAL, WINDOW, SOFTCAP,
+                            stride_kd, stride_vn, stride_vd, TABLE, stride_tb, stride_kb,
+                            stride_kh, stride_vb, stride_vh, True, IS_CAUSAL, WINDOW, SOFTCAP,
+                            PAGE_SIZE,
                             HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION,
                             LAZY_RESCALE, False, ROUND_BF16)  # fmt: skip
     if OVERLAP:
@@ -191,12 +227,14 @@ def _attention_fwd_kernel(
     else:
         acc, m, s = _attend(acc, m, s, q, k_src, v_src, b, h_kv, full_lo, full_hi, offs_m,
                             offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale,
-                            stride_kn, stride_kd, stride_vn, stride_vd, False, IS_CAUSAL, WINDOW,
-                            SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
+                            stride_kn, stride_kd, stride_vn, stride_vd, TABLE, stride_tb,
+                            stride_kb, stride_kh, stride_vb, stride_vh, False, IS_CAUSAL, WINDOW,
+                            SOFTCAP, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
                             DOT_PRECISION, LAZY_RESCALE, WARP_SPECIALIZE, ROUND_BF16)  # fmt: skip
     acc, m, s = _attend(acc, m, s, q, k_src, v_src, b, h_kv, full_hi, hi, offs_m, offs_n,
                         offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale, stride_kn,
-                        stride_kd, stride_vn, stride_vd, True, IS_CAUSAL, WINDOW, SOFTCAP,
+                        stride_kd, stride_vn, stride_vd, TABLE, stride_tb, stride_kb, stride_kh,
+                        stride_vb, stride_vh, True, IS_CAUSAL, WINDOW, SOFTCAP, PAGE_SIZE,
                         HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION,
                         LAZY_RESCALE, False, ROUND_BF16)  # fmt: skip
 
@@ -205,6 +243,9 @@ def _attention_fwd_kernel(
     lse = finalize_lse(m, s, exp_scale)
     if VARLEN:  # the packed (Hq, total) LSE
         tl.store(LSE + h.to(tl.int64) * q_mem + q0 + offs_m, lse, mask=offs_m < seq_q)
+    elif SPLIT:  # this chunk's partial LSE
+        part = tl.program_id(2) * tl.num_programs(1) + pid_bh
+        tl.store(LSE + part.to(tl.int64) * q_mem + offs_m, lse, mask=offs_m < seq_q)
     else:
         tl.store(LSE + pid_bh.to(tl.int64) * q_mem + offs_m, lse, mask=offs_m < seq_q)
     if USE_DESC:
@@ -213,6 +254,9 @@ def _attention_fwd_kernel(
     else:
         o = cast(acc * inv_s[:, None], O.dtype.element_ty, ROUND_BF16)
         o_dst = head_ptr(O, b, h, stride_ob, stride_oh)
+        if SPLIT:  # partial outputs: batch b of split s is row s·B + b of the buffer
+            o_dst = head_ptr(O, b + tl.program_id(2) * (tl.num_programs(1) // n_heads), h,
+                             stride_ob, stride_oh)  # fmt: skip
         if VARLEN:
             o_dst = packed_ptr(O, h, q0, stride_oh, stride_om)
         store_tile(o_dst, o, offs_m, seq_q, stride_om,

@@ -1,0 +1,174 @@
+"""flashlite.attention_kvcache (issue 11, must 4): decoding against a contiguous or paged KV
+cache, new keys appended in place, keys split across programs (flash-decoding).
+
+Every case is checked against the fp64 reference on each batch's keys alone (within twice
+PyTorch's own low-precision error plus the dtype's floor), and the cache is read back after the
+append.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import TOL
+
+import flashlite
+from flashlite.reference import attention as ref_attention
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+B, HQ, HKV, D, CAP = 3, 4, 2, 32, 96
+
+
+def _reference(q, k_cache, v_cache, lengths, upcast, **kw):  # noqa: ANN001, ANN202
+    """(B, Nq, Hq, D): each batch's queries against its first ``lengths[b]`` cached keys."""
+    outs = []
+    for b, n in enumerate(lengths.tolist()):
+        one = [t[b : b + 1, :m].transpose(1, 2) for t, m in ((q, q.shape[1]), (k_cache, n),
+                                                             (v_cache, n))]  # fmt: skip
+        outs.append(ref_attention(*one, upcast=upcast, **kw).transpose(1, 2))
+    return torch.cat(outs)
+
+
+def _case(dtype, nq, n_new, lengths):  # noqa: ANN001, ANN202
+    gen = torch.Generator().manual_seed(nq * 100 + n_new)
+    q = torch.randn(B, nq, HQ, D, generator=gen).to(dtype)
+    k, v = (torch.randn(B, CAP, HKV, D, generator=gen).to(dtype) for _ in range(2))
+    new = [torch.randn(B, n_new, HKV, D, generator=gen).to(dtype) for _ in range(2)]
+    return q, k, v, (new if n_new else [None, None]), torch.tensor(lengths, dtype=torch.int32)
+
+
+def _appended(k, v, new, lengths):  # noqa: ANN001, ANN202
+    k, v = k.clone(), v.clone()
+    if new[0] is not None:
+        for b, n in enumerate(lengths.tolist()):
+            k[b, n : n + new[0].shape[1]] = new[0][b]
+            v[b, n : n + new[1].shape[1]] = new[1][b]
+    return k, v
+
+
+def _paged(k, v, page_size, gen_seed=0):  # noqa: ANN001, ANN202
+    """The same cache in shuffled pages, plus spare pages of noise: (k_pages, v_pages, table)."""
+    per = CAP // page_size
+    gen = torch.Generator().manual_seed(gen_seed)
+    n_pages = B * per + 3
+    table = torch.randperm(n_pages, generator=gen)[: B * per].view(B, per).to(torch.int32)
+    kp = torch.randn(n_pages, page_size, HKV, D, generator=gen).to(k.dtype)
+    vp = torch.randn(n_pages, page_size, HKV, D, generator=gen).to(k.dtype)
+    for b in range(B):
+        for j in range(per):
+            kp[table[b, j]] = k[b, j * page_size : (j + 1) * page_size]
+            vp[table[b, j]] = v[b, j * page_size : (j + 1) * page_size]
+    return kp, vp, table
+
+
+def _unpage(pages, table):  # noqa: ANN001, ANN202
+    return torch.cat([pages[table[b].long()].reshape(1, -1, HKV, D) for b in range(B)])
+
+
+CASES = [
+    # (Nq, Nnew, lengths already cached, causal, window, softcap)
+    (1, 0, [50, 0, 95], True, None, None),  # decode, an empty cache among them
+    (1, 1, [50, 0, 94], True, None, None),  # decode with append
+    (4, 4, [1, 30, 92], True, (20, 0), None),  # four new tokens, sliding window
+    (1, 0, [96, 17, 1], False, None, 5.0),  # a full cache, softcap
+    (3, 2, [0, 40, 90], True, None, None),  # Nq > Nnew: the first query sees fewer keys
+]
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, None], ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"nq{c[0]}-new{c[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_kvcache_contiguous(dtype: torch.dtype, case: tuple, num_splits: int | None) -> None:
+    nq, n_new, lengths, causal, window, softcap = case
+    q, k, v, new, seqlens = _case(dtype, nq, n_new, lengths)
+    kc, vc = k.clone(), v.clone()
+    out, lse = flashlite.attention_kvcache(q, kc, vc, cache_seqlens=seqlens, k_new=new[0],
+                                           v_new=new[1], causal=causal, window=window,
+                                           softcap=softcap, num_splits=num_splits,
+                                           return_lse=True)  # fmt: skip
+    k_want, v_want = _appended(k, v, new, seqlens)
+    assert torch.equal(kc, k_want) and torch.equal(vc, v_want)  # the append, read back
+    total = seqlens + n_new
+    kw = {"causal": causal, "window": window, "softcap": softcap}
+    want = _reference(q, k_want, v_want, total, True, **kw)
+    torch_lp = _reference(q, k_want, v_want, total, False, **kw)
+    err = (out.double() - want).abs().max().item()
+    torch_err = (torch_lp.double() - want).abs().max().item()
+    assert err <= 2 * torch_err + TOL[dtype].floor, (err, torch_err)
+    assert lse.shape == (B, HQ, nq) and torch.isneginf(lse[total == 0]).all()
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 48])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_equals_contiguous(page_size: int, num_splits: int) -> None:
+    if CAP % page_size:
+        pytest.skip("the test cache holds whole pages")
+    q, k, v, new, seqlens = _case(torch.float16, 2, 2, [10, 0, 70])
+    kc, vc = k.clone(), v.clone()
+    want = flashlite.attention_kvcache(q, kc, vc, cache_seqlens=seqlens, k_new=new[0],
+                                       v_new=new[1], num_splits=num_splits)  # fmt: skip
+    kp, vp, table = _paged(k, v, page_size)
+    got = flashlite.attention_kvcache(q, kp, vp, cache_seqlens=seqlens, k_new=new[0],
+                                      v_new=new[1], block_table=table,
+                                      num_splits=num_splits)  # fmt: skip
+    torch.testing.assert_close(got, want, atol=2e-3, rtol=0)  # (tiles may differ on a GPU)
+    assert torch.equal(_unpage(kp, table), kc) and torch.equal(_unpage(vp, table), vc)
+
+
+def test_splits_agree() -> None:
+    q, k, v, _, seqlens = _case(torch.float32, 1, 0, [96, 33, 5])
+    outs = [flashlite.attention_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=s,
+                                        return_lse=True) for s in (1, 2, 3, 6)]  # fmt: skip
+    for o, lse in outs[1:]:
+        torch.testing.assert_close(o, outs[0][0], atol=2e-6, rtol=0)
+        torch.testing.assert_close(lse, outs[0][1], atol=2e-6, rtol=0)
+
+
+def test_bad_kvcache_arguments_write_nothing() -> None:
+    q, k, v, new, seqlens = _case(torch.float32, 1, 1, [95, 10, 3])
+    table = torch.zeros(B, CAP // 16, dtype=torch.int32)
+    kc, vc = k.clone(), v.clone()
+    with pytest.raises(ValueError, match="capacity"):  # 95 + 1 fits, 96 + 1 does not
+        flashlite.attention_kvcache(q, kc, vc, cache_seqlens=seqlens + 1, k_new=new[0],
+                                    v_new=new[1])  # fmt: skip
+    assert torch.equal(kc, k) and torch.equal(vc, v)
+    with pytest.raises(TypeError, match="int32"):
+        flashlite.attention_kvcache(q, kc, vc, cache_seqlens=seqlens.long())
+    with pytest.raises(ValueError, match="both or neither"):
+        flashlite.attention_kvcache(q, kc, vc, cache_seqlens=seqlens, k_new=new[0])
+    kp = torch.zeros(4, 16, HKV, D)
+    bad = table.clone()
+    bad[0, 0] = 7  # page 7 of 4, in use by batch 0
+    with pytest.raises(ValueError, match="block_table"):
+        flashlite.attention_kvcache(q, kp, kp.clone(), cache_seqlens=seqlens, block_table=bad)
+    with pytest.raises(ValueError, match="page size"):
+        flashlite.attention_kvcache(q, torch.zeros(4, 24, HKV, D), torch.zeros(4, 24, HKV, D),
+                                    cache_seqlens=seqlens, block_table=table)  # fmt: skip
+    with pytest.raises(ValueError, match="num_splits"):
+        flashlite.attention_kvcache(q, kc, vc, cache_seqlens=seqlens, num_splits=0)
+    assert torch.equal(kc, k) and torch.equal(vc, v) and not kp.any()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", [0, 16, 256], ids=lambda p: f"page{p}" if p else "contiguous")
+@pytest.mark.parametrize("num_splits", [1, None], ids=lambda s: f"splits{s}")
+def test_gpu_decode(page_size: int, num_splits: int | None) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    bsz, cap, hq, hkv, d = 2, 8192, 32, 8, 128
+    q = torch.randn(bsz, 1, hq, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(bsz, cap, hkv, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    seqlens = torch.tensor([8000, 1], dtype=torch.int32, device="cuda")
+    if page_size:
+        per = cap // page_size
+        table = torch.randperm(bsz * per, device="cuda").view(bsz, per).to(torch.int32)
+        kp = torch.empty(bsz * per, page_size, hkv, d, device="cuda", dtype=torch.bfloat16)
+        vp = torch.empty_like(kp)
+        kp[table.long()] = k.view(bsz, per, page_size, hkv, d)
+        vp[table.long()] = v.view(bsz, per, page_size, hkv, d)
+        out = flashlite.attention_kvcache(q, kp, vp, cache_seqlens=seqlens, block_table=table,
+                                          num_splits=num_splits)  # fmt: skip
+    else:
+        out = flashlite.attention_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=num_splits)
+    want = _reference(q.float(), k.float(), v.float(), seqlens.cpu(), False, causal=True)
+    assert (out.float() - want).abs().max().item() <= 2e-2
