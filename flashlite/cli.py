@@ -17,6 +17,7 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -157,6 +158,17 @@ def _cmd_traffic(args: argparse.Namespace) -> int:
 
     if args.softmax:
         return _cmd_softmax_traffic(args)
+    if args.decode:
+        from flashlite.traffic import decode_rows
+
+        if args.measure:
+            print("note: --measure is not wired for --decode yet (model and count only)",
+                  file=sys.stderr)  # fmt: skip
+        shapes = [replace(_shape_from(args, n), seq_q=args.decode_q, seq_k=n, causal=True)
+                  for n in args.seq]  # fmt: skip
+        rows = decode_rows(shapes, count=args.count, show_progress=not args.quiet)
+        _emit(args, rows, [format_table(rows)])
+        return 0
     if args.backward:
         from flashlite.traffic import backward_rows
 
@@ -562,6 +574,15 @@ def build_parser() -> argparse.ArgumentParser:
         "counts them) against naive autograd (counted); --measure: DRAM bytes of each backward "
         "alone (GPU + ncu)",
     )
+    _option(
+        t,
+        "--decode",
+        action="store_true",
+        help="show decoding's bytes: --decode-q new queries against caches of --seq keys, "
+        "flashlite's split-KV path (model; --count counts it) against the materialising "
+        "reference (counted)",
+    )
+    _option(t, "--decode-q", type=int, default=1, help="queries per sequence (with --decode)")
     _option(t, "--rows", type=int, default=4096, help="softmax rows (with --softmax)")
     _option(t, "--n", type=int, default=4096, help="softmax row length (with --softmax)")
     algorithms = ["auto", "three_pass", "online", "single_read", "split", "team"]

@@ -569,3 +569,40 @@ def test_backward_dram_estimate_against_the_h200_measurements() -> None:
         assert r["measured_bytes"] < r["model_bytes"] / 4
         checked += 1
     assert checked == 8
+
+
+# --------------------------------------------------------------------------- decode (issue 11)
+@pytest.mark.parametrize(
+    "b,h,hkv,nq,nk,d,splits",
+    [
+        (2, 4, 2, 1, 300, 32, 3),
+        (1, 2, 1, 5, 130, 16, 2),
+        (2, 2, 2, 70, 90, 16, 1),
+        (1, 4, 1, 3, 1000, 24, 4),
+        (1, 2, 2, 1, 17, 8, 5),
+    ],  # fmt: skip
+)
+@pytest.mark.parametrize("tile", [(64, 64), (16, 16)], ids=lambda t: f"{t[0]}x{t[1]}")
+def test_decode_counted_equals_model(b, h, hkv, nq, nk, d, splits, tile) -> None:  # noqa: ANN001
+    # split-KV decode: the forward kernel's chunks and the combine kernel, byte for byte
+    from flashlite.kernels.configs import Config
+
+    shape = AttentionShape(b, h, nq, d, seq_k=nk, kv_heads=hkv, dtype=torch.float16, causal=True)
+    model = traffic.model_flashlite_decode(shape, *tile, splits)
+    counted, _naive = traffic.count_decode(shape, Config(*tile, 4, 2), splits)
+    assert (counted.read, counted.write) == (model.read, model.write)
+
+
+def test_decode_rows_and_cli(capsys: pytest.CaptureFixture) -> None:
+    from flashlite import cli
+
+    argv = ["traffic", "--decode", "--seq", "100", "300", "--heads", "4", "--kv-heads", "2",
+            "--head-dim", "16", "--count", "--quiet", "--json"]  # fmt: skip
+    assert cli.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["method"] for r in rows] == ["flashlite-decode", "naive-decode"] * 2
+    for r in rows[::2]:
+        assert r["model_bytes"] == r["counted_bytes"] and "splits" in r["config"]
+    # the GPU's split count for a 128k-token decode: enough chunks to fill 132 SMs
+    shape = AttentionShape(1, 32, 1, 128, seq_k=131072, kv_heads=8, causal=True)
+    assert traffic.model_flashlite_decode(shape, 64, 64, 8).info["splits"] == 8

@@ -335,17 +335,15 @@ def attention_decode_fwd(
     if b * hq * nq == 0 or nk == 0:
         return o.zero_(), lse.fill_(-math.inf), 1
     is_causal, has_window, left, right = masks.kernel_window(window, causal, nq, nk)
-    if num_splits is None:
-        num_splits = _default_splits(q.device, b * hq, nq, nk)
     config, launch = _plan(q.device, q.dtype, d, is_causal, True, False, None, config,
-                           has_window, softcap is not None, True, False, page_size,
-                           num_splits > 1)  # fmt: skip
+                           has_window, softcap is not None, True, False, page_size)  # fmt: skip
     if config is None:
         config, launch = _plan(q.device, q.dtype, d, is_causal, True, False, None,
                                C.default_config(C.block_d(d), q.dtype.itemsize, False),
-                               has_window, softcap is not None, True, False, page_size,
-                               num_splits > 1)  # fmt: skip
+                               has_window, softcap is not None, True, False, page_size)  # fmt: skip
     assert config is not None
+    if num_splits is None:
+        num_splits = _default_splits(q.device, b * hq, nq, nk, config.block_m)
     bn = config.block_n
     split_len = bn * C.cdiv(C.cdiv(nk, bn), num_splits)
     splits = C.cdiv(nk, split_len)  # chunks of whole tiles: at most num_splits
@@ -376,13 +374,19 @@ def attention_decode_fwd(
     return o, lse, splits
 
 
-def _default_splits(dev: torch.device, programs: int, nq: int, nk: int) -> int:
-    """Key chunks per query block: about two programs per SM, none shorter than 256 keys; 1 in
-    the interpreter (its programs run one after the other)."""
+def _default_splits(dev: torch.device, programs: int, nq: int, nk: int, block_m: int) -> int:
+    """Key chunks per query block on this device: :func:`splits_for` on a GPU, 1 in the
+    interpreter (its programs run one after the other)."""
     if _backend.kernels_interpreted() or dev.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    blocks = programs * C.cdiv(nq, 64)
+    return splits_for(programs, nq, nk, sms, block_m)
+
+
+def splits_for(programs: int, nq: int, nk: int, sms: int, block_m: int) -> int:
+    """About two programs per SM, no chunk shorter than 256 keys, at most 64 chunks
+    (``programs`` = batch·heads)."""
+    blocks = programs * C.cdiv(nq, block_m)
     return max(1, min(C.cdiv(2 * sms, blocks), C.cdiv(nk, 256), 64))
 
 

@@ -361,3 +361,21 @@ def count_softmax(
         else:
             softmax_ops.softmax_fwd(x, torch.empty_like(x), log, resolved)
     return kern.traffic
+
+
+def count_decode(shape: AttentionShape, config: Config, splits: int) -> tuple[Traffic, Traffic]:
+    """Counted bytes of decoding ``shape`` (Nq new queries against full caches of Nk keys):
+    ``(flashlite, naive)``. flashlite runs :func:`~flashlite.ops.attention.attention_decode_fwd`
+    in the interpreter with ``config`` and ``splits`` (what the GPU would pick); naive is the
+    materialising reference, counted as torch ops."""
+    q, k, v = make_inputs(shape, "cpu")
+    lengths = torch.full((shape.batch,), shape.nk, dtype=torch.int32)
+    with count_kernels() as kern, count_torch_ops() as ops:
+        attention_ops.attention_decode_fwd(q, k, v, lengths, True, shape.head_dim**-0.5,
+                                           num_splits=splits, config=config)  # fmt: skip
+    flash = kern.traffic
+    if ops.traffic.total:
+        flash.add("torch ops", ops.traffic.read, ops.traffic.write)
+    with count_torch_ops() as naive:
+        reference.attention(q, k, v, causal=True)
+    return flash, naive.traffic

@@ -157,7 +157,7 @@ def _table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> str:
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """The traffic table: one line per (method, sequence length)."""
     return _table(rows, [
-        ("method", -14, lambda r: r["method"]),
+        ("method", -18, lambda r: r["method"]),
         ("config", -20, lambda r: r.get("config") or "-"),
         ("seq", 7, lambda r: str(r["seq_len"])),
         ("model MB", 12, lambda r: _mb(r["model_bytes"])),
@@ -314,3 +314,54 @@ def backward_rows(
     if show_progress:
         _progress(len(shapes), len(shapes), "backward")
     return rows, notes
+
+
+#: the tile the GPU runs decode with (few query rows: ``ops.attention.SMALL_CONFIG``)
+DECODE_TILE = (64, 64)
+
+
+def decode_rows(
+    shapes: Sequence[AttentionShape],
+    *,
+    count: bool = False,
+    splits: int | None = None,
+    show_progress: bool = True,
+) -> list[dict[str, Any]]:
+    """One row per (method, shape) for decoding: flashlite's split-KV path (model; counted on CPU
+    with the GPU's tile and split count, or ``splits``) against the materialising reference
+    (counted), and the compulsory bytes (Q, K and V read once, O and the LSE written once)."""
+    from flashlite.kernels.configs import Config
+    from flashlite.traffic.count import count_decode
+    from flashlite.traffic.model import decode_splits, model_flashlite_decode
+
+    rows: list[dict[str, Any]] = []
+    for j, shape in enumerate(shapes):
+        if show_progress:
+            _progress(j, len(shapes), f"decode Nk={shape.nk}")
+        bm, bn = DECODE_TILE
+        n_splits = splits or decode_splits(shape, bm)
+        model = model_flashlite_decode(shape, bm, bn, n_splits)
+        flash = naive = None
+        if count:
+            flash, naive = count_decode(shape, Config(bm, bn, 4, 2), n_splits)
+        comp = compulsory_attention(shape)
+        for method, m, c in (("flashlite", model, flash), ("naive", None, naive)):
+            best = next((t for t in (c, m) if t is not None), None)
+            rows.append(
+                {
+                    "method": f"{method}-decode",
+                    "seq_len": shape.nk,
+                    **byte_fields(model=m, counted=c, dram=None, measured=None),
+                    "compulsory_bytes": comp.total,
+                    "vs_compulsory": best.total / comp.total if best else None,
+                    "config": (
+                        f"{bm}x{bn}, {model.info['splits']} splits"
+                        if method == "flashlite"
+                        else None
+                    ),  # fmt: skip
+                    "shape": shape.to_json(),
+                }
+            )
+    if show_progress:
+        _progress(len(shapes), len(shapes), "decode")
+    return rows
