@@ -115,7 +115,7 @@ def test_softcap_forward(dtype: torch.dtype, softcap: float, use_compile: bool) 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_window_softcap_gqa_layout_and_head_dims(dtype: torch.dtype, use_compile: bool) -> None:
-    for d in (8, 40, 64):
+    for d in (8, 40, 64, 256):
         q, k, v = (
             rand(2, 31, 4, d, dtype=dtype),
             rand(2, 44, 2, d, dtype=dtype),
@@ -167,6 +167,22 @@ def test_softcap_backward(dtype: torch.dtype, softcap: float) -> None:
     k, v = rand(1, 2, 35, 24, dtype=dtype), rand(1, 2, 35, 24, dtype=dtype)
     check_backward(q, k, v, causal=True, softcap=softcap)
     check_backward(q, k, v, window=(5, 1), softcap=softcap, with_lse=False)
+
+
+@pytest.mark.parametrize("d", [1, 100, 256])
+def test_window_softcap_backward_head_dims_and_packed_layout(d: int) -> None:
+    # odd and wide heads through the backward, and gradients of b n h d slices of one qkv buffer
+    qkv = rand(1, 19, 3, 2, d, dtype=torch.float32).requires_grad_()
+    q, k, v = qkv.unbind(2)  # (B, N, H, D) strided views
+    out = flashlite.attention(q, k, v, window=(5, 2), softcap=3.0, layout="b n h d")
+    do = torch.randn_like(out)
+    out.backward(do)
+    ref = qkv.detach().double().requires_grad_()
+    rq, rk, rv = (t.transpose(1, 2) for t in ref.unbind(2))
+    want = ref_attention(rq, rk, rv, window=(5, 2), softcap=3.0).transpose(1, 2)
+    want.backward(do.double())
+    assert qkv.grad.shape == qkv.shape
+    torch.testing.assert_close(qkv.grad.double(), ref.grad, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.filterwarnings("ignore:Input #")  # gradcheck prefers fp64, which no kernel takes
