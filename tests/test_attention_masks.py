@@ -351,3 +351,38 @@ def test_gpu_seqlens_k(dtype: torch.dtype, causal: bool) -> None:
         assert (got.float() - w).abs().max().item() <= tol * max(1.0, w.abs().max().item())
     for i, n in enumerate(lengths):
         assert (leaves[1].grad[i, :, n:] == 0).all()
+
+
+# --------------------------------------------------------------------------- num_splits
+@pytest.mark.parametrize("num_splits", [2, 3, 7])
+@pytest.mark.parametrize(
+    "mask", [(True, None, None), (False, (40, 5), 3.0)], ids=["causal", "window-softcap"]
+)
+def test_num_splits_forward_and_backward(num_splits: int, mask: tuple) -> None:
+    # split-KV on the differentiable path: the exact merge gives the unsplit result, and the
+    # backward (which only needs O and the LSE) gives the same gradients
+    causal, window, softcap = mask
+    q = rand(2, 4, 3, 32, dtype=torch.float32)
+    k, v = rand(2, 2, 200, 32, dtype=torch.float32), rand(2, 2, 200, 32, dtype=torch.float32)
+    check_forward(q, k, v, causal=causal, window=window, softcap=softcap)
+
+    def run(splits):  # noqa: ANN001, ANN202
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o, lse = flashlite.attention(*leaves, causal=causal, window=window, softcap=softcap,
+                                     num_splits=splits, return_lse=True)  # fmt: skip
+        (o.sum() + torch.where(torch.isfinite(lse), lse, 0).sum()).backward()
+        return o, lse, *(t.grad for t in leaves)
+
+    for got, want in zip(run(num_splits), run(None), strict=True):
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_num_splits_compiles_and_bad_values_are_refused() -> None:
+    q, k, v = (rand(1, 2, 4, 16, dtype=torch.float32) for _ in range(3))
+    eager = flashlite.attention(q, k, v, num_splits=2)
+    compiled = torch.compile(lambda a, b, c: flashlite.attention(a, b, c, num_splits=2),
+                             fullgraph=True)(q, k, v)  # fmt: skip
+    torch.testing.assert_close(compiled, eager)
+    for bad in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="num_splits"):
+            flashlite.attention(q, k, v, num_splits=bad)  # type: ignore[arg-type]

@@ -229,6 +229,7 @@ def attention_fwd(
     softcap: float | None = None,
     seqlens_k: torch.Tensor | None = None,
     varlen: Varlen | None = None,
+    num_splits: int = 1,
     config: C.Config | None = None,
     use_desc: bool | None = None,
     prescale_q: bool | None = None,
@@ -244,6 +245,8 @@ def attention_fwd(
         seqlens_k: int32 ``(B,)``: batch b has only its first ``seqlens_k[b]`` keys.
         varlen: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for packed
             sequences; q, k, v are then ``(1, H, total, D)`` views (pointer loads only).
+        num_splits: above 1, the keys are split across that many programs per query block
+            and merged (:func:`attention_decode_fwd`; not with ``varlen``).
         config: pin a :class:`~flashlite.kernels.configs.Config` (else :func:`fixed_config` or
             the autotuner chooses).
         use_desc: force descriptor (True) or pointer (False) loads.
@@ -254,6 +257,11 @@ def attention_fwd(
         launch used (None when nothing was launched). CPU tensors in a process that compiles its
         kernels run on the GPU: moved there once, results moved back.
     """
+    if num_splits > 1 and varlen is None:  # split-KV (flash-decoding) and the exact merge
+        o, lse, _ = attention_decode_fwd(q, k, v, seqlens_k, causal, scale, window=window,
+                                         softcap=softcap, num_splits=num_splits,
+                                         config=config)  # fmt: skip
+        return o, lse, None
     dev = q.device
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
@@ -304,7 +312,7 @@ def attention_decode_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    seqlens_k: torch.Tensor,
+    seqlens_k: torch.Tensor | None,
     causal: bool,
     scale: float,
     *,
@@ -320,7 +328,7 @@ def attention_decode_fwd(
         q: ``(B, Hq, Nq, D)`` view. k, v: a contiguous cache ``(B, Hkv, Ncap, D)`` or, with
             ``block_table`` ``(B, max_pages)`` int32, a paged one ``(num_pages, Hkv, page_size,
             D)`` (both as ``b h n d`` views of the ``b n h d`` storage).
-        seqlens_k: int32 ``(B,)`` keys in use per batch (already validated).
+        seqlens_k: int32 ``(B,)`` keys in use per batch (already validated), or None: all.
         num_splits: key chunks per query block (None: enough to fill the GPU; 1 on CPU).
 
     Returns:
@@ -335,12 +343,14 @@ def attention_decode_fwd(
     if b * hq * nq == 0 or nk == 0:
         return o.zero_(), lse.fill_(-math.inf), 1
     is_causal, has_window, left, right = masks.kernel_window(window, causal, nq, nk)
+    lengths = seqlens_k is not None
     config, launch = _plan(q.device, q.dtype, d, is_causal, True, False, None, config,
-                           has_window, softcap is not None, True, False, page_size)  # fmt: skip
+                           has_window, softcap is not None, lengths, False, page_size)  # fmt: skip
     if config is None:
         config, launch = _plan(q.device, q.dtype, d, is_causal, True, False, None,
                                C.default_config(C.block_d(d), q.dtype.itemsize, False),
-                               has_window, softcap is not None, True, False, page_size)  # fmt: skip
+                               has_window, softcap is not None, lengths, False,
+                               page_size)  # fmt: skip
     assert config is not None
     if num_splits is None:
         num_splits = _default_splits(q.device, b * hq, nq, nk, config.block_m)
@@ -349,7 +359,7 @@ def attention_decode_fwd(
     splits = C.cdiv(nk, split_len)  # chunks of whole tiles: at most num_splits
     if (splits > 1) != launch["SPLIT"]:  # whole tiles per chunk can leave fewer chunks
         config, launch = _plan(q.device, q.dtype, d, is_causal, True, False, None, config,
-                               has_window, softcap is not None, True, False, page_size,
+                               has_window, softcap is not None, lengths, False, page_size,
                                splits > 1)  # fmt: skip
     if splits > 1:  # fp32 partials, merged below
         o_out = q.new_empty((splits * b, hq, nq, d), dtype=torch.float32)
@@ -358,7 +368,8 @@ def attention_decode_fwd(
         o_out, lse_out = o, lse
     table = block_table if block_table is not None else lse
     args = (q, k, v, o_out, lse_out, *q.stride(), *k.stride(), *v.stride(), *o_out.stride(),
-            hq, hq // hkv, nq, nk, scale, left, right, softcap or 0.0, seqlens_k, lse, lse,
+            hq, hq // hkv, nq, nk, scale, left, right, softcap or 0.0,
+            seqlens_k if seqlens_k is not None else lse, lse, lse,
             table, table.stride(0) if block_table is not None else 0, split_len)  # fmt: skip
     fwd = _backend.launcher(K._attention_fwd_kernel)
     fwd[(C.cdiv(nq, config.block_m), b * hq, splits)](*args, **launch)
@@ -466,17 +477,20 @@ def _attention_fwd_op(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int = 0,
     max_seqlen_k: int = 0,
+    num_splits: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window, cap = _op_extras(window_left, window_right, softcap)
     varlen = _op_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse, _ = attention_fwd(q, k, v, causal, scale, window=window, softcap=cap,
-                              seqlens_k=seqlens_k, varlen=varlen)  # fmt: skip
+                              seqlens_k=seqlens_k, varlen=varlen,
+                              num_splits=num_splits)  # fmt: skip
     return o, lse
 
 
 @_attention_fwd_op.register_fake
 def _(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0, seqlens_k=None,  # type: ignore[no-untyped-def]
-      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0):  # fmt: skip
+      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+      num_splits=1):  # fmt: skip
     return empty_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -726,7 +740,8 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     q, k, v, causal, scale, *extras = inputs
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)  # O(N) beyond the tensors: nothing N×N
-    ctx.causal, ctx.scale, ctx.extras = causal, scale, extras
+    ctx.n_extras = len(extras)
+    ctx.causal, ctx.scale, ctx.extras = causal, scale, extras[:8]  # (num_splits: forward only)
 
 
 def _backward(ctx, grad_o, grad_lse):  # type: ignore[no-untyped-def]
@@ -735,7 +750,7 @@ def _backward(ctx, grad_o, grad_lse):  # type: ignore[no-untyped-def]
         grad_o = torch.zeros_like(o)
     dq, dk, dv = _ATTENTION_BWD(grad_o, q, k, v, o, lse, grad_lse, ctx.causal, ctx.scale,
                                 *ctx.extras)  # fmt: skip
-    return dq, dk, dv, None, None, *(None for _ in ctx.extras)
+    return dq, dk, dv, None, None, *(None for _ in range(ctx.n_extras))
 
 
 _attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -755,6 +770,7 @@ def attention(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     seqlens_k: torch.Tensor | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention computed tile by tile (FlashAttention-2 loop order).
 
@@ -778,6 +794,9 @@ def attention(
             to that length, and a length of 0 gives output 0 and LSE −inf. Keys past it get
             zero gradients. CPU tensors are checked to lie in ``[0, Nk]``; on a GPU (no host
             sync) values outside are clamped to it.
+        num_splits: split each query block's keys across this many programs and merge the
+            partial results exactly (flash-decoding: few queries against many keys). None or 1:
+            no split (the forward picks none by itself; :func:`attention_kvcache` does).
 
     Returns:
         ``out`` in ``q``'s layout and dtype, or ``(out, lse)`` with ``lse`` fp32 ``(B, Hq, Nq)``.
@@ -795,7 +814,8 @@ def attention(
     """
     sm_scale, qc, kc, vc = _check(q, k, v, layout, scale)
     causal = bool(causal)
-    if window is None and softcap is None and seqlens_k is None:
+    splits = _check_splits(num_splits)
+    if window is None and softcap is None and seqlens_k is None and splits == 1:
         if skip_dispatcher(q, k, v):  # the op's own body, minus the dispatcher's host cost
             o, lse, _ = attention_fwd(qc, kc, vc, causal, sm_scale)
         else:
@@ -806,9 +826,11 @@ def attention(
         lengths = _check_seqlens(seqlens_k, qc, kc)
         if skip_dispatcher(q, k, v):
             o, lse, _ = attention_fwd(qc, kc, vc, causal, sm_scale, window=(left, right),
-                                      softcap=cap or None, seqlens_k=lengths)  # fmt: skip
+                                      softcap=cap or None, seqlens_k=lengths,
+                                      num_splits=splits)  # fmt: skip
         else:
-            o, lse = _ATTENTION_FWD(qc, kc, vc, causal, sm_scale, left, right, cap, lengths)
+            o, lse = _ATTENTION_FWD(qc, kc, vc, causal, sm_scale, left, right, cap, lengths,
+                                    None, None, 0, 0, splits)  # fmt: skip
     if layout != "b h n d":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
@@ -1071,3 +1093,12 @@ def attention_kvcache(
     )  # fmt: skip
     o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
+
+
+def _check_splits(num_splits: object) -> int:
+    """``num_splits`` as the op takes it (1: no split)."""
+    if num_splits is None:
+        return 1
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+    return num_splits
