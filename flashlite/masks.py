@@ -54,6 +54,22 @@ __all__ = [
 
 # --------------------------------------------------------------------------- Triton helpers
 @triton.jit
+def _window_range(first, last, lo_off, hi_off, n, BLOCK: tl.constexpr):
+    """The window's ``(lo, full_lo, full_hi, hi)`` on the other axis for the block of indices
+    ``[first, last]`` of this one, where index x sees ``[x + lo_off, x + hi_off]`` of ``[0, n)``:
+    tiles of ``BLOCK`` from ``lo`` hold something some index sees, ``[full_lo, full_hi)`` only
+    what every index sees; ``key_range`` and ``query_range`` are its two readings."""
+    hi = tl.minimum(tl.maximum(last + hi_off + 1, 0), n)
+    lo = tl.minimum((tl.maximum(first + lo_off, 0) // BLOCK) * BLOCK, (hi // BLOCK) * BLOCK)
+    # whole tiles between the last index's first neighbour and the first index's last one
+    full_lo = tl.cdiv(tl.maximum(last + lo_off, 0), BLOCK) * BLOCK
+    full_hi = (tl.minimum(tl.maximum(first + hi_off + 1, 0), n) // BLOCK) * BLOCK
+    # no whole tile (a window narrower than the block): everything is masked, split anywhere
+    full_lo = tl.maximum(tl.minimum(full_lo, full_hi), lo)
+    return lo, full_lo, tl.maximum(full_hi, full_lo), hi
+
+
+@triton.jit
 def key_range(start_m, seq_q, seq_k, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
     """``(lo, full_lo, full_hi, hi)`` for the query block ``[start_m, start_m + BLOCK_M)``: key
@@ -64,19 +80,9 @@ def key_range(start_m, seq_q, seq_k, left, right, BLOCK_M: tl.constexpr, BLOCK_N
     ``[i + diag − left, i + diag + right]`` (``diag = seq_k − seq_q``; the host passes a bound
     past both lengths for an unlimited side); ``IS_CAUSAL`` is the window ``(∞, 0)``."""
     diag = seq_k - seq_q
-    if WINDOW:
-        last_row = start_m + BLOCK_M - 1
-        lo = (tl.maximum(start_m + diag - left, 0) // BLOCK_N) * BLOCK_N
-        hi = tl.minimum(tl.maximum(last_row + diag + right + 1, 0), seq_k)
-        lo = tl.minimum(lo, (hi // BLOCK_N) * BLOCK_N)  # a block that sees nothing: empty
-        # whole tiles between the last row's first key and the first row's last key
-        full_lo = tl.cdiv(tl.maximum(last_row + diag - left, 0), BLOCK_N) * BLOCK_N
-        full_hi = (
-            tl.minimum(tl.maximum(start_m + diag + right + 1, 0), seq_k) // BLOCK_N
-        ) * BLOCK_N
-        # no whole tile (a window narrower than the block): everything is masked, split anywhere
-        full_lo = tl.maximum(tl.minimum(full_lo, full_hi), lo)
-        full_hi = tl.maximum(full_hi, full_lo)
+    if WINDOW:  # row i sees keys [i + diag − left, i + diag + right]
+        lo, full_lo, full_hi, hi = _window_range(start_m, start_m + BLOCK_M - 1, diag - left,
+                                                 diag + right, seq_k, BLOCK_N)  # fmt: skip
     elif IS_CAUSAL:
         lo = start_m * 0
         full_lo = lo
@@ -131,14 +137,9 @@ def query_range(start_n, seq_q, seq_k, left, right, BLOCK_M: tl.constexpr,
     ``j − diag − right <= i <= j − diag + left`` (see :func:`key_range`)."""
     diag = seq_k - seq_q
     last_key = tl.minimum(start_n + BLOCK_N, seq_k) - 1
-    if WINDOW:
-        lo = (tl.maximum(start_n - diag - right, 0) // BLOCK_M) * BLOCK_M
-        hi = tl.minimum(tl.maximum(last_key - diag + left + 1, 0), seq_q)
-        lo = tl.minimum(lo, (hi // BLOCK_M) * BLOCK_M)
-        full_lo = tl.cdiv(tl.maximum(last_key - diag - right, 0), BLOCK_M) * BLOCK_M
-        full_hi = (tl.minimum(tl.maximum(start_n - diag + left + 1, 0), seq_q) // BLOCK_M) * BLOCK_M
-        full_lo = tl.maximum(tl.minimum(full_lo, full_hi), lo)
-        full_hi = tl.maximum(full_hi, full_lo)
+    if WINDOW:  # key j is seen by rows [j − diag − right, j − diag + left]
+        lo, full_lo, full_hi, hi = _window_range(start_n, last_key, -diag - right, left - diag,
+                                                 seq_q, BLOCK_M)  # fmt: skip
     else:
         if IS_CAUSAL:
             lo = (tl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M
@@ -170,6 +171,18 @@ def kernel_window(
     return False, True, far if left < 0 else left, far if right < 0 else right
 
 
+def _torch_window_range(
+    first: int, last: int, lo_off: int, hi_off: int, n: int, block: int
+) -> tuple[int, int, int, int]:
+    """Host twin of :func:`_window_range`."""
+    hi = min(max(last + hi_off + 1, 0), n)
+    lo = min((max(first + lo_off, 0) // block) * block, (hi // block) * block)
+    full_lo = -(-max(last + lo_off, 0) // block) * block
+    full_hi = (min(max(first + hi_off + 1, 0), n) // block) * block
+    full_lo = max(min(full_lo, full_hi), lo)
+    return lo, full_lo, max(full_hi, full_lo), hi
+
+
 def torch_query_range(
     start_n: int,
     block_m: int,
@@ -184,12 +197,7 @@ def torch_query_range(
     diag = seq_k - seq_q
     last_key = min(start_n + block_n, seq_k) - 1
     if has_window:
-        hi = min(max(last_key - diag + left + 1, 0), seq_q)
-        lo = min((max(start_n - diag - right, 0) // block_m) * block_m, (hi // block_m) * block_m)
-        full_lo = -(-max(last_key - diag - right, 0) // block_m) * block_m
-        full_hi = (min(max(start_n - diag + left + 1, 0), seq_q) // block_m) * block_m
-        full_lo = max(min(full_lo, full_hi), lo)
-        return lo, full_lo, max(full_hi, full_lo), hi
+        return _torch_window_range(start_n, last_key, -diag - right, left - diag, seq_q, block_m)
     lo = full_lo = 0
     if is_causal:
         lo = (max(start_n - diag, 0) // block_m) * block_m
@@ -211,13 +219,9 @@ def torch_key_range(
     is_causal, has_window, left, right = kernel_window(window, causal, seq_q, seq_k)
     diag = seq_k - seq_q
     if has_window:
-        last_row = start_m + block_m - 1
-        hi = min(max(last_row + diag + right + 1, 0), seq_k)
-        lo = min((max(start_m + diag - left, 0) // block_n) * block_n, (hi // block_n) * block_n)
-        full_lo = -(-max(last_row + diag - left, 0) // block_n) * block_n
-        full_hi = (min(max(start_m + diag + right + 1, 0), seq_k) // block_n) * block_n
-        full_lo = max(min(full_lo, full_hi), lo)
-        return lo, full_lo, max(full_hi, full_lo), hi
+        return _torch_window_range(
+            start_m, start_m + block_m - 1, diag - left, diag + right, seq_k, block_n
+        )
     if is_causal:
         first_row_sees = min(max(start_m + diag + 1, 0), seq_k)
         hi = min(max(start_m + block_m + diag, 0), seq_k)
