@@ -32,17 +32,22 @@ def _mask_id(m: tuple[bool, tuple[int, int] | None]) -> str:
 
 
 @triton.jit
+def _store_range(PTR, lo, full_lo, full_hi, hi):
+    # the four bounds of a block, side by side
+    i = tl.arange(0, 4)
+    tl.store(
+        PTR + i, tl.where(i == 0, lo, tl.where(i == 1, full_lo, tl.where(i == 2, full_hi, hi)))
+    )
+
+
+@triton.jit
 def _masks_kernel(RANGE, SEEN, seq_q, seq_k, left, right, BLOCK_M: tl.constexpr,
                   BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
                   ROWS: tl.constexpr, COLS: tl.constexpr):  # fmt: skip
     pid = tl.program_id(0)
     lo, full_lo, full_hi, hi = key_range(pid * BLOCK_M, seq_q, seq_k, left, right, BLOCK_M,
                                          BLOCK_N, IS_CAUSAL, WINDOW)  # fmt: skip
-    i = tl.arange(0, 4)
-    tl.store(
-        RANGE + 4 * pid + i,
-        tl.where(i == 0, lo, tl.where(i == 1, full_lo, tl.where(i == 2, full_hi, hi))),
-    )
+    _store_range(RANGE + 4 * pid, lo, full_lo, full_hi, hi)
     if pid == 0:
         rows, cols = tl.arange(0, ROWS), tl.arange(0, COLS)
         seen = visible(rows, cols, seq_q, seq_k, left, right, IS_CAUSAL, WINDOW)
@@ -102,11 +107,7 @@ def _query_range_kernel(OUT, SEEN_T, seq_q, seq_k, left, right, BLOCK_M: tl.cons
     pid = tl.program_id(0)
     lo, full_lo, full_hi, hi = query_range(pid * BLOCK_N, seq_q, seq_k, left, right, BLOCK_M,
                                            BLOCK_N, IS_CAUSAL, WINDOW)  # fmt: skip
-    i = tl.arange(0, 4)
-    tl.store(
-        OUT + 4 * pid + i,
-        tl.where(i == 0, lo, tl.where(i == 1, full_lo, tl.where(i == 2, full_hi, hi))),
-    )
+    _store_range(OUT + 4 * pid, lo, full_lo, full_hi, hi)
     if pid == 0:
         cols, rows = tl.arange(0, COLS), tl.arange(0, ROWS)
         seen = visible_t(cols, rows, seq_q, seq_k, left, right, IS_CAUSAL, WINDOW)
