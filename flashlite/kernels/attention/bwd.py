@@ -45,10 +45,12 @@ import triton
 import triton.language as tl
 
 from flashlite.kernels.attention.common import (
+    cap_units,
     head_ptr,
     load_tile,
     packed_ptr,
     scale_q,
+    sequence,
     soft_cap,
     store_tile,
 )
@@ -184,16 +186,12 @@ def _attention_bwd_dkdv_kernel(
     n_keys = seq_k  # rows of dK and dV in memory
     q_mem = seq_q  # rows of the LSE and delta per head
     heads = group
+    q0, seq_q, k0, seq_k = sequence(b, seq_q, seq_k, SEQLENS_K, CU_Q, CU_K, HAS_SEQLENS, VARLEN)
     if VARLEN:
-        q0 = tl.load(CU_Q + b)
-        seq_q = tl.load(CU_Q + b + 1) - q0
-        k0 = tl.load(CU_K + b)
-        seq_k = tl.load(CU_K + b + 1) - k0
         n_keys = seq_k  # the next sequence's rows are not ours to write
         if start_n >= seq_k:
             return
     if HAS_SEQLENS:
-        seq_k = tl.minimum(tl.maximum(tl.load(SEQLENS_K + b), 0), seq_k)
         heads = tl.where(start_n < seq_k, group, 0)  # a block past the length: zeros only
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d, offs_r = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_M)
@@ -214,9 +212,7 @@ def _attention_bwd_dkdv_kernel(
     # scores of Qs are in exp2's units already; dK summed against Qs carries a factor log2 e
     exp_scale = 1.0 if PRESCALE_Q else sm_scale * LOG2E
     dk_scale = 1.0 / LOG2E if PRESCALE_Q else sm_scale
-    cap = 0.0
-    if SOFTCAP:  # the cap in the scores' units (see the forward)
-        cap = softcap * LOG2E / exp_scale
+    cap = cap_units(softcap, exp_scale, SOFTCAP)  # the cap in the scores' units
     # query blocks [full_lo, full_hi): every pair seen, no checks; the others are masked: the
     # diagonal or the window's edge [lo, full_lo) and from full_hi the window's other edge or
     # the ragged last block (one loop keeps the registers of one masked and one unmasked body
@@ -322,13 +318,7 @@ def _attention_bwd_dq_kernel(
     b, h = pid_bh // n_heads, pid_bh % n_heads
     h_kv = h // group
     q_mem = seq_q
-    if VARLEN:
-        q0 = tl.load(CU_Q + b)
-        seq_q = tl.load(CU_Q + b + 1) - q0
-        k0 = tl.load(CU_K + b)
-        seq_k = tl.load(CU_K + b + 1) - k0
-    if HAS_SEQLENS:
-        seq_k = tl.minimum(tl.maximum(tl.load(SEQLENS_K + b), 0), seq_k)
+    q0, seq_q, k0, seq_k = sequence(b, seq_q, seq_k, SEQLENS_K, CU_Q, CU_K, HAS_SEQLENS, VARLEN)
     pid_m = tl.program_id(0)
     if VARLEN and pid_m >= tl.cdiv(seq_q, BLOCK_M):
         return
@@ -364,9 +354,7 @@ def _attention_bwd_dq_kernel(
     if DOT_FP32:
         qs, do = qs.to(tl.float32), do.to(tl.float32)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    cap = 0.0
-    if SOFTCAP:
-        cap = softcap * LOG2E / exp_scale
+    cap = cap_units(softcap, exp_scale, SOFTCAP)  # the cap in the scores' units
     # key tiles [full_lo, full_hi): seen by every row, no checks; [lo, full_lo) (a window's
     # left edge) and [full_hi, hi) (diagonal, window edge, ragged end): masked
     lo, full_lo, full_hi, hi = key_range(start_m, seq_q, seq_k, win_left, win_right, BLOCK_M,

@@ -94,6 +94,35 @@ def soft_cap(x, cap):
 
 
 @triton.jit
+def cap_units(softcap, exp_scale, SOFTCAP: tl.constexpr):
+    """The soft cap in the scores' units for :func:`soft_cap` (``softcap`` is in natural units,
+    the scores are ``q·k`` times ``scale·log2 e / exp_scale``); 0.0 without a cap."""
+    cap = 0.0
+    if SOFTCAP:
+        cap = softcap * LOG2E / exp_scale
+    return cap
+
+
+@triton.jit
+def sequence(b, seq_q, seq_k, SEQLENS_K, CU_Q, CU_K, HAS_SEQLENS: tl.constexpr,
+             VARLEN: tl.constexpr):  # fmt: skip
+    """Batch (or packed sequence) b's ``(q0, seq_q, k0, seq_k)``: the first query and key row of
+    its sequence in memory and its lengths. ``VARLEN``: rows ``[CU_Q[b], CU_Q[b + 1])`` of the
+    packed queries (``CU_K`` for the keys); ``HAS_SEQLENS``: only ``SEQLENS_K[b]`` of its keys
+    exist (clamped to ``[0, seq_k]``). Otherwise row 0 and the lengths passed in."""
+    q0 = 0
+    k0 = 0
+    if VARLEN:
+        q0 = tl.load(CU_Q + b)
+        seq_q = tl.load(CU_Q + b + 1) - q0
+        k0 = tl.load(CU_K + b)
+        seq_k = tl.load(CU_K + b + 1) - k0
+    if HAS_SEQLENS:
+        seq_k = tl.minimum(tl.maximum(tl.load(SEQLENS_K + b), 0), seq_k)
+    return q0, seq_q, k0, seq_k
+
+
+@triton.jit
 def scores(q, k_src, b, h_kv, start_n, offs_m, offs_n, offs_d, seq_q, seq_k, left, right, cap,
             stride_kn, stride_kd, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
             WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,

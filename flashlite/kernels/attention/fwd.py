@@ -30,11 +30,13 @@ import triton.language as tl
 
 from flashlite.kernels.attention.common import (
     accumulate,
+    cap_units,
     head_ptr,
     load_tile,
     packed_ptr,
     scale_q,
     scores,
+    sequence,
     store_tile,
     update,
 )
@@ -154,19 +156,14 @@ def _attention_fwd_kernel(
     h = pid_bh % n_heads
     h_kv = h // group  # GQA/MQA: query heads of a group share one K/V head, no copies
     q_mem = seq_q  # rows of Q, O and the LSE in memory per head
-    if VARLEN:  # this program's sequence: its rows and its lengths
-        q0 = tl.load(CU_Q + b)
-        seq_q = tl.load(CU_Q + b + 1) - q0
-        k0 = tl.load(CU_K + b)
-        seq_k = tl.load(CU_K + b + 1) - k0
+    # this program's sequence: its first rows and its lengths (every range and mask follows them)
+    q0, seq_q, k0, seq_k = sequence(b, seq_q, seq_k, SEQLENS_K, CU_Q, CU_K, HAS_SEQLENS, VARLEN)
     n_m_blocks = tl.cdiv(seq_q, BLOCK_M)
     pid_m = tl.program_id(0)
     if VARLEN and pid_m >= n_m_blocks:  # the grid covers the longest sequence
         return
     if IS_CAUSAL:  # the last query blocks see the most keys: start them first
         pid_m = n_m_blocks - 1 - pid_m
-    if HAS_SEQLENS:  # this batch's key length: every range and mask below follows it
-        seq_k = tl.minimum(tl.maximum(tl.load(SEQLENS_K + b), 0), seq_k)
     if USE_DESC:
         q_src, k_src, v_src = Q, K, V
     elif VARLEN:  # batch 0 of the packed views, from the sequence's first row
@@ -195,9 +192,7 @@ def _attention_fwd_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
     # the cap in the scores' units (softcap is in natural units: scores·scale)
-    cap = 0.0
-    if SOFTCAP:
-        cap = softcap * LOG2E / exp_scale
+    cap = cap_units(softcap, exp_scale, SOFTCAP)  # the cap in the scores' units
     # Key tiles [full_lo, full_hi) are seen by every row of the block and lie inside the
     # sequence; [lo, full_lo) (a window's left edge) and [full_hi, hi) (the diagonal and
     # boundary tiles) are masked; other tiles are never visited.
