@@ -97,13 +97,18 @@ def _check(
         raise ValueError("head dim must be at least 1, got 0")
     if d > MAX_HEAD_DIM:
         raise NotImplementedError(f"head dim {d} is not supported: flashlite supports 1 to 256")
+    return _check_scale(scale, d), q, k, v
+
+
+def _check_scale(scale: object, head_dim: int) -> float:
+    """The softmax scale: ``scale`` validated, or ``1/sqrt(D)`` for None."""
     if scale is None:
-        return 1.0 / math.sqrt(d), q, k, v
+        return 1.0 / math.sqrt(head_dim)
     if isinstance(scale, bool) or not isinstance(scale, (int, float)):
         raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
     if not 0 < scale < math.inf:  # (NaN fails it too; comparisons trace under torch.compile)
         raise ValueError(f"scale must be a finite positive number, got {scale}")
-    return float(scale), q, k, v
+    return float(scale)
 
 
 def _descriptor_ok(*tensors: torch.Tensor) -> bool:
@@ -343,24 +348,19 @@ def attention_decode_fwd(
     if b * hq * nq == 0 or nk == 0:
         return o.zero_(), lse.fill_(-math.inf), 1
     is_causal, has_window, left, right = masks.kernel_window(window, causal, nq, nk)
-    lengths = seqlens_k is not None
-    config, launch = _plan(q.device, q.dtype, d, is_causal, True, False, None, config,
-                           has_window, softcap is not None, lengths, False, page_size)  # fmt: skip
-    if config is None:
-        config, launch = _plan(q.device, q.dtype, d, is_causal, True, False, None,
-                               C.default_config(C.block_d(d), q.dtype.itemsize, False),
-                               has_window, softcap is not None, lengths, False,
-                               page_size)  # fmt: skip
+    # a small problem's fixed tile (paged: one that divides the page), never the autotuner
+    kind = {"window": has_window, "softcap": softcap is not None,
+            "seqlens": seqlens_k is not None, "page_size": page_size}  # fmt: skip
+    fixed = (q.device, q.dtype, d, is_causal, True, False, None)
+    default = C.default_config(C.block_d(d), q.dtype.itemsize, False)
+    config = _plan(*fixed, config, **kind)[0] or _plan(*fixed, default, **kind)[0]
     assert config is not None
     if num_splits is None:
         num_splits = _default_splits(q.device, b * hq, nq, nk, config.block_m)
     bn = config.block_n
     split_len = bn * C.cdiv(C.cdiv(nk, bn), num_splits)
     splits = C.cdiv(nk, split_len)  # chunks of whole tiles: at most num_splits
-    if (splits > 1) != launch["SPLIT"]:  # whole tiles per chunk can leave fewer chunks
-        config, launch = _plan(q.device, q.dtype, d, is_causal, True, False, None, config,
-                               has_window, softcap is not None, lengths, False, page_size,
-                               splits > 1)  # fmt: skip
+    config, launch = _plan(*fixed, config, **kind, split=splits > 1)
     if splits > 1:  # fp32 partials, merged below
         o_out = q.new_empty((splits * b, hq, nq, d), dtype=torch.float32)
         lse_out = q.new_empty((splits * b * hq, nq), dtype=torch.float32)
@@ -948,16 +948,17 @@ def _check_cu_seqlens(
         raise TypeError(f"max_seqlen for {name} must be a non-negative int, got {max_seqlen!r}")
     if not torch.compiler.is_compiling():  # (data-dependent: one host sync on a GPU)
         lengths = cu[1:] - cu[:-1]
-        first, last = int(cu[0]), int(cu[-1])
-        if first != 0 or last != total or bool((lengths < 0).any()):
+        first, last, shortest, longest = torch.stack(
+            [cu[0], cu[-1], lengths.min(), lengths.max()]
+        ).tolist()
+        if first != 0 or last != total or shortest < 0:
             raise ValueError(
                 f"{name} must start at 0, never decrease and end at the packed length {total}; "
                 f"got {cu.tolist() if cu.numel() <= 16 else 'first ' + str(first)}"
             )
-        if int(lengths.max()) > max_seqlen:
+        if longest > max_seqlen:
             raise ValueError(
-                f"max_seqlen ({max_seqlen}) is below the longest sequence of {name} "
-                f"({int(lengths.max())})"
+                f"max_seqlen ({max_seqlen}) is below the longest sequence of {name} ({longest})"
             )
     return cu.contiguous()
 
@@ -1061,21 +1062,24 @@ def attention_kvcache(
         raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
     left, right = masks.window_bounds(window, bool(causal))
     cap = _check_softcap(softcap)
-    sm_scale = _check(q, q, q, "b n h d", scale)[0]
+    sm_scale = _check_scale(scale, d)
     # every check that reads values, before anything is written (one host sync on a GPU)
     lengths = cache_seqlens.long() + n_new
-    if bool(((cache_seqlens < 0) | (lengths > capacity)).any()):
-        raise ValueError(f"cache_seqlens + Nnew must lie in [0, {capacity}] (the cache's "
-                         f"capacity); got {lengths.tolist()}")  # fmt: skip
+    bad_length = ((cache_seqlens < 0) | (lengths > capacity)).any()
+    bad_page = torch.zeros_like(bad_length)
     if block_table is not None:
         used = (
             torch.arange(block_table.shape[1], device=q.device)[None, :]
             < (-(-lengths // slots))[:, None]
         )
-        bad = used & ((block_table < 0) | (block_table >= k_cache.shape[0]))
-        if bool(bad.any()):
-            raise ValueError(f"block_table holds pages outside [0, {k_cache.shape[0]}) among "
-                             "the pages in use")  # fmt: skip
+        bad_page = (used & ((block_table < 0) | (block_table >= k_cache.shape[0]))).any()
+    length_wrong, page_wrong = torch.stack([bad_length, bad_page]).tolist()
+    if length_wrong:
+        raise ValueError(f"cache_seqlens + Nnew must lie in [0, {capacity}] (the cache's "
+                         f"capacity); got {lengths.tolist()}")  # fmt: skip
+    if page_wrong:
+        raise ValueError(f"block_table holds pages outside [0, {k_cache.shape[0]}) among "
+                         "the pages in use")  # fmt: skip
     if n_new:
         pos = cache_seqlens.long()[:, None] + torch.arange(n_new, device=q.device)[None, :]
         if block_table is None:
