@@ -204,14 +204,13 @@ def _attention_fwd_kernel(
         full_lo = tl.minimum(tl.maximum(full_lo, c0), c0 + split_len)
         full_hi = tl.minimum(tl.maximum(full_hi, c0), c0 + split_len)
         hi = tl.minimum(tl.maximum(hi, c0), c0 + split_len)
-    if WINDOW or SPLIT:
+    if WINDOW:  # (without a window lo = full_lo, split or not)
         acc, m, s = _attend(acc, m, s, q, k_src, v_src, b, h_kv, lo, full_lo, offs_m, offs_n,
                             offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale, stride_kn,
                             stride_kd, stride_vn, stride_vd, TABLE, stride_tb, stride_kb,
                             stride_kh, stride_vb, stride_vh, True, IS_CAUSAL, WINDOW, SOFTCAP,
-                            PAGE_SIZE,
-                            HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION,
-                            LAZY_RESCALE, False, ROUND_BF16)  # fmt: skip
+                            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
+                            DOT_PRECISION, LAZY_RESCALE, False, ROUND_BF16)  # fmt: skip
     if OVERLAP:
         if full_hi > full_lo:
             acc, m, s = _attend_overlapped(acc, m, s, q, k_src, v_src, b, h_kv, full_lo, full_hi,
@@ -254,5 +253,4 @@ def _attention_fwd_kernel(
                              stride_ob, stride_oh)  # fmt: skip
         if VARLEN:
             o_dst = packed_ptr(O, h, q0, stride_oh, stride_om)
-        store_tile(o_dst, o, offs_m, seq_q, stride_om,
-                   stride_od, offs_d, HEAD_DIM)  # fmt: skip
+        store_tile(o_dst, o, offs_m, seq_q, stride_om, stride_od, offs_d, HEAD_DIM)
