@@ -100,6 +100,13 @@ def test_varlen_equals_dense_for_equal_lengths_and_compiles() -> None:
     compiled = torch.autograd.grad(torch.compile(step, fullgraph=True)(*leaves), leaves)
     for a, b in zip(eager, compiled, strict=True):
         torch.testing.assert_close(a, b)
+    # the forward op with the varlen arguments: schema, fake, autograd, AOT dispatch
+    from torch.library import opcheck
+
+    views = [t.unsqueeze(0).transpose(1, 2) for t in packed]  # (1, H, total, D)
+    views[0].requires_grad_()
+    args = (*views, True, 0.25, -1, 0, 0.0, None, cu, cu, 13, 13)
+    opcheck(torch.ops.flashlite.attention_fwd.default, args)
 
 
 def test_bad_varlen_arguments_are_refused() -> None:

@@ -815,6 +815,8 @@ def attention(
     sm_scale, qc, kc, vc = _check(q, k, v, layout, scale)
     causal = bool(causal)
     splits = _check_splits(num_splits)
+    # the plain call passes five arguments: every default-valued one more is dispatcher host
+    # time on every small call (issue 8's per-call cost)
     if window is None and softcap is None and seqlens_k is None and splits == 1:
         if skip_dispatcher(q, k, v):  # the op's own body, minus the dispatcher's host cost
             o, lse, _ = attention_fwd(qc, kc, vc, causal, sm_scale)
