@@ -172,3 +172,53 @@ def test_gpu_decode(page_size: int, num_splits: int | None) -> None:
         out = flashlite.attention_kvcache(q, k, v, cache_seqlens=seqlens, num_splits=num_splits)
     want = _reference(q.float(), k.float(), v.float(), seqlens.cpu(), False, causal=True)
     assert (out.float() - want).abs().max().item() <= 2e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_combine_kernel_equals_the_torch_merge(dtype: torch.dtype) -> None:
+    """The split-KV combine against its torch twin, stats.merge_attention folded over the
+    splits; partials that saw no key (LSE −inf) and rows no split saw included."""
+    from flashlite import stats
+    from flashlite.ops.attention import combine_splits
+
+    gen = torch.Generator().manual_seed(5)
+    splits, b, h, nq, d = 5, 2, 3, 4, 24
+    o_parts = torch.randn(splits, b, h, nq, d, generator=gen)
+    lse_parts = torch.randn(splits, b, h, nq, generator=gen) * 30
+    lse_parts[1] = float("-inf")  # a chunk past every sequence
+    lse_parts[:, 1, 2, 3] = float("-inf")  # a row no chunk saw
+    o_parts[1] = 0.0
+    o_parts[:, 1, 2, 3] = 0.0
+    o = torch.empty(b, h, nq, d, dtype=dtype)
+    lse = torch.empty(b, h, nq)
+    combine_splits(o_parts, lse_parts, o, lse)
+    want_o, want_lse = o_parts[0].double(), lse_parts[0].double()
+    for s in range(1, splits):
+        want_o, want_lse = stats.merge_attention(want_o, want_lse, o_parts[s].double(),
+                                                 lse_parts[s].double())  # fmt: skip
+    torch.testing.assert_close(lse.double(), want_lse.double(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(o.double(), want_o, atol=TOL[dtype].floor, rtol=0)
+    assert torch.isneginf(lse[1, 2, 3]) and not o[1, 2, 3].any()
+
+
+def test_unvalidated_calls_stay_inside_the_caches() -> None:
+    """``validate=False`` (no host sync) gives the same results for good values; bad lengths
+    and page ids are clamped, never read or written outside the caches."""
+    q, k, v, new, seqlens = _case(torch.float32, 1, 1, [95, 10, 3])
+    runs = []
+    for validate in (True, False):
+        kc, vc = k.clone(), v.clone()
+        out = flashlite.attention_kvcache(q, kc, vc, cache_seqlens=seqlens, k_new=new[0],
+                                          v_new=new[1], validate=validate)  # fmt: skip
+        runs.append((out, kc, vc))
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)
+    bad = torch.tensor([500, -7, 96], dtype=torch.int32)
+    out = flashlite.attention_kvcache(q, k.clone(), v.clone(), cache_seqlens=bad, k_new=new[0],
+                                      v_new=new[1], validate=False)  # fmt: skip
+    assert out.shape == q.shape and torch.isfinite(out).all()
+    kp, vp, table = _paged(k, v, 16)
+    table[0, 0], table[1, 2] = 10_000, -3
+    out = flashlite.attention_kvcache(q, kp, vp, cache_seqlens=bad, block_table=table,
+                                      k_new=new[0], v_new=new[1], validate=False)  # fmt: skip
+    assert out.shape == q.shape and torch.isfinite(out).all()

@@ -64,6 +64,10 @@ HOPPER_CONFIGS = {
     (128, False): Config(64, 64, 4, 2, overlap=True),
     (128, True): Config(64, 64, 4, 2, overlap=True),
 }
+#: Hopper's config with a soft cap, per ``(BLOCK_D, causal)``: the overlapped loop loses most
+#: to the extra ``tanh`` (1.48x the uncapped time against 1.20x for this one; H200, bf16,
+#: N = 16k causal, ``benchmarks/NOTES.md``). Only D=128 was measured.
+HOPPER_SOFTCAP_CONFIGS = {(128, False): Config(64, 64, 4, 3), (128, True): Config(64, 64, 4, 3)}
 #: The config the interpreter (CPU) runs: small tiles keep it quick; several tiles per sequence
 #: in the tests exercise the loop bounds.
 CPU_CONFIG = Config(16, 16, 4, 1)
@@ -72,6 +76,38 @@ CPU_CONFIG = Config(16, 16, 4, 1)
 PIN_ENV = "FLASHLITE_ATTENTION_CONFIG"
 #: Shared memory a config may plan for (Hopper gives a block 227 KB).
 SMEM_BUDGET = 224 * 1024
+
+
+class DecodeConfig(NamedTuple):
+    """Launch config of the decode kernel (:mod:`flashlite.kernels.attention.decode`): rows of
+    packed queries per program, keys per tile, Triton's options, and TMA descriptor loads for
+    contiguous caches."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    use_desc: bool = False
+
+
+#: The decode tiles on a GPU (H200, bf16, D=128, ``benchmarks/NOTES.md``): up to 16 packed rows
+#: (``Nq·Hq/Hkv``) with few KV heads in the batch (128-key tiles stream a long cache fastest;
+#: pointer loads were as fast as TMA, without its per-call host cost), the same with 64 or more
+#: KV heads in the batch (64-key tiles: steadier across split counts), and more rows (untuned).
+GPU_DECODE_CONFIGS = (DecodeConfig(16, 128, 4, 3), DecodeConfig(16, 64, 4, 3),
+                      DecodeConfig(64, 64, 4, 3))  # fmt: skip
+#: The interpreter's decode tile (several tiles per chunk in small tests).
+CPU_DECODE_CONFIG = DecodeConfig(16, 16, 4, 1)
+
+
+def decode_config(rows: int, interpreted: bool, kv_heads: int = 1) -> DecodeConfig:
+    """The decode kernel's config for ``rows`` packed query rows per KV head and ``kv_heads``
+    (batch × KV heads) of them."""
+    if interpreted:
+        return CPU_DECODE_CONFIG
+    if rows > 16:
+        return GPU_DECODE_CONFIGS[2]
+    return GPU_DECODE_CONFIGS[0] if kv_heads < 64 else GPU_DECODE_CONFIGS[1]
 
 
 class BwdConfig(NamedTuple):
@@ -178,8 +214,10 @@ def set_block_shapes(nargs: dict) -> None:
     if not nargs["USE_DESC"]:
         return
     bm, bn, bd = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_D"]
-    nargs["Q"].block_shape = nargs["O"].block_shape = [1, 1, bm, bd]
+    nargs["Q"].block_shape = [1, 1, bm, bd]
     nargs["K"].block_shape = nargs["V"].block_shape = [1, 1, bn, bd]
+    if not nargs["VARLEN"]:  # (varlen stores O through pointers)
+        nargs["O"].block_shape = [1, 1, bm, bd]
 
 
 def keep_config(cfg: Config, block_d: int, elem_bytes: int, use_desc: bool) -> bool:

@@ -133,7 +133,7 @@ def _tuned_kernel(seq_q: int, seq_k: int) -> object:
 
         def prune(configs: list, named_args: dict, **kwargs: object) -> list:
             out = named_args["O"]
-            esize = (out.base if kwargs["USE_DESC"] else out).element_size()
+            esize = getattr(out, "base", out).element_size()  # a descriptor or a tensor
             fits = (kwargs["BLOCK_D"], esize, kwargs["USE_DESC"])
             keep = [c for c in configs if C.keep_config(C.Config.of(c), *fits)]
             return keep or [C.as_triton_config(C.default_config(*fits), C.set_block_shapes)]
@@ -152,22 +152,28 @@ def fixed_config(
     causal: bool = False,
     dtype: torch.dtype | None = None,
     small: bool = False,
+    softcap: bool = False,
 ) -> C.Config | None:
     """The config used without autotuning: the one pinned through ``$FLASHLITE_ATTENTION_CONFIG``,
     else ``CPU_CONFIG`` in the interpreter, else ``SMALL_CONFIG`` for ``small`` problems that fit
     it, else on Hopper for 16-bit inputs the measured ``HOPPER_CONFIGS`` entry for
-    ``(block_d, causal)``; None means autotune."""
+    ``(block_d, causal)`` (``HOPPER_SOFTCAP_CONFIGS`` with a soft cap); None means autotune."""
     pinned = C.pinned_config()
     if pinned is not None:
         return pinned
     if _backend.kernels_interpreted():
         return C.CPU_CONFIG
     hopper = device.type == "cuda" and _backend.capability(device.index or 0) == (9, 0)
-    return _table_entry(block_d, causal, dtype, small, hopper)
+    return _table_entry(block_d, causal, dtype, small, hopper, softcap)
 
 
 def _table_entry(
-    block_d: int | None, causal: bool, dtype: torch.dtype | None, small: bool, hopper: bool
+    block_d: int | None,
+    causal: bool,
+    dtype: torch.dtype | None,
+    small: bool,
+    hopper: bool,
+    softcap: bool = False,
 ) -> C.Config | None:
     """A GPU's fixed choice: the small-problem config, else Hopper's measured table."""
     if block_d is None or dtype is None:
@@ -175,7 +181,10 @@ def _table_entry(
     if small and C.keep_config(SMALL_CONFIG, block_d, dtype.itemsize, False):
         return SMALL_CONFIG
     if hopper and dtype in (torch.float16, torch.bfloat16):
-        return C.HOPPER_CONFIGS.get((block_d, bool(causal)))
+        table = C.HOPPER_CONFIGS
+        if softcap and (block_d, bool(causal)) in C.HOPPER_SOFTCAP_CONFIGS:
+            table = C.HOPPER_SOFTCAP_CONFIGS
+        return table.get((block_d, bool(causal)))
     return None
 
 
@@ -234,7 +243,7 @@ def attention_fwd(
     softcap: float | None = None,
     seqlens_k: torch.Tensor | None = None,
     varlen: Varlen | None = None,
-    num_splits: int = 1,
+    num_splits: int = 0,
     config: C.Config | None = None,
     use_desc: bool | None = None,
     prescale_q: bool | None = None,
@@ -249,9 +258,10 @@ def attention_fwd(
         softcap: cap the scaled scores at ``softcap·tanh(s/softcap)`` (None: no cap).
         seqlens_k: int32 ``(B,)``: batch b has only its first ``seqlens_k[b]`` keys.
         varlen: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for packed
-            sequences; q, k, v are then ``(1, H, total, D)`` views (pointer loads only).
-        num_splits: above 1, the keys are split across that many programs per query block
-            and merged (:func:`attention_decode_fwd`; not with ``varlen``).
+            sequences; q, k, v are then ``(1, H, total, D)`` views.
+        num_splits: 0 runs this forward kernel; n >= 1 runs :func:`attention_decode_fwd` (GQA
+            rows packed, the keys split across n programs per row block and merged; not with
+            ``varlen``).
         config: pin a :class:`~flashlite.kernels.configs.Config` (else :func:`fixed_config` or
             the autotuner chooses).
         use_desc: force descriptor (True) or pointer (False) loads.
@@ -262,7 +272,7 @@ def attention_fwd(
         launch used (None when nothing was launched). CPU tensors in a process that compiles its
         kernels run on the GPU: moved there once, results moved back.
     """
-    if num_splits > 1 and varlen is None:  # split-KV (flash-decoding) and the exact merge
+    if num_splits > 0 and varlen is None:  # few rows: packed GQA, split-KV, the exact merge
         o, lse, _ = attention_decode_fwd(q, k, v, seqlens_k, causal, scale, window=window,
                                          softcap=softcap, num_splits=num_splits,
                                          config=config)  # fmt: skip
@@ -278,8 +288,6 @@ def attention_fwd(
         return o.zero_(), lse.fill_(-math.inf), None
 
     small = b * hq * nq * nk * d < DESC_MIN_WORK
-    if varlen is not None:  # a descriptor's block would cross into the next sequence
-        use_desc = False
     if use_desc is None:
         use_desc = not small and _descriptor_ok(q, k, v, o)
     is_causal, has_window, left, right = masks.kernel_window(window, causal, nq, nk)
@@ -291,12 +299,14 @@ def attention_fwd(
         bm, bn = (config.block_m, config.block_n) if config is not None else (16, 16)
         srcs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])
                 for t, r in ((q, bm), (k, bn), (v, bn), (o, bm))]  # fmt: skip
+        if varlen is not None:  # O is stored through pointers (blocks cross sequences)
+            srcs[3] = o
     else:
         srcs = [q, k, v, o]
     args = (*srcs, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
             hq, hq // hkv, nq, nk, scale, left, right, softcap or 0.0,
             seqlens_k if seqlens_k is not None else lse,
-            *(varlen[:2] if varlen is not None else (lse, lse)), lse, 0, 0)  # fmt: skip
+            *(varlen[:2] if varlen is not None else (lse, lse)))  # fmt: skip
     # packed sequences: one program row per sequence, as many query blocks as the longest has
     rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
     if config is not None:
@@ -325,16 +335,21 @@ def attention_decode_fwd(
     softcap: float | None = None,
     block_table: torch.Tensor | None = None,
     num_splits: int | None = None,
-    config: C.Config | None = None,
+    config: C.DecodeConfig | None = None,
+    use_desc: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The forward against a KV cache, with the keys split across programs (flash-decoding).
+    """The forward for few query rows against many keys (:mod:`flashlite.kernels.attention.decode`):
+    the query heads of a GQA group packed into one tile, the keys split across programs and the
+    partials merged exactly (flash-decoding).
 
     Args:
-        q: ``(B, Hq, Nq, D)`` view. k, v: a contiguous cache ``(B, Hkv, Ncap, D)`` or, with
+        q: ``(B, Hq, Nq, D)`` view. k, v: a cache ``(B, Hkv, Ncap, D)`` or, with
             ``block_table`` ``(B, max_pages)`` int32, a paged one ``(num_pages, Hkv, page_size,
             D)`` (both as ``b h n d`` views of the ``b n h d`` storage).
-        seqlens_k: int32 ``(B,)`` keys in use per batch (already validated), or None: all.
-        num_splits: key chunks per query block (None: enough to fill the GPU; 1 on CPU).
+        seqlens_k: int32 ``(B,)`` keys in use per batch (clamped to ``[0, Ncap]``), or None: all.
+        num_splits: key chunks per row block (None: :func:`splits_for` this GPU; 1 on CPU).
+        config: pin the tile (else :func:`flashlite.kernels.configs.decode_config`).
+        use_desc: force TMA descriptor (True) or pointer (False) K/V loads (contiguous caches).
 
     Returns:
         ``O`` ``(B, Hq, Nq, D)`` strided like q, the fp32 LSE ``(B, Hq, Nq)``, the splits used.
@@ -347,58 +362,95 @@ def attention_decode_fwd(
     lse = q.new_empty((b, hq, nq), dtype=torch.float32)
     if b * hq * nq == 0 or nk == 0:
         return o.zero_(), lse.fill_(-math.inf), 1
-    is_causal, has_window, left, right = masks.kernel_window(window, causal, nq, nk)
-    # a small problem's fixed tile (paged: one that divides the page), never the autotuner
-    kind = {"window": has_window, "softcap": softcap is not None,
-            "seqlens": seqlens_k is not None, "page_size": page_size}  # fmt: skip
-    fixed = (q.device, q.dtype, d, is_causal, True, False, None)
-    default = C.default_config(C.block_d(d), q.dtype.itemsize, False)
-    config = _plan(*fixed, config, **kind)[0] or _plan(*fixed, default, **kind)[0]
-    assert config is not None
-    if num_splits is None:
-        num_splits = _default_splits(q.device, b * hq, nq, nk, config.block_m)
+    group = hq // hkv
+    if config is None:
+        config = C.decode_config(nq * group, _backend.kernels_interpreted(), b * hkv)
+    if num_splits is None:  # (paged tiles load one after the other: two programs per SM)
+        num_splits = _default_splits(q.device, b * hkv, nq * group, nk, config.block_m,
+                                     2 if page_size else 1)  # fmt: skip
     bn = config.block_n
     split_len = bn * C.cdiv(C.cdiv(nk, bn), num_splits)
     splits = C.cdiv(nk, split_len)  # chunks of whole tiles: at most num_splits
-    config, launch = _plan(*fixed, config, **kind, split=splits > 1)
+    if use_desc is None:
+        use_desc = config.use_desc
+    use_desc = use_desc and block_table is None and _descriptor_ok(k, v)
+    is_causal, has_window, left, right = masks.kernel_window(window, causal, nq, nk)
+    key = (q.dtype, d, group, config, is_causal, has_window, softcap is not None,
+           seqlens_k is not None, page_size, use_desc)  # fmt: skip
+    launch = _decode_plans.get(key)
+    if launch is None:
+        launch = _decode_plans[key] = {
+            "GROUP": group, "HEAD_DIM": d, "BLOCK_D": C.block_d(d), "BLOCK_M": config.block_m,
+            "BLOCK_N": bn, "IS_CAUSAL": is_causal, "WINDOW": has_window,
+            "SOFTCAP": softcap is not None, "HAS_SEQLENS": seqlens_k is not None,
+            "PAGE_SIZE": page_size, "USE_DESC": use_desc,
+            "PRESCALE_Q": q.dtype != torch.float32, "DOT_FP32": _backend.dot_upcast(q.dtype),
+            "DOT_PRECISION": "tf32x3" if q.dtype == torch.float32 else "tf32",
+            "ROUND_BF16": _backend.round_bf16(q.dtype),
+            "num_warps": config.num_warps, "num_stages": config.num_stages,
+        }  # fmt: skip
     if splits > 1:  # fp32 partials, merged below
         o_out = q.new_empty((splits * b, hq, nq, d), dtype=torch.float32)
         lse_out = q.new_empty((splits * b * hq, nq), dtype=torch.float32)
     else:
         o_out, lse_out = o, lse
+    ks, vs = k, v
+    if use_desc:
+        ks, vs = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, bn, C.block_d(d)])
+                  for t in (k, v))  # fmt: skip
     table = block_table if block_table is not None else lse
-    args = (q, k, v, o_out, lse_out, *q.stride(), *k.stride(), *v.stride(), *o_out.stride(),
-            hq, hq // hkv, nq, nk, scale, left, right, softcap or 0.0,
-            seqlens_k if seqlens_k is not None else lse, lse, lse,
-            table, table.stride(0) if block_table is not None else 0, split_len)  # fmt: skip
-    fwd = _backend.launcher(K._attention_fwd_kernel)
-    fwd[(C.cdiv(nq, config.block_m), b * hq, splits)](*args, **launch)
+    args = (q, ks, vs, o_out, lse_out, *q.stride(), *k.stride(), *v.stride(), *o_out.stride(),
+            hkv, nq, nk, scale, left, right, softcap or 0.0,
+            seqlens_k if seqlens_k is not None else lse, table,
+            table.stride(0) if block_table is not None else 0, k.shape[0], split_len)  # fmt: skip
+    kernel = _backend.launcher(KD._attention_decode_kernel)
+    kernel[(C.cdiv(nq * group, config.block_m), b * hkv, splits)](*args, **launch)
     if splits > 1:
-        op = o_out.view(splits, b, hq, nq, d)
-        bm = 16 if _backend.kernels_interpreted() else 64
-        combine = _backend.launcher(KD._split_kv_combine_kernel)
-        combine[(C.cdiv(nq, bm), b * hq)](
-            op, lse_out, o, lse, *op.stride(), *o.stride(), hq, nq, splits, HEAD_DIM=d,
-            BLOCK_D=launch["BLOCK_D"], BLOCK_M=bm, ROUND_BF16=launch["ROUND_BF16"],
-            num_warps=4, num_stages=1,
-        )  # fmt: skip
+        combine_splits(o_out.view(splits, b, hq, nq, d), lse_out.view(splits, b, hq, nq), o, lse)
     return o, lse, splits
 
 
-def _default_splits(dev: torch.device, programs: int, nq: int, nk: int, block_m: int) -> int:
-    """Key chunks per query block on this device: :func:`splits_for` on a GPU, 1 in the
+def combine_splits(
+    o_parts: torch.Tensor, lse_parts: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
+) -> None:
+    """Merge split-KV partials into ``o`` and ``lse`` (:mod:`flashlite.kernels.attention.decode`;
+    the torch twin is :func:`flashlite.stats.merge_attention` folded over the splits).
+
+    Args:
+        o_parts: fp32 ``(S, B, H, Nq, D)``; lse_parts: contiguous fp32 ``(S, B, H, Nq)``.
+        o: ``(B, H, Nq, D)`` output (any strides); lse: contiguous fp32 ``(B, H, Nq)``.
+    """
+    splits, b, h, nq, d = o_parts.shape
+    combine = _backend.launcher(KD._split_kv_combine_kernel)
+    combine[(nq, b * h)](
+        o_parts, lse_parts, o, lse, *o_parts.stride(), *o.stride(), h, nq, splits, HEAD_DIM=d,
+        BLOCK_D=C.block_d(d), SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+        ROUND_BF16=_backend.round_bf16(o.dtype), num_warps=4, num_stages=1,
+    )  # fmt: skip
+
+
+_decode_plans: dict[tuple, dict] = {}
+
+
+def _default_splits(
+    dev: torch.device, programs: int, rows: int, nk: int, block_m: int, per_sm: int = 1
+) -> int:
+    """Key chunks per row block on this device: :func:`splits_for` on a GPU, 1 in the
     interpreter (its programs run one after the other)."""
     if _backend.kernels_interpreted() or dev.type != "cuda":
         return 1
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count
-    return splits_for(programs, nq, nk, sms, block_m)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return splits_for(programs, rows, nk, _backend.num_sms(index), block_m, per_sm)
 
 
-def splits_for(programs: int, nq: int, nk: int, sms: int, block_m: int) -> int:
-    """About two programs per SM, no chunk shorter than 256 keys, at most 64 chunks
-    (``programs`` = batch·heads)."""
-    blocks = programs * C.cdiv(nq, block_m)
-    return max(1, min(C.cdiv(2 * sms, blocks), C.cdiv(nk, 256), 64))
+def splits_for(programs: int, rows: int, nk: int, sms: int, block_m: int, per_sm: int = 1) -> int:
+    """At most ``per_sm`` programs per SM, no chunk shorter than 256 keys, at most 64 chunks
+    (``programs`` = batch·KV heads, ``rows`` = packed query rows per KV head). A contiguous
+    cache streams fastest with one long chunk per SM (its loads are pipelined; a second program
+    only splits the SM's bandwidth); a paged one, whose loads wait on the block table, with two
+    (H200, ``benchmarks/NOTES.md``)."""
+    blocks = programs * C.cdiv(rows, block_m)
+    return max(1, min(per_sm * sms // blocks, C.cdiv(nk, 256), 64))
 
 
 def _plan(
@@ -414,28 +466,19 @@ def _plan(
     softcap: bool = False,
     seqlens: bool = False,
     varlen: bool = False,
-    page_size: int = 0,
-    split: bool = False,
 ) -> tuple[C.Config | None, dict]:
     """The config and the kernel's keyword arguments for one kind of call, worked out once per
     kind (small problems feel every microsecond of host work)."""
     key = (dev, dtype, d, causal, small, use_desc, prescale_q, config, window, softcap, seqlens,
-           varlen, page_size, split, C.pinned_text())  # fmt: skip
+           varlen, C.pinned_text())  # fmt: skip
     plan = _plans.get(key)
     if plan is not None:
         return plan
     block_d = C.block_d(d)
     if config is None:
-        config = fixed_config(dev, block_d, causal, dtype, small=small)
-    if page_size and config is None:  # paged: a fixed tile, no autotuning
-        config = C.default_config(block_d, dtype.itemsize, False)
+        config = fixed_config(dev, block_d, causal, dtype, small=small, softcap=softcap)
     if config is not None:  # a plain tuple works too
         config = C.Config(*config)
-    if page_size and config is not None:  # tiles within one page; the plain loop
-        bn = min(config.block_n, 1 << (page_size.bit_length() - 1))  # a power of two
-        while page_size % bn:  # page sizes are multiples of 16: 16 always divides
-            bn //= 2
-        config = config._replace(block_n=bn, overlap=False)
     launch = {
         "HEAD_DIM": d,
         "BLOCK_D": block_d,
@@ -444,8 +487,6 @@ def _plan(
         "SOFTCAP": softcap,
         "HAS_SEQLENS": seqlens,
         "VARLEN": varlen,
-        "PAGE_SIZE": page_size,
-        "SPLIT": split,
         "USE_DESC": use_desc,
         # fold the scale into Q for 16-bit inputs (see the kernel)
         "PRESCALE_Q": dtype != torch.float32 if prescale_q is None else prescale_q,
@@ -477,7 +518,7 @@ def _attention_fwd_op(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int = 0,
     max_seqlen_k: int = 0,
-    num_splits: int = 1,
+    num_splits: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     window, cap = _op_extras(window_left, window_right, softcap)
     varlen = _op_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
@@ -490,7 +531,7 @@ def _attention_fwd_op(
 @_attention_fwd_op.register_fake
 def _(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0, seqlens_k=None,  # type: ignore[no-untyped-def]
       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-      num_splits=1):  # fmt: skip
+      num_splits=0):  # fmt: skip
     return empty_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -794,9 +835,11 @@ def attention(
             to that length, and a length of 0 gives output 0 and LSE −inf. Keys past it get
             zero gradients. CPU tensors are checked to lie in ``[0, Nk]``; on a GPU (no host
             sync) values outside are clamped to it.
-        num_splits: split each query block's keys across this many programs and merge the
-            partial results exactly (flash-decoding: few queries against many keys). None or 1:
-            no split (the forward picks none by itself; :func:`attention_kvcache` does).
+        num_splits: split the keys across this many programs per block of query rows and
+            merge the partial results exactly (flash-decoding: few queries against many keys),
+            the query heads of a GQA group packed into one tile. 1: no split, the plain
+            forward kernel. None: on a GPU, when ``Nq·Hq/Hkv`` is at most 64 (decoding), the
+            split that fills the GPU (:func:`splits_for`); otherwise no split.
 
     Returns:
         ``out`` in ``q``'s layout and dtype, or ``(out, lse)`` with ``lse`` fp32 ``(B, Hq, Nq)``.
@@ -814,10 +857,10 @@ def attention(
     """
     sm_scale, qc, kc, vc = _check(q, k, v, layout, scale)
     causal = bool(causal)
-    splits = _check_splits(num_splits)
+    splits = _decode_splits(qc, kc, _check_splits(num_splits))
     # the plain call passes five arguments: every default-valued one more is dispatcher host
     # time on every small call (issue 8's per-call cost)
-    if window is None and softcap is None and seqlens_k is None and splits == 1:
+    if window is None and softcap is None and seqlens_k is None and splits == 0:
         if skip_dispatcher(q, k, v):  # the op's own body, minus the dispatcher's host cost
             o, lse, _ = attention_fwd(qc, kc, vc, causal, sm_scale)
         else:
@@ -884,6 +927,7 @@ def attention_varlen(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     return_lse: bool = False,
+    validate: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed sequences of different lengths (flash-attn's varlen convention),
     without padding: sequence b is rows ``[cu_seqlens_q[b], cu_seqlens_q[b + 1])`` of q and
@@ -898,6 +942,10 @@ def attention_varlen(
         causal, scale, window, softcap: as :func:`attention`, per sequence (causal and window
             aligned bottom-right to each sequence's own lengths).
         return_lse: also return the fp32 LSE, ``(Hq, total_q)``.
+        validate: check the values of the offsets (one host sync on a GPU; skipped inside
+            ``torch.compile``). ``False`` skips it (no sync: CUDA graphs, training loops whose
+            offsets are known good); the kernels clamp the offsets to the packed lengths, so
+            bad ones give wrong rows, never reads or writes outside the tensors.
 
     Returns:
         ``out`` ``(total_q, Hq, D)`` (and the LSE). Differentiable in q, k, v (and through the
@@ -905,9 +953,8 @@ def attention_varlen(
 
     Raises:
         TypeError: non-tensors, wrong dtypes (cu_seqlens must be int32), as :func:`attention`.
-        ValueError: shapes, devices, cu_seqlens that do not start at 0, decrease or do not end at
-            the packed length, max_seqlen below a sequence's length (checked on the host: one
-            device sync on a GPU; not checked inside ``torch.compile``).
+        ValueError: shapes, devices; with ``validate``, cu_seqlens that do not start at 0,
+            decrease or do not end at the packed length, max_seqlen below a sequence's length.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -916,13 +963,15 @@ def attention_varlen(
             raise ValueError(f"{name} must be (total, heads, head_dim), got {tuple(t.shape)}")
     # (1, H, total, D) views: one 'batch' in the layout the kernels read, no copy
     sm_scale, qc, kc, vc = _check(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), "b n h d", scale)
-    cu_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q, q.shape[0], max_seqlen_q)
-    cu_k = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q, k.shape[0], max_seqlen_k)
+    cu_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q, max_seqlen_q)
+    cu_k = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q, max_seqlen_k)
     if cu_q.shape != cu_k.shape:
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
             f"{tuple(cu_q.shape)} and {tuple(cu_k.shape)}"
         )
+    if validate and not torch.compiler.is_compiling():
+        _check_cu_values(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     left, right = masks.window_bounds(window, bool(causal))
     cap = _check_softcap(softcap)
     o, lse = _ATTENTION_FWD(qc, kc, vc, bool(causal), sm_scale, left, right, cap, None, cu_q,
@@ -931,11 +980,8 @@ def attention_varlen(
     return (o, lse.squeeze(0)) if return_lse else o
 
 
-def _check_cu_seqlens(
-    cu: object, name: str, q: torch.Tensor, total: int, max_seqlen: object
-) -> torch.Tensor:
-    """``cu`` validated: int32 ``(batch + 1,)`` offsets from 0 to ``total`` on q's device, none
-    decreasing, no sequence longer than ``max_seqlen``."""
+def _check_cu_seqlens(cu: object, name: str, q: torch.Tensor, max_seqlen: object) -> torch.Tensor:
+    """``cu``'s type, shape and device checked: int32 ``(batch + 1,)`` on q's device."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
     if cu.dtype != torch.int32:
@@ -948,11 +994,23 @@ def _check_cu_seqlens(
         raise ValueError(f"{name} must be on q's device {q.device}, got {cu.device}")
     if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
         raise TypeError(f"max_seqlen for {name} must be a non-negative int, got {max_seqlen!r}")
-    if not torch.compiler.is_compiling():  # (data-dependent: one host sync on a GPU)
+    return cu.contiguous()
+
+
+def _check_cu_values(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, max_q: int, max_k: int
+) -> None:
+    """Both offset tensors' values: from 0 to the packed length, never decreasing, no sequence
+    longer than its max_seqlen (read back in one host sync)."""
+    stats = []
+    for cu in (cu_q, cu_k):
         lengths = cu[1:] - cu[:-1]
-        first, last, shortest, longest = torch.stack(
-            [cu[0], cu[-1], lengths.min(), lengths.max()]
-        ).tolist()
+        stats += [cu[0], cu[-1], lengths.min(), lengths.max()]
+    values = torch.stack(stats).tolist()
+    for i, (name, cu, total, max_seqlen) in enumerate(
+        (("cu_seqlens_q", cu_q, total_q, max_q), ("cu_seqlens_k", cu_k, total_k, max_k))
+    ):
+        first, last, shortest, longest = values[4 * i : 4 * i + 4]
         if first != 0 or last != total or shortest < 0:
             raise ValueError(
                 f"{name} must start at 0, never decrease and end at the packed length {total}; "
@@ -962,7 +1020,6 @@ def _check_cu_seqlens(
             raise ValueError(
                 f"max_seqlen ({max_seqlen}) is below the longest sequence of {name} ({longest})"
             )
-    return cu.contiguous()
 
 
 def attention_kvcache(
@@ -980,9 +1037,11 @@ def attention_kvcache(
     softcap: float | None = None,
     num_splits: int | None = None,
     return_lse: bool = False,
+    validate: bool = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Decoding against a KV cache (layout ``b n h d``), optionally paged, keys split across
-    programs (flash-decoding). Forward only.
+    """Decoding against a KV cache (layout ``b n h d``), optionally paged: the query heads of a
+    GQA group share one K/V read, the keys are split across programs (flash-decoding). Forward
+    only.
 
     Args:
         q: ``(B, Nq, Hq, D)``, the new tokens' queries.
@@ -996,17 +1055,23 @@ def attention_kvcache(
         causal, scale, window, softcap: as :func:`attention`, aligned bottom-right to
             ``cache_seqlens[b] + Nnew`` keys (so with ``causal`` query i of Nq sees keys up to
             ``cache_seqlens[b] + Nnew − Nq + i``).
-        num_splits: key chunks per query block (None: enough to fill the GPU, 1 on CPU).
+        num_splits: key chunks per block of query rows (None: one chunk per SM,
+            :func:`splits_for`; 1 on CPU).
         return_lse: also return the fp32 LSE ``(B, Hq, Nq)``.
+        validate: check the values of ``cache_seqlens`` and of the block table's pages in use
+            before anything is written, which costs one host sync on a GPU. ``False`` skips it
+            (no sync: CUDA graphs, tight decode loops); lengths are then clamped to the
+            capacity and page ids to the pool, so bad values give wrong results but never a
+            read or write outside the caches.
 
     Returns:
         ``out`` ``(B, Nq, Hq, D)`` (and the LSE).
 
     Raises:
         TypeError: non-tensors, mixed or unsupported dtypes, index tensors that are not int32.
-        ValueError: shapes, devices, ``cache_seqlens + Nnew`` past the cache's capacity, a
-            block-table entry outside ``[0, num_pages)`` among the pages in use. These are
-            checked before anything is written (one device sync on a GPU).
+        ValueError: shapes, devices; with ``validate``, ``cache_seqlens + Nnew`` past the
+            cache's capacity or a block-table entry outside ``[0, num_pages)`` among the pages
+            in use. Every check comes before anything is written.
     """
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
                     ("cache_seqlens", cache_seqlens)):  # fmt: skip
@@ -1059,52 +1124,85 @@ def attention_kvcache(
         if k_new.shape != want or v_new.shape != want:  # type: ignore[union-attr]
             raise ValueError(f"k_new and v_new must be (B, Nnew, Hkv, D) = {want}, got "
                              f"{tuple(k_new.shape)} and {tuple(v_new.shape)}")  # type: ignore[union-attr]  # fmt: skip
-    if num_splits is not None and (isinstance(num_splits, bool) or not isinstance(num_splits, int)
-                                   or num_splits < 1):  # fmt: skip
-        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+    _check_splits(num_splits)
     left, right = masks.window_bounds(window, bool(causal))
     cap = _check_softcap(softcap)
     sm_scale = _check_scale(scale, d)
-    # every check that reads values, before anything is written (one host sync on a GPU)
-    lengths = cache_seqlens.long() + n_new
-    bad_length = ((cache_seqlens < 0) | (lengths > capacity)).any()
-    bad_page = torch.zeros_like(bad_length)
-    if block_table is not None:
-        used = (
-            torch.arange(block_table.shape[1], device=q.device)[None, :]
-            < (-(-lengths // slots))[:, None]
-        )
-        bad_page = (used & ((block_table < 0) | (block_table >= k_cache.shape[0]))).any()
-    length_wrong, page_wrong = torch.stack([bad_length, bad_page]).tolist()
-    if length_wrong:
-        raise ValueError(f"cache_seqlens + Nnew must lie in [0, {capacity}] (the cache's "
-                         f"capacity); got {lengths.tolist()}")  # fmt: skip
-    if page_wrong:
-        raise ValueError(f"block_table holds pages outside [0, {k_cache.shape[0]}) among "
-                         "the pages in use")  # fmt: skip
+    if validate:  # every check that reads values, before anything is written (one host sync)
+        _check_cache_values(cache_seqlens, n_new, capacity, block_table, slots, k_cache.shape[0])
+    lengths = cache_seqlens
     if n_new:
-        pos = cache_seqlens.long()[:, None] + torch.arange(n_new, device=q.device)[None, :]
+        lengths = (cache_seqlens + n_new).to(torch.int32)
+        # (clamped: without validation a bad length must still stay inside the cache)
+        pos = (cache_seqlens.long()[:, None] + torch.arange(n_new, device=q.device)[None, :]
+               ).clamp(0, capacity - 1)  # fmt: skip
         if block_table is None:
             rows = torch.arange(bsz, device=q.device)[:, None].expand_as(pos)
             k_cache[rows, pos] = k_new  # type: ignore[index]
             v_cache[rows, pos] = v_new  # type: ignore[index]
         else:
-            page = torch.gather(block_table.long(), 1, pos // slots)
+            pages = block_table.long().clamp(0, k_cache.shape[0] - 1)
+            page = torch.gather(pages, 1, pos // slots)
             k_cache[page, pos % slots] = k_new  # type: ignore[index]
             v_cache[page, pos % slots] = v_new  # type: ignore[index]
     o, lse, _ = attention_decode_fwd(
-        q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-        lengths.to(torch.int32), bool(causal), sm_scale, window=(left, right),
-        softcap=cap or None, block_table=block_table, num_splits=num_splits,
+        q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), lengths,
+        bool(causal), sm_scale, window=(left, right), softcap=cap or None,
+        block_table=block_table, num_splits=num_splits,
     )  # fmt: skip
     o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
 
 
-def _check_splits(num_splits: object) -> int:
-    """``num_splits`` as the op takes it (1: no split)."""
+def _check_cache_values(
+    cache_seqlens: torch.Tensor,
+    n_new: int,
+    capacity: int,
+    block_table: torch.Tensor | None,
+    page_size: int,
+    num_pages: int,
+) -> None:
+    """:func:`attention_kvcache`'s value checks, read back in one host sync."""
+    lengths = cache_seqlens.long() + n_new
+    bad_length = ((cache_seqlens < 0) | (lengths > capacity)).any()
+    bad_page = torch.zeros_like(bad_length)
+    if block_table is not None:
+        pages = torch.arange(block_table.shape[1], device=lengths.device)
+        used = pages[None, :] < (-(-lengths // page_size))[:, None]
+        bad_page = (used & ((block_table < 0) | (block_table >= num_pages))).any()
+    length_wrong, page_wrong = torch.stack([bad_length, bad_page]).tolist()
+    if length_wrong:
+        raise ValueError(f"cache_seqlens + Nnew must lie in [0, {capacity}] (the cache's "
+                         f"capacity); got {lengths.tolist()}")  # fmt: skip
+    if page_wrong:
+        raise ValueError(f"block_table holds pages outside [0, {num_pages}) among the pages "
+                         "in use")  # fmt: skip
+
+
+def _decode_splits(q: torch.Tensor, k: torch.Tensor, num_splits: int | None) -> int:
+    """The op's ``num_splits`` for :func:`attention`'s: 0 runs the forward kernel, n >= 1 the
+    decode kernel with n key chunks. ``None`` takes the decode kernel on a GPU when the packed
+    query rows per KV head (``Nq·Hq/Hkv``) fit one of its tiles, with the chunks that fill the
+    GPU; ``1`` never splits."""
+    if num_splits is not None:
+        return 0 if num_splits == 1 else num_splits
+    b, hq, nq, _ = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    rows = nq * (hq // hkv)
+    if rows > DECODE_MAX_ROWS or q.device.type != "cuda" or _backend.kernels_interpreted():
+        return 0
+    block_m = C.decode_config(rows, False, b * hkv).block_m
+    return _default_splits(q.device, b * hkv, rows, nk, block_m)
+
+
+#: :func:`attention` runs the decode kernel by itself up to this many packed rows (one tile).
+DECODE_MAX_ROWS = 64
+
+
+def _check_splits(num_splits: object) -> int | None:
+    """``num_splits`` checked: None (choose) or an int >= 1."""
     if num_splits is None:
-        return 1
+        return None
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
     return num_splits

@@ -139,7 +139,7 @@ def _dkdv_step(dk, dv, k, v, qs_src, g_src, b, h, LSE, DELTA, stats, start_m, of
         qs, do = qs.to(tl.float32), do.to(tl.float32)
     st = tl.dot(k, tl.trans(qs), input_precision=DOT_PRECISION)
     if SOFTCAP:
-        st, tt = soft_cap(st, cap)
+        st, tt = soft_cap(st, cap, k.dtype != tl.float32)
     pt = probs_from_lse_t(st, lse, exp_scale)
     if MASKED:
         pt = tl.where(visible_t(offs_n, rows, seq_q, seq_k, left, right, IS_CAUSAL, WINDOW), pt,
@@ -285,7 +285,7 @@ def _dq_step(dq, qs, do, lse, delta, k_src, v_src, b, h_kv, start_n, rows, offs_
     sc = tl.dot(qs, tl.trans(k), input_precision=DOT_PRECISION)
     dcap = 1.0
     if SOFTCAP:
-        sc, t = soft_cap(sc, cap)
+        sc, t = soft_cap(sc, cap, k.dtype != tl.float32)
         dcap = 1.0 - t * t
     p = probs_from_lse(sc, lse, exp_scale)
     if MASKED:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from flashlite._backend import INTERPRETED
 from flashlite.kernels.common import cast
 from flashlite.masks import visible
 from flashlite.stats import LOG2E, online_update, online_update_lazy
@@ -77,19 +78,31 @@ def scale_q(q, qk_scale, PRESCALE_Q: tl.constexpr, ROUND_BF16: tl.constexpr):
     return qs, exp_scale
 
 
-@triton.jit
-def tanh(x):
-    """``tanh(x)`` from one ``exp2`` (the same code in the interpreter and on a GPU); ±1, not
-    NaN, where ``exp2`` overflows or underflows."""
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+#: Whether the GPU's ``tanh.approx.f32`` (one special-function instruction, about 2^-11
+#: relative error) may stand in for :func:`tanh`'s formula; the interpreter runs no inline PTX.
+HW_TANH: tl.constexpr = tl.constexpr(not INTERPRETED)
 
 
 @triton.jit
-def soft_cap(x, cap):
+def tanh(x, FAST: tl.constexpr):
+    """``tanh(x)``. ``FAST`` on a GPU: the hardware approximation, for scores of 16-bit inputs
+    (their own rounding is coarser); otherwise from one ``exp2`` and one division, ±1 (not
+    NaN) where ``exp2`` overflows or underflows."""
+    if FAST and HW_TANH:
+        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                      is_pure=True, pack=1)  # fmt: skip
+    else:
+        t = 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
+    return t
+
+
+@triton.jit
+def soft_cap(x, cap, FAST: tl.constexpr):
     """Gemma 2's soft cap ``cap·tanh(x/cap)`` of a score tile, and ``tanh(x/cap)`` for the
     backward's derivative ``1 − tanh²``. ``cap`` is in the scores' own units: the host passes
-    ``softcap / scale`` for raw ``q·kᵀ`` and ``softcap·log2 e`` for prescaled ones."""
-    t = tanh(x / cap)
+    ``softcap / scale`` for raw ``q·kᵀ`` and ``softcap·log2 e`` for prescaled ones. ``FAST``:
+    :func:`tanh`'s hardware approximation (16-bit inputs)."""
+    t = tanh(x * (1.0 / cap), FAST)
     return cap * t, t
 
 
@@ -108,35 +121,39 @@ def sequence(b, seq_q, seq_k, SEQLENS_K, CU_Q, CU_K, HAS_SEQLENS: tl.constexpr,
              VARLEN: tl.constexpr):  # fmt: skip
     """Batch (or packed sequence) b's ``(q0, seq_q, k0, seq_k)``: the first query and key row of
     its sequence in memory and its lengths. ``VARLEN``: rows ``[CU_Q[b], CU_Q[b + 1])`` of the
-    packed queries (``CU_K`` for the keys); ``HAS_SEQLENS``: only ``SEQLENS_K[b]`` of its keys
-    exist (clamped to ``[0, seq_k]``). Otherwise row 0 and the lengths passed in."""
+    packed queries (``CU_K`` for the keys), the offsets clamped to the packed lengths ``seq_q``
+    and ``seq_k`` (unvalidated offsets give wrong rows, never reads outside the tensors);
+    ``HAS_SEQLENS``: only ``SEQLENS_K[b]`` of its keys exist (clamped to ``[0, seq_k]``).
+    Otherwise row 0 and the lengths passed in."""
     q0 = 0
     k0 = 0
     if VARLEN:
-        q0 = tl.load(CU_Q + b)
-        seq_q = tl.load(CU_Q + b + 1) - q0
-        k0 = tl.load(CU_K + b)
-        seq_k = tl.load(CU_K + b + 1) - k0
+        q0 = tl.minimum(tl.maximum(tl.load(CU_Q + b), 0), seq_q)
+        seq_q = tl.minimum(tl.maximum(tl.load(CU_Q + b + 1), q0), seq_q) - q0
+        k0 = tl.minimum(tl.maximum(tl.load(CU_K + b), 0), seq_k)
+        seq_k = tl.minimum(tl.maximum(tl.load(CU_K + b + 1), k0), seq_k) - k0
     if HAS_SEQLENS:
         seq_k = tl.minimum(tl.maximum(tl.load(SEQLENS_K + b), 0), seq_k)
     return q0, seq_q, k0, seq_k
 
 
 @triton.jit
-def scores(q, k_src, b, h_kv, start_n, offs_m, offs_n, offs_d, seq_q, seq_k, left, right, cap,
-            stride_kn, stride_kd, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+def scores(q, k_src, b, h_kv, start_n, k_row, offs_m, offs_n, offs_d, seq_q, seq_k, left, right,
+            cap, stride_kn, stride_kd, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
             WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_D: tl.constexpr, USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,
             DOT_PRECISION: tl.constexpr):  # fmt: skip
     """fp32 scores ``q·kᵀ`` of the key tile at ``start_n``, soft-capped with ``SOFTCAP``; on
-    ``MASKED`` tiles the keys a row does not see (:func:`flashlite.masks.visible`) get −inf."""
-    k = load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, offs_n, offs_d,
-                   HEAD_DIM, BLOCK_D, USE_DESC, MASKED)  # fmt: skip
+    ``MASKED`` tiles the keys a row does not see (:func:`flashlite.masks.visible`) get −inf.
+    ``k_row``: the sequence's first row in ``k_src`` (0 but for varlen descriptors)."""
+    k = load_tile(k_src, b, h_kv, k_row + start_n, k_row + seq_k, stride_kn, stride_kd, offs_n,
+                   offs_d, HEAD_DIM, BLOCK_D, USE_DESC, MASKED)  # fmt: skip
+    fast_tanh: tl.constexpr = k.dtype != tl.float32
     if DOT_FP32:
         k = k.to(tl.float32)
     qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if SOFTCAP:
-        qk, _t = soft_cap(qk, cap)
+        qk, _t = soft_cap(qk, cap, fast_tanh)
     if MASKED:
         seen = visible(offs_m, start_n + offs_n, seq_q, seq_k, left, right, IS_CAUSAL, WINDOW)
         qk = tl.where(seen, qk, float("-inf"))
@@ -156,16 +173,21 @@ def update(m, s, qk, exp_scale, LAZY_RESCALE: tl.constexpr):
 
 
 @triton.jit
-def accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd,
-                offs_n, offs_d, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
+def accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, k_row, seq_k, stride_vn,
+                stride_vd, offs_n, offs_d, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_D: tl.constexpr, USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
+                DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+                VARLEN: tl.constexpr):  # fmt: skip
     """``acc·alpha + p·v`` for the value tile at ``start_n`` (the multiply only where
-    :func:`update` says the reference ``moved``)."""
+    :func:`update` says the reference ``moved``). ``k_row`` as in :func:`scores`; with
+    ``VARLEN`` descriptors a masked tile's rows past the sequence (the next sequence's values)
+    are zeroed, so that ``p = 0`` there cancels them even where they are not finite."""
     if moved:
         acc = acc * alpha[:, None]
-    v = load_tile(v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_n, offs_d,
-                   HEAD_DIM, BLOCK_D, USE_DESC, MASKED)  # fmt: skip
+    v = load_tile(v_src, b, h_kv, k_row + start_n, k_row + seq_k, stride_vn, stride_vd, offs_n,
+                   offs_d, HEAD_DIM, BLOCK_D, USE_DESC, MASKED)  # fmt: skip
+    if VARLEN and USE_DESC and MASKED:
+        v = tl.where((start_n + offs_n)[:, None] < seq_k, v, 0.0)
     p = cast(p, v.dtype, ROUND_BF16)  # tensor-core operands in the input precision
     if DOT_FP32:  # the interpreter: bf16 values (p keeps its bf16 rounding), fp32 dot
         p, v = p.to(tl.float32), v.to(tl.float32)

@@ -1,17 +1,28 @@
-"""Split-KV combine (flash-decoding): the exact merge of partial attention results.
+"""Decoding against a KV cache: GQA rows packed into one tile, keys split across programs
+(flash-decoding), paged caches, and the exact merge of the partial results.
 
-With few query rows against a long KV cache, one program per query block leaves most SMs idle.
-The forward kernel then runs with ``SPLIT``: program ``(m, bh, s)`` attends its query block to
-the ``s``-th chunk of the keys only and writes that chunk's normalised output ``o_s`` and its
-LSE ``lse_s`` (fp32). The chunks are disjoint, so the statistics module's associative merge
-puts them back together exactly: each partial is the online pair ``(m, s) = (lse_s, 1)`` with
-``o_s`` as its accumulator, and
+With a few query rows against a long KV cache, the forward kernel's grid (one program per
+128-query block and query head) leaves most SMs idle and reads each K/V head once per query head
+of its group. :func:`_attention_decode_kernel` fixes both:
 
-    m = max_s lse_s,   S = Σ_s e^(lse_s − m),   o = Σ_s e^(lse_s − m)·o_s / S,   lse = m + ln S
+* **GQA packing.** One program serves all ``G = Hq/Hkv`` query heads of a KV head: packed row
+  ``r`` is query ``r // G`` of head ``h_kv·G + r % G``, so the ``Nq·G`` rows fill the tile's M
+  dimension and each K/V tile is read once for the whole group.
+* **Split-KV.** Program ``(row block, b·Hkv, s)`` attends to the ``s``-th chunk of the keys only
+  and writes that chunk's normalised output ``o_s`` and LSE ``lse_s`` (fp32 partials). The
+  chunks are disjoint, so the statistics module's associative merge puts them back together
+  exactly: each partial is the online pair ``(m, s) = (lse_s, 1)`` with ``o_s`` as its
+  accumulator, and
 
-A chunk that saw no key has ``lse_s = −inf``: weight 0, the merge's identity. This kernel folds
-the chunks one after the other with :func:`flashlite.stats.merge_pair` and
-:func:`flashlite.stats.rescale`, the helpers the attention and softmax kernels fold tiles with.
+      m = max_s lse_s,   S = Σ_s e^(lse_s − m),   o = Σ_s e^(lse_s − m)·o_s / S,   lse = m + ln S
+
+  A chunk that saw no key has ``lse_s = −inf``: weight 0, the merge's identity.
+  :func:`_split_kv_combine_kernel` loads a row's S partials at once and folds them in one step
+  with :func:`flashlite.stats.merge_partials` and :func:`flashlite.stats.rescale`, the helpers
+  the softmax kernels merge their chunks with.
+* **Paged caches.** Key ``j`` of batch ``b`` lives in page ``block_table[b, j // page_size]``;
+  each tile row finds its page (:func:`kv_tile`), so any page size from 16 up works with the
+  same tiles.
 """
 
 from __future__ import annotations
@@ -19,9 +30,182 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashlite.kernels.attention.common import head_ptr, store_tile
+from flashlite.kernels.attention.common import (
+    cap_units,
+    head_ptr,
+    load_tile,
+    scale_q,
+    soft_cap,
+    update,
+)
 from flashlite.kernels.common import cast
-from flashlite.stats import LOG2E, finalize_lse, merge_pair, rescale
+from flashlite.masks import key_range, visible
+from flashlite.stats import LOG2E, finalize_lse, merge_partials, rescale
+
+
+@triton.jit
+def kv_tile(X, TABLE, b, h_kv, start_n, offs_n, offs_d, seq_k, stride_b, stride_h, stride_n,
+            stride_d, stride_tb, num_pages, MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr,
+            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+            USE_DESC: tl.constexpr):  # fmt: skip
+    """The ``[BLOCK_N, BLOCK_D]`` tile of keys (or values) ``start_n + offs_n`` of KV head
+    ``(b, h_kv)``; zeros past ``seq_k`` on ``MASKED`` tiles.
+
+    ``X`` is a ``(B, Hkv, Ncap, D)`` cache (a tensor descriptor with ``USE_DESC``) or, with
+    ``PAGE_SIZE`` > 0, a paged one ``(num_pages, Hkv, PAGE_SIZE, D)`` whose key ``j`` of batch
+    b lives in page ``TABLE[b, j // PAGE_SIZE]``: each row finds its page, so tiles may span
+    pages of any size (a page id outside ``[0, num_pages)`` is clamped: a wrong answer, never
+    a read outside the cache).
+    """
+    if PAGE_SIZE > 0:
+        rows = start_n + offs_n
+        if PAGE_SIZE >= BLOCK_N:  # one page holds the whole tile: one table read
+            page = tl.load(TABLE + b.to(tl.int64) * stride_tb + start_n // PAGE_SIZE)
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+            row_off = page * stride_b + (rows % PAGE_SIZE).to(tl.int64) * stride_n
+        else:
+            page = tl.load(TABLE + b.to(tl.int64) * stride_tb + rows // PAGE_SIZE,
+                           mask=rows < seq_k, other=0)  # fmt: skip
+            page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
+            row_off = page * stride_b + (rows % PAGE_SIZE).to(tl.int64) * stride_n
+        ptrs = X + h_kv.to(tl.int64) * stride_h + row_off[:, None] + offs_d[None, :] * stride_d
+        mask = offs_d[None, :] < HEAD_DIM
+        if MASKED:
+            mask = mask & (rows[:, None] < seq_k)
+        tile = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        src = X if USE_DESC else head_ptr(X, b, h_kv, stride_b, stride_h)
+        tile = load_tile(src, b, h_kv, start_n, seq_k, stride_n, stride_d, offs_n, offs_d,
+                         HEAD_DIM, BLOCK_D, USE_DESC, MASKED)  # fmt: skip
+    return tile
+
+
+@triton.jit
+def _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, lo, hi, pos, offs_n, offs_d, seq_q,
+                   seq_k, left, right, cap, exp_scale, stride_kb, stride_kh, stride_kn,
+                   stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_tb, num_pages,
+                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+                   SOFTCAP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
+                   DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   ROUND_BF16: tl.constexpr):  # fmt: skip
+    """Fold key tiles ``[lo, hi)`` into ``(acc, m, s)``: the forward's loop body, with rows at
+    query positions ``pos`` (packed rows of several heads share positions) and K/V tiles from
+    :func:`kv_tile`."""
+    for start_n in tl.range(lo, hi, BLOCK_N):
+        k = kv_tile(K, TABLE, b, h_kv, start_n, offs_n, offs_d, seq_k, stride_kb, stride_kh,
+                    stride_kn, stride_kd, stride_tb, num_pages, MASKED, PAGE_SIZE, HEAD_DIM,
+                    BLOCK_D, BLOCK_N, USE_DESC)  # fmt: skip
+        fast_tanh: tl.constexpr = k.dtype != tl.float32
+        if DOT_FP32:
+            k = k.to(tl.float32)
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if SOFTCAP:
+            qk, _t = soft_cap(qk, cap, fast_tanh)
+        if MASKED:
+            seen = visible(pos, start_n + offs_n, seq_q, seq_k, left, right, IS_CAUSAL, WINDOW)
+            qk = tl.where(seen, qk, float("-inf"))
+        m, s, alpha, p, _moved = update(m, s, qk, exp_scale, False)
+        v = kv_tile(V, TABLE, b, h_kv, start_n, offs_n, offs_d, seq_k, stride_vb, stride_vh,
+                    stride_vn, stride_vd, stride_tb, num_pages, MASKED, PAGE_SIZE, HEAD_DIM,
+                    BLOCK_D, BLOCK_N, USE_DESC)  # fmt: skip
+        p = cast(p, v.dtype, ROUND_BF16)
+        if DOT_FP32:
+            p, v = p.to(tl.float32), v.to(tl.float32)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
+    return acc, m, s
+
+
+@triton.jit
+def _attention_decode_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    n_kv_heads, seq_q, seq_k, sm_scale, win_left, win_right, softcap, SEQLENS_K, TABLE,
+    stride_tb, num_pages, split_len,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SEQLENS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(cdiv(Nq·GROUP, BLOCK_M), B·Hkv, S)``: packed rows ``[pid0·BLOCK_M, +BLOCK_M)`` of
+    KV head ``(b, h_kv)`` against keys ``[s·split_len, (s + 1)·split_len)``.
+
+    Q ``(B, Hq, Nq, D)``; K, V as :func:`kv_tile` reads them; O ``(S·B, Hq, Nq, D)`` and the
+    fp32 LSE ``(S·B·Hq, Nq)``: the partials of chunk s at batch rows ``s·B + b`` (with ``S = 1``
+    the result itself, in O's dtype). Masks, softcap and ``SEQLENS_K`` as in the forward kernel.
+    """
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_kv_heads
+    h_kv = pid_bh % n_kv_heads
+    split = tl.program_id(2)
+    q_mem = seq_q
+    if HAS_SEQLENS:
+        seq_k = tl.minimum(tl.maximum(tl.load(SEQLENS_K + b), 0), seq_k)
+    # packed row r: query r // GROUP of head h_kv·GROUP + r % GROUP
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pos = rows // GROUP
+    head = h_kv * GROUP + rows % GROUP
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    row_ok = rows < seq_q * GROUP
+    q_ptrs = (Q + b.to(tl.int64) * stride_qb + head.to(tl.int64)[:, None] * stride_qh
+              + pos.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd)  # fmt: skip
+    q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    q, exp_scale = scale_q(q, sm_scale * LOG2E, PRESCALE_Q, ROUND_BF16)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    cap = cap_units(softcap, exp_scale, SOFTCAP)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    # The block's positions lie in [pos[0], pos[0] + BLOCK_M): key_range over that span is a
+    # superset of what the rows see (the masked loops mask each row by its own position).
+    first = tl.program_id(0) * BLOCK_M // GROUP
+    lo, full_lo, full_hi, hi = key_range(first, seq_q, seq_k, win_left, win_right, BLOCK_M,
+                                         BLOCK_N, IS_CAUSAL, WINDOW)  # fmt: skip
+    # this program's chunk of the keys (clamping keeps the four bounds in order)
+    c0 = split * split_len
+    c1 = c0 + split_len
+    lo = tl.minimum(tl.maximum(lo, c0), c1)
+    full_lo = tl.minimum(tl.maximum(full_lo, c0), c1)
+    full_hi = tl.minimum(tl.maximum(full_hi, c0), c1)
+    hi = tl.minimum(tl.maximum(hi, c0), c1)
+    if WINDOW:  # the window's left edge (without one, lo = full_lo)
+        acc, m, s = _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, lo, full_lo, pos, offs_n,
+                                   offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale,
+                                   stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
+                                   stride_vh, stride_vn, stride_vd, stride_tb, num_pages, True,
+                                   IS_CAUSAL, WINDOW, SOFTCAP, PAGE_SIZE, HEAD_DIM, BLOCK_D,
+                                   BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION,
+                                   ROUND_BF16)  # fmt: skip
+    acc, m, s = _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, full_lo, full_hi, pos,
+                               offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap,
+                               exp_scale, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
+                               stride_vh, stride_vn, stride_vd, stride_tb, num_pages, False,
+                               IS_CAUSAL, WINDOW, SOFTCAP, PAGE_SIZE, HEAD_DIM, BLOCK_D,
+                               BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION,
+                               ROUND_BF16)  # fmt: skip
+    acc, m, s = _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, full_hi, hi, pos, offs_n,
+                               offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale,
+                               stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
+                               stride_vn, stride_vd, stride_tb, num_pages, True, IS_CAUSAL,
+                               WINDOW, SOFTCAP, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC,
+                               DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
+
+    # rows that saw no key (a chunk past the sequence, causal with Nq > Nk): 0 and LSE −inf
+    inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)
+    part = split * (tl.num_programs(1) // n_kv_heads) + b  # batch row of the partials
+    bh = part.to(tl.int64) * (n_kv_heads * GROUP) + head
+    tl.store(LSE + bh * q_mem + pos, finalize_lse(m, s, exp_scale), mask=row_ok)
+    o = cast(acc * inv_s[:, None], O.dtype.element_ty, ROUND_BF16)
+    o_ptrs = (O + part.to(tl.int64) * stride_ob + head.to(tl.int64)[:, None] * stride_oh
+              + pos.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od)  # fmt: skip
+    tl.store(o_ptrs, o, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
 @triton.jit
@@ -30,34 +214,34 @@ def _split_kv_combine_kernel(
     stride_ps, stride_pb, stride_ph, stride_pm, stride_pd,
     stride_ob, stride_oh, stride_om, stride_od,
     n_heads, seq_q, n_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
-    """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``: merge the ``n_splits`` partials ``OP`` (fp32
-    ``(S, B, Hq, Nq, D)``) and ``LSEP`` (fp32 ``(S, B·Hq, Nq)``) into ``O`` ``(B, Hq, Nq, D)``
-    and the LSE (fp32 ``(B·Hq, Nq)``)."""
+    """Grid ``(Nq, B·Hq)``: merge the ``n_splits`` partials ``OP`` (fp32 ``(S, B, Hq, Nq, D)``)
+    and ``LSEP`` (fp32 ``(S, B·Hq, Nq)``) of one row into ``O`` ``(B, Hq, Nq, D)`` and the LSE
+    (fp32 ``(B·Hq, Nq)``). All partials are loaded at once (one round of loads, not S) and
+    folded in one step by :func:`flashlite.stats.merge_partials`; each partial is the pair
+    ``(lse_s, 1)`` in natural units (``SCALE = log2 e`` gives ``e^(·)``), padding the identity
+    ``(−inf, 0)``."""
+    i = tl.program_id(0)
     pid_bh = tl.program_id(1)
     b, h = pid_bh // n_heads, pid_bh % n_heads
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    split = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, BLOCK_D)
-    keep = (rows[:, None] < seq_q) & (offs_d[None, :] < HEAD_DIM)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     n_bh = tl.num_programs(1)
-    for split in range(0, n_splits):
-        lse_s = tl.load(LSEP + (pid_bh + n_bh * split).to(tl.int64) * seq_q + rows,
-                        mask=rows < seq_q, other=float("-inf"))  # fmt: skip
-        src = head_ptr(OP + stride_ps.to(tl.int64) * split, b, h, stride_pb, stride_ph)
-        o_s = tl.load(src + rows.to(tl.int64)[:, None] * stride_pm + offs_d[None, :] * stride_pd,
-                      mask=keep, other=0.0)  # fmt: skip
-        # the partial is the pair (lse_s, 1) in natural units: SCALE = log2 e gives e^(·)
-        m_new, s = merge_pair(m, s, lse_s, tl.full([BLOCK_M], 1.0, tl.float32), LOG2E)
-        acc = acc * rescale(m, m_new, LOG2E)[:, None] + o_s * rescale(lse_s, m_new, LOG2E)[:, None]
-        m = m_new
+    valid = split < n_splits
+    lse_s = tl.load(LSEP + (split * n_bh + pid_bh).to(tl.int64) * seq_q + i, mask=valid,
+                    other=float("-inf"))[None, :]  # fmt: skip
+    src = (OP + split.to(tl.int64)[:, None] * stride_ps + b.to(tl.int64) * stride_pb
+           + h.to(tl.int64) * stride_ph + i.to(tl.int64) * stride_pm
+           + offs_d[None, :] * stride_pd)  # fmt: skip
+    o_s = tl.load(src, mask=valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    m, s = merge_partials(lse_s, tl.where(valid, 1.0, 0.0)[None, :], LOG2E)
+    weight = tl.trans(rescale(lse_s, m[:, None], LOG2E))  # [SPLITS_PAD, 1]
     inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)  # rows no chunk saw: 0, LSE −inf
-    tl.store(LSE + pid_bh.to(tl.int64) * seq_q + rows, finalize_lse(m, s, LOG2E),
-             mask=rows < seq_q)  # fmt: skip
-    o = cast(acc * inv_s[:, None], O.dtype.element_ty, ROUND_BF16)
-    store_tile(head_ptr(O, b, h, stride_ob, stride_oh), o, rows, seq_q, stride_om, stride_od,
-               offs_d, HEAD_DIM)  # fmt: skip
+    o = tl.sum(o_s * weight, 0) * inv_s
+    tl.store(LSE + pid_bh.to(tl.int64) * seq_q + i + tl.arange(0, 1),
+             finalize_lse(m, s, LOG2E))  # fmt: skip
+    dst = (O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
+           + i.to(tl.int64) * stride_om + offs_d * stride_od)  # fmt: skip
+    tl.store(dst, cast(o, O.dtype.element_ty, ROUND_BF16), mask=offs_d < HEAD_DIM)

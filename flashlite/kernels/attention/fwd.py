@@ -47,74 +47,58 @@ from flashlite.stats import LOG2E, finalize_lse
 
 # ----------------------------------------------------------------------------- kernel
 @triton.jit
-def _attend(acc, m, s, q, k_src, v_src, b, h_kv, lo, hi, offs_m, offs_n, offs_d, seq_q, seq_k,
-            left, right, cap, exp_scale, stride_kn, stride_kd, stride_vn, stride_vd, TABLE,
-            stride_tb, stride_kb, stride_kh, stride_vb, stride_vh,
+def _attend(acc, m, s, q, k_src, v_src, b, h_kv, k_row, lo, hi, offs_m, offs_n, offs_d, seq_q,
+            seq_k, left, right, cap, exp_scale, stride_kn, stride_kd, stride_vn, stride_vd,
             MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-            SOFTCAP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+            SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
             DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-            WARP_SPECIALIZE: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
+            WARP_SPECIALIZE: tl.constexpr, ROUND_BF16: tl.constexpr,
+            VARLEN: tl.constexpr):  # fmt: skip
     """Fold key tiles ``[lo, hi)`` into ``(acc, m, s)``, one tile after the other: scores,
-    statistics, ``acc = acc·alpha + p·v``. ``PAGE_SIZE`` > 0: K and V are paged, ``k_src`` and
-    ``v_src`` the caches themselves, and each tile's page comes from the block table."""
+    statistics, ``acc = acc·alpha + p·v``. ``k_row``: the sequence's first row in the K and V
+    sources (0 but for varlen descriptors)."""
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        k_tile, v_tile = k_src, v_src
-        if PAGE_SIZE > 0:
-            k_tile = page_ptr(k_src, TABLE, b, h_kv, start_n, stride_tb, stride_kb, stride_kh,
-                              stride_kn, PAGE_SIZE)  # fmt: skip
-            v_tile = page_ptr(v_src, TABLE, b, h_kv, start_n, stride_tb, stride_vb, stride_vh,
-                              stride_vn, PAGE_SIZE)  # fmt: skip
-        qk = scores(q, k_tile, b, h_kv, start_n, offs_m, offs_n, offs_d, seq_q, seq_k, left,
+        qk = scores(q, k_src, b, h_kv, start_n, k_row, offs_m, offs_n, offs_d, seq_q, seq_k, left,
                      right, cap, stride_kn, stride_kd, MASKED, IS_CAUSAL, WINDOW, SOFTCAP,
                      HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32, DOT_PRECISION)  # fmt: skip
         m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE)
-        acc = accumulate(acc, alpha, moved, p, v_tile, b, h_kv, start_n, seq_k, stride_vn,
+        acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, k_row, seq_k, stride_vn,
                           stride_vd, offs_n, offs_d, MASKED, HEAD_DIM, BLOCK_D, USE_DESC,
-                          DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
+                          DOT_FP32, DOT_PRECISION, ROUND_BF16, VARLEN)  # fmt: skip
     return acc, m, s
 
 
 @triton.jit
-def page_ptr(X, TABLE, b, h_kv, start_n, stride_tb, stride_page, stride_h, stride_row,
-             PAGE_SIZE: tl.constexpr):  # fmt: skip
-    """A paged cache ``(num_pages, page_size, Hkv, D)`` read as if contiguous: the pointer from
-    which key row ``start_n`` and the ``BLOCK_N <= PAGE_SIZE`` rows after it (one page: tiles
-    never straddle pages) are addressed as ``ptr + row·stride_row``."""
-    page = tl.load(TABLE + b.to(tl.int64) * stride_tb + start_n // PAGE_SIZE).to(tl.int64)
-    first = (start_n // PAGE_SIZE) * PAGE_SIZE  # the page's first key row
-    return X + page * stride_page + h_kv.to(tl.int64) * stride_h - first.to(tl.int64) * stride_row
-
-
-@triton.jit
-def _attend_overlapped(acc, m, s, q, k_src, v_src, b, h_kv, lo, hi, offs_m, offs_n, offs_d,
-                       seq_q, seq_k, cap, exp_scale, stride_kn, stride_kd, stride_vn, stride_vd,
-                       SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                       BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-                       ROUND_BF16: tl.constexpr):  # fmt: skip
+def _attend_overlapped(acc, m, s, q, k_src, v_src, b, h_kv, k_row, lo, hi, offs_m, offs_n,
+                       offs_d, seq_q, seq_k, cap, exp_scale, stride_kn, stride_kd, stride_vn,
+                       stride_vd, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
+                       BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
+                       DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                       LAZY_RESCALE: tl.constexpr,
+                       ROUND_BF16: tl.constexpr, VARLEN: tl.constexpr):  # fmt: skip
     """:func:`_attend` over unmasked tiles ``[lo, hi)`` (``hi > lo``), reordered so that the
     tensor cores work while the statistics are computed: the loop computes tile j's softmax,
     then tile j+1's scores, then issues tile j's ``p·v`` and moves on without waiting for it, so
     that product runs under tile j+1's softmax. Same arithmetic, same order of accumulation."""
-    qk = scores(q, k_src, b, h_kv, lo, offs_m, offs_n, offs_d, seq_q, seq_k, 0, 0, cap,
+    qk = scores(q, k_src, b, h_kv, lo, k_row, offs_m, offs_n, offs_d, seq_q, seq_k, 0, 0, cap,
                  stride_kn, stride_kd, False, False, False, SOFTCAP, HEAD_DIM, BLOCK_D, USE_DESC,
                  DOT_FP32, DOT_PRECISION)  # fmt: skip
     for start_n in tl.range(lo, hi - BLOCK_N, BLOCK_N):
         m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE)
         # the next scores; Triton waits for this dot (and the p·v still running) right here
-        qk = scores(q, k_src, b, h_kv, start_n + BLOCK_N, offs_m, offs_n, offs_d, seq_q, seq_k,
-                     0, 0, cap, stride_kn, stride_kd, False, False, False, SOFTCAP, HEAD_DIM,
+        qk = scores(q, k_src, b, h_kv, start_n + BLOCK_N, k_row, offs_m, offs_n, offs_d, seq_q,
+                     seq_k, 0, 0, cap, stride_kn, stride_kd, False, False, False, SOFTCAP, HEAD_DIM,
                      BLOCK_D, USE_DESC, DOT_FP32, DOT_PRECISION)  # fmt: skip
         # the rescale reads acc after that wait; the product is left in flight: only the next
         # iteration's score dot waits for it
-        acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, seq_k, stride_vn,
+        acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, k_row, seq_k, stride_vn,
                           stride_vd, offs_n, offs_d, False, HEAD_DIM, BLOCK_D, USE_DESC,
-                          DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
+                          DOT_FP32, DOT_PRECISION, ROUND_BF16, VARLEN)  # fmt: skip
     m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE)
-    acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, hi - BLOCK_N, seq_k, stride_vn,
-                      stride_vd, offs_n, offs_d, False, HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32,
-                      DOT_PRECISION, ROUND_BF16)  # fmt: skip
+    acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, hi - BLOCK_N, k_row, seq_k,
+                      stride_vn, stride_vd, offs_n, offs_d, False, HEAD_DIM, BLOCK_D, USE_DESC,
+                      DOT_FP32, DOT_PRECISION, ROUND_BF16, VARLEN)  # fmt: skip
     return acc, m, s
 
 
@@ -126,11 +110,9 @@ def _attention_fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     n_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap, SEQLENS_K, CU_Q, CU_K,
-    TABLE, stride_tb, split_len,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, VARLEN: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    SPLIT: tl.constexpr, USE_DESC: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, VARLEN: tl.constexpr, USE_DESC: tl.constexpr,
     PRESCALE_Q: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
     OVERLAP: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, ROUND_BF16: tl.constexpr,
@@ -144,12 +126,9 @@ def _attention_fwd_kernel(
     ``[0, seq_k]``), and causal and window align to that length. ``VARLEN``: Q, K, V, O are
     packed ``(1, H, total, D)`` views and sequence b is rows ``[CU_Q[b], CU_Q[b + 1])`` of Q
     (``CU_K`` of K and V); ``seq_q`` is then the packed length and the grid covers the longest
-    sequence (pointer loads only: a descriptor's block would cross into the next sequence).
-    ``PAGE_SIZE`` > 0: K and V are paged caches ``(num_pages, Hkv, PAGE_SIZE, D)`` (as b h n d
-    views) and batch b's key j lives in page ``TABLE[b, j // PAGE_SIZE]``. ``SPLIT``: program
-    ``(m, bh, s)`` attends to keys ``[s·split_len, (s + 1)·split_len)`` only and writes that
-    chunk's normalised output and LSE into the partial buffers O ``(S·B, Hq, Nq, D)`` and LSE
-    ``(S·B·Hq, Nq)`` (merged by :mod:`.decode`).
+    sequence. Varlen descriptors (Q, K, V only; O is a tensor) read blocks that may cross into
+    the next sequence: the masks and a zeroed value tail keep those rows out.
+    Few query rows against a long KV cache run :mod:`.decode`'s kernel instead.
     """
     pid_bh = tl.program_id(1)
     b = pid_bh // n_heads
@@ -164,8 +143,15 @@ def _attention_fwd_kernel(
         return
     if IS_CAUSAL:  # the last query blocks see the most keys: start them first
         pid_m = n_m_blocks - 1 - pid_m
+    b_ld = b  # the batch index and first rows of the loads
+    q_row = 0
+    k_row = 0
     if USE_DESC:
         q_src, k_src, v_src = Q, K, V
+        if VARLEN:  # descriptors of the packed (1, H, total, D) tensors: rows from q0 and k0
+            b_ld = 0
+            q_row = q0
+            k_row = k0
     elif VARLEN:  # batch 0 of the packed views, from the sequence's first row
         q_src = packed_ptr(Q, h, q0, stride_qh, stride_qm)
         k_src = packed_ptr(K, h_kv, k0, stride_kh, stride_kn)
@@ -174,15 +160,13 @@ def _attention_fwd_kernel(
         q_src = head_ptr(Q, b, h, stride_qb, stride_qh)
         k_src = head_ptr(K, b, h_kv, stride_kb, stride_kh)
         v_src = head_ptr(V, b, h_kv, stride_vb, stride_vh)
-    if PAGE_SIZE > 0:  # the caches themselves: each tile finds its page (page_ptr)
-        k_src, v_src = K, V
 
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = load_tile(q_src, b, h, start_m, seq_q, stride_qm, stride_qd, tl.arange(0, BLOCK_M),
-                   offs_d, HEAD_DIM, BLOCK_D, USE_DESC, True)  # fmt: skip
+    q = load_tile(q_src, b_ld, h, q_row + start_m, q_row + seq_q, stride_qm, stride_qd,
+                   tl.arange(0, BLOCK_M), offs_d, HEAD_DIM, BLOCK_D, USE_DESC, True)  # fmt: skip
     qk_scale = sm_scale * LOG2E
     q, exp_scale = scale_q(q, qk_scale, PRESCALE_Q, ROUND_BF16)
     if DOT_FP32:
@@ -198,59 +182,47 @@ def _attention_fwd_kernel(
     # boundary tiles) are masked; other tiles are never visited.
     lo, full_lo, full_hi, hi = key_range(start_m, seq_q, seq_k, win_left, win_right, BLOCK_M,
                                          BLOCK_N, IS_CAUSAL, WINDOW)  # fmt: skip
-    if SPLIT:  # this program's chunk of the keys (clamping keeps the four bounds in order)
-        c0 = tl.program_id(2) * split_len
-        lo = tl.minimum(tl.maximum(lo, c0), c0 + split_len)
-        full_lo = tl.minimum(tl.maximum(full_lo, c0), c0 + split_len)
-        full_hi = tl.minimum(tl.maximum(full_hi, c0), c0 + split_len)
-        hi = tl.minimum(tl.maximum(hi, c0), c0 + split_len)
-    if WINDOW:  # (without a window lo = full_lo, split or not)
-        acc, m, s = _attend(acc, m, s, q, k_src, v_src, b, h_kv, lo, full_lo, offs_m, offs_n,
-                            offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale, stride_kn,
-                            stride_kd, stride_vn, stride_vd, TABLE, stride_tb, stride_kb,
-                            stride_kh, stride_vb, stride_vh, True, IS_CAUSAL, WINDOW, SOFTCAP,
-                            PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
-                            DOT_PRECISION, LAZY_RESCALE, False, ROUND_BF16)  # fmt: skip
+    if WINDOW:  # (without a window lo = full_lo)
+        acc, m, s = _attend(acc, m, s, q, k_src, v_src, b_ld, h_kv, k_row, lo, full_lo, offs_m,
+                            offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale,
+                            stride_kn, stride_kd, stride_vn, stride_vd, True, IS_CAUSAL, WINDOW,
+                            SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
+                            DOT_PRECISION, LAZY_RESCALE, False, ROUND_BF16, VARLEN)  # fmt: skip
     if OVERLAP:
         if full_hi > full_lo:
-            acc, m, s = _attend_overlapped(acc, m, s, q, k_src, v_src, b, h_kv, full_lo, full_hi,
+            acc, m, s = _attend_overlapped(acc, m, s, q, k_src, v_src, b_ld, h_kv, k_row,
+                                           full_lo, full_hi,
                                            offs_m, offs_n, offs_d, seq_q, seq_k, cap, exp_scale,
                                            stride_kn, stride_kd, stride_vn, stride_vd, SOFTCAP,
                                            HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
-                                           DOT_PRECISION, LAZY_RESCALE, ROUND_BF16)  # fmt: skip
+                                           DOT_PRECISION, LAZY_RESCALE, ROUND_BF16,
+                                           VARLEN)  # fmt: skip
     else:
-        acc, m, s = _attend(acc, m, s, q, k_src, v_src, b, h_kv, full_lo, full_hi, offs_m,
+        acc, m, s = _attend(acc, m, s, q, k_src, v_src, b_ld, h_kv, k_row, full_lo, full_hi, offs_m,
                             offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale,
-                            stride_kn, stride_kd, stride_vn, stride_vd, TABLE, stride_tb,
-                            stride_kb, stride_kh, stride_vb, stride_vh, False, IS_CAUSAL, WINDOW,
-                            SOFTCAP, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
-                            DOT_PRECISION, LAZY_RESCALE, WARP_SPECIALIZE, ROUND_BF16)  # fmt: skip
-    acc, m, s = _attend(acc, m, s, q, k_src, v_src, b, h_kv, full_hi, hi, offs_m, offs_n,
+                            stride_kn, stride_kd, stride_vn, stride_vd, False, IS_CAUSAL, WINDOW,
+                            SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
+                            DOT_PRECISION, LAZY_RESCALE, WARP_SPECIALIZE, ROUND_BF16,
+                            VARLEN)  # fmt: skip
+    acc, m, s = _attend(acc, m, s, q, k_src, v_src, b_ld, h_kv, k_row, full_hi, hi, offs_m, offs_n,
                         offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale, stride_kn,
-                        stride_kd, stride_vn, stride_vd, TABLE, stride_tb, stride_kb, stride_kh,
-                        stride_vb, stride_vh, True, IS_CAUSAL, WINDOW, SOFTCAP, PAGE_SIZE,
+                        stride_kd, stride_vn, stride_vd, True, IS_CAUSAL, WINDOW, SOFTCAP,
                         HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION,
-                        LAZY_RESCALE, False, ROUND_BF16)  # fmt: skip
+                        LAZY_RESCALE, False, ROUND_BF16, VARLEN)  # fmt: skip
 
     # Rows that saw no key (causal with Nq > Nk) have s = 0: output 0 and LSE −inf, not NaN.
     inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)
     lse = finalize_lse(m, s, exp_scale)
     if VARLEN:  # the packed (Hq, total) LSE
         tl.store(LSE + h.to(tl.int64) * q_mem + q0 + offs_m, lse, mask=offs_m < seq_q)
-    elif SPLIT:  # this chunk's partial LSE
-        part = tl.program_id(2) * tl.num_programs(1) + pid_bh
-        tl.store(LSE + part.to(tl.int64) * q_mem + offs_m, lse, mask=offs_m < seq_q)
     else:
         tl.store(LSE + pid_bh.to(tl.int64) * q_mem + offs_m, lse, mask=offs_m < seq_q)
-    if USE_DESC:
+    if USE_DESC and not VARLEN:  # (varlen: a block's rows may cross into the next sequence)
         o = cast(acc * inv_s[:, None], O.dtype, ROUND_BF16)
         O.store([b, h, start_m, 0], o.reshape(1, 1, BLOCK_M, BLOCK_D))
     else:
         o = cast(acc * inv_s[:, None], O.dtype.element_ty, ROUND_BF16)
         o_dst = head_ptr(O, b, h, stride_ob, stride_oh)
-        if SPLIT:  # partial outputs: batch b of split s is row s·B + b of the buffer
-            o_dst = head_ptr(O, b + tl.program_id(2) * (tl.num_programs(1) // n_heads), h,
-                             stride_ob, stride_oh)  # fmt: skip
         if VARLEN:
             o_dst = packed_ptr(O, h, q0, stride_oh, stride_om)
         store_tile(o_dst, o, offs_m, seq_q, stride_om, stride_od, offs_d, HEAD_DIM)
