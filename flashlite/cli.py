@@ -161,14 +161,14 @@ def _cmd_traffic(args: argparse.Namespace) -> int:
     if args.decode:
         from flashlite.traffic import decode_rows
 
-        if args.measure:
-            print("note: --measure is not wired for --decode yet (model and count only)",
-                  file=sys.stderr)  # fmt: skip
         shapes = [replace(_shape_from(args, n), seq_q=args.decode_q, seq_k=n, causal=True)
                   for n in args.seq]  # fmt: skip
-        rows = decode_rows(shapes, count=args.count, show_progress=not args.quiet)
+        rows, notes = decode_rows(shapes, count=args.count, measure=args.measure,
+                                  show_progress=not args.quiet)  # fmt: skip
+        for note in dict.fromkeys(notes):
+            print(f"note: {note}", file=sys.stderr)
         _emit(args, rows, [format_table(rows)])
-        return 0
+        return _measure_status(args, rows)
     if args.backward:
         from flashlite.traffic import backward_rows
 

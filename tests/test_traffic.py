@@ -582,15 +582,24 @@ def test_backward_dram_estimate_against_the_h200_measurements() -> None:
         (1, 2, 2, 1, 17, 8, 5),
     ],  # fmt: skip
 )
-@pytest.mark.parametrize("tile", [(64, 64), (16, 16)], ids=lambda t: f"{t[0]}x{t[1]}")
+@pytest.mark.parametrize("tile", [(64, 64), (16, 16), (16, 64)], ids=lambda t: f"{t[0]}x{t[1]}")
 def test_decode_counted_equals_model(b, h, hkv, nq, nk, d, splits, tile) -> None:  # noqa: ANN001
-    # split-KV decode: the forward kernel's chunks and the combine kernel, byte for byte
-    from flashlite.kernels.configs import Config
+    # the decode kernel's chunks and the combine kernel, byte for byte
+    from flashlite.kernels.configs import DecodeConfig
 
     shape = AttentionShape(b, h, nq, d, seq_k=nk, kv_heads=hkv, dtype=torch.float16, causal=True)
     model = traffic.model_flashlite_decode(shape, *tile, splits)
-    counted, _naive = traffic.count_decode(shape, Config(*tile, 4, 2), splits)
+    counted, _naive = traffic.count_decode(shape, DecodeConfig(*tile, 4, 2), splits)
     assert (counted.read, counted.write) == (model.read, model.write)
+
+
+def test_decode_reads_each_kv_head_once() -> None:
+    # GQA packing: one decode step reads K and V once per KV head, whatever the group size
+    for hq in (8, 32):
+        shape = AttentionShape(2, hq, 1, 64, seq_k=4096, kv_heads=8, causal=True)
+        model = traffic.model_flashlite_decode(shape, 16, 128, 4)
+        kv = sum(b for name, (b, _w) in model.parts.items() if name in ("k", "v"))
+        assert kv == 2 * 2 * 8 * 4096 * 64 * 2
 
 
 def test_decode_rows_and_cli(capsys: pytest.CaptureFixture) -> None:
@@ -603,6 +612,6 @@ def test_decode_rows_and_cli(capsys: pytest.CaptureFixture) -> None:
     assert [r["method"] for r in rows] == ["flashlite-decode", "naive-decode"] * 2
     for r in rows[::2]:
         assert r["model_bytes"] == r["counted_bytes"] and "splits" in r["config"]
-    # the GPU's split count for a 128k-token decode: enough chunks to fill 132 SMs
+    # the GPU's split count for a 128k-token decode: one chunk per SM of 132 (8 KV heads)
     shape = AttentionShape(1, 32, 1, 128, seq_k=131072, kv_heads=8, causal=True)
-    assert traffic.model_flashlite_decode(shape, 64, 64, 8).info["splits"] == 8
+    assert traffic.decode_splits(shape, 16) == 16

@@ -20,7 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashlite import _backend, reference
-from flashlite.kernels.configs import Config
+from flashlite.kernels.configs import Config, DecodeConfig
 from flashlite.ops import attention as attention_ops
 from flashlite.ops import softmax as softmax_ops
 from flashlite.traffic.model import (
@@ -363,7 +363,9 @@ def count_softmax(
     return kern.traffic
 
 
-def count_decode(shape: AttentionShape, config: Config, splits: int) -> tuple[Traffic, Traffic]:
+def count_decode(
+    shape: AttentionShape, config: DecodeConfig, splits: int
+) -> tuple[Traffic, Traffic]:
     """Counted bytes of decoding ``shape`` (Nq new queries against full caches of Nk keys):
     ``(flashlite, naive)``. flashlite runs :func:`~flashlite.ops.attention.attention_decode_fwd`
     in the interpreter with ``config`` and ``splits`` (what the GPU would pick); naive is the

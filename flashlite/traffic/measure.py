@@ -181,9 +181,38 @@ def _attention_bwd_child(spec: dict[str, Any], report: dict[str, Any]) -> None:
         torch.cuda.empty_cache()
 
 
+def _decode_call(method: str, shape: AttentionShape, device: str) -> Callable[[], Any]:
+    """One decode call of ``method`` against full caches of ``Nk`` keys."""
+    from flashlite import reference
+    from flashlite.ops.attention import attention_decode_fwd
+
+    q, k, v = make_inputs(shape, device)
+    if method == "naive":
+        return lambda: reference.attention(q, k, v, causal=True)
+    lengths = torch.full((shape.batch,), shape.nk, dtype=torch.int32, device=q.device)
+    return lambda: attention_decode_fwd(q, k, v, lengths, True, shape.head_dim**-0.5)
+
+
+def _decode_child(spec: dict[str, Any], report: dict[str, Any]) -> None:
+    """Decoding's half of :func:`_child_main`: one range per shape, holding one call of the
+    decode kernel (and its combine) against full caches, or of the materialising reference."""
+    for i, d in enumerate(spec["shapes"]):
+        try:
+            fn = _decode_call(
+                spec["method"], AttentionShape.from_json(d), spec.get("device", "cuda")
+            )
+            _warm_up(fn)
+            _measure_once(i, fn)
+            del fn
+        except Exception as e:
+            report["errors"][i] = f"{type(e).__name__}: {e}"
+        torch.cuda.empty_cache()
+
+
 _CHILDREN = {
     "attention": _attention_child,
     "attention_bwd": _attention_bwd_child,
+    "decode": _decode_child,
     "softmax": _softmax_child,
 }
 
@@ -291,10 +320,12 @@ def measure_attention(
     timeout: float = 600.0,
     progress: Callable[[str], None] | None = None,
     backward: bool = False,
+    decode: bool = False,
 ) -> Measurement:
     """Measured DRAM bytes of one call of ``method`` for each shape, with Nsight Compute; with
     ``backward``, of one backward alone (``method`` naive or flashlite; the forward runs outside
-    the measured range).
+    the measured range); with ``decode``, of one decode-kernel call (naive: the materialising
+    reference) against full caches of ``Nk`` keys.
 
     One child process runs every shape (warm-up and autotune first, then the measured call inside
     its own NVTX range); ncu profiles only the kernels inside those ranges, flushing caches
@@ -303,10 +334,10 @@ def measure_attention(
     Never raises for a missing GPU or profiler: the result is None per shape and ``message`` says
     why (no CUDA, ncu missing, counters not permitted, backend unsupported for a shape).
     """
-    allowed = BACKWARD_METHODS if backward else ATTENTION_METHODS
+    allowed = BACKWARD_METHODS if backward or decode else ATTENTION_METHODS
     if method not in allowed:
         raise ValueError(f"method={method!r} is not one of {', '.join(allowed)}")
-    kind = "attention_bwd" if backward else "attention"
+    kind = "attention_bwd" if backward else "decode" if decode else "attention"
     none = [None] * len(shapes)
     if not torch.cuda.is_available():
         return Measurement(list(none), "measured: no CUDA device, DRAM bytes need a GPU")

@@ -549,52 +549,63 @@ def bwd_info(cfg: BwdConfig) -> dict[str, object]:
     }
 
 
+def decode_rows_per_head(shape: AttentionShape) -> int:
+    """Packed query rows per KV head in the decode kernel: ``Nq·Hq/Hkv``."""
+    return shape.seq_q * (shape.heads // shape.hkv)
+
+
 def decode_splits(shape: AttentionShape, block_m: int, sms: int = 132) -> int:
     """The key chunks :func:`flashlite.ops.attention.attention_decode_fwd` picks on a GPU of
     ``sms`` SMs (the H200 has 132) for ``shape``."""
     from flashlite.ops.attention import splits_for
 
-    return splits_for(shape.batch * shape.heads, shape.seq_q, shape.nk, sms, block_m)
+    rows = decode_rows_per_head(shape)
+    return splits_for(shape.batch * shape.hkv, rows, shape.nk, sms, block_m)
 
 
 def model_flashlite_decode(
     shape: AttentionShape, block_m: int, block_n: int, splits: int
 ) -> Traffic:
-    """Bytes the decode path issues (:func:`flashlite.attention_kvcache` without new tokens: a
+    """Bytes the decode kernel issues (:func:`flashlite.attention_kvcache` without new tokens: a
     full contiguous cache of ``Nk`` keys per batch).
 
-    Program ``(query block, batch·head, chunk)`` loads its batch's length (4 bytes), its Q rows,
-    and the K and V lanes of the key tiles its chunk of ``key_range`` visits (lanes past ``Nk``
-    masked), then stores its output rows and LSE: in the inputs' dtype without a split, else fp32
-    partials that the combine kernel reads back (``S`` partials a row) before writing O and LSE::
+    The ``G = Hq/Hkv`` query heads of a KV head are packed into one tile of ``R = Nq·G`` rows,
+    so every K/V tile is read once per KV head, not once per query head. Program ``(row block,
+    batch·KV head, chunk)`` loads its batch's length (4 bytes), its Q rows and the K and V
+    lanes of the key tiles its chunk of ``key_range`` visits (lanes past ``Nk`` masked), then
+    stores its rows' output and LSE: in the inputs' dtype without a split, else fp32 partials
+    that the combine kernel reads back (``S`` partials a row) before writing O and LSE::
 
-        read  = programs·4 + S·B·H·Nq·D·b + 2·B·H·D·b·Σ lanes  [+ B·H·Nq·S·(4·D + 4)]
-        write = B·H·Nq·(D·b + 4)                                [or S·B·H·Nq·(4·D + 4) + that]
+        read  = programs·4 + S·B·Hq·Nq·D·b + 2·B·Hkv·D·b·Σ lanes  [+ B·Hq·Nq·S·(4·D + 4)]
+        write = B·Hq·Nq·(D·b + 4)                                  [or S·B·Hq·Nq·(4·D + 4) + that]
 
-    Each query head reads its KV head's tiles itself (GQA does not cut the K/V term).
+    ``Σ lanes`` runs over row blocks and chunks; a row block's key range is that of the query
+    positions its rows may hold (``BLOCK_M`` of them from its first row's position).
     """
     b = shape.itemsize
-    B, H, Nq, Nk, D = shape.batch, shape.heads, shape.seq_q, shape.nk, shape.head_dim
+    B, Hq, Hkv = shape.batch, shape.heads, shape.hkv
+    Nq, Nk, D = shape.seq_q, shape.nk, shape.head_dim
+    group, rows = Hq // Hkv, decode_rows_per_head(shape)
     split_len = block_n * triton.cdiv(triton.cdiv(Nk, block_n), splits)
     splits = triton.cdiv(Nk, split_len)
     lanes = 0
-    for m0 in range(0, Nq, block_m):
-        lo, full_lo, full_hi, hi = masks.torch_key_range(m0, block_m, block_n, Nq, Nk, True)
+    for r0 in range(0, rows, block_m):
+        lo, full_lo, full_hi, hi = masks.torch_key_range(r0 // group, block_m, block_n, Nq, Nk,
+                                                         True)  # fmt: skip
         for c in range(splits):
             c0, c1 = c * split_len, (c + 1) * split_len
             start, end = min(max(full_lo, c0), c1), min(max(hi, c0), c1)
             lanes += sum(min(block_n, Nk - j) for j in range(start, end, block_n))
-    bh = B * H
-    programs = triton.cdiv(Nq, block_m) * bh * splits
+    programs = triton.cdiv(rows, block_m) * B * Hkv * splits
     t = Traffic()
     t.add("lengths", programs * 4, 0)
-    t.add("q", splits * bh * Nq * D * b, 0)
-    t.add("k", bh * lanes * D * b, 0)
-    t.add("v", bh * lanes * D * b, 0)
+    t.add("q", splits * B * Hq * Nq * D * b, 0)
+    t.add("k", B * Hkv * lanes * D * b, 0)
+    t.add("v", B * Hkv * lanes * D * b, 0)
     if splits > 1:
-        t.add("partials", 0, splits * bh * Nq * (4 * D + 4))
-        t.add("combine", splits * bh * Nq * (4 * D + 4), 0)
-    t.add("o", 0, bh * Nq * D * b)
-    t.add("lse", 0, bh * Nq * 4)
+        t.add("partials", 0, splits * B * Hq * Nq * (4 * D + 4))
+        t.add("combine", splits * B * Hq * Nq * (4 * D + 4), 0)
+    t.add("o", 0, B * Hq * Nq * D * b)
+    t.add("lse", 0, B * Hq * Nq * 4)
     t.info = {"config": f"{block_m}x{block_n}", "splits": splits}
     return t

@@ -316,42 +316,49 @@ def backward_rows(
     return rows, notes
 
 
-#: the tile the GPU runs decode with (few query rows: ``ops.attention.SMALL_CONFIG``)
-DECODE_TILE = (64, 64)
-
-
 def decode_rows(
     shapes: Sequence[AttentionShape],
     *,
     count: bool = False,
+    measure: bool = False,
     splits: int | None = None,
     show_progress: bool = True,
-) -> list[dict[str, Any]]:
-    """One row per (method, shape) for decoding: flashlite's split-KV path (model; counted on CPU
-    with the GPU's tile and split count, or ``splits``) against the materialising reference
-    (counted), and the compulsory bytes (Q, K and V read once, O and the LSE written once)."""
-    from flashlite.kernels.configs import Config
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """One row per (method, shape) for decoding: flashlite's decode kernel (model; counted on
+    CPU with the GPU's tile and split count, or ``splits``; measured with ncu) against the
+    materialising reference (counted; measured), and the compulsory bytes (Q, K and V read
+    once, O and the LSE written once). Returns the rows and notes on what was not measured."""
+    from flashlite.kernels.configs import decode_config
     from flashlite.traffic.count import count_decode
-    from flashlite.traffic.model import decode_splits, model_flashlite_decode
+    from flashlite.traffic.model import decode_rows_per_head, decode_splits, model_flashlite_decode
 
+    measured: dict[str, Measurement] = {}
+    notes: list[str] = []
+    if measure:
+        for method in ("flashlite", "naive"):
+            measured[method] = measure_attention(method, shapes, decode=True)
+            if measured[method].message:
+                notes.append(measured[method].message)
     rows: list[dict[str, Any]] = []
     for j, shape in enumerate(shapes):
         if show_progress:
             _progress(j, len(shapes), f"decode Nk={shape.nk}")
-        bm, bn = DECODE_TILE
+        config = decode_config(decode_rows_per_head(shape), False, shape.batch * shape.hkv)
+        bm, bn = config.block_m, config.block_n
         n_splits = splits or decode_splits(shape, bm)
         model = model_flashlite_decode(shape, bm, bn, n_splits)
         flash = naive = None
         if count:
-            flash, naive = count_decode(shape, Config(bm, bn, 4, 2), n_splits)
+            flash, naive = count_decode(shape, config, n_splits)
         comp = compulsory_attention(shape)
         for method, m, c in (("flashlite", model, flash), ("naive", None, naive)):
-            best = next((t for t in (c, m) if t is not None), None)
+            meas = measured[method].traffic[j] if method in measured else None
+            best = next((t for t in (meas, c, m) if t is not None), None)
             rows.append(
                 {
                     "method": f"{method}-decode",
                     "seq_len": shape.nk,
-                    **byte_fields(model=m, counted=c, dram=None, measured=None),
+                    **byte_fields(model=m, counted=c, dram=None, measured=meas),
                     "compulsory_bytes": comp.total,
                     "vs_compulsory": best.total / comp.total if best else None,
                     "config": (
@@ -364,4 +371,4 @@ def decode_rows(
             )
     if show_progress:
         _progress(len(shapes), len(shapes), "decode")
-    return rows
+    return rows, notes
