@@ -222,3 +222,31 @@ def test_unvalidated_calls_stay_inside_the_caches() -> None:
     out = flashlite.attention_kvcache(q, kp, vp, cache_seqlens=bad, block_table=table,
                                       k_new=new[0], v_new=new[1], validate=False)  # fmt: skip
     assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize(
+    "mask", [(True, None, None), (False, (9, 2), 4.0), (True, (30, 0), None)],
+    ids=["causal", "window-softcap", "causal-window"],
+)  # fmt: skip
+def test_packed_rows_span_row_blocks(mask: tuple) -> None:
+    """G = 3 query heads per KV head and Nq = 7: 21 packed rows, so two 16-row blocks with the
+    second starting inside a query position's group; every row is masked by its own position,
+    with a per-batch key length, split or not."""
+    from flashlite.ops.attention import attention_decode_fwd
+
+    causal, window, softcap = mask
+    gen = torch.Generator().manual_seed(11)
+    q = torch.randn(2, 6, 7, 32, generator=gen)  # (B, Hq, Nq, D)
+    k, v = (torch.randn(2, 2, 96, 32, generator=gen) for _ in range(2))
+    lens = torch.tensor([96, 23], dtype=torch.int32)
+    for splits in (1, 3):
+        o, lse, used = attention_decode_fwd(q, k, v, lens, causal, 32**-0.5, window=window,
+                                            softcap=softcap, num_splits=splits)  # fmt: skip
+        assert used == splits
+        for b, n in enumerate(lens.tolist()):
+            want, want_lse = ref_attention(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n],
+                                           causal, upcast=True, return_lse=True, window=window,
+                                           softcap=softcap)  # fmt: skip
+            torch.testing.assert_close(o[b : b + 1].double(), want.double(), atol=2e-5, rtol=0)
+            torch.testing.assert_close(lse[b : b + 1].double(), want_lse.double(), atol=2e-5,
+                                       rtol=0)  # fmt: skip
