@@ -250,3 +250,45 @@ def test_packed_rows_span_row_blocks(mask: tuple) -> None:
             torch.testing.assert_close(o[b : b + 1].double(), want.double(), atol=2e-5, rtol=0)
             torch.testing.assert_close(lse[b : b + 1].double(), want_lse.double(), atol=2e-5,
                                        rtol=0)  # fmt: skip
+
+
+def test_gpu_decode_tiles_fit_shared_memory() -> None:
+    """The GPU's decode tile (chosen on CPU too: a host function) is the measured one for bf16
+    at D = 128 and shrinks its key tile until fp32 or D = 256 fits the shared memory."""
+    from flashlite.kernels import configs as C
+
+    assert C.decode_config(4, False, 8) == C.GPU_DECODE_CONFIGS[0]
+    assert C.decode_config(4, False, 64) == C.GPU_DECODE_CONFIGS[1]
+    assert C.decode_config(64, False, 8) == C.GPU_DECODE_CONFIGS[2]
+    for rows in (4, 64):
+        for block_d in (16, 64, 128, 256):
+            for elem in (2, 4):
+                cfg = C.decode_config(rows, False, 8, block_d, elem)
+                plain = C.Config(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages)
+                assert C.keep_config(plain, block_d, elem, False), (rows, block_d, elem, cfg)
+    assert C.decode_config(4, False, 8, 256, 2).block_n == 64
+    assert C.decode_config(4, True, 8) == C.CPU_DECODE_CONFIG
+
+
+def test_kvcache_is_a_torch_op_that_compiles() -> None:
+    """``flashlite::attention_kvcache`` (the caches are declared mutated): opcheck's schema,
+    fake and dispatch tests, and a compiled decode step that appends and attends like eager."""
+    from torch.library import opcheck
+
+    q, k, v, new, seqlens = _case(torch.float32, 2, 2, [10, 0, 70])
+    table = _paged(k, v, 16)[2]
+    for paged in (False, True):
+        kc, vc = (_paged(k, v, 16)[:2]) if paged else (k.clone(), v.clone())
+        args = (q, kc, vc, seqlens, new[0], new[1], table if paged else None, True, 32**-0.5,
+                -1, 0, 0.0, 2, True)  # fmt: skip
+        opcheck(torch.ops.flashlite.attention_kvcache.default, args)
+
+    def step(q, kc, vc, kn, vn):  # noqa: ANN001, ANN202
+        return flashlite.attention_kvcache(q, kc, vc, cache_seqlens=seqlens, k_new=kn, v_new=vn,
+                                           softcap=5.0, validate=False)  # fmt: skip
+
+    caches = [(k.clone(), v.clone()) for _ in range(2)]
+    eager = step(q, *caches[0], *new)
+    compiled = torch.compile(step, fullgraph=True)(q, *caches[1], *new)
+    torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=0)
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])

@@ -100,14 +100,29 @@ GPU_DECODE_CONFIGS = (DecodeConfig(16, 128, 4, 3), DecodeConfig(16, 64, 4, 3),
 CPU_DECODE_CONFIG = DecodeConfig(16, 16, 4, 1)
 
 
-def decode_config(rows: int, interpreted: bool, kv_heads: int = 1) -> DecodeConfig:
+def decode_config(
+    rows: int, interpreted: bool, kv_heads: int = 1, block_d: int = 128, elem_bytes: int = 2
+) -> DecodeConfig:
     """The decode kernel's config for ``rows`` packed query rows per KV head and ``kv_heads``
-    (batch × KV heads) of them."""
+    (batch × KV heads) of them, its key tile halved (then its stages and rows cut) until it
+    fits ``block_d`` and the element size (the table's tiles are for 16-bit inputs and
+    D <= 128)."""
     if interpreted:
         return CPU_DECODE_CONFIG
     if rows > 16:
-        return GPU_DECODE_CONFIGS[2]
-    return GPU_DECODE_CONFIGS[0] if kv_heads < 64 else GPU_DECODE_CONFIGS[1]
+        cfg = GPU_DECODE_CONFIGS[2]
+    else:
+        cfg = GPU_DECODE_CONFIGS[0] if kv_heads < 64 else GPU_DECODE_CONFIGS[1]
+    while not keep_config(Config(*cfg[:4]), block_d, elem_bytes, cfg.use_desc):
+        if cfg.block_n > 16:
+            cfg = cfg._replace(block_n=cfg.block_n // 2)
+        elif cfg.num_stages > 1:
+            cfg = cfg._replace(num_stages=cfg.num_stages - 1)
+        elif cfg.block_m > 16:
+            cfg = cfg._replace(block_m=cfg.block_m // 2)
+        else:
+            break
+    return cfg
 
 
 class BwdConfig(NamedTuple):

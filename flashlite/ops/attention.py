@@ -364,7 +364,8 @@ def attention_decode_fwd(
         return o.zero_(), lse.fill_(-math.inf), 1
     group = hq // hkv
     if config is None:
-        config = C.decode_config(nq * group, _backend.kernels_interpreted(), b * hkv)
+        config = C.decode_config(nq * group, _backend.kernels_interpreted(), b * hkv,
+                                 C.block_d(d), q.element_size())  # fmt: skip
     if num_splits is None:  # (paged tiles load one after the other: two programs per SM)
         num_splits = _default_splits(q.device, b * hkv, nq * group, nk, config.block_m,
                                      2 if page_size else 1)  # fmt: skip
@@ -1110,24 +1111,50 @@ def attention_kvcache(
             shape = "(B,)" if dims == 1 else "(B, max_pages)"
             raise ValueError(f"{name} must be a {shape} tensor with B={bsz} on {q.device}, "
                              f"got {tuple(t.shape)} on {t.device}")  # fmt: skip
-    if block_table is None:
-        if k_cache.shape[0] != bsz:
-            raise ValueError(f"k_cache must be (B={bsz}, Ncap, Hkv, D), got {tuple(k_cache.shape)}")
-        capacity = slots
-    else:
-        if slots % 16 or not 16 <= slots <= 256:
-            raise ValueError(f"page size {slots}: must be a multiple of 16 from 16 to 256")
-        capacity = block_table.shape[1] * slots
+    if block_table is None and k_cache.shape[0] != bsz:
+        raise ValueError(f"k_cache must be (B={bsz}, Ncap, Hkv, D), got {tuple(k_cache.shape)}")
+    if block_table is not None and (slots % 16 or not 16 <= slots <= 256):
+        raise ValueError(f"page size {slots}: must be a multiple of 16 from 16 to 256")
     n_new = 0 if k_new is None else k_new.shape[1]
     if k_new is not None:
         want = (bsz, n_new, hkv, d)
         if k_new.shape != want or v_new.shape != want:  # type: ignore[union-attr]
             raise ValueError(f"k_new and v_new must be (B, Nnew, Hkv, D) = {want}, got "
                              f"{tuple(k_new.shape)} and {tuple(v_new.shape)}")  # type: ignore[union-attr]  # fmt: skip
-    _check_splits(num_splits)
+    splits = _check_splits(num_splits) or 0
     left, right = masks.window_bounds(window, bool(causal))
     cap = _check_softcap(softcap)
     sm_scale = _check_scale(scale, d)
+    args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, bool(causal),
+            sm_scale, left, right, cap, splits, bool(validate))  # fmt: skip
+    if skip_dispatcher(q, k_cache, v_cache):  # the op's own body, minus the dispatcher
+        o, lse = _kvcache(*args)
+    else:
+        o, lse = torch.ops.flashlite.attention_kvcache.default(*args)
+    return (o, lse) if return_lse else o
+
+
+def _kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    num_splits: int,
+    validate: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`attention_kvcache` after its argument checks: the value checks, the append, the
+    decode kernel. ``num_splits`` 0 chooses; ``softcap`` 0.0 is none."""
+    bsz, slots = q.shape[0], k_cache.shape[1]
+    capacity = block_table.shape[1] * slots if block_table is not None else slots
+    n_new = 0 if k_new is None else k_new.shape[1]
     if validate:  # every check that reads values, before anything is written (one host sync)
         _check_cache_values(cache_seqlens, n_new, capacity, block_table, slots, k_cache.shape[0])
     lengths = cache_seqlens
@@ -1146,12 +1173,39 @@ def attention_kvcache(
             k_cache[page, pos % slots] = k_new  # type: ignore[index]
             v_cache[page, pos % slots] = v_new  # type: ignore[index]
     o, lse, _ = attention_decode_fwd(
-        q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), lengths,
-        bool(causal), sm_scale, window=(left, right), softcap=cap or None,
-        block_table=block_table, num_splits=num_splits,
+        q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), lengths, causal,
+        scale, window=(window_left, window_right), softcap=softcap or None,
+        block_table=block_table, num_splits=num_splits or None,
     )  # fmt: skip
-    o = o.transpose(1, 2)
-    return (o, lse) if return_lse else o
+    return o.transpose(1, 2), lse
+
+
+@torch.library.custom_op("flashlite::attention_kvcache", mutates_args=("k_cache", "v_cache"))
+def _attention_kvcache_op(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    window_left: int,
+    window_right: int,
+    softcap: float,
+    num_splits: int,
+    validate: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale,
+                    window_left, window_right, softcap, num_splits, validate)  # fmt: skip
+
+
+@_attention_kvcache_op.register_fake
+def _(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale,  # type: ignore[no-untyped-def]
+      window_left, window_right, softcap, num_splits, validate):  # fmt: skip
+    return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]),
+                                            dtype=torch.float32)  # fmt: skip
 
 
 def _check_cache_values(
@@ -1191,7 +1245,7 @@ def _decode_splits(q: torch.Tensor, k: torch.Tensor, num_splits: int | None) -> 
     rows = nq * (hq // hkv)
     if rows > DECODE_MAX_ROWS or q.device.type != "cuda" or _backend.kernels_interpreted():
         return 0
-    block_m = C.decode_config(rows, False, b * hkv).block_m
+    block_m = C.decode_config(rows, False, b * hkv, C.block_d(q.shape[3]), q.element_size()).block_m
     return _default_splits(q.device, b * hkv, rows, nk, block_m)
 
 
