@@ -1,4 +1,5 @@
-"""flashlite: the online-softmax pair behind FlashAttention, as row softmax and tiled attention."""
+"""flashlite: the online-softmax pair behind FlashAttention, as row softmax, fused cross-entropy and
+tiled attention."""
 
 from importlib.metadata import PackageNotFoundError, version
 
@@ -9,6 +10,7 @@ from flashlite import (
     stats,
 )
 from flashlite.ops.attention import attention, attention_kvcache, attention_varlen
+from flashlite.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from flashlite.ops.softmax import log_softmax, softmax
 
 try:
@@ -21,6 +23,8 @@ __all__ = [
     "attention",
     "attention_kvcache",
     "attention_varlen",
+    "cross_entropy",
+    "linear_cross_entropy",
     "log_softmax",
     "masks",
     "reference",

@@ -1,0 +1,167 @@
+"""Fused softmax cross-entropy on the shared (m, s) statistics: loss and gradient in one pass.
+
+For a row of logits ``x`` (soft-capped first with ``SOFTCAP``: ``x ← c·tanh(x/c)``), target
+``t``, class weights ``w`` (1 without them), label smoothing ``ε`` over ``V`` classes and z-loss
+``z``, with ``lse = m + ln s`` from the row's online pair and ``p = softmax(x)``::
+
+    loss = (1 − ε)·w_t·(lse − x_t) + (ε/V)·(lse·Σ_j w_j − Σ_j w_j·x_j) + z·lse²
+    ∂loss/∂x_j = p_j·((1 − ε)·w_t + (ε/V)·Σ_k w_k + 2z·lse) − (1 − ε)·w_t·[j = t] − (ε/V)·w_j
+
+(the first term is torch's weighted NLL, the second its label-smoothing term, the third PaLM's
+z-loss), times ``1 − tanh²`` through a soft cap. The gradient is the row softmax minus a
+smoothed one-hot, so it is written here, in the forward, and never stored as a softmax: the
+backward only scales it by the incoming gradient. A row whose target is ``ignore_index`` has loss
+and gradient 0; a target outside ``[0, V)`` gives a NaN loss (the front-end rejects it first
+unless told not to check).
+
+Bytes per row (b = element size): ``SINGLE`` rows fit on chip and are read once and written
+once (2·V·b); longer rows are read twice, once for the statistics and once for the gradient
+(3·V·b). Statistics are fp32 whatever the logits' dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashlite.kernels.common import cast, tanh
+from flashlite.kernels.configs import next_pow2
+from flashlite.stats import LOG2E, finalize_lse, online_update, tile_stats
+
+#: Longest row (elements, rounded up to a power of two) the single-read kernel holds on chip.
+SINGLE_READ_MAX = 32768
+#: Tile width of the two-pass loop for longer rows.
+LOOP_TILE = 8192
+
+
+def ce_config(n_cols: int) -> dict[str, object]:
+    """Kernel shape for rows of ``n_cols`` logits: one tile for the whole row, or loop tiles."""
+    block = next_pow2(n_cols)
+    if block <= SINGLE_READ_MAX:
+        return {"SINGLE": True, "BLOCK_N": block, "num_warps": min(32, max(4, block // 512))}
+    block = min(LOOP_TILE, block)
+    return {"SINGLE": False, "BLOCK_N": block, "num_warps": min(16, max(4, block // 512))}
+
+
+@triton.jit
+def _logits(X, W, cols, n_cols, stride_n, softcap, SOFTCAP: tl.constexpr,
+            HAS_WEIGHT: tl.constexpr):  # fmt: skip
+    """A ``[1, BLOCK_N]`` tile of (capped) fp32 logits (−inf past the row), ``tanh`` of the
+    cap (for its derivative; 0 without one) and the class weights (0 past the row)."""
+    mask = cols < n_cols
+    x = tl.load(X + cols * stride_n, mask=mask, other=float("-inf")).to(tl.float32)
+    t = tl.zeros_like(x)
+    if SOFTCAP:
+        t = tanh(x * (1.0 / softcap), X.dtype.element_ty != tl.float32)
+        x = tl.where(mask, softcap * t, float("-inf"))
+    w = tl.where(mask, 1.0, 0.0)
+    if HAS_WEIGHT:
+        w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    return x[None, :], t[None, :], w[None, :]
+
+
+@triton.jit
+def _grad(x, t, w, m, s, lse, cols, target, w_t, smoothing, inv_v, z_loss, weight_sum, scale,
+          SOFTCAP: tl.constexpr):  # fmt: skip
+    """``∂loss/∂x`` of a ``[1, BLOCK_N]`` tile from the row's finished statistics."""
+    p = tl.exp2((x - m[:, None]) * LOG2E) / s[:, None]
+    coef = (1.0 - smoothing) * w_t + smoothing * inv_v * weight_sum + 2.0 * z_loss * lse
+    g = p * coef[:, None] - smoothing * inv_v * w
+    g = tl.where(cols[None, :] == target, g - (1.0 - smoothing) * w_t[:, None], g)
+    if SOFTCAP:  # d(c·tanh(x/c))/dx = 1 − tanh²
+        g = g * (1.0 - t * t)
+    return g * scale
+
+
+@triton.jit
+def _cross_entropy_fwd_kernel(
+    X, T, W, WSUM, G, LOSS, LSE,
+    n_cols, stride_xm, stride_xn, stride_gm, stride_gn,
+    ignore_index, smoothing, z_loss, softcap,
+    HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr,
+    SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, COL_INT64: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):  # fmt: skip
+    """One program per row: loss (fp32), LSE (fp32) and the gradient ``G`` (the logits' dtype;
+    ``G`` may be ``X`` itself: each tile is read before it is overwritten). ``WSUM`` holds
+    ``Σ_j w_j`` (fp32, on the device: no host sync for it)."""
+    row = tl.program_id(0).to(tl.int64)
+    weight_sum = n_cols * 1.0
+    if HAS_WEIGHT:
+        weight_sum = tl.load(WSUM)
+    x_row = X + row * stride_xm
+    g_row = G + row * stride_gm
+    target = tl.load(T + row).to(tl.int64)
+    ignored = target == ignore_index
+    in_range = (target >= 0) & (target < n_cols)
+    offs = tl.arange(0, BLOCK_N)
+    if COL_INT64:
+        offs = offs.to(tl.int64)
+    inv_v = 1.0 / n_cols
+    w_t = tl.full([1], 1.0, tl.float32)
+    if HAS_WEIGHT:  # (an index clamped into the row: a bad target reads class 0, then gives NaN)
+        w_t = w_t * tl.load(W + tl.where(in_range, target, 0)).to(tl.float32)
+    x_t = tl.zeros([1], tl.float32)
+    wx = tl.zeros([1], tl.float32)  # Σ w_j·x_j, for the smoothing term
+
+    if SINGLE:  # the row on chip: statistics, loss and gradient from one read
+        x, t, w = _logits(x_row, W, offs, n_cols, stride_xn, softcap, SOFTCAP, HAS_WEIGHT)
+        m, s, _p = tile_stats(x, LOG2E)
+        x_t = tl.sum(tl.where(offs[None, :] == target, x, 0.0), 1)
+        if SMOOTH:
+            wx = tl.sum(w * tl.where(w != 0.0, x, 0.0), 1)
+    else:  # pass 1: the online pair, the target's logit and Σ w·x, tile by tile
+        m = tl.full([1], float("-inf"), tl.float32)
+        s = tl.zeros([1], tl.float32)
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + offs
+            x, t, w = _logits(x_row, W, cols, n_cols, stride_xn, softcap, SOFTCAP, HAS_WEIGHT)
+            m, s, _alpha, _p = online_update(m, s, x, LOG2E)
+            x_t += tl.sum(tl.where(cols[None, :] == target, x, 0.0), 1)
+            if SMOOTH:
+                wx += tl.sum(w * tl.where(w != 0.0, x, 0.0), 1)
+
+    lse = finalize_lse(m, s, LOG2E)
+    loss = (1.0 - smoothing) * w_t * (lse - x_t) + z_loss * lse * lse
+    if SMOOTH:
+        loss += smoothing * inv_v * (lse * weight_sum - wx)
+    loss = tl.where(ignored, 0.0, tl.where(in_range, loss, float("nan")))
+    tl.store(LOSS + row + tl.arange(0, 1), loss)
+    tl.store(LSE + row + tl.arange(0, 1), lse)
+
+    # ignored rows: zero gradient; a target outside [0, V): NaN, like its loss
+    scale = tl.where(ignored, 0.0, tl.where(in_range, 1.0, float("nan")))
+    if SINGLE:
+        g = _grad(x, t, w, m, s, lse, offs, target, w_t, smoothing, inv_v, z_loss, weight_sum,
+                  scale, SOFTCAP)  # fmt: skip
+        tl.store(g_row + offs[None, :] * stride_gn, cast(g, G.dtype.element_ty, ROUND_BF16),
+                 mask=offs[None, :] < n_cols)  # fmt: skip
+    else:  # pass 2: read the row again, write its gradient
+        for start in range(0, n_cols, BLOCK_N):
+            cols = start + offs
+            x, t, w = _logits(x_row, W, cols, n_cols, stride_xn, softcap, SOFTCAP, HAS_WEIGHT)
+            g = _grad(x, t, w, m, s, lse, cols, target, w_t, smoothing, inv_v, z_loss,
+                      weight_sum, scale, SOFTCAP)  # fmt: skip
+            tl.store(g_row + cols[None, :] * stride_gn, cast(g, G.dtype.element_ty, ROUND_BF16),
+                     mask=cols[None, :] < n_cols)  # fmt: skip
+
+
+@triton.jit
+def _cross_entropy_bwd_kernel(
+    G, DX, DLOSS, n_cols, stride_gm, stride_gn, stride_dm, stride_dn,
+    BLOCK_N: tl.constexpr, COL_INT64: tl.constexpr, ROUND_BF16: tl.constexpr,
+):  # fmt: skip
+    """``DX[row] = G[row]·DLOSS[row]``: the backward is the stored gradient scaled by the
+    incoming one (``DX`` may be ``G``). Grid ``(rows, cdiv(V, BLOCK_N))``."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if COL_INT64:
+        cols = cols.to(tl.int64)
+    mask = cols < n_cols
+    d = tl.load(DLOSS + row).to(tl.float32)
+    g = tl.load(G + row * stride_gm + cols * stride_gn, mask=mask, other=0.0).to(tl.float32)
+    # a zero stays zero: an ignored row's gradient is 0 even when the mean over no target
+    # sends an infinite DLOSS (torch's gradient is 0 there too)
+    dx = tl.where(g == 0.0, 0.0, g * d)
+    tl.store(DX + row * stride_dm + cols * stride_dn, cast(dx, DX.dtype.element_ty, ROUND_BF16),
+             mask=mask)  # fmt: skip

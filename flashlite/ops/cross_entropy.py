@@ -1,0 +1,480 @@
+"""Fused softmax cross-entropy: validation, views, launch, custom ops and autograd.
+
+The kernel (:mod:`flashlite.kernels.cross_entropy`) computes each row's loss and LSE and writes
+its gradient in the same pass, so the softmax is never stored; the backward only scales that
+gradient by the incoming one. ``flashlite::cross_entropy_fwd`` returns the gradient as a buffer
+of its own (one logits-sized buffer of extra memory); ``flashlite::cross_entropy_fwd_inplace``
+writes it over the logits (none). Both are ``torch.library`` custom ops with fakes and autograd,
+so ``torch.compile(fullgraph=True)`` traces :func:`cross_entropy`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashlite import _backend
+from flashlite.kernels import cross_entropy as K
+from flashlite.kernels.configs import cdiv
+from flashlite.ops.common import on_compute_device, skip_dispatcher
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+REDUCTIONS = ("none", "mean", "sum")
+_INT32_LIMIT = 2**31
+#: Columns per program of the backward's scaling kernel.
+BWD_BLOCK = 4096
+
+
+# ----------------------------------------------------------------------------- launchers
+@on_compute_device
+def cross_entropy_fwd(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    grad: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward kernel on ``(N, V)`` logits (any strides), ``(N,)`` targets: returns
+    the fp32 per-row losses and LSE ``(N,)`` and writes the per-row gradient into ``grad``
+    ``(N, V)`` (which may be ``logits``). No checks."""
+    n, v = logits.shape
+    losses = logits.new_empty((n,), dtype=torch.float32)
+    lse = logits.new_empty((n,), dtype=torch.float32)
+    if n == 0:
+        return losses, lse
+    wsum = weight.float().sum().reshape(1) if weight is not None else losses
+    col64 = any((v - 1) * abs(t.stride(1)) >= _INT32_LIMIT for t in (logits, grad))
+    cfg = K.ce_config(v)
+    kernel = _backend.launcher(K._cross_entropy_fwd_kernel)
+    kernel[(n,)](
+        logits, target, weight if weight is not None else losses, wsum, grad, losses, lse,
+        v, *logits.stride(), *grad.stride(), ignore_index, float(label_smoothing), float(z_loss),
+        float(softcap), HAS_WEIGHT=weight is not None, SOFTCAP=softcap > 0,
+        SMOOTH=label_smoothing > 0, SINGLE=cfg["SINGLE"], BLOCK_N=cfg["BLOCK_N"],
+        COL_INT64=col64, ROUND_BF16=_backend.round_bf16(logits.dtype),
+        num_warps=cfg["num_warps"], num_stages=1,
+    )  # fmt: skip
+    return losses, lse
+
+
+@on_compute_device
+def cross_entropy_bwd(grad: torch.Tensor, out: torch.Tensor, dloss: torch.Tensor) -> torch.Tensor:
+    """``out = grad·dloss[:, None]``: the stored ``(N, V)`` gradient scaled by the per-row
+    incoming gradient ``dloss`` ``(N,)`` (``out`` may be ``grad``); returns ``out``."""
+    n, v = grad.shape
+    if n == 0:
+        return out
+    block = min(BWD_BLOCK, 1 << max(4, (v - 1).bit_length()))
+    col64 = (v - 1) * max(abs(grad.stride(1)), abs(out.stride(1))) >= _INT32_LIMIT
+    kernel = _backend.launcher(K._cross_entropy_bwd_kernel)
+    kernel[(n, cdiv(v, block))](
+        grad, out, dloss.float().contiguous(), v, *grad.stride(), *out.stride(),
+        BLOCK_N=block, COL_INT64=col64, ROUND_BF16=_backend.round_bf16(grad.dtype),
+        num_warps=4, num_stages=1,
+    )  # fmt: skip
+    return out
+
+
+# ----------------------------------------------------------------------------- custom ops
+@torch.library.custom_op("flashlite::cross_entropy_fwd", mutates_args=())
+def _ce_fwd_op(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    grad = torch.empty_like(logits)
+    losses, lse = cross_entropy_fwd(logits, target, weight, grad, ignore_index, label_smoothing,
+                                    z_loss, softcap)  # fmt: skip
+    return losses, lse, grad
+
+
+@_ce_fwd_op.register_fake
+def _(logits, target, weight, ignore_index, label_smoothing, z_loss, softcap):  # type: ignore[no-untyped-def]
+    n = logits.shape[0]
+    stats = [logits.new_empty((n,), dtype=torch.float32) for _ in range(2)]
+    return stats[0], stats[1], torch.empty_like(logits)
+
+
+@torch.library.custom_op("flashlite::cross_entropy_fwd_inplace", mutates_args=("logits",))
+def _ce_fwd_inplace_op(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return cross_entropy_fwd(logits, target, weight, logits, ignore_index, label_smoothing,
+                             z_loss, softcap)  # fmt: skip
+
+
+@_ce_fwd_inplace_op.register_fake
+def _(logits, target, weight, ignore_index, label_smoothing, z_loss, softcap):  # type: ignore[no-untyped-def]
+    n = logits.shape[0]
+    return tuple(logits.new_empty((n,), dtype=torch.float32) for _ in range(2))
+
+
+@torch.library.custom_op("flashlite::cross_entropy_bwd", mutates_args=())
+def _ce_bwd_op(grad: torch.Tensor, dloss: torch.Tensor) -> torch.Tensor:
+    return cross_entropy_bwd(grad, torch.empty_like(grad), dloss)
+
+
+@_ce_bwd_op.register_fake
+def _(grad, dloss):  # type: ignore[no-untyped-def]
+    return torch.empty_like(grad)
+
+
+def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    ctx.mark_non_differentiable(output[1])  # the LSE (the gradient buffer's own gradient,
+    ctx.save_for_backward(output[2])  # if anything sends one, is ignored)
+    ctx.used = False
+
+
+def _backward(ctx, dloss, *_ignored):  # type: ignore[no-untyped-def]
+    """The stored gradient scaled in place by the incoming one, handed over as the logits'."""
+    if ctx.used:
+        raise RuntimeError(
+            "flashlite.cross_entropy's backward runs once: its gradient buffer is handed to the "
+            "logits' gradient; run the forward again to differentiate again"
+        )
+    ctx.used = True
+    (grad,) = ctx.saved_tensors
+    if skip_dispatcher(grad, dloss):  # eager: the stored gradient is scaled where it is
+        cross_entropy_bwd(grad, grad, dloss)
+    else:  # traced (compile, AOT, fake tensors): the functional op, a new buffer
+        grad = torch.ops.flashlite.cross_entropy_bwd.default(grad, dloss)
+    return grad, None, None, None, None, None, None
+
+
+_ce_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _InplaceCrossEntropy(torch.autograd.Function):
+    """``inplace_backward``: the forward writes the gradient over the logits' buffer, the
+    backward scales it there and hands it over (a mutating custom op cannot carry an autograd
+    formula, so the autograd side lives here). The write goes through a detached alias, which
+    shares the logits' version counter: a node that saved the logits for its own backward
+    raises torch's "modified by an inplace operation" error instead of reading gradients."""
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, ignore_index, label_smoothing, z_loss, softcap):  # type: ignore[no-untyped-def, override]
+        buffer = logits.detach()
+        losses, lse = torch.ops.flashlite.cross_entropy_fwd_inplace.default(
+            buffer, target, weight, ignore_index, label_smoothing, z_loss, softcap
+        )
+        ctx.mark_non_differentiable(lse)
+        ctx.save_for_backward(buffer)
+        ctx.used = False
+        return losses, lse
+
+    @staticmethod
+    def backward(ctx, dloss, _dlse):  # type: ignore[no-untyped-def, override]
+        return _backward(ctx, dloss)
+
+
+# ----------------------------------------------------------------------------- front-end
+def _check(
+    logits: object,
+    target: object,
+    weight: object,
+    ignore_index: object,
+    reduction: object,
+    label_smoothing: object,
+    z_loss: object,
+    softcap: object,
+) -> None:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if logits.dtype not in DTYPES:
+        raise TypeError(f"logits has dtype {logits.dtype}; flashlite.cross_entropy accepts "
+                        "torch.float16, torch.bfloat16 and torch.float32")  # fmt: skip
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"target must hold class indices (torch.int64 or torch.int32), got "
+                        f"{target.dtype} (class probabilities are not supported)")  # fmt: skip
+    if logits.dim() not in (2, 3) or target.shape != logits.shape[:-1]:
+        raise ValueError(f"logits (N, V) or (B, T, V) need target (N,) or (B, T): got logits "
+                         f"{tuple(logits.shape)} and target {tuple(target.shape)}")  # fmt: skip
+    if logits.shape[-1] == 0:
+        raise ValueError("logits must have at least one class (V >= 1)")
+    if target.device != logits.device:
+        raise ValueError(f"target must be on logits' device {logits.device}, got {target.device}")
+    _backend.check_device(logits, "logits")
+    if weight is not None:
+        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+            raise TypeError(f"weight must be a float tensor, got {type(weight).__name__}")
+        if weight.shape != (logits.shape[-1],) or weight.device != logits.device:
+            raise ValueError(f"weight must be ({logits.shape[-1]},) on {logits.device}, got "
+                             f"{tuple(weight.shape)} on {weight.device}")  # fmt: skip
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r} is not one of {', '.join(REDUCTIONS)}")
+    for name, value in (("label_smoothing", label_smoothing), ("z_loss", z_loss)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a float, got {value!r}")
+    if not 0.0 <= label_smoothing <= 1.0:  # type: ignore[operator]
+        raise ValueError(f"label_smoothing must lie in [0, 1], got {label_smoothing}")
+    if not z_loss >= 0.0:  # type: ignore[operator]
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0
+    ):
+        raise ValueError(f"softcap must be None or a number > 0, got {softcap!r}")
+
+
+def _check_targets(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
+    """Targets in ``[0, V)`` or ``ignore_index`` (one host sync on a GPU)."""
+    bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
+    if bad.any().item():
+        first = target[bad][0].item()
+        raise ValueError(f"target holds class {first}, outside [0, {n_classes}) and not "
+                         f"ignore_index={ignore_index}")  # fmt: skip
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    inplace_backward: bool = False,
+    return_lse: bool = False,
+    validate: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Softmax cross-entropy with its gradient computed in the same pass (the softmax is never
+    stored).
+
+    Args:
+        logits: ``(N, V)`` or ``(B, T, V)``: classes on the *last* dim (the language-model
+            layout; torch's ``cross_entropy`` wants them on dim 1). fp16, bf16 or fp32.
+        target: ``(N,)`` or ``(B, T)`` class indices (int64 or int32).
+        weight: ``(V,)`` per-class weights (torch's ``weight``, its weighted mean included).
+        ignore_index: targets equal to it add nothing (any integer, even a valid class).
+        reduction: ``"mean"`` (over the non-ignored targets, weighted by ``weight``: torch's
+            rule, NaN when every target is ignored), ``"sum"`` or ``"none"``.
+        label_smoothing: ε in [0, 1], as torch defines it: the target mixes ``1 − ε`` of the
+            one-hot with ``ε/V`` everywhere (weighted by ``weight``).
+        z_loss: adds ``z_loss·lse²`` to each non-ignored token's loss (PaLM), before the
+            reduction.
+        softcap: logits become ``softcap·tanh(logits/softcap)`` first; the loss, z-loss and LSE
+            use the capped logits.
+        inplace_backward: write the gradient over ``logits`` (no extra memory; Liger's trick).
+            ``logits`` must then be a non-leaf tensor (or need no gradient) that nothing else
+            saved for its own backward, and it holds the gradient afterwards.
+        return_lse: also return the fp32 LSE per token (``target``'s shape; no gradient).
+        validate: check that every target is in ``[0, V)`` or ``ignore_index`` (one host sync
+            on a GPU; skipped inside ``torch.compile``). ``False`` skips it: a bad target then
+            gives a NaN loss and gradient row, never a read outside the tensors.
+
+    Returns:
+        The loss in **fp32** whatever the logits' dtype (a bf16 sum over thousands of tokens
+        loses the digits training curves compare): a scalar for ``mean``/``sum``, ``target``'s
+        shape for ``none``; and the LSE with ``return_lse``. The backward runs once per forward.
+
+    Raises:
+        TypeError: non-tensors, unsupported dtypes, float targets, non-numeric options.
+        ValueError: shape or device mismatch, a bad reduction, ``label_smoothing`` outside
+            [0, 1], a negative ``z_loss``, a non-positive ``softcap``; with ``validate``, a
+            target outside ``[0, V)`` that is not ``ignore_index``.
+    """
+    _check(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
+    v = logits.shape[-1]
+    x2 = logits.reshape(-1, v)
+    if inplace_backward and x2.data_ptr() != logits.data_ptr():
+        raise ValueError("inplace_backward needs logits whose rows form a (N, V) view (no copy)")
+    t1 = target.reshape(-1)
+    if validate and not torch.compiler.is_compiling():
+        _check_targets(t1, v, ignore_index)
+    args = (t1, weight, ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0))
+    if inplace_backward:
+        losses, lse = _InplaceCrossEntropy.apply(x2, *args)
+    else:
+        losses, lse, _grad = torch.ops.flashlite.cross_entropy_fwd.default(x2, *args)
+    if reduction == "none":
+        loss = losses.view(target.shape)
+    elif reduction == "sum":
+        loss = losses.sum()
+    else:
+        kept = t1 != ignore_index
+        if weight is None:
+            denom = kept.sum()
+        else:
+            denom = torch.where(kept, weight.float()[t1.clamp(0, v - 1)], 0.0).sum()
+        loss = losses.sum() / denom
+    return (loss, lse.view(target.shape)) if return_lse else loss
+
+
+# ----------------------------------------------------------------------------- linear CE
+#: Logits bytes one chunk of tokens may hold (the only logits ever materialised).
+LINEAR_CHUNK_BYTES = 1 << 28
+
+
+def _linear_chunks(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    scale: torch.Tensor,
+    opts: tuple,
+    chunk: int,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sweep over token chunks: logits ``h·Wᵀ + b`` of a chunk (tensor cores through
+    ``torch.matmul``), the fused kernel writing their gradient over them, then that gradient
+    scaled per row by ``scale`` and folded into ``grads = (dh, dW, db)`` (when given). Returns
+    the fp32 per-token losses and LSE."""
+    n = hidden.shape[0]
+    losses = hidden.new_empty((n,), dtype=torch.float32)
+    lse = hidden.new_empty((n,), dtype=torch.float32)
+    for r0 in range(0, n, chunk):
+        rows = slice(r0, min(n, r0 + chunk))
+        h = hidden[rows]
+        logits = h @ weight.t()
+        if bias is not None:
+            logits += bias
+        losses[rows], lse[rows] = cross_entropy_fwd(logits, target[rows], *opts[:1], logits,
+                                                    *opts[1:])  # fmt: skip
+        if grads is None:
+            continue
+        g = cross_entropy_bwd(logits, logits, scale[rows])  # ∂loss/∂logits of these tokens
+        dh, dw, db = grads
+        torch.matmul(g, weight, out=dh[rows])
+        dw.addmm_(g.t(), h)
+        if db is not None:
+            db += g.sum(0, dtype=torch.float32)
+    return losses, lse
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Cross-entropy of ``hidden·weightᵀ + bias`` without the full logits: the gradients of
+    hidden, weight and bias are accumulated in the forward's sweep over token chunks (mean and
+    sum: the backward scales them by the incoming scalar); ``reduction="none"`` needs each
+    token's incoming gradient, so its backward sweeps the chunks again."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, class_weight, ignore_index, label_smoothing,  # type: ignore[no-untyped-def, override]
+                z_loss, softcap, reduction, chunk):  # fmt: skip
+        n, v = hidden.shape[0], weight.shape[0]
+        opts = (class_weight, ignore_index, label_smoothing, z_loss, softcap)
+        kept = target != ignore_index
+        if reduction == "mean":
+            if class_weight is None:
+                denom = kept.sum().float()
+            else:
+                denom = torch.where(kept, class_weight.float()[target.clamp(0, v - 1)], 0.0).sum()
+            scale = (1.0 / denom).expand(n)
+        else:
+            denom, scale = None, hidden.new_ones((n,), dtype=torch.float32)
+        need = any(ctx.needs_input_grad[:3])
+        grads = None
+        if need and reduction != "none":
+            grads = (torch.empty_like(hidden), torch.zeros_like(weight),
+                     torch.zeros(v, dtype=torch.float32, device=hidden.device)
+                     if bias is not None else None)  # fmt: skip
+        losses, lse = _linear_chunks(hidden, weight, bias, target, scale, opts, chunk, grads)
+        ctx.mark_non_differentiable(lse)
+        ctx.reduction, ctx.opts, ctx.chunk, ctx.has_bias = reduction, opts, chunk, bias is not None
+        if grads is not None:
+            ctx.save_for_backward(*(g for g in grads if g is not None))
+        elif need:  # "none": the backward sweeps again
+            ctx.save_for_backward(hidden, weight, bias, target)
+        if reduction == "none":
+            return losses, lse
+        total = losses.sum()
+        return (total / denom if denom is not None else total), lse
+
+    @staticmethod
+    def backward(ctx, dloss, _dlse):  # type: ignore[no-untyped-def, override]
+        if ctx.reduction != "none":  # scaled where they are: no second weight-sized buffer
+            saved = list(ctx.saved_tensors)
+            dh, dw = saved[0].mul_(dloss), saved[1].mul_(dloss)
+            db = saved[2].mul_(dloss).to(saved[1].dtype) if ctx.has_bias else None
+            return dh, dw, db, *([None] * 8)
+        hidden, weight, bias, target = ctx.saved_tensors
+        grads = (torch.empty_like(hidden), torch.zeros_like(weight),
+                 torch.zeros(weight.shape[0], dtype=torch.float32, device=hidden.device)
+                 if bias is not None else None)  # fmt: skip
+        _linear_chunks(hidden, weight, bias, target, dloss.float(), ctx.opts, ctx.chunk, grads)
+        db = grads[2].to(weight.dtype) if grads[2] is not None else None
+        return grads[0], grads[1], db, *([None] * 8)
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    class_weight: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    validate: bool = True,
+    chunk_size: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cross_entropy` of the output layer's logits ``hidden·weightᵀ + bias``, never
+    materialising the ``(N, V)`` logits.
+
+    The tokens are swept in chunks: each chunk's logits come from ``torch.matmul`` (tensor
+    cores, cuBLAS's tuned GEMMs), the fused kernel turns them into that chunk's losses and
+    writes their gradient over them, and the gradients of hidden, weight and bias are folded in
+    with two more matmuls, all in the same sweep. At most one chunk of logits exists at a time
+    (:data:`LINEAR_CHUNK_BYTES`, 256 MiB by default), plus the gradients themselves.
+
+    Args:
+        hidden: ``(N, H)`` or ``(B, T, H)``.
+        weight: ``(V, H)``, the output layer's matrix (class weights are ``class_weight``).
+        target: ``(N,)`` or ``(B, T)`` class indices.
+        bias: ``(V,)`` or None.
+        class_weight: ``(V,)`` per-class weights (torch's ``weight``).
+        ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, validate: as
+            :func:`cross_entropy`.
+        chunk_size: tokens per chunk (default: as many as fit :data:`LINEAR_CHUNK_BYTES`).
+
+    Returns:
+        The fp32 loss (and the LSE per token), as :func:`cross_entropy`.
+    """
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1] or hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden (N, H) or (B, T, H) and weight (V, H) must agree on H, got "
+                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")  # fmt: skip
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden and weight must share a dtype, got {hidden.dtype} and "
+                        f"{weight.dtype}")  # fmt: skip
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]):
+        raise ValueError(f"bias must be a ({weight.shape[0]},) tensor")
+    v = weight.shape[0]
+    fake = hidden.new_empty((1,) * hidden.dim()).expand(*hidden.shape[:-1], v)  # (no storage)
+    _check(fake, target, class_weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
+                                   or chunk_size < 1):  # fmt: skip
+        raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
+    h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    if validate and not torch.compiler.is_compiling():
+        _check_targets(t1, v, ignore_index)
+    chunk = chunk_size or max(1, LINEAR_CHUNK_BYTES // (v * hidden.element_size()))
+    loss, lse = _LinearCrossEntropy.apply(
+        h2, weight, bias, t1, class_weight, ignore_index, float(label_smoothing), float(z_loss),
+        float(softcap or 0), reduction, chunk,
+    )  # fmt: skip
+    if reduction == "none":
+        loss = loss.view(target.shape)
+    return (loss, lse.view(target.shape)) if return_lse else loss

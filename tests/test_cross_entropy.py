@@ -1,0 +1,298 @@
+"""flashlite.cross_entropy (issue 12, musts 1 and 3) against torch in fp64.
+
+The kernel runs in Triton's interpreter on CPU; ``kernel`` runs each test twice, once with the
+whole row on chip (one read) and once with the row tiled into 256-column loops (two passes), by
+shrinking the block table. The reference is ``torch.nn.functional.cross_entropy`` in fp64 on the
+same (rounded) logits, plus the z-loss and the soft cap written out in torch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import TOL
+
+import flashlite
+from flashlite.kernels import cross_entropy as kce
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(params=["single", "loop"])
+def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "loop":  # rows of 17 take one ragged 32-wide tile, 1000 take four
+        monkeypatch.setattr(kce, "SINGLE_READ_MAX", 8)
+        monkeypatch.setattr(kce, "LOOP_TILE", 256)
+    return request.param
+
+
+def reference(logits, target, weight=None, *, ignore_index=-100, reduction="mean",  # noqa: ANN001, ANN201
+              label_smoothing=0.0, z_loss=0.0, softcap=None):  # fmt: skip
+    """fp64 torch: cross_entropy on the (capped) logits, classes last, plus z·lse² per kept
+    token, reduced like the loss (weighted mean: divided by the kept targets' weights)."""
+    x = logits.double()
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    v = x.shape[-1]
+    x2, t1 = x.reshape(-1, v), target.reshape(-1).long()
+    w = weight.double() if weight is not None else None
+    loss = F.cross_entropy(x2, t1, w, ignore_index=ignore_index, reduction="none",
+                           label_smoothing=label_smoothing)  # fmt: skip
+    kept = t1 != ignore_index
+    loss = loss + z_loss * torch.where(kept, torch.logsumexp(x2, -1) ** 2, 0.0)
+    if reduction == "none":
+        return loss.view(target.shape)
+    if reduction == "sum":
+        return loss.sum()
+    denom = kept.sum() if w is None else torch.where(kept, w[t1.clamp(0, v - 1)], 0.0).sum()
+    return loss.sum() / denom
+
+
+def _inputs(shape, v, dtype, seed=0, scale=3.0):  # noqa: ANN001, ANN202
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(*shape, v, generator=gen) * scale).to(dtype)
+    target = torch.randint(0, v, shape, generator=gen)
+    if target.numel() > 2:
+        target.view(-1)[1] = -100  # one ignored token
+    weight = torch.rand(v, generator=gen) + 0.5
+    return logits, target, weight
+
+
+def _check(logits, target, tol, **kw):  # noqa: ANN001, ANN202
+    """Loss and gradient against the fp64 reference; returns the gradient."""
+    leaf = logits.clone().requires_grad_()
+    ref_leaf = logits.double().requires_grad_()
+    got = flashlite.cross_entropy(leaf, target, **kw)
+    want = reference(ref_leaf, target, **kw)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=tol.atol, rtol=tol.rtol)
+    got.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad, atol=tol.atol, rtol=tol.rtol)
+    return leaf.grad
+
+
+OPTIONS = [
+    {},
+    {"weight": True},
+    {"label_smoothing": 0.1},
+    {"z_loss": 1e-3},
+    {"softcap": 5.0},
+    {"reduction": "sum"},
+    {"reduction": "none"},
+    {"ignore_index": 3},  # a valid class id as ignore_index
+    {"weight": True, "label_smoothing": 0.2, "z_loss": 1e-2, "softcap": 4.0},
+    {"weight": True, "label_smoothing": 0.3, "reduction": "none", "softcap": 2.0},
+]
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(o) or "plain")
+@pytest.mark.parametrize("v", [1000, 4093, 17], ids=lambda v: f"V{v}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_matches_torch(dtype: torch.dtype, v: int, opts: dict, kernel: str) -> None:
+    logits, target, weight = _inputs((5,), v, dtype, seed=v)
+    kw = dict(opts)
+    if kw.pop("weight", False):
+        kw["weight"] = weight
+    if "ignore_index" in kw:
+        target[1] = kw["ignore_index"]
+        target[2] = v - 1 if v - 1 != kw["ignore_index"] else 0
+    _check(logits, target, TOL[dtype], **kw)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_batch_time_layout_and_non_contiguous(dtype: torch.dtype, kernel: str) -> None:
+    logits, target, _ = _inputs((2, 3), 40, dtype)
+    _check(logits, target, TOL[dtype])
+    wide = torch.randn(6, 90).to(dtype)[:, ::2]  # (6, 45), column stride 2
+    _check(wide, torch.arange(6) * 7, TOL[dtype], label_smoothing=0.1)
+    _check(torch.randn(40, 6).to(dtype).t(), torch.arange(6), TOL[dtype])  # rows strided by 1
+
+
+def test_one_class_and_one_row(kernel: str) -> None:
+    _check(torch.randn(3, 1), torch.zeros(3, dtype=torch.long), TOL[torch.float32])
+    _check(torch.randn(1, 17), torch.tensor([16]), TOL[torch.float32], z_loss=0.1)
+
+
+def test_extreme_logits(kernel: str) -> None:
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(6, 50, generator=gen) * 1e4  # ±1e4
+    target = torch.randint(0, 50, (6,), generator=gen)
+    _check(logits, target, TOL[torch.float32])
+    masked = torch.randn(6, 50, generator=gen)
+    masked[masked > 0.5] = float("-inf")  # −inf at non-target entries
+    masked[torch.arange(6), target] = 1.0
+    grad = _check(masked, target, TOL[torch.float32], z_loss=1e-2)
+    assert torch.isfinite(grad).all()
+    _check(masked, target, TOL[torch.float32], softcap=3.0)  # capped −inf is −3: finite
+    # smoothing over −inf logits: torch's loss is inf; ours too
+    got = flashlite.cross_entropy(masked, target, label_smoothing=0.1)
+    assert torch.isinf(got) and torch.isinf(reference(masked, target, label_smoothing=0.1))
+
+
+def test_every_target_ignored() -> None:
+    logits = torch.randn(4, 30, requires_grad=True)
+    target = torch.full((4,), -100)
+    got = flashlite.cross_entropy(logits, target)
+    assert torch.isnan(got) and torch.isnan(F.cross_entropy(logits.detach(), target))
+    got.backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+    got = flashlite.cross_entropy(logits.detach(), target, reduction="sum")
+    assert got.item() == 0.0
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_inplace_backward_gives_the_same_gradient(dtype: torch.dtype, kernel: str) -> None:
+    logits, target, weight = _inputs((6,), 300, dtype)
+    kw = {"weight": weight, "label_smoothing": 0.1, "z_loss": 1e-3, "softcap": 8.0}
+    leaf = logits.clone().requires_grad_()
+    flashlite.cross_entropy(leaf, target, **kw).backward()
+    src = logits.clone().requires_grad_()
+    hidden = src * 1.0  # a non-leaf whose buffer the forward overwrites
+    loss = flashlite.cross_entropy(hidden, target, inplace_backward=True, **kw)
+    loss.backward()
+    assert torch.equal(src.grad, leaf.grad)
+    assert torch.equal(hidden.detach(), leaf.grad)  # the logits buffer holds the gradient
+
+
+def test_return_lse_and_int32_targets() -> None:
+    logits, target, _ = _inputs((2, 4), 33, torch.float32)
+    loss, lse = flashlite.cross_entropy(logits, target.int(), return_lse=True, softcap=6.0)
+    capped = 6.0 * torch.tanh(logits.double() / 6.0)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(capped, -1), atol=1e-5, rtol=0)
+    torch.testing.assert_close(loss, flashlite.cross_entropy(logits, target, softcap=6.0))
+
+
+def test_backward_runs_once() -> None:
+    logits = torch.randn(3, 20, requires_grad=True)
+    loss = flashlite.cross_entropy(logits, torch.arange(3))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="runs once"):
+        loss.backward()
+
+
+def test_compiles_and_passes_opcheck() -> None:
+    from torch.library import opcheck
+
+    logits, target, weight = _inputs((4,), 64, torch.float32)
+
+    def step(x, t, w):  # noqa: ANN001, ANN202
+        return flashlite.cross_entropy(x, t, w, label_smoothing=0.1, z_loss=1e-3)
+
+    grads = []
+    for fn in (step, torch.compile(step, fullgraph=True)):
+        leaf = logits.clone().requires_grad_()
+        loss = fn(leaf, target, weight)
+        loss.backward()
+        grads.append((loss.detach(), leaf.grad))
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=0)
+    args = (logits.clone().requires_grad_(), target, weight, -100, 0.1, 1e-3, 0.0)
+    opcheck(torch.ops.flashlite.cross_entropy_fwd.default, args)
+    opcheck(torch.ops.flashlite.cross_entropy_fwd_inplace.default,
+            (logits.clone(), target, None, -100, 0.0, 0.0, 0.0))  # fmt: skip
+
+
+def test_bad_input() -> None:
+    x = torch.randn(4, 10)
+    t = torch.tensor([0, 1, 2, 3])
+    with pytest.raises(ValueError, match="outside"):
+        flashlite.cross_entropy(x, torch.tensor([0, 1, 10, 3]))
+    with pytest.raises(ValueError, match="outside"):
+        flashlite.cross_entropy(x, torch.tensor([0, -1, 2, 3]))
+    with pytest.raises(TypeError, match="class indices"):
+        flashlite.cross_entropy(x, t.float())
+    with pytest.raises(ValueError, match="target"):
+        flashlite.cross_entropy(x, t[:3])
+    with pytest.raises(ValueError, match="label_smoothing"):
+        flashlite.cross_entropy(x, t, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="reduction"):
+        flashlite.cross_entropy(x, t, reduction="avg")
+    with pytest.raises(ValueError, match="weight"):
+        flashlite.cross_entropy(x, t, torch.ones(9))
+    with pytest.raises(TypeError, match="dtype"):
+        flashlite.cross_entropy(x.double(), t)
+    # without validation a bad target gives NaN (loss and its gradient row), never a crash
+    leaf = x.clone().requires_grad_()
+    loss = flashlite.cross_entropy(leaf, torch.tensor([0, 10, 2, 3]), reduction="none",
+                                   validate=False)  # fmt: skip
+    loss.sum().backward()
+    assert torch.isnan(loss[1]) and torch.isfinite(loss[[0, 2, 3]]).all()
+    assert torch.isnan(leaf.grad[1]).all() and torch.isfinite(leaf.grad[[0, 2, 3]]).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("v", [131072, 262144], ids=["128k", "256k"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_long_vocabularies(dtype: torch.dtype, v: int) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = (torch.randn(64, v, device="cuda", generator=gen) * 4).to(dtype)
+    target = torch.randint(0, v, (64,), device="cuda", generator=gen)
+    target[5] = -100
+    weight = torch.rand(v, device="cuda", generator=gen) + 0.5
+    _check(logits, target, TOL[dtype], weight=weight, label_smoothing=0.1, z_loss=1e-4)
+
+
+# --------------------------------------------------------------------------- linear CE (must 2)
+LINEAR_OPTIONS = [
+    {},
+    {"bias": True},
+    {"class_weight": True, "label_smoothing": 0.1},
+    {"z_loss": 1e-3, "softcap": 5.0, "bias": True},
+    {"reduction": "sum", "class_weight": True},
+    {"reduction": "none", "bias": True, "label_smoothing": 0.2},
+]
+
+
+@pytest.mark.parametrize("opts", LINEAR_OPTIONS, ids=lambda o: "-".join(o) or "plain")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_linear_cross_entropy_matches_torch(dtype: torch.dtype, opts: dict) -> None:
+    """Loss and the gradients of hidden, weight and bias against torch's CE of the full logits
+    in fp64; four tokens per chunk, so ten tokens take three chunks."""
+    gen = torch.Generator().manual_seed(7)
+    n, h, v = 10, 16, 1000
+    hidden = torch.randn(n, h, generator=gen).to(dtype)
+    weight = (torch.randn(v, h, generator=gen) / 4).to(dtype)
+    bias = torch.randn(v, generator=gen).to(dtype)
+    target = torch.randint(0, v, (n,), generator=gen)
+    target[3] = -100
+    kw = dict(opts)
+    b = bias if kw.pop("bias", False) else None
+    cw = torch.rand(v, generator=gen) + 0.5 if kw.pop("class_weight", False) else None
+    leaves = [t.clone().requires_grad_() for t in (hidden, weight)]
+    lb = b.clone().requires_grad_() if b is not None else None
+    got = flashlite.linear_cross_entropy(*leaves, target, bias=lb, class_weight=cw,
+                                         chunk_size=4, **kw)  # fmt: skip
+    refs = [t.double().requires_grad_() for t in (hidden, weight)]
+    rb = b.double().requires_grad_() if b is not None else None
+    logits = refs[0] @ refs[1].t() + (rb if rb is not None else 0.0)
+    want = reference(logits, target, cw, **kw)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.double(), want, atol=tol.atol * 4, rtol=tol.rtol * 4)
+    upstream = torch.randn(got.shape, generator=gen, dtype=torch.float64)  # a non-unit gradient
+    (got.double() * upstream).sum().backward()
+    (want * upstream).sum().backward()
+    for leaf, ref in zip([*leaves, lb], [*refs, rb], strict=True):
+        if leaf is None:
+            continue
+        scale = max(1.0, ref.grad.abs().max().item())
+        torch.testing.assert_close(leaf.grad.double(), ref.grad, atol=4 * tol.atol * scale,
+                                   rtol=4 * tol.rtol)  # fmt: skip
+
+
+def test_linear_cross_entropy_layouts_and_bad_input() -> None:
+    hidden = torch.randn(2, 3, 8)
+    weight = torch.randn(50, 8)
+    target = torch.randint(0, 50, (2, 3))
+    loss, lse = flashlite.linear_cross_entropy(hidden, weight, target, return_lse=True)
+    want = reference(hidden @ weight.t(), target)
+    torch.testing.assert_close(loss.double(), want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse, torch.logsumexp(hidden @ weight.t(), -1), atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="agree on H"):
+        flashlite.linear_cross_entropy(hidden, torch.randn(50, 9), target)
+    with pytest.raises(ValueError, match="outside"):
+        flashlite.linear_cross_entropy(hidden, weight, target + 50)
+    with pytest.raises(ValueError, match="chunk_size"):
+        flashlite.linear_cross_entropy(hidden, weight, target, chunk_size=0)
