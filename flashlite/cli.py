@@ -158,6 +158,13 @@ def _cmd_traffic(args: argparse.Namespace) -> int:
 
     if args.softmax:
         return _cmd_softmax_traffic(args)
+    if args.ce:
+        from flashlite.traffic import cross_entropy_rows, format_softmax_table
+
+        rows = cross_entropy_rows(args.rows, args.n, _DTYPES[args.dtype], count=args.count,
+                                  weight=args.ce_weight)  # fmt: skip
+        _emit(args, rows, [format_softmax_table(rows)])
+        return 0
     if args.decode:
         from flashlite.traffic import decode_rows
 
@@ -583,6 +590,14 @@ def build_parser() -> argparse.ArgumentParser:
         "reference (counted)",
     )
     _option(t, "--decode-q", type=int, default=1, help="queries per sequence (with --decode)")
+    _option(
+        t,
+        "--ce",
+        action="store_true",
+        help="show fused cross-entropy's bytes, forward + backward, on (--rows, --n) logits "
+        "(model; --count counts it) against torch's cross_entropy (counted)",
+    )
+    _option(t, "--ce-weight", action="store_true", help="with --ce: class weights")
     _option(t, "--rows", type=int, default=4096, help="softmax rows (with --softmax)")
     _option(t, "--n", type=int, default=4096, help="softmax row length (with --softmax)")
     algorithms = ["auto", "three_pass", "online", "single_read", "split", "team"]

@@ -615,3 +615,33 @@ def test_decode_rows_and_cli(capsys: pytest.CaptureFixture) -> None:
     # the GPU's split count for a 128k-token decode: one chunk per SM of 132 (8 KV heads)
     shape = AttentionShape(1, 32, 1, 128, seq_k=131072, kv_heads=8, causal=True)
     assert traffic.decode_splits(shape, 16) == 16
+
+
+# ---------------------------------------------------------------------- cross-entropy (issue 12)
+@pytest.mark.parametrize("weight", [False, True], ids=["plain", "weight"])
+@pytest.mark.parametrize("path", ["single", "loop"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_cross_entropy_counted_equals_model(dtype, path, weight, monkeypatch) -> None:  # noqa: ANN001
+    # the fused kernel reads each row once (twice on the loop path) and writes its gradient;
+    # the backward's scaling kernel reads and writes the gradient again
+    from flashlite.kernels import cross_entropy as kce
+
+    if path == "loop":
+        monkeypatch.setattr(kce, "SINGLE_READ_MAX", 8)
+        monkeypatch.setattr(kce, "LOOP_TILE", 256)
+    model = traffic.model_cross_entropy(5, 1000, dtype, weight_bytes=4 if weight else 0)
+    counted, torch_ops = traffic.count_cross_entropy(5, 1000, dtype, weight=weight)
+    assert (counted.read, counted.write) == (model.read, model.write)
+    assert model.info["passes"] == (2 if path == "loop" else 1)
+    if not weight:  # (each row re-reads the class weights: more issued bytes at this tiny size)
+        assert torch_ops.total > counted.total
+
+
+def test_cross_entropy_traffic_cli(capsys: pytest.CaptureFixture) -> None:
+    from flashlite import cli
+
+    assert cli.main(["traffic", "--ce", "--rows", "3", "--n", "500", "--count", "--quiet",
+                     "--json"]) == 0  # fmt: skip
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["method"] for r in rows] == ["flashlite-ce", "torch-ce"]
+    assert rows[0]["model_bytes"] == rows[0]["counted_bytes"]

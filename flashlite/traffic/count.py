@@ -381,3 +381,28 @@ def count_decode(
     with count_torch_ops() as naive:
         reference.attention(q, k, v, causal=True)
     return flash, naive.traffic
+
+
+def count_cross_entropy(
+    rows: int, n: int, dtype: torch.dtype, *, weight: bool = False
+) -> tuple[Traffic, Traffic]:
+    """Counted bytes of one forward + backward of cross-entropy on ``(rows, n)`` logits (CPU):
+    ``(flashlite, torch)``. flashlite's kernels are counted in the interpreter (the host's O(rows)
+    reductions are left out, as the model leaves them); torch's ``cross_entropy`` (class dim 1)
+    is counted op by op, forward and backward."""
+    import torch.nn.functional as F
+
+    import flashlite
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, n, generator=gen).to(dtype)
+    target = torch.randint(0, n, (rows,), generator=gen)
+    w = torch.rand(n, generator=gen) + 0.5 if weight else None
+    leaf = x.clone().requires_grad_()
+    with count_kernels() as kern:
+        flashlite.cross_entropy(leaf, target, w, label_smoothing=0.1 if weight else 0.0,
+                                validate=False).backward()  # fmt: skip
+    leaf = x.clone().requires_grad_()
+    with count_torch_ops() as ops:
+        F.cross_entropy(leaf, target, w.to(dtype) if w is not None else None).backward()
+    return kern.traffic, ops.traffic

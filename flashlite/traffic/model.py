@@ -609,3 +609,55 @@ def model_flashlite_decode(
     t.add("lse", 0, B * Hq * Nq * 4)
     t.info = {"config": f"{block_m}x{block_n}", "splits": splits}
     return t
+
+
+# ----------------------------------------------------------------------------- cross-entropy
+def model_cross_entropy(
+    rows: int,
+    n: int,
+    dtype: torch.dtype,
+    *,
+    weight_bytes: int = 0,
+    target_bytes: int = 8,
+    backward: bool = True,
+) -> Traffic:
+    """Bytes the fused cross-entropy kernels issue for ``(rows, n)`` logits (classes last),
+    ``weight_bytes`` > 0 with class weights of that element size, and the backward's scaling
+    kernel with ``backward`` (:mod:`flashlite.kernels.cross_entropy`)::
+
+        forward  read  = rows·(target + passes·n·b [+ 4 + w + passes·n·w])   (passes: 1 or 2)
+                 write = rows·(n·b + 8)                                       (gradient, loss, lse)
+        backward read  = rows·(n·b + 4·tiles),  write = rows·n·b              (tiles = ⌈n / 4096⌉)
+
+    Rows that fit on chip (``ce_config``'s single read) are read once; longer rows twice (the
+    statistics, then the gradient). The host's O(rows) reductions (mean's denominator, the sum
+    of the losses) are not counted here.
+    """
+    from flashlite.kernels.cross_entropy import ce_config
+    from flashlite.ops.cross_entropy import BWD_BLOCK
+
+    b = torch.empty((), dtype=dtype).element_size()
+    passes = 1 if ce_config(n)["SINGLE"] else 2
+    t = Traffic()
+    t.add("target", rows * target_bytes, 0)
+    t.add("logits", rows * passes * n * b, 0)
+    if weight_bytes:
+        t.add("weight", rows * (4 + weight_bytes + passes * n * weight_bytes), 0)
+    t.add("gradient", 0, rows * n * b)
+    t.add("loss, lse", 0, rows * 8)
+    if backward:
+        block = min(BWD_BLOCK, 1 << max(4, (n - 1).bit_length()))
+        t.add("backward: gradient", rows * n * b, rows * n * b)
+        t.add("backward: incoming", rows * 4 * triton.cdiv(n, block), 0)
+    t.info = {"passes": passes}
+    return t
+
+
+def compulsory_cross_entropy(rows: int, n: int, dtype: torch.dtype) -> Traffic:
+    """The logits read once, the gradient written once, the targets read and the loss written."""
+    b = torch.empty((), dtype=dtype).element_size()
+    t = Traffic()
+    t.add("logits", rows * n * b, 0)
+    t.add("gradient", 0, rows * n * b)
+    t.add("target, loss", rows * 8, rows * 4)
+    return t

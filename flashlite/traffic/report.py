@@ -378,3 +378,34 @@ def decode_rows(
     if show_progress:
         _progress(len(shapes), len(shapes), "decode")
     return rows, notes
+
+
+def cross_entropy_rows(
+    rows: int, n: int, dtype: torch.dtype, *, count: bool = False, weight: bool = False
+) -> list[dict[str, Any]]:
+    """Cross-entropy forward + backward on ``(rows, n)`` logits: flashlite's fused kernels
+    (model; counted on CPU) against torch's ``cross_entropy`` (counted), and the compulsory bytes
+    (logits read once, gradient written once, targets and losses)."""
+    from flashlite.traffic.count import count_cross_entropy
+    from flashlite.traffic.model import compulsory_cross_entropy, model_cross_entropy
+
+    model = model_cross_entropy(rows, n, dtype, weight_bytes=4 if weight else 0)
+    flash = naive = None
+    if count:
+        flash, naive = count_cross_entropy(rows, n, dtype, weight=weight)
+    comp = compulsory_cross_entropy(rows, n, dtype)
+    out = []
+    for method, m, c in (("flashlite-ce", model, flash), ("torch-ce", None, naive)):
+        best = next((t for t in (c, m) if t is not None), None)
+        out.append(
+            {
+                "method": method,
+                "rows": rows,
+                "n": n,
+                "dtype": str(dtype).removeprefix("torch."),
+                **byte_fields(model=m, counted=c, dram=None, measured=None),
+                "compulsory_bytes": comp.total,
+                "vs_compulsory": best.total / comp.total if best else None,
+            }
+        )
+    return out
