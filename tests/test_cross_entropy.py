@@ -164,6 +164,22 @@ def test_return_lse_and_int32_targets() -> None:
     torch.testing.assert_close(loss, flashlite.cross_entropy(logits, target, softcap=6.0))
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_non_unit_incoming_gradients(reduction: str) -> None:
+    """The stored gradient is scaled for ``loss.backward()``; any other incoming gradient (a
+    scaled loss, per-token weights under ``none``) rescales it, in place or through the op."""
+    logits, target, weight = _inputs((6,), 70, torch.float32)
+    upstream = torch.rand(6) + 0.5 if reduction == "none" else torch.tensor(3.0)
+    for inplace in (False, True):
+        src = logits.clone().requires_grad_()
+        got = flashlite.cross_entropy(src * 1.0, target, weight, reduction=reduction,
+                                      inplace_backward=inplace)  # fmt: skip
+        (got * upstream).sum().backward()
+        ref = logits.double().requires_grad_()
+        (reference(ref, target, weight, reduction=reduction) * upstream.double()).sum().backward()
+        torch.testing.assert_close(src.grad.double(), ref.grad, atol=1e-6, rtol=1e-5)
+
+
 def test_backward_runs_once() -> None:
     logits = torch.randn(3, 20, requires_grad=True)
     loss = flashlite.cross_entropy(logits, torch.arange(3))
@@ -187,10 +203,13 @@ def test_compiles_and_passes_opcheck() -> None:
         loss.backward()
         grads.append((loss.detach(), leaf.grad))
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=0)
-    args = (logits.clone().requires_grad_(), target, weight, -100, 0.1, 1e-3, 0.0)
+    scale = torch.tensor([0.25])
+    args = (logits.clone(), torch.empty_like(logits), target, weight, scale, -100, 0.1, 1e-3, 0.0)
     opcheck(torch.ops.flashlite.cross_entropy_fwd.default, args)
     opcheck(torch.ops.flashlite.cross_entropy_fwd_inplace.default,
-            (logits.clone(), target, None, -100, 0.0, 0.0, 0.0))  # fmt: skip
+            (logits.clone(), target, None, scale, -100, 0.0, 0.0, 0.0))  # fmt: skip
+    opcheck(torch.ops.flashlite.cross_entropy_bwd.default,
+            (torch.randn(4, 64), torch.rand(4), scale))  # fmt: skip
 
 
 def test_bad_input() -> None:

@@ -75,7 +75,7 @@ def _grad(x, t, w, m, s, lse, cols, target, w_t, smoothing, inv_v, z_loss, weigh
 
 @triton.jit
 def _cross_entropy_fwd_kernel(
-    X, T, W, WSUM, G, LOSS, LSE,
+    X, T, W, WSUM, GSCALE, G, LOSS, LSE,
     n_cols, stride_xm, stride_xn, stride_gm, stride_gn,
     ignore_index, smoothing, z_loss, softcap,
     HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr,
@@ -84,7 +84,9 @@ def _cross_entropy_fwd_kernel(
 ):  # fmt: skip
     """One program per row: loss (fp32), LSE (fp32) and the gradient ``G`` (the logits' dtype;
     ``G`` may be ``X`` itself: each tile is read before it is overwritten). ``WSUM`` holds
-    ``Σ_j w_j`` (fp32, on the device: no host sync for it)."""
+    ``Σ_j w_j`` (fp32, on the device: no host sync for it); ``GSCALE`` the gradient's scale,
+    the incoming gradient a unit loss sends each row (``1/Σ`` for a mean, else 1), so that the
+    backward has nothing to do when that is what arrives."""
     row = tl.program_id(0).to(tl.int64)
     weight_sum = n_cols * 1.0
     if HAS_WEIGHT:
@@ -129,8 +131,9 @@ def _cross_entropy_fwd_kernel(
     tl.store(LOSS + row + tl.arange(0, 1), loss)
     tl.store(LSE + row + tl.arange(0, 1), lse)
 
-    # ignored rows: zero gradient; a target outside [0, V): NaN, like its loss
-    scale = tl.where(ignored, 0.0, tl.where(in_range, 1.0, float("nan")))
+    # ignored rows: zero gradient (not 0·GSCALE: a mean over no target has GSCALE = inf);
+    # a target outside [0, V): NaN, like its loss
+    scale = tl.where(ignored, 0.0, tl.where(in_range, tl.load(GSCALE), float("nan")))
     if SINGLE:
         g = _grad(x, t, w, m, s, lse, offs, target, w_t, smoothing, inv_v, z_loss, weight_sum,
                   scale, SOFTCAP)  # fmt: skip
@@ -148,17 +151,24 @@ def _cross_entropy_fwd_kernel(
 
 @triton.jit
 def _cross_entropy_bwd_kernel(
-    G, DX, DLOSS, n_cols, stride_gm, stride_gn, stride_dm, stride_dn,
-    BLOCK_N: tl.constexpr, COL_INT64: tl.constexpr, ROUND_BF16: tl.constexpr,
+    G, DX, DLOSS, GSCALE, n_cols, stride_gm, stride_gn, stride_dm, stride_dn,
+    SKIP_UNIT: tl.constexpr, BLOCK_N: tl.constexpr, COL_INT64: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
-    """``DX[row] = G[row]·DLOSS[row]``: the backward is the stored gradient scaled by the
-    incoming one (``DX`` may be ``G``). Grid ``(rows, cdiv(V, BLOCK_N))``."""
+    """``DX[row] = G[row]·DLOSS[row]/GSCALE``: the stored gradient (already scaled by the
+    ``GSCALE`` a unit loss sends) rescaled to the incoming one. ``SKIP_UNIT`` (``DX`` is ``G``):
+    a row whose incoming gradient is ``GSCALE`` exactly (``loss.backward()`` of a mean or a sum)
+    is already right and is not touched: no bytes. Grid ``(rows, cdiv(V, BLOCK_N))``."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     if COL_INT64:
         cols = cols.to(tl.int64)
     mask = cols < n_cols
-    d = tl.load(DLOSS + row).to(tl.float32)
+    dloss = tl.load(DLOSS + row).to(tl.float32)
+    expect = tl.load(GSCALE).to(tl.float32)
+    if SKIP_UNIT and dloss == expect:
+        return
+    d = dloss / expect
     g = tl.load(G + row * stride_gm + cols * stride_gn, mask=mask, other=0.0).to(tl.float32)
     # a zero stays zero: an ignored row's gradient is 0 even when the mean over no target
     # sends an infinite DLOSS (torch's gradient is 0 there too)

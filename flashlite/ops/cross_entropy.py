@@ -1,11 +1,13 @@
 """Fused softmax cross-entropy: validation, views, launch, custom ops and autograd.
 
 The kernel (:mod:`flashlite.kernels.cross_entropy`) computes each row's loss and LSE and writes
-its gradient in the same pass, so the softmax is never stored; the backward only scales that
-gradient by the incoming one. ``flashlite::cross_entropy_fwd`` returns the gradient as a buffer
-of its own (one logits-sized buffer of extra memory); ``flashlite::cross_entropy_fwd_inplace``
-writes it over the logits (none). Both are ``torch.library`` custom ops with fakes and autograd,
-so ``torch.compile(fullgraph=True)`` traces :func:`cross_entropy`.
+its gradient in the same pass, so the softmax is never stored; the backward only rescales that
+gradient when the incoming one is not what a unit loss sends. ``flashlite::cross_entropy_fwd``
+writes the gradient into a buffer of its own (one logits-sized buffer of extra memory);
+``flashlite::cross_entropy_fwd_inplace`` writes it over the logits (none). Both are
+``torch.library`` custom ops with fakes that declare what they write; the autograd formula lives
+in a ``torch.autograd.Function`` around them, and ``torch.compile(fullgraph=True)`` traces
+:func:`cross_entropy`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ def cross_entropy_fwd(
     logits: torch.Tensor,
     target: torch.Tensor,
     weight: torch.Tensor | None,
+    grad_scale: torch.Tensor,
     grad: torch.Tensor,
     ignore_index: int,
     label_smoothing: float,
@@ -37,8 +40,8 @@ def cross_entropy_fwd(
     softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on ``(N, V)`` logits (any strides), ``(N,)`` targets: returns
-    the fp32 per-row losses and LSE ``(N,)`` and writes the per-row gradient into ``grad``
-    ``(N, V)`` (which may be ``logits``). No checks."""
+    the fp32 per-row losses and LSE ``(N,)`` and writes the per-row gradient, times the fp32
+    1-element ``grad_scale``, into ``grad`` ``(N, V)`` (which may be ``logits``). No checks."""
     n, v = logits.shape
     losses = logits.new_empty((n,), dtype=torch.float32)
     lse = logits.new_empty((n,), dtype=torch.float32)
@@ -49,7 +52,8 @@ def cross_entropy_fwd(
     cfg = K.ce_config(v)
     kernel = _backend.launcher(K._cross_entropy_fwd_kernel)
     kernel[(n,)](
-        logits, target, weight if weight is not None else losses, wsum, grad, losses, lse,
+        logits, target, weight if weight is not None else losses, wsum, grad_scale, grad,
+        losses, lse,
         v, *logits.stride(), *grad.stride(), ignore_index, float(label_smoothing), float(z_loss),
         float(softcap), HAS_WEIGHT=weight is not None, SOFTCAP=softcap > 0,
         SMOOTH=label_smoothing > 0, SINGLE=cfg["SINGLE"], BLOCK_N=cfg["BLOCK_N"],
@@ -60,9 +64,13 @@ def cross_entropy_fwd(
 
 
 @on_compute_device
-def cross_entropy_bwd(grad: torch.Tensor, out: torch.Tensor, dloss: torch.Tensor) -> torch.Tensor:
-    """``out = grad·dloss[:, None]``: the stored ``(N, V)`` gradient scaled by the per-row
-    incoming gradient ``dloss`` ``(N,)`` (``out`` may be ``grad``); returns ``out``."""
+def cross_entropy_bwd(
+    grad: torch.Tensor, out: torch.Tensor, dloss: torch.Tensor, grad_scale: torch.Tensor
+) -> torch.Tensor:
+    """``out = grad·dloss[:, None]/grad_scale``: the stored ``(N, V)`` gradient (scaled by
+    ``grad_scale`` in the forward) rescaled to the per-row incoming gradient ``dloss`` ``(N,)``.
+    With ``out`` = ``grad``, rows whose ``dloss`` is ``grad_scale`` are left as they are (no
+    bytes moved). Returns ``out``."""
     n, v = grad.shape
     if n == 0:
         return out
@@ -70,35 +78,35 @@ def cross_entropy_bwd(grad: torch.Tensor, out: torch.Tensor, dloss: torch.Tensor
     col64 = (v - 1) * max(abs(grad.stride(1)), abs(out.stride(1))) >= _INT32_LIMIT
     kernel = _backend.launcher(K._cross_entropy_bwd_kernel)
     kernel[(n, cdiv(v, block))](
-        grad, out, dloss.float().contiguous(), v, *grad.stride(), *out.stride(),
-        BLOCK_N=block, COL_INT64=col64, ROUND_BF16=_backend.round_bf16(grad.dtype),
+        grad, out, dloss.float().contiguous(), grad_scale, v, *grad.stride(), *out.stride(),
+        SKIP_UNIT=out.data_ptr() == grad.data_ptr(), BLOCK_N=block, COL_INT64=col64,
+        ROUND_BF16=_backend.round_bf16(grad.dtype),
         num_warps=4, num_stages=1,
     )  # fmt: skip
     return out
 
 
 # ----------------------------------------------------------------------------- custom ops
-@torch.library.custom_op("flashlite::cross_entropy_fwd", mutates_args=())
+@torch.library.custom_op("flashlite::cross_entropy_fwd", mutates_args=("grad",))
 def _ce_fwd_op(
     logits: torch.Tensor,
+    grad: torch.Tensor,
     target: torch.Tensor,
     weight: torch.Tensor | None,
+    grad_scale: torch.Tensor,
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
     softcap: float,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    grad = torch.empty_like(logits)
-    losses, lse = cross_entropy_fwd(logits, target, weight, grad, ignore_index, label_smoothing,
-                                    z_loss, softcap)  # fmt: skip
-    return losses, lse, grad
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return cross_entropy_fwd(logits, target, weight, grad_scale, grad, ignore_index,
+                             label_smoothing, z_loss, softcap)  # fmt: skip
 
 
 @_ce_fwd_op.register_fake
-def _(logits, target, weight, ignore_index, label_smoothing, z_loss, softcap):  # type: ignore[no-untyped-def]
+def _(logits, grad, target, weight, grad_scale, ignore_index, label_smoothing, z_loss, softcap):  # type: ignore[no-untyped-def]
     n = logits.shape[0]
-    stats = [logits.new_empty((n,), dtype=torch.float32) for _ in range(2)]
-    return stats[0], stats[1], torch.empty_like(logits)
+    return tuple(logits.new_empty((n,), dtype=torch.float32) for _ in range(2))
 
 
 @torch.library.custom_op("flashlite::cross_entropy_fwd_inplace", mutates_args=("logits",))
@@ -106,77 +114,72 @@ def _ce_fwd_inplace_op(
     logits: torch.Tensor,
     target: torch.Tensor,
     weight: torch.Tensor | None,
+    grad_scale: torch.Tensor,
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
     softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return cross_entropy_fwd(logits, target, weight, logits, ignore_index, label_smoothing,
-                             z_loss, softcap)  # fmt: skip
+    return cross_entropy_fwd(logits, target, weight, grad_scale, logits, ignore_index,
+                             label_smoothing, z_loss, softcap)  # fmt: skip
 
 
 @_ce_fwd_inplace_op.register_fake
-def _(logits, target, weight, ignore_index, label_smoothing, z_loss, softcap):  # type: ignore[no-untyped-def]
+def _(logits, target, weight, grad_scale, ignore_index, label_smoothing, z_loss, softcap):  # type: ignore[no-untyped-def]
     n = logits.shape[0]
     return tuple(logits.new_empty((n,), dtype=torch.float32) for _ in range(2))
 
 
 @torch.library.custom_op("flashlite::cross_entropy_bwd", mutates_args=())
-def _ce_bwd_op(grad: torch.Tensor, dloss: torch.Tensor) -> torch.Tensor:
-    return cross_entropy_bwd(grad, torch.empty_like(grad), dloss)
+def _ce_bwd_op(grad: torch.Tensor, dloss: torch.Tensor, grad_scale: torch.Tensor) -> torch.Tensor:
+    return cross_entropy_bwd(grad, torch.empty_like(grad), dloss, grad_scale)
 
 
 @_ce_bwd_op.register_fake
-def _(grad, dloss):  # type: ignore[no-untyped-def]
+def _(grad, dloss, grad_scale):  # type: ignore[no-untyped-def]
     return torch.empty_like(grad)
 
 
-def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    ctx.mark_non_differentiable(output[1])  # the LSE (the gradient buffer's own gradient,
-    ctx.save_for_backward(output[2])  # if anything sends one, is ignored)
-    ctx.used = False
-
-
-def _backward(ctx, dloss, *_ignored):  # type: ignore[no-untyped-def]
-    """The stored gradient scaled in place by the incoming one, handed over as the logits'."""
-    if ctx.used:
-        raise RuntimeError(
-            "flashlite.cross_entropy's backward runs once: its gradient buffer is handed to the "
-            "logits' gradient; run the forward again to differentiate again"
-        )
-    ctx.used = True
-    (grad,) = ctx.saved_tensors
-    if skip_dispatcher(grad, dloss):  # eager: the stored gradient is scaled where it is
-        cross_entropy_bwd(grad, grad, dloss)
-    else:  # traced (compile, AOT, fake tensors): the functional op, a new buffer
-        grad = torch.ops.flashlite.cross_entropy_bwd.default(grad, dloss)
-    return grad, None, None, None, None, None, None
-
-
-_ce_fwd_op.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _InplaceCrossEntropy(torch.autograd.Function):
-    """``inplace_backward``: the forward writes the gradient over the logits' buffer, the
-    backward scales it there and hands it over (a mutating custom op cannot carry an autograd
-    formula, so the autograd side lives here). The write goes through a detached alias, which
-    shares the logits' version counter: a node that saved the logits for its own backward
-    raises torch's "modified by an inplace operation" error instead of reading gradients."""
+class _CrossEntropy(torch.autograd.Function):
+    """The forward writes the gradient (scaled for a unit loss) into a buffer of its own or,
+    with ``inplace``, over the logits; the backward rescales it there if the incoming gradient
+    is not that unit one and hands it over as the logits' gradient. The ops that write it
+    declare the mutation, and a mutating custom op cannot carry an autograd formula, so the
+    autograd side lives here. The in-place write goes through a detached alias, which shares
+    the logits' version counter: a node that saved the logits for its own backward raises
+    torch's "modified by an inplace operation" error instead of reading gradients."""
 
     @staticmethod
-    def forward(ctx, logits, target, weight, ignore_index, label_smoothing, z_loss, softcap):  # type: ignore[no-untyped-def, override]
-        buffer = logits.detach()
-        losses, lse = torch.ops.flashlite.cross_entropy_fwd_inplace.default(
-            buffer, target, weight, ignore_index, label_smoothing, z_loss, softcap
-        )
+    def forward(ctx, logits, target, weight, grad_scale, ignore_index, label_smoothing, z_loss,  # type: ignore[no-untyped-def, override]
+                softcap, inplace):  # fmt: skip
+        opts = (weight, grad_scale, ignore_index, label_smoothing, z_loss, softcap)
+        if inplace:
+            grad = logits.detach()
+            losses, lse = torch.ops.flashlite.cross_entropy_fwd_inplace.default(grad, target,
+                                                                               *opts)  # fmt: skip
+        else:
+            grad = torch.empty_like(logits)
+            losses, lse = torch.ops.flashlite.cross_entropy_fwd.default(logits, grad, target,
+                                                                       *opts)  # fmt: skip
         ctx.mark_non_differentiable(lse)
-        ctx.save_for_backward(buffer)
+        ctx.save_for_backward(grad, grad_scale)
         ctx.used = False
         return losses, lse
 
     @staticmethod
     def backward(ctx, dloss, _dlse):  # type: ignore[no-untyped-def, override]
-        return _backward(ctx, dloss)
+        if ctx.used:
+            raise RuntimeError(
+                "flashlite.cross_entropy's backward runs once: its gradient buffer is handed to "
+                "the logits' gradient; run the forward again to differentiate again"
+            )
+        ctx.used = True
+        grad, grad_scale = ctx.saved_tensors
+        if skip_dispatcher(grad, dloss):  # eager: rescaled where it is, and only if needed
+            cross_entropy_bwd(grad, grad, dloss, grad_scale)
+        else:  # traced (compile, AOT, fake tensors): the functional op, a new buffer
+            grad = torch.ops.flashlite.cross_entropy_bwd.default(grad, dloss, grad_scale)
+        return grad, *([None] * 8)
 
 
 # ----------------------------------------------------------------------------- front-end
@@ -298,22 +301,26 @@ def cross_entropy(
     t1 = target.reshape(-1)
     if validate and not torch.compiler.is_compiling():
         _check_targets(t1, v, ignore_index)
-    args = (t1, weight, ignore_index, float(label_smoothing), float(z_loss), float(softcap or 0))
-    if inplace_backward:
-        losses, lse = _InplaceCrossEntropy.apply(x2, *args)
+    # the incoming gradient a unit loss sends each row: the gradient is stored times it, so
+    # that loss.backward() finds nothing left to do (1/Σ for a mean: torch's weighted mean)
+    if reduction == "mean":
+        kept = t1 != ignore_index
+        if weight is None:
+            denom = kept.sum(dtype=torch.float32)
+        else:
+            denom = torch.where(kept, weight.float()[t1.clamp(0, v - 1)], 0.0).sum()
+        grad_scale = (1.0 / denom).reshape(1)
     else:
-        losses, lse, _grad = torch.ops.flashlite.cross_entropy_fwd.default(x2, *args)
+        grad_scale = torch.ones(1, dtype=torch.float32, device=logits.device)
+    args = (t1, weight, grad_scale, ignore_index, float(label_smoothing), float(z_loss),
+            float(softcap or 0))  # fmt: skip
+    losses, lse = _CrossEntropy.apply(x2, *args, bool(inplace_backward))
     if reduction == "none":
         loss = losses.view(target.shape)
     elif reduction == "sum":
         loss = losses.sum()
-    else:
-        kept = t1 != ignore_index
-        if weight is None:
-            denom = kept.sum()
-        else:
-            denom = torch.where(kept, weight.float()[t1.clamp(0, v - 1)], 0.0).sum()
-        loss = losses.sum() / denom
+    else:  # (Σ loss)·(1/Σ): its backward sends each row exactly grad_scale·grad_output
+        loss = losses.sum() * grad_scale[0]
     return (loss, lse.view(target.shape)) if return_lse else loss
 
 
@@ -339,17 +346,18 @@ def _linear_chunks(
     n = hidden.shape[0]
     losses = hidden.new_empty((n,), dtype=torch.float32)
     lse = hidden.new_empty((n,), dtype=torch.float32)
+    unit = torch.ones(1, dtype=torch.float32, device=hidden.device)
     for r0 in range(0, n, chunk):
         rows = slice(r0, min(n, r0 + chunk))
         h = hidden[rows]
         logits = h @ weight.t()
         if bias is not None:
             logits += bias
-        losses[rows], lse[rows] = cross_entropy_fwd(logits, target[rows], *opts[:1], logits,
+        losses[rows], lse[rows] = cross_entropy_fwd(logits, target[rows], opts[0], unit, logits,
                                                     *opts[1:])  # fmt: skip
         if grads is None:
             continue
-        g = cross_entropy_bwd(logits, logits, scale[rows])  # ∂loss/∂logits of these tokens
+        g = cross_entropy_bwd(logits, logits, scale[rows], unit)  # ∂loss/∂logits, these tokens
         dh, dw, db = grads
         torch.matmul(g, weight, out=dh[rows])
         dw.addmm_(g.t(), h)

@@ -620,18 +620,22 @@ def model_cross_entropy(
     weight_bytes: int = 0,
     target_bytes: int = 8,
     backward: bool = True,
+    unit_grad: bool = True,
 ) -> Traffic:
     """Bytes the fused cross-entropy kernels issue for ``(rows, n)`` logits (classes last),
-    ``weight_bytes`` > 0 with class weights of that element size, and the backward's scaling
-    kernel with ``backward`` (:mod:`flashlite.kernels.cross_entropy`)::
+    ``weight_bytes`` > 0 with class weights of that element size, and the backward's kernel
+    with ``backward`` (:mod:`flashlite.kernels.cross_entropy`)::
 
-        forward  read  = rows·(target + passes·n·b [+ 4 + w + passes·n·w])   (passes: 1 or 2)
-                 write = rows·(n·b + 8)                                       (gradient, loss, lse)
-        backward read  = rows·(n·b + 4·tiles),  write = rows·n·b              (tiles = ⌈n / 4096⌉)
+        forward  read  = rows·(target + 4 + passes·n·b [+ 4 + w + passes·n·w])   passes: 1 or 2
+                 write = rows·(n·b + 8)                                        gradient, loss, lse
+        backward read  = rows·8·tiles [+ rows·n·b],  write [rows·n·b]             tiles = ⌈n/4096⌉
 
     Rows that fit on chip (``ce_config``'s single read) are read once; longer rows twice (the
-    statistics, then the gradient). The host's O(rows) reductions (mean's denominator, the sum
-    of the losses) are not counted here.
+    statistics, then the gradient). The forward stores the gradient already scaled for a unit
+    loss (``1/Σ`` for a mean), so with ``unit_grad`` (``loss.backward()``) the backward's
+    programs read two scalars each and stop; otherwise they rescale the gradient (the bracketed
+    terms). The host's O(rows) reductions (mean's denominator, the sum of the losses) are not
+    counted here.
     """
     from flashlite.kernels.cross_entropy import ce_config
     from flashlite.ops.cross_entropy import BWD_BLOCK
@@ -639,7 +643,7 @@ def model_cross_entropy(
     b = torch.empty((), dtype=dtype).element_size()
     passes = 1 if ce_config(n)["SINGLE"] else 2
     t = Traffic()
-    t.add("target", rows * target_bytes, 0)
+    t.add("target, gradient scale", rows * (target_bytes + 4), 0)
     t.add("logits", rows * passes * n * b, 0)
     if weight_bytes:
         t.add("weight", rows * (4 + weight_bytes + passes * n * weight_bytes), 0)
@@ -647,8 +651,9 @@ def model_cross_entropy(
     t.add("loss, lse", 0, rows * 8)
     if backward:
         block = min(BWD_BLOCK, 1 << max(4, (n - 1).bit_length()))
-        t.add("backward: gradient", rows * n * b, rows * n * b)
-        t.add("backward: incoming", rows * 4 * triton.cdiv(n, block), 0)
+        t.add("backward: incoming, scale", rows * 8 * triton.cdiv(n, block), 0)
+        if not unit_grad:
+            t.add("backward: gradient", rows * n * b, rows * n * b)
     t.info = {"passes": passes}
     return t
 
