@@ -1180,25 +1180,11 @@ def _kvcache(
     return o.transpose(1, 2), lse
 
 
-@torch.library.custom_op("flashlite::attention_kvcache", mutates_args=("k_cache", "v_cache"))
-def _attention_kvcache_op(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    k_new: torch.Tensor | None,
-    v_new: torch.Tensor | None,
-    block_table: torch.Tensor | None,
-    causal: bool,
-    scale: float,
-    window_left: int,
-    window_right: int,
-    softcap: float,
-    num_splits: int,
-    validate: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    return _kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale,
-                    window_left, window_right, softcap, num_splits, validate)  # fmt: skip
+#: ``flashlite::attention_kvcache``: :func:`_kvcache` as a custom op that declares the caches
+#: written (the append), so ``torch.compile`` traces a decode step through it.
+_attention_kvcache_op = torch.library.custom_op(
+    "flashlite::attention_kvcache", mutates_args=("k_cache", "v_cache")
+)(_kvcache)
 
 
 @_attention_kvcache_op.register_fake

@@ -129,6 +129,17 @@ def scores(q, k_src, b, h_kv, start_n, k_row, offs_m, offs_n, offs_d, seq_q, seq
     ``k_row``: the sequence's first row in ``k_src`` (0 but for varlen descriptors)."""
     k = load_tile(k_src, b, h_kv, k_row + start_n, k_row + seq_k, stride_kn, stride_kd, offs_n,
                    offs_d, HEAD_DIM, BLOCK_D, USE_DESC, MASKED)  # fmt: skip
+    return score_tile(q, k, start_n, offs_m, offs_n, seq_q, seq_k, left, right, cap, MASKED,
+                      IS_CAUSAL, WINDOW, SOFTCAP, DOT_FP32, DOT_PRECISION)  # fmt: skip
+
+
+@triton.jit
+def score_tile(q, k, start_n, rows, offs_n, seq_q, seq_k, left, right, cap,
+               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
+               SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
+               DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """:func:`scores` of a loaded key tile ``k`` (in the inputs' dtype), for rows at query
+    positions ``rows`` (the decode kernel's packed rows share positions)."""
     fast_tanh: tl.constexpr = k.dtype != tl.float32
     if DOT_FP32:
         k = k.to(tl.float32)
@@ -136,7 +147,7 @@ def scores(q, k_src, b, h_kv, start_n, k_row, offs_m, offs_n, offs_d, seq_q, seq
     if SOFTCAP:
         qk, _t = soft_cap(qk, cap, fast_tanh)
     if MASKED:
-        seen = visible(offs_m, start_n + offs_n, seq_q, seq_k, left, right, IS_CAUSAL, WINDOW)
+        seen = visible(rows, start_n + offs_n, seq_q, seq_k, left, right, IS_CAUSAL, WINDOW)
         qk = tl.where(seen, qk, float("-inf"))
     return qk
 

@@ -35,11 +35,11 @@ from flashlite.kernels.attention.common import (
     head_ptr,
     load_tile,
     scale_q,
-    soft_cap,
+    score_tile,
     update,
 )
 from flashlite.kernels.common import cast
-from flashlite.masks import key_range, visible
+from flashlite.masks import key_range
 from flashlite.stats import LOG2E, finalize_lse, merge_partials, rescale
 
 
@@ -96,15 +96,8 @@ def _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, lo, hi, pos, offs_n, offs
         k = kv_tile(K, TABLE, b, h_kv, start_n, offs_n, offs_d, seq_k, stride_kb, stride_kh,
                     stride_kn, stride_kd, stride_tb, num_pages, MASKED, PAGE_SIZE, HEAD_DIM,
                     BLOCK_D, BLOCK_N, USE_DESC)  # fmt: skip
-        fast_tanh: tl.constexpr = k.dtype != tl.float32
-        if DOT_FP32:
-            k = k.to(tl.float32)
-        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if SOFTCAP:
-            qk, _t = soft_cap(qk, cap, fast_tanh)
-        if MASKED:
-            seen = visible(pos, start_n + offs_n, seq_q, seq_k, left, right, IS_CAUSAL, WINDOW)
-            qk = tl.where(seen, qk, float("-inf"))
+        qk = score_tile(q, k, start_n, pos, offs_n, seq_q, seq_k, left, right, cap, MASKED,
+                        IS_CAUSAL, WINDOW, SOFTCAP, DOT_FP32, DOT_PRECISION)  # fmt: skip
         m, s, alpha, p, _moved = update(m, s, qk, exp_scale, False)
         v = kv_tile(V, TABLE, b, h_kv, start_n, offs_n, offs_d, seq_k, stride_vb, stride_vh,
                     stride_vn, stride_vd, stride_tb, num_pages, MASKED, PAGE_SIZE, HEAD_DIM,
