@@ -4,9 +4,12 @@ The model is a plain torch.nn decoder (pre-norm blocks, causal self-attention, G
 embeddings) over byte tokens; the data are the ``.py`` files of this interpreter's standard
 library (``sysconfig.get_paths()["stdlib"]``), so nothing is downloaded. ``--attention both``
 trains twice from the same seed and the same initial weights, once per attention, and reports
-both loss curves, their final difference and tokens/s.
+both loss curves, their final difference and tokens/s. ``--loss flashlite`` takes the loss from
+``flashlite.cross_entropy`` (fused, on the logits in the training dtype) instead of torch's
+cross-entropy on fp32 logits; ``--loss both`` trains once with each, for each attention.
 
     python examples/train_gpt.py --attention both --steps 500 --plot gpt.png   # GPU
+    python examples/train_gpt.py --attention sdpa --loss both --steps 500      # GPU: the losses
     python examples/train_gpt.py --layers 2 --context 64 --width 64 --heads 2 --steps 5  # CPU
 """
 
@@ -91,7 +94,7 @@ class GPT(nn.Module):
         return self.norm(x) @ self.embed.weight.t()  # tied output layer
 
 
-def train(args: argparse.Namespace, attention: str, corpus: torch.Tensor) -> dict:
+def train(args: argparse.Namespace, attention: str, corpus: torch.Tensor, loss_fn: str) -> dict:
     """One run; the model's weights come from ``args.seed`` alone, so runs start identically."""
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
@@ -110,7 +113,10 @@ def train(args: argparse.Namespace, attention: str, corpus: torch.Tensor) -> dic
         t0 = time.perf_counter()
         with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
             logits = model(seq[:, :-1])
-            loss = F.cross_entropy(logits.float().reshape(-1, 256), seq[:, 1:].reshape(-1))
+            if loss_fn == "flashlite":  # fused, fp32 loss from the logits as they are
+                loss = flashlite.cross_entropy(logits.reshape(-1, 256), seq[:, 1:].reshape(-1))
+            else:
+                loss = F.cross_entropy(logits.float().reshape(-1, 256), seq[:, 1:].reshape(-1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -124,13 +130,19 @@ def train(args: argparse.Namespace, attention: str, corpus: torch.Tensor) -> dic
             raise RuntimeError(f"{attention}: loss is {losses[-1]} at step {step}")
         if args.log_every and step % args.log_every == 0:
             print(f"{attention:>9} step {step:4d}  loss {losses[-1]:.4f}", flush=True)
-    return {"attention": attention, "losses": losses,
+    return {"attention": attention, "loss": loss_fn, "losses": losses,
             "tokens_per_s": tokens / elapsed if elapsed else None}  # fmt: skip
+
+
+def _label(run: dict) -> str:
+    """A run's name: its attention, and its loss when that is not torch's."""
+    return run["attention"] + ("" if run["loss"] == "torch" else " + flashlite CE")
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--attention", choices=["flashlite", "sdpa", "both"], default="both")
+    p.add_argument("--loss", choices=["torch", "flashlite", "both"], default="torch")
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--width", type=int, default=384)
     p.add_argument("--heads", type=int, default=6)
@@ -150,8 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.width % args.heads:
         p.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
     corpus = load_corpus(int(args.corpus_mib * 2**20))
-    runs = ["flashlite", "sdpa"] if args.attention == "both" else [args.attention]
-    results = [train(args, a, corpus) for a in runs]
+    attentions = ["flashlite", "sdpa"] if args.attention == "both" else [args.attention]
+    loss_fns = ["torch", "flashlite"] if args.loss == "both" else [args.loss]
+    results = [train(args, a, corpus, f) for a in attentions for f in loss_fns]
     summary = {"config": {k: str(v) for k, v in vars(args).items()}, "runs": results}
     if len(results) == 2:
         tail = max(1, min(20, args.steps // 10))  # final loss: mean of the last steps
@@ -159,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         summary["final_loss_difference"] = abs(finals[0] - finals[1])
     for r in results:
         tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}"
-        print(f"{r['attention']:>9}: first loss {r['losses'][0]:.4f}, last {r['losses'][-1]:.4f},"
+        print(f"{_label(r):>19}: first loss {r['losses'][0]:.4f}, last {r['losses'][-1]:.4f},"
               f" tokens/s {tps}")  # fmt: skip
     if "final_loss_difference" in summary:
         print(f"final-loss difference: {summary['final_loss_difference']:.4f} nats")
@@ -169,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.plot:
         from flashlite.plotting import Figure, Line, Panel, save
 
-        lines = [Line(range(len(r["losses"])), r["losses"], r["attention"]) for r in results]
+        lines = [Line(range(len(r["losses"])), r["losses"], _label(r)) for r in results]
         title = f"GPT {args.layers}x{args.width}, context {args.context}, {args.dtype}"
         panel = Panel(lines, title=title, xlabel="step", ylabel="training loss (nats)")
         save(Figure([[panel]]), args.plot)

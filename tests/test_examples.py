@@ -33,3 +33,19 @@ def test_train_gpt_tiny_flashlite_matches_sdpa(tmp_path: Path) -> None:
     assert abs(flash[0] - sdpa[0]) < 1e-4  # same weights, same batch: the same first loss
     assert flash[-1] < flash[0]  # it learns
     assert max(abs(a - b) for a, b in zip(flash, sdpa, strict=True)) < 1e-3
+
+
+@pytest.mark.interpreter
+def test_train_gpt_flashlite_loss_matches_torch(tmp_path: Path) -> None:
+    # issue 12, must 6: the fused cross-entropy trains the same model along the same curve
+    train_gpt = _load("train_gpt")
+    out = tmp_path / "gpt.json"
+    argv = ["--layers", "1", "--context", "32", "--width", "32", "--heads", "2", "--steps", "4",
+            "--batch", "4", "--corpus-mib", "1", "--device", "cpu", "--log-every", "0",
+            "--attention", "sdpa", "--loss", "both", "--json", str(out)]  # fmt: skip
+    assert train_gpt.main(argv) == 0
+    runs = {r["loss"]: r["losses"] for r in json.loads(out.read_text())["runs"]}
+    fused, torch_ce = runs["flashlite"], runs["torch"]
+    assert abs(fused[0] - torch_ce[0]) < 1e-5  # the same logits: the same first loss
+    assert max(abs(a - b) for a, b in zip(fused, torch_ce, strict=True)) < 1e-4
+    assert fused[-1] < fused[0]
