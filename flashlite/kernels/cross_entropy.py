@@ -47,7 +47,10 @@ def ce_config(n_cols: int) -> dict[str, object]:
 def _logits(X, W, cols, n_cols, stride_n, softcap, SOFTCAP: tl.constexpr,
             HAS_WEIGHT: tl.constexpr):  # fmt: skip
     """A ``[1, BLOCK_N]`` tile of (capped) fp32 logits (−inf past the row), ``tanh`` of the
-    cap (for its derivative; 0 without one) and the class weights (0 past the row)."""
+    cap (for its derivative; 0 without one) and the class weights (0 past the row). Every
+    tile is loaded 2-D, in the layout the row's arithmetic uses (a 1-D load reshaped afterwards
+    went through shared memory and spilled registers on sm_90)."""
+    cols = cols[None, :]
     mask = cols < n_cols
     x = tl.load(X + cols * stride_n, mask=mask, other=float("-inf")).to(tl.float32)
     t = tl.zeros_like(x)
@@ -57,7 +60,7 @@ def _logits(X, W, cols, n_cols, stride_n, softcap, SOFTCAP: tl.constexpr,
     w = tl.where(mask, 1.0, 0.0)
     if HAS_WEIGHT:
         w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    return x[None, :], t[None, :], w[None, :]
+    return x, t, w
 
 
 @triton.jit
