@@ -27,7 +27,7 @@ from flashlite.kernels import configs as C
 from flashlite.kernels.attention import bwd as KB
 from flashlite.kernels.attention import decode as KD
 from flashlite.kernels.attention import fwd as K
-from flashlite.ops.common import on_compute_device, skip_dispatcher
+from flashlite.ops.common import check_softcap, on_compute_device, skip_dispatcher
 
 LAYOUTS = ("b h n d", "b n h d")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -274,8 +274,7 @@ def attention_fwd(
     """
     if num_splits > 0 and varlen is None:  # few rows: packed GQA, split-KV, the exact merge
         o, lse, _ = attention_decode_fwd(q, k, v, seqlens_k, causal, scale, window=window,
-                                         softcap=softcap, num_splits=num_splits,
-                                         config=config)  # fmt: skip
+                                         softcap=softcap, num_splits=num_splits)  # fmt: skip
         return o, lse, None
     dev = q.device
     b, hq, nq, d = q.shape
@@ -385,9 +384,7 @@ def attention_decode_fwd(
             "BLOCK_N": bn, "IS_CAUSAL": is_causal, "WINDOW": has_window,
             "SOFTCAP": softcap is not None, "HAS_SEQLENS": seqlens_k is not None,
             "PAGE_SIZE": page_size, "USE_DESC": use_desc,
-            "PRESCALE_Q": q.dtype != torch.float32, "DOT_FP32": _backend.dot_upcast(q.dtype),
-            "DOT_PRECISION": "tf32x3" if q.dtype == torch.float32 else "tf32",
-            "ROUND_BF16": _backend.round_bf16(q.dtype),
+            "PRESCALE_Q": _prescale_q(q), **_dot_flags(q.dtype),
             "num_warps": config.num_warps, "num_stages": config.num_stages,
         }  # fmt: skip
     if splits > 1:  # fp32 partials, merged below
@@ -491,10 +488,7 @@ def _plan(
         "USE_DESC": use_desc,
         # fold the scale into Q for 16-bit inputs (see the kernel)
         "PRESCALE_Q": dtype != torch.float32 if prescale_q is None else prescale_q,
-        "DOT_FP32": _backend.dot_upcast(dtype),
-        # fp32 inputs: three TF32 passes give about fp32 accuracy on tensor cores
-        "DOT_PRECISION": "tf32x3" if dtype == torch.float32 else "tf32",
-        "ROUND_BF16": _backend.round_bf16(dtype),
+        **_dot_flags(dtype),
     }
     if config is not None:
         launch |= config.constexprs()
@@ -610,6 +604,17 @@ def attention_bwd(
     return dq, dk, dv
 
 
+def _dot_flags(dtype: torch.dtype) -> dict[str, object]:
+    """The attention kernels' precision constexprs for inputs of ``dtype``: fp32 operands for
+    ``tl.dot`` where the backend needs them (the interpreter's bf16), three TF32 passes for fp32
+    inputs (about fp32 accuracy on tensor cores), and the store-side bf16 rounding."""
+    return {
+        "DOT_FP32": _backend.dot_upcast(dtype),
+        "DOT_PRECISION": "tf32x3" if dtype == torch.float32 else "tf32",
+        "ROUND_BF16": _backend.round_bf16(dtype),
+    }
+
+
 def _prescale_q(q: torch.Tensor) -> bool:
     return q.dtype != torch.float32  # as the forward computed the scores
 
@@ -638,9 +643,7 @@ def _bwd_args(
         "WINDOW": has_window,
         "SOFTCAP": softcap is not None,
         "PRESCALE_Q": _prescale_q(q),
-        "DOT_FP32": _backend.dot_upcast(q.dtype),
-        "DOT_PRECISION": "tf32x3" if q.dtype == torch.float32 else "tf32",
-        "ROUND_BF16": _backend.round_bf16(q.dtype),
+        **_dot_flags(q.dtype),
     }
 
 
@@ -868,7 +871,7 @@ def attention(
             o, lse = _ATTENTION_FWD(qc, kc, vc, causal, sm_scale)
     else:
         left, right = masks.window_bounds(window, causal)
-        cap = _check_softcap(softcap)
+        cap = check_softcap(softcap)
         lengths = _check_seqlens(seqlens_k, qc, kc)
         if skip_dispatcher(q, k, v):
             o, lse, _ = attention_fwd(qc, kc, vc, causal, sm_scale, window=(left, right),
@@ -880,17 +883,6 @@ def attention(
     if layout != "b h n d":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
-
-
-def _check_softcap(softcap: object) -> float:
-    """``softcap`` as the op takes it (0.0 for none)."""
-    if softcap is None:
-        return 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
-    if not 0 < softcap < math.inf:
-        raise ValueError(f"softcap must be a finite positive number or None, got {softcap}")
-    return float(softcap)
 
 
 def _check_seqlens(seqlens_k: object, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
@@ -974,7 +966,7 @@ def attention_varlen(
     if validate and not torch.compiler.is_compiling():
         _check_cu_values(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     left, right = masks.window_bounds(window, bool(causal))
-    cap = _check_softcap(softcap)
+    cap = check_softcap(softcap)
     o, lse = _ATTENTION_FWD(qc, kc, vc, bool(causal), sm_scale, left, right, cap, None, cu_q,
                             cu_k, int(max_seqlen_q), int(max_seqlen_k))  # fmt: skip
     o = o.transpose(1, 2).squeeze(0)
@@ -1123,7 +1115,7 @@ def attention_kvcache(
                              f"{tuple(k_new.shape)} and {tuple(v_new.shape)}")  # type: ignore[union-attr]  # fmt: skip
     splits = _check_splits(num_splits) or 0
     left, right = masks.window_bounds(window, bool(causal))
-    cap = _check_softcap(softcap)
+    cap = check_softcap(softcap)
     sm_scale = _check_scale(scale, d)
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, bool(causal),
             sm_scale, left, right, cap, splits, bool(validate))  # fmt: skip

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -54,3 +55,15 @@ def skip_dispatcher(*tensors: torch.Tensor) -> bool:
         return False
     grad = torch.is_grad_enabled()
     return all(type(t) is torch.Tensor and not (grad and t.requires_grad) for t in tensors)
+
+
+def check_softcap(softcap: object) -> float:
+    """A soft cap (attention scores, logits) as the ops take it: 0.0 for None, else a finite
+    positive float."""
+    if softcap is None:
+        return 0.0
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
+    if not 0 < softcap < math.inf:
+        raise ValueError(f"softcap must be a finite positive number or None, got {softcap}")
+    return float(softcap)

@@ -17,7 +17,7 @@ import torch
 from flashlite import _backend
 from flashlite.kernels import cross_entropy as K
 from flashlite.kernels.configs import cdiv
-from flashlite.ops.common import on_compute_device, skip_dispatcher
+from flashlite.ops.common import check_softcap, on_compute_device, skip_dispatcher
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REDUCTIONS = ("none", "mean", "sum")
@@ -228,10 +228,7 @@ def _check(
         raise ValueError(f"label_smoothing must lie in [0, 1], got {label_smoothing}")
     if not z_loss >= 0.0:  # type: ignore[operator]
         raise ValueError(f"z_loss must be >= 0, got {z_loss}")
-    if softcap is not None and (
-        isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0
-    ):
-        raise ValueError(f"softcap must be None or a number > 0, got {softcap!r}")
+    check_softcap(softcap)
 
 
 def _check_targets(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
@@ -313,7 +310,7 @@ def cross_entropy(
     else:
         grad_scale = torch.ones(1, dtype=torch.float32, device=logits.device)
     args = (t1, weight, grad_scale, ignore_index, float(label_smoothing), float(z_loss),
-            float(softcap or 0))  # fmt: skip
+            check_softcap(softcap))  # fmt: skip
     losses, lse = _CrossEntropy.apply(x2, *args, bool(inplace_backward))
     if reduction == "none":
         loss = losses.view(target.shape)
@@ -481,7 +478,7 @@ def linear_cross_entropy(
     chunk = chunk_size or max(1, LINEAR_CHUNK_BYTES // (v * hidden.element_size()))
     loss, lse = _LinearCrossEntropy.apply(
         h2, weight, bias, t1, class_weight, ignore_index, float(label_smoothing), float(z_loss),
-        float(softcap or 0), reduction, chunk,
+        check_softcap(softcap), reduction, chunk,
     )  # fmt: skip
     if reduction == "none":
         loss = loss.view(target.shape)
