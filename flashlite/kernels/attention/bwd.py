@@ -48,8 +48,8 @@ from flashlite.kernels.attention.common import (
     cap_units,
     head_ptr,
     load_tile,
-    packed_ptr,
     scale_q,
+    seq_ptr,
     sequence,
     soft_cap,
     store_tile,
@@ -196,11 +196,8 @@ def _attention_bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d, offs_r = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_M)
     dt = DK.dtype.element_ty  # tensor-core operands are rounded to the inputs' dtype
-    k_src = head_ptr(K, b, h_kv, stride_kb, stride_kh)
-    v_src = head_ptr(V, b, h_kv, stride_vb, stride_vh)
-    if VARLEN:
-        k_src = packed_ptr(K, h_kv, k0, stride_kh, stride_kn)
-        v_src = packed_ptr(V, h_kv, k0, stride_vh, stride_vn)
+    k_src = seq_ptr(K, b, h_kv, k0, stride_kb, stride_kh, stride_kn, VARLEN)
+    v_src = seq_ptr(V, b, h_kv, k0, stride_vb, stride_vh, stride_vn, VARLEN)
     k = load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, tl.arange(0, BLOCK_N),
                   offs_d, HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
     v = load_tile(v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, tl.arange(0, BLOCK_N),
@@ -225,12 +222,9 @@ def _attention_bwd_dkdv_kernel(
         h = h_kv * group + g
         if USE_DESC:
             qs_src, g_src = QS, DO
-        elif VARLEN:
-            qs_src = packed_ptr(QS, h, q0, stride_qh, stride_qm)
-            g_src = packed_ptr(DO, h, q0, stride_gh, stride_gm)
         else:
-            qs_src = head_ptr(QS, b, h, stride_qb, stride_qh)
-            g_src = head_ptr(DO, b, h, stride_gb, stride_gh)
+            qs_src = seq_ptr(QS, b, h, q0, stride_qb, stride_qh, stride_qm, VARLEN)
+            g_src = seq_ptr(DO, b, h, q0, stride_gb, stride_gh, stride_gm, VARLEN)
         if VARLEN:
             stats = h.to(tl.int64) * q_mem + q0
         else:
@@ -255,12 +249,8 @@ def _attention_bwd_dkdv_kernel(
     if HAS_SEQLENS:  # keys that do not exist get zero gradients (the unmasked loop ran them)
         dk = tl.where(offs_n[:, None] < seq_k, dk, 0.0)
         dv = tl.where(offs_n[:, None] < seq_k, dv, 0.0)
-    if VARLEN:
-        dk_dst = packed_ptr(DK, h_kv, k0, stride_dkh, stride_dkn)
-        dv_dst = packed_ptr(DV, h_kv, k0, stride_dvh, stride_dvn)
-    else:
-        dk_dst = head_ptr(DK, b, h_kv, stride_dkb, stride_dkh)
-        dv_dst = head_ptr(DV, b, h_kv, stride_dvb, stride_dvh)
+    dk_dst = seq_ptr(DK, b, h_kv, k0, stride_dkb, stride_dkh, stride_dkn, VARLEN)
+    dv_dst = seq_ptr(DV, b, h_kv, k0, stride_dvb, stride_dvh, stride_dvn, VARLEN)
     store_tile(dk_dst, cast(dk * dk_scale, DK.dtype.element_ty, ROUND_BF16), offs_n, n_keys,
                stride_dkn, stride_dkd, offs_d, HEAD_DIM)  # fmt: skip
     store_tile(dv_dst, cast(dv, DV.dtype.element_ty, ROUND_BF16), offs_n, n_keys, stride_dvn,
@@ -328,18 +318,13 @@ def _attention_bwd_dq_kernel(
     offs_r, offs_d, offs_c = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_N)
     rows = start_m + offs_r
     dt = DQ.dtype.element_ty
-    qs_src = head_ptr(QS, b, h, stride_qb, stride_qh)
-    g_src = head_ptr(DO, b, h, stride_gb, stride_gh)
+    qs_src = seq_ptr(QS, b, h, q0, stride_qb, stride_qh, stride_qm, VARLEN)
+    g_src = seq_ptr(DO, b, h, q0, stride_gb, stride_gh, stride_gm, VARLEN)
     if USE_DESC:
         k_src, v_src = K, V
-    elif VARLEN:
-        qs_src = packed_ptr(QS, h, q0, stride_qh, stride_qm)
-        g_src = packed_ptr(DO, h, q0, stride_gh, stride_gm)
-        k_src = packed_ptr(K, h_kv, k0, stride_kh, stride_kn)
-        v_src = packed_ptr(V, h_kv, k0, stride_vh, stride_vn)
     else:
-        k_src = head_ptr(K, b, h_kv, stride_kb, stride_kh)
-        v_src = head_ptr(V, b, h_kv, stride_vb, stride_vh)
+        k_src = seq_ptr(K, b, h_kv, k0, stride_kb, stride_kh, stride_kn, VARLEN)
+        v_src = seq_ptr(V, b, h_kv, k0, stride_vb, stride_vh, stride_vn, VARLEN)
     qs = load_tile(qs_src, b, h, start_m, seq_q, stride_qm, stride_qd, offs_r, offs_d, HEAD_DIM,
                    BLOCK_D, False, True)  # fmt: skip
     do = load_tile(g_src, b, h, start_m, seq_q, stride_gm, stride_gd, offs_r, offs_d, HEAD_DIM,
@@ -376,10 +361,7 @@ def _attention_bwd_dq_kernel(
                       offs_d, seq_q, seq_k, win_left, win_right, cap, stride_kn, stride_kd,
                       stride_vn, stride_vd, exp_scale, dt, HEAD_DIM, BLOCK_D, True, IS_CAUSAL,
                       WINDOW, SOFTCAP, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
-    if VARLEN:
-        dq_dst = packed_ptr(DQ, h, q0, stride_dqh, stride_dqm)
-    else:
-        dq_dst = head_ptr(DQ, b, h, stride_dqb, stride_dqh)
+    dq_dst = seq_ptr(DQ, b, h, q0, stride_dqb, stride_dqh, stride_dqm, VARLEN)
     store_tile(dq_dst,
                cast(dq * sm_scale, DQ.dtype.element_ty, ROUND_BF16), rows, seq_q, stride_dqm,
                stride_dqd, offs_d, HEAD_DIM)  # fmt: skip

@@ -45,10 +45,15 @@ def head_ptr(X, b, h, stride_b, stride_h):
 
 
 @triton.jit
-def packed_ptr(X, h, row0, stride_h, stride_row):
-    """Pointer to head ``h`` of a packed ``(1, H, total, D)`` tensor (varlen), at the first row
-    ``row0`` of one sequence."""
-    return X + h.to(tl.int64) * stride_h + row0.to(tl.int64) * stride_row
+def seq_ptr(X, b, h, row0, stride_b, stride_h, stride_row, VARLEN: tl.constexpr):
+    """Pointer to head ``h`` of sequence ``b``: :func:`head_ptr` of a ``(B, H, N, D)`` tensor,
+    or with ``VARLEN`` head ``h`` of a packed ``(1, H, total, D)`` tensor at the sequence's
+    first row ``row0``."""
+    if VARLEN:
+        ptr = X + h.to(tl.int64) * stride_h + row0.to(tl.int64) * stride_row
+    else:
+        ptr = head_ptr(X, b, h, stride_b, stride_h)
+    return ptr
 
 
 @triton.jit

@@ -31,11 +31,10 @@ import triton.language as tl
 from flashlite.kernels.attention.common import (
     accumulate,
     cap_units,
-    head_ptr,
     load_tile,
-    packed_ptr,
     scale_q,
     scores,
+    seq_ptr,
     sequence,
     store_tile,
     update,
@@ -152,14 +151,10 @@ def _attention_fwd_kernel(
             b_ld = 0
             q_row = q0
             k_row = k0
-    elif VARLEN:  # batch 0 of the packed views, from the sequence's first row
-        q_src = packed_ptr(Q, h, q0, stride_qh, stride_qm)
-        k_src = packed_ptr(K, h_kv, k0, stride_kh, stride_kn)
-        v_src = packed_ptr(V, h_kv, k0, stride_vh, stride_vn)
     else:
-        q_src = head_ptr(Q, b, h, stride_qb, stride_qh)
-        k_src = head_ptr(K, b, h_kv, stride_kb, stride_kh)
-        v_src = head_ptr(V, b, h_kv, stride_vb, stride_vh)
+        q_src = seq_ptr(Q, b, h, q0, stride_qb, stride_qh, stride_qm, VARLEN)
+        k_src = seq_ptr(K, b, h_kv, k0, stride_kb, stride_kh, stride_kn, VARLEN)
+        v_src = seq_ptr(V, b, h_kv, k0, stride_vb, stride_vh, stride_vn, VARLEN)
 
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -222,7 +217,5 @@ def _attention_fwd_kernel(
         O.store([b, h, start_m, 0], o.reshape(1, 1, BLOCK_M, BLOCK_D))
     else:
         o = cast(acc * inv_s[:, None], O.dtype.element_ty, ROUND_BF16)
-        o_dst = head_ptr(O, b, h, stride_ob, stride_oh)
-        if VARLEN:
-            o_dst = packed_ptr(O, h, q0, stride_oh, stride_om)
+        o_dst = seq_ptr(O, b, h, q0, stride_ob, stride_oh, stride_om, VARLEN)
         store_tile(o_dst, o, offs_m, seq_q, stride_om, stride_od, offs_d, HEAD_DIM)
