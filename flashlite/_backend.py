@@ -214,13 +214,32 @@ class Launcher:
             return
         entry = self.compiled.get(key)
         if entry is None:
-            entry = self._compile(grid, args, options)
+            entry = self._compile(args, options)
             if len(self.compiled) >= _LAUNCH_CACHE_LIMIT:
                 self.compiled.clear()
             self.compiled[key] = entry
         compiled, constants = entry
         grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
         compiled[grid3](*args, *constants)
+
+    def bind(self, args: tuple, options: dict) -> Callable[..., None]:
+        """``launch(grid, *args)`` for calls whose arguments specialise as ``args`` do (the same
+        tensor dtypes and 16-byte alignment, the same value of every other argument): the
+        compiled kernel looked up once, not per call. The caller's own cache key must pin all
+        that (a decode loop's plan does: :class:`flashlite.ops.attention.DecodePlan`)."""
+        key = self._key(args, options) if self.direct else None
+        if key is None:
+            kernel = self.kernel
+            return lambda grid, *a: kernel[grid](*a, **options)
+        entry = self.compiled.get(key)
+        if entry is None:
+            entry = self.compiled[key] = self._compile(args, options)
+        compiled, constants = entry
+
+        def launch(grid: tuple[int, int, int], *a: Any) -> None:
+            compiled[grid](*a, *constants)
+
+        return launch
 
     @staticmethod
     def _key(args: tuple, options: dict) -> tuple | None:
@@ -238,11 +257,11 @@ class Launcher:
         key.append(tuple(options.items()))
         return tuple(key)
 
-    def _compile(self, grid: tuple[int, ...], args: tuple, options: dict) -> tuple[Any, list]:
+    def _compile(self, args: tuple, options: dict) -> tuple[Any, list]:
         try:  # private: warmup's return value and the compiled kernel's launch
-            compiled = self.kernel.warmup(*args, grid=grid, **options)
-            names = self.kernel.arg_names[len(args) :]
-            constants = [options[n] for n in names]
+            compiled = self.kernel.warmup(*args, grid=(1,), **options)
+            defaults = {p.name: p.default for p in self.kernel.params}
+            constants = [options.get(n, defaults[n]) for n in self.kernel.arg_names[len(args) :]]
             compiled.__getitem__  # noqa: B018
         except (AttributeError, KeyError, TypeError) as err:
             raise _private_api_error("JITFunction.warmup / CompiledKernel launch", err) from err

@@ -149,6 +149,45 @@ def test_bad_kvcache_arguments_write_nothing() -> None:
     assert torch.equal(kc, k) and torch.equal(vc, v) and not kp.any()
 
 
+def test_repeated_calls_reuse_the_plan_and_still_check_values() -> None:
+    """A decode loop's second call of one kind runs the plan made by the first (its argument
+    checks skipped: they read only what the plan's key pins), on the new tensors' data; value
+    checks still run every call, and a new kind of call is checked afresh."""
+    from flashlite.ops import attention as ops
+
+    q, k, v, new, seqlens = _case(torch.float32, 1, 1, [40, 10, 3])
+    ops._checked_kvcache.clear()
+    first = flashlite.attention_kvcache(q, k.clone(), v.clone(), cache_seqlens=seqlens,
+                                        k_new=new[0], v_new=new[1])  # fmt: skip
+    assert len(ops._checked_kvcache) == 1
+    q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
+    lens2 = torch.tensor([95, 0, 7], dtype=torch.int32)
+    kc, vc = k2.clone(), v2.clone()
+    out = flashlite.attention_kvcache(q2, kc, vc, cache_seqlens=lens2, k_new=new[0],
+                                      v_new=new[1])  # fmt: skip
+    assert len(ops._checked_kvcache) == 1  # the same plan, other data
+    ka, va = _appended(k2, v2, new, lens2)
+    assert torch.equal(kc, ka) and torch.equal(vc, va)
+    want = _reference(q2, ka, va, lens2 + 1, True, causal=True)
+    torch.testing.assert_close(out.double(), want.double(), atol=1e-5, rtol=0)
+    assert not torch.equal(out, first)
+    with pytest.raises(ValueError, match="capacity"):  # values: checked on every call
+        flashlite.attention_kvcache(q2, kc, vc, cache_seqlens=lens2 + 1, k_new=new[0],
+                                    v_new=new[1])  # fmt: skip
+    assert torch.equal(kc, ka)
+    with pytest.raises(TypeError, match="scale"):  # a new kind of call: checked
+        flashlite.attention_kvcache(q2, kc, vc, cache_seqlens=lens2, scale="1")
+    with pytest.raises(ValueError, match="scale"):
+        flashlite.attention_kvcache(q2, kc, vc, cache_seqlens=lens2, scale=-1.0)
+    with pytest.raises(ValueError, match="k_cache"):  # one dimension more: another key
+        flashlite.attention_kvcache(q2, kc[:2], vc[:2], cache_seqlens=lens2)
+    # an option the key cannot hold (a list window) is checked and run every call
+    for _ in range(2):
+        out = flashlite.attention_kvcache(q2, ka, va, cache_seqlens=lens2 + 1, window=[20, 0])
+    want = _reference(q2, ka, va, lens2 + 1, True, causal=True, window=(20, 0))
+    torch.testing.assert_close(out.double(), want.double(), atol=1e-5, rtol=0)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", [0, 16, 256], ids=lambda p: f"page{p}" if p else "contiguous")
 @pytest.mark.parametrize("num_splits", [1, None], ids=lambda s: f"splits{s}")

@@ -353,59 +353,146 @@ def attention_decode_fwd(
     Returns:
         ``O`` ``(B, Hq, Nq, D)`` strided like q, the fp32 LSE ``(B, Hq, Nq)``, the splits used.
     """
-    b, hq, nq, d = q.shape
-    hkv = k.shape[1]
-    page_size = k.shape[2] if block_table is not None else 0
-    nk = block_table.shape[1] * page_size if block_table is not None else k.shape[2]
     o = empty_output(q)
-    lse = q.new_empty((b, hq, nq), dtype=torch.float32)
-    if b * hq * nq == 0 or nk == 0:
-        return o.zero_(), lse.fill_(-math.inf), 1
-    group = hq // hkv
-    if config is None:
-        config = C.decode_config(nq * group, _backend.kernels_interpreted(), b * hkv,
-                                 C.block_d(d), q.element_size())  # fmt: skip
-    if num_splits is None:  # (paged tiles load one after the other: two programs per SM)
-        num_splits = _default_splits(q.device, b * hkv, nq * group, nk, config.block_m,
-                                     2 if page_size else 1)  # fmt: skip
-    bn = config.block_n
-    split_len = bn * C.cdiv(C.cdiv(nk, bn), num_splits)
-    splits = C.cdiv(nk, split_len)  # chunks of whole tiles: at most num_splits
-    if use_desc is None:
-        use_desc = config.use_desc
-    use_desc = use_desc and block_table is None and _descriptor_ok(k, v)
-    is_causal, has_window, left, right = masks.kernel_window(window, causal, nq, nk)
-    key = (q.dtype, d, group, config, is_causal, has_window, softcap is not None,
-           seqlens_k is not None, page_size, use_desc)  # fmt: skip
-    launch = _decode_plans.get(key)
-    if launch is None:
-        launch = _decode_plans[key] = {
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    key = (_meta(q), _meta(k), _meta(v), _meta(o), _meta(seqlens_k), _meta(block_table), causal,
+           scale, window, softcap, num_splits, config, use_desc)  # fmt: skip
+    plan = _decode_plans.get(key)
+    if plan is None:
+        plan = _cache(_decode_plans, key, DecodePlan(q, k, v, o, seqlens_k, block_table, causal,
+                      scale, window, softcap, num_splits, config, use_desc))  # fmt: skip
+    return o, lse, plan(q, k, v, seqlens_k, block_table, o, lse)
+
+
+def _meta(t: torch.Tensor | None) -> tuple | None:
+    """What a launch plan depends on in a tensor: shape, strides, dtype, device, alignment."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
+
+
+#: Plans kept per cache before it starts afresh (a serving loop sees a handful of shapes).
+_PLAN_CACHE_LIMIT = 1024
+
+
+def _cache(cache: dict, key: tuple, plan: object) -> object:
+    if len(cache) >= _PLAN_CACHE_LIMIT:
+        cache.clear()
+    cache[key] = plan
+    return plan
+
+
+class DecodePlan:
+    """Everything :func:`attention_decode_fwd` works out from shapes, strides and options — the
+    tile, the key chunks, the grids, the kernels' scalar arguments and their compiled launches
+    — made once per kind of call and reused: a decode loop calls one shape thousands of times,
+    and at B=8 the host's per-call work was twice the GPU's (``benchmarks/NOTES.md``).
+
+    The caller's key pins what the plan read (:func:`_meta` of every tensor, every option).
+    ``o`` and ``lse`` must be fresh allocations strided like the ones it was made with.
+    """
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        o: torch.Tensor,
+        seqlens_k: torch.Tensor | None,
+        block_table: torch.Tensor | None,
+        causal: bool,
+        scale: float,
+        window: tuple[int, int] | None,
+        softcap: float | None,
+        num_splits: int | None,
+        config: C.DecodeConfig | None,
+        use_desc: bool | None,
+    ) -> None:
+        b, hq, nq, d = q.shape
+        hkv = k.shape[1]
+        page_size = k.shape[2] if block_table is not None else 0
+        nk = block_table.shape[1] * page_size if block_table is not None else k.shape[2]
+        self.empty = b * hq * nq == 0 or nk == 0
+        self.splits = 1
+        if self.empty:
+            return
+        group = hq // hkv
+        if config is None:
+            config = C.decode_config(nq * group, _backend.kernels_interpreted(), b * hkv,
+                                     C.block_d(d), q.element_size())  # fmt: skip
+        if num_splits is None:  # (paged tiles load one after the other: two programs per SM)
+            num_splits = _default_splits(q.device, b * hkv, nq * group, nk, config.block_m,
+                                         2 if page_size else 1)  # fmt: skip
+        bn = config.block_n
+        split_len = bn * C.cdiv(C.cdiv(nk, bn), num_splits)
+        self.splits = splits = C.cdiv(nk, split_len)  # chunks of whole tiles: at most num_splits
+        if use_desc is None:
+            use_desc = config.use_desc
+        self.use_desc = use_desc and block_table is None and _descriptor_ok(k, v)
+        self.desc_block = [1, 1, bn, C.block_d(d)]
+        is_causal, has_window, left, right = masks.kernel_window(window, causal, nq, nk)
+        self.options = {
             "GROUP": group, "HEAD_DIM": d, "BLOCK_D": C.block_d(d), "BLOCK_M": config.block_m,
             "BLOCK_N": bn, "IS_CAUSAL": is_causal, "WINDOW": has_window,
             "SOFTCAP": softcap is not None, "HAS_SEQLENS": seqlens_k is not None,
-            "PAGE_SIZE": page_size, "USE_DESC": use_desc,
+            "PAGE_SIZE": page_size, "USE_DESC": self.use_desc,
             "PRESCALE_Q": _prescale_q(q), **_dot_flags(q.dtype),
             "num_warps": config.num_warps, "num_stages": config.num_stages,
         }  # fmt: skip
-    if splits > 1:  # fp32 partials, merged below
-        o_out = q.new_empty((splits * b, hq, nq, d), dtype=torch.float32)
-        lse_out = q.new_empty((splits * b * hq, nq), dtype=torch.float32)
-    else:
-        o_out, lse_out = o, lse
-    ks, vs = k, v
-    if use_desc:
-        ks, vs = (TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, bn, C.block_d(d)])
-                  for t in (k, v))  # fmt: skip
-    table = block_table if block_table is not None else lse
-    args = (q, ks, vs, o_out, lse_out, *q.stride(), *k.stride(), *v.stride(), *o_out.stride(),
-            hkv, nq, nk, scale, left, right, softcap or 0.0,
-            seqlens_k if seqlens_k is not None else lse, table,
-            table.stride(0) if block_table is not None else 0, k.shape[0], split_len)  # fmt: skip
-    kernel = _backend.launcher(KD._attention_decode_kernel)
-    kernel[(C.cdiv(nq * group, config.block_m), b * hkv, splits)](*args, **launch)
-    if splits > 1:
-        combine_splits(o_out.view(splits, b, hq, nq, d), lse_out.view(splits, b, hq, nq), o, lse)
-    return o, lse, splits
+        self.grid = (C.cdiv(nq * group, config.block_m), b * hkv, splits)
+        # split partials: fp32 (S·B, Hq, Nq, D) and (S·B·Hq, Nq), contiguous
+        self.parts = ((splits * b, hq, nq, d), (splits * b * hq, nq)) if splits > 1 else None
+        parts_stride = (hq * nq * d, nq * d, d, 1)
+        self.head = (*q.stride(), *k.stride(), *v.stride(),
+                     *(parts_stride if self.parts else o.stride()), hkv, nq, nk, scale, left,
+                     right, softcap or 0.0)  # fmt: skip
+        self.tail = (block_table.stride(0) if block_table is not None else 0, k.shape[0],
+                     split_len)  # fmt: skip
+        self.combine_head = (b * hq * nq * d, *parts_stride, *o.stride(), hq, nq, splits)
+        self.combine_options = {
+            "HEAD_DIM": d, "BLOCK_D": C.block_d(d),
+            "SPLITS_PAD": max(2, triton.next_power_of_2(splits)),
+            "ROUND_BF16": _backend.round_bf16(o.dtype), "num_warps": 4, "num_stages": 1,
+        }  # fmt: skip
+        self.combine_grid = (nq, b * hq, 1)
+        self._decode = self._combine = None  # bound at the first run (its tensors specialise)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seqlens_k: torch.Tensor | None,
+        block_table: torch.Tensor | None,
+        o: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> int:
+        """Run on tensors of the planned kind (any view of the same memory: only their data
+        pointers are read); returns the chunks used."""
+        if self.empty:
+            o.zero_()
+            lse.fill_(-math.inf)
+            return 1
+        if self.parts is not None:
+            o_out = torch.empty(self.parts[0], dtype=torch.float32, device=o.device)
+            lse_out = torch.empty(self.parts[1], dtype=torch.float32, device=o.device)
+        else:
+            o_out, lse_out = o, lse
+        if self.use_desc:  # (descriptors hold the data pointer: built per call)
+            k = TensorDescriptor(k, list(k.shape), list(k.stride()), self.desc_block)
+            v = TensorDescriptor(v, list(v.shape), list(v.stride()), self.desc_block)
+        args = (q, k, v, o_out, lse_out, *self.head, lse if seqlens_k is None else seqlens_k,
+                lse if block_table is None else block_table, *self.tail)  # fmt: skip
+        if self._decode is None:
+            self._decode = _backend.launcher(KD._attention_decode_kernel).bind(args, self.options)
+        self._decode(self.grid, *args)
+        if self.parts is not None:
+            args = (o_out, lse_out, o, lse, *self.combine_head)
+            if self._combine is None:
+                kernel = _backend.launcher(KD._split_kv_combine_kernel)
+                self._combine = kernel.bind(args, self.combine_options)
+            self._combine(self.combine_grid, *args)
+        return self.splits
 
 
 def combine_splits(
@@ -427,7 +514,8 @@ def combine_splits(
     )  # fmt: skip
 
 
-_decode_plans: dict[tuple, dict] = {}
+#: :class:`DecodePlan` per kind of :func:`attention_decode_fwd` call.
+_decode_plans: dict[tuple, DecodePlan] = {}
 
 
 def _default_splits(
@@ -1066,6 +1154,12 @@ def attention_kvcache(
             cache's capacity or a block-table entry outside ``[0, num_pages)`` among the pages
             in use. Every check comes before anything is written.
     """
+    tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+    key = _kvcache_key(tensors, (causal, scale, window, softcap, num_splits, validate))
+    plan = _checked_kvcache.get(key) if key is not None else None
+    if plan is not None and skip_dispatcher(q, k_cache, v_cache):  # a kind of call seen before
+        o, lse = plan(*tensors)
+        return (o, lse) if return_lse else o
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
                     ("cache_seqlens", cache_seqlens)):  # fmt: skip
         if not isinstance(t, torch.Tensor):
@@ -1120,10 +1214,146 @@ def attention_kvcache(
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, bool(causal),
             sm_scale, left, right, cap, splits, bool(validate))  # fmt: skip
     if skip_dispatcher(q, k_cache, v_cache):  # the op's own body, minus the dispatcher
-        o, lse = _kvcache(*args)
+        plan = _kvcache_plan(*args)
+        if key is not None:  # these arguments passed every check above: next time, skip them
+            _cache(_checked_kvcache, key, plan)
+        o, lse = plan(*tensors)
     else:
         o, lse = torch.ops.flashlite.attention_kvcache.default(*args)
     return (o, lse) if return_lse else o
+
+
+def _kvcache_key(tensors: tuple, options: tuple) -> tuple | None:
+    """What :func:`attention_kvcache`'s checks read — each tensor's :func:`_meta` (plain
+    ``torch.Tensor`` s only) and each option's type and value — or None where an option is not
+    a plain value (those calls are checked every time), and None while tracing."""
+    if torch.compiler.is_compiling():
+        return None
+    key: list = []
+    for t in tensors:
+        if t is not None and type(t) is not torch.Tensor:
+            return None
+        key.append(_meta(t))
+    for x in options:
+        kind = type(x)
+        if kind is tuple:
+            if not all(type(i) is int for i in x):
+                return None
+        elif kind not in (bool, int, float, type(None)):
+            return None
+        key.append((kind, x))
+    return tuple(key)
+
+
+#: :func:`attention_kvcache`'s plans by its own arguments (:func:`_kvcache_key`): a call that
+#: matches passed every check before.
+_checked_kvcache: dict[tuple, KVCachePlan] = {}
+
+
+class KVCachePlan:
+    """:func:`_kvcache` for one kind of call (shapes, strides, dtypes and options): the value
+    checks, the append and a :class:`DecodePlan` over the caches' ``b h n d`` views."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        k_new: torch.Tensor | None,
+        v_new: torch.Tensor | None,
+        block_table: torch.Tensor | None,
+        causal: bool,
+        scale: float,
+        window_left: int,
+        window_right: int,
+        softcap: float,
+        num_splits: int,
+        validate: bool,
+    ) -> None:
+        self.validate = validate
+        self.slots, self.num_pages = k_cache.shape[1], k_cache.shape[0]
+        self.capacity = block_table.shape[1] * self.slots if block_table is not None else self.slots
+        self.n_new = 0 if k_new is None else k_new.shape[1]
+        self.lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        self.decode = DecodePlan(
+            q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
+            o.transpose(1, 2), cache_seqlens, block_table, causal, scale,
+            (window_left, window_right), softcap or None, num_splits or None, None, None,
+        )  # fmt: skip
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        k_new: torch.Tensor | None,
+        v_new: torch.Tensor | None,
+        block_table: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run on tensors of the planned kind: ``out`` ``(B, Nq, Hq, D)``, LSE ``(B, Hq, Nq)``."""
+        if self.validate:  # every check that reads values, before anything is written (a sync)
+            _check_cache_values(cache_seqlens, self.n_new, self.capacity, block_table,
+                                self.slots, self.num_pages)  # fmt: skip
+        lengths = cache_seqlens
+        if self.n_new:
+            lengths = _append(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                              self.capacity)  # type: ignore[arg-type]  # fmt: skip
+        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        self.decode(q, k_cache, v_cache, lengths, block_table, o, lse)
+        return o, lse
+
+
+def _append(
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    block_table: torch.Tensor | None,
+    capacity: int,
+) -> torch.Tensor:
+    """Write ``k_new``/``v_new`` into the caches at ``cache_seqlens[b]``; the new lengths."""
+    bsz, n_new, slots = k_new.shape[0], k_new.shape[1], k_cache.shape[1]
+    # (clamped: without validation a bad length must still stay inside the cache)
+    pos = (cache_seqlens.long()[:, None] + torch.arange(n_new, device=k_new.device)[None, :]
+           ).clamp(0, capacity - 1)  # fmt: skip
+    if block_table is None:
+        rows = torch.arange(bsz, device=k_new.device)[:, None].expand_as(pos)
+        k_cache[rows, pos] = k_new
+        v_cache[rows, pos] = v_new
+    else:
+        pages = block_table.long().clamp(0, k_cache.shape[0] - 1)
+        page = torch.gather(pages, 1, pos // slots)
+        k_cache[page, pos % slots] = k_new
+        v_cache[page, pos % slots] = v_new
+    return (cache_seqlens + n_new).to(torch.int32)
+
+
+#: :class:`KVCachePlan` per kind of :func:`_kvcache` call.
+_kvcache_plans: dict[tuple, KVCachePlan] = {}
+
+
+def _kvcache_plan(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    *options: object,
+) -> KVCachePlan:
+    """The :class:`KVCachePlan` of these (checked) arguments, made on first use."""
+    tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+    key = (*map(_meta, tensors), *options)
+    plan = _kvcache_plans.get(key)
+    if plan is None:
+        plan = _cache(_kvcache_plans, key, KVCachePlan(*tensors, *options))  # type: ignore[arg-type]
+    return plan  # type: ignore[return-value]
 
 
 def _kvcache(
@@ -1143,33 +1373,11 @@ def _kvcache(
     validate: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_kvcache` after its argument checks: the value checks, the append, the
-    decode kernel. ``num_splits`` 0 chooses; ``softcap`` 0.0 is none."""
-    bsz, slots = q.shape[0], k_cache.shape[1]
-    capacity = block_table.shape[1] * slots if block_table is not None else slots
-    n_new = 0 if k_new is None else k_new.shape[1]
-    if validate:  # every check that reads values, before anything is written (one host sync)
-        _check_cache_values(cache_seqlens, n_new, capacity, block_table, slots, k_cache.shape[0])
-    lengths = cache_seqlens
-    if n_new:
-        lengths = (cache_seqlens + n_new).to(torch.int32)
-        # (clamped: without validation a bad length must still stay inside the cache)
-        pos = (cache_seqlens.long()[:, None] + torch.arange(n_new, device=q.device)[None, :]
-               ).clamp(0, capacity - 1)  # fmt: skip
-        if block_table is None:
-            rows = torch.arange(bsz, device=q.device)[:, None].expand_as(pos)
-            k_cache[rows, pos] = k_new  # type: ignore[index]
-            v_cache[rows, pos] = v_new  # type: ignore[index]
-        else:
-            pages = block_table.long().clamp(0, k_cache.shape[0] - 1)
-            page = torch.gather(pages, 1, pos // slots)
-            k_cache[page, pos % slots] = k_new  # type: ignore[index]
-            v_cache[page, pos % slots] = v_new  # type: ignore[index]
-    o, lse, _ = attention_decode_fwd(
-        q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2), lengths, causal,
-        scale, window=(window_left, window_right), softcap=softcap or None,
-        block_table=block_table, num_splits=num_splits or None,
-    )  # fmt: skip
-    return o.transpose(1, 2), lse
+    decode kernel (:class:`KVCachePlan`). ``num_splits`` 0 chooses; ``softcap`` 0.0 is none."""
+    tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+    plan = _kvcache_plan(*tensors, causal, scale, window_left, window_right, softcap,
+                         num_splits, validate)  # fmt: skip
+    return plan(*tensors)
 
 
 #: ``flashlite::attention_kvcache``: :func:`_kvcache` as a custom op that declares the caches
