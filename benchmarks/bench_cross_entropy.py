@@ -13,7 +13,8 @@ Every provider is checked against torch (loss and gradient) before it is timed.
 
     python benchmarks/bench_cross_entropy.py            # JSON + PNG in benchmarks/results
 
-Written 2026-11-30; not yet run on a GPU.
+``flashlite`` is the default call (targets checked: one host sync); ``flashlite-unvalidated``
+passes ``validate=False``.
 """
 
 from __future__ import annotations
@@ -76,6 +77,16 @@ def _extra_memory(run: Callable[[], Any], held: int) -> float:
     return max(0, torch.cuda.max_memory_allocated() - base - held) / 2**30
 
 
+def _inplace_extra(x: torch.Tensor, t: torch.Tensor) -> float:
+    """Peak extra GiB of a forward + backward with ``inplace_backward``: the logits (a non-leaf,
+    as in a model) and the leaf's gradient that the ``·1.0`` node makes are what is held."""
+    leaf = x.detach().clone().requires_grad_()
+    logits = leaf * 1.0
+    held = logits.numel() * logits.element_size()  # the leaf's gradient
+    return _extra_memory(lambda: flashlite.cross_entropy(logits, t, inplace_backward=True)
+                         .backward(), held)  # fmt: skip
+
+
 def ce_cases(rows_out: list[dict[str, Any]], notes: list[str]) -> None:
     liger_ce, _, note = _peer_liger()
     if note:
@@ -86,6 +97,8 @@ def ce_cases(rows_out: list[dict[str, Any]], notes: list[str]) -> None:
         t = torch.randint(0, v, (n,), device="cuda")
         providers: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
             "flashlite": lambda a, t=t: flashlite.cross_entropy(a, t),
+            # the default checks the targets with one host sync; this is the call without it
+            "flashlite-unvalidated": lambda a, t=t: flashlite.cross_entropy(a, t, validate=False),
             "torch": lambda a, t=t: F.cross_entropy(a.float(), t),
             "torch.compile": lambda a, t=t: compiled(a, t),
         }
@@ -111,6 +124,8 @@ def ce_cases(rows_out: list[dict[str, Any]], notes: list[str]) -> None:
                              "tbps": tbps, "x_copy": tbps / ceiling, "extra_gib": mem,
                              "grad_err": err, "ok": ok})  # fmt: skip
             del leaf, loss
+        notes.append(f"inplace_backward extra memory at {n}x{v // 1024}k: "
+                     f"{_inplace_extra(x, t):.3f} GiB")  # fmt: skip
         fl = next(r for r in rows_out if r["case"] == f"CE {n}x{v // 1024}k"
                   and r["provider"] == "flashlite")  # fmt: skip
         for r in rows_out:
@@ -161,6 +176,28 @@ def linear_ce_case(rows_out: list[dict[str, Any]], notes: list[str]) -> None:
             r["x_torch_time"] = r["ms"] / base["ms"]
 
 
+def _musts(rows: list[dict[str, Any]]) -> str:
+    """Issue 12's must 4, one line each (Liger's ratio only where Liger ran)."""
+    lines = [f"{'must':52} {'got':>9}  {'bound':>6}  result"]
+
+    def line(name: str, got: float, bound: float, low_is_good: bool = False) -> None:
+        ok = got <= bound if low_is_good else got >= bound
+        lines.append(f"{name:52} {got:9.3f}  {bound:6.2f}  {'pass' if ok else 'FAIL'}")
+
+    for r in rows:
+        if r["case"].startswith("CE") and r["provider"].startswith("flashlite"):
+            line(f"{r['case']} {r['provider']} x copy", r["x_copy"], 0.80)
+            line(f"{r['case']} {r['provider']} extra GiB", r["extra_gib"], 0.0, True)
+            liger = next((p for p in rows if p["case"] == r["case"]
+                          and p["provider"] == "liger"), None)  # fmt: skip
+            if liger is not None:
+                line(f"{r['case']} {r['provider']} x Liger", liger["ms"] / r["ms"], 2.0)
+        if r["case"].startswith("linear") and r["provider"] == "flashlite":
+            line("linear CE time / torch", r["x_torch_time"], 1.0, True)
+            line("linear CE extra GiB", r["extra_gib"], 1.2, True)
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argparse.ArgumentParser(description=__doc__.splitlines()[0]).parse_args(argv)
     if not torch.cuda.is_available():
@@ -172,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     linear_ce_case(rows, notes)
     for note in notes:
         print(f"note: {note}")
+    print(_musts(rows))
     for r in rows:
         print({k: (round(v, 4) if isinstance(v, float) and math.isfinite(v) else v)
                for k, v in r.items()})  # fmt: skip

@@ -180,6 +180,18 @@ def test_non_unit_incoming_gradients(reduction: str) -> None:
         torch.testing.assert_close(src.grad.double(), ref.grad, atol=1e-6, rtol=1e-5)
 
 
+def test_inplace_backward_guards_saved_logits() -> None:
+    """With ``inplace_backward`` the gradient overwrites the logits (eager: the kernel called
+    directly, the version counter bumped by hand): a node that saved them must refuse."""
+    logits, target, _ = _inputs((5,), 40, torch.float32)
+    src = logits.clone().requires_grad_()
+    hidden = src * 1.0
+    other = (hidden * hidden).sum()  # saves hidden for its backward
+    loss = flashlite.cross_entropy(hidden, target, inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (loss + other).backward()
+
+
 def test_backward_runs_once() -> None:
     logits = torch.randn(3, 20, requires_grad=True)
     loss = flashlite.cross_entropy(logits, torch.arange(3))
@@ -208,8 +220,8 @@ def test_compiles_and_passes_opcheck() -> None:
     opcheck(torch.ops.flashlite.cross_entropy_fwd.default, args)
     opcheck(torch.ops.flashlite.cross_entropy_fwd_inplace.default,
             (logits.clone(), target, None, scale, -100, 0.0, 0.0, 0.0))  # fmt: skip
-    opcheck(torch.ops.flashlite.cross_entropy_bwd.default,
-            (torch.randn(4, 64), torch.rand(4), scale))  # fmt: skip
+    opcheck(torch.ops.flashlite.cross_entropy_bwd.default, (torch.randn(4, 64), torch.rand(4)))
+    opcheck(torch.ops.flashlite.cross_entropy_bwd.default, (torch.randn(4, 64), torch.tensor(2.0)))
 
 
 def test_bad_input() -> None:

@@ -26,21 +26,30 @@ import triton.language as tl
 
 from flashlite.kernels.common import cast, tanh
 from flashlite.kernels.configs import next_pow2
-from flashlite.stats import LOG2E, finalize_lse, online_update, tile_stats
+from flashlite.stats import (
+    LOG2E,
+    finalize_lse,
+    online_update,
+    probs_from_lse,
+    tile_stats,
+)
 
-#: Longest row (elements, rounded up to a power of two) the single-read kernel holds on chip.
-SINGLE_READ_MAX = 32768
-#: Tile width of the two-pass loop for longer rows.
+#: Longest row (elements, rounded up to a power of two) read once, held on chip. Longer rows
+#: loop twice over 8192-column tiles with 8 warps, the second pass backwards so that it starts
+#: on the tiles still in L2: at 32k columns that ran at 0.73x the copy ceiling on the H200
+#: against 0.57x for the whole row held by one 32-warp program (``benchmarks/NOTES.md``).
+SINGLE_READ_MAX = 8192
 LOOP_TILE = 8192
+LOOP_WARPS = 8
 
 
 def ce_config(n_cols: int) -> dict[str, object]:
     """Kernel shape for rows of ``n_cols`` logits: one tile for the whole row, or loop tiles."""
     block = next_pow2(n_cols)
     if block <= SINGLE_READ_MAX:
-        return {"SINGLE": True, "BLOCK_N": block, "num_warps": min(32, max(4, block // 512))}
-    block = min(LOOP_TILE, block)
-    return {"SINGLE": False, "BLOCK_N": block, "num_warps": min(16, max(4, block // 512))}
+        return {"SINGLE": True, "BLOCK_N": block, "num_warps": min(32, max(4, block // 512)),
+                "REVERSE": False}  # fmt: skip
+    return {"SINGLE": False, "BLOCK_N": LOOP_TILE, "num_warps": LOOP_WARPS, "REVERSE": True}
 
 
 @triton.jit
@@ -64,10 +73,10 @@ def _logits(X, W, cols, n_cols, stride_n, softcap, SOFTCAP: tl.constexpr,
 
 
 @triton.jit
-def _grad(x, t, w, m, s, lse, cols, target, w_t, smoothing, inv_v, z_loss, weight_sum, scale,
+def _grad(x, t, w, lse, cols, target, w_t, smoothing, inv_v, z_loss, weight_sum, scale,
           SOFTCAP: tl.constexpr):  # fmt: skip
     """``∂loss/∂x`` of a ``[1, BLOCK_N]`` tile from the row's finished statistics."""
-    p = tl.exp2((x - m[:, None]) * LOG2E) / s[:, None]
+    p = probs_from_lse(x, lse, LOG2E)  # (one exponential per logit, no division)
     coef = (1.0 - smoothing) * w_t + smoothing * inv_v * weight_sum + 2.0 * z_loss * lse
     g = p * coef[:, None] - smoothing * inv_v * w
     g = tl.where(cols[None, :] == target, g - (1.0 - smoothing) * w_t[:, None], g)
@@ -77,13 +86,46 @@ def _grad(x, t, w, m, s, lse, cols, target, w_t, smoothing, inv_v, z_loss, weigh
 
 
 @triton.jit
+def _target(T, W, row, n_cols, ignore_index, HAS_WEIGHT: tl.constexpr):
+    """A row's target, whether it is ignored or in ``[0, V)``, and its class weight ``[1]``."""
+    target = tl.load(T + row).to(tl.int64)
+    ignored = target == ignore_index
+    in_range = (target >= 0) & (target < n_cols)
+    w_t = tl.full([1], 1.0, tl.float32)
+    if HAS_WEIGHT:  # (an index clamped into the row: a bad target reads class 0, then gives NaN)
+        w_t = w_t * tl.load(W + tl.where(in_range, target, 0)).to(tl.float32)
+    return target, ignored, in_range, w_t
+
+
+@triton.jit
+def _partials(x, w, cols, target, SMOOTH: tl.constexpr):
+    """The target's logit in this tile (0 elsewhere) and ``Σ w·x`` over it (smoothing), ``[1]``."""
+    x_t = tl.sum(tl.where(cols[None, :] == target, x, 0.0), 1)
+    wx = tl.zeros_like(x_t)
+    if SMOOTH:
+        wx = tl.sum(w * tl.where(w != 0.0, x, 0.0), 1)
+    return x_t, wx
+
+
+@triton.jit
+def _loss(lse, x_t, wx, w_t, weight_sum, smoothing, inv_v, z_loss, ignored, in_range,
+          SMOOTH: tl.constexpr):  # fmt: skip
+    """A row's loss from its LSE and partials: 0 when ignored, NaN for a target outside
+    ``[0, V)``."""
+    loss = (1.0 - smoothing) * w_t * (lse - x_t) + z_loss * lse * lse
+    if SMOOTH:
+        loss += smoothing * inv_v * (lse * weight_sum - wx)
+    return tl.where(ignored, 0.0, tl.where(in_range, loss, float("nan")))
+
+
+@triton.jit
 def _cross_entropy_fwd_kernel(
     X, T, W, WSUM, GSCALE, G, LOSS, LSE,
     n_cols, stride_xm, stride_xn, stride_gm, stride_gn,
     ignore_index, smoothing, z_loss, softcap,
     HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr,
     SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, COL_INT64: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
+    ROUND_BF16: tl.constexpr, REVERSE: tl.constexpr,
 ):  # fmt: skip
     """One program per row: loss (fp32), LSE (fp32) and the gradient ``G`` (the logits' dtype;
     ``G`` may be ``X`` itself: each tile is read before it is overwritten). ``WSUM`` holds
@@ -96,41 +138,32 @@ def _cross_entropy_fwd_kernel(
         weight_sum = tl.load(WSUM)
     x_row = X + row * stride_xm
     g_row = G + row * stride_gm
-    target = tl.load(T + row).to(tl.int64)
-    ignored = target == ignore_index
-    in_range = (target >= 0) & (target < n_cols)
+    target, ignored, in_range, w_t = _target(T, W, row, n_cols, ignore_index, HAS_WEIGHT)
     offs = tl.arange(0, BLOCK_N)
     if COL_INT64:
         offs = offs.to(tl.int64)
     inv_v = 1.0 / n_cols
-    w_t = tl.full([1], 1.0, tl.float32)
-    if HAS_WEIGHT:  # (an index clamped into the row: a bad target reads class 0, then gives NaN)
-        w_t = w_t * tl.load(W + tl.where(in_range, target, 0)).to(tl.float32)
-    x_t = tl.zeros([1], tl.float32)
-    wx = tl.zeros([1], tl.float32)  # Σ w_j·x_j, for the smoothing term
 
     if SINGLE:  # the row on chip: statistics, loss and gradient from one read
         x, t, w = _logits(x_row, W, offs, n_cols, stride_xn, softcap, SOFTCAP, HAS_WEIGHT)
         m, s, _p = tile_stats(x, LOG2E)
-        x_t = tl.sum(tl.where(offs[None, :] == target, x, 0.0), 1)
-        if SMOOTH:
-            wx = tl.sum(w * tl.where(w != 0.0, x, 0.0), 1)
+        x_t, wx = _partials(x, w, offs, target, SMOOTH)
     else:  # pass 1: the online pair, the target's logit and Σ w·x, tile by tile
         m = tl.full([1], float("-inf"), tl.float32)
         s = tl.zeros([1], tl.float32)
+        x_t = tl.zeros([1], tl.float32)
+        wx = tl.zeros([1], tl.float32)
         for start in range(0, n_cols, BLOCK_N):
             cols = start + offs
             x, t, w = _logits(x_row, W, cols, n_cols, stride_xn, softcap, SOFTCAP, HAS_WEIGHT)
             m, s, _alpha, _p = online_update(m, s, x, LOG2E)
-            x_t += tl.sum(tl.where(cols[None, :] == target, x, 0.0), 1)
-            if SMOOTH:
-                wx += tl.sum(w * tl.where(w != 0.0, x, 0.0), 1)
+            x_t_tile, wx_tile = _partials(x, w, cols, target, SMOOTH)
+            x_t += x_t_tile
+            wx += wx_tile
 
     lse = finalize_lse(m, s, LOG2E)
-    loss = (1.0 - smoothing) * w_t * (lse - x_t) + z_loss * lse * lse
-    if SMOOTH:
-        loss += smoothing * inv_v * (lse * weight_sum - wx)
-    loss = tl.where(ignored, 0.0, tl.where(in_range, loss, float("nan")))
+    loss = _loss(lse, x_t, wx, w_t, weight_sum, smoothing, inv_v, z_loss, ignored, in_range,
+                 SMOOTH)  # fmt: skip
     tl.store(LOSS + row + tl.arange(0, 1), loss)
     tl.store(LSE + row + tl.arange(0, 1), lse)
 
@@ -138,43 +171,44 @@ def _cross_entropy_fwd_kernel(
     # a target outside [0, V): NaN, like its loss
     scale = tl.where(ignored, 0.0, tl.where(in_range, tl.load(GSCALE), float("nan")))
     if SINGLE:
-        g = _grad(x, t, w, m, s, lse, offs, target, w_t, smoothing, inv_v, z_loss, weight_sum,
-                  scale, SOFTCAP)  # fmt: skip
+        g = _grad(x, t, w, lse, offs, target, w_t, smoothing, inv_v, z_loss, weight_sum, scale,
+                  SOFTCAP)  # fmt: skip
         tl.store(g_row + offs[None, :] * stride_gn, cast(g, G.dtype.element_ty, ROUND_BF16),
                  mask=offs[None, :] < n_cols)  # fmt: skip
     else:  # pass 2: read the row again, write its gradient
-        for start in range(0, n_cols, BLOCK_N):
-            cols = start + offs
+        n_tiles = tl.cdiv(n_cols, BLOCK_N)
+        for i in range(0, n_tiles):
+            tile = n_tiles - 1 - i if REVERSE else i
+            cols = tile * BLOCK_N + offs
             x, t, w = _logits(x_row, W, cols, n_cols, stride_xn, softcap, SOFTCAP, HAS_WEIGHT)
-            g = _grad(x, t, w, m, s, lse, cols, target, w_t, smoothing, inv_v, z_loss,
-                      weight_sum, scale, SOFTCAP)  # fmt: skip
+            g = _grad(x, t, w, lse, cols, target, w_t, smoothing, inv_v, z_loss, weight_sum,
+                      scale, SOFTCAP)  # fmt: skip
             tl.store(g_row + cols[None, :] * stride_gn, cast(g, G.dtype.element_ty, ROUND_BF16),
                      mask=cols[None, :] < n_cols)  # fmt: skip
 
 
 @triton.jit
 def _cross_entropy_bwd_kernel(
-    G, DX, DLOSS, GSCALE, n_cols, stride_gm, stride_gn, stride_dm, stride_dn,
-    SKIP_UNIT: tl.constexpr, BLOCK_N: tl.constexpr, COL_INT64: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
+    G, DX, DLOSS, n_cols, stride_gm, stride_gn, stride_dm, stride_dn, stride_l,
+    SKIP_UNIT: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    COL_INT64: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
-    """``DX[row] = G[row]·DLOSS[row]/GSCALE``: the stored gradient (already scaled by the
-    ``GSCALE`` a unit loss sends) rescaled to the incoming one. ``SKIP_UNIT`` (``DX`` is ``G``):
-    a row whose incoming gradient is ``GSCALE`` exactly (``loss.backward()`` of a mean or a sum)
-    is already right and is not touched: no bytes. Grid ``(rows, cdiv(V, BLOCK_N))``."""
+    """``DX[row] = G[row]·DLOSS[row·stride_l]``: the stored gradient of a unit loss times the
+    incoming one (``stride_l`` 0: one scalar for every row, a mean or a sum). ``SKIP_UNIT``
+    (``DX`` is ``G``): a row whose incoming gradient is exactly 1 (``loss.backward()``) is
+    already right and is not touched: no bytes. Grid ``(rows, cdiv(V, TILES·BLOCK_N))``: a row's
+    tiles loop in one program, so that the skip costs one program per row."""
     row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    if COL_INT64:
-        cols = cols.to(tl.int64)
-    mask = cols < n_cols
-    dloss = tl.load(DLOSS + row).to(tl.float32)
-    expect = tl.load(GSCALE).to(tl.float32)
-    if SKIP_UNIT and dloss == expect:
+    d = tl.load(DLOSS + row * stride_l).to(tl.float32)
+    if SKIP_UNIT and d == 1.0:
         return
-    d = dloss / expect
-    g = tl.load(G + row * stride_gm + cols * stride_gn, mask=mask, other=0.0).to(tl.float32)
-    # a zero stays zero: an ignored row's gradient is 0 even when the mean over no target
-    # sends an infinite DLOSS (torch's gradient is 0 there too)
-    dx = tl.where(g == 0.0, 0.0, g * d)
-    tl.store(DX + row * stride_dm + cols * stride_dn, cast(dx, DX.dtype.element_ty, ROUND_BF16),
-             mask=mask)  # fmt: skip
+    for i in tl.range(0, TILES):
+        cols = (tl.program_id(1) * TILES + i) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if COL_INT64:
+            cols = cols.to(tl.int64)
+        mask = cols < n_cols
+        g = tl.load(G + row * stride_gm + cols * stride_gn, mask=mask, other=0.0).to(tl.float32)
+        # a zero stays zero: an ignored row's gradient is 0 whatever arrives (torch's too)
+        dx = tl.where(g == 0.0, 0.0, g * d)
+        tl.store(DX + row * stride_dm + cols * stride_dn,
+                 cast(dx, DX.dtype.element_ty, ROUND_BF16), mask=mask)  # fmt: skip

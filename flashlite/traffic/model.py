@@ -628,17 +628,17 @@ def model_cross_entropy(
 
         forward  read  = rows·(target + 4 + passes·n·b [+ 4 + w + passes·n·w])   passes: 1 or 2
                  write = rows·(n·b + 8)                                        gradient, loss, lse
-        backward read  = rows·8·tiles [+ rows·n·b],  write [rows·n·b]             tiles = ⌈n/4096⌉
+        backward read  = rows·4·progs [+ rows·n·b],  write [rows·n·b]    progs = ⌈n/(16·4096)⌉
 
     Rows that fit on chip (``ce_config``'s single read) are read once; longer rows twice (the
     statistics, then the gradient). The forward stores the gradient already scaled for a unit
     loss (``1/Σ`` for a mean), so with ``unit_grad`` (``loss.backward()``) the backward's
-    programs read two scalars each and stop; otherwise they rescale the gradient (the bracketed
-    terms). The host's O(rows) reductions (mean's denominator, the sum of the losses) are not
+    programs read the incoming gradient (one scalar) and stop; otherwise they rescale the
+    gradient (the bracketed terms). The host's O(rows) reductions (mean's denominator, the sum of the losses) are not
     counted here.
     """
     from flashlite.kernels.cross_entropy import ce_config
-    from flashlite.ops.cross_entropy import BWD_BLOCK
+    from flashlite.ops.cross_entropy import BWD_BLOCK, BWD_TILES
 
     b = torch.empty((), dtype=dtype).element_size()
     passes = 1 if ce_config(n)["SINGLE"] else 2
@@ -651,7 +651,8 @@ def model_cross_entropy(
     t.add("loss, lse", 0, rows * 8)
     if backward:
         block = min(BWD_BLOCK, 1 << max(4, (n - 1).bit_length()))
-        t.add("backward: incoming, scale", rows * 8 * triton.cdiv(n, block), 0)
+        span = block * min(BWD_TILES, triton.cdiv(n, block))
+        t.add("backward: incoming gradient", rows * 4 * triton.cdiv(n, span), 0)
         if not unit_grad:
             t.add("backward: gradient", rows * n * b, rows * n * b)
     t.info = {"passes": passes}
