@@ -14,9 +14,10 @@ backward only scales it by the incoming gradient. A row whose target is ``ignore
 and gradient 0; a target outside ``[0, V)`` gives a NaN loss (the front-end rejects it first
 unless told not to check).
 
-Bytes per row (b = element size): ``SINGLE`` rows fit on chip and are read once and written
-once (2·V·b); longer rows are read twice, once for the statistics and once for the gradient
-(3·V·b). Statistics are fp32 whatever the logits' dtype.
+Bytes per row (b = element size): ``SINGLE`` rows (up to :data:`SINGLE_READ_MAX` logits) fit
+on chip and are read once and written once (2·V·b); longer rows are read twice, once for the
+statistics and once, backwards and mostly from L2, for the gradient (3·V·b issued). Statistics
+are fp32 whatever the logits' dtype.
 """
 
 from __future__ import annotations

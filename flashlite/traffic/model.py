@@ -634,8 +634,8 @@ def model_cross_entropy(
     statistics, then the gradient). The forward stores the gradient already scaled for a unit
     loss (``1/Σ`` for a mean), so with ``unit_grad`` (``loss.backward()``) the backward's
     programs read the incoming gradient (one scalar) and stop; otherwise they rescale the
-    gradient (the bracketed terms). The host's O(rows) reductions (mean's denominator, the sum of the losses) are not
-    counted here.
+    gradient (the bracketed terms). The host's O(rows) reductions (mean's denominator, the sum
+    of the losses) are not counted here.
     """
     from flashlite.kernels.cross_entropy import ce_config
     from flashlite.ops.cross_entropy import BWD_BLOCK, BWD_TILES
