@@ -369,17 +369,106 @@ def _linear_chunks(
     return losses, lse
 
 
+def _linear_grads(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Fresh ``(dh, dW, db)`` to accumulate into (db in fp32)."""
+    db = None
+    if bias is not None:
+        db = torch.zeros(weight.shape[0], dtype=torch.float32, device=hidden.device)
+    return torch.empty_like(hidden), torch.zeros_like(weight), db
+
+
+def _no_bias(t: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    # (a custom op returns tensors, never None: an empty one stands for "no bias")
+    return t if t is not None else like.new_empty((0,), dtype=torch.float32)
+
+
+def _linear_fwd(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    scale: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    chunk: int,
+    with_grads: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward sweep: per-token losses and LSE, and with ``with_grads`` the gradients of
+    hidden, weight and bias for per-token incoming gradients ``scale`` (empty tensors stand for
+    the gradients not made)."""
+    opts = (class_weight, ignore_index, label_smoothing, z_loss, softcap)
+    grads = _linear_grads(hidden, weight, bias) if with_grads else None
+    losses, lse = _linear_chunks(hidden, weight, bias, target, scale, opts, chunk, grads)
+    if grads is None:  # (distinct empty tensors: an op's outputs may not alias)
+        return losses, lse, *(hidden.new_empty((0,), dtype=torch.float32) for _ in range(3))
+    return losses, lse, grads[0], grads[1], _no_bias(grads[2], hidden)
+
+
+_linear_fwd_op = torch.library.custom_op("flashlite::linear_cross_entropy_fwd",
+                                         mutates_args=())(_linear_fwd)  # fmt: skip
+
+
+@_linear_fwd_op.register_fake
+def _(hidden, weight, bias, target, class_weight, scale, ignore_index, label_smoothing, z_loss,  # type: ignore[no-untyped-def]
+      softcap, chunk, with_grads):  # fmt: skip
+    n = hidden.shape[0]
+    losses = hidden.new_empty((n,), dtype=torch.float32)
+    if not with_grads:
+        return losses, torch.empty_like(losses), *(hidden.new_empty((0,), dtype=torch.float32)
+                                                   for _ in range(3))  # fmt: skip
+    db = hidden.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
+    return losses, torch.empty_like(losses), torch.empty_like(hidden), torch.empty_like(weight), db
+
+
+def _linear_bwd(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    class_weight: torch.Tensor | None,
+    dloss: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``reduction="none"``'s backward: the sweep again, with each token's incoming gradient."""
+    opts = (class_weight, ignore_index, label_smoothing, z_loss, softcap)
+    grads = _linear_grads(hidden, weight, bias)
+    _linear_chunks(hidden, weight, bias, target, dloss.float(), opts, chunk, grads)
+    return grads[0], grads[1], _no_bias(grads[2], hidden)
+
+
+_linear_bwd_op = torch.library.custom_op("flashlite::linear_cross_entropy_bwd",
+                                         mutates_args=())(_linear_bwd)  # fmt: skip
+
+
+@_linear_bwd_op.register_fake
+def _(hidden, weight, bias, target, class_weight, dloss, ignore_index, label_smoothing, z_loss,  # type: ignore[no-untyped-def]
+      softcap, chunk):  # fmt: skip
+    db = hidden.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
+    return torch.empty_like(hidden), torch.empty_like(weight), db
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Cross-entropy of ``hidden·weightᵀ + bias`` without the full logits: the gradients of
     hidden, weight and bias are accumulated in the forward's sweep over token chunks (mean and
     sum: the backward scales them by the incoming scalar); ``reduction="none"`` needs each
-    token's incoming gradient, so its backward sweeps the chunks again."""
+    token's incoming gradient, so its backward sweeps the chunks again. The sweeps are the
+    custom ops ``flashlite::linear_cross_entropy_fwd``/``_bwd`` (``torch.compile`` traces
+    through; eager calls their bodies directly)."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, class_weight, ignore_index, label_smoothing,  # type: ignore[no-untyped-def, override]
                 z_loss, softcap, reduction, chunk):  # fmt: skip
         n, v = hidden.shape[0], weight.shape[0]
-        opts = (class_weight, ignore_index, label_smoothing, z_loss, softcap)
+        opts = (ignore_index, label_smoothing, z_loss, softcap, chunk)
         kept = target != ignore_index
         if reduction == "mean":
             if class_weight is None:
@@ -390,18 +479,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         else:
             denom, scale = None, hidden.new_ones((n,), dtype=torch.float32)
         need = any(ctx.needs_input_grad[:3])
-        grads = None
-        if need and reduction != "none":
-            grads = (torch.empty_like(hidden), torch.zeros_like(weight),
-                     torch.zeros(v, dtype=torch.float32, device=hidden.device)
-                     if bias is not None else None)  # fmt: skip
-        losses, lse = _linear_chunks(hidden, weight, bias, target, scale, opts, chunk, grads)
+        with_grads = need and reduction != "none"
+        args = (hidden, weight, bias, target, class_weight, scale, *opts, with_grads)
+        if skip_dispatcher(hidden, weight, target):
+            losses, lse, dh, dw, db = _linear_fwd(*args)  # the op's own body
+        else:
+            losses, lse, dh, dw, db = torch.ops.flashlite.linear_cross_entropy_fwd.default(*args)
         ctx.mark_non_differentiable(lse)
-        ctx.reduction, ctx.opts, ctx.chunk, ctx.has_bias = reduction, opts, chunk, bias is not None
-        if grads is not None:
-            ctx.save_for_backward(*(g for g in grads if g is not None))
+        ctx.reduction, ctx.opts, ctx.has_bias = reduction, opts, bias is not None
+        if with_grads:
+            ctx.save_for_backward(dh, dw, db)
         elif need:  # "none": the backward sweeps again
-            ctx.save_for_backward(hidden, weight, bias, target)
+            ctx.save_for_backward(hidden, weight, bias, target, class_weight)
         if reduction == "none":
             return losses, lse
         total = losses.sum()
@@ -409,18 +498,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dloss, _dlse):  # type: ignore[no-untyped-def, override]
-        if ctx.reduction != "none":  # scaled where they are: no second weight-sized buffer
-            saved = list(ctx.saved_tensors)
-            dh, dw = saved[0].mul_(dloss), saved[1].mul_(dloss)
-            db = saved[2].mul_(dloss).to(saved[1].dtype) if ctx.has_bias else None
-            return dh, dw, db, *([None] * 8)
-        hidden, weight, bias, target = ctx.saved_tensors
-        grads = (torch.empty_like(hidden), torch.zeros_like(weight),
-                 torch.zeros(weight.shape[0], dtype=torch.float32, device=hidden.device)
-                 if bias is not None else None)  # fmt: skip
-        _linear_chunks(hidden, weight, bias, target, dloss.float(), ctx.opts, ctx.chunk, grads)
-        db = grads[2].to(weight.dtype) if grads[2] is not None else None
-        return grads[0], grads[1], db, *([None] * 8)
+        if ctx.reduction != "none":
+            dh, dw, db = ctx.saved_tensors
+            if skip_dispatcher(dh, dw, dloss):  # eager: scaled where they are (no second copy)
+                dh, dw, db = dh.mul_(dloss), dw.mul_(dloss), db.mul_(dloss)
+            else:
+                dh, dw, db = dh * dloss, dw * dloss, db * dloss
+            return dh, dw, db.to(dw.dtype) if ctx.has_bias else None, *([None] * 8)
+        hidden, weight, bias, target, class_weight = ctx.saved_tensors
+        args = (hidden, weight, bias, target, class_weight, dloss, *ctx.opts)
+        if skip_dispatcher(hidden, weight, dloss):
+            dh, dw, db = _linear_bwd(*args)
+        else:
+            dh, dw, db = torch.ops.flashlite.linear_cross_entropy_bwd.default(*args)
+        return dh, dw, db.to(weight.dtype) if ctx.has_bias else None, *([None] * 8)
 
 
 def linear_cross_entropy(
