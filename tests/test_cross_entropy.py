@@ -277,11 +277,13 @@ LINEAR_OPTIONS = [
 ]
 
 
+@pytest.mark.parametrize("vocab", [None, 300], ids=["whole-rows", "vocab-slices"])
 @pytest.mark.parametrize("opts", LINEAR_OPTIONS, ids=lambda o: "-".join(o) or "plain")
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_linear_cross_entropy_matches_torch(dtype: torch.dtype, opts: dict) -> None:
+def test_linear_cross_entropy_matches_torch(dtype: torch.dtype, opts: dict, vocab: int) -> None:
     """Loss and the gradients of hidden, weight and bias against torch's CE of the full logits
-    in fp64; four tokens per chunk, so ten tokens take three chunks."""
+    in fp64; four tokens per chunk, so ten tokens take three chunks, and with ``vocab`` each
+    chunk's 1000 classes in slices of 300 (the last one 100) merged through ``stats.merge``."""
     gen = torch.Generator().manual_seed(7)
     n, h, v = 10, 16, 1000
     hidden = torch.randn(n, h, generator=gen).to(dtype)
@@ -295,7 +297,7 @@ def test_linear_cross_entropy_matches_torch(dtype: torch.dtype, opts: dict) -> N
     leaves = [t.clone().requires_grad_() for t in (hidden, weight)]
     lb = b.clone().requires_grad_() if b is not None else None
     got = flashlite.linear_cross_entropy(*leaves, target, bias=lb, class_weight=cw,
-                                         chunk_size=4, **kw)  # fmt: skip
+                                         chunk_size=4, vocab_chunk_size=vocab, **kw)  # fmt: skip
     refs = [t.double().requires_grad_() for t in (hidden, weight)]
     rb = b.double().requires_grad_() if b is not None else None
     logits = refs[0] @ refs[1].t() + (rb if rb is not None else 0.0)
@@ -353,10 +355,33 @@ def test_linear_cross_entropy_compiles_and_passes_opcheck(reduction: str) -> Non
         runs.append((loss.detach(), *(leaf.grad for leaf in leaves)))
     for got, want in zip(runs[1], runs[0], strict=True):
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-    opts = (-100, 0.1, 1e-3, 0.0, 4)
+    opts = (-100, 0.1, 1e-3, 0.0, 4, 0)
     opcheck(torch.ops.flashlite.linear_cross_entropy_fwd.default,
             (hidden, weight, bias, target, None, torch.rand(6), *opts, True))  # fmt: skip
     opcheck(torch.ops.flashlite.linear_cross_entropy_fwd.default,
             (hidden, weight, None, target, None, torch.ones(6), *opts, False))  # fmt: skip
     opcheck(torch.ops.flashlite.linear_cross_entropy_bwd.default,
             (hidden, weight, bias, target, torch.rand(50) + 0.5, torch.rand(6), *opts))  # fmt: skip
+    sliced = (*opts[:-1], 16)  # vocabulary slices of 16 classes
+    opcheck(torch.ops.flashlite.linear_cross_entropy_fwd.default,
+            (hidden, weight, bias, target, None, torch.rand(6), *sliced, True))  # fmt: skip
+    opcheck(torch.ops.flashlite.linear_cross_entropy_bwd.default,
+            (hidden, weight, None, target, None, torch.rand(6), *sliced))  # fmt: skip
+
+
+def test_linear_cross_entropy_slices_the_vocabulary_only_when_rows_do_not_fit() -> None:
+    from flashlite.ops import cross_entropy as oce
+
+    budget = oce.LINEAR_CHUNK_BYTES
+    assert oce._linear_chunking(128256, 2, None, None) == (budget // (128256 * 2), 0)
+    too_wide = budget // (2 * oce.LINEAR_MIN_TOKENS) + 1  # classes: 256 tokens no longer fit
+    assert oce._linear_chunking(too_wide, 2, None, None) == (
+        oce.LINEAR_MIN_TOKENS,
+        budget // (2 * oce.LINEAR_MIN_TOKENS),
+    )
+    assert oce._linear_chunking(1000, 4, 8, 300) == (8, 300)
+    assert oce._linear_chunking(1000, 4, 8, 5000) == (8, 0)  # a slice past V: whole rows
+    with pytest.raises(ValueError, match="vocab_chunk_size"):
+        flashlite.linear_cross_entropy(torch.randn(2, 8), torch.randn(50, 8),
+                                       torch.zeros(2, dtype=torch.long),
+                                       vocab_chunk_size=0)  # fmt: skip

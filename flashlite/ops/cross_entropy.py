@@ -12,9 +12,11 @@ in a ``torch.autograd.Function`` around them, and ``torch.compile(fullgraph=True
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from flashlite import _backend
+from flashlite import _backend, stats
 from flashlite.kernels import cross_entropy as K
 from flashlite.kernels.configs import cdiv
 from flashlite.ops.common import check_softcap, on_compute_device, skip_dispatcher
@@ -330,6 +332,21 @@ def cross_entropy(
 # ----------------------------------------------------------------------------- linear CE
 #: Logits bytes one chunk of tokens may hold (the only logits ever materialised).
 LINEAR_CHUNK_BYTES = 1 << 28
+#: Fewest tokens per chunk before the vocabulary is sliced too (a thinner chunk would starve
+#: the products; at 256 MiB that happens past 512k classes in bf16).
+LINEAR_MIN_TOKENS = 256
+
+
+def _linear_chunking(
+    v: int, elem_bytes: int, chunk_size: int | None, vocab_chunk_size: int | None
+) -> tuple[int, int]:
+    """Tokens per chunk and classes per vocabulary slice (0: the whole vocabulary)."""
+    fit = LINEAR_CHUNK_BYTES // (v * elem_bytes)  # tokens of whole rows within the budget
+    if vocab_chunk_size is None and fit >= LINEAR_MIN_TOKENS:
+        return chunk_size or fit, 0
+    chunk = chunk_size or LINEAR_MIN_TOKENS
+    vocab = vocab_chunk_size or max(1, LINEAR_CHUNK_BYTES // (chunk * elem_bytes))
+    return chunk, (vocab if vocab < v else 0)
 
 
 def _linear_chunks(
@@ -341,17 +358,25 @@ def _linear_chunks(
     opts: tuple,
     chunk: int,
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
+    vocab_chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sweep over token chunks: logits ``h·Wᵀ + b`` of a chunk (tensor cores through
     ``torch.matmul``), the fused kernel writing their gradient over them, then that gradient
-    scaled per row by ``scale`` and folded into ``grads = (dh, dW, db)`` (when given). Returns
-    the fp32 per-token losses and LSE."""
+    scaled per row by ``scale`` and folded into ``grads = (dh, dW, db)`` (when given). With
+    ``0 < vocab_chunk < V`` each token chunk's vocabulary is swept in slices instead
+    (:func:`_vocab_sweep`). Returns the fp32 per-token losses and LSE."""
     n = hidden.shape[0]
     losses = hidden.new_empty((n,), dtype=torch.float32)
     lse = hidden.new_empty((n,), dtype=torch.float32)
     unit = torch.ones(1, dtype=torch.float32, device=hidden.device)
     for r0 in range(0, n, chunk):
         rows = slice(r0, min(n, r0 + chunk))
+        if 0 < vocab_chunk < weight.shape[0]:
+            losses[rows], lse[rows] = _vocab_sweep(
+                hidden[rows], weight, bias, target[rows], scale[rows], opts, vocab_chunk, grads,
+                rows,
+            )  # fmt: skip
+            continue
         h = hidden[rows]
         logits = h @ weight.t()
         if bias is not None:
@@ -367,6 +392,93 @@ def _linear_chunks(
         if db is not None:
             db += g.sum(0, dtype=torch.float32)
     return losses, lse
+
+
+def _capped_logits(
+    h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cols: slice, softcap: float
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fp32 logits of vocabulary slice ``cols`` (soft-capped), and ``tanh`` of the cap."""
+    x = (h @ weight[cols].t()).float()
+    if bias is not None:
+        x += bias[cols].float()
+    if not softcap:
+        return x, None
+    t = torch.tanh(x / softcap)
+    return softcap * t, t
+
+
+def _vocab_sweep(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    scale: torch.Tensor,
+    opts: tuple,
+    vocab_chunk: int,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
+    rows: slice,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Losses and LSE of one token chunk whose vocabulary is too wide to hold: slices of
+    ``vocab_chunk`` classes, each one's ``(m, s)`` pair merged into the row's with
+    :func:`flashlite.stats.merge` (with the target's logit and ``Σ w·x``), then, for the
+    gradients, a second pass that recomputes each slice's logits and writes ``p − onehot``
+    from the finished LSE (:func:`flashlite.stats.torch_probs_from_lse`): the formula of
+    :mod:`flashlite.kernels.cross_entropy`, in torch, one slice at a time. Costs one more
+    product per slice than a whole-row chunk, so :func:`linear_cross_entropy` takes it only
+    when a row of logits is too wide for the chunk budget."""
+    class_weight, ignore_index, smoothing, z_loss, softcap = opts
+    v = weight.shape[0]
+    ignored = target == ignore_index
+    in_range = (target >= 0) & (target < v)
+    tc = target.clamp(0, v - 1)
+    if class_weight is not None:
+        cw = class_weight.float()
+        w_t, wsum = cw[tc], cw.sum()
+    else:
+        cw, w_t, wsum = None, torch.ones_like(tc, dtype=torch.float32), float(v)
+    m = torch.full_like(w_t, -math.inf)
+    s = torch.zeros_like(w_t)
+    x_t = torch.zeros_like(w_t)
+    wx = torch.zeros_like(w_t)
+    slices = [slice(c0, min(v, c0 + vocab_chunk)) for c0 in range(0, v, vocab_chunk)]
+    for cols in slices:  # pass 1: the pair, merged slice by slice
+        x, _ = _capped_logits(h, weight, bias, cols, softcap)
+        m, s = stats.merge(m, s, *stats.torch_tile_stats(x))
+        inside = (tc >= cols.start) & (tc < cols.stop)
+        at = (tc - cols.start).clamp(0, x.shape[1] - 1)[:, None]
+        x_t += torch.where(inside, x.gather(1, at)[:, 0], 0.0)
+        if smoothing:
+            w = cw[cols] if cw is not None else torch.ones_like(x[0])
+            wx += (w * torch.where(w != 0, x, 0.0)).sum(1)
+    lse = stats.torch_finalize_lse(m, s)
+    loss = (1.0 - smoothing) * w_t * (lse - x_t) + z_loss * lse * lse
+    if smoothing:
+        loss += smoothing / v * (lse * wsum - wx)
+    nan = torch.full_like(loss, math.nan)
+    loss = torch.where(ignored, 0.0, torch.where(in_range, loss, nan))
+    if grads is None:
+        return loss, lse
+    dh, dw, db = grads
+    row_scale = torch.where(ignored, 0.0, torch.where(in_range, scale.float(), nan))[:, None]
+    coef = ((1.0 - smoothing) * w_t + smoothing / v * wsum + 2.0 * z_loss * lse)[:, None]
+    dh_rows = torch.zeros(h.shape, dtype=torch.float32, device=h.device)
+    for cols in slices:  # pass 2: the gradient of each slice, from the finished LSE
+        x, t = _capped_logits(h, weight, bias, cols, softcap)
+        g = stats.torch_probs_from_lse(x, lse) * coef
+        if smoothing:
+            g -= smoothing / v * (cw[cols] if cw is not None else 1.0)
+        inside = ((tc >= cols.start) & (tc < cols.stop))[:, None]
+        onehot = torch.arange(cols.start, cols.stop, device=h.device)[None, :] == tc[:, None]
+        g -= torch.where(inside & onehot, ((1.0 - smoothing) * w_t)[:, None], 0.0)
+        if t is not None:  # d(c·tanh(x/c))/dx = 1 − tanh²
+            g *= 1.0 - t * t
+        g = torch.where(row_scale == 0, 0.0, g * row_scale).to(h.dtype)
+        dh_rows += (g @ weight[cols]).float()
+        dw[cols].addmm_(g.t(), h)
+        if db is not None:
+            db[cols] += g.sum(0, dtype=torch.float32)
+    dh[rows] = dh_rows.to(dh.dtype)
+    return loss, lse
 
 
 def _linear_grads(
@@ -396,6 +508,7 @@ def _linear_fwd(
     z_loss: float,
     softcap: float,
     chunk: int,
+    vocab_chunk: int,
     with_grads: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward sweep: per-token losses and LSE, and with ``with_grads`` the gradients of
@@ -403,7 +516,8 @@ def _linear_fwd(
     the gradients not made)."""
     opts = (class_weight, ignore_index, label_smoothing, z_loss, softcap)
     grads = _linear_grads(hidden, weight, bias) if with_grads else None
-    losses, lse = _linear_chunks(hidden, weight, bias, target, scale, opts, chunk, grads)
+    losses, lse = _linear_chunks(hidden, weight, bias, target, scale, opts, chunk, grads,
+                                 vocab_chunk)  # fmt: skip
     if grads is None:  # (distinct empty tensors: an op's outputs may not alias)
         return losses, lse, *(hidden.new_empty((0,), dtype=torch.float32) for _ in range(3))
     return losses, lse, grads[0], grads[1], _no_bias(grads[2], hidden)
@@ -415,7 +529,7 @@ _linear_fwd_op = torch.library.custom_op("flashlite::linear_cross_entropy_fwd",
 
 @_linear_fwd_op.register_fake
 def _(hidden, weight, bias, target, class_weight, scale, ignore_index, label_smoothing, z_loss,  # type: ignore[no-untyped-def]
-      softcap, chunk, with_grads):  # fmt: skip
+      softcap, chunk, vocab_chunk, with_grads):  # fmt: skip
     n = hidden.shape[0]
     losses = hidden.new_empty((n,), dtype=torch.float32)
     if not with_grads:
@@ -437,11 +551,12 @@ def _linear_bwd(
     z_loss: float,
     softcap: float,
     chunk: int,
+    vocab_chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``reduction="none"``'s backward: the sweep again, with each token's incoming gradient."""
     opts = (class_weight, ignore_index, label_smoothing, z_loss, softcap)
     grads = _linear_grads(hidden, weight, bias)
-    _linear_chunks(hidden, weight, bias, target, dloss.float(), opts, chunk, grads)
+    _linear_chunks(hidden, weight, bias, target, dloss.float(), opts, chunk, grads, vocab_chunk)
     return grads[0], grads[1], _no_bias(grads[2], hidden)
 
 
@@ -451,7 +566,7 @@ _linear_bwd_op = torch.library.custom_op("flashlite::linear_cross_entropy_bwd",
 
 @_linear_bwd_op.register_fake
 def _(hidden, weight, bias, target, class_weight, dloss, ignore_index, label_smoothing, z_loss,  # type: ignore[no-untyped-def]
-      softcap, chunk):  # fmt: skip
+      softcap, chunk, vocab_chunk):  # fmt: skip
     db = hidden.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
     return torch.empty_like(hidden), torch.empty_like(weight), db
 
@@ -466,9 +581,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, target, class_weight, ignore_index, label_smoothing,  # type: ignore[no-untyped-def, override]
-                z_loss, softcap, reduction, chunk):  # fmt: skip
+                z_loss, softcap, reduction, chunk, vocab_chunk):  # fmt: skip
         n, v = hidden.shape[0], weight.shape[0]
-        opts = (ignore_index, label_smoothing, z_loss, softcap, chunk)
+        opts = (ignore_index, label_smoothing, z_loss, softcap, chunk, vocab_chunk)
         kept = target != ignore_index
         if reduction == "mean":
             if class_weight is None:
@@ -504,14 +619,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 dh, dw, db = dh.mul_(dloss), dw.mul_(dloss), db.mul_(dloss)
             else:
                 dh, dw, db = dh * dloss, dw * dloss, db * dloss
-            return dh, dw, db.to(dw.dtype) if ctx.has_bias else None, *([None] * 8)
+            return dh, dw, db.to(dw.dtype) if ctx.has_bias else None, *([None] * 9)
         hidden, weight, bias, target, class_weight = ctx.saved_tensors
         args = (hidden, weight, bias, target, class_weight, dloss, *ctx.opts)
         if skip_dispatcher(hidden, weight, dloss):
             dh, dw, db = _linear_bwd(*args)
         else:
             dh, dw, db = torch.ops.flashlite.linear_cross_entropy_bwd.default(*args)
-        return dh, dw, db.to(weight.dtype) if ctx.has_bias else None, *([None] * 8)
+        return dh, dw, db.to(weight.dtype) if ctx.has_bias else None, *([None] * 9)
 
 
 def linear_cross_entropy(
@@ -529,6 +644,7 @@ def linear_cross_entropy(
     return_lse: bool = False,
     validate: bool = True,
     chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`cross_entropy` of the output layer's logits ``hidden·weightᵀ + bias``, never
     materialising the ``(N, V)`` logits.
@@ -537,7 +653,11 @@ def linear_cross_entropy(
     cores, cuBLAS's tuned GEMMs), the fused kernel turns them into that chunk's losses and
     writes their gradient over them, and the gradients of hidden, weight and bias are folded in
     with two more matmuls, all in the same sweep. At most one chunk of logits exists at a time
-    (:data:`LINEAR_CHUNK_BYTES`, 256 MiB by default), plus the gradients themselves.
+    (:data:`LINEAR_CHUNK_BYTES`, 256 MiB by default), plus the gradients themselves. When even
+    :data:`LINEAR_MIN_TOKENS` tokens of whole-vocabulary logits would not fit that budget, or
+    with ``vocab_chunk_size``, each token chunk's vocabulary is swept in slices too: their
+    ``(m, s)`` pairs merged with :func:`flashlite.stats.merge`, then the gradient from the
+    finished LSE, slice by slice (one more product per slice).
 
     Args:
         hidden: ``(N, H)`` or ``(B, T, H)``.
@@ -548,6 +668,8 @@ def linear_cross_entropy(
         ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, validate: as
             :func:`cross_entropy`.
         chunk_size: tokens per chunk (default: as many as fit :data:`LINEAR_CHUNK_BYTES`).
+        vocab_chunk_size: classes per vocabulary slice (default: the whole vocabulary, unless
+            it does not fit the budget as said above).
 
     Returns:
         The fp32 loss (and the LSE per token), as :func:`cross_entropy`.
@@ -566,16 +688,16 @@ def linear_cross_entropy(
     v = weight.shape[0]
     fake = hidden.new_empty((1,) * hidden.dim()).expand(*hidden.shape[:-1], v)  # (no storage)
     _check(fake, target, class_weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int)
-                                   or chunk_size < 1):  # fmt: skip
-        raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
+    for name, size in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"{name} must be None or an int >= 1, got {size!r}")
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     if validate and not torch.compiler.is_compiling():
         _check_targets(t1, v, ignore_index)
-    chunk = chunk_size or max(1, LINEAR_CHUNK_BYTES // (v * hidden.element_size()))
+    chunk, vocab_chunk = _linear_chunking(v, hidden.element_size(), chunk_size, vocab_chunk_size)
     loss, lse = _LinearCrossEntropy.apply(
         h2, weight, bias, t1, class_weight, ignore_index, float(label_smoothing), float(z_loss),
-        check_softcap(softcap), reduction, chunk,
+        check_softcap(softcap), reduction, chunk, vocab_chunk,
     )  # fmt: skip
     if reduction == "none":
         loss = loss.view(target.shape)
