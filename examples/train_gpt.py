@@ -103,6 +103,7 @@ def train(args: argparse.Namespace, attention: str, corpus: torch.Tensor, loss_f
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     batches = torch.Generator().manual_seed(args.seed + 1)  # the same batches for every run
     losses, tokens, elapsed = [], 0, 0.0
+    name = _label({"attention": attention, "loss": loss_fn})
     for step in range(args.steps):
         starts = torch.randint(0, corpus.numel() - args.context - 1, (args.batch,),
                                generator=batches)  # fmt: skip
@@ -127,9 +128,9 @@ def train(args: argparse.Namespace, attention: str, corpus: torch.Tensor, loss_f
             tokens += args.batch * args.context
         losses.append(loss.item())
         if not math.isfinite(losses[-1]):
-            raise RuntimeError(f"{attention}: loss is {losses[-1]} at step {step}")
+            raise RuntimeError(f"{name}: loss is {losses[-1]} at step {step}")
         if args.log_every and step % args.log_every == 0:
-            print(f"{attention:>9} step {step:4d}  loss {losses[-1]:.4f}", flush=True)
+            print(f"{name:>24} step {step:4d}  loss {losses[-1]:.4f}", flush=True)
     return {"attention": attention, "loss": loss_fn, "losses": losses,
             "tokens_per_s": tokens / elapsed if elapsed else None}  # fmt: skip
 
