@@ -5,6 +5,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 from flashlite import (
     _backend,  # noqa: F401  (chooses compiled vs interpreted Triton first)
+    distributed,
     masks,
     reference,
     stats,
@@ -24,6 +25,7 @@ __all__ = [
     "attention_kvcache",
     "attention_varlen",
     "cross_entropy",
+    "distributed",
     "linear_cross_entropy",
     "log_softmax",
     "masks",

@@ -616,7 +616,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = command("bench", "how to run the benchmark scripts", _BENCH)
     b.set_defaults(func=_cmd_bench)
+
+    from flashlite.distributed import demo as ring_demo
+
+    r = command(
+        "ring",
+        "ring attention across gloo processes on CPU: error and bytes per rank",
+        ring_demo.__doc__ or "",
+    )
+    ring_demo.add_options(r)
+    r.set_defaults(func=_cmd_ring)
     return p
+
+
+def _cmd_ring(args: argparse.Namespace) -> int:
+    from flashlite.distributed import demo as ring_demo
+
+    return ring_demo.run(args)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

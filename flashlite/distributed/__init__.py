@@ -1,0 +1,6 @@
+"""Attention across ranks: ring attention over ``torch.distributed`` (gloo on CPU, NCCL on
+GPUs), exact through the ``(o, lse)`` merge of :mod:`flashlite.stats`."""
+
+from flashlite.distributed.ring import gather_sequence, ring_attention, shard_sequence
+
+__all__ = ["gather_sequence", "ring_attention", "shard_sequence"]

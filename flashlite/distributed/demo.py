@@ -1,0 +1,151 @@
+"""Ring attention on CPU across gloo processes: the error against single-process attention and
+the bytes each rank sent, forward and backward.
+
+    flashlite ring --nproc 2 --seq 512            # starts the processes itself
+    torchrun --nproc-per-node 2 -m flashlite.distributed.demo --seq 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+
+def add_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The demo's options (shared with ``flashlite ring``)."""
+    p.add_argument("--nproc", type=int, default=2, help="processes (ranks) to start")
+    p.add_argument("--seq", type=int, default=512, help="total sequence length N")
+    p.add_argument("--heads", type=int, default=4, help="query heads")
+    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
+    p.add_argument("--head-dim", type=int, default=32, help="D")
+    p.add_argument("--no-causal", dest="causal", action="store_false", help="full attention")
+    p.add_argument("--contiguous", action="store_true", help="contiguous shards, not zigzag")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", action="store_true", help="print the per-rank results as JSON")
+    return p
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return add_options(
+        argparse.ArgumentParser(prog="flashlite ring", description=__doc__.splitlines()[0])
+    )
+
+
+def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One rank's run in an initialised gloo group: its shard of a seeded sequence through
+    ring attention (forward and backward), compared with single-process attention."""
+    import torch.distributed as dist
+
+    import flashlite
+    from flashlite.distributed import ring_attention, shard_sequence
+    from flashlite.distributed.ring import comm_model
+
+    zigzag = not args.contiguous
+    gen = torch.Generator().manual_seed(args.seed)
+    heads = (args.heads, args.kv_heads, args.kv_heads, args.heads)
+    q, k, v, do = (torch.randn(1, args.seq, h, args.head_dim, generator=gen) for h in heads)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = flashlite.attention(*leaves, causal=args.causal, layout="b n h d")
+    ref.backward(do)
+
+    def shard(t: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(t, 1, zigzag=zigzag)
+
+    mine = [shard(t).requires_grad_() for t in (q, k, v)]
+    sent = [0, 0]  # forward, backward
+    real = dist.batch_isend_irecv
+    phase = 0
+
+    def counted(ops: list) -> list:
+        sent[phase] += sum(o.tensor.numel() * o.tensor.element_size() for o in ops
+                           if o.op is dist.isend)  # fmt: skip
+        return real(ops)
+
+    dist.batch_isend_irecv = counted
+    try:
+        out = ring_attention(*mine, causal=args.causal, zigzag=zigzag)
+        phase = 1
+        out.backward(shard(do))
+    finally:
+        dist.batch_isend_irecv = real
+    errors = {name: (a - shard(b)).abs().max().item()
+              for name, a, b in zip(("out", "dq", "dk", "dv"),
+                                    [out, *(t.grad for t in mine)],
+                                    [ref, *(t.grad for t in leaves)], strict=True)}  # fmt: skip
+    n_local = args.seq // world
+    model = [sum(int(m["bytes"]) for m in comm_model(world, 1, args.kv_heads, n_local,
+                                                     args.head_dim, 4, bwd))
+             for bwd in (False, True)]  # fmt: skip
+    return {"rank": rank, "world": world, "max_error": errors, "bytes_sent_forward": sent[0],
+            "bytes_sent_backward": sent[1], "model_forward": model[0],
+            "model_backward": model[1]}  # fmt: skip
+
+
+def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
+    import torch.distributed as dist
+
+    from flashlite.distributed.ring import init_for_tests
+
+    init_for_tests(rank, world, port)
+    try:
+        queue.put(run_rank(rank, world, args))
+    finally:
+        dist.destroy_process_group()
+
+
+def _print(results: list[dict[str, Any]], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(results, indent=1))
+        return
+    print("rank  max |err| out / dq / dk / dv              sent fwd (model)      sent bwd (model)")
+    for r in results:
+        e = r["max_error"]
+        errs = " / ".join(f"{e[k]:.1e}" for k in ("out", "dq", "dk", "dv"))
+        print(f"{r['rank']:>4}  {errs:34} {r['bytes_sent_forward']:>9} ({r['model_forward']:>9})"
+              f"  {r['bytes_sent_backward']:>9} ({r['model_backward']:>9})")  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser().parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Start ``args.nproc`` gloo processes (or, under torchrun, be one rank) and print."""
+    if args.nproc < 1:
+        raise SystemExit("--nproc must be >= 1")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
+        import torch.distributed as dist
+
+        from flashlite.distributed.ring import DEFAULT_TIMEOUT
+
+        dist.init_process_group("gloo", timeout=DEFAULT_TIMEOUT)
+        try:
+            result = run_rank(dist.get_rank(), dist.get_world_size(), args)
+        finally:
+            dist.destroy_process_group()
+        _print([result], args.json)
+        return 0
+    parts = 2 * args.nproc if not args.contiguous else args.nproc
+    if args.seq % parts:
+        raise SystemExit(f"--seq {args.seq} must divide by {parts} for {args.nproc} ranks")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(_spawned, args=(args.nproc, port, args, queue), nprocs=args.nproc,
+                       join=True, start_method="spawn")  # fmt: skip
+    results = sorted((queue.get() for _ in range(args.nproc)), key=lambda r: r["rank"])
+    _print(results, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

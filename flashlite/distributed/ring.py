@@ -1,0 +1,318 @@
+"""Ring attention over ``torch.distributed``: each rank keeps its query shard, the key/value
+shards travel around the ring, and every step's partial ``(o, lse)`` is merged exactly with
+:func:`flashlite.stats.merge_attention` (the merge is associative, so the order the shards
+arrive in does not matter).
+
+Causal attention is balanced with zigzag shards: the sequence is cut into ``2P`` chunks and rank
+``r`` holds chunks ``r`` and ``2P − 1 − r``. At the step where rank ``r`` holds the keys of rank
+``j``, only these blocks see any key (everything else is skipped, not computed):
+
+* ``j == r``: the local shard against itself, causally (its two chunks are in order);
+* ``j < r``:  all local queries against ``j``'s first chunk, unmasked;
+* ``j > r``:  the local second chunk against both of ``j``'s chunks, unmasked.
+
+So every non-local step costs the same (``2c × c`` scores for chunks of ``c`` tokens). The
+backward sends each key/value shard around again, with fp32 accumulators of its ``dK, dV`` that
+arrive back at their owner after the last step. Each transfer is started before the step's
+attention and waited for after it, so the two overlap.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from flashlite import stats
+from flashlite.ops.attention import _check, attention_bwd, attention_fwd
+
+#: What to pass to ``init_process_group`` so that a peer that dies cannot hang the others.
+DEFAULT_TIMEOUT = timedelta(seconds=120)
+
+
+# ----------------------------------------------------------------------------- groups
+def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int, int, int]:
+    """``(rank, size, next, prev)``: this rank in ``group`` and its ring neighbours' global
+    ranks."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "flashlite.distributed needs an initialised process group: call "
+            "torch.distributed.init_process_group('gloo' for CPU tensors, 'nccl' for CUDA) "
+            "first, e.g. under torchrun, or see flashlite.distributed.demo"
+        )
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    nxt = dist.get_global_rank(group, (rank + 1) % size) if group is not None else (rank + 1) % size
+    prv = dist.get_global_rank(group, (rank - 1) % size) if group is not None else (rank - 1) % size
+    return rank, size, nxt, prv
+
+
+def _check_shards(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None, what: str) -> None:
+    """Every rank's shard has one length along ``dim`` and one device type (one small
+    all-gather)."""
+    size = dist.get_world_size(group)
+    mine = torch.tensor([x.shape[dim], 0 if x.device.type == "cpu" else 1], dtype=torch.int64)
+    if dist.get_backend(group) == "nccl":
+        mine = mine.to(x.device)
+    seen = [torch.empty_like(mine) for _ in range(size)]
+    dist.all_gather(seen, mine, group=group)
+    lengths = [int(t[0]) for t in seen]
+    kinds = {int(t[1]) for t in seen}
+    if len(set(lengths)) > 1:
+        raise ValueError(f"{what} shards must have one length on every rank; ranks hold "
+                         f"{lengths}")  # fmt: skip
+    if len(kinds) > 1:
+        raise ValueError(f"{what} shards must be on one kind of device on every rank (CPU with "
+                         "gloo, CUDA with NCCL); the ranks mix them")  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- sharding
+def shard_sequence(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None, zigzag: bool = True
+) -> torch.Tensor:
+    """This rank's shard of the full sequence ``x`` along ``dim``.
+
+    Args:
+        x: the whole sequence (every rank passes the same tensor).
+        dim: the sequence dimension (1 for ``b n h d``, 2 for ``b h n d``).
+        zigzag: chunks ``r`` and ``2P − 1 − r`` of ``2P`` (balances causal attention), else the
+            ``r``-th of ``P`` contiguous pieces.
+
+    Returns:
+        A contiguous tensor with ``N / P`` entries along ``dim``.
+
+    Raises:
+        ValueError: ``N`` not divisible by ``2P`` (zigzag) or ``P``.
+    """
+    rank, size, _, _ = _group_info(group)
+    n = x.shape[dim]
+    parts = 2 * size if zigzag else size
+    if n % parts:
+        raise ValueError(f"sequence length {n} must divide by {'2P' if zigzag else 'P'} = "
+                         f"{parts} for {'zigzag' if zigzag else 'contiguous'} shards")  # fmt: skip
+    chunks = x.chunk(parts, dim)
+    if not zigzag:
+        return chunks[rank].contiguous()
+    return torch.cat([chunks[rank], chunks[parts - 1 - rank]], dim).contiguous()
+
+
+def gather_sequence(
+    x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None, zigzag: bool = True
+) -> torch.Tensor:
+    """The full sequence from every rank's shard (:func:`shard_sequence`'s inverse: an
+    all-gather, then the chunks put back in order)."""
+    _, size, _, _ = _group_info(group)
+    shards = [torch.empty_like(x.contiguous()) for _ in range(size)]
+    dist.all_gather(shards, x.contiguous(), group=group)
+    if not zigzag:
+        return torch.cat(shards, dim)
+    halves = [s.chunk(2, dim) for s in shards]
+    order = [halves[r][0] for r in range(size)] + [halves[r][1] for r in reversed(range(size))]
+    return torch.cat(order, dim)
+
+
+# ----------------------------------------------------------------------------- the ring
+def _exchange(
+    send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group: dist.ProcessGroup | None
+) -> list:
+    """Start sending ``send`` to the next rank and receiving ``recv`` from the previous one."""
+    ops = [dist.P2POp(dist.isend, send, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
+    return dist.batch_isend_irecv(ops)
+
+
+def _wait(requests: list) -> None:
+    for req in requests:
+        req.wait()
+
+
+def _blocks(rank: int, src: int, causal: bool, zigzag: bool, n: int) -> tuple | None:
+    """Which block of this step is computed: ``(q rows, kv rows, causal)`` as slices of the
+    local query shard and of the visiting key/value shard, or None when no query sees a key."""
+    everything = slice(0, n)
+    if not causal:
+        return everything, everything, False
+    if src == rank:
+        return everything, everything, True
+    if not zigzag:  # contiguous shards: earlier ranks' keys are all visible, later ones none
+        return (everything, everything, False) if src < rank else None
+    half = n // 2
+    if src < rank:  # both local chunks come after the visitor's first chunk, before its second
+        return everything, slice(0, half), False
+    return slice(half, n), everything, False  # our second chunk comes after both of its chunks
+
+
+def _ring_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
+    causal: bool, scale: float, zigzag: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(o, lse)`` of the local queries ``(B, Hq, n, D)`` against every rank's keys."""
+    rank, size, nxt, prv = _group_info(group)
+    n = q.shape[2]
+    o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])  # one message per step
+    for step in range(size):
+        src = (rank - step) % size
+        pending = None
+        if step < size - 1:  # the next shard travels while this one is attended to
+            incoming = torch.empty_like(kv)
+            pending = _exchange(kv, incoming, nxt, prv, group)
+        block = _blocks(rank, src, causal, zigzag, n)
+        if block is not None:
+            rows, cols, blk_causal = block
+            o_part, lse_part, _ = attention_fwd(q[:, :, rows], kv[0][:, :, cols],
+                                                kv[1][:, :, cols], blk_causal, scale)  # fmt: skip
+            o[:, :, rows], lse[:, :, rows] = stats.merge_attention(o[:, :, rows], lse[:, :, rows],
+                                                                   o_part, lse_part)  # fmt: skip
+        if pending is not None:
+            _wait(pending)
+            kv = incoming
+    return o.to(q.dtype), lse
+
+
+def _ring_backward(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+    lse: torch.Tensor, dlse: torch.Tensor | None, group: dist.ProcessGroup | None, causal: bool,
+    scale: float, zigzag: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(dq, dk, dv)`` of the local shards. Each step's block gets its share of the gradient
+    from the *global* ``o`` and ``lse`` (the kernels recompute ``P = e^(S − lse)``), so the
+    blocks' contributions add up to the exact gradient."""
+    rank, size, nxt, prv = _group_info(group)
+    n = q.shape[2]
+    dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    kv = torch.stack([k, v])
+    dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with kv
+    dkv_pending, dkv_in = None, dkv
+    for step in range(size):
+        src = (rank - step) % size
+        kv_pending = None
+        if step < size - 1:  # (the last step's keys are not needed anywhere)
+            kv_in = torch.empty_like(kv)
+            kv_pending = _exchange(kv, kv_in, nxt, prv, group)
+        block = _blocks(rank, src, causal, zigzag, n)
+        parts = None
+        if block is not None:
+            rows, cols, blk_causal = block
+            dq_p, dk_p, dv_p = attention_bwd(
+                do[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
+                o[:, :, rows], lse[:, :, rows], None if dlse is None else dlse[:, :, rows],
+                blk_causal, scale,
+            )  # fmt: skip
+            dq[:, :, rows] += dq_p.float()
+            parts = (cols, dk_p, dv_p)
+        if dkv_pending is not None:  # the accumulator of src, sent on during this step's work
+            _wait(dkv_pending)
+            dkv = dkv_in
+        if parts is not None:
+            cols, dk_p, dv_p = parts
+            dkv[0][:, :, cols] += dk_p.float()
+            dkv[1][:, :, cols] += dv_p.float()
+        # the accumulators move on after every step: after the last one they are home
+        dkv_in = torch.empty_like(dkv)
+        dkv_pending = _exchange(dkv, dkv_in, nxt, prv, group)
+        if kv_pending is not None:
+            _wait(kv_pending)
+            kv = kv_in
+    _wait(dkv_pending)  # type: ignore[arg-type]
+    dkv = dkv_in
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, group, causal, scale, zigzag):  # type: ignore[no-untyped-def, override]
+        o, lse = _ring_forward(q, k, v, group, causal, scale, zigzag)
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.args = (group, causal, scale, zigzag)
+        ctx.set_materialize_grads(False)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, dlse):  # type: ignore[no-untyped-def, override]
+        q, k, v, o, lse = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        dq, dk, dv = _ring_backward(do, q, k, v, o, lse, dlse, *ctx.args)
+        return dq, dk, dv, None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "b n h d",
+    return_lse: bool = False,
+    zigzag: bool = True,
+    validate: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact attention of this rank's query shard against the whole sequence, whose key/value
+    shards travel around the ranks of ``group`` (forward and backward).
+
+    Args:
+        q: ``(B, n, Hq, D)`` this rank's shard (``layout="b h n d"``: ``(B, Hq, n, D)``), as
+            :func:`shard_sequence` cuts it; k, v: ``(B, n, Hkv, D)`` likewise (GQA: ``Hq`` a
+            multiple of ``Hkv``).
+        group: the ranks that share the sequence (default: the world).
+        causal: causal over the *global* positions; the shards must be zigzag ones
+            (``zigzag=True``) or contiguous ones (``zigzag=False``, unbalanced).
+        scale, layout, return_lse: as :func:`flashlite.attention`.
+        validate: check that every rank's shards have one length and one device kind (one
+            small all-gather per call).
+
+    Returns:
+        This rank's output shard in ``q``'s layout (and the fp32 LSE ``(B, Hq, n)``).
+
+    Raises:
+        RuntimeError: no process group is initialised.
+        ValueError: shards of different lengths or device kinds across ranks, an odd local
+            length for zigzag shards, and everything :func:`flashlite.attention` rejects.
+    """
+    _group_info(group)
+    sm_scale, qc, kc, vc = _check(q, k, v, layout, scale)
+    if qc.shape[2] != kc.shape[2]:
+        raise ValueError(f"q and k/v shards must have one length, got {qc.shape[2]} and "
+                         f"{kc.shape[2]}")  # fmt: skip
+    if zigzag and causal and qc.shape[2] % 2:
+        raise ValueError(f"zigzag shards hold two equal chunks: local length {qc.shape[2]} is odd")
+    if validate:
+        _check_shards(qc, 2, group, "q")
+    o, lse = _RingAttention.apply(qc, kc, vc, group, bool(causal), sm_scale, bool(zigzag))
+    if layout != "b h n d":
+        o = o.transpose(1, 2)
+    return (o, lse) if return_lse else o
+
+
+def comm_model(
+    world: int, batch: int, kv_heads: int, n_local: int, head_dim: int, elem_bytes: int,
+    backward: bool = False,
+) -> list[dict[str, object]]:  # fmt: skip
+    """Bytes one rank sends (and receives: the ring is symmetric) per transfer, in order: the
+    forward sends its key/value shard on at steps ``0 … P−2`` (``2·B·Hkv·n·D·b`` each); the
+    backward sends the shard on the same way and, after every step ``0 … P−1``, the fp32
+    ``dK, dV`` accumulators (``2·B·Hkv·n·D·4``), the last send bringing them home. Totals per
+    rank: forward ``(P−1)·2·B·Hkv·n·D·b``; backward that plus ``P·2·B·Hkv·n·D·4``."""
+    kv = 2 * batch * kv_heads * n_local * head_dim * elem_bytes
+    dkv = 2 * batch * kv_heads * n_local * head_dim * 4
+    if not backward:
+        return [{"pass": "forward", "step": s, "what": "kv", "bytes": kv} for s in range(world - 1)]
+    out: list[dict[str, object]] = []
+    for s in range(world):
+        if s < world - 1:
+            out.append({"pass": "backward", "step": s, "what": "kv", "bytes": kv})
+        out.append({"pass": "backward", "step": s, "what": "dkv", "bytes": dkv})
+    return out
+
+
+def init_for_tests(rank: int, world: int, port: int) -> None:
+    """A gloo group on the loopback interface with a timeout (tests and the demo)."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=DEFAULT_TIMEOUT)  # fmt: skip
+
+
+__all__ = ["gather_sequence", "ring_attention", "shard_sequence"]

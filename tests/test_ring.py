@@ -1,0 +1,190 @@
+"""flashlite.distributed (issue 13): ring attention across gloo processes on CPU.
+
+Each test starts 2 or 3 processes with ``torch.multiprocessing`` (gloo on a free loopback port,
+with a timeout so that a dead peer cannot hang the rest). Every rank builds the same full
+sequence from one seed, runs single-process ``flashlite.attention`` on it as the reference, and
+checks its own output shard and its dq/dk/dv shards against the reference's, plus
+``gather(shard(x)) == x`` and the bytes its point-to-point calls sent against the closed-form
+model.
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from conftest import TOL
+
+import flashlite
+from flashlite.distributed import gather_sequence, ring_attention, shard_sequence
+from flashlite.distributed.ring import comm_model, init_for_tests
+
+# (causal, zigzag, layout, dtype, Hq, Hkv)
+CASES = [
+    (True, True, "b n h d", torch.float32, 4, 2),  # causal zigzag, GQA
+    (False, True, "b h n d", torch.float32, 2, 2),  # not causal, the other layout
+    (True, False, "b n h d", torch.float32, 2, 1),  # causal on contiguous shards, MQA
+    (True, True, "b n h d", torch.bfloat16, 2, 2),
+]
+N, D = 48, 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _counted(log: list) -> object:
+    """``dist.batch_isend_irecv`` wrapped to log each call's sent and received bytes."""
+    import torch.distributed as dist
+
+    real = dist.batch_isend_irecv
+
+    def wrapped(ops: list) -> list:
+        sent = sum(o.tensor.numel() * o.tensor.element_size() for o in ops if o.op is dist.isend)
+        got = sum(o.tensor.numel() * o.tensor.element_size() for o in ops if o.op is dist.irecv)
+        log.append((sent, got))
+        return real(ops)
+
+    return wrapped
+
+
+def _case(rank: int, world: int, case: tuple) -> None:
+    import torch.distributed as dist
+
+    causal, zigzag, layout, dtype, hq, hkv = case
+    seq_dim = 1 if layout == "b n h d" else 2
+    gen = torch.Generator().manual_seed(hq * 10 + hkv)
+
+    def shape(h: int) -> tuple[int, ...]:
+        return (1, N, h, D) if layout == "b n h d" else (1, h, N, D)
+
+    q, k, v, do = (torch.randn(shape(h), generator=gen).to(dtype) for h in (hq, hkv, hkv, hq))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = flashlite.attention(*leaves, causal=causal, layout=layout, return_lse=True)
+    ref.backward(do)
+
+    def shard(t: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(t, seq_dim, zigzag=zigzag)
+
+    mine = [shard(t).requires_grad_() for t in (q, k, v)]
+    log: list = []
+    real = dist.batch_isend_irecv
+    dist.batch_isend_irecv = _counted(log)
+    try:
+        out, lse = ring_attention(*mine, causal=causal, layout=layout, zigzag=zigzag,
+                                  return_lse=True)  # fmt: skip
+        n_forward = len(log)
+        out.backward(shard(do))
+    finally:
+        dist.batch_isend_irecv = real
+    tol = TOL[dtype]
+    got = [out, *(t.grad for t in mine)]
+    want = [ref, *(t.grad for t in leaves)]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), got, want, strict=True):
+        scale = max(1.0, b.abs().max().item())
+        err = (a.double() - shard(b).double()).abs().max().item()
+        assert err <= 4 * tol.floor * scale, (rank, case, name, err)
+    want_lse = shard_sequence(ref_lse, 2, zigzag=zigzag)
+    torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=0)
+    assert torch.equal(gather_sequence(shard(q), seq_dim, zigzag=zigzag), q)
+    n_local = N // world
+    model = [m["bytes"] for m in comm_model(world, 1, hkv, n_local, D, q.element_size())]
+    model += [m["bytes"] for m in comm_model(world, 1, hkv, n_local, D, q.element_size(), True)]
+    assert [s for s, _ in log] == model, (rank, log, model)  # counted equals the model
+    assert [r for _, r in log] == model and n_forward == world - 1
+
+
+def _bad_inputs(rank: int, world: int) -> None:
+    x = torch.randn(1, 8 + 2 * rank, 2, 16)  # a different length on every rank
+    with pytest.raises(ValueError, match=r"ranks hold \[8, 10"):
+        ring_attention(x, x, x)
+    odd = torch.randn(1, 3, 2, 16)
+    with pytest.raises(ValueError, match="odd"):
+        ring_attention(odd, odd, odd, causal=True)
+    with pytest.raises(ValueError, match="divide by 2P"):
+        shard_sequence(torch.randn(1, 2 * world + 1, 2, 16), 1)
+
+
+def _worker(rank: int, world: int, port: int, cases: list) -> None:
+    import torch.distributed as dist
+
+    init_for_tests(rank, world, port)
+    try:
+        for case in cases:
+            _case(rank, world, case)
+        _bad_inputs(rank, world)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ring_attention_equals_single_process(world: int) -> None:
+    """Output, LSE and dq/dk/dv shards equal single-process attention's, causal (zigzag and
+    contiguous shards) and not, GQA/MQA, both layouts, fp32 and bf16; bytes counted = model;
+    bad input raises on every rank."""
+    mp.spawn(_worker, args=(world, _free_port(), CASES), nprocs=world, join=True)
+
+
+def test_ring_attention_needs_a_process_group() -> None:
+    x = torch.randn(1, 8, 2, 16)
+    with pytest.raises(RuntimeError, match="init_process_group"):
+        ring_attention(x, x, x)
+
+
+def test_ring_command_reports_errors_and_bytes(capsys: pytest.CaptureFixture[str]) -> None:
+    """``flashlite ring --nproc 2 --seq 32 --json``: every rank's error against single-process
+    attention is at fp32 rounding, and the bytes it sent equal the model's."""
+    import json
+
+    from flashlite.cli import main
+
+    assert main(["ring", "--nproc", "2", "--seq", "32", "--head-dim", "16", "--json"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert [r["rank"] for r in results] == [0, 1]
+    for r in results:
+        assert max(r["max_error"].values()) < 1e-5, r
+        assert r["bytes_sent_forward"] == r["model_forward"] > 0
+        assert r["bytes_sent_backward"] == r["model_backward"] > 0
+
+
+def test_comm_model_totals() -> None:
+    fwd = comm_model(4, 1, 8, 1024, 128, 2)
+    bwd = comm_model(4, 1, 8, 1024, 128, 2, backward=True)
+    kv = 2 * 8 * 1024 * 128 * 2
+    assert sum(m["bytes"] for m in fwd) == 3 * kv
+    assert sum(m["bytes"] for m in bwd) == 3 * kv + 4 * 2 * kv
+
+
+@pytest.mark.gpu
+def test_ring_attention_nccl_two_gpus() -> None:
+    if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA devices")
+    mp.spawn(_nccl_worker, args=(2, _free_port()), nprocs=2, join=True)
+
+
+def _nccl_worker(rank: int, world: int, port: int) -> None:
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        gen = torch.Generator().manual_seed(0)
+        q, k, v, do = (torch.randn(1, 4096, 8, 128, generator=gen).to("cuda", torch.bfloat16)
+                       for _ in range(4))  # fmt: skip
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = flashlite.attention(*leaves, causal=True, layout="b n h d")
+        ref.backward(do)
+        mine = [shard_sequence(t, 1).requires_grad_() for t in (q, k, v)]
+        out = ring_attention(*mine, causal=True)
+        out.backward(shard_sequence(do, 1))
+        for a, b in zip([out, *(t.grad for t in mine)], [ref, *(t.grad for t in leaves)],
+                        strict=True):  # fmt: skip
+            err = (a.float() - shard_sequence(b, 1).float()).abs().max().item()
+            assert err <= 2e-2 * max(1.0, b.float().abs().max().item()), err
+    finally:
+        dist.destroy_process_group()
