@@ -217,25 +217,70 @@ def _ring_backward(
             kv = kv_in
     _wait(dkv_pending)  # type: ignore[arg-type]
     dkv = dkv_in
-    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+    # (copies: dK and dV must not share the accumulator's storage)
+    return dq.to(q.dtype), dkv[0].to(k.dtype, copy=True), dkv[1].to(v.dtype, copy=True)
 
 
-class _RingAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, zigzag):  # type: ignore[no-untyped-def, override]
-        o, lse = _ring_forward(q, k, v, group, causal, scale, zigzag)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.args = (group, causal, scale, zigzag)
-        ctx.set_materialize_grads(False)
-        return o, lse
+def _group_name(group: dist.ProcessGroup | None) -> str:
+    return (group if group is not None else dist.group.WORLD).group_name  # type: ignore[union-attr]
 
-    @staticmethod
-    def backward(ctx, do, dlse):  # type: ignore[no-untyped-def, override]
-        q, k, v, o, lse = ctx.saved_tensors
-        if do is None:
-            do = torch.zeros_like(o)
-        dq, dk, dv = _ring_backward(do, q, k, v, o, lse, dlse, *ctx.args)
-        return dq, dk, dv, None, None, None, None
+
+def _resolve(group_name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group  # private, stable
+
+    return _resolve_process_group(group_name)
+
+
+@torch.library.custom_op("flashlite::ring_attention_fwd", mutates_args=())
+def _ring_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, causal: bool,
+    scale: float, zigzag: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The forward ring as an op (its collectives inside, opaque to tracing): ``(o, lse)``,
+    ``o`` contiguous ``(B, Hq, n, D)``."""
+    o, lse = _ring_forward(q, k, v, _resolve(group_name), causal, scale, zigzag)
+    return o.contiguous(), lse
+
+
+@_ring_fwd_op.register_fake
+def _(q, k, v, group_name, causal, scale, zigzag):  # type: ignore[no-untyped-def]
+    return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+@torch.library.custom_op("flashlite::ring_attention_bwd", mutates_args=())
+def _ring_bwd_op(
+    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+    lse: torch.Tensor, dlse: torch.Tensor | None, group_name: str, causal: bool, scale: float,
+    zigzag: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The backward ring as an op: ``(dq, dk, dv)``, contiguous."""
+    grads = _ring_backward(do, q, k, v, o, lse, dlse, _resolve(group_name), causal, scale, zigzag)
+    return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]
+
+
+@_ring_bwd_op.register_fake
+def _(do, q, k, v, o, lse, dlse, group_name, causal, scale, zigzag):  # type: ignore[no-untyped-def]
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    q, k, v, group_name, causal, scale, zigzag = inputs
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse)
+    ctx.args = (group_name, causal, scale, zigzag)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, do, dlse):  # type: ignore[no-untyped-def]
+    q, k, v, o, lse = ctx.saved_tensors
+    if do is None:
+        do = torch.zeros_like(o)
+    dq, dk, dv = torch.ops.flashlite.ring_attention_bwd.default(do, q, k, v, o, lse, dlse,
+                                                              *ctx.args)  # fmt: skip
+    return dq, dk, dv, None, None, None, None
+
+
+_ring_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def ring_attention(
@@ -280,9 +325,11 @@ def ring_attention(
                          f"{kc.shape[2]}")  # fmt: skip
     if zigzag and causal and qc.shape[2] % 2:
         raise ValueError(f"zigzag shards hold two equal chunks: local length {qc.shape[2]} is odd")
-    if validate:
+    if validate and not torch.compiler.is_compiling():
         _check_shards(qc, 2, group, "q")
-    o, lse = _RingAttention.apply(qc, kc, vc, group, bool(causal), sm_scale, bool(zigzag))
+    o, lse = torch.ops.flashlite.ring_attention_fwd.default(
+        qc, kc, vc, _group_name(group), bool(causal), sm_scale, bool(zigzag)
+    )
     if layout != "b h n d":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
