@@ -7,6 +7,7 @@ from flashlite import (
     _backend,  # noqa: F401  (chooses compiled vs interpreted Triton first)
     distributed,
     masks,
+    nn,
     reference,
     stats,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "linear_cross_entropy",
     "log_softmax",
     "masks",
+    "nn",
     "reference",
     "softmax",
     "stats",

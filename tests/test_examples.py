@@ -49,3 +49,8 @@ def test_train_gpt_flashlite_loss_matches_torch(tmp_path: Path) -> None:
     assert abs(fused[0] - torch_ce[0]) < 1e-5  # the same logits: the same first loss
     assert max(abs(a - b) for a, b in zip(fused, torch_ce, strict=True)) < 1e-4
     assert fused[-1] < fused[0]
+
+
+def test_hf_generate_matches_sdpa() -> None:
+    pytest.importorskip("transformers")
+    assert _load("hf_generate").main(["--new-tokens", "8"]) == 0

@@ -100,6 +100,16 @@ def test_unsupported_features_raise() -> None:
     layer.eval()
     with pytest.raises(NotImplementedError, match="4-D attention_mask"):
         _attention(layer, q, q, q, torch.zeros(1, 1, 5, 5))
+    with pytest.raises(NotImplementedError, match="llama passes 'position_bias'.*ALiBi"):
+        _attention(layer, q, q, q, None, position_bias=torch.zeros(1, 4, 5, 5))
+
+
+def test_register_without_transformers_names_the_extra() -> None:
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "from flashlite.integrations.transformers import register\n"
+            "try:\n    register()\nexcept ImportError as e:\n    assert 'flashlite[hf]' in str(e)\n"
+            "else:\n    raise SystemExit('no ImportError')")  # fmt: skip
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 def test_import_flashlite_does_not_import_transformers() -> None:

@@ -58,10 +58,14 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     Returns:
         ``(out, None)``: ``out`` ``(B, Nq, Hq, D)`` (no attention weights).
     """
+    for feature in _UNSUPPORTED:  # e.g. ALiBi biases, attention sinks: refused, never dropped
+        if kwargs.get(feature) is not None:
+            raise NotImplementedError(f"{_model_name(module)} passes {feature!r} to attention "
+                                      f"({_UNSUPPORTED[feature]}), which flashlite does not "
+                                      "support")  # fmt: skip
     if dropout and module.training:
-        raise NotImplementedError(
-            f"attention dropout > 0 in training (dropout={dropout}): flashlite has no dropout"
-        )
+        raise NotImplementedError(f"{_model_name(module)}: attention dropout > 0 in training "
+                                  f"(dropout={dropout}); flashlite has no dropout")  # fmt: skip
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
     window = None
@@ -69,8 +73,8 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
         window = (int(sliding_window) - 1, 0 if causal else int(sliding_window) - 1)
     if attention_mask is not None and attention_mask.dim() != 2:
         raise NotImplementedError(
-            f"flashlite attention takes padding masks (B, Nk) only, got a {attention_mask.dim()}-D "
-            "attention_mask: a model feature that builds dense (custom or float) masks"
+            f"{_model_name(module)}: a {attention_mask.dim()}-D attention_mask (a dense custom or "
+            "float mask); flashlite takes (B, Nk) padding masks only"
         )
     opts = {"causal": causal, "scale": scaling, "window": window, "softcap": softcap}
     if attention_mask is None:
@@ -105,11 +109,31 @@ def _unpadded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     return full.view(b, nq, hq, d)
 
 
+#: Arguments some models pass to their attention function that flashlite cannot honour.
+_UNSUPPORTED = {
+    "position_bias": "an additive position bias such as ALiBi or T5's",
+    "alibi": "ALiBi",
+    "s_aux": "attention sinks",
+    "head_mask": "a per-head mask",
+}
+
+
+def _model_name(module: torch.nn.Module) -> str:
+    config = getattr(module, "config", None)
+    return getattr(config, "model_type", None) or type(module).__name__
+
+
 def register() -> str:
     """Register flashlite in ``transformers.AttentionInterface`` (and its mask hook); returns
     the name to pass as ``attn_implementation``."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface
+    try:
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+    except ImportError as err:
+        raise ImportError(
+            "flashlite.integrations.transformers needs Hugging Face transformers >= 5: "
+            "pip install 'flashlite[hf]'"
+        ) from err
 
     AttentionInterface.register(NAME, _attention)
     AttentionMaskInterface.register(NAME, _mask)
