@@ -94,12 +94,35 @@ class GPT(nn.Module):
         return self.norm(x) @ self.embed.weight.t()  # tied output layer
 
 
+class HFLlama(nn.Module):
+    """``--model llama``: a transformers Llama of the same size, on flashlite's attention
+    (``flashlite.integrations.transformers``) or SDPA: ``(B, N)`` ids → ``(B, N, 256)`` logits."""
+
+    def __init__(self, layers: int, width: int, heads: int, context: int, attention: str) -> None:
+        super().__init__()
+        import transformers
+
+        from flashlite.integrations.transformers import register
+
+        impl = register() if attention == "flashlite" else "sdpa"
+        cfg = transformers.LlamaConfig(
+            vocab_size=256, hidden_size=width, intermediate_size=4 * width,
+            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+            max_position_embeddings=context, initializer_range=0.02, tie_word_embeddings=True,
+        )  # fmt: skip
+        self.model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens).logits
+
+
 def train(args: argparse.Namespace, attention: str, corpus: torch.Tensor, loss_fn: str) -> dict:
     """One run; the model's weights come from ``args.seed`` alone, so runs start identically."""
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(args.seed)
-    model = GPT(args.layers, args.width, args.heads, args.context, attention).to(device)
+    make = HFLlama if args.model == "llama" else GPT
+    model = make(args.layers, args.width, args.heads, args.context, attention).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1)
     batches = torch.Generator().manual_seed(args.seed + 1)  # the same batches for every run
     losses, tokens, elapsed = [], 0, 0.0
@@ -144,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--attention", choices=["flashlite", "sdpa", "both"], default="both")
     p.add_argument("--loss", choices=["torch", "flashlite", "both"], default="torch")
+    p.add_argument("--model", choices=["gpt", "llama"], default="gpt",
+                   help="gpt: the plain torch.nn decoder; llama: transformers' Llama (needs "
+                   "flashlite[hf]) on flashlite's attention through its integration")  # fmt: skip
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--width", type=int, default=384)
     p.add_argument("--heads", type=int, default=6)

@@ -54,3 +54,17 @@ def test_train_gpt_flashlite_loss_matches_torch(tmp_path: Path) -> None:
 def test_hf_generate_matches_sdpa() -> None:
     pytest.importorskip("transformers")
     assert _load("hf_generate").main(["--new-tokens", "8"]) == 0
+
+
+@pytest.mark.interpreter
+def test_train_gpt_llama_through_transformers(tmp_path: Path) -> None:
+    # issue 15: --model llama trains transformers' Llama on flashlite's attention, as on SDPA
+    pytest.importorskip("transformers")
+    train_gpt = _load("train_gpt")
+    out = tmp_path / "llama.json"
+    argv = ["--model", "llama", "--layers", "1", "--context", "32", "--width", "32", "--heads",
+            "2", "--steps", "4", "--batch", "2", "--corpus-mib", "0.2", "--device", "cpu",
+            "--log-every", "0", "--json", str(out)]  # fmt: skip
+    assert train_gpt.main(argv) == 0
+    runs = {r["attention"]: r["losses"] for r in json.loads(out.read_text())["runs"]}
+    assert max(abs(a - b) for a, b in zip(runs["flashlite"], runs["sdpa"], strict=True)) < 1e-4
