@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from flashlite import stats
-from flashlite.ops.attention import _check, attention_bwd, attention_fwd
+from flashlite.ops.attention import attention_bwd, attention_fwd, check_inputs
 
 #: What to pass to ``init_process_group`` so that a peer that dies cannot hang the others.
 DEFAULT_TIMEOUT = timedelta(seconds=120)
@@ -319,7 +319,7 @@ def ring_attention(
             length for zigzag shards, and everything :func:`flashlite.attention` rejects.
     """
     _group_info(group)
-    sm_scale, qc, kc, vc = _check(q, k, v, layout, scale)
+    sm_scale, qc, kc, vc = check_inputs(q, k, v, layout, scale)
     if qc.shape[2] != kc.shape[2]:
         raise ValueError(f"q and k/v shards must have one length, got {qc.shape[2]} and "
                          f"{kc.shape[2]}")  # fmt: skip

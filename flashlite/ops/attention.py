@@ -100,6 +100,14 @@ def _check(
     return _check_scale(scale, d), q, k, v
 
 
+def check_inputs(
+    q: object, k: object, v: object, layout: str, scale: object
+) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`attention`'s argument checks for other front-ends (ring attention): the softmax
+    scale and ``b h n d`` views of q, k and v, or the errors :func:`attention` raises."""
+    return _check(q, k, v, layout, scale)
+
+
 def _check_scale(scale: object, head_dim: int) -> float:
     """The softmax scale: ``scale`` validated, or ``1/sqrt(D)`` for None."""
     if scale is None:
