@@ -1,0 +1,145 @@
+"""Hugging Face Llama on flashlite's attention against SDPA: issue 15's must 3.
+
+* Training step (forward + backward) of a Llama-style model of about 1B parameters (random init,
+  bf16, sequence 4096), step time with ``"flite"`` (flashlite), ``"sdpa"`` and
+  ``"flash_attention_2"`` where flash-attn is installed.
+* Greedy generation throughput (new tokens per second) at batch 1 and 16, prompts of 4k and 32k
+  tokens, against ``"sdpa"``.
+
+Every pair of runs uses the same weights; the first step or generation of each is a warm-up.
+
+    python benchmarks/bench_models.py            # a GPU, transformers installed (flashlite[hf])
+    python benchmarks/bench_models.py --smoke    # a tiny model on CPU: the script's logic only
+
+Written 2026-11-30; run only with ``--smoke`` so far (not yet on a GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+
+def _llama(impl: str, smoke: bool, context: int) -> torch.nn.Module:
+    import transformers
+
+    if smoke:
+        size = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256}  # fmt: skip
+    else:  # about 1.1B parameters
+        size = {"hidden_size": 2048, "intermediate_size": 5632, "num_hidden_layers": 18,
+                "num_attention_heads": 16, "num_key_value_heads": 8,
+                "vocab_size": 32000}  # fmt: skip
+    cfg = transformers.LlamaConfig(max_position_embeddings=context, pad_token_id=0, **size)
+    torch.manual_seed(0)  # the same weights for every implementation
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=impl)
+    return model.to("cpu" if smoke else "cuda", torch.float32 if smoke else torch.bfloat16)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def train_step_ms(model: torch.nn.Module, batch: int, seq: int, steps: int) -> float:
+    """Median milliseconds of forward + backward (loss from the model's own head)."""
+    device = next(model.parameters()).device
+    ids = torch.randint(1, model.config.vocab_size, (batch, seq), device=device)
+    times = []
+    for i in range(steps + 1):
+        model.zero_grad(set_to_none=True)
+        _sync(device)
+        t0 = time.perf_counter()
+        model(ids, labels=ids).loss.backward()
+        _sync(device)
+        if i:  # the first step compiles kernels
+            times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def generate_tps(model: torch.nn.Module, batch: int, prompt: int, new: int) -> float:
+    """Greedy new tokens per second (all rows), the prefill included, after one warm-up."""
+    device = next(model.parameters()).device
+    ids = torch.randint(1, model.config.vocab_size, (batch, prompt), device=device)
+    kw = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        model.generate(ids[:, : min(prompt, 64)], **{**kw, "max_new_tokens": 2,
+                                                       "min_new_tokens": 2})  # fmt: skip
+        _sync(device)
+        t0 = time.perf_counter()
+        model.generate(ids, **kw)
+        _sync(device)
+    return batch * new / (time.perf_counter() - t0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--smoke", action="store_true", help="a tiny model on CPU")
+    args = p.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        print("bench_models needs a CUDA GPU (or --smoke)")
+        return 2
+    from flashlite.integrations.transformers import register
+
+    ours = register()
+    impls = [ours, "sdpa"]
+    if not args.smoke and importlib.util.find_spec("flash_attn") is not None:
+        impls.append("flash_attention_2")
+    notes = [] if len(impls) == 3 else ["flash_attention_2: flash-attn not installed, skipped"]
+    seq, batch, steps = (32, 2, 2) if args.smoke else (4096, 8, 5)
+    gen_cases = [(1, 16), (2, 16)] if args.smoke else [(1, 4096), (16, 4096), (1, 32768),
+                                                       (16, 32768)]  # fmt: skip
+    new = 4 if args.smoke else 128
+    rows: list[dict[str, Any]] = []
+    for impl in impls:
+        model = _llama(impl, args.smoke, max(seq, gen_cases[-1][1] + new))
+        model.train()
+        rows.append({"case": f"train B={batch} N={seq}", "impl": impl,
+                     "ms": train_step_ms(model, batch, seq, steps)})  # fmt: skip
+        model.eval()
+        if impl != "flash_attention_2":
+            for b, prompt in gen_cases:
+                rows.append({"case": f"generate B={b} prompt={prompt}", "impl": impl,
+                             "tokens_per_s": generate_tps(model, b, prompt, new)})  # fmt: skip
+        del model
+        if not args.smoke:
+            torch.cuda.empty_cache()
+    base = {r["case"]: r for r in rows if r["impl"] == "sdpa"}
+    for r in rows:
+        ref = base[r["case"]]
+        if "ms" in r:  # time: sdpa's / ours; throughput: ours / sdpa's (above 1: flashlite ahead)
+            r["x_sdpa"] = ref["ms"] / r["ms"]
+        else:
+            r["x_sdpa"] = r["tokens_per_s"] / ref["tokens_per_s"]
+    for r in rows:
+        print({k: round(v, 3) if isinstance(v, float) else v for k, v in r.items()})
+    for note in notes:
+        print("note:", note)
+    mine = [r for r in rows if r["impl"] == ours]
+    train = next(r for r in mine if "ms" in r)
+    print(f"must: training step <= 1.0x sdpa's time: {1 / train['x_sdpa']:.3f}x "
+          f"({'pass' if train['x_sdpa'] >= 1.0 else 'FAIL'})")  # fmt: skip
+    worst = min(r["x_sdpa"] for r in mine if "tokens_per_s" in r)
+    print(f"must: generation >= 0.95x sdpa's tokens/s: worst {worst:.3f}x "
+          f"({'pass' if worst >= 0.95 else 'FAIL'})")  # fmt: skip
+    if not args.smoke:
+        from _common import device_slug, metadata, write_results
+
+        from flashlite.plotting import Bars, Figure, Panel
+
+        panel = Panel(bars=[Bars([r["x_sdpa"] for r in mine], "x sdpa")],
+                      categories=[r["case"] for r in mine], title="flashlite vs sdpa (higher is "
+                      "better)", ylabel="speed ratio")  # fmt: skip
+        write_results(f"models-{device_slug()}", rows, metadata(dtype="bfloat16", notes=notes),
+                      figure=Figure([[panel]], title="Llama ~1B, transformers"))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
