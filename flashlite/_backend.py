@@ -208,38 +208,26 @@ class Launcher:
         return functools.partial(self.launch, grid)
 
     def launch(self, grid: tuple[int, ...], *args: Any, **options: Any) -> None:
-        key = self._key(args, options) if self.direct else None
-        if key is None:
-            self.kernel[grid](*args, **options)
-            return
-        entry = self.compiled.get(key)
-        if entry is None:
-            entry = self._compile(args, options)
-            if len(self.compiled) >= _LAUNCH_CACHE_LIMIT:
-                self.compiled.clear()
-            self.compiled[key] = entry
-        compiled, constants = entry
         grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
-        compiled[grid3](*args, *constants)
+        self.bind(args, options)(grid3, *args)
 
     def bind(self, args: tuple, options: dict) -> Callable[..., None]:
-        """``launch(grid, *args)`` for calls whose arguments specialise as ``args`` do (the same
-        tensor dtypes and 16-byte alignment, the same value of every other argument): the
-        compiled kernel looked up once, not per call. The caller's own cache key must pin all
-        that (a decode loop's plan does: :class:`flashlite.ops.attention.DecodePlan`)."""
+        """``launch(grid, *args)`` (``grid`` of three) for calls whose arguments specialise as
+        ``args`` do (the same tensor dtypes and 16-byte alignment, the same value of every other
+        argument): the compiled kernel looked up once. A caller that keeps the result must pin
+        all that in its own key (a decode loop's plan does:
+        :class:`flashlite.ops.attention.DecodePlan`)."""
         key = self._key(args, options) if self.direct else None
         if key is None:
             kernel = self.kernel
             return lambda grid, *a: kernel[grid](*a, **options)
         entry = self.compiled.get(key)
         if entry is None:
+            if len(self.compiled) >= _LAUNCH_CACHE_LIMIT:
+                self.compiled.clear()
             entry = self.compiled[key] = self._compile(args, options)
         compiled, constants = entry
-
-        def launch(grid: tuple[int, int, int], *a: Any) -> None:
-            compiled[grid](*a, *constants)
-
-        return launch
+        return lambda grid, *a: compiled[grid](*a, *constants)
 
     @staticmethod
     def _key(args: tuple, options: dict) -> tuple | None:

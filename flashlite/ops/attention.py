@@ -363,8 +363,9 @@ def attention_decode_fwd(
     """
     o = empty_output(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    key = (_meta(q), _meta(k), _meta(v), _meta(o), _meta(seqlens_k), _meta(block_table), causal,
-           scale, window, softcap, num_splits, config, use_desc)  # fmt: skip
+    # (o is fresh and strided from q: q's entry pins it)
+    key = (_meta(q), _meta(k), _meta(v), _meta(seqlens_k), _meta(block_table), causal, scale,
+           window, softcap, num_splits, config, use_desc)  # fmt: skip
     plan = _decode_plans.get(key)
     if plan is None:
         plan = _cache(_decode_plans, key, DecodePlan(q, k, v, o, seqlens_k, block_table, causal,
@@ -1222,7 +1223,7 @@ def attention_kvcache(
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, bool(causal),
             sm_scale, left, right, cap, splits, bool(validate))  # fmt: skip
     if skip_dispatcher(q, k_cache, v_cache):  # the op's own body, minus the dispatcher
-        plan = _kvcache_plan(*args)
+        plan = _kvcache_plan(args)
         if key is not None:  # these arguments passed every check above: next time, skip them
             _cache(_checked_kvcache, key, plan)
         o, lse = plan(*tensors)
@@ -1260,25 +1261,12 @@ _checked_kvcache: dict[tuple, KVCachePlan] = {}
 
 class KVCachePlan:
     """:func:`_kvcache` for one kind of call (shapes, strides, dtypes and options): the value
-    checks, the append and a :class:`DecodePlan` over the caches' ``b h n d`` views."""
+    checks, the append and a :class:`DecodePlan` over the caches' ``b h n d`` views. Made from
+    :func:`_kvcache`'s argument tuple (:data:`_TENSORS` tensors, then its options)."""
 
-    def __init__(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        cache_seqlens: torch.Tensor,
-        k_new: torch.Tensor | None,
-        v_new: torch.Tensor | None,
-        block_table: torch.Tensor | None,
-        causal: bool,
-        scale: float,
-        window_left: int,
-        window_right: int,
-        softcap: float,
-        num_splits: int,
-        validate: bool,
-    ) -> None:
+    def __init__(self, args: tuple) -> None:
+        q, k_cache, v_cache, cache_seqlens, k_new, _, block_table = args[:_TENSORS]
+        causal, scale, window_left, window_right, softcap, num_splits, validate = args[_TENSORS:]
         self.validate = validate
         self.slots, self.num_pages = k_cache.shape[1], k_cache.shape[0]
         self.capacity = block_table.shape[1] * self.slots if block_table is not None else self.slots
@@ -1345,22 +1333,17 @@ def _append(
 _kvcache_plans: dict[tuple, KVCachePlan] = {}
 
 
-def _kvcache_plan(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    k_new: torch.Tensor | None,
-    v_new: torch.Tensor | None,
-    block_table: torch.Tensor | None,
-    *options: object,
-) -> KVCachePlan:
-    """The :class:`KVCachePlan` of these (checked) arguments, made on first use."""
-    tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-    key = (*map(_meta, tensors), *options)
+#: The tensors that lead :func:`_kvcache`'s arguments (q, the caches, lengths, new keys and
+#: values, the block table); the options follow.
+_TENSORS = 7
+
+
+def _kvcache_plan(args: tuple) -> KVCachePlan:
+    """The :class:`KVCachePlan` of :func:`_kvcache`'s (checked) arguments, made on first use."""
+    key = (*map(_meta, args[:_TENSORS]), *args[_TENSORS:])
     plan = _kvcache_plans.get(key)
     if plan is None:
-        plan = _cache(_kvcache_plans, key, KVCachePlan(*tensors, *options))  # type: ignore[arg-type]
+        plan = _cache(_kvcache_plans, key, KVCachePlan(args))
     return plan  # type: ignore[return-value]
 
 
@@ -1382,10 +1365,9 @@ def _kvcache(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_kvcache` after its argument checks: the value checks, the append, the
     decode kernel (:class:`KVCachePlan`). ``num_splits`` 0 chooses; ``softcap`` 0.0 is none."""
-    tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-    plan = _kvcache_plan(*tensors, causal, scale, window_left, window_right, softcap,
-                         num_splits, validate)  # fmt: skip
-    return plan(*tensors)
+    args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale,
+            window_left, window_right, softcap, num_splits, validate)  # fmt: skip
+    return _kvcache_plan(args)(*args[:_TENSORS])
 
 
 #: ``flashlite::attention_kvcache``: :func:`_kvcache` as a custom op that declares the caches
