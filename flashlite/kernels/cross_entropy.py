@@ -48,9 +48,8 @@ def ce_config(n_cols: int) -> dict[str, object]:
     """Kernel shape for rows of ``n_cols`` logits: one tile for the whole row, or loop tiles."""
     block = next_pow2(n_cols)
     if block <= SINGLE_READ_MAX:
-        return {"SINGLE": True, "BLOCK_N": block, "num_warps": min(32, max(4, block // 512)),
-                "REVERSE": False}  # fmt: skip
-    return {"SINGLE": False, "BLOCK_N": LOOP_TILE, "num_warps": LOOP_WARPS, "REVERSE": True}
+        return {"SINGLE": True, "BLOCK_N": block, "num_warps": min(32, max(4, block // 512))}
+    return {"SINGLE": False, "BLOCK_N": LOOP_TILE, "num_warps": LOOP_WARPS}
 
 
 @triton.jit
@@ -126,7 +125,7 @@ def _cross_entropy_fwd_kernel(
     ignore_index, smoothing, z_loss, softcap,
     HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr,
     SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, COL_INT64: tl.constexpr,
-    ROUND_BF16: tl.constexpr, REVERSE: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
     """One program per row: loss (fp32), LSE (fp32) and the gradient ``G`` (the logits' dtype;
     ``G`` may be ``X`` itself: each tile is read before it is overwritten). ``WSUM`` holds
@@ -176,11 +175,10 @@ def _cross_entropy_fwd_kernel(
                   SOFTCAP)  # fmt: skip
         tl.store(g_row + offs[None, :] * stride_gn, cast(g, G.dtype.element_ty, ROUND_BF16),
                  mask=offs[None, :] < n_cols)  # fmt: skip
-    else:  # pass 2: read the row again, write its gradient
+    else:  # pass 2: read the row again, backwards (the tiles pass 1 read last are in L2)
         n_tiles = tl.cdiv(n_cols, BLOCK_N)
         for i in range(0, n_tiles):
-            tile = n_tiles - 1 - i if REVERSE else i
-            cols = tile * BLOCK_N + offs
+            cols = (n_tiles - 1 - i) * BLOCK_N + offs
             x, t, w = _logits(x_row, W, cols, n_cols, stride_xn, softcap, SOFTCAP, HAS_WEIGHT)
             g = _grad(x, t, w, lse, cols, target, w_t, smoothing, inv_v, z_loss, weight_sum,
                       scale, SOFTCAP)  # fmt: skip

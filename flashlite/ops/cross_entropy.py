@@ -61,7 +61,7 @@ def cross_entropy_fwd(
         v, *logits.stride(), *grad.stride(), ignore_index, float(label_smoothing), float(z_loss),
         float(softcap), HAS_WEIGHT=weight is not None, SOFTCAP=softcap > 0,
         SMOOTH=label_smoothing > 0, SINGLE=cfg["SINGLE"], BLOCK_N=cfg["BLOCK_N"],
-        COL_INT64=col64, ROUND_BF16=_backend.round_bf16(logits.dtype), REVERSE=cfg["REVERSE"],
+        COL_INT64=col64, ROUND_BF16=_backend.round_bf16(logits.dtype),
         num_warps=cfg["num_warps"], num_stages=1,
     )  # fmt: skip
     return losses, lse
@@ -108,10 +108,12 @@ def _ce_fwd_op(
                              label_smoothing, z_loss, softcap)  # fmt: skip
 
 
-@_ce_fwd_op.register_fake
-def _(logits, grad, target, weight, grad_scale, ignore_index, label_smoothing, z_loss, softcap):  # type: ignore[no-untyped-def]
-    n = logits.shape[0]
-    return tuple(logits.new_empty((n,), dtype=torch.float32) for _ in range(2))
+def _row_stats_fake(logits: torch.Tensor, *_: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both forward ops' fake: fp32 per-row losses and LSE."""
+    return tuple(logits.new_empty((logits.shape[0],), dtype=torch.float32) for _ in range(2))  # type: ignore[return-value]
+
+
+_ce_fwd_op.register_fake(_row_stats_fake)
 
 
 @torch.library.custom_op("flashlite::cross_entropy_fwd_inplace", mutates_args=("logits",))
@@ -129,10 +131,7 @@ def _ce_fwd_inplace_op(
                              label_smoothing, z_loss, softcap)  # fmt: skip
 
 
-@_ce_fwd_inplace_op.register_fake
-def _(logits, target, weight, grad_scale, ignore_index, label_smoothing, z_loss, softcap):  # type: ignore[no-untyped-def]
-    n = logits.shape[0]
-    return tuple(logits.new_empty((n,), dtype=torch.float32) for _ in range(2))
+_ce_fwd_inplace_op.register_fake(_row_stats_fake)
 
 
 @torch.library.custom_op("flashlite::cross_entropy_bwd", mutates_args=())
