@@ -19,7 +19,7 @@ from conftest import TOL
 
 import flashlite
 from flashlite.distributed import gather_sequence, ring_attention, shard_sequence
-from flashlite.distributed.ring import comm_model, init_for_tests
+from flashlite.distributed.ring import comm_model, count_p2p, init_for_tests
 
 # (causal, zigzag, layout, dtype, Hq, Hkv)
 CASES = [
@@ -37,23 +37,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _counted(log: list) -> object:
-    """``dist.batch_isend_irecv`` wrapped to log each call's sent and received bytes."""
-    import torch.distributed as dist
-
-    real = dist.batch_isend_irecv
-
-    def wrapped(ops: list) -> list:
-        sent = sum(o.tensor.numel() * o.tensor.element_size() for o in ops if o.op is dist.isend)
-        got = sum(o.tensor.numel() * o.tensor.element_size() for o in ops if o.op is dist.irecv)
-        log.append((sent, got))
-        return real(ops)
-
-    return wrapped
-
-
 def _case(rank: int, world: int, case: tuple) -> None:
-    import torch.distributed as dist
 
     causal, zigzag, layout, dtype, hq, hkv = case
     seq_dim = 1 if layout == "b n h d" else 2
@@ -71,16 +55,11 @@ def _case(rank: int, world: int, case: tuple) -> None:
         return shard_sequence(t, seq_dim, zigzag=zigzag)
 
     mine = [shard(t).requires_grad_() for t in (q, k, v)]
-    log: list = []
-    real = dist.batch_isend_irecv
-    dist.batch_isend_irecv = _counted(log)
-    try:
+    with count_p2p() as log:
         out, lse = ring_attention(*mine, causal=causal, layout=layout, zigzag=zigzag,
                                   return_lse=True)  # fmt: skip
         n_forward = len(log)
         out.backward(shard(do))
-    finally:
-        dist.batch_isend_irecv = real
     tol = TOL[dtype]
     got = [out, *(t.grad for t in mine)]
     want = [ref, *(t.grad for t in leaves)]

@@ -41,11 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
 def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     """One rank's run in an initialised gloo group: its shard of a seeded sequence through
     ring attention (forward and backward), compared with single-process attention."""
-    import torch.distributed as dist
-
     import flashlite
     from flashlite.distributed import ring_attention, shard_sequence
-    from flashlite.distributed.ring import comm_model
+    from flashlite.distributed.ring import comm_model, count_p2p
 
     zigzag = not args.contiguous
     gen = torch.Generator().manual_seed(args.seed)
@@ -59,22 +57,11 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         return shard_sequence(t, 1, zigzag=zigzag)
 
     mine = [shard(t).requires_grad_() for t in (q, k, v)]
-    sent = [0, 0]  # forward, backward
-    real = dist.batch_isend_irecv
-    phase = 0
-
-    def counted(ops: list) -> list:
-        sent[phase] += sum(o.tensor.numel() * o.tensor.element_size() for o in ops
-                           if o.op is dist.isend)  # fmt: skip
-        return real(ops)
-
-    dist.batch_isend_irecv = counted
-    try:
+    with count_p2p() as log:
         out = ring_attention(*mine, causal=args.causal, zigzag=zigzag)
-        phase = 1
+        n_forward = len(log)
         out.backward(shard(do))
-    finally:
-        dist.batch_isend_irecv = real
+    sent = [sum(b for b, _ in log[:n_forward]), sum(b for b, _ in log[n_forward:])]
     errors = {name: (a - shard(b)).abs().max().item()
               for name, a, b in zip(("out", "dq", "dk", "dv"),
                                     [out, *(t.grad for t in mine)],

@@ -19,7 +19,9 @@ attention and waited for after it, so the two overlap.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
@@ -121,6 +123,27 @@ def _exchange(
     return dist.batch_isend_irecv(ops)
 
 
+@contextlib.contextmanager
+def count_p2p() -> Iterator[list[tuple[int, int]]]:
+    """Inside the block, every ``torch.distributed.batch_isend_irecv`` call (the ring's
+    transfers) logs ``(bytes sent, bytes received)`` to the list it yields: the count that
+    :func:`comm_model` is checked against."""
+    log: list[tuple[int, int]] = []
+    real = dist.batch_isend_irecv
+
+    def counted(ops: list) -> list:
+        sent = sum(o.tensor.numel() * o.tensor.element_size() for o in ops if o.op is dist.isend)
+        got = sum(o.tensor.numel() * o.tensor.element_size() for o in ops if o.op is dist.irecv)
+        log.append((sent, got))
+        return real(ops)
+
+    dist.batch_isend_irecv = counted
+    try:
+        yield log
+    finally:
+        dist.batch_isend_irecv = real
+
+
 def _wait(requests: list) -> None:
     for req in requests:
         req.wait()
@@ -151,7 +174,9 @@ def _ring_forward(
     n = q.shape[2]
     o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
-    kv = torch.stack([k, v])  # one message per step
+    # one contiguous message per step (point-to-point sends need contiguous tensors, and the
+    # "b n h d" shards arrive here as strided "b h n d" views): one O(n) copy per call
+    kv = torch.stack([k, v])
     for step in range(size):
         src = (rank - step) % size
         pending = None
