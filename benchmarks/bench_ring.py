@@ -10,13 +10,14 @@ Also the longest N (doubling from 64k) whose forward + backward fits on one GPU 
 
 Timing: fixed iteration counts on every rank in lockstep (``do_bench`` decides its own count,
 which two ranks must not), wall time around synchronised runs, the slowest rank's median.
-torch's own context-parallel attention is not timed here yet. Written 2026-11-30; run only in
-``--smoke`` mode so far (not yet on two GPUs).
+The peer, where it runs: torch's context parallelism (``context_parallel`` around SDPA's flash
+backend) on two GPUs against SDPA flash on one, at the same points.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import socket
 import statistics
@@ -30,9 +31,11 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import flashlite
-from flashlite.distributed import ring_attention, shard_sequence
+from flashlite.distributed import ring_attention
 
 H, D = 16, 128
+#: The longest-N search doubles from 64k up to this (1M: a 1-GPU step there takes ~1 min).
+LONGEST = 1 << 20
 
 
 def _timed(fn: Callable[[], Any], dev: torch.device, warmup: int, reps: int) -> float:
@@ -52,12 +55,12 @@ def _timed(fn: Callable[[], Any], dev: torch.device, warmup: int, reps: int) -> 
 
 
 def _step(n_total: int, dev: torch.device, dtype: torch.dtype, ring: bool) -> Callable[[], Any]:
-    """One forward + backward at total length ``n_total``: the ring on this rank's zigzag shard,
-    or plain flashlite.attention on the whole sequence."""
-    gen = torch.Generator().manual_seed(0)
-    full = torch.randn(1, n_total, H, D, generator=gen, dtype=torch.float32)
-    x = shard_sequence(full, 1) if ring else full
-    q, k, v = (x.to(dev, dtype).requires_grad_() for _ in range(3))
+    """One forward + backward at total length ``n_total``: the ring on this rank's shard
+    (``n_total / P`` tokens; the values do not matter for timing, the tests check them), or
+    plain flashlite.attention on the whole sequence."""
+    world = dist.get_world_size() if ring else 1
+    shape = (1, n_total // world, H, D)
+    q, k, v = (torch.randn(shape, device=dev, dtype=dtype).requires_grad_() for _ in range(3))
     do = torch.randn_like(q)
 
     def run() -> None:
@@ -68,6 +71,35 @@ def _step(n_total: int, dev: torch.device, dtype: torch.dtype, ring: bool) -> Ca
         else:
             out = flashlite.attention(q, k, v, causal=True, layout="b n h d")
         out.backward(do)
+
+    return run
+
+
+def _sdpa_step(n_total: int, dev: torch.device, dtype: torch.dtype, cp: bool) -> Callable[[], Any]:
+    """The peer: SDPA (flash backend) forward + backward on one GPU, or with ``cp`` inside
+    torch's context parallelism (``torch.distributed.tensor.experimental.context_parallel``,
+    its ring with causal load balancing) over all ranks."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    q, k, v, do = (torch.randn(1, H, n_total, D, device=dev, dtype=dtype) for _ in range(4))
+    mesh = None
+    if cp:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cuda", (dist.get_world_size(),))
+
+    def run() -> None:
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(sdpa_kernel([SDPBackend.FLASH_ATTENTION]))
+            if cp:
+                from torch.distributed.tensor.experimental import context_parallel
+
+                # shards the four buffers in place for the block, restores them after
+                stack.enter_context(context_parallel(mesh, buffers=[q, k, v, do],
+                                                     buffer_seq_dims=[2, 2, 2, 2]))  # fmt: skip
+            leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+            sdpa(*leaves, is_causal=True).backward(do)
 
     return run
 
@@ -86,26 +118,58 @@ def _fits(n_total: int, dev: torch.device, dtype: torch.dtype, ring: bool) -> bo
     return bool(ok.item())
 
 
+def _pair(
+    rank: int,
+    world: int,
+    dev: torch.device,
+    one: Callable[[], Callable[[], Any]],
+    many: Callable[[], Callable[[], Any]],
+    warmup: int,
+    reps: int,
+) -> tuple[float, float]:
+    """Seconds on one GPU (rank 0 alone) and on all ranks together (the slowest rank)."""
+    t1 = torch.zeros(1, device=dev)
+    if rank == 0:
+        t1 += _timed(one(), dev, warmup, reps)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    dist.barrier()
+    tp = torch.tensor([_timed(many(), dev, warmup, reps)], device=dev)
+    dist.all_reduce(tp, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+    dist.broadcast(t1, 0)
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return t1.item(), tp.item()
+
+
 def run(rank: int, world: int, smoke: bool) -> list[dict[str, Any]]:
     dev = torch.device("cuda", rank) if not smoke else torch.device("cpu")
     dtype = torch.bfloat16 if not smoke else torch.float32
     sizes = [65536, 131072, 262144] if not smoke else [64, 128]
-    warmup, reps = (2, 5) if not smoke else (1, 1)
+    warmup, reps = (1, 3) if not smoke else (1, 1)
     rows: list[dict[str, Any]] = []
     for n in sizes:
-        one = torch.zeros(1, device=dev)
-        if rank == 0:  # one GPU, the whole sequence
-            one += _timed(_step(n, dev, dtype, False), dev, warmup, reps)
-        dist.barrier()
-        ring = torch.tensor([_timed(_step(n, dev, dtype, True), dev, warmup, reps)], device=dev)
-        dist.all_reduce(ring, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-        dist.broadcast(one, 0)
-        rows.append({"n": n, "one_gpu_ms": one.item() * 1e3, "ring_ms": ring.item() * 1e3,
-                     "efficiency": one.item() / (world * ring.item())})  # fmt: skip
+        t1, tp = _pair(rank, world, dev, lambda: _step(n, dev, dtype, False),
+                       lambda: _step(n, dev, dtype, True), warmup, reps)  # fmt: skip
+        row = {"n": n, "one_gpu_ms": t1 * 1e3, "ring_ms": tp * 1e3,
+               "efficiency": t1 / (world * tp)}  # fmt: skip
+        if not smoke:  # torch's context parallelism at the same point, where it runs
+            try:
+                s1, sp = _pair(rank, world, dev, lambda: _sdpa_step(n, dev, dtype, False),
+                               lambda: _sdpa_step(n, dev, dtype, True), warmup, reps)  # fmt: skip
+                row.update({"sdpa_one_gpu_ms": s1 * 1e3, "torch_cp_ms": sp * 1e3,
+                            "torch_cp_efficiency": s1 / (world * sp),
+                            "ring_vs_torch_cp": sp / tp})  # fmt: skip
+            except Exception as err:  # noqa: BLE001  (the peer is optional: say why it is absent)
+                row["torch_cp_error"] = f"{type(err).__name__}: {str(err).splitlines()[0][:200]}"
+                torch.cuda.empty_cache()
+        rows.append(row)
+        if rank == 0:
+            print(row, flush=True)
     if not smoke:
         for ring_mode in (False, True):
             n, longest = 65536, 0
-            while n <= 1 << 20:
+            while n <= LONGEST:
                 fits = _fits(n, dev, dtype, ring_mode) if (ring_mode or rank == 0) else True
                 if not ring_mode:
                     flag = torch.tensor([float(fits)], device=dev)
@@ -115,7 +179,9 @@ def run(rank: int, world: int, smoke: bool) -> list[dict[str, Any]]:
                     break
                 longest, n = n, 2 * n
             rows.append({"longest_n": longest, "gpus": world if ring_mode else 1,
-                         "tested_up_to": 1 << 20})  # fmt: skip
+                         "tested_up_to": LONGEST})  # fmt: skip
+            if rank == 0:
+                print(rows[-1], flush=True)
     return rows
 
 
@@ -159,15 +225,21 @@ def main(argv: list[str] | None = None) -> int:
         rows = queue.get()
     for r in rows:
         print(r)
+    long = [r["efficiency"] for r in rows if r.get("n", 0) >= 131072]
+    if long:
+        print(f"must: efficiency >= 0.80 at N >= 128k: worst {min(long):.3f} "
+              f"({'pass' if min(long) >= 0.80 else 'FAIL'})")  # fmt: skip
     if not args.smoke:
         from _common import metadata, write_results
 
         from flashlite.plotting import Bars, Figure, Panel
 
         timed = [r for r in rows if "n" in r]
-        panel = Panel(bars=[Bars([r["efficiency"] for r in timed], "efficiency")],
-                      categories=[f"N={r['n'] // 1024}k" for r in timed],
-                      title="ring attention, 2 GPUs vs 1 (causal, fwd+bwd, bf16)",
+        bars = [Bars([r["efficiency"] for r in timed], "flashlite ring")]
+        if all("torch_cp_efficiency" in r for r in timed):
+            bars.append(Bars([r["torch_cp_efficiency"] for r in timed], "torch context_parallel"))
+        panel = Panel(bars=bars, categories=[f"N={r['n'] // 1024}k" for r in timed],
+                      title="2 GPUs vs 1 (causal, fwd+bwd, bf16, B=1 H=16 D=128)",
                       ylabel="t1 / (2·t2)")  # fmt: skip
         write_results("ring-nvidia-h200x2", rows, metadata(dtype="bfloat16"),
                       figure=Figure([[panel]], title="ring attention scaling"))  # fmt: skip

@@ -19,7 +19,7 @@ from conftest import TOL
 
 import flashlite
 from flashlite.distributed import gather_sequence, ring_attention, shard_sequence
-from flashlite.distributed.ring import comm_model, count_p2p, init_for_tests
+from flashlite.distributed.ring import DEFAULT_TIMEOUT, comm_model, count_p2p, init_for_tests
 
 # (causal, zigzag, layout, dtype, Hq, Hkv)
 CASES = [
@@ -177,24 +177,34 @@ def test_ring_attention_nccl_two_gpus() -> None:
 
 
 def _nccl_worker(rank: int, world: int, port: int) -> None:
+    """Causal zigzag MHA and non-causal GQA, bf16, N = 4096 over two GPUs: shards of the output
+    and of dq/dk/dv against single-GPU attention; bytes counted = the model."""
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)  # fmt: skip
+                            world_size=world, timeout=DEFAULT_TIMEOUT)  # fmt: skip
     try:
-        gen = torch.Generator().manual_seed(0)
-        q, k, v, do = (torch.randn(1, 4096, 8, 128, generator=gen).to("cuda", torch.bfloat16)
-                       for _ in range(4))  # fmt: skip
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        ref = flashlite.attention(*leaves, causal=True, layout="b n h d")
-        ref.backward(do)
-        mine = [shard_sequence(t, 1).requires_grad_() for t in (q, k, v)]
-        out = ring_attention(*mine, causal=True)
-        out.backward(shard_sequence(do, 1))
-        for a, b in zip([out, *(t.grad for t in mine)], [ref, *(t.grad for t in leaves)],
-                        strict=True):  # fmt: skip
-            err = (a.float() - shard_sequence(b, 1).float()).abs().max().item()
-            assert err <= 2e-2 * max(1.0, b.float().abs().max().item()), err
+        for causal, kv_heads in ((True, 8), (False, 2)):
+            gen = torch.Generator().manual_seed(0)
+            q, do = (torch.randn(1, 4096, 8, 128, generator=gen).to("cuda", torch.bfloat16)
+                     for _ in range(2))  # fmt: skip
+            k, v = (torch.randn(1, 4096, kv_heads, 128, generator=gen).to("cuda", torch.bfloat16)
+                    for _ in range(2))  # fmt: skip
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = flashlite.attention(*leaves, causal=causal, layout="b n h d")
+            ref.backward(do)
+            mine = [shard_sequence(t, 1, zigzag=causal).requires_grad_() for t in (q, k, v)]
+            with count_p2p() as log:
+                out = ring_attention(*mine, causal=causal, zigzag=causal)
+                out.backward(shard_sequence(do, 1, zigzag=causal))
+            model = comm_model(world, 1, kv_heads, 4096 // world, 128, 2)
+            model += comm_model(world, 1, kv_heads, 4096 // world, 128, 2, backward=True)
+            assert [sent for sent, _ in log] == [m["bytes"] for m in model], log
+            for a, b in zip([out, *(t.grad for t in mine)], [ref, *(t.grad for t in leaves)],
+                            strict=True):  # fmt: skip
+                want = shard_sequence(b, 1, zigzag=causal).float()
+                err = (a.float() - want).abs().max().item()
+                assert err <= 2e-2 * max(1.0, want.abs().max().item()), (causal, err)
     finally:
         dist.destroy_process_group()

@@ -146,7 +146,13 @@ def test_gpu_realistic_width(family: str) -> None:
         out.loss.backward()
     for a, b in zip(models[0].parameters(), models[1].parameters(), strict=True):
         torch.testing.assert_close(a.grad, b.grad, atol=2e-3, rtol=2e-2)
+    mask = torch.ones_like(ids)
+    mask[0, :40] = 0  # left padding
+    mask[1, 200:] = 0  # right padding
     with torch.no_grad():
+        got, want = (m(ids.masked_fill(mask == 0, 0), attention_mask=mask).logits for m in models)
+        real = mask.bool()
+        torch.testing.assert_close(got[real], want[real], atol=2e-3, rtol=2e-3)
         got, want = (m.generate(ids[:, :16], max_new_tokens=32, do_sample=False, pad_token_id=0)
                      for m in models)  # fmt: skip
     assert torch.equal(got, want)
