@@ -138,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         if not args.smoke:
             row["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
         rows.append(row)
+        print("measured:", row, flush=True)  # as it comes: a later failure keeps it in the log
         model.zero_grad(set_to_none=True)
         model.eval()
         if impl != "flash_attention_2":
@@ -149,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
                     row["error"] = f"out of memory: {str(err).splitlines()[0]}"
                     torch.cuda.empty_cache()
                 rows.append(row)
+                print("measured:", row, flush=True)
         del model
         if not args.smoke:
             torch.cuda.empty_cache()
