@@ -79,8 +79,8 @@ def _sdpa_step(n_total: int, dev: torch.device, dtype: torch.dtype, cp: bool) ->
     """The peer: SDPA (flash backend) forward + backward on one GPU, or with ``cp`` inside
     torch's context parallelism (``torch.distributed.tensor.experimental.context_parallel``,
     its ring with causal load balancing) over all ranks."""
+    import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
 
     q, k, v, do = (torch.randn(1, H, n_total, D, device=dev, dtype=dtype) for _ in range(4))
     mesh = None
@@ -99,7 +99,13 @@ def _sdpa_step(n_total: int, dev: torch.device, dtype: torch.dtype, cp: bool) ->
                 stack.enter_context(context_parallel(mesh, buffers=[q, k, v, do],
                                                      buffer_seq_dims=[2, 2, 2, 2]))  # fmt: skip
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-            sdpa(*leaves, is_causal=True).backward(do)
+            # every call must see this rank's whole shard (the buffers restored after each)
+            want = n_total // dist.get_world_size() if cp else n_total
+            if leaves[0].shape[2] != want or do.shape[2] != want:
+                raise RuntimeError(f"context_parallel shard of {leaves[0].shape[2]} tokens, "
+                                   f"expected {want}")  # fmt: skip
+            # looked up at the call: context_parallel patches F's function for the block
+            F.scaled_dot_product_attention(*leaves, is_causal=True).backward(do)
 
     return run
 
