@@ -2,7 +2,10 @@
 
 B=1, H=16, D=128, bf16, causal, forward + backward, total N in {64k, 128k, 256k}.
 Efficiency = time on one GPU at N / (2 × time of the two-GPU ring at N) (1.0: perfect scaling).
-Also the longest N (doubling from 64k) whose forward + backward fits on one GPU and on two.
+Also the longest N (doubling from 64k up to ``LONGEST``) whose forward + backward runs on one GPU
+and on two, each timed point's peak memory, and the length at which memory would run out,
+predicted from the peak bytes per token at 256k (memory is linear in N; a step past 1M takes
+minutes, so the search stops there).
 
     python benchmarks/bench_ring.py            # starts two NCCL processes itself
     torchrun --nproc-per-node 2 benchmarks/bench_ring.py
@@ -124,6 +127,17 @@ def _fits(n_total: int, dev: torch.device, dtype: torch.dtype, ring: bool) -> bo
     return bool(ok.item())
 
 
+def _peak_reset(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(dev)
+
+
+def _peak(dev: torch.device) -> float:
+    """Bytes allocated at the peak since :func:`_peak_reset` (0 on CPU)."""
+    return float(torch.cuda.max_memory_allocated(dev)) if dev.type == "cuda" else 0.0
+
+
 def _pair(
     rank: int,
     world: int,
@@ -132,20 +146,23 @@ def _pair(
     many: Callable[[], Callable[[], Any]],
     warmup: int,
     reps: int,
-) -> tuple[float, float]:
-    """Seconds on one GPU (rank 0 alone) and on all ranks together (the slowest rank)."""
-    t1 = torch.zeros(1, device=dev)
+) -> tuple[float, float, float, float]:
+    """Seconds on one GPU (rank 0 alone) and on all ranks together (the slowest rank), and the
+    peak bytes of each (inputs, outputs, gradients and workspace; the ranks' largest)."""
+    t1 = torch.zeros(2, device=dev, dtype=torch.float64)
     if rank == 0:
-        t1 += _timed(one(), dev, warmup, reps)
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
+        _peak_reset(dev)
+        t1[0] = _timed(one(), dev, warmup, reps)
+        t1[1] = _peak(dev)
+    _peak_reset(dev)
     dist.barrier()
-    tp = torch.tensor([_timed(many(), dev, warmup, reps)], device=dev)
+    tp = torch.tensor([_timed(many(), dev, warmup, reps), _peak(dev)], device=dev,
+                      dtype=torch.float64)  # fmt: skip
     dist.all_reduce(tp, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
     dist.broadcast(t1, 0)
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    return t1.item(), tp.item()
+    return t1[0].item(), tp[0].item(), t1[1].item(), tp[1].item()
 
 
 def run(rank: int, world: int, smoke: bool) -> list[dict[str, Any]]:
@@ -155,14 +172,16 @@ def run(rank: int, world: int, smoke: bool) -> list[dict[str, Any]]:
     warmup, reps = (1, 3) if not smoke else (1, 1)
     rows: list[dict[str, Any]] = []
     for n in sizes:
-        t1, tp = _pair(rank, world, dev, lambda: _step(n, dev, dtype, False),
-                       lambda: _step(n, dev, dtype, True), warmup, reps)  # fmt: skip
+        t1, tp, m1, mp = _pair(rank, world, dev, lambda: _step(n, dev, dtype, False),
+                               lambda: _step(n, dev, dtype, True), warmup, reps)  # fmt: skip
         row = {"n": n, "one_gpu_ms": t1 * 1e3, "ring_ms": tp * 1e3,
-               "efficiency": t1 / (world * tp)}  # fmt: skip
+               "efficiency": t1 / (world * tp), "one_gpu_peak_gib": m1 / 2**30,
+               "ring_peak_gib_per_rank": mp / 2**30}  # fmt: skip
         if not smoke:  # torch's context parallelism at the same point, where it runs
             try:
-                s1, sp = _pair(rank, world, dev, lambda: _sdpa_step(n, dev, dtype, False),
-                               lambda: _sdpa_step(n, dev, dtype, True), warmup, reps)  # fmt: skip
+                s1, sp, _, _ = _pair(rank, world, dev, lambda: _sdpa_step(n, dev, dtype, False),
+                                     lambda: _sdpa_step(n, dev, dtype, True), warmup,
+                                     reps)  # fmt: skip
                 row.update({"sdpa_one_gpu_ms": s1 * 1e3, "torch_cp_ms": sp * 1e3,
                             "torch_cp_efficiency": s1 / (world * sp),
                             "ring_vs_torch_cp": sp / tp})  # fmt: skip
@@ -184,8 +203,15 @@ def run(rank: int, world: int, smoke: bool) -> list[dict[str, Any]]:
                 if not fits:
                     break
                 longest, n = n, 2 * n
+            # memory is linear in N: the largest timed point's peak per token bounds the rest
+            last = rows[len(sizes) - 1]
+            peak = last["ring_peak_gib_per_rank" if ring_mode else "one_gpu_peak_gib"] * 2**30
+            capacity = torch.cuda.get_device_properties(dev).total_memory
+            per_token = peak / (last["n"] // (world if ring_mode else 1))
             rows.append({"longest_n": longest, "gpus": world if ring_mode else 1,
-                         "tested_up_to": LONGEST})  # fmt: skip
+                         "tested_up_to": LONGEST, "peak_bytes_per_local_token": per_token,
+                         "memory_bound_n_predicted": int(capacity / per_token) * (
+                             world if ring_mode else 1)})  # fmt: skip
             if rank == 0:
                 print(rows[-1], flush=True)
     return rows
