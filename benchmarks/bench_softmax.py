@@ -3,6 +3,9 @@
 Softmax is memory bound, so every row reports achieved bandwidth: bytes that must cross HBM at
 least once (read x, write y; backward: read y and dy, write dx) over the median time. A
 device-to-device copy of the same tensor moves the same forward bytes and is the ceiling.
+``*_fwd_bwd`` rows time forward + backward through autograd (``torch.autograd.grad`` with a
+random upstream gradient), flashlite's op against torch's: their ``vs_torch`` is torch's time over
+flashlite's, the ratio issue 14's first must asks for (printed last).
 
     python benchmarks/bench_softmax.py                      # full run on the GPU (< 4 min, H200)
     python benchmarks/bench_softmax.py --quick --device cpu # tiny smoke run in the interpreter
@@ -98,7 +101,8 @@ def _check(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
 def bench_shape(
     dtype: torch.dtype, m: int, n: int, device: torch.device, timer: Callable, compiled: Any
 ) -> list[dict[str, Any]]:
-    """All rows for one (dtype, M, N): forward softmax, log_softmax, backward, copy."""
+    """All rows for one (dtype, M, N): forward softmax, log_softmax, backward, forward +
+    backward through autograd, copy."""
     x = torch.randn(m, n, device=device, dtype=dtype)
     elem = x.element_size()
     fwd_bytes, bwd_bytes = 2 * m * n * elem, 3 * m * n * elem
@@ -142,7 +146,47 @@ def bench_shape(
     rows.append(_row("softmax_bwd", dtype, m, n, "flashlite", ms, bwd_bytes, err))
     ms = timer(lambda: torch.ops.aten._softmax_backward_data(dy, y, -1, dtype))
     rows.append(_row("softmax_bwd", dtype, m, n, "torch", ms, bwd_bytes))
+    rows.extend(_fwd_bwd_rows(x, dy, timer))
     return rows
+
+
+def _fwd_bwd_rows(x: torch.Tensor, dy: torch.Tensor, timer: Callable) -> list[dict[str, Any]]:
+    """Forward + backward through autograd (``torch.autograd.grad`` with the upstream ``dy``),
+    flashlite's op against torch's, softmax and log_softmax: the pair a training step pays.
+    Bytes: the forward's (read x, write y) plus the backward's (read y and dy, write dx)."""
+    m, n = x.shape
+    nbytes = 5 * m * n * x.element_size()
+    rows = []
+    with torch.enable_grad():
+        xg = x.detach().requires_grad_()
+        pairs = (("softmax", flashlite.softmax, torch.softmax),
+                 ("log_softmax", flashlite.log_softmax, torch.log_softmax))  # fmt: skip
+        for op, ours, theirs in pairs:
+            xf = x.detach().float().requires_grad_()
+            (ref,) = torch.autograd.grad(theirs(xf, -1), xf, dy.float())
+            del xf
+            for provider, f in (("flashlite", ours), ("torch", theirs)):
+
+                def step(f: Callable = f) -> torch.Tensor:
+                    return torch.autograd.grad(f(xg, -1), xg, dy)[0]
+
+                # log_softmax's gradient is dy − softmax·Σdy: large where Σdy is, so compare
+                # relative to the row's scale
+                err = _check_grad(step(), ref) if provider == "flashlite" else None
+                rows.append(_row(f"{op}_fwd_bwd", x.dtype, m, n, provider, timer(step), nbytes,
+                                 err))  # fmt: skip
+            del ref
+    return rows
+
+
+def _check_grad(g: torch.Tensor, ref: torch.Tensor) -> tuple[float, bool]:
+    """:func:`_check` with the tolerance scaled by each row's largest reference gradient."""
+    atol, rtol = TOL[g.dtype]
+    diff = (g.float() - ref).abs()
+    if torch.isnan(diff).any():
+        return math.inf, False
+    scale = ref.abs().amax(-1, keepdim=True).clamp_min(1.0)
+    return float(diff.max()), bool((diff <= (atol + rtol) * scale).all())
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
@@ -171,7 +215,8 @@ def figure(rows: list[dict[str, Any]], title: str) -> Figure:
             if op == "copy":
                 lines.append(Line(ns, gb, "copy (ceiling)", "k--", {"lw": 1.5}))
             else:
-                style = {"softmax": "-o", "log_softmax": ":s", "softmax_bwd": "-.^"}[op]
+                style = {"softmax": "-o", "log_softmax": ":s", "softmax_bwd": "-.^",
+                         "softmax_fwd_bwd": "--v", "log_softmax_fwd_bwd": "--d"}[op]  # fmt: skip
                 lines.append(Line(ns, gb, f"{op} {provider}", style, {"ms": 4}))
         panels.append(
             Panel(lines, title=dtype, xlabel="N (row length)", ylabel="GB/s", xlog=2, grid="major")
@@ -183,11 +228,11 @@ def print_table(rows: list[dict[str, Any]]) -> None:
     def fmt(v: float | None, spec: str) -> str:
         return "-" if v is None else format(v, spec)
 
-    head = f"{'op':<12}{'dtype':<9}{'M':>8}{'N':>8}  {'provider':<22}{'ms':>9}{'GB/s':>8}"
+    head = f"{'op':<20}{'dtype':<9}{'M':>8}{'N':>8}  {'provider':<22}{'ms':>9}{'GB/s':>8}"
     print(head + f"{'vs copy':>9}{'vs torch':>9}{'max err':>10}")
     for r in rows:
         print(
-            f"{r['op']:<12}{r['dtype']:<9}{r['M']:>8}{r['N']:>8}  {r['provider']:<22}"
+            f"{r['op']:<20}{r['dtype']:<9}{r['M']:>8}{r['N']:>8}  {r['provider']:<22}"
             f"{fmt(r['ms'], '.4f'):>9}{fmt(r['GB/s'], '.0f'):>8}{fmt(r['vs_copy'], '.2f'):>9}"
             f"{fmt(r['vs_torch'], '.2f'):>9}{fmt(r['max_err'], '.1e'):>10}"
             + ("" if r["ok"] is not False else "  WRONG")
@@ -232,7 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         timing="triton.testing.do_bench median (warmup=25, rep=100)"
         if device.type == "cuda"
         else "wall-clock median (CPU, Triton interpreter)",
-        bytes="softmax/log_softmax/copy: read x + write y; softmax_bwd: read y, dy + write dx",
+        bytes="softmax/log_softmax/copy: read x + write y; softmax_bwd: read y, dy + write dx; "
+        "*_fwd_bwd (autograd, torch.autograd.grad with a random dy): both",
         seconds=round(time.perf_counter() - t0, 1),
     )
     paths = write_results(
@@ -244,6 +290,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"wrote {paths['json']} ({meta['seconds']} s)")
     print_table(rows)
+    # issue 14, must 1: forward + backward >= 1.0x torch at every N, both dtypes
+    pairs = [r for r in rows if r["op"].endswith("_fwd_bwd") and r["provider"] == "flashlite"]
+    ratios = [r["vs_torch"] for r in pairs if r["vs_torch"] is not None]
+    if ratios:
+        worst = min(pairs, key=lambda r: r["vs_torch"] or math.inf)
+        print(f"must: fwd+bwd >= 1.0x torch everywhere: worst {min(ratios):.3f}x "
+              f"({worst['op']} {worst['dtype']} N={worst['N']}) "
+              f"({'pass' if min(ratios) >= 1.0 else 'FAIL'})")  # fmt: skip
     return 1 if any(r["ok"] is False for r in rows) else 0
 
 
