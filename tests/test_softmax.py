@@ -295,6 +295,29 @@ def test_backward_sum_gives_expanded_grad(
     torch.testing.assert_close(xr.grad.double(), xd.grad, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("op", list(FNS))
+def test_eager_autograd_skips_the_dispatcher_and_matches_the_op(op: str) -> None:
+    """In eager autograd the front-end records its own autograd function (no custom-op
+    dispatcher: host time); the op, taken under a dispatch mode, gives the same gradient, and a
+    second derivative is refused (as the op refuses it) rather than silently wrong."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    x = torch.randn(4, 37, requires_grad=True)
+    dy = torch.randn(4, 37)
+    y = FNS[op](x, -1)
+    assert type(y.grad_fn).__name__ == "SoftmaxFunctionBackward"
+    (fast,) = torch.autograd.grad(y, x, dy)
+    with FlopCounterMode(display=False):  # a dispatch mode watches: the custom op's path
+        y_op = FNS[op](x, -1)
+    assert "SoftmaxFunction" not in type(y_op.grad_fn).__name__
+    (slow,) = torch.autograd.grad(y_op, x, dy)
+    torch.testing.assert_close(y, y_op, atol=0, rtol=0)
+    torch.testing.assert_close(fast, slow, atol=0, rtol=0)
+    (g,) = torch.autograd.grad(FNS[op](x, -1), x, dy, create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        g.sum().backward()
+
+
 def test_backward_non_contiguous(algorithm: str) -> None:
     x = torch.randn(37, 4).t()  # strided rows
     dy = torch.randn(8, 37)[::2]  # strided dy

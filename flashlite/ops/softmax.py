@@ -18,7 +18,7 @@ import torch
 from flashlite import _backend
 from flashlite.kernels import softmax as K
 from flashlite.kernels.configs import cdiv
-from flashlite.ops.common import on_compute_device, skip_dispatcher
+from flashlite.ops.common import on_compute_device, plain_eager, skip_dispatcher
 
 ALGORITHMS = ("auto", "three_pass", "online")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -50,6 +50,9 @@ def _check(x: object, dim: object, algorithm: object) -> int:
 
 def _rows(t: torch.Tensor, dim: int) -> torch.Tensor | None:
     """A 2-D ``(rows, n)`` view of ``t`` with ``dim`` last, or None if no view exists."""
+    if dim == t.dim() - 1 and not torch.compiler.is_compiling() and t.is_contiguous():
+        # the common case, decided in one check (eager only: see below)
+        return t.view(math.prod(t.shape[:-1]), t.shape[-1])
     moved = t.movedim(dim, -1)
     # The leading dims merge into one row index when each (of size > 1) strides over exactly the
     # ones inside it. Decided from sizes and strides, not by trying .view(): the fake (meta)
@@ -203,8 +206,9 @@ def _softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) ->
     return dx
 
 
+_softmax_bwd_op_body = on_compute_device(_softmax_backward)
 _softmax_bwd_op = torch.library.custom_op("flashlite::softmax_bwd", mutates_args=())(
-    on_compute_device(_softmax_backward)
+    _softmax_bwd_op_body
 )
 
 
@@ -229,6 +233,38 @@ _SOFTMAX_FWD = torch.ops.flashlite.softmax_fwd.default
 _SOFTMAX_BWD = torch.ops.flashlite.softmax_bwd.default
 
 
+class SoftmaxFunction(torch.autograd.Function):
+    """Eager autograd of softmax and log_softmax around the ops' bodies: the same forward, saved
+    output and backward as the custom ops' autograd, without the dispatcher's autograd wrapper
+    and redispatch (about 50 µs of host time per forward + backward here, several times the
+    kernels' time at small shapes). Traced and observed calls take the ops (:func:`plain_eager`).
+    """
+
+    @staticmethod
+    def forward(ctx, x, dim, algorithm, log):  # type: ignore[no-untyped-def, override]
+        y = _softmax_fwd_op_body(x, dim, algorithm, log)
+        ctx.save_for_backward(y)
+        ctx.dim, ctx.log = dim, log
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):  # type: ignore[no-untyped-def, override]
+        (y,) = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph: the op, which refuses a second derivative
+            return _SOFTMAX_BWD(y, dy, ctx.dim, ctx.log), None, None, None
+        return _softmax_bwd_op_body(y, dy, ctx.dim, ctx.log), None, None, None
+
+
+def _forward(x: torch.Tensor, dim: int, algorithm: str, log: bool) -> torch.Tensor:
+    """The cheapest correct path: the op's body when nothing records or traces, the autograd
+    function when only autograd records, the custom op otherwise."""
+    if skip_dispatcher(x):  # the op's own body, minus the dispatcher's host cost
+        return _softmax_fwd_op_body(x, dim, algorithm, log)
+    if plain_eager(x):
+        return SoftmaxFunction.apply(x, dim, algorithm, log)
+    return _SOFTMAX_FWD(x, dim, algorithm, log)
+
+
 def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch.Tensor:
     """Softmax along ``dim``, with the online-softmax kernels.
 
@@ -249,10 +285,7 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch
         IndexError: ``dim`` is out of range.
         ValueError: unknown ``algorithm`` or device.
     """
-    d = _check(x, dim, algorithm)
-    if skip_dispatcher(x):  # the op's own body, minus the dispatcher's host cost
-        return _softmax_fwd_op_body(x, d, algorithm, False)
-    return _SOFTMAX_FWD(x, d, algorithm, False)
+    return _forward(x, _check(x, dim, algorithm), algorithm, False)
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch.Tensor:
@@ -260,7 +293,4 @@ def log_softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> t
 
     Args, returns and errors as :func:`softmax`. A row that is entirely −inf gives NaN.
     """
-    d = _check(x, dim, algorithm)
-    if skip_dispatcher(x):
-        return _softmax_fwd_op_body(x, d, algorithm, True)
-    return _SOFTMAX_FWD(x, d, algorithm, True)
+    return _forward(x, _check(x, dim, algorithm), algorithm, True)
