@@ -193,6 +193,59 @@ def test_gradcheck_fp32_through_output_and_lse(causal: bool) -> None:
     assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-3, atol=2e-3, rtol=1e-2, fast_mode=True)
 
 
+@pytest.mark.parametrize("kind", ["plain", "window", "varlen"])
+def test_eager_autograd_skips_the_dispatcher_and_matches_the_op(kind: str) -> None:
+    """In eager autograd the front-end records its own autograd function (no custom-op
+    dispatcher: host time on every training call); the op, taken under a dispatch mode, gives
+    the same output, LSE and gradients (through O and the LSE), and a second derivative is
+    refused as the op refuses it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    gen = torch.Generator().manual_seed(0)
+    if kind == "varlen":
+        q, k, v = (torch.randn(11, 2, 16, generator=gen).requires_grad_() for _ in range(3))
+        cu = torch.tensor([0, 4, 11], dtype=torch.int32)
+
+        def run(*t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return flashlite.attention_varlen(*t, cu, cu, 7, 7, causal=True, return_lse=True)
+    else:
+        q = torch.randn(1, 2, 9, 16, generator=gen).requires_grad_()
+        k, v = (torch.randn(1, 1, 12, 16, generator=gen).requires_grad_() for _ in range(2))
+        window = (3, 0) if kind == "window" else None
+
+        def run(*t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return flashlite.attention(*t, causal=True, window=window, return_lse=True)
+
+    def nodes(t: torch.Tensor) -> set[str]:  # the names of t's graph, down to the leaves
+        seen, todo = set(), [t.grad_fn]
+        while todo:
+            fn = todo.pop()
+            if fn is not None:
+                seen.add(type(fn).__name__)
+                todo.extend(f for f, _ in fn.next_functions)
+        return seen
+
+    do = torch.randn(q.shape, generator=gen)
+    o, lse = run(q, k, v)
+    assert "AttentionFunctionBackward" in nodes(o)
+    with FlopCounterMode(display=False):  # a dispatch mode watches: the custom op's path
+        o_op, lse_op = run(q, k, v)
+    assert "AttentionFunctionBackward" not in nodes(o_op)
+    torch.testing.assert_close((o, lse), (o_op, lse_op), atol=0, rtol=0)
+    for outs in ((o, lse), (o_op, lse_op)):  # through O and the LSE
+        grads = torch.autograd.grad(outs, (q, k, v), (do, torch.ones_like(lse)),
+                                    retain_graph=True)  # fmt: skip
+        if outs[0] is o:
+            fast = grads
+    torch.testing.assert_close(fast, grads, atol=0, rtol=0)
+    (dq,) = torch.autograd.grad(lse.sum(), q, retain_graph=True)  # the LSE alone: O's grad None
+    (dq_op,) = torch.autograd.grad(lse_op.sum(), q)
+    torch.testing.assert_close(dq, dq_op, atol=0, rtol=0)
+    (g,) = torch.autograd.grad(o, q, do, create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        g.sum().backward()
+
+
 def test_backward_after_a_no_grad_forward_is_torchs_error() -> None:
     q, k, v = (rand(1, 1, 8, 16, dtype=torch.float32).requires_grad_() for _ in range(3))
     with torch.no_grad():

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -27,7 +28,7 @@ from flashlite.kernels import configs as C
 from flashlite.kernels.attention import bwd as KB
 from flashlite.kernels.attention import decode as KD
 from flashlite.kernels.attention import fwd as K
-from flashlite.ops.common import check_softcap, on_compute_device, skip_dispatcher
+from flashlite.ops.common import check_softcap, on_compute_device, plain_eager, skip_dispatcher
 
 LAYOUTS = ("b h n d", "b n h d")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -595,8 +596,7 @@ def _plan(
 
 
 # ----------------------------------------------------------------------------- custom op
-@torch.library.custom_op("flashlite::attention_fwd", mutates_args=())
-def _attention_fwd_op(
+def _attention_fwd_body(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -618,6 +618,11 @@ def _attention_fwd_op(
                               seqlens_k=seqlens_k, varlen=varlen,
                               num_splits=num_splits)  # fmt: skip
     return o, lse
+
+
+_attention_fwd_op = torch.library.custom_op("flashlite::attention_fwd", mutates_args=())(
+    _attention_fwd_body
+)
 
 
 @_attention_fwd_op.register_fake
@@ -826,8 +831,7 @@ def bwd_dq(
     )  # fmt: skip
 
 
-@torch.library.custom_op("flashlite::attention_bwd", mutates_args=())
-def _attention_bwd_op(
+def _attention_bwd_body(
     do: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -851,6 +855,11 @@ def _attention_bwd_op(
     varlen = _op_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return attention_bwd(do, q, k, v, o, lse, dlse, causal, scale, window=window, softcap=cap,
                          seqlens_k=seqlens_k, varlen=varlen)  # fmt: skip
+
+
+_attention_bwd_op = torch.library.custom_op("flashlite::attention_bwd", mutates_args=())(
+    _attention_bwd_body
+)
 
 
 @_attention_bwd_op.register_fake
@@ -898,6 +907,40 @@ def _backward(ctx, grad_o, grad_lse):  # type: ignore[no-untyped-def]
 _attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 _ATTENTION_BWD = torch.ops.flashlite.attention_bwd.default
 _ATTENTION_FWD = torch.ops.flashlite.attention_fwd.default
+
+
+class AttentionFunction(torch.autograd.Function):
+    """Eager autograd of attention around the ops' bodies: the same forward, saved tensors and
+    backward as the custom op's autograd (``_setup_context``, ``_backward``), without the
+    dispatcher's autograd wrapper and redispatch, which cost host time on every training call
+    (felt at small shapes). Traced and observed calls take the op (:func:`plain_eager`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, *extras):  # type: ignore[no-untyped-def, override]
+        ctx.set_materialize_grads(False)  # an unused LSE's gradient stays None, as in the op
+        o, lse = _attention_fwd_body(q, k, v, causal, scale, *extras)
+        _setup_context(ctx, (q, k, v, causal, scale, *extras), (o, lse))
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):  # type: ignore[no-untyped-def, override]
+        if torch.is_grad_enabled():  # create_graph: the op, which refuses a second derivative
+            return _backward(ctx, grad_o, grad_lse)
+        q, k, v, o, lse = ctx.saved_tensors
+        if grad_o is None:
+            grad_o = torch.zeros_like(o)
+        dq, dk, dv = _attention_bwd_body(grad_o, q, k, v, o, lse, grad_lse, ctx.causal,
+                                         ctx.scale, *ctx.extras)  # fmt: skip
+        return dq, dk, dv, None, None, *(None for _ in range(ctx.n_extras))
+
+
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                  scale: float, *extras: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``flashlite::attention_fwd`` with autograd: in an unobserved eager call
+    (:func:`plain_eager`) through :class:`AttentionFunction`, else through the op."""
+    if plain_eager(q, k, v):
+        return AttentionFunction.apply(q, k, v, causal, scale, *extras)
+    return _ATTENTION_FWD(q, k, v, causal, scale, *extras)
 
 
 def attention(
@@ -965,7 +1008,7 @@ def attention(
         if skip_dispatcher(q, k, v):  # the op's own body, minus the dispatcher's host cost
             o, lse, _ = attention_fwd(qc, kc, vc, causal, sm_scale)
         else:
-            o, lse = _ATTENTION_FWD(qc, kc, vc, causal, sm_scale)
+            o, lse = _attention_op(qc, kc, vc, causal, sm_scale)
     else:
         left, right = masks.window_bounds(window, causal)
         cap = check_softcap(softcap)
@@ -975,8 +1018,8 @@ def attention(
                                       softcap=cap or None, seqlens_k=lengths,
                                       num_splits=splits)  # fmt: skip
         else:
-            o, lse = _ATTENTION_FWD(qc, kc, vc, causal, sm_scale, left, right, cap, lengths,
-                                    None, None, 0, 0, splits)  # fmt: skip
+            o, lse = _attention_op(qc, kc, vc, causal, sm_scale, left, right, cap, lengths, None,
+                                   None, 0, 0, splits)  # fmt: skip
     if layout != "b h n d":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
@@ -1064,8 +1107,8 @@ def attention_varlen(
         _check_cu_values(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     left, right = masks.window_bounds(window, bool(causal))
     cap = check_softcap(softcap)
-    o, lse = _ATTENTION_FWD(qc, kc, vc, bool(causal), sm_scale, left, right, cap, None, cu_q,
-                            cu_k, int(max_seqlen_q), int(max_seqlen_k))  # fmt: skip
+    o, lse = _attention_op(qc, kc, vc, bool(causal), sm_scale, left, right, cap, None, cu_q, cu_k,
+                           int(max_seqlen_q), int(max_seqlen_k))  # fmt: skip
     o = o.transpose(1, 2).squeeze(0)
     return (o, lse.squeeze(0)) if return_lse else o
 
