@@ -16,6 +16,7 @@ Inductor could only inline the CUDA case.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -367,10 +368,9 @@ def attention_decode_fwd(
     # (o is fresh and strided from q: q's entry pins it)
     key = (_meta(q), _meta(k), _meta(v), _meta(seqlens_k), _meta(block_table), causal, scale,
            window, softcap, num_splits, config, use_desc)  # fmt: skip
-    plan = _decode_plans.get(key)
-    if plan is None:
-        plan = _cache(_decode_plans, key, DecodePlan(q, k, v, o, seqlens_k, block_table, causal,
-                      scale, window, softcap, num_splits, config, use_desc))  # fmt: skip
+    plan = _planned(_decode_plans, key, lambda: DecodePlan(
+        q, k, v, o, seqlens_k, block_table, causal, scale, window, softcap, num_splits, config,
+        use_desc))  # fmt: skip
     return o, lse, plan(q, k, v, seqlens_k, block_table, o, lse)
 
 
@@ -390,6 +390,12 @@ def _cache(cache: dict, key: tuple, plan: object) -> object:
         cache.clear()
     cache[key] = plan
     return plan
+
+
+def _planned(cache: dict, key: tuple, make: Callable[[], object]) -> Any:
+    """``cache[key]``, made by ``make()`` (and kept) the first time."""
+    plan = cache.get(key)
+    return plan if plan is not None else _cache(cache, key, make())
 
 
 class DecodePlan:
@@ -895,12 +901,13 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.causal, ctx.scale, ctx.extras = causal, scale, extras[:8]  # (num_splits: forward only)
 
 
-def _backward(ctx, grad_o, grad_lse):  # type: ignore[no-untyped-def]
+def _backward(ctx, grad_o, grad_lse, bwd=None):  # type: ignore[no-untyped-def]
+    """The gradients of q, k, v through ``bwd`` (default: the op)."""
     q, k, v, o, lse = ctx.saved_tensors
     if grad_o is None:
         grad_o = torch.zeros_like(o)
-    dq, dk, dv = _ATTENTION_BWD(grad_o, q, k, v, o, lse, grad_lse, ctx.causal, ctx.scale,
-                                *ctx.extras)  # fmt: skip
+    dq, dk, dv = (bwd or _ATTENTION_BWD)(grad_o, q, k, v, o, lse, grad_lse, ctx.causal,
+                                         ctx.scale, *ctx.extras)  # fmt: skip
     return dq, dk, dv, None, None, *(None for _ in range(ctx.n_extras))
 
 
@@ -924,14 +931,9 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_o, grad_lse):  # type: ignore[no-untyped-def, override]
-        if torch.is_grad_enabled():  # create_graph: the op, which refuses a second derivative
-            return _backward(ctx, grad_o, grad_lse)
-        q, k, v, o, lse = ctx.saved_tensors
-        if grad_o is None:
-            grad_o = torch.zeros_like(o)
-        dq, dk, dv = _attention_bwd_body(grad_o, q, k, v, o, lse, grad_lse, ctx.causal,
-                                         ctx.scale, *ctx.extras)  # fmt: skip
-        return dq, dk, dv, None, None, *(None for _ in range(ctx.n_extras))
+        # create_graph: the op, which refuses a second derivative; else its body
+        bwd = _ATTENTION_BWD if torch.is_grad_enabled() else _attention_bwd_body
+        return _backward(ctx, grad_o, grad_lse, bwd)
 
 
 def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
@@ -1384,10 +1386,7 @@ _TENSORS = 7
 def _kvcache_plan(args: tuple) -> KVCachePlan:
     """The :class:`KVCachePlan` of :func:`_kvcache`'s (checked) arguments, made on first use."""
     key = (*map(_meta, args[:_TENSORS]), *args[_TENSORS:])
-    plan = _kvcache_plans.get(key)
-    if plan is None:
-        plan = _cache(_kvcache_plans, key, KVCachePlan(args))
-    return plan  # type: ignore[return-value]
+    return _planned(_kvcache_plans, key, lambda: KVCachePlan(args))
 
 
 def _kvcache(

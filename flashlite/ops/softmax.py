@@ -223,9 +223,10 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.dim, ctx.log = dim, log
 
 
-def _backward(ctx, dy):  # type: ignore[no-untyped-def]
+def _backward(ctx, dy, bwd=None):  # type: ignore[no-untyped-def]
+    """The gradient of x through ``bwd`` (default: the op)."""
     (y,) = ctx.saved_tensors
-    return _SOFTMAX_BWD(y, dy, ctx.dim, ctx.log), None, None, None
+    return (bwd or _SOFTMAX_BWD)(y, dy, ctx.dim, ctx.log), None, None, None
 
 
 _softmax_fwd_op.register_autograd(_backward, setup_context=_setup_context)
@@ -243,16 +244,13 @@ class SoftmaxFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dim, algorithm, log):  # type: ignore[no-untyped-def, override]
         y = _softmax_fwd_op_body(x, dim, algorithm, log)
-        ctx.save_for_backward(y)
-        ctx.dim, ctx.log = dim, log
+        _setup_context(ctx, (x, dim, algorithm, log), y)
         return y
 
     @staticmethod
     def backward(ctx, dy):  # type: ignore[no-untyped-def, override]
-        (y,) = ctx.saved_tensors
-        if torch.is_grad_enabled():  # create_graph: the op, which refuses a second derivative
-            return _SOFTMAX_BWD(y, dy, ctx.dim, ctx.log), None, None, None
-        return _softmax_bwd_op_body(y, dy, ctx.dim, ctx.log), None, None, None
+        # create_graph: the op, which refuses a second derivative; else its body
+        return _backward(ctx, dy, _SOFTMAX_BWD if torch.is_grad_enabled() else _softmax_bwd_op_body)
 
 
 def _forward(x: torch.Tensor, dim: int, algorithm: str, log: bool) -> torch.Tensor:
