@@ -466,9 +466,8 @@ def _vocab_sweep(
         g = stats.torch_probs_from_lse(x, lse) * coef
         if smoothing:
             g -= smoothing / v * (cw[cols] if cw is not None else 1.0)
-        inside = ((tc >= cols.start) & (tc < cols.stop))[:, None]
         onehot = torch.arange(cols.start, cols.stop, device=h.device)[None, :] == tc[:, None]
-        g -= torch.where(inside & onehot, ((1.0 - smoothing) * w_t)[:, None], 0.0)
+        g -= torch.where(onehot, ((1.0 - smoothing) * w_t)[:, None], 0.0)
         if t is not None:  # d(c·tanh(x/c))/dx = 1 − tanh²
             g *= 1.0 - t * t
         g = torch.where(row_scale == 0, 0.0, g * row_scale).to(h.dtype)
@@ -529,13 +528,19 @@ _linear_fwd_op = torch.library.custom_op("flashlite::linear_cross_entropy_fwd",
 @_linear_fwd_op.register_fake
 def _(hidden, weight, bias, target, class_weight, scale, ignore_index, label_smoothing, z_loss,  # type: ignore[no-untyped-def]
       softcap, chunk, vocab_chunk, with_grads):  # fmt: skip
-    n = hidden.shape[0]
-    losses = hidden.new_empty((n,), dtype=torch.float32)
+    losses = hidden.new_empty((hidden.shape[0],), dtype=torch.float32)
     if not with_grads:
         return losses, torch.empty_like(losses), *(hidden.new_empty((0,), dtype=torch.float32)
                                                    for _ in range(3))  # fmt: skip
+    return losses, torch.empty_like(losses), *_grads_fake(hidden, weight, bias)
+
+
+def _grads_fake(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The linear ops' gradient outputs as fakes: dh, dW and the fp32 db (empty: no bias)."""
     db = hidden.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
-    return losses, torch.empty_like(losses), torch.empty_like(hidden), torch.empty_like(weight), db
+    return torch.empty_like(hidden), torch.empty_like(weight), db
 
 
 def _linear_bwd(
@@ -553,10 +558,10 @@ def _linear_bwd(
     vocab_chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``reduction="none"``'s backward: the sweep again, with each token's incoming gradient."""
-    opts = (class_weight, ignore_index, label_smoothing, z_loss, softcap)
-    grads = _linear_grads(hidden, weight, bias)
-    _linear_chunks(hidden, weight, bias, target, dloss.float(), opts, chunk, grads, vocab_chunk)
-    return grads[0], grads[1], _no_bias(grads[2], hidden)
+    _, _, dh, dw, db = _linear_fwd(hidden, weight, bias, target, class_weight, dloss.float(),
+                                   ignore_index, label_smoothing, z_loss, softcap, chunk,
+                                   vocab_chunk, True)  # fmt: skip
+    return dh, dw, db
 
 
 _linear_bwd_op = torch.library.custom_op("flashlite::linear_cross_entropy_bwd",
@@ -566,8 +571,7 @@ _linear_bwd_op = torch.library.custom_op("flashlite::linear_cross_entropy_bwd",
 @_linear_bwd_op.register_fake
 def _(hidden, weight, bias, target, class_weight, dloss, ignore_index, label_smoothing, z_loss,  # type: ignore[no-untyped-def]
       softcap, chunk, vocab_chunk):  # fmt: skip
-    db = hidden.new_empty((weight.shape[0] if bias is not None else 0,), dtype=torch.float32)
-    return torch.empty_like(hidden), torch.empty_like(weight), db
+    return _grads_fake(hidden, weight, bias)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
