@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import socket
 import statistics
 import sys
 import time
@@ -35,6 +34,7 @@ import torch.multiprocessing as mp
 
 import flashlite
 from flashlite.distributed import ring_attention
+from flashlite.distributed.ring import free_port
 
 H, D = 16, 128
 #: The longest-N search doubles from 64k up to this (1M: a 1-GPU step there takes ~1 min).
@@ -248,11 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         if rank:
             return 0
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
         queue = mp.get_context("spawn").SimpleQueue()
-        mp.start_processes(_spawned, args=(2, port, args.smoke, queue), nprocs=2, join=True,
+        mp.start_processes(_spawned, args=(2, free_port(), args.smoke, queue), nprocs=2, join=True,
                            start_method="spawn")  # fmt: skip
         rows = queue.get()
     for r in rows:

@@ -10,8 +10,6 @@ model.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -19,7 +17,7 @@ from conftest import TOL
 
 import flashlite
 from flashlite.distributed import gather_sequence, ring_attention, shard_sequence
-from flashlite.distributed.ring import DEFAULT_TIMEOUT, comm_model, count_p2p, init_for_tests
+from flashlite.distributed.ring import comm_model, count_p2p, free_port, init_for_tests
 
 # (causal, zigzag, layout, dtype, Hq, Hkv)
 CASES = [
@@ -29,12 +27,6 @@ CASES = [
     (True, True, "b n h d", torch.bfloat16, 2, 2),
 ]
 N, D = 48, 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _case(rank: int, world: int, case: tuple) -> None:
@@ -136,7 +128,7 @@ def test_ring_attention_equals_single_process(world: int) -> None:
     """Output, LSE and dq/dk/dv shards equal single-process attention's, causal (zigzag and
     contiguous shards) and not, GQA/MQA, both layouts, fp32 and bf16; bytes counted = model;
     bad input raises on every rank; with two ranks, torch.compile and opcheck too."""
-    mp.spawn(_worker, args=(world, _free_port(), CASES), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), CASES), nprocs=world, join=True)
 
 
 def test_ring_attention_needs_a_process_group() -> None:
@@ -173,7 +165,7 @@ def test_comm_model_totals() -> None:
 def test_ring_attention_nccl_two_gpus() -> None:
     if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
         pytest.skip("needs two CUDA devices")
-    mp.spawn(_nccl_worker, args=(2, _free_port()), nprocs=2, join=True)
+    mp.spawn(_nccl_worker, args=(2, free_port()), nprocs=2, join=True)
 
 
 def _nccl_worker(rank: int, world: int, port: int) -> None:
@@ -182,8 +174,7 @@ def _nccl_worker(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=DEFAULT_TIMEOUT)  # fmt: skip
+    init_for_tests(rank, world, port, "nccl")
     try:
         for causal, kv_heads in ((True, 8), (False, 2)):
             gen = torch.Generator().manual_seed(0)

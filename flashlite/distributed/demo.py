@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 from typing import Any
 
@@ -122,12 +121,11 @@ def run(args: argparse.Namespace) -> int:
     parts = 2 * args.nproc if not args.contiguous else args.nproc
     if args.seq % parts:
         raise SystemExit(f"--seq {args.seq} must divide by {parts} for {args.nproc} ranks")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from flashlite.distributed.ring import free_port
+
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_spawned, args=(args.nproc, port, args, queue), nprocs=args.nproc,
+    mp.start_processes(_spawned, args=(args.nproc, free_port(), args, queue), nprocs=args.nproc,
                        join=True, start_method="spawn")  # fmt: skip
     results = sorted((queue.get() for _ in range(args.nproc)), key=lambda r: r["rank"])
     _print(results, args.json)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import socket
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -105,8 +106,9 @@ def gather_sequence(
     """The full sequence from every rank's shard (:func:`shard_sequence`'s inverse: an
     all-gather, then the chunks put back in order)."""
     _, size, _, _ = _group_info(group)
-    shards = [torch.empty_like(x.contiguous()) for _ in range(size)]
-    dist.all_gather(shards, x.contiguous(), group=group)
+    x = x.contiguous()
+    shards = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(shards, x, group=group)
     if not zigzag:
         return torch.cat(shards, dim)
     halves = [s.chunk(2, dim) for s in shards]
@@ -381,9 +383,17 @@ def comm_model(
     return out
 
 
-def init_for_tests(rank: int, world: int, port: int) -> None:
-    """A gloo group on the loopback interface with a timeout (tests and the demo)."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+def free_port() -> int:
+    """A free TCP port on the loopback interface, for :func:`init_for_tests`'s rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_for_tests(rank: int, world: int, port: int, backend: str = "gloo") -> None:
+    """A process group on the loopback interface with a timeout (the tests, the demo and the
+    benchmark, each starting its own processes)."""
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=DEFAULT_TIMEOUT)  # fmt: skip
 
 
