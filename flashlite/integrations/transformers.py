@@ -90,14 +90,14 @@ def _unpadded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     order, its queries the last ``Nq`` positions; padded query rows give 0. ``(B, Nq, Hq, D)``."""
     b, hq, nq, d = query.shape
     nk = key.shape[2]
-    q_mask = mask[:, -nq:]
+    q_mask, k_mask = mask[:, -nq:], mask[:, -nk:]
     q_rows = q_mask.reshape(-1).nonzero().squeeze(1)
-    k_rows = mask[:, -nk:].reshape(-1).nonzero().squeeze(1)
+    k_rows = k_mask.reshape(-1).nonzero().squeeze(1)
 
     def packed(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return t.transpose(1, 2).reshape(-1, t.shape[1], d)[rows]
 
-    lens_q, lens_k = q_mask.sum(1), mask[:, -nk:].sum(1)
+    lens_q, lens_k = q_mask.sum(1), k_mask.sum(1)
     cu_q = torch.nn.functional.pad(lens_q.cumsum(0), (1, 0)).to(torch.int32)
     cu_k = torch.nn.functional.pad(lens_k.cumsum(0), (1, 0)).to(torch.int32)
     # (Nq and Nk bound the lengths, so no host sync for their maxima; the offsets are built
