@@ -2,14 +2,18 @@
 
 B=1, H=16, D=128, bf16, causal, forward + backward, total N in {64k, 128k, 256k}.
 Efficiency = time on one GPU at N / (2 × time of the two-GPU ring at N) (1.0: perfect scaling).
-Also the longest N (doubling from 64k up to ``LONGEST``) whose forward + backward runs on one GPU
-and on two, each timed point's peak memory, and the length at which memory would run out,
-predicted from the peak bytes per token at 256k (memory is linear in N; a step past 1M takes
-minutes, so the search stops there).
+Each timed point records its peak memory. ``--longest P`` finds the longest N whose forward +
+backward trains on P GPUs (1: ``flashlite.attention``; 2: the ring): the peak bytes per local
+token measured at 256k give the memory bound (memory is linear in N), the step time there the
+time bound (time is quadratic: a step must fit in ``--budget-s``), and one step at the largest
+multiple of 256k under both shows it trains (finite output and gradients; on one GPU the last
+query rows also against an fp32 reference).
 
     python benchmarks/bench_ring.py            # starts two NCCL processes itself
     torchrun --nproc-per-node 2 benchmarks/bench_ring.py
     python benchmarks/bench_ring.py --smoke    # two gloo CPU processes, tiny sizes (the logic)
+    python benchmarks/bench_ring.py --longest 1 --budget-s 540    # one GPU
+    python benchmarks/bench_ring.py --longest 2 --budget-s 300    # the ring on two
 
 Timing: fixed iteration counts on every rank in lockstep (``do_bench`` decides its own count,
 which two ranks must not), wall time around synchronised runs, the slowest rank's median.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import os
 import statistics
 import sys
@@ -37,8 +42,8 @@ from flashlite.distributed import ring_attention
 from flashlite.distributed.ring import free_port
 
 H, D = 16, 128
-#: The longest-N search doubles from 64k up to this (1M: a 1-GPU step there takes ~1 min).
-LONGEST = 1 << 20
+#: The longest-N search's grain and probe length (its peak bytes per token and step time).
+GRAIN = 1 << 18
 
 
 def _timed(fn: Callable[[], Any], dev: torch.device, warmup: int, reps: int) -> float:
@@ -113,20 +118,6 @@ def _sdpa_step(n_total: int, dev: torch.device, dtype: torch.dtype, cp: bool) ->
     return run
 
 
-def _fits(n_total: int, dev: torch.device, dtype: torch.dtype, ring: bool) -> bool:
-    """Whether one forward + backward at ``n_total`` runs (every rank agrees)."""
-    ok = torch.ones(1, device=dev)
-    try:
-        _step(n_total, dev, dtype, ring)()
-    except torch.cuda.OutOfMemoryError:
-        ok.zero_()
-    if ring:
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-    return bool(ok.item())
-
-
 def _peak_reset(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -191,40 +182,116 @@ def run(rank: int, world: int, smoke: bool) -> list[dict[str, Any]]:
         rows.append(row)
         if rank == 0:
             print(row, flush=True)
-    if not smoke:
-        for ring_mode in (False, True):
-            n, longest = 65536, 0
-            while n <= LONGEST:
-                fits = _fits(n, dev, dtype, ring_mode) if (ring_mode or rank == 0) else True
-                if not ring_mode:
-                    flag = torch.tensor([float(fits)], device=dev)
-                    dist.broadcast(flag, 0)
-                    fits = bool(flag.item())
-                if not fits:
-                    break
-                longest, n = n, 2 * n
-            # memory is linear in N: the largest timed point's peak per token bounds the rest
-            last = rows[len(sizes) - 1]
-            peak = last["ring_peak_gib_per_rank" if ring_mode else "one_gpu_peak_gib"] * 2**30
-            capacity = torch.cuda.get_device_properties(dev).total_memory
-            per_token = peak / (last["n"] // (world if ring_mode else 1))
-            rows.append({"longest_n": longest, "gpus": world if ring_mode else 1,
-                         "tested_up_to": LONGEST, "peak_bytes_per_local_token": per_token,
-                         "memory_bound_n_predicted": int(capacity / per_token) * (
-                             world if ring_mode else 1)})  # fmt: skip
-            if rank == 0:
-                print(rows[-1], flush=True)
     return rows
 
 
-def _spawned(rank: int, world: int, port: int, smoke: bool, queue: Any) -> None:
+def _all_finite(t: torch.Tensor, chunk: int = 1 << 28) -> bool:
+    """Whether every entry is finite, a chunk at a time (a whole-tensor mask would not fit
+    beside a step at the memory limit)."""
+    flat = t.reshape(-1)
+    return all(
+        bool(torch.isfinite(flat[i : i + chunk]).all()) for i in range(0, flat.numel(), chunk)
+    )
+
+
+def _last_rows_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor) -> float:
+    """Largest |o − reference| over the last two query rows of every head, the reference in
+    fp32 over all keys (causal: those rows see them all), a key chunk at a time."""
+    n, scale, worst = q.shape[1], q.shape[-1] ** -0.5, 0.0
+    for h in range(q.shape[2]):
+        qr = q[0, n - 2 :, h].float()
+        s = torch.cat([qr @ k[0, i : i + GRAIN, h].float().T for i in range(0, n, GRAIN)], 1)
+        s[0, -1] = -math.inf  # row n-2 does not see key n-1
+        p = torch.softmax(s * scale, dim=-1)
+        ref = sum(p[:, i : i + GRAIN] @ v[0, i : i + GRAIN, h].float() for i in range(0, n, GRAIN))
+        worst = max(worst, (o[0, n - 2 :, h].float() - ref).abs().max().item())
+    return worst
+
+
+def _trains(n_total: int, dev: torch.device, ring: bool) -> dict[str, Any]:
+    """One forward + backward at ``n_total`` (every rank agrees on the outcome): seconds, peak
+    GiB, finiteness, and on one GPU the error of the last rows."""
+    world = dist.get_world_size() if ring else 1
+    _peak_reset(dev)
+    row: dict[str, Any] = {"n": n_total, "gpus": world}
+    ok = torch.ones(1, device=dev)
+    try:
+        shape = (1, n_total // world, H, D)
+        q, k, v = (torch.randn(shape, device=dev, dtype=torch.bfloat16).requires_grad_()
+                   for _ in range(3))  # fmt: skip
+        do = torch.randn_like(q)
+        torch.cuda.synchronize(dev)
+        t0 = time.perf_counter()
+        if ring:
+            out = ring_attention(q, k, v, causal=True, validate=False)
+        else:
+            out = flashlite.attention(q, k, v, causal=True, layout="b n h d")
+        out.backward(do)
+        torch.cuda.synchronize(dev)
+        row["step_s"] = time.perf_counter() - t0
+        row["peak_gib"] = _peak(dev) / 2**30
+        del do
+        row["finite"] = all(_all_finite(t) for t in (out, q.grad, k.grad, v.grad))
+        good = row["finite"]
+        if not ring:  # far offsets (past 2^31 elements at 1M) index the right rows
+            row["last_rows_max_abs_err"] = err = _last_rows_error(q, k, v, out)
+            good = good and err <= 2e-2  # bf16 output
+        ok.fill_(float(good))
+    except torch.cuda.OutOfMemoryError as err:
+        row["oom"] = str(err).splitlines()[0][:160]
+        ok.zero_()
+    if ring:
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    row["trains"] = bool(ok.item())
+    return row
+
+
+def longest(rank: int, world: int, budget_s: float) -> list[dict[str, Any]]:
+    """The longest N (a multiple of ``GRAIN``) that trains on ``world`` GPUs within memory and
+    within one step of ``budget_s`` seconds: probe at ``GRAIN``, predict both bounds, run there."""
+    dev, ring = torch.device("cuda", rank), world > 1
+    start = time.perf_counter()
+    free = torch.tensor([float(torch.cuda.mem_get_info(dev)[0])], device=dev)
+    probe = _trains(GRAIN, dev, ring)  # compiles the kernels
+    probe = _trains(GRAIN, dev, ring)
+    # every rank's figures: the smallest free memory, the largest peak and time set the bounds
+    figs = torch.tensor([-free.item(), probe["peak_gib"], probe["step_s"]], device=dev)
+    if ring:
+        dist.all_reduce(figs, op=dist.ReduceOp.MAX)
+    free_b, per_token, t0 = (
+        -figs[0].item(),
+        figs[1].item() * 2**30 / (GRAIN // world),
+        figs[2].item(),
+    )
+    memory_n = int(free_b / per_token) * world // GRAIN * GRAIN
+    left = budget_s - (time.perf_counter() - start)
+    time_n = int(GRAIN * math.sqrt(max(left, 0.0) / t0)) // GRAIN * GRAIN
+    n = min(memory_n, time_n)
+    rows = [probe | {"probe": True}]
+    if n >= GRAIN:
+        rows.append(_trains(n, dev, ring))
+    head = {"gpus": world, "free_gib_at_start": free_b / 2**30,
+            "peak_bytes_per_local_token": per_token, "probe_step_s": t0,
+            "memory_bound_n": memory_n, "time_bound_n": time_n, "budget_s": budget_s,
+            "bound": "memory" if memory_n <= time_n else "time",
+            "longest_n_trained": max([r["n"] for r in rows if r["trains"]], default=0)}  # fmt: skip
+    if rank == 0:
+        for r in rows:
+            print(r, flush=True)
+        print(head, flush=True)
+    return [head, *rows]
+
+
+def _spawned(
+    rank: int, world: int, port: int, smoke: bool, budget: float | None, queue: Any
+) -> None:
     backend = "gloo" if smoke else "nccl"
     if not smoke:
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world)  # fmt: skip
     try:
-        rows = run(rank, world, smoke)
+        rows = run(rank, world, smoke) if budget is None else longest(rank, world, budget)
         if rank == 0:
             queue.put(rows)
     finally:
@@ -234,24 +301,38 @@ def _spawned(rank: int, world: int, port: int, smoke: bool, queue: Any) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="two gloo CPU processes, tiny sizes")
+    p.add_argument("--longest", type=int, choices=(1, 2), metavar="P",
+                   help="find the longest N that trains on P GPUs (1: no ring)")  # fmt: skip
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="--longest: the seconds one step (and the probes) may take")  # fmt: skip
     args = p.parse_args(argv)
-    if not args.smoke and torch.cuda.device_count() < 2:
-        print("bench_ring needs two CUDA GPUs (or --smoke)")
+    need = 0 if args.smoke else (args.longest or 2)
+    if torch.cuda.device_count() < need:
+        print(f"bench_ring needs {need} CUDA GPU(s) (or --smoke)")
         return 2
-    if "RANK" in os.environ:  # torchrun
+    budget = args.budget_s if args.longest else None
+    if args.longest == 1:
+        rows = longest(0, 1, args.budget_s)
+    elif "RANK" in os.environ:  # torchrun
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if not args.smoke:
             torch.cuda.set_device(rank)
         dist.init_process_group("gloo" if args.smoke else "nccl")
-        rows = run(rank, world, args.smoke)
+        rows = run(rank, world, args.smoke) if budget is None else longest(rank, world, budget)
         dist.destroy_process_group()
         if rank:
             return 0
     else:
         queue = mp.get_context("spawn").SimpleQueue()
-        mp.start_processes(_spawned, args=(2, free_port(), args.smoke, queue), nprocs=2, join=True,
-                           start_method="spawn")  # fmt: skip
+        mp.start_processes(_spawned, args=(2, free_port(), args.smoke, budget, queue), nprocs=2,
+                           join=True, start_method="spawn")  # fmt: skip
         rows = queue.get()
+    if args.longest:
+        from _common import metadata, write_results
+
+        write_results(f"ring-longest-nvidia-h200x{args.longest}", rows,
+                      metadata(dtype="bfloat16"))  # fmt: skip
+        return 0
     for r in rows:
         print(r)
     long = [r["efficiency"] for r in rows if r.get("n", 0) >= 131072]

@@ -211,7 +211,7 @@ def _ring_backward(
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=q.device)  # travels with kv
-    dkv_pending, dkv_in = None, dkv
+    dkv_pending, dkv_in, kv_in = None, dkv, kv
     for step in range(size):
         src = (rank - step) % size
         kv_pending = None
@@ -227,21 +227,28 @@ def _ring_backward(
                 o[:, :, rows], lse[:, :, rows], None if dlse is None else dlse[:, :, rows],
                 blk_causal, scale,
             )  # fmt: skip
-            dq[:, :, rows] += dq_p.float()
+            # in place, fp32 += bf16 without an fp32 copy of the partial (memory is the limit
+            # on the longest sequence a ring trains)
+            dq[:, :, rows].add_(dq_p)
+            del dq_p
             parts = (cols, dk_p, dv_p)
         if dkv_pending is not None:  # the accumulator of src, sent on during this step's work
             _wait(dkv_pending)
-            dkv = dkv_in
+            # drop the works too: they may hold the sent buffer, which must be freed before
+            # the next receive buffer is made
+            dkv, dkv_pending = dkv_in, None
         if parts is not None:
             cols, dk_p, dv_p = parts
-            dkv[0][:, :, cols] += dk_p.float()
-            dkv[1][:, :, cols] += dv_p.float()
+            dkv[0][:, :, cols].add_(dk_p)
+            dkv[1][:, :, cols].add_(dv_p)
+            del parts, dk_p, dv_p
         # the accumulators move on after every step: after the last one they are home
         dkv_in = torch.empty_like(dkv)
         dkv_pending = _exchange(dkv, dkv_in, nxt, prv, group)
         if kv_pending is not None:
             _wait(kv_pending)
             kv = kv_in
+    del kv, kv_in  # the last visitor: its memory serves the conversions below
     _wait(dkv_pending)  # type: ignore[arg-type]
     dkv = dkv_in
     # (copies: dK and dV must not share the accumulator's storage)
