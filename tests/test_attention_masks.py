@@ -135,6 +135,20 @@ def test_huge_scores_with_softcap_stay_finite() -> None:
     check_forward(q, k, v, softcap=30.0, window=(3, 3))
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("softcap", [20.0, 50.0, 60.0])
+def test_softcap_rows_at_both_ends_of_the_cap(dtype: torch.dtype, softcap: float) -> None:
+    # caps up to 50 (bf16, fp32) use a fixed reference instead of the running max: rows whose
+    # every score sits at -cap (p = e^-80 there), at +cap, or spans both must stay exact
+    x = rand(1, 1, 24, 32, dtype=torch.float32)
+    k = torch.cat([x, -x]).reshape(1, 2, 24, 32)  # head 0: q·k > 0 on the diagonal, head 1: < 0
+    q = torch.cat([x * 8, x * 8]).reshape(1, 2, 24, 32)
+    k[0, 1, ::5] = -k[0, 1, ::5]  # head 1: a few keys at +cap among ones at -cap
+    v = rand(1, 2, 24, 32, dtype=torch.float32)
+    check_forward(*(t.to(dtype) for t in (q, k, v)), softcap=softcap)
+    check_forward(*(t.to(dtype) for t in (q, -k, v)), causal=True, softcap=softcap)
+
+
 def test_bad_window_and_softcap_are_refused() -> None:
     q = rand(1, 1, 4, 16)
     with pytest.raises(TypeError, match="window"):

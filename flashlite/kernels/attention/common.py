@@ -158,10 +158,17 @@ def score_tile(q, k, start_n, rows, offs_n, seq_q, seq_k, left, right, cap,
 
 
 @triton.jit
-def update(m, s, qk, exp_scale, LAZY_RESCALE: tl.constexpr):
+def update(m, s, qk, exp_scale, LAZY_RESCALE: tl.constexpr, FIXED_REF: tl.constexpr = False):
     """Fold a score tile into ``(m, s)``: ``(m, s, alpha, p, moved)``; the accumulator needs
-    ``acc·alpha`` only where ``moved`` (always, unless the reference moves lazily)."""
-    if LAZY_RESCALE:  # the reference moves only when a row's maximum grows by a factor > 2^8
+    ``acc·alpha`` only where ``moved`` (always, unless the reference moves lazily or is fixed).
+    ``FIXED_REF``: ``m`` is a fixed reference that bounds every score from above (a soft cap),
+    so there is no row maximum to take and nothing to rescale."""
+    if FIXED_REF:
+        p = tl.exp2((qk - m[:, None]) * exp_scale)
+        s = s + tl.sum(p, 1)
+        alpha = s
+        moved = False
+    elif LAZY_RESCALE:  # the reference moves only when a row's maximum grows by a factor > 2^8
         m, s, alpha, p, moved = online_update_lazy(m, s, qk, exp_scale, 8.0)
     else:
         m, s, alpha, p = online_update(m, s, qk, exp_scale)
