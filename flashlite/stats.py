@@ -14,6 +14,8 @@ Triton helpers (``@triton.jit``, called from kernels):
 ``online_update``        fold a tile into a running pair; also returns the rescale factor and
                          the tile's exponentials (attention needs both)
 ``online_update_lazy``   the same, moving the reference only when the maximum grows by > TAU
+``fixed_update``         fold a tile into a sum taken against a fixed reference that bounds
+                         every logit (a soft cap): no maximum, no rescale
 ``rescale``              ``2^(m_old − m_new)``, the factor that moves sums (and accumulators)
 ``merge_pair``           the associative merge of two pairs
 ``merge_partials``       the same merge over the last axis of ``[R, C]`` partial pairs
@@ -34,7 +36,7 @@ the subtraction is 0 there, so no ``−inf − (−inf)`` NaN appears and sums s
 
 Torch twins (natural log, any shape, used by tests, split-KV merging and docs):
 ``merge`` (twin of ``merge_pair``), ``merge_attention``, ``torch_tile_stats``,
-``torch_online_update``, ``torch_rescale``, ``torch_finalize_lse``.
+``torch_online_update``, ``torch_fixed_update``, ``torch_rescale``, ``torch_finalize_lse``.
 """
 
 from __future__ import annotations
@@ -57,6 +59,7 @@ __all__ = [
     "tile_stats",
     "online_update",
     "online_update_lazy",
+    "fixed_update",
     "rescale",
     "merge_pair",
     "merge_partials",
@@ -67,6 +70,7 @@ __all__ = [
     "merge_attention",
     "torch_tile_stats",
     "torch_online_update",
+    "torch_fixed_update",
     "torch_rescale",
     "torch_finalize_lse",
     "torch_probs_from_lse",
@@ -121,6 +125,17 @@ def online_update_lazy(m, s, x, SCALE, TAU: tl.constexpr):
     m_new = tl.where(grow, m_tile, m)
     m_new, s_new, alpha, p = _fold(m, m_new, s, x, SCALE)
     return m_new, s_new, alpha, p, tl.max(grow.to(tl.int32), 0) > 0
+
+
+@triton.jit
+def fixed_update(m, s, x, SCALE):
+    """Fold the ``[R, C]`` tile ``x`` into ``s``, a sum against the fixed reference ``m`` (each
+    ``[R]``): ``(s_new, p)``, ``p = 2^((x − m)·SCALE)``. The pair's math holds for any reference;
+    the maximum only keeps the exponentials in range, so when a known bound does that (a soft
+    cap c bounds every logit: the attention forward takes m = c − δ) there is no maximum to take
+    and nothing to rescale: ``alpha`` is 1 for good."""
+    p = tl.exp2((x - m[:, None]) * SCALE)
+    return s + tl.sum(p, 1), p
 
 
 @triton.jit
@@ -205,6 +220,14 @@ def torch_online_update(
     alpha = torch.exp(m - ref)
     p = torch.exp(x - ref.unsqueeze(-1))
     return m_new, s * alpha + p.sum(-1), alpha, p
+
+
+def torch_fixed_update(
+    m: torch.Tensor, s: torch.Tensor, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of :func:`fixed_update` for ``x`` of shape ``(..., C)`` and ``m, s`` of ``(...)``."""
+    p = torch.exp(x - m.unsqueeze(-1))
+    return s + p.sum(-1), p
 
 
 def merge(

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from flashlite import reference, stats
 from flashlite.stats import (
     finalize_lse,
+    fixed_update,
     merge_pair,
     merge_partials,
     online_update,
@@ -209,6 +210,21 @@ def _lazy_fold_kernel(X, M, S, MOVES, R: tl.constexpr, C: tl.constexpr, TILES: t
 
 
 @triton.jit
+def _fixed_fold_kernel(X, M0, S, P, R: tl.constexpr, C: tl.constexpr, TILES: tl.constexpr,
+                       SCALE: tl.constexpr):  # fmt: skip
+    # fold TILES tiles of a [R, TILES*C] block into sums against the fixed references M0
+    r = tl.arange(0, R)
+    c = tl.arange(0, C)
+    m = tl.load(M0 + r)
+    s = tl.zeros([R], tl.float32)
+    for t in tl.static_range(TILES):
+        offs = r[:, None] * (TILES * C) + t * C + c[None, :]
+        s, p = fixed_update(m, s, tl.load(X + offs), SCALE)
+        tl.store(P + offs, p)
+    tl.store(S + r, s)
+
+
+@triton.jit
 def _rescale_kernel(M_OLD, M_NEW, OUT, R: tl.constexpr, SCALE: tl.constexpr):
     r = tl.arange(0, R)
     tl.store(OUT + r, rescale(tl.load(M_OLD + r), tl.load(M_NEW + r), SCALE))
@@ -318,6 +334,23 @@ def test_triton_online_update_lazy_gives_the_same_lse(tau: float) -> None:
     if tau == 0.0:
         torch.testing.assert_close(m[[0, 2, 3]], x.amax(-1)[[0, 2, 3]])
     assert 1 <= moves.item() <= tiles
+
+
+@pytest.mark.parametrize("c", SCALES)
+def test_triton_fixed_update_gives_the_same_lse(c: float) -> None:
+    # logits bounded by a cap: a fixed reference at the cap (or below it, as the attention
+    # forward puts it) gives the pair of the running maximum's lse, and p like the twin's
+    tiles, cols, cap = 4, 8, 20.0
+    x = cap * torch.tanh(torch.randn(R, tiles * cols) * 3 / cap)
+    x[1] = -cap  # every logit at the bottom of the cap: p = e^-40, still normal in fp32
+    m0 = torch.tensor([cap, cap, cap - 5.0, 0.5 * cap])
+    s, p = torch.empty(R), torch.empty(R, tiles * cols)
+    _launch(_fixed_fold_kernel, x / c, m0 / c, s, p, R=R, C=cols, TILES=tiles, SCALE=c * LOG2E)
+    _no_nan(s, p)
+    want_s, want_p = stats.torch_fixed_update(m0.double(), torch.zeros(R).double(), x.double())
+    _close(s, want_s)
+    _close(p, want_p)
+    _close(m0.double() + torch.log(s.double()), torch.logsumexp(x.double(), -1))
 
 
 @pytest.mark.parametrize("c", SCALES)

@@ -10,7 +10,7 @@ import triton.language as tl
 
 from flashlite.kernels.common import cast, tanh
 from flashlite.masks import visible
-from flashlite.stats import LOG2E, online_update, online_update_lazy
+from flashlite.stats import LOG2E, fixed_update, online_update, online_update_lazy
 
 
 @triton.jit
@@ -164,9 +164,8 @@ def update(m, s, qk, exp_scale, LAZY_RESCALE: tl.constexpr, FIXED_REF: tl.conste
     ``FIXED_REF``: ``m`` is a fixed reference that bounds every score from above (a soft cap),
     so there is no row maximum to take and nothing to rescale."""
     if FIXED_REF:
-        p = tl.exp2((qk - m[:, None]) * exp_scale)
-        s = s + tl.sum(p, 1)
-        alpha = s
+        s, p = fixed_update(m, s, qk, exp_scale)
+        alpha = s  # unused: nothing moved
         moved = False
     elif LAZY_RESCALE:  # the reference moves only when a row's maximum grows by a factor > 2^8
         m, s, alpha, p, moved = online_update_lazy(m, s, qk, exp_scale, 8.0)
