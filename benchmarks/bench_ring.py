@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import datetime
 import math
 import os
 import statistics
@@ -44,6 +45,8 @@ from flashlite.distributed.ring import free_port
 H, D = 16, 128
 #: The longest-N search's grain and probe length (its peak bytes per token and step time).
 GRAIN = 1 << 18
+#: The share of free memory the longest-N search plans to use.
+MARGIN = 0.95
 
 
 def _timed(fn: Callable[[], Any], dev: torch.device, warmup: int, reps: int) -> float:
@@ -251,11 +254,12 @@ def longest(rank: int, world: int, budget_s: float) -> list[dict[str, Any]]:
     within one step of ``budget_s`` seconds: probe at ``GRAIN``, predict both bounds, run there."""
     dev, ring = torch.device("cuda", rank), world > 1
     start = time.perf_counter()
-    free = torch.tensor([float(torch.cuda.mem_get_info(dev)[0])], device=dev)
-    probe = _trains(GRAIN, dev, ring)  # compiles the kernels
+    probe = _trains(GRAIN, dev, ring)  # compiles the kernels (and sets NCCL up)
     probe = _trains(GRAIN, dev, ring)
+    _peak_reset(dev)
+    free = torch.cuda.mem_get_info(dev)[0]  # what is left beside CUDA's and NCCL's own memory
     # every rank's figures: the smallest free memory, the largest peak and time set the bounds
-    figs = torch.tensor([-free.item(), probe["peak_gib"], probe["step_s"]], device=dev)
+    figs = torch.tensor([-free, probe["peak_gib"], probe["step_s"]], device=dev)
     if ring:
         dist.all_reduce(figs, op=dist.ReduceOp.MAX)
     free_b, per_token, t0 = (
@@ -263,14 +267,18 @@ def longest(rank: int, world: int, budget_s: float) -> list[dict[str, Any]]:
         figs[1].item() * 2**30 / (GRAIN // world),
         figs[2].item(),
     )
-    memory_n = int(free_b / per_token) * world // GRAIN * GRAIN
+    # a rank that runs out of memory mid-ring leaves its peers waiting on it: keep 5% spare
+    memory_n = int(MARGIN * free_b / per_token) * world // GRAIN * GRAIN
     left = budget_s - (time.perf_counter() - start)
     time_n = int(GRAIN * math.sqrt(max(left, 0.0) / t0)) // GRAIN * GRAIN
     n = min(memory_n, time_n)
+    if rank == 0:
+        print(f"free {free_b / 2**30:.1f} GiB, {per_token:.0f} B per local token: memory bound "
+              f"{memory_n}, time bound {time_n}; trying {n}", flush=True)  # fmt: skip
     rows = [probe | {"probe": True}]
     if n >= GRAIN:
         rows.append(_trains(n, dev, ring))
-    head = {"gpus": world, "free_gib_at_start": free_b / 2**30,
+    head = {"gpus": world, "free_gib": free_b / 2**30, "memory_margin": MARGIN,
             "peak_bytes_per_local_token": per_token, "probe_step_s": t0,
             "memory_bound_n": memory_n, "time_bound_n": time_n, "budget_s": budget_s,
             "bound": "memory" if memory_n <= time_n else "time",
@@ -288,8 +296,9 @@ def _spawned(
     backend = "gloo" if smoke else "nccl"
     if not smoke:
         torch.cuda.set_device(rank)
+    # a peer that fails (out of memory at the longest N) must not leave the other waiting long
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)  # fmt: skip
+                            world_size=world, timeout=datetime.timedelta(seconds=120))  # fmt: skip
     try:
         rows = run(rank, world, smoke) if budget is None else longest(rank, world, budget)
         if rank == 0:
