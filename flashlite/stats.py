@@ -128,13 +128,18 @@ def online_update_lazy(m, s, x, SCALE, TAU: tl.constexpr):
 
 
 @triton.jit
-def fixed_update(m, s, x, SCALE):
+def fixed_update(m, s, x, SCALE, P_DTYPE: tl.constexpr = tl.float32):
     """Fold the ``[R, C]`` tile ``x`` into ``s``, a sum against the fixed reference ``m`` (each
     ``[R]``): ``(s_new, p)``, ``p = 2^((x − m)·SCALE)``. The pair's math holds for any reference;
     the maximum only keeps the exponentials in range, so when a known bound does that (a soft
     cap c bounds every logit: the attention forward takes m = c − δ) there is no maximum to take
-    and nothing to rescale: ``alpha`` is 1 for good."""
-    p = tl.exp2((x - m[:, None]) * SCALE)
+    and nothing to rescale: ``alpha`` is 1 for good.
+
+    ``P_DTYPE``: the precision of the caller's ``p·v`` product. ``p`` is rounded to it before it
+    is summed, so that ``Σ p·v / Σ p`` stays an exact weighted mean of v (one key gives v
+    itself). Under the running maximum the largest ``p`` is exactly 1 in any precision; here no
+    ``p`` need be, and an unrounded sum would put each ``p``'s rounding into the output."""
+    p = tl.exp2((x - m[:, None]) * SCALE).to(P_DTYPE).to(tl.float32)  # (fp32: no-ops)
     return s + tl.sum(p, 1), p
 
 
@@ -223,10 +228,13 @@ def torch_online_update(
 
 
 def torch_fixed_update(
-    m: torch.Tensor, s: torch.Tensor, x: torch.Tensor
+    m: torch.Tensor, s: torch.Tensor, x: torch.Tensor, p_dtype: torch.dtype | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Twin of :func:`fixed_update` for ``x`` of shape ``(..., C)`` and ``m, s`` of ``(...)``."""
+    """Twin of :func:`fixed_update` for ``x`` of shape ``(..., C)`` and ``m, s`` of ``(...)``;
+    ``p_dtype``: round ``p`` to it before summing (None: keep ``x``'s precision)."""
     p = torch.exp(x - m.unsqueeze(-1))
+    if p_dtype is not None:
+        p = p.to(p_dtype).to(x.dtype)
     return s + p.sum(-1), p
 
 

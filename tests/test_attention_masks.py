@@ -147,6 +147,9 @@ def test_softcap_rows_at_both_ends_of_the_cap(dtype: torch.dtype, softcap: float
     v = rand(1, 2, 24, 32, dtype=torch.float32)
     check_forward(*(t.to(dtype) for t in (q, k, v)), softcap=softcap)
     check_forward(*(t.to(dtype) for t in (q, -k, v)), causal=True, softcap=softcap)
+    # more queries than keys, causal: the first rows see no key (output 0, LSE -inf)
+    q_more = torch.cat([q, q[:, :, :7]], 2)
+    check_forward(*(t.to(dtype) for t in (q_more, k, v)), causal=True, softcap=softcap)
 
 
 def test_bad_window_and_softcap_are_refused() -> None:

@@ -211,7 +211,7 @@ def _lazy_fold_kernel(X, M, S, MOVES, R: tl.constexpr, C: tl.constexpr, TILES: t
 
 @triton.jit
 def _fixed_fold_kernel(X, M0, S, P, R: tl.constexpr, C: tl.constexpr, TILES: tl.constexpr,
-                       SCALE: tl.constexpr):  # fmt: skip
+                       SCALE: tl.constexpr, P_BF16: tl.constexpr):  # fmt: skip
     # fold TILES tiles of a [R, TILES*C] block into sums against the fixed references M0
     r = tl.arange(0, R)
     c = tl.arange(0, C)
@@ -219,7 +219,10 @@ def _fixed_fold_kernel(X, M0, S, P, R: tl.constexpr, C: tl.constexpr, TILES: tl.
     s = tl.zeros([R], tl.float32)
     for t in tl.static_range(TILES):
         offs = r[:, None] * (TILES * C) + t * C + c[None, :]
-        s, p = fixed_update(m, s, tl.load(X + offs), SCALE)
+        if P_BF16:
+            s, p = fixed_update(m, s, tl.load(X + offs), SCALE, tl.bfloat16)
+        else:
+            s, p = fixed_update(m, s, tl.load(X + offs), SCALE)
         tl.store(P + offs, p)
     tl.store(S + r, s)
 
@@ -345,12 +348,25 @@ def test_triton_fixed_update_gives_the_same_lse(c: float) -> None:
     x[1] = -cap  # every logit at the bottom of the cap: p = e^-40, still normal in fp32
     m0 = torch.tensor([cap, cap, cap - 5.0, 0.5 * cap])
     s, p = torch.empty(R), torch.empty(R, tiles * cols)
-    _launch(_fixed_fold_kernel, x / c, m0 / c, s, p, R=R, C=cols, TILES=tiles, SCALE=c * LOG2E)
+    _launch(_fixed_fold_kernel, x / c, m0 / c, s, p, R=R, C=cols, TILES=tiles, SCALE=c * LOG2E,
+            P_BF16=False)  # fmt: skip
     _no_nan(s, p)
     want_s, want_p = stats.torch_fixed_update(m0.double(), torch.zeros(R).double(), x.double())
     _close(s, want_s)
     _close(p, want_p)
     _close(m0.double() + torch.log(s.double()), torch.logsumexp(x.double(), -1))
+
+
+def test_triton_fixed_update_sums_the_rounded_exponentials() -> None:
+    # with P_DTYPE = bf16 the p that come back are bf16 values and s is exactly their sum, so
+    # that Σ p·v / Σ p is a true weighted mean (one key: v itself)
+    x = 20.0 * torch.tanh(torch.randn(R, 32))
+    m0 = torch.full((R,), 20.0)
+    s, p = torch.empty(R), torch.empty(R, 32)
+    _launch(_fixed_fold_kernel, x, m0, s, p, R=R, C=8, TILES=4, SCALE=LOG2E, P_BF16=True)
+    assert torch.equal(p.to(torch.bfloat16).float(), p)
+    torch.testing.assert_close(s, p.sum(-1), rtol=1e-6, atol=0)
+    _close(p, torch.exp(x.double() - 20.0), tol=2**-7)  # bf16: 8 significant bits
 
 
 @pytest.mark.parametrize("c", SCALES)

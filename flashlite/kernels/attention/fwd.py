@@ -53,7 +53,8 @@ def _attend(acc, m, s, q, k_src, v_src, b, h_kv, k_row, lo, hi, offs_m, offs_n, 
             BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
             DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
             WARP_SPECIALIZE: tl.constexpr, ROUND_BF16: tl.constexpr,
-            VARLEN: tl.constexpr, FIXED_REF: tl.constexpr = False):  # fmt: skip
+            VARLEN: tl.constexpr, FIXED_REF: tl.constexpr = False,
+            P_DTYPE: tl.constexpr = tl.float32):  # fmt: skip
     """Fold key tiles ``[lo, hi)`` into ``(acc, m, s)``, one tile after the other: scores,
     statistics, ``acc = acc·alpha + p·v``. ``k_row``: the sequence's first row in the K and V
     sources (0 but for varlen descriptors)."""
@@ -61,7 +62,7 @@ def _attend(acc, m, s, q, k_src, v_src, b, h_kv, k_row, lo, hi, offs_m, offs_n, 
         qk = scores(q, k_src, b, h_kv, start_n, k_row, offs_m, offs_n, offs_d, seq_q, seq_k, left,
                      right, cap, stride_kn, stride_kd, MASKED, IS_CAUSAL, WINDOW, SOFTCAP,
                      HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32, DOT_PRECISION)  # fmt: skip
-        m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE, FIXED_REF)
+        m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE, FIXED_REF, P_DTYPE)
         acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, k_row, seq_k, stride_vn,
                           stride_vd, offs_n, offs_d, MASKED, HEAD_DIM, BLOCK_D, USE_DESC,
                           DOT_FP32, DOT_PRECISION, ROUND_BF16, VARLEN)  # fmt: skip
@@ -76,7 +77,8 @@ def _attend_overlapped(acc, m, s, q, k_src, v_src, b, h_kv, k_row, lo, hi, offs_
                        DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
                        LAZY_RESCALE: tl.constexpr,
                        ROUND_BF16: tl.constexpr, VARLEN: tl.constexpr,
-                       FIXED_REF: tl.constexpr = False):  # fmt: skip
+                       FIXED_REF: tl.constexpr = False,
+                       P_DTYPE: tl.constexpr = tl.float32):  # fmt: skip
     """:func:`_attend` over unmasked tiles ``[lo, hi)`` (``hi > lo``), reordered so that the
     tensor cores work while the statistics are computed: the loop computes tile j's softmax,
     then tile j+1's scores, then issues tile j's ``p·v`` and moves on without waiting for it, so
@@ -85,7 +87,7 @@ def _attend_overlapped(acc, m, s, q, k_src, v_src, b, h_kv, k_row, lo, hi, offs_
                  stride_kn, stride_kd, False, False, False, SOFTCAP, HEAD_DIM, BLOCK_D, USE_DESC,
                  DOT_FP32, DOT_PRECISION)  # fmt: skip
     for start_n in tl.range(lo, hi - BLOCK_N, BLOCK_N):
-        m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE, FIXED_REF)
+        m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE, FIXED_REF, P_DTYPE)
         # the next scores; Triton waits for this dot (and the p·v still running) right here
         qk = scores(q, k_src, b, h_kv, start_n + BLOCK_N, k_row, offs_m, offs_n, offs_d, seq_q,
                      seq_k, 0, 0, cap, stride_kn, stride_kd, False, False, False, SOFTCAP, HEAD_DIM,
@@ -95,7 +97,7 @@ def _attend_overlapped(acc, m, s, q, k_src, v_src, b, h_kv, k_row, lo, hi, offs_
         acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, k_row, seq_k, stride_vn,
                           stride_vd, offs_n, offs_d, False, HEAD_DIM, BLOCK_D, USE_DESC,
                           DOT_FP32, DOT_PRECISION, ROUND_BF16, VARLEN)  # fmt: skip
-    m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE, FIXED_REF)
+    m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE, FIXED_REF, P_DTYPE)
     acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, hi - BLOCK_N, k_row, seq_k,
                       stride_vn, stride_vd, offs_n, offs_d, False, HEAD_DIM, BLOCK_D, USE_DESC,
                       DOT_FP32, DOT_PRECISION, ROUND_BF16, VARLEN)  # fmt: skip
@@ -166,6 +168,7 @@ def _attention_fwd_kernel(
                    tl.arange(0, BLOCK_M), offs_d, HEAD_DIM, BLOCK_D, USE_DESC, True)  # fmt: skip
     qk_scale = sm_scale * LOG2E
     q, exp_scale = scale_q(q, qk_scale, PRESCALE_Q, ROUND_BF16)
+    p_dtype = q.dtype  # the inputs' precision, that p·v multiplies p in
     if DOT_FP32:
         q = q.to(tl.float32)
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -188,7 +191,7 @@ def _attention_fwd_kernel(
                             stride_kn, stride_kd, stride_vn, stride_vd, True, IS_CAUSAL, WINDOW,
                             SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
                             DOT_PRECISION, LAZY_RESCALE, False, ROUND_BF16, VARLEN,
-                            FIXED_REF)  # fmt: skip
+                            FIXED_REF, p_dtype)  # fmt: skip
     if OVERLAP:
         if full_hi > full_lo:
             acc, m, s = _attend_overlapped(acc, m, s, q, k_src, v_src, b_ld, h_kv, k_row,
@@ -197,19 +200,19 @@ def _attention_fwd_kernel(
                                            stride_kn, stride_kd, stride_vn, stride_vd, SOFTCAP,
                                            HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
                                            DOT_PRECISION, LAZY_RESCALE, ROUND_BF16,
-                                           VARLEN, FIXED_REF)  # fmt: skip
+                                           VARLEN, FIXED_REF, p_dtype)  # fmt: skip
     else:
         acc, m, s = _attend(acc, m, s, q, k_src, v_src, b_ld, h_kv, k_row, full_lo, full_hi, offs_m,
                             offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale,
                             stride_kn, stride_kd, stride_vn, stride_vd, False, IS_CAUSAL, WINDOW,
                             SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
                             DOT_PRECISION, LAZY_RESCALE, WARP_SPECIALIZE, ROUND_BF16,
-                            VARLEN, FIXED_REF)  # fmt: skip
+                            VARLEN, FIXED_REF, p_dtype)  # fmt: skip
     acc, m, s = _attend(acc, m, s, q, k_src, v_src, b_ld, h_kv, k_row, full_hi, hi, offs_m, offs_n,
                         offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale, stride_kn,
                         stride_kd, stride_vn, stride_vd, True, IS_CAUSAL, WINDOW, SOFTCAP,
                         HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION,
-                        LAZY_RESCALE, False, ROUND_BF16, VARLEN, FIXED_REF)  # fmt: skip
+                        LAZY_RESCALE, False, ROUND_BF16, VARLEN, FIXED_REF, p_dtype)  # fmt: skip
 
     # Rows that saw no key (causal with Nq > Nk) have s = 0: output 0 and LSE −inf, not NaN.
     inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)
