@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import math
 import os
 import statistics
@@ -40,7 +39,7 @@ import torch.multiprocessing as mp
 
 import flashlite
 from flashlite.distributed import ring_attention
-from flashlite.distributed.ring import free_port
+from flashlite.distributed.ring import DEFAULT_TIMEOUT, free_port, init_for_tests
 
 H, D = 16, 128
 #: The longest-N search's grain and probe length (its peak bytes per token and step time).
@@ -296,9 +295,9 @@ def _spawned(
     backend = "gloo" if smoke else "nccl"
     if not smoke:
         torch.cuda.set_device(rank)
-    # a peer that fails (out of memory at the longest N) must not leave the other waiting long
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=120))  # fmt: skip
+    # with a timeout: a peer that fails (out of memory at the longest N) must not leave the
+    # other waiting long
+    init_for_tests(rank, world, port, backend)
     try:
         rows = run(rank, world, smoke) if budget is None else longest(rank, world, budget)
         if rank == 0:
@@ -326,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         if not args.smoke:
             torch.cuda.set_device(rank)
-        dist.init_process_group("gloo" if args.smoke else "nccl")
+        dist.init_process_group("gloo" if args.smoke else "nccl", timeout=DEFAULT_TIMEOUT)
         rows = run(rank, world, args.smoke) if budget is None else longest(rank, world, budget)
         dist.destroy_process_group()
         if rank:
