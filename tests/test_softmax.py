@@ -105,12 +105,12 @@ def test_dispatch(
 
 
 def test_backward_keeps_a_row_on_chip_only_when_y_and_dy_both_fit() -> None:
-    # the forward holds one row, the backward two (y and dy): bf16 rows of 64k and fp32 rows
-    # of 32k are one tile forward but loop backward
+    # the forward holds one row, the backward two (y and dy) as fp32 values: 16-bit rows of 64k
+    # are one tile forward but loop backward; 32k rows stay one tile in both dtypes
     assert ksm.fits_single_read(65536, 2) and not ksm.fits_single_read(65536, 2, tensors=2)
-    assert ksm.fits_single_read(32768, 4) and not ksm.fits_single_read(32768, 4, tensors=2)
-    assert ksm.fits_single_read(32768, 2, tensors=2) and ksm.fits_single_read(16384, 4, 2)
-    assert not ksm.fits_single_read(65537, 2) and not ksm.fits_single_read(131072, 1)
+    assert ksm.fits_single_read(32768, 4, tensors=2) and ksm.fits_single_read(32768, 2, 2)
+    assert not ksm.fits_single_read(65536, 4) and not ksm.fits_single_read(65537, 2)
+    assert not ksm.fits_single_read(131072, 1)
 
 
 def triton_next_pow2(n: int) -> int:

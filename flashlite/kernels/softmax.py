@@ -43,9 +43,9 @@ ELEMS_PER_PROGRAM = 4096
 
 def fits_single_read(n_cols: int, elem_bytes: int, tensors: int = 1) -> bool:
     """Whether a row of ``n_cols`` elements takes the single-read kernel; ``tensors``: rows of
-    that length it holds at once (the backward holds y and dy: 2)."""
+    that length it holds at once as fp32 values (the backward holds y and dy: 2)."""
     block_n = next_pow2(n_cols)
-    return block_n <= SINGLE_READ_MAX and block_n * elem_bytes * tensors <= SINGLE_READ_BYTES
+    return block_n * tensors <= SINGLE_READ_MAX and block_n * elem_bytes <= SINGLE_READ_BYTES
 
 
 def single_read_config(n_cols: int) -> dict[str, int]:

@@ -149,8 +149,8 @@ def _team_kernel_usable(dev: torch.device, n_chunks: int) -> bool:
 def softmax_bwd(y2: torch.Tensor, dy2: torch.Tensor, dx2: torch.Tensor, log: bool) -> None:
     """Launch the backward kernel on ``(rows, n)`` views: ``dx2`` from saved ``y2`` and ``dy2``."""
     n_rows, n_cols = y2.shape
-    # y and dy both stay on chip: a bf16 row of 64k (256 KB of fp32 values) would spill, and ran
-    # at 0.33x the copy ceiling on the H200 where the two-pass loop ran fp32's at 0.61x
+    # y and dy both stay on chip as fp32: a 16-bit row of 64k (128k values, 512 KB) spilled and
+    # ran at 0.33x the copy ceiling on the H200, where the two-pass loop ran fp32's at 0.61x
     one_tile = K.fits_single_read(n_cols, y2.element_size(), tensors=2)
     cfg = K.single_read_config(n_cols) if one_tile else K.loop_config(n_cols)
     _backend.launcher(K._softmax_bwd_kernel)[(cdiv(n_rows, cfg["ROWS"]),)](
