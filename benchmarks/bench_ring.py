@@ -64,25 +64,37 @@ def _timed(fn: Callable[[], Any], dev: torch.device, warmup: int, reps: int) -> 
     return statistics.median(times)
 
 
-def _step(n_total: int, dev: torch.device, dtype: torch.dtype, ring: bool) -> Callable[[], Any]:
-    """One forward + backward at total length ``n_total``: the ring on this rank's shard
-    (``n_total / P`` tokens; the values do not matter for timing, the tests check them), or
-    plain flashlite.attention on the whole sequence."""
+def _inputs(
+    n_total: int, dev: torch.device, dtype: torch.dtype, ring: bool
+) -> tuple[torch.Tensor, ...]:
+    """``(q, k, v, do)`` of one step at total length ``n_total``, ``b n h d``: this rank's shard
+    (``n_total / P`` tokens) for the ring, the whole sequence otherwise. The values do not matter
+    for timing; the tests check them."""
     world = dist.get_world_size() if ring else 1
     shape = (1, n_total // world, H, D)
     q, k, v = (torch.randn(shape, device=dev, dtype=dtype).requires_grad_() for _ in range(3))
-    do = torch.randn_like(q)
+    return q, k, v, torch.randn_like(q)
 
-    def run() -> None:
-        for t in (q, k, v):
-            t.grad = None
-        if ring:
-            out = ring_attention(q, k, v, causal=True, validate=False)
-        else:
-            out = flashlite.attention(q, k, v, causal=True, layout="b n h d")
-        out.backward(do)
 
-    return run
+def _fwd_bwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+             ring: bool) -> torch.Tensor:  # fmt: skip
+    """One causal forward + backward (gradients into ``.grad``): the ring on this rank's shard,
+    or plain flashlite.attention on the whole sequence. Returns the output."""
+    for t in (q, k, v):
+        t.grad = None
+    if ring:
+        out = ring_attention(q, k, v, causal=True, validate=False)
+    else:
+        out = flashlite.attention(q, k, v, causal=True, layout="b n h d")
+    out.backward(do)
+    return out
+
+
+def _step(n_total: int, dev: torch.device, dtype: torch.dtype, ring: bool) -> Callable[[], Any]:
+    """One forward + backward at total length ``n_total`` as a callable (:func:`_fwd_bwd` on
+    :func:`_inputs`)."""
+    tensors = _inputs(n_total, dev, dtype, ring)
+    return lambda: _fwd_bwd(*tensors, ring)
 
 
 def _sdpa_step(n_total: int, dev: torch.device, dtype: torch.dtype, cp: bool) -> Callable[[], Any]:
@@ -197,16 +209,16 @@ def _all_finite(t: torch.Tensor, chunk: int = 1 << 28) -> bool:
 
 
 def _last_rows_error(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor) -> float:
-    """Largest |o − reference| over the last two query rows of every head, the reference in
-    fp32 over all keys (causal: those rows see them all), a key chunk at a time."""
-    n, scale, worst = q.shape[1], q.shape[-1] ** -0.5, 0.0
+    """Largest |o − reference| over the last two query rows of every head: the fp32 reference
+    attention of those rows against all keys (causal, bottom-right: the rows see every key but
+    the last, and all), one head at a time (the whole sequence in fp32 would not fit)."""
+    n, worst = q.shape[1], 0.0
     for h in range(q.shape[2]):
-        qr = q[0, n - 2 :, h].float()
-        s = torch.cat([qr @ k[0, i : i + GRAIN, h].float().T for i in range(0, n, GRAIN)], 1)
-        s[0, -1] = -math.inf  # row n-2 does not see key n-1
-        p = torch.softmax(s * scale, dim=-1)
-        ref = sum(p[:, i : i + GRAIN] @ v[0, i : i + GRAIN, h].float() for i in range(0, n, GRAIN))
-        worst = max(worst, (o[0, n - 2 :, h].float() - ref).abs().max().item())
+        head = [t[:, :, h : h + 1].transpose(1, 2) for t in (q, k, v, o)]  # b h n d
+        rows, keys, values = head[0][:, :, n - 2 :].float(), head[1].float(), head[2].float()
+        want = flashlite.reference.attention(rows, keys, values, causal=True)
+        got = head[3][:, :, n - 2 :].float()
+        worst = max(worst, (got - want).abs().max().item())
     return worst
 
 
@@ -218,17 +230,10 @@ def _trains(n_total: int, dev: torch.device, ring: bool) -> dict[str, Any]:
     row: dict[str, Any] = {"n": n_total, "gpus": world}
     ok = torch.ones(1, device=dev)
     try:
-        shape = (1, n_total // world, H, D)
-        q, k, v = (torch.randn(shape, device=dev, dtype=torch.bfloat16).requires_grad_()
-                   for _ in range(3))  # fmt: skip
-        do = torch.randn_like(q)
+        q, k, v, do = _inputs(n_total, dev, torch.bfloat16, ring)
         torch.cuda.synchronize(dev)
         t0 = time.perf_counter()
-        if ring:
-            out = ring_attention(q, k, v, causal=True, validate=False)
-        else:
-            out = flashlite.attention(q, k, v, causal=True, layout="b n h d")
-        out.backward(do)
+        out = _fwd_bwd(q, k, v, do, ring)
         torch.cuda.synchronize(dev)
         row["step_s"] = time.perf_counter() - t0
         row["peak_gib"] = _peak(dev) / 2**30
