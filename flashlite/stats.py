@@ -47,6 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
+from flashlite._backend import cast
+
 # (flashlite/__init__.py imports _backend before anything imports triton, which is what
 # switches the interpreter on for machines without a GPU)
 
@@ -128,18 +130,20 @@ def online_update_lazy(m, s, x, SCALE, TAU: tl.constexpr):
 
 
 @triton.jit
-def fixed_update(m, s, x, SCALE, P_DTYPE: tl.constexpr = tl.float32):
+def fixed_update(m, s, x, SCALE, P_DTYPE: tl.constexpr = tl.float32,
+                 ROUND_BF16: tl.constexpr = False):  # fmt: skip
     """Fold the ``[R, C]`` tile ``x`` into ``s``, a sum against the fixed reference ``m`` (each
     ``[R]``): ``(s_new, p)``, ``p = 2^((x − m)·SCALE)``. The pair's math holds for any reference;
     the maximum only keeps the exponentials in range, so when a known bound does that (a soft
     cap c bounds every logit: the attention forward takes m = c − δ) there is no maximum to take
     and nothing to rescale: ``alpha`` is 1 for good.
 
-    ``P_DTYPE``: the precision of the caller's ``p·v`` product. ``p`` is rounded to it before it
-    is summed, so that ``Σ p·v / Σ p`` stays an exact weighted mean of v (one key gives v
+    ``P_DTYPE``: the precision of the caller's ``p·v`` product. ``p`` is rounded to it (as
+    :func:`flashlite._backend.cast` rounds, ``ROUND_BF16`` as the kernels pass it) before it is
+    summed, so that ``Σ p·v / Σ p`` stays an exact weighted mean of v (one key gives v
     itself). Under the running maximum the largest ``p`` is exactly 1 in any precision; here no
     ``p`` need be, and an unrounded sum would put each ``p``'s rounding into the output."""
-    p = tl.exp2((x - m[:, None]) * SCALE).to(P_DTYPE).to(tl.float32)  # (fp32: no-ops)
+    p = cast(tl.exp2((x - m[:, None]) * SCALE), P_DTYPE, ROUND_BF16).to(tl.float32)
     return s + tl.sum(p, 1), p
 
 
