@@ -1,5 +1,5 @@
-"""Jit helpers every kernel shares that are not statistics or masks: the store-side cast and
-``tanh`` (soft caps of attention scores and of logits).
+"""Jit helpers every kernel shares that are not statistics or masks: the store-side cast
+(re-exported from ``_backend``) and ``tanh`` (soft caps of attention scores and of logits).
 
 Kernels compute in fp32 and round once to the tensor's dtype with :func:`cast`, which lives in
 ``_backend`` (the interpreter's rounding is a fact of where kernels run, and ``stats`` rounds
