@@ -143,8 +143,22 @@ def fixed_update(m, s, x, SCALE, P_DTYPE: tl.constexpr = tl.float32,
     summed, so that ``Σ p·v / Σ p`` stays an exact weighted mean of v (one key gives v
     itself). Under the running maximum the largest ``p`` is exactly 1 in any precision; here no
     ``p`` need be, and an unrounded sum would put each ``p``'s rounding into the output."""
-    p = cast(tl.exp2((x - m[:, None]) * SCALE), P_DTYPE, ROUND_BF16).to(tl.float32)
+    p = _rounded_to(tl.exp2((x - m[:, None]) * SCALE), P_DTYPE, ROUND_BF16)
     return s + tl.sum(p, 1), p
+
+
+@triton.jit
+def _rounded_to(p, P_DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Non-negative finite fp32 ``p`` rounded to the nearest ``P_DTYPE`` value, kept in fp32."""
+    if P_DTYPE == tl.bfloat16:  # noqa: SIM300 (a constexpr, not a constant)
+        # bf16 is fp32's top 16 bits: two integer ops round to them (ties away from zero). The
+        # GPU's conversion unit is as scarce as its exp2 unit, and a round trip through bf16
+        # per score took the softcap forward from 1.01x to 1.27x the uncapped time on the H200.
+        bits = p.to(tl.uint32, bitcast=True)
+        p = ((bits + 0x8000) & 0xFFFF0000).to(tl.float32, bitcast=True)
+    elif P_DTYPE != tl.float32:  # noqa: SIM300
+        p = cast(p, P_DTYPE, ROUND_BF16).to(tl.float32)
+    return p
 
 
 @triton.jit
