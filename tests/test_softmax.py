@@ -113,6 +113,21 @@ def test_backward_keeps_a_row_on_chip_only_when_y_and_dy_both_fit() -> None:
     assert not ksm.fits_single_read(131072, 1)
 
 
+@pytest.mark.parametrize("elem", [2, 4])
+@pytest.mark.parametrize("n", [65536, 262144, 1 << 20, 3_000_000, 1 << 22])
+def test_team_chunks_widen_for_rows_too_long_for_a_team(n: int, elem: int) -> None:
+    # a team never passes TEAM_MAX_PROGRAMS programs (so it fits the GPU with room to spare):
+    # longer rows take wider chunks with more warps, the same values per thread
+    cfg = ksm.team_config(n, elem)
+    assert cfg["n_chunks"] * cfg["BLOCK_N"] >= n > (cfg["n_chunks"] - 1) * cfg["BLOCK_N"]
+    chunk, warps = ksm.TEAM_CHUNK_BYTES[elem], ksm.TEAM_WARPS[elem]
+    assert cfg["BLOCK_N"] // cfg["num_warps"] == chunk // elem // warps
+    if n * elem <= ksm.TEAM_MAX_PROGRAMS * chunk:
+        assert cfg["BLOCK_N"] * elem == chunk
+    else:
+        assert cfg["n_chunks"] <= ksm.TEAM_MAX_PROGRAMS and cfg["num_warps"] <= 32
+
+
 def triton_next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 

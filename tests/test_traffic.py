@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from flashlite import reference, traffic
+from flashlite.kernels import softmax as softmax_kernels
 from flashlite.traffic import AttentionShape, measure
 
 DATA = Path(__file__).parent / "data"
@@ -340,7 +341,7 @@ def test_team_softmax_model_reads_once() -> None:
     rows, n = 8, 262144
     t = traffic.model_softmax(rows, n, torch.bfloat16, "team")
     e = rows * n * 2
-    chunks = -(-n // (32768 // 2))  # 32 KB chunks of bf16
+    chunks = -(-n // (softmax_kernels.TEAM_CHUNK_BYTES[2] // 2))  # chunks of bf16
     assert t.parts["x"] == [e, 0] and t.parts["y"] == [0, e]
     assert t.parts["workspace"] == [8 * rows * chunks**2, 8 * rows * chunks]
     assert t.parts["counters"] == [0, 4 * rows]

@@ -58,10 +58,13 @@ def single_read_config(n_cols: int) -> dict[str, int]:
     return {"ROWS": rows, "BLOCK_N": block_n, "num_warps": num_warps}
 
 
-#: Bytes of input each program of the team kernel holds, and its warps (best of 8-32 KB chunks
-#: and 8-32 warps on the H200, bf16 and fp32).
-TEAM_CHUNK_BYTES = 32768
-TEAM_WARPS = 8
+#: Bytes of input each program of the team kernel holds, and its warps, per element size (best
+#: of 8-64 KB chunks and 4-16 warps on the H200: fp32 rows of 64k ran at 0.83x copy with
+#: 16 KB / 4 warps against 0.78x with 32 KB / 8; bf16 log_softmax at 256k lost 8% with them).
+TEAM_CHUNK_BYTES = {2: 32768, 4: 16384}
+TEAM_WARPS = {2: 8, 4: 4}
+#: Most programs per team: longer rows take wider chunks (and warps with them) instead.
+TEAM_MAX_PROGRAMS = 128
 
 
 def _chunked(n_cols: int, max_chunk: int, num_warps: int) -> dict[str, int]:
@@ -78,7 +81,12 @@ def _chunked(n_cols: int, max_chunk: int, num_warps: int) -> dict[str, int]:
 
 def team_config(n_cols: int, elem_bytes: int) -> dict[str, int]:
     """Chunk width, chunk count and warps for the team (cooperative) kernel."""
-    return _chunked(n_cols, TEAM_CHUNK_BYTES // elem_bytes, TEAM_WARPS)
+    chunk_bytes, warps = TEAM_CHUNK_BYTES[elem_bytes], TEAM_WARPS[elem_bytes]
+    # chunks and warps double together (the same values per thread) until the team is small
+    # enough to be resident with room to spare
+    while cdiv(n_cols * elem_bytes, chunk_bytes) > TEAM_MAX_PROGRAMS and warps < 32:
+        chunk_bytes, warps = 2 * chunk_bytes, 2 * warps
+    return _chunked(n_cols, chunk_bytes // elem_bytes, warps)
 
 
 def loop_config(n_cols: int) -> dict[str, int]:
