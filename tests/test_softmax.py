@@ -431,6 +431,58 @@ def test_long_rows(device: str, n: int, dtype: torch.dtype, algo: str, op: str) 
     _assert_grad_close(x.grad, x.detach(), dy, op)
 
 
+def _team_rows(n_rows: int, n: int, dtype: torch.dtype, device: str) -> torch.Tensor:
+    """Rows with the nasty cases: huge values, -inf entries, one row all -inf (NaN, as torch)."""
+    x = torch.randn(n_rows, n, device=device) * 4
+    x[1, ::3] = NEG_INF
+    x[2, min(5, n - 1)] = 1e4
+    x[3] = NEG_INF
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("op", list(FNS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", [1, 37, 1000])
+def test_relay_kernel_with_one_chunk_per_row(n: int, dtype: torch.dtype, op: str) -> None:
+    # The interpreter runs programs one after another, so the relay kernel runs on CPU only
+    # with one program per row (no waits for another program); three teams of 8 rows each take
+    # several rows in turn, finishing each one step after reading it.
+    from flashlite.ops.softmax import softmax_fwd
+
+    x = _team_rows(8, n, dtype, "cpu")
+    y = torch.empty_like(x)
+    softmax_fwd(x, y, op == "log_softmax", "relay")
+    atol, rtol = TOL[dtype][:2]
+    want = REFS[op](x.double(), -1)
+    torch.testing.assert_close(y.double(), want, atol=atol, rtol=rtol, equal_nan=True)
+
+
+def test_relay_kernel_refuses_chunked_rows_on_cpu() -> None:
+    from flashlite.ops.softmax import softmax_fwd
+
+    x = torch.randn(2, 65536)
+    with pytest.raises(ValueError, match="relay kernel needs a CUDA device"):
+        softmax_fwd(x, torch.empty_like(x), False, "relay")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("algo", ["team", "relay"])
+@pytest.mark.parametrize("op", list(FNS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [65536 + 13, 262144])
+def test_team_kernels_on_many_rows(n: int, dtype: torch.dtype, op: str, algo: str) -> None:
+    # more rows than teams: each team takes several rows in turn (the relay kernel finishing
+    # each row one step after reading it), every row shared by several programs
+    from flashlite.ops.softmax import softmax_fwd
+
+    x = _team_rows(4096 * 1024 // n * 8, n, dtype, "cuda")
+    y = torch.empty_like(x)
+    softmax_fwd(x, y, op == "log_softmax", algo)
+    atol, rtol = TOL[dtype][:2]
+    want = REFS[op](x.double(), -1)
+    torch.testing.assert_close(y.double(), want, atol=atol, rtol=rtol, equal_nan=True)
+
+
 # Offsets past 2^31: x lives in a 4 GiB buffer of which only a few rows are touched. On the CPU
 # the untouched pages are never committed (and the interpreter runs the real int64 arithmetic),
 # so these are cheap there too.

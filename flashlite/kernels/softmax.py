@@ -275,6 +275,71 @@ def _softmax_team_fwd_kernel(
         tl.store(Y + offs, cast(y, Y.dtype.element_ty, ROUND_BF16), mask=mask)
 
 
+@triton.jit
+def _team_row_stats(M_ws, S_ws, Count, row64, n_chunks, CHUNKS_PAD: tl.constexpr):
+    """Wait until all ``n_chunks`` programs of a team have published their pairs for ``row64``,
+    then merge them: the row's ``(m, s)``, each ``[1]``. (The team kernel has the same steps
+    inline; it moves onto this helper once the relay kernel has run on a GPU.)"""
+    c = tl.arange(0, CHUNKS_PAD)
+    # acquire: the pairs written before each program's release are visible once we see its count
+    while tl.atomic_add(Count + row64, 0, sem="acquire", scope="gpu") < n_chunks:
+        pass
+    m_part = tl.load(M_ws + row64 * n_chunks + c, mask=c < n_chunks, other=float("-inf"),
+                     cache_modifier=".cg")  # fmt: skip
+    s_part = tl.load(S_ws + row64 * n_chunks + c, mask=c < n_chunks, other=0.0,
+                     cache_modifier=".cg")  # fmt: skip
+    return merge_partials(m_part[None, :], s_part[None, :], LOG2E)
+
+
+@triton.jit
+def _softmax_relay_fwd_kernel(
+    X, Y, M_ws, S_ws, Count, n_rows, n_cols, stride_xm, stride_xn, stride_ym, stride_yn,
+    n_chunks, n_teams,
+    LOG: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS_PAD: tl.constexpr, COL_INT64: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):  # fmt: skip
+    """Long rows, one HBM read, nothing held across a wait (GPU; experimental, not in ``auto``).
+
+    A team of ``n_chunks`` co-resident programs shares each row, as in the team kernel, but a
+    program does not wait for its team on the row it has just read. At each step it reads its
+    chunk of a new row from HBM, publishes the chunk's pair, and only then finishes the row of
+    the step before: by now the team has usually published that row too, and the chunk is read
+    again from L2 (since that first read, the whole grid has read one chunk each: a few MB, far
+    less than L2). The team kernel instead holds its chunk in registers through the wait, so
+    each program's next load waits for its team. Here the wait overlaps the next row's load, at
+    the price of an L2 re-read and one more exponential per element.
+
+    The host launches it as a cooperative grid, as the team kernel, so the waits cannot deadlock.
+    In the interpreter (programs one after another) it runs only with one program per row.
+    """
+    pid = tl.program_id(0)
+    team = pid // n_chunks
+    col0 = (pid % n_chunks) * BLOCK_N
+    ws = tl.arange(0, 1) + pid % n_chunks
+    # steps: row r is read at step r and finished at the step after (one past the last row)
+    for row in tl.range(team, n_rows + n_teams, n_teams):
+        row64 = tl.cast(row, tl.int64)
+        if row < n_rows:  # read a new row's chunk and publish its pair
+            offs, mask = _tile_offsets(row64, col0, n_rows, n_cols, stride_xm, stride_xn, 1,
+                                       BLOCK_N, COL_INT64)  # fmt: skip
+            x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
+            m, s, _p = tile_stats(x, LOG2E)
+            tl.store(M_ws + row64 * n_chunks + ws, m)
+            tl.store(S_ws + row64 * n_chunks + ws, s)
+            # release: our pair is visible before the count that announces it
+            tl.atomic_add(Count + row64, 1, sem="release", scope="gpu")
+        prev = row64 - n_teams
+        if prev >= 0:  # finish the previous step's row: its chunk is still in L2
+            m_row, s_row = _team_row_stats(M_ws, S_ws, Count, prev, n_chunks, CHUNKS_PAD)
+            offs, mask = _tile_offsets(prev, col0, n_rows, n_cols, stride_xm, stride_xn, 1,
+                                       BLOCK_N, COL_INT64)  # fmt: skip
+            x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
+            y = _normalise(x, m_row, s_row, LOG)
+            offs, mask = _tile_offsets(prev, col0, n_rows, n_cols, stride_ym, stride_yn, 1,
+                                       BLOCK_N, COL_INT64)  # fmt: skip
+            tl.store(Y + offs, cast(y, Y.dtype.element_ty, ROUND_BF16), mask=mask)
+
+
 # ----------------------------------------------------------------------------- backward
 @triton.jit
 def _softmax_bwd_kernel(

@@ -80,7 +80,8 @@ def softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = 
 
     Both views live where kernels run (no checks, no autograd, no device moves). ``algorithm``
     also takes the kernel names ``"single_read"``, ``"split"`` and ``"team"`` (GPU) that
-    ``"auto"`` chooses from.
+    ``"auto"`` chooses from, and ``"relay"`` (GPU; on CPU only for rows of one chunk), an
+    experimental team kernel not yet measured.
     """
     n_rows, n_cols = x2.shape
     dev = x2.device
@@ -110,23 +111,8 @@ def softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = 
                                             num_warps=cfg["num_warps"])  # fmt: skip
         K._softmax_split_write_kernel[grid](x2, y2, m_ws, s_ws, n_rows, n_cols, *strides,
                                             n_chunks, **flags, **cfg)  # fmt: skip
-    elif algorithm == "team":
-        if dev.type != "cuda":  # its programs wait for each other: the interpreter runs them
-            raise ValueError("the team kernel needs a CUDA device")  # one after another
-        cfg = K.team_config(n_cols, x2.element_size())
-        n_chunks = cfg.pop("n_chunks")
-        m_ws = torch.empty((n_rows, n_chunks), device=dev, dtype=torch.float32)
-        s_ws = torch.empty_like(m_ws)
-        count = torch.zeros(n_rows, device=dev, dtype=torch.int32)
-        args = [x2, y2, m_ws, s_ws, count, n_rows, n_cols, *strides, n_chunks, n_rows]
-        opts = dict(launch_cooperative_grid=True, **flags, **cfg)
-        # Every program of a team waits for the others, so all must be resident at once: size
-        # the grid from the compiled kernel's registers and shared memory. The cooperative
-        # launch makes the driver refuse, rather than hang, should that ever fall short.
-        compiled = K._softmax_team_fwd_kernel.warmup(*args, grid=(1,), **opts)
-        capacity = _backend.resident_programs(compiled, dev.index or 0)
-        args[-1] = n_teams = max(1, min(n_rows, capacity // n_chunks))
-        K._softmax_team_fwd_kernel[(n_teams * n_chunks,)](*args, **opts)
+    elif algorithm in ("team", "relay"):
+        _team_fwd(x2, y2, algorithm, flags)
     elif algorithm in ("online", "three_pass"):  # one program per row, looping over tiles
         cfg = K.loop_config(n_cols)
         del cfg["ROWS"]
@@ -135,6 +121,37 @@ def softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = 
                                                 **cfg)  # fmt: skip
     else:
         raise ValueError(f"algorithm={algorithm!r} is not a softmax kernel")
+
+
+def _team_fwd(x2: torch.Tensor, y2: torch.Tensor, algorithm: str, flags: dict[str, bool]) -> None:
+    """Launch a team kernel (``"team"`` or the experimental ``"relay"``): co-resident programs
+    that share each row and wait for each other."""
+    n_rows, n_cols = x2.shape
+    dev = x2.device
+    cfg = K.team_config(n_cols, x2.element_size())
+    n_chunks = cfg.pop("n_chunks")
+    kernel = {"team": K._softmax_team_fwd_kernel, "relay": K._softmax_relay_fwd_kernel}[algorithm]
+    # The interpreter runs programs one after another: a program waiting for another would
+    # hang. The relay kernel with one program per row never waits for another one.
+    if dev.type != "cuda" and (algorithm == "team" or n_chunks > 1):
+        raise ValueError(f"the {algorithm} kernel needs a CUDA device for rows of {n_cols}")
+    m_ws = torch.empty((n_rows, n_chunks), device=dev, dtype=torch.float32)
+    s_ws = torch.empty_like(m_ws)
+    count = torch.zeros(n_rows, device=dev, dtype=torch.int32)
+    strides = (*x2.stride(), *y2.stride())
+    args = [x2, y2, m_ws, s_ws, count, n_rows, n_cols, *strides, n_chunks, n_rows]
+    if dev.type != "cuda":  # a few teams, so that each handles several rows in turn
+        args[-1] = n_teams = min(n_rows, 3)
+        kernel[(n_teams,)](*args, **flags, **cfg)
+        return
+    opts = dict(launch_cooperative_grid=True, **flags, **cfg)
+    # Every program of a team waits for the others, so all must be resident at once: size
+    # the grid from the compiled kernel's registers and shared memory. The cooperative
+    # launch makes the driver refuse, rather than hang, should that ever fall short.
+    compiled = kernel.warmup(*args, grid=(1,), **opts)
+    capacity = _backend.resident_programs(compiled, dev.index or 0)
+    args[-1] = n_teams = max(1, min(n_rows, capacity // n_chunks))
+    kernel[(n_teams * n_chunks,)](*args, **opts)
 
 
 def _team_kernel_usable(dev: torch.device, n_chunks: int) -> bool:
