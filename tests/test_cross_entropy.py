@@ -19,11 +19,14 @@ from flashlite.kernels import cross_entropy as kce
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(params=["single", "loop"])
+@pytest.fixture(params=["single", "loop", "relay"])
 def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "loop":  # rows of 17 take one ragged 32-wide tile, 1000 take four
         monkeypatch.setattr(kce, "SINGLE_READ_MAX", 8)
         monkeypatch.setattr(kce, "LOOP_TILE", 256)
+    if request.param == "relay":  # every row takes the relay kernel, in one chunk of up to
+        monkeypatch.setattr(kce, "RELAY_MIN_COLS", 1)  # 4096 logits (the interpreter runs
+        monkeypatch.setattr(kce, "RELAY_CHUNK_BYTES", 16384)  # it only with one per row)
     return request.param
 
 
@@ -108,6 +111,25 @@ def test_batch_time_layout_and_non_contiguous(dtype: torch.dtype, kernel: str) -
     wide = torch.randn(6, 90).to(dtype)[:, ::2]  # (6, 45), column stride 2
     _check(wide, torch.arange(6) * 7, TOL[dtype], label_smoothing=0.1)
     _check(torch.randn(40, 6).to(dtype).t(), torch.arange(6), TOL[dtype])  # rows strided by 1
+
+
+def test_relay_fixture_runs_the_relay_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the "relay" kernel fixture really reaches the relay kernel: three teams of 7 rows, each
+    # team finishing a row one step after it read it
+    monkeypatch.setattr(kce, "RELAY_MIN_COLS", 1)
+    monkeypatch.setattr(kce, "RELAY_CHUNK_BYTES", 16384)
+    grids: list[object] = []
+    real = kce._cross_entropy_relay_kernel
+
+    class Spy:
+        def __getitem__(self, grid: object) -> object:
+            grids.append(grid)
+            return real[grid]
+
+    monkeypatch.setattr(kce, "_cross_entropy_relay_kernel", Spy())
+    logits, target, _ = _inputs((7,), 300, torch.float32)
+    _check(logits, target, TOL[torch.float32], reduction="sum")
+    assert grids == [(3,)]
 
 
 def test_one_class_and_one_row(kernel: str) -> None:
@@ -264,6 +286,38 @@ def test_gpu_long_vocabularies(dtype: torch.dtype, v: int) -> None:
     target[5] = -100
     weight = torch.rand(v, device="cuda", generator=gen) + 0.5
     _check(logits, target, TOL[dtype], weight=weight, label_smoothing=0.1, z_loss=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inplace", [False, True], ids=["grad", "inplace"])
+@pytest.mark.parametrize("v", [65536 + 13, 262144], ids=["64k+13", "256k"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_gpu_relay_kernel(dtype: torch.dtype, v: int, inplace: bool,
+                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    # the experimental relay kernel with many chunks per row and more rows than teams (each team
+    # finishing rows one step behind), every option on, in place or not
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    monkeypatch.setattr(kce, "RELAY_MIN_COLS", 1)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    rows = 2**26 // v
+    logits = (torch.randn(rows, v, device="cuda", generator=gen) * 4).to(dtype)
+    logits[3, ::7] = float("-inf")
+    target = torch.randint(0, v, (rows,), device="cuda", generator=gen)
+    target[5] = -100
+    weight = torch.rand(v, device="cuda", generator=gen) + 0.5
+    kw = dict(weight=weight, label_smoothing=0.1, z_loss=1e-4, softcap=30.0)
+    target[3] = 0  # a finite logit (column 0 is not −inf)
+    leaf = logits.clone().requires_grad_()
+    hidden = leaf * 1.0  # a non-leaf: inplace_backward overwrites its buffer with the gradient
+    got = flashlite.cross_entropy(hidden, target, inplace_backward=inplace, **kw)
+    ref_leaf = logits.double().requires_grad_()
+    want = reference(ref_leaf, target, **kw)
+    tol = TOL[dtype]
+    torch.testing.assert_close(got.double(), want, atol=tol.atol, rtol=tol.rtol)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad, atol=tol.atol, rtol=tol.rtol)
 
 
 # --------------------------------------------------------------------------- linear CE (must 2)

@@ -53,6 +53,11 @@ def cross_entropy_fwd(
         return losses, lse
     wsum = weight.float().sum().reshape(1) if weight is not None else losses
     col64 = any((v - 1) * abs(t.stride(1)) >= _INT32_LIMIT for t in (logits, grad))
+    relay = K.relay_config(v, logits.element_size())
+    if relay is not None and _relay_runs(relay["n_chunks"], logits.device):
+        _relay_fwd(logits, target, weight, wsum, grad_scale, grad, losses, lse, ignore_index,
+                   label_smoothing, z_loss, softcap, col64, relay)  # fmt: skip
+        return losses, lse
     cfg = K.ce_config(v)
     kernel = _backend.launcher(K._cross_entropy_fwd_kernel)
     kernel[(n,)](
@@ -65,6 +70,60 @@ def cross_entropy_fwd(
         num_warps=cfg["num_warps"], num_stages=1,
     )  # fmt: skip
     return losses, lse
+
+
+def _relay_runs(n_chunks: int, dev: torch.device) -> bool:
+    """Whether the relay kernel can run a team of ``n_chunks``: a GPU with cooperative launches
+    and a team no larger than its SMs, or (the interpreter runs programs one after another)
+    one program per row."""
+    if dev.type != "cuda":
+        return n_chunks == 1
+    return _backend.cooperative_launch_supported() and n_chunks <= _backend.num_sms(dev.index or 0)
+
+
+def _relay_fwd(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    wsum: torch.Tensor,
+    grad_scale: torch.Tensor,
+    grad: torch.Tensor,
+    losses: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+    col64: bool,
+    relay: dict[str, int],
+) -> None:
+    """Launch the relay kernel (``cross_entropy_fwd``'s outputs, rows shared by teams)."""
+    n, v = logits.shape
+    dev = logits.device
+    n_chunks = relay["n_chunks"]
+    part = torch.empty((n, 4, n_chunks), device=dev, dtype=torch.float32)
+    count = torch.zeros(n, device=dev, dtype=torch.int32)
+    args = [
+        logits, target, weight if weight is not None else losses, wsum, grad_scale, grad,
+        losses, lse, part, count, n, v, *logits.stride(), *grad.stride(), ignore_index,
+        float(label_smoothing), float(z_loss), float(softcap), n_chunks, n,
+    ]  # fmt: skip
+    opts = dict(
+        HAS_WEIGHT=weight is not None, SOFTCAP=softcap > 0, SMOOTH=label_smoothing > 0,
+        BLOCK_N=relay["BLOCK_N"], CHUNKS_PAD=relay["CHUNKS_PAD"], COL_INT64=col64,
+        ROUND_BF16=_backend.round_bf16(logits.dtype), num_warps=relay["num_warps"], num_stages=1,
+    )  # fmt: skip
+    kernel = K._cross_entropy_relay_kernel
+    if dev.type != "cuda":  # a few teams, each taking several rows in turn
+        args[-1] = n_teams = min(n, 3)
+        kernel[(n_teams,)](*args, **opts)
+        return
+    # every program of a team waits for the others: all must be resident at once (see the
+    # team softmax in ops/softmax.py); the cooperative launch refuses rather than hangs
+    compiled = kernel.warmup(*args, grid=(1,), launch_cooperative_grid=True, **opts)
+    capacity = _backend.resident_programs(compiled, dev.index or 0)
+    args[-1] = n_teams = max(1, min(n, capacity // n_chunks))
+    kernel[(n_teams * n_chunks,)](*args, launch_cooperative_grid=True, **opts)
 
 
 @on_compute_device
