@@ -440,14 +440,19 @@ def _team_rows(n_rows: int, n: int, dtype: torch.dtype, device: str) -> torch.Te
     return x.to(dtype)
 
 
+@pytest.mark.parametrize("load_first", [False, True], ids=["publish_first", "load_first"])
 @pytest.mark.parametrize("op", list(FNS))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 37, 1000])
-def test_relay_kernel_with_one_chunk_per_row(n: int, dtype: torch.dtype, op: str) -> None:
+def test_relay_kernel_with_one_chunk_per_row(
+    n: int, dtype: torch.dtype, op: str, load_first: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # The interpreter runs programs one after another, so the relay kernel runs on CPU only
     # with one program per row (no waits for another program); three teams of 8 rows each take
     # several rows in turn, finishing each one step after reading it.
     from flashlite.ops.softmax import softmax_fwd
+
+    monkeypatch.setattr(ksm, "RELAY_LOAD_FIRST", load_first)
 
     x = _team_rows(8, n, dtype, "cpu")
     y = torch.empty_like(x)
@@ -466,14 +471,19 @@ def test_relay_kernel_refuses_chunked_rows_on_cpu() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("algo", ["team", "relay"])
+@pytest.mark.parametrize("algo", ["team", "relay", "relay-load-first"])
 @pytest.mark.parametrize("op", list(FNS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [65536 + 13, 262144])
-def test_team_kernels_on_many_rows(n: int, dtype: torch.dtype, op: str, algo: str) -> None:
+def test_team_kernels_on_many_rows(
+    n: int, dtype: torch.dtype, op: str, algo: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # more rows than teams: each team takes several rows in turn (the relay kernel finishing
     # each row one step after reading it), every row shared by several programs
     from flashlite.ops.softmax import softmax_fwd
+
+    monkeypatch.setattr(ksm, "RELAY_LOAD_FIRST", algo == "relay-load-first")
+    algo = algo.removesuffix("-load-first")
 
     x = _team_rows(4096 * 1024 // n * 8, n, dtype, "cuda")
     y = torch.empty_like(x)

@@ -140,6 +140,8 @@ def _team_fwd(x2: torch.Tensor, y2: torch.Tensor, algorithm: str, flags: dict[st
     count = torch.zeros(n_rows, device=dev, dtype=torch.int32)
     strides = (*x2.stride(), *y2.stride())
     args = [x2, y2, m_ws, s_ws, count, n_rows, n_cols, *strides, n_chunks, n_rows]
+    if algorithm == "relay":
+        cfg["LOAD_FIRST"] = K.RELAY_LOAD_FIRST
     if dev.type != "cuda":  # a few teams, so that each handles several rows in turn
         args[-1] = n_teams = min(n_rows, 3)
         kernel[(n_teams,)](*args, **flags, **cfg)
