@@ -277,6 +277,31 @@ class Launcher:
 _launchers: dict[int, Launcher] = {}
 
 
+def launch_teams(kernel: Any, args: list[Any], options: dict[str, Any], n_chunks: int,
+                 n_rows: int, device: torch.device) -> int:  # fmt: skip
+    """Launch a kernel whose programs work in teams of ``n_chunks`` that wait for each other
+    (the team and relay kernels), over ``n_rows`` rows; its last argument is the number of
+    teams, which this picks and returns.
+
+    On a GPU every program must be resident at once, or a wait never ends: the grid is sized
+    from the compiled kernel's registers and shared memory, and launched as a cooperative grid,
+    which the driver refuses (rather than hangs) should that ever fall short. The interpreter
+    runs programs one after another, so there teams must be single programs; three of them take
+    turns over the rows."""
+    if device.type != "cuda":
+        if n_chunks != 1:
+            raise ValueError(f"teams of {n_chunks} programs need a CUDA device")
+        n_teams = min(n_rows, 3)
+        kernel[(n_teams,)](*args, n_teams, **options)
+        return n_teams
+    options = dict(options, launch_cooperative_grid=True)
+    compiled = kernel.warmup(*args, n_rows, grid=(1,), **options)
+    capacity = resident_programs(compiled, device.index or 0)
+    n_teams = max(1, min(n_rows, capacity // n_chunks))
+    kernel[(n_teams * n_chunks,)](*args, n_teams, **options)
+    return n_teams
+
+
 def launcher(kernel: Any) -> Launcher:
     """The :class:`Launcher` of ``kernel`` (one per kernel object, made on first use)."""
     found = _launchers.get(id(kernel))

@@ -183,3 +183,45 @@ def test_gpu_direct_launch_keeps_specialisations_apart() -> None:
                                             upcast=True)  # fmt: skip
         ref_err = (out.transpose(1, 2).double() - ref).abs().max().item()
         assert ref_err < 2e-3, (offset, ref_err)
+
+
+class _FakeKernel:
+    """Records warmups and launches the way a Triton JIT function receives them."""
+
+    def __init__(self) -> None:
+        self.warmups: list[tuple[tuple, dict]] = []
+        self.launches: list[tuple[object, tuple, dict]] = []
+
+    def warmup(self, *args: object, **kwargs: object) -> str:
+        self.warmups.append((args, kwargs))
+        return "compiled"
+
+    def __getitem__(self, grid: object) -> object:
+        return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
+
+
+@pytest.mark.parametrize(
+    ("capacity", "n_rows", "teams"), [(528, 1000, 33), (528, 10, 10), (8, 5, 1)]
+)
+def test_launch_teams_sizes_a_resident_cooperative_grid(
+    capacity: int, n_rows: int, teams: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # on a GPU: as many teams of 16 as fit at once (never more than the rows, at least one),
+    # launched cooperatively, the team count passed as the last argument
+    monkeypatch.setattr(_backend, "resident_programs", lambda compiled, index: capacity)
+    kernel = _FakeKernel()
+    got = _backend.launch_teams(kernel, ["x", 7], {"BLOCK_N": 64}, 16, n_rows,
+                                torch.device("cuda", 0))  # fmt: skip
+    assert got == teams
+    assert kernel.warmups == [(("x", 7, n_rows), {"BLOCK_N": 64, "launch_cooperative_grid": True,
+                                                  "grid": (1,)})]  # fmt: skip
+    assert kernel.launches == [((teams * 16,), ("x", 7, teams),
+                                {"BLOCK_N": 64, "launch_cooperative_grid": True})]  # fmt: skip
+
+
+def test_launch_teams_in_the_interpreter_takes_single_program_teams_only() -> None:
+    kernel = _FakeKernel()
+    assert _backend.launch_teams(kernel, ["x"], {}, 1, 8, torch.device("cpu")) == 3
+    assert kernel.launches == [((3,), ("x", 3), {})] and kernel.warmups == []
+    with pytest.raises(ValueError, match="teams of 4 programs need a CUDA device"):
+        _backend.launch_teams(kernel, ["x"], {}, 4, 8, torch.device("cpu"))

@@ -106,24 +106,14 @@ def _relay_fwd(
     args = [
         logits, target, weight if weight is not None else losses, wsum, grad_scale, grad,
         losses, lse, part, count, n, v, *logits.stride(), *grad.stride(), ignore_index,
-        float(label_smoothing), float(z_loss), float(softcap), n_chunks, n,
+        float(label_smoothing), float(z_loss), float(softcap), n_chunks,
     ]  # fmt: skip
     opts = dict(
         HAS_WEIGHT=weight is not None, SOFTCAP=softcap > 0, SMOOTH=label_smoothing > 0,
         BLOCK_N=relay["BLOCK_N"], CHUNKS_PAD=relay["CHUNKS_PAD"], COL_INT64=col64,
         ROUND_BF16=_backend.round_bf16(logits.dtype), num_warps=relay["num_warps"], num_stages=1,
     )  # fmt: skip
-    kernel = K._cross_entropy_relay_kernel
-    if dev.type != "cuda":  # a few teams, each taking several rows in turn
-        args[-1] = n_teams = min(n, 3)
-        kernel[(n_teams,)](*args, **opts)
-        return
-    # every program of a team waits for the others: all must be resident at once (see the
-    # team softmax in ops/softmax.py); the cooperative launch refuses rather than hangs
-    compiled = kernel.warmup(*args, grid=(1,), launch_cooperative_grid=True, **opts)
-    capacity = _backend.resident_programs(compiled, dev.index or 0)
-    args[-1] = n_teams = max(1, min(n, capacity // n_chunks))
-    kernel[(n_teams * n_chunks,)](*args, launch_cooperative_grid=True, **opts)
+    _backend.launch_teams(K._cross_entropy_relay_kernel, args, opts, n_chunks, n, dev)
 
 
 @on_compute_device

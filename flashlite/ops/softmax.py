@@ -131,6 +131,8 @@ def _team_fwd(x2: torch.Tensor, y2: torch.Tensor, algorithm: str, flags: dict[st
     cfg = K.team_config(n_cols, x2.element_size())
     n_chunks = cfg.pop("n_chunks")
     kernel = {"team": K._softmax_team_fwd_kernel, "relay": K._softmax_relay_fwd_kernel}[algorithm]
+    if algorithm == "relay":
+        cfg["LOAD_FIRST"] = K.RELAY_LOAD_FIRST
     # The interpreter runs programs one after another: a program waiting for another would
     # hang. The relay kernel with one program per row never waits for another one.
     if dev.type != "cuda" and (algorithm == "team" or n_chunks > 1):
@@ -138,22 +140,8 @@ def _team_fwd(x2: torch.Tensor, y2: torch.Tensor, algorithm: str, flags: dict[st
     m_ws = torch.empty((n_rows, n_chunks), device=dev, dtype=torch.float32)
     s_ws = torch.empty_like(m_ws)
     count = torch.zeros(n_rows, device=dev, dtype=torch.int32)
-    strides = (*x2.stride(), *y2.stride())
-    args = [x2, y2, m_ws, s_ws, count, n_rows, n_cols, *strides, n_chunks, n_rows]
-    if algorithm == "relay":
-        cfg["LOAD_FIRST"] = K.RELAY_LOAD_FIRST
-    if dev.type != "cuda":  # a few teams, so that each handles several rows in turn
-        args[-1] = n_teams = min(n_rows, 3)
-        kernel[(n_teams,)](*args, **flags, **cfg)
-        return
-    opts = dict(launch_cooperative_grid=True, **flags, **cfg)
-    # Every program of a team waits for the others, so all must be resident at once: size
-    # the grid from the compiled kernel's registers and shared memory. The cooperative
-    # launch makes the driver refuse, rather than hang, should that ever fall short.
-    compiled = kernel.warmup(*args, grid=(1,), **opts)
-    capacity = _backend.resident_programs(compiled, dev.index or 0)
-    args[-1] = n_teams = max(1, min(n_rows, capacity // n_chunks))
-    kernel[(n_teams * n_chunks,)](*args, **opts)
+    args = [x2, y2, m_ws, s_ws, count, n_rows, n_cols, *x2.stride(), *y2.stride(), n_chunks]
+    _backend.launch_teams(kernel, args, {**flags, **cfg}, n_chunks, n_rows, dev)
 
 
 def _team_kernel_usable(dev: torch.device, n_chunks: int) -> bool:
