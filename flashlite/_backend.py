@@ -41,7 +41,6 @@ if not _HAS_CUDA and not _TRITON_FIRST:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 #: The oldest Triton flashlite runs on: host ``TensorDescriptor`` (``triton.tools.
 #: tensor_descriptor``) and ``tl.range(warp_specialize=)`` arrived in 3.4. CI tests it.
@@ -55,23 +54,6 @@ if TRITON_VERSION < MIN_TRITON:
 #: Whether this process's ``@triton.jit`` functions are interpreted (read once: Triton decides
 #: when each function is decorated, which for flashlite's kernels is at import).
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-# Kernels compute in fp32 and round once to the tensor's dtype. On a GPU ``x.to(tl.bfloat16)``
-# rounds to nearest even; Triton's interpreter (3.9) truncates instead, which biased every CPU
-# bf16 result low. With ``ROUND_BF16`` (set by the front-end from :func:`round_bf16`) :func:`cast`
-# rounds the fp32 bits itself first, so the interpreter's truncation is exact and both machines
-# agree bit for bit (the interpreter still flushes bf16 subnormals to zero).
-@triton.jit
-def cast(x, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """``x`` (fp32) converted to ``dtype``, rounded to nearest even."""
-    if ROUND_BF16:
-        # bf16 keeps the top 16 bits of an fp32. Adding 0x7FFF plus the lowest kept bit rounds
-        # half-way cases to the even neighbour; NaN stays NaN (its low bits could carry into inf).
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-    return x.to(dtype)
 
 
 def _interpreter_problem() -> str | None:

@@ -47,8 +47,6 @@ import torch
 import triton
 import triton.language as tl
 
-from flashlite._backend import cast
-
 # (flashlite/__init__.py imports _backend before anything imports triton, which is what
 # switches the interpreter on for machines without a GPU)
 
@@ -130,26 +128,26 @@ def online_update_lazy(m, s, x, SCALE, TAU: tl.constexpr):
 
 
 @triton.jit
-def fixed_update(m, s, x, SCALE, P_DTYPE: tl.constexpr = tl.float32,
-                 ROUND_BF16: tl.constexpr = False):  # fmt: skip
+def fixed_update(m, s, x, SCALE, P_DTYPE: tl.constexpr = tl.float32):
     """Fold the ``[R, C]`` tile ``x`` into ``s``, a sum against the fixed reference ``m`` (each
     ``[R]``): ``(s_new, p)``, ``p = 2^((x − m)·SCALE)``. The pair's math holds for any reference;
     the maximum only keeps the exponentials in range, so when a known bound does that (a soft
     cap c bounds every logit: the attention forward takes m = c − δ) there is no maximum to take
     and nothing to rescale: ``alpha`` is 1 for good.
 
-    ``P_DTYPE``: the precision of the caller's ``p·v`` product. ``p`` is rounded to it (as
-    :func:`flashlite._backend.cast` rounds, ``ROUND_BF16`` as the kernels pass it) before it is
-    summed, so that ``Σ p·v / Σ p`` stays an exact weighted mean of v (one key gives v
+    ``P_DTYPE``: the precision of the caller's ``p·v`` product. ``p`` is rounded to it before it
+    is summed, so that ``Σ p·v / Σ p`` stays an exact weighted mean of v (one key gives v
     itself). Under the running maximum the largest ``p`` is exactly 1 in any precision; here no
     ``p`` need be, and an unrounded sum would put each ``p``'s rounding into the output."""
-    p = _rounded_to(tl.exp2((x - m[:, None]) * SCALE), P_DTYPE, ROUND_BF16)
+    p = _rounded_to(tl.exp2((x - m[:, None]) * SCALE), P_DTYPE)
     return s + tl.sum(p, 1), p
 
 
 @triton.jit
-def _rounded_to(p, P_DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """Non-negative finite fp32 ``p`` rounded to the nearest ``P_DTYPE`` value, kept in fp32."""
+def _rounded_to(p, P_DTYPE: tl.constexpr):
+    """Non-negative finite fp32 ``p`` rounded to the nearest ``P_DTYPE`` value, kept in fp32
+    (the same on a GPU and in the interpreter: bf16 by integer ops, fp16 by a conversion,
+    which the interpreter rounds to nearest too)."""
     if P_DTYPE == tl.bfloat16:  # noqa: SIM300 (a constexpr, not a constant)
         # bf16 is fp32's top 16 bits: two integer ops round to them (ties away from zero). The
         # GPU's conversion unit is as scarce as its exp2 unit, and a round trip through bf16
@@ -157,7 +155,7 @@ def _rounded_to(p, P_DTYPE: tl.constexpr, ROUND_BF16: tl.constexpr):
         bits = p.to(tl.uint32, bitcast=True)
         p = ((bits + 0x8000) & 0xFFFF0000).to(tl.float32, bitcast=True)
     elif P_DTYPE != tl.float32:  # noqa: SIM300
-        p = cast(p, P_DTYPE, ROUND_BF16).to(tl.float32)
+        p = p.to(P_DTYPE).to(tl.float32)
     return p
 
 

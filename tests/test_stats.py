@@ -220,7 +220,7 @@ def _fixed_fold_kernel(X, M0, S, P, R: tl.constexpr, C: tl.constexpr, TILES: tl.
     for t in tl.static_range(TILES):
         offs = r[:, None] * (TILES * C) + t * C + c[None, :]
         if P_BF16:
-            s, p = fixed_update(m, s, tl.load(X + offs), SCALE, tl.bfloat16, True)
+            s, p = fixed_update(m, s, tl.load(X + offs), SCALE, tl.bfloat16)
         else:
             s, p = fixed_update(m, s, tl.load(X + offs), SCALE)
         tl.store(P + offs, p)

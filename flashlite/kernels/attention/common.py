@@ -159,14 +159,14 @@ def score_tile(q, k, start_n, rows, offs_n, seq_q, seq_k, left, right, cap,
 
 @triton.jit
 def update(m, s, qk, exp_scale, LAZY_RESCALE: tl.constexpr, FIXED_REF: tl.constexpr = False,
-           P_DTYPE: tl.constexpr = tl.float32, ROUND_BF16: tl.constexpr = False):  # fmt: skip
+           P_DTYPE: tl.constexpr = tl.float32):  # fmt: skip
     """Fold a score tile into ``(m, s)``: ``(m, s, alpha, p, moved)``; the accumulator needs
     ``acc·alpha`` only where ``moved`` (always, unless the reference moves lazily or is fixed).
     ``FIXED_REF``: ``m`` is a fixed reference that bounds every score from above (a soft cap),
     so there is no row maximum to take and nothing to rescale; ``p`` comes back rounded to
     ``P_DTYPE``, the inputs' dtype that :func:`accumulate` multiplies it in."""
     if FIXED_REF:
-        s, p = fixed_update(m, s, qk, exp_scale, P_DTYPE, ROUND_BF16)
+        s, p = fixed_update(m, s, qk, exp_scale, P_DTYPE)
         alpha = s  # unused: nothing moved
         moved = False
     elif LAZY_RESCALE:  # the reference moves only when a row's maximum grows by a factor > 2^8

@@ -62,9 +62,7 @@ def _attend(acc, m, s, q, k_src, v_src, b, h_kv, k_row, lo, hi, offs_m, offs_n, 
         qk = scores(q, k_src, b, h_kv, start_n, k_row, offs_m, offs_n, offs_d, seq_q, seq_k, left,
                      right, cap, stride_kn, stride_kd, MASKED, IS_CAUSAL, WINDOW, SOFTCAP,
                      HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32, DOT_PRECISION)  # fmt: skip
-        m, s, alpha, p, moved = update(
-            m, s, qk, exp_scale, LAZY_RESCALE, FIXED_REF, P_DTYPE, ROUND_BF16
-        )
+        m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE, FIXED_REF, P_DTYPE)
         acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, k_row, seq_k, stride_vn,
                           stride_vd, offs_n, offs_d, MASKED, HEAD_DIM, BLOCK_D, USE_DESC,
                           DOT_FP32, DOT_PRECISION, ROUND_BF16, VARLEN)  # fmt: skip
@@ -89,9 +87,7 @@ def _attend_overlapped(acc, m, s, q, k_src, v_src, b, h_kv, k_row, lo, hi, offs_
                  stride_kn, stride_kd, False, False, False, SOFTCAP, HEAD_DIM, BLOCK_D, USE_DESC,
                  DOT_FP32, DOT_PRECISION)  # fmt: skip
     for start_n in tl.range(lo, hi - BLOCK_N, BLOCK_N):
-        m, s, alpha, p, moved = update(
-            m, s, qk, exp_scale, LAZY_RESCALE, FIXED_REF, P_DTYPE, ROUND_BF16
-        )
+        m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE, FIXED_REF, P_DTYPE)
         # the next scores; Triton waits for this dot (and the p·v still running) right here
         qk = scores(q, k_src, b, h_kv, start_n + BLOCK_N, k_row, offs_m, offs_n, offs_d, seq_q,
                      seq_k, 0, 0, cap, stride_kn, stride_kd, False, False, False, SOFTCAP, HEAD_DIM,
@@ -101,9 +97,7 @@ def _attend_overlapped(acc, m, s, q, k_src, v_src, b, h_kv, k_row, lo, hi, offs_
         acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, k_row, seq_k, stride_vn,
                           stride_vd, offs_n, offs_d, False, HEAD_DIM, BLOCK_D, USE_DESC,
                           DOT_FP32, DOT_PRECISION, ROUND_BF16, VARLEN)  # fmt: skip
-    m, s, alpha, p, moved = update(
-        m, s, qk, exp_scale, LAZY_RESCALE, FIXED_REF, P_DTYPE, ROUND_BF16
-    )
+    m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE, FIXED_REF, P_DTYPE)
     acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, hi - BLOCK_N, k_row, seq_k,
                       stride_vn, stride_vd, offs_n, offs_d, False, HEAD_DIM, BLOCK_D, USE_DESC,
                       DOT_FP32, DOT_PRECISION, ROUND_BF16, VARLEN)  # fmt: skip
