@@ -259,6 +259,15 @@ class Launcher:
 _launchers: dict[int, Launcher] = {}
 
 
+def teams_fit(n_chunks: int, device: torch.device) -> bool:
+    """Whether :func:`launch_teams` can run teams of ``n_chunks`` programs on ``device``: on a
+    GPU with cooperative launches and no more programs to a team than SMs; in the interpreter
+    only single-program teams."""
+    if device.type != "cuda":
+        return n_chunks == 1
+    return cooperative_launch_supported() and n_chunks <= num_sms(device.index or 0)
+
+
 def launch_teams(kernel: Any, args: list[Any], options: dict[str, Any], n_chunks: int,
                  n_rows: int, device: torch.device) -> int:  # fmt: skip
     """Launch a kernel whose programs work in teams of ``n_chunks`` that wait for each other
@@ -271,7 +280,7 @@ def launch_teams(kernel: Any, args: list[Any], options: dict[str, Any], n_chunks
     runs programs one after another, so there teams must be single programs; three of them take
     turns over the rows."""
     if device.type != "cuda":
-        if n_chunks != 1:
+        if not teams_fit(n_chunks, device):
             raise ValueError(f"teams of {n_chunks} programs need a CUDA device")
         n_teams = min(n_rows, 3)
         kernel[(n_teams,)](*args, n_teams, **options)

@@ -53,67 +53,28 @@ def cross_entropy_fwd(
         return losses, lse
     wsum = weight.float().sum().reshape(1) if weight is not None else losses
     col64 = any((v - 1) * abs(t.stride(1)) >= _INT32_LIMIT for t in (logits, grad))
+    # what both kernels take: tensors, the row geometry, the options
+    head = (logits, target, weight if weight is not None else losses, wsum, grad_scale, grad,
+            losses, lse)  # fmt: skip
+    tail = (*logits.stride(), *grad.stride(), ignore_index, float(label_smoothing),
+            float(z_loss), float(softcap))  # fmt: skip
+    flags = dict(HAS_WEIGHT=weight is not None, SOFTCAP=softcap > 0, SMOOTH=label_smoothing > 0,
+                 COL_INT64=col64, ROUND_BF16=_backend.round_bf16(logits.dtype),
+                 num_stages=1)  # fmt: skip
     relay = K.relay_config(v, logits.element_size())
-    if relay is not None and _relay_runs(relay["n_chunks"], logits.device):
-        _relay_fwd(logits, target, weight, wsum, grad_scale, grad, losses, lse, ignore_index,
-                   label_smoothing, z_loss, softcap, col64, relay)  # fmt: skip
+    dev = logits.device
+    if relay is not None and _backend.teams_fit(relay["n_chunks"], dev):
+        # rows shared by teams (the interpreter: one program per row); per-chunk partials
+        n_chunks = relay.pop("n_chunks")
+        part = torch.empty((n, 4, n_chunks), device=dev, dtype=torch.float32)
+        count = torch.zeros(n, device=dev, dtype=torch.int32)
+        _backend.launch_teams(K._cross_entropy_relay_kernel,
+                              [*head, part, count, n, v, *tail, n_chunks], {**flags, **relay},
+                              n_chunks, n, dev)  # fmt: skip
         return losses, lse
     cfg = K.ce_config(v)
-    kernel = _backend.launcher(K._cross_entropy_fwd_kernel)
-    kernel[(n,)](
-        logits, target, weight if weight is not None else losses, wsum, grad_scale, grad,
-        losses, lse,
-        v, *logits.stride(), *grad.stride(), ignore_index, float(label_smoothing), float(z_loss),
-        float(softcap), HAS_WEIGHT=weight is not None, SOFTCAP=softcap > 0,
-        SMOOTH=label_smoothing > 0, SINGLE=cfg["SINGLE"], BLOCK_N=cfg["BLOCK_N"],
-        COL_INT64=col64, ROUND_BF16=_backend.round_bf16(logits.dtype),
-        num_warps=cfg["num_warps"], num_stages=1,
-    )  # fmt: skip
+    _backend.launcher(K._cross_entropy_fwd_kernel)[(n,)](*head, v, *tail, **flags, **cfg)
     return losses, lse
-
-
-def _relay_runs(n_chunks: int, dev: torch.device) -> bool:
-    """Whether the relay kernel can run a team of ``n_chunks``: a GPU with cooperative launches
-    and a team no larger than its SMs, or (the interpreter runs programs one after another)
-    one program per row."""
-    if dev.type != "cuda":
-        return n_chunks == 1
-    return _backend.cooperative_launch_supported() and n_chunks <= _backend.num_sms(dev.index or 0)
-
-
-def _relay_fwd(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    weight: torch.Tensor | None,
-    wsum: torch.Tensor,
-    grad_scale: torch.Tensor,
-    grad: torch.Tensor,
-    losses: torch.Tensor,
-    lse: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float,
-    col64: bool,
-    relay: dict[str, int],
-) -> None:
-    """Launch the relay kernel (``cross_entropy_fwd``'s outputs, rows shared by teams)."""
-    n, v = logits.shape
-    dev = logits.device
-    n_chunks = relay["n_chunks"]
-    part = torch.empty((n, 4, n_chunks), device=dev, dtype=torch.float32)
-    count = torch.zeros(n, device=dev, dtype=torch.int32)
-    args = [
-        logits, target, weight if weight is not None else losses, wsum, grad_scale, grad,
-        losses, lse, part, count, n, v, *logits.stride(), *grad.stride(), ignore_index,
-        float(label_smoothing), float(z_loss), float(softcap), n_chunks,
-    ]  # fmt: skip
-    opts = dict(
-        HAS_WEIGHT=weight is not None, SOFTCAP=softcap > 0, SMOOTH=label_smoothing > 0,
-        BLOCK_N=relay["BLOCK_N"], CHUNKS_PAD=relay["CHUNKS_PAD"], COL_INT64=col64,
-        ROUND_BF16=_backend.round_bf16(logits.dtype), num_warps=relay["num_warps"], num_stages=1,
-    )  # fmt: skip
-    _backend.launch_teams(K._cross_entropy_relay_kernel, args, opts, n_chunks, n, dev)
 
 
 @on_compute_device

@@ -146,11 +146,7 @@ def _team_fwd(x2: torch.Tensor, y2: torch.Tensor, algorithm: str, flags: dict[st
 
 def _team_kernel_usable(dev: torch.device, n_chunks: int) -> bool:
     """The team kernel needs a GPU, cooperative launches, and a team no larger than the SMs."""
-    return (
-        dev.type == "cuda"
-        and _backend.cooperative_launch_supported()
-        and n_chunks <= _backend.num_sms(dev.index or 0)
-    )
+    return dev.type == "cuda" and _backend.teams_fit(n_chunks, dev)
 
 
 def softmax_bwd(y2: torch.Tensor, dy2: torch.Tensor, dx2: torch.Tensor, log: bool) -> None:
