@@ -25,7 +25,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashlite.kernels.common import cast, tanh
+from flashlite.kernels.common import arrive, await_team, cast, tanh
 from flashlite.kernels.configs import next_pow2
 from flashlite.stats import (
     LOG2E,
@@ -248,12 +248,10 @@ def _cross_entropy_relay_kernel(
             tl.store(part + n_chunks, s)
             tl.store(part + 2 * n_chunks, x_t)
             tl.store(part + 3 * n_chunks, wx)
-            # release: the partials are visible before the count that announces them
-            tl.atomic_add(Count + row64, 1, sem="release", scope="gpu")
+            arrive(Count + row64)
         prev = row64 - n_teams
         if prev >= 0:  # finish the previous step's row
-            while tl.atomic_add(Count + prev, 0, sem="acquire", scope="gpu") < n_chunks:
-                pass
+            await_team(Count + prev, n_chunks)
             part = PART + prev * 4 * n_chunks + c
             valid = c < n_chunks
             m_p = tl.load(part, mask=valid, other=float("-inf"), cache_modifier=".cg")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashlite.kernels.common import cast
+from flashlite.kernels.common import arrive, await_team, cast
 from flashlite.kernels.configs import cdiv, next_pow2
 from flashlite.stats import LOG2E, merge_partials, online_update, rescale, tile_stats
 
@@ -249,7 +249,6 @@ def _softmax_team_fwd_kernel(
     pid = tl.program_id(0)
     team = pid // n_chunks
     chunk = pid % n_chunks
-    c = tl.arange(0, CHUNKS_PAD)
     for row in tl.range(team, n_rows, n_teams):
         row64 = row.to(tl.int64)
         offs, mask = _tile_offsets(row64, chunk * BLOCK_N, n_rows, n_cols, stride_xm, stride_xn,
@@ -259,15 +258,8 @@ def _softmax_team_fwd_kernel(
         ws = row64 * n_chunks + chunk + tl.arange(0, 1)
         tl.store(M_ws + ws, m)
         tl.store(S_ws + ws, s)
-        # release: our pair is visible before the count; acquire: theirs before we read them
-        tl.atomic_add(Count + row64, 1, sem="release", scope="gpu")
-        while tl.atomic_add(Count + row64, 0, sem="acquire", scope="gpu") < n_chunks:
-            pass
-        m_part = tl.load(M_ws + row64 * n_chunks + c, mask=c < n_chunks, other=float("-inf"),
-                         cache_modifier=".cg")  # fmt: skip
-        s_part = tl.load(S_ws + row64 * n_chunks + c, mask=c < n_chunks, other=0.0,
-                         cache_modifier=".cg")  # fmt: skip
-        m_row, s_row = merge_partials(m_part[None, :], s_part[None, :], LOG2E)
+        arrive(Count + row64)
+        m_row, s_row = _team_row_stats(M_ws, S_ws, Count, row64, n_chunks, CHUNKS_PAD)
         if LOG:
             y = _normalise(x, m_row, s_row, True)
         else:  # move our exponentials from the chunk's maximum onto the row's
@@ -280,12 +272,9 @@ def _softmax_team_fwd_kernel(
 @triton.jit
 def _team_row_stats(M_ws, S_ws, Count, row64, n_chunks, CHUNKS_PAD: tl.constexpr):
     """Wait until all ``n_chunks`` programs of a team have published their pairs for ``row64``,
-    then merge them: the row's ``(m, s)``, each ``[1]``. (The team kernel has the same steps
-    inline; it moves onto this helper once the relay kernel has run on a GPU.)"""
+    then merge them: the row's ``(m, s)``, each ``[1]``."""
     c = tl.arange(0, CHUNKS_PAD)
-    # acquire: the pairs written before each program's release are visible once we see its count
-    while tl.atomic_add(Count + row64, 0, sem="acquire", scope="gpu") < n_chunks:
-        pass
+    await_team(Count + row64, n_chunks)
     m_part = tl.load(M_ws + row64 * n_chunks + c, mask=c < n_chunks, other=float("-inf"),
                      cache_modifier=".cg")  # fmt: skip
     s_part = tl.load(S_ws + row64 * n_chunks + c, mask=c < n_chunks, other=0.0,
@@ -350,8 +339,7 @@ def _relay_publish(x, M_ws, S_ws, Count, row64, n_rows, n_chunks, ws):
         m, s, _p = tile_stats(x.to(tl.float32), LOG2E)
         tl.store(M_ws + row64 * n_chunks + ws, m)
         tl.store(S_ws + row64 * n_chunks + ws, s)
-        # release: our pair is visible before the count that announces it
-        tl.atomic_add(Count + row64, 1, sem="release", scope="gpu")
+        arrive(Count + row64)
 
 
 # ----------------------------------------------------------------------------- backward
