@@ -271,7 +271,7 @@ def teams_fit(n_chunks: int, device: torch.device) -> bool:
 def launch_teams(kernel: Any, args: list[Any], options: dict[str, Any], n_chunks: int,
                  n_rows: int, device: torch.device) -> int:  # fmt: skip
     """Launch a kernel whose programs work in teams of ``n_chunks`` that wait for each other
-    (the team and relay kernels), over ``n_rows`` rows; its last argument is the number of
+    (the team softmax), over ``n_rows`` rows; its last argument is the number of
     teams, which this picks and returns.
 
     On a GPU every program must be resident at once, or a wait never ends: the grid is sized

@@ -19,14 +19,11 @@ from flashlite.kernels import cross_entropy as kce
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
-@pytest.fixture(params=["single", "loop", "relay"])
+@pytest.fixture(params=["single", "loop"])
 def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     if request.param == "loop":  # rows of 17 take one ragged 32-wide tile, 1000 take four
         monkeypatch.setattr(kce, "SINGLE_READ_MAX", 8)
         monkeypatch.setattr(kce, "LOOP_TILE", 256)
-    if request.param == "relay":  # every row takes the relay kernel, in one chunk of up to
-        monkeypatch.setattr(kce, "RELAY_MIN_COLS", 1)  # 4096 logits (the interpreter runs
-        monkeypatch.setattr(kce, "RELAY_CHUNK_BYTES", 16384)  # it only with one per row)
     return request.param
 
 
@@ -111,25 +108,6 @@ def test_batch_time_layout_and_non_contiguous(dtype: torch.dtype, kernel: str) -
     wide = torch.randn(6, 90).to(dtype)[:, ::2]  # (6, 45), column stride 2
     _check(wide, torch.arange(6) * 7, TOL[dtype], label_smoothing=0.1)
     _check(torch.randn(40, 6).to(dtype).t(), torch.arange(6), TOL[dtype])  # rows strided by 1
-
-
-def test_relay_fixture_runs_the_relay_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    # the "relay" kernel fixture really reaches the relay kernel: three teams of 7 rows, each
-    # team finishing a row one step after it read it
-    monkeypatch.setattr(kce, "RELAY_MIN_COLS", 1)
-    monkeypatch.setattr(kce, "RELAY_CHUNK_BYTES", 16384)
-    grids: list[object] = []
-    real = kce._cross_entropy_relay_kernel
-
-    class Spy:
-        def __getitem__(self, grid: object) -> object:
-            grids.append(grid)
-            return real[grid]
-
-    monkeypatch.setattr(kce, "_cross_entropy_relay_kernel", Spy())
-    logits, target, _ = _inputs((7,), 300, torch.float32)
-    _check(logits, target, TOL[torch.float32], reduction="sum")
-    assert grids == [(3,)]
 
 
 def test_one_class_and_one_row(kernel: str) -> None:
@@ -292,13 +270,10 @@ def test_gpu_long_vocabularies(dtype: torch.dtype, v: int) -> None:
 @pytest.mark.parametrize("inplace", [False, True], ids=["grad", "inplace"])
 @pytest.mark.parametrize("v", [65536 + 13, 262144], ids=["64k+13", "256k"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_gpu_relay_kernel(dtype: torch.dtype, v: int, inplace: bool,
-                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
-    # the experimental relay kernel with many chunks per row and more rows than teams (each team
-    # finishing rows one step behind), every option on, in place or not
+def test_gpu_long_rows_every_option(dtype: torch.dtype, v: int, inplace: bool) -> None:
+    # the two-pass loop on long rows, many rows, every option on, in place or not
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    monkeypatch.setattr(kce, "RELAY_MIN_COLS", 1)
     gen = torch.Generator(device="cuda").manual_seed(1)
     rows = 2**26 // v
     logits = (torch.randn(rows, v, device="cuda", generator=gen) * 4).to(dtype)

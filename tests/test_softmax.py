@@ -440,54 +440,42 @@ def _team_rows(n_rows: int, n: int, dtype: torch.dtype, device: str) -> torch.Te
     return x.to(dtype)
 
 
-@pytest.mark.parametrize("load_first", [False, True], ids=["publish_first", "load_first"])
 @pytest.mark.parametrize("op", list(FNS))
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", [1, 37, 1000])
-def test_relay_kernel_with_one_chunk_per_row(
-    n: int, dtype: torch.dtype, op: str, load_first: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # The interpreter runs programs one after another, so the relay kernel runs on CPU only
-    # with one program per row (no waits for another program); three teams of 8 rows each take
-    # several rows in turn, finishing each one step after reading it.
+def test_team_kernel_with_one_chunk_per_row(n: int, dtype: torch.dtype, op: str) -> None:
+    # The interpreter runs programs one after another, so the team kernel runs on CPU only with
+    # one program per row (it waits for no other program); three teams take turns over 8 rows.
     from flashlite.ops.softmax import softmax_fwd
-
-    monkeypatch.setattr(ksm, "RELAY_LOAD_FIRST", load_first)
 
     x = _team_rows(8, n, dtype, "cpu")
     y = torch.empty_like(x)
-    softmax_fwd(x, y, op == "log_softmax", "relay")
+    softmax_fwd(x, y, op == "log_softmax", "team")
     atol, rtol = TOL[dtype][:2]
     want = REFS[op](x.double(), -1)
     torch.testing.assert_close(y.double(), want, atol=atol, rtol=rtol, equal_nan=True)
 
 
-def test_relay_kernel_refuses_chunked_rows_on_cpu() -> None:
+def test_team_kernel_refuses_chunked_rows_on_cpu() -> None:
     from flashlite.ops.softmax import softmax_fwd
 
     x = torch.randn(2, 65536)
-    with pytest.raises(ValueError, match="relay kernel needs a CUDA device"):
-        softmax_fwd(x, torch.empty_like(x), False, "relay")
+    with pytest.raises(ValueError, match="need a CUDA device"):
+        softmax_fwd(x, torch.empty_like(x), False, "team")
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("algo", ["team", "relay", "relay-load-first"])
 @pytest.mark.parametrize("op", list(FNS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [65536 + 13, 262144])
-def test_team_kernels_on_many_rows(
-    n: int, dtype: torch.dtype, op: str, algo: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # more rows than teams: each team takes several rows in turn (the relay kernel finishing
-    # each row one step after reading it), every row shared by several programs
+def test_team_kernel_on_many_rows(n: int, dtype: torch.dtype, op: str) -> None:
+    # more rows than teams: each team takes several rows in turn, every row shared by several
+    # programs
     from flashlite.ops.softmax import softmax_fwd
-
-    monkeypatch.setattr(ksm, "RELAY_LOAD_FIRST", algo == "relay-load-first")
-    algo = algo.removesuffix("-load-first")
 
     x = _team_rows(4096 * 1024 // n * 8, n, dtype, "cuda")
     y = torch.empty_like(x)
-    softmax_fwd(x, y, op == "log_softmax", algo)
+    softmax_fwd(x, y, op == "log_softmax", "team")
     atol, rtol = TOL[dtype][:2]
     want = REFS[op](x.double(), -1)
     torch.testing.assert_close(y.double(), want, atol=atol, rtol=rtol, equal_nan=True)

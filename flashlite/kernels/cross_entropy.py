@@ -25,12 +25,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashlite.kernels.common import arrive, await_team, cast, tanh
+from flashlite.kernels.common import cast, tanh
 from flashlite.kernels.configs import next_pow2
 from flashlite.stats import (
     LOG2E,
     finalize_lse,
-    merge_partials,
     online_update,
     probs_from_lse,
     tile_stats,
@@ -43,12 +42,6 @@ from flashlite.stats import (
 SINGLE_READ_MAX = 8192
 LOOP_TILE = 8192
 LOOP_WARPS = 8
-#: The relay kernel (experimental, GPU): rows of at least this many logits take it instead of
-#: the two-pass loop (None: none do until the H200 has measured it), in chunks of
-#: ``RELAY_CHUNK_BYTES`` of logits per program with ``RELAY_WARPS`` warps.
-RELAY_MIN_COLS: int | None = None
-RELAY_CHUNK_BYTES = 32768
-RELAY_WARPS = 8
 
 
 def ce_config(n_cols: int) -> dict[str, object]:
@@ -57,17 +50,6 @@ def ce_config(n_cols: int) -> dict[str, object]:
     if block <= SINGLE_READ_MAX:
         return {"SINGLE": True, "BLOCK_N": block, "num_warps": min(32, max(4, block // 512))}
     return {"SINGLE": False, "BLOCK_N": LOOP_TILE, "num_warps": LOOP_WARPS}
-
-
-def relay_config(n_cols: int, elem_bytes: int) -> dict[str, int] | None:
-    """Chunk width, chunk count and warps of the relay kernel for rows of ``n_cols`` logits, or
-    None where rows take the one-program kernel."""
-    if RELAY_MIN_COLS is None or n_cols < RELAY_MIN_COLS:
-        return None
-    chunk = min(RELAY_CHUNK_BYTES // elem_bytes, next_pow2(n_cols))
-    n_chunks = -(-n_cols // chunk)
-    return {"BLOCK_N": chunk, "n_chunks": n_chunks, "CHUNKS_PAD": next_pow2(n_chunks),
-            "num_warps": RELAY_WARPS}  # fmt: skip
 
 
 @triton.jit
@@ -202,80 +184,6 @@ def _cross_entropy_fwd_kernel(
                       scale, SOFTCAP)  # fmt: skip
             tl.store(g_row + cols[None, :] * stride_gn, cast(g, G.dtype.element_ty, ROUND_BF16),
                      mask=cols[None, :] < n_cols)  # fmt: skip
-
-
-@triton.jit
-def _cross_entropy_relay_kernel(
-    X, T, W, WSUM, GSCALE, G, LOSS, LSE, PART, Count,
-    n_rows, n_cols, stride_xm, stride_xn, stride_gm, stride_gn,
-    ignore_index, smoothing, z_loss, softcap, n_chunks, n_teams,
-    HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr,
-    BLOCK_N: tl.constexpr, CHUNKS_PAD: tl.constexpr, COL_INT64: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-):  # fmt: skip
-    """Long rows read once from HBM (GPU; experimental): the forward kernel's outputs, from a
-    team of ``n_chunks`` co-resident programs per row, as the relay softmax does.
-
-    At each step a program reads its chunk of a new row, publishes the chunk's partials (the
-    online pair, the target's logit if the chunk holds it, ``Σ w·x``) to ``PART`` ``(rows, 4,
-    n_chunks)`` and counts itself in on the row's counter, then finishes the previous step's
-    row: waits for its team, merges the partials into the LSE and the loss (chunk 0 stores
-    them), re-reads its chunk (from L2: read one step ago) and writes the gradient. ``G`` may be
-    ``X``: a chunk is only ever read and written by its own program, read first. The host
-    launches a cooperative grid; the interpreter runs it only with one program per row."""
-    pid = tl.program_id(0)
-    team = pid // n_chunks
-    chunk = pid % n_chunks
-    offs = chunk * BLOCK_N + tl.arange(0, BLOCK_N)
-    if COL_INT64:
-        offs = offs.to(tl.int64)
-    weight_sum = n_cols * 1.0
-    if HAS_WEIGHT:
-        weight_sum = tl.load(WSUM)
-    inv_v = 1.0 / n_cols
-    c = tl.arange(0, CHUNKS_PAD)
-    mine = tl.arange(0, 1) + chunk
-    for row in tl.range(team, n_rows + n_teams, n_teams):
-        row64 = tl.cast(row, tl.int64)
-        if row < n_rows:  # read a new row's chunk, publish its partials
-            target, _ign, _in, _w_t = _target(T, W, row64, n_cols, ignore_index, HAS_WEIGHT)
-            x, _t, w = _logits(X + row64 * stride_xm, W, offs, n_cols, stride_xn, softcap,
-                               SOFTCAP, HAS_WEIGHT)  # fmt: skip
-            m, s, _p = tile_stats(x, LOG2E)
-            x_t, wx = _partials(x, w, offs, target, SMOOTH)
-            part = PART + row64 * 4 * n_chunks + mine
-            tl.store(part, m)
-            tl.store(part + n_chunks, s)
-            tl.store(part + 2 * n_chunks, x_t)
-            tl.store(part + 3 * n_chunks, wx)
-            arrive(Count + row64)
-        prev = row64 - n_teams
-        if prev >= 0:  # finish the previous step's row
-            await_team(Count + prev, n_chunks)
-            part = PART + prev * 4 * n_chunks + c
-            valid = c < n_chunks
-            m_p = tl.load(part, mask=valid, other=float("-inf"), cache_modifier=".cg")
-            s_p = tl.load(part + n_chunks, mask=valid, other=0.0, cache_modifier=".cg")
-            xt_p = tl.load(part + 2 * n_chunks, mask=valid, other=0.0, cache_modifier=".cg")
-            wx_p = tl.load(part + 3 * n_chunks, mask=valid, other=0.0, cache_modifier=".cg")
-            m_row, s_row = merge_partials(m_p[None, :], s_p[None, :], LOG2E)
-            lse = finalize_lse(m_row, s_row, LOG2E)
-            target, ignored, in_range, w_t = _target(T, W, prev, n_cols, ignore_index,
-                                                     HAS_WEIGHT)  # fmt: skip
-            if chunk == 0:
-                x_t, wx = tl.sum(xt_p[None, :], 1), tl.sum(wx_p[None, :], 1)
-                loss = _loss(lse, x_t, wx, w_t, weight_sum, smoothing, inv_v, z_loss, ignored,
-                             in_range, SMOOTH)  # fmt: skip
-                tl.store(LOSS + prev + tl.arange(0, 1), loss)
-                tl.store(LSE + prev + tl.arange(0, 1), lse)
-            scale = tl.where(ignored, 0.0, tl.where(in_range, tl.load(GSCALE), float("nan")))
-            x, t, w = _logits(X + prev * stride_xm, W, offs, n_cols, stride_xn, softcap, SOFTCAP,
-                              HAS_WEIGHT)  # fmt: skip
-            g = _grad(x, t, w, lse, offs, target, w_t, smoothing, inv_v, z_loss, weight_sum,
-                      scale, SOFTCAP)  # fmt: skip
-            g = cast(g, G.dtype.element_ty, ROUND_BF16)
-            tl.store(G + prev * stride_gm + offs[None, :] * stride_gn, g,
-                     mask=offs[None, :] < n_cols)  # fmt: skip
 
 
 @triton.jit

@@ -65,8 +65,6 @@ TEAM_CHUNK_BYTES = {2: 32768, 4: 16384}
 TEAM_WARPS = {2: 8, 4: 4}
 #: Most programs per team: longer rows take wider chunks (and warps with them) instead.
 TEAM_MAX_PROGRAMS = 128
-#: The relay kernel's order within a step (see ``_softmax_relay_fwd_kernel``): untimed yet.
-RELAY_LOAD_FIRST = False
 
 
 def _chunked(n_cols: int, max_chunk: int, num_warps: int) -> dict[str, int]:
@@ -250,7 +248,7 @@ def _softmax_team_fwd_kernel(
     team = pid // n_chunks
     chunk = pid % n_chunks
     for row in tl.range(team, n_rows, n_teams):
-        row64 = row.to(tl.int64)
+        row64 = tl.cast(row, tl.int64)  # (the interpreter loops over Python ints)
         offs, mask = _tile_offsets(row64, chunk * BLOCK_N, n_rows, n_cols, stride_xm, stride_xn,
                                    1, BLOCK_N, COL_INT64)  # fmt: skip
         x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
@@ -280,66 +278,6 @@ def _team_row_stats(M_ws, S_ws, Count, row64, n_chunks, CHUNKS_PAD: tl.constexpr
     s_part = tl.load(S_ws + row64 * n_chunks + c, mask=c < n_chunks, other=0.0,
                      cache_modifier=".cg")  # fmt: skip
     return merge_partials(m_part[None, :], s_part[None, :], LOG2E)
-
-
-@triton.jit
-def _softmax_relay_fwd_kernel(
-    X, Y, M_ws, S_ws, Count, n_rows, n_cols, stride_xm, stride_xn, stride_ym, stride_yn,
-    n_chunks, n_teams,
-    LOG: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS_PAD: tl.constexpr, COL_INT64: tl.constexpr,
-    ROUND_BF16: tl.constexpr, LOAD_FIRST: tl.constexpr = False,
-):  # fmt: skip
-    """Long rows, one HBM read, nothing held across a wait (GPU; experimental, not in ``auto``).
-
-    A team of ``n_chunks`` co-resident programs shares each row, as in the team kernel, but a
-    program never waits for its team on the row it has just read. At each step it reads its
-    chunk of a new row from HBM and publishes the chunk's pair, and it finishes the row of the
-    step before: its team published that row a step ago, so the wait is short, and the chunk is
-    read again from L2 (since its first read the whole grid has read one chunk per program, a
-    few MB, far less than L2). The team kernel instead waits, chunk in registers, for its
-    slowest member on every row. The price: an L2 re-read and a second exponential per element.
-    ``LOAD_FIRST``: the new chunk's load is issued before the previous row is finished (its
-    latency hidden behind that work, at the cost of holding it in registers meanwhile);
-    otherwise the new row is read and published first.
-
-    The host launches it as a cooperative grid, as the team kernel, so the waits cannot deadlock
-    (a program waits only for pairs published at the step before). In the interpreter
-    (programs one after another) it runs only with one program per row.
-    """
-    pid = tl.program_id(0)
-    team = pid // n_chunks
-    col0 = (pid % n_chunks) * BLOCK_N
-    ws = tl.arange(0, 1) + pid % n_chunks
-    # steps: row r is read at one step and finished at the next (one step past the last row)
-    for row in tl.range(team, n_rows + n_teams, n_teams):
-        row64 = tl.cast(row, tl.int64)
-        prev = row64 - n_teams
-        offs, mask = _tile_offsets(row64, col0, n_rows, n_cols, stride_xm, stride_xn, 1,
-                                   BLOCK_N, COL_INT64)  # fmt: skip
-        x_new = tl.load(X + offs, mask=mask, other=float("-inf"))  # (nothing past the last row)
-        if not LOAD_FIRST:
-            _relay_publish(x_new, M_ws, S_ws, Count, row64, n_rows, n_chunks, ws)
-        if prev >= 0:  # finish the previous step's row
-            m_row, s_row = _team_row_stats(M_ws, S_ws, Count, prev, n_chunks, CHUNKS_PAD)
-            offs, mask = _tile_offsets(prev, col0, n_rows, n_cols, stride_xm, stride_xn, 1,
-                                       BLOCK_N, COL_INT64)  # fmt: skip
-            x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
-            y = _normalise(x, m_row, s_row, LOG)
-            offs, mask = _tile_offsets(prev, col0, n_rows, n_cols, stride_ym, stride_yn, 1,
-                                       BLOCK_N, COL_INT64)  # fmt: skip
-            tl.store(Y + offs, cast(y, Y.dtype.element_ty, ROUND_BF16), mask=mask)
-        if LOAD_FIRST:
-            _relay_publish(x_new, M_ws, S_ws, Count, row64, n_rows, n_chunks, ws)
-
-
-@triton.jit
-def _relay_publish(x, M_ws, S_ws, Count, row64, n_rows, n_chunks, ws):
-    """Publish the pair of a chunk ``x`` of row ``row64`` (if it is a row) to its team."""
-    if row64 < n_rows:
-        m, s, _p = tile_stats(x.to(tl.float32), LOG2E)
-        tl.store(M_ws + row64 * n_chunks + ws, m)
-        tl.store(S_ws + row64 * n_chunks + ws, s)
-        arrive(Count + row64)
 
 
 # ----------------------------------------------------------------------------- backward

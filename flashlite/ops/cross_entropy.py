@@ -53,27 +53,14 @@ def cross_entropy_fwd(
         return losses, lse
     wsum = weight.float().sum().reshape(1) if weight is not None else losses
     col64 = any((v - 1) * abs(t.stride(1)) >= _INT32_LIMIT for t in (logits, grad))
-    # what both kernels take: tensors, the row geometry, the options
-    head = (logits, target, weight if weight is not None else losses, wsum, grad_scale, grad,
-            losses, lse)  # fmt: skip
-    tail = (*logits.stride(), *grad.stride(), ignore_index, float(label_smoothing),
-            float(z_loss), float(softcap))  # fmt: skip
-    flags = dict(HAS_WEIGHT=weight is not None, SOFTCAP=softcap > 0, SMOOTH=label_smoothing > 0,
-                 COL_INT64=col64, ROUND_BF16=_backend.round_bf16(logits.dtype),
-                 num_stages=1)  # fmt: skip
-    relay = K.relay_config(v, logits.element_size())
-    dev = logits.device
-    if relay is not None and _backend.teams_fit(relay["n_chunks"], dev):
-        # rows shared by teams (the interpreter: one program per row); per-chunk partials
-        n_chunks = relay.pop("n_chunks")
-        part = torch.empty((n, 4, n_chunks), device=dev, dtype=torch.float32)
-        count = torch.zeros(n, device=dev, dtype=torch.int32)
-        _backend.launch_teams(K._cross_entropy_relay_kernel,
-                              [*head, part, count, n, v, *tail, n_chunks], {**flags, **relay},
-                              n_chunks, n, dev)  # fmt: skip
-        return losses, lse
-    cfg = K.ce_config(v)
-    _backend.launcher(K._cross_entropy_fwd_kernel)[(n,)](*head, v, *tail, **flags, **cfg)
+    kernel = _backend.launcher(K._cross_entropy_fwd_kernel)
+    kernel[(n,)](
+        logits, target, weight if weight is not None else losses, wsum, grad_scale, grad, losses,
+        lse, v, *logits.stride(), *grad.stride(), ignore_index, float(label_smoothing),
+        float(z_loss), float(softcap), HAS_WEIGHT=weight is not None, SOFTCAP=softcap > 0,
+        SMOOTH=label_smoothing > 0, COL_INT64=col64, ROUND_BF16=_backend.round_bf16(logits.dtype),
+        num_stages=1, **K.ce_config(v),
+    )  # fmt: skip
     return losses, lse
 
 

@@ -80,8 +80,7 @@ def softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = 
 
     Both views live where kernels run (no checks, no autograd, no device moves). ``algorithm``
     also takes the kernel names ``"single_read"``, ``"split"`` and ``"team"`` (GPU) that
-    ``"auto"`` chooses from, and ``"relay"`` (GPU; on CPU only for rows of one chunk), an
-    experimental team kernel not yet measured.
+    ``"auto"`` chooses from.
     """
     n_rows, n_cols = x2.shape
     dev = x2.device
@@ -111,8 +110,8 @@ def softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = 
                                             num_warps=cfg["num_warps"])  # fmt: skip
         K._softmax_split_write_kernel[grid](x2, y2, m_ws, s_ws, n_rows, n_cols, *strides,
                                             n_chunks, **flags, **cfg)  # fmt: skip
-    elif algorithm in ("team", "relay"):
-        _team_fwd(x2, y2, algorithm, flags)
+    elif algorithm == "team":
+        _team_fwd(x2, y2, flags)
     elif algorithm in ("online", "three_pass"):  # one program per row, looping over tiles
         cfg = K.loop_config(n_cols)
         del cfg["ROWS"]
@@ -123,25 +122,19 @@ def softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = 
         raise ValueError(f"algorithm={algorithm!r} is not a softmax kernel")
 
 
-def _team_fwd(x2: torch.Tensor, y2: torch.Tensor, algorithm: str, flags: dict[str, bool]) -> None:
-    """Launch a team kernel (``"team"`` or the experimental ``"relay"``): co-resident programs
-    that share each row and wait for each other."""
+def _team_fwd(x2: torch.Tensor, y2: torch.Tensor, flags: dict[str, bool]) -> None:
+    """Launch the team kernel: co-resident programs that share each row and wait for each
+    other."""
     n_rows, n_cols = x2.shape
     dev = x2.device
     cfg = K.team_config(n_cols, x2.element_size())
     n_chunks = cfg.pop("n_chunks")
-    kernel = {"team": K._softmax_team_fwd_kernel, "relay": K._softmax_relay_fwd_kernel}[algorithm]
-    if algorithm == "relay":
-        cfg["LOAD_FIRST"] = K.RELAY_LOAD_FIRST
-    # The interpreter runs programs one after another: a program waiting for another would
-    # hang. The relay kernel with one program per row never waits for another one.
-    if dev.type != "cuda" and (algorithm == "team" or n_chunks > 1):
-        raise ValueError(f"the {algorithm} kernel needs a CUDA device for rows of {n_cols}")
     m_ws = torch.empty((n_rows, n_chunks), device=dev, dtype=torch.float32)
     s_ws = torch.empty_like(m_ws)
     count = torch.zeros(n_rows, device=dev, dtype=torch.int32)
     args = [x2, y2, m_ws, s_ws, count, n_rows, n_cols, *x2.stride(), *y2.stride(), n_chunks]
-    _backend.launch_teams(kernel, args, {**flags, **cfg}, n_chunks, n_rows, dev)
+    _backend.launch_teams(K._softmax_team_fwd_kernel, args, {**flags, **cfg}, n_chunks, n_rows,
+                          dev)  # fmt: skip
 
 
 def _team_kernel_usable(dev: torch.device, n_chunks: int) -> bool:
