@@ -4,17 +4,20 @@ Every kernel sees a 2-D strided view ``x[row, col]`` of ``n_rows`` rows of ``n_c
 works on ``[ROWS, BLOCK_N]`` tiles; statistics are fp32 whatever the input dtype. Bytes moved per
 element of x (b = element size), which is what bounds them all on a GPU:
 
-================  ==========================================  ================
-kernel            passes over a row                           HBM bytes/elem
-================  ==========================================  ================
-three_pass        max; sum of e^(x − m); write                3 reads + 1 write = 4b
-online            (m, s) folded tile by tile; write            2 reads + 1 write = 3b
-single_read       row held on chip: (m, s) and write at once  1 read + 1 write = 2b
-split (2 kernels) chunk pairs → workspace; merge; write       2 reads + 1 write = 3b (+ε)
-================  ==========================================  ================
+=================  ==========================================  ===========================
+kernel             passes over a row                           HBM bytes/elem
+=================  ==========================================  ===========================
+three_pass         max; sum of e^(x − m); write                3 reads + 1 write = 4b
+online             (m, s) folded tile by tile; write           2 reads + 1 write = 3b
+single_read        row held on chip: (m, s) and write at once  1 read + 1 write = 2b
+split (2 kernels)  chunk pairs → workspace; merge; write       2 reads + 1 write = 3b (+ε)
+team (GPU)         chunks on chip, pairs merged; write         1 read + 1 write = 2b (+ε)
+=================  ==========================================  ===========================
 
-``split`` is for rows too long to hold on one program (64k–256k+ vocabularies): many programs
-share a row, each writes the (m, s) of its chunk, and ``merge_partials`` combines them.
+``split`` and ``team`` are for rows too long to hold on one program (64k–256k+ vocabularies):
+many programs share a row, each publishes the (m, s) of its chunk, and ``merge_partials``
+combines them. ``split`` re-reads the row in a second kernel; ``team`` programs wait for each
+other and write from the chunk they still hold.
 No validation here: the front-end (``flashlite/ops/softmax.py``) owns that.
 """
 
