@@ -113,6 +113,18 @@ def test_backward_keeps_a_row_on_chip_only_when_y_and_dy_both_fit() -> None:
     assert not ksm.fits_single_read(131072, 1)
 
 
+def test_single_read_packs_short_rows_per_element_size() -> None:
+    # short rows share a program up to ELEMS_PER_PROGRAM elements (16-bit: 2048, fp32: 4096);
+    # a row that long or longer has a program of its own
+    assert ksm.single_read_config(1000, 2) == {"ROWS": 2, "BLOCK_N": 1024, "num_warps": 4}
+    assert ksm.single_read_config(1000, 4) == {"ROWS": 4, "BLOCK_N": 1024, "num_warps": 8}
+    assert ksm.single_read_config(3, 2)["ROWS"] == 512
+    for elem in (2, 4):
+        assert ksm.single_read_config(4096, elem)["ROWS"] == 1
+        assert ksm.single_read_config(16384, elem) == {"ROWS": 1, "BLOCK_N": 16384,
+                                                      "num_warps": 32}  # fmt: skip
+
+
 @pytest.mark.parametrize("elem", [2, 4])
 @pytest.mark.parametrize("n", [65536, 262144, 1 << 20, 3_000_000, 1 << 22])
 def test_team_chunks_widen_for_rows_too_long_for_a_team(n: int, elem: int) -> None:

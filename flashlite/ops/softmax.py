@@ -95,7 +95,7 @@ def softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = 
         else:
             algorithm = "split"
     if algorithm == "single_read":
-        cfg = K.single_read_config(n_cols)
+        cfg = K.single_read_config(n_cols, x2.element_size())
         grid = (cdiv(n_rows, cfg["ROWS"]),)
         kernel = _backend.launcher(K._softmax_single_read_fwd_kernel)
         kernel[grid](x2, y2, n_rows, n_cols, *strides, **flags, **cfg)
@@ -148,7 +148,7 @@ def softmax_bwd(y2: torch.Tensor, dy2: torch.Tensor, dx2: torch.Tensor, log: boo
     # y and dy both stay on chip as fp32: a 16-bit row of 64k (128k values, 512 KB) spilled and
     # ran at 0.33x the copy ceiling on the H200, where the two-pass loop ran fp32's at 0.61x
     one_tile = K.fits_single_read(n_cols, y2.element_size(), tensors=2)
-    cfg = K.single_read_config(n_cols) if one_tile else K.loop_config(n_cols)
+    cfg = K.single_read_config(n_cols, y2.element_size()) if one_tile else K.loop_config(n_cols)
     _backend.launcher(K._softmax_bwd_kernel)[(cdiv(n_rows, cfg["ROWS"]),)](
         y2, dy2, dx2, n_rows, n_cols, *y2.stride(), *dy2.stride(), *dx2.stride(), LOG=log,
         ONE_TILE=one_tile, COL_INT64=_col_int64(n_cols, y2, dy2, dx2),
