@@ -1,5 +1,5 @@
-"""Jit helpers every kernel shares that are not statistics or masks: the store-side cast,
-``tanh`` (soft caps of attention scores and of logits) and the team kernels' arrival count.
+"""Jit helpers every kernel shares that are not statistics or masks: the store-side cast and
+``tanh`` (soft caps of attention scores and of logits).
 
 Kernels compute in fp32 and round once to the tensor's dtype. On a GPU ``x.to(tl.bfloat16)`` rounds
 to nearest even; Triton's interpreter (3.9) truncates instead, which biased every CPU bf16 result
@@ -27,22 +27,6 @@ def cast(x, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
     return x.to(dtype)
-
-
-@triton.jit
-def arrive(count_ptr):
-    """Count this program in on a row its team shares: *release*, so that what it wrote for the
-    row before (its partials) is visible to whoever sees the count."""
-    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def await_team(count_ptr, n_chunks):
-    """Spin until all ``n_chunks`` programs of a team have arrived (:func:`arrive`): *acquire*,
-    so that their partials are visible to the loads that follow. GPU only, with every program
-    resident (``_backend.launch_teams``); in the interpreter only single-program teams."""
-    while tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu") < n_chunks:
-        pass
 
 
 #: Whether the GPU's ``tanh.approx.f32`` (one special-function instruction, about 2^-11

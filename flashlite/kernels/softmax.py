@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashlite.kernels.common import arrive, await_team, cast
+from flashlite.kernels.common import cast
 from flashlite.kernels.configs import cdiv, next_pow2
 from flashlite.stats import LOG2E, merge_partials, online_update, rescale, tile_stats
 
@@ -235,20 +235,36 @@ def _softmax_split_write_kernel(
 
 
 @triton.jit
+def _arrive(count_ptr):
+    """Count this program in on a row its team shares: *release*, so that the pair it stored
+    for the row before is visible to whoever sees the count."""
+    tl.atomic_add(count_ptr, 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _await_team(count_ptr, n_chunks):
+    """Spin until all ``n_chunks`` programs of a team have arrived: *acquire*, so that their
+    pairs are visible to the loads that follow."""
+    while tl.atomic_add(count_ptr, 0, sem="acquire", scope="gpu") < n_chunks:
+        pass
+
+
+@triton.jit
 def _softmax_team_fwd_kernel(
     X, Y, M_ws, S_ws, Count, n_rows, n_cols, stride_xm, stride_xn, stride_ym, stride_yn,
     n_chunks, n_teams,
     LOG: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS_PAD: tl.constexpr, COL_INT64: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
-    """Long rows read once (GPU only): a team of ``n_chunks`` co-resident programs shares a row.
+    """Long rows read once: a team of ``n_chunks`` co-resident programs shares a row.
 
     Each program holds its chunk on chip, publishes the chunk's (m, s) pair, waits until the
     whole team has published (a per-row arrival counter), merges the team's pairs and writes its
     chunk from registers: 1 read + 1 write per element, like the single-read kernel. The host
-    launches it as a cooperative grid, which the driver only starts when every program fits on
-    the GPU at once, so the wait cannot deadlock. The interpreter runs programs one after
-    another, so on CPU the two-kernel ``split`` path does this job.
+    launches it as a cooperative grid (``_backend.launch_teams``), which the driver only starts
+    when every program fits on the GPU at once, so the wait cannot deadlock. The interpreter
+    runs programs one after another, so there it runs only with one program per row; on CPU
+    ``auto`` takes the two-kernel ``split`` path instead.
     """
     pid = tl.program_id(0)
     team = pid // n_chunks
@@ -262,8 +278,14 @@ def _softmax_team_fwd_kernel(
         ws = row64 * n_chunks + chunk + tl.arange(0, 1)
         tl.store(M_ws + ws, m)
         tl.store(S_ws + ws, s)
-        arrive(Count + row64)
-        m_row, s_row = _team_row_stats(M_ws, S_ws, Count, row64, n_chunks, CHUNKS_PAD)
+        _arrive(Count + row64)
+        c = tl.arange(0, CHUNKS_PAD)
+        _await_team(Count + row64, n_chunks)
+        m_part = tl.load(M_ws + row64 * n_chunks + c, mask=c < n_chunks, other=float("-inf"),
+                         cache_modifier=".cg")  # fmt: skip
+        s_part = tl.load(S_ws + row64 * n_chunks + c, mask=c < n_chunks, other=0.0,
+                         cache_modifier=".cg")  # fmt: skip
+        m_row, s_row = merge_partials(m_part[None, :], s_part[None, :], LOG2E)
         if LOG:
             y = _normalise(x, m_row, s_row, True)
         else:  # move our exponentials from the chunk's maximum onto the row's
@@ -271,19 +293,6 @@ def _softmax_team_fwd_kernel(
         offs, mask = _tile_offsets(row64, chunk * BLOCK_N, n_rows, n_cols, stride_ym, stride_yn,
                                    1, BLOCK_N, COL_INT64)  # fmt: skip
         tl.store(Y + offs, cast(y, Y.dtype.element_ty, ROUND_BF16), mask=mask)
-
-
-@triton.jit
-def _team_row_stats(M_ws, S_ws, Count, row64, n_chunks, CHUNKS_PAD: tl.constexpr):
-    """Wait until all ``n_chunks`` programs of a team have published their pairs for ``row64``,
-    then merge them: the row's ``(m, s)``, each ``[1]``."""
-    c = tl.arange(0, CHUNKS_PAD)
-    await_team(Count + row64, n_chunks)
-    m_part = tl.load(M_ws + row64 * n_chunks + c, mask=c < n_chunks, other=float("-inf"),
-                     cache_modifier=".cg")  # fmt: skip
-    s_part = tl.load(S_ws + row64 * n_chunks + c, mask=c < n_chunks, other=0.0,
-                     cache_modifier=".cg")  # fmt: skip
-    return merge_partials(m_part[None, :], s_part[None, :], LOG2E)
 
 
 # ----------------------------------------------------------------------------- backward

@@ -90,7 +90,9 @@ def softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = 
     if algorithm == "auto":
         if K.fits_single_read(n_cols, x2.element_size()):
             algorithm = "single_read"
-        elif _team_kernel_usable(dev, K.team_config(n_cols, x2.element_size())["n_chunks"]):
+        elif dev.type == "cuda" and _backend.teams_fit(
+            K.team_config(n_cols, x2.element_size())["n_chunks"], dev
+        ):  # the interpreter runs only single-program teams: CPU takes split
             algorithm = "team"
         else:
             algorithm = "split"
@@ -135,11 +137,6 @@ def _team_fwd(x2: torch.Tensor, y2: torch.Tensor, flags: dict[str, bool]) -> Non
     args = [x2, y2, m_ws, s_ws, count, n_rows, n_cols, *x2.stride(), *y2.stride(), n_chunks]
     _backend.launch_teams(K._softmax_team_fwd_kernel, args, {**flags, **cfg}, n_chunks, n_rows,
                           dev)  # fmt: skip
-
-
-def _team_kernel_usable(dev: torch.device, n_chunks: int) -> bool:
-    """The team kernel needs a GPU, cooperative launches, and a team no larger than the SMs."""
-    return dev.type == "cuda" and _backend.teams_fit(n_chunks, dev)
 
 
 def softmax_bwd(y2: torch.Tensor, dy2: torch.Tensor, dx2: torch.Tensor, log: bool) -> None:
