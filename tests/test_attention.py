@@ -16,6 +16,7 @@ import triton
 from conftest import TOL, maybe_compile
 
 import flashlite
+from flashlite.kernels.attention import hopper as KH
 from flashlite.kernels.configs import (
     CPU_CONFIG,
     GPU_CONFIGS,
@@ -28,7 +29,7 @@ from flashlite.kernels.configs import (
     pinned_config,
 )
 from flashlite.masks import torch_visible
-from flashlite.ops.attention import attention_fwd
+from flashlite.ops.attention import HOPPER_ENV, attention_fwd, hopper_config
 from flashlite.reference import attention as ref_attention
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -323,9 +324,10 @@ def test_gpu_every_config_is_correct() -> None:
 
 
 @pytest.mark.gpu
-def test_gpu_hopper_runs_the_measured_configs() -> None:
+def test_gpu_hopper_runs_the_measured_configs(monkeypatch) -> None:
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("HOPPER_CONFIGS apply to sm_90 only")
+    monkeypatch.setenv(HOPPER_ENV, "0")  # the Triton kernel's table (D=128 runs Gluon otherwise)
     for (block_d, causal), cfg in HOPPER_CONFIGS.items():
         q, k, v = (rand(1, 2, 300, block_d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
         # descriptor loads: the table serves problems past DESC_MIN_WORK
@@ -350,3 +352,85 @@ def test_gpu_cpu_tensors_still_work_on_a_cuda_machine() -> None:
     # and compiling for the GPU still works afterwards (a leaked interpreter patch broke it)
     qc = rand(1, 2, 20, 48, device="cuda")
     assert_close_to_reference(flashlite.attention(qc, qc, qc).cpu(), *(qc.cpu(),) * 3)
+
+
+# --------------------------------------------------------------------------- Hopper (Gluon) kernel
+def test_hopper_kernel_is_only_chosen_where_it_runs(monkeypatch) -> None:
+    # CPU tensors, fp32 and head dims without a measured entry keep the Triton kernel
+    assert hopper_config(rand(1, 1, 8, 128)) is None
+    if torch.cuda.is_available():
+        assert hopper_config(rand(1, 1, 8, 128, dtype=torch.float32, device="cuda")) is None
+        assert hopper_config(rand(1, 1, 8, 96, device="cuda")) is None
+        monkeypatch.setenv(HOPPER_ENV, "0")
+        assert hopper_config(rand(1, 1, 8, 128, device="cuda")) is None
+
+
+def test_hopper_kernel_that_fails_to_build_falls_back(monkeypatch) -> None:
+    # a Triton whose Gluon differs: one warning, then the Triton kernel gives the answer
+    import flashlite.ops.attention as ops
+
+    def broken(*args, **kwargs):
+        raise TypeError("warp_specialize() got an unexpected keyword argument")
+
+    monkeypatch.setattr(ops, "hopper_config", lambda q: KH.HopperConfig(128, 128, 3))
+    monkeypatch.setattr(ops.KH, "attention_fwd_hopper", broken)
+    monkeypatch.setattr(ops, "_hopper_failed", set())
+    q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
+    with pytest.warns(RuntimeWarning, match="Hopper attention kernel failed to build"):
+        out, lse, info = attention_fwd(q, k, v, True, 0.25, use_desc=True)
+    assert not info.config.warp_specialize
+    assert_close_to_reference(out, q, k, v, True, 0.25, lse=lse)
+    out2, _, _ = attention_fwd(q, k, v, True, 0.25, use_desc=True)  # no second warning
+    assert torch.equal(out, out2)
+
+
+def _needs_gluon_hopper() -> None:
+    if torch.cuda.get_device_capability()[0] != 9 or not KH.available():
+        pytest.skip(f"the Gluon kernel runs on sm_90 with Gluon ({KH.GLUON_IMPORT_ERROR})")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("nq,nk,hq,hkv,layout", [
+    (4096, 4096, 8, 8, "b h n d"),  # the benchmark's family
+    (1000, 3001, 4, 1, "b h n d"),  # odd lengths (partial tiles, TMA zero padding), MQA
+    (3001, 1000, 4, 2, "b h n d"),  # Nq > Nk: causal rows that see no key
+    (129, 129, 2, 2, "b n h d"),  # transformers' layout (strided heads), one row past a block
+    (1, 4000, 2, 2, "b h n d"),  # one query row
+])  # fmt: skip
+def test_gpu_hopper_kernel(dtype, causal, nq, nk, hq, hkv, layout) -> None:
+    _needs_gluon_hopper()
+    shape = (lambda h, n: (2, h, n, 128)) if layout == "b h n d" else (lambda h, n: (2, n, h, 128))
+    q = rand(*shape(hq, nq), dtype=dtype, device="cuda")
+    k, v = (rand(*shape(hkv, nk), dtype=dtype, device="cuda") for _ in range(2))
+    views = [t if layout == "b h n d" else t.transpose(1, 2) for t in (q, k, v)]
+    out, lse, info = attention_fwd(*views, causal, 128**-0.5, use_desc=True)
+    assert info.config.warp_specialize and info.config.block_m == 128, info
+    assert out.stride() == views[0].stride()  # O keeps q's layout
+    if nq * nk <= 4_000_000:  # the whole fp64 reference
+        assert_close_to_reference(*(t.cpu() for t in (out, *views)), causal, lse=lse.cpu())
+    else:
+        rows = torch.arange(0, nq, 13, device="cuda")
+        err = (out[:, :, rows].double() - _rows_reference(*views, causal, rows)).abs().max()
+        assert err <= {torch.float16: 4e-3, torch.bfloat16: 3e-2}[dtype], err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_hopper_kernel_trains_like_the_triton_kernel(monkeypatch, causal) -> None:
+    # the backward recomputes scores from the saved LSE: it must match what Gluon saved
+    _needs_gluon_hopper()
+    q, k, v = (rand(2, 4, 1200, 128, dtype=torch.bfloat16, device="cuda").requires_grad_()
+               for _ in range(3))  # fmt: skip
+    assert hopper_config(q) is not None and q.numel() * 1200 >= 1 << 30  # past DESC_MIN_WORK
+    dy = torch.randn_like(q)
+    grads = []
+    for env in ("1", "0"):
+        monkeypatch.setenv(HOPPER_ENV, env)
+        out = flashlite.attention(q, k, v, causal=causal)
+        grads.append((out, *torch.autograd.grad(out, (q, k, v), dy)))
+    for got, want in zip(*grads, strict=True):
+        assert torch.isfinite(got).all()
+        err = (got.float() - want.float()).abs().max()
+        assert err <= 2e-2 * want.float().abs().max(), err

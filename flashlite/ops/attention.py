@@ -1,9 +1,11 @@
 """Tiled attention front-end: validation, layouts, config choice, launch, custom op, autograd.
 
 The kernel lives in :mod:`flashlite.kernels.attention.fwd` and its tile table in
-:mod:`flashlite.kernels.configs`. This module reads any layout through strides (no copies),
-chooses tensor-descriptor or pointer loads and the tile config (:func:`fixed_config`, else the
-autotuner, once per length bucket), and launches it.
+:mod:`flashlite.kernels.configs`; on Hopper, the plain cases (16-bit, head dim 128, causal or
+not, TMA-readable strides) run :mod:`flashlite.kernels.attention.hopper`'s warp-specialised
+Gluon kernel instead (:func:`hopper_config` says when). This module reads any layout through
+strides (no copies), chooses tensor-descriptor or pointer loads and the tile config
+(:func:`fixed_config`, else the autotuner, once per length bucket), and launches it.
 
 ``flashlite::attention_fwd`` is a ``torch.library`` custom op with a fake implementation, so
 ``torch.compile(fullgraph=True)`` traces through :func:`attention` without a graph break; its
@@ -16,6 +18,8 @@ Inductor could only inline the CUDA case.
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +33,7 @@ from flashlite.kernels import configs as C
 from flashlite.kernels.attention import bwd as KB
 from flashlite.kernels.attention import decode as KD
 from flashlite.kernels.attention import fwd as K
+from flashlite.kernels.attention import hopper as KH
 from flashlite.ops.common import check_softcap, on_compute_device, plain_eager, skip_dispatcher
 
 LAYOUTS = ("b h n d", "b n h d")
@@ -300,6 +305,12 @@ def attention_fwd(
     if use_desc is None:
         use_desc = not small and _descriptor_ok(q, k, v, o)
     is_causal, has_window, left, right = masks.kernel_window(window, causal, nq, nk)
+    plain = not (has_window or softcap is not None or seqlens_k is not None or varlen is not None)
+    if plain and use_desc and config is None and prescale_q is not False:
+        hopper = hopper_config(q)
+        if hopper is not None and _run_hopper(q, k, v, o, lse, is_causal, scale, hopper):
+            cfg = C.Config(hopper.block_m, hopper.block_n, 4, hopper.stages, warp_specialize=True)
+            return o, lse, LaunchInfo(cfg, d, True)
     config, launch = _plan(dev, q.dtype, d, is_causal, small and not use_desc, use_desc,
                            prescale_q, config, has_window, softcap is not None,
                            seqlens_k is not None, varlen is not None,
@@ -330,6 +341,46 @@ def attention_fwd(
 
 
 _plans: dict[tuple, tuple[C.Config | None, dict]] = {}
+
+#: ``FLASHLITE_HOPPER_KERNEL=0`` keeps every forward on the Triton kernel (A/B runs, debugging).
+HOPPER_ENV = "FLASHLITE_HOPPER_KERNEL"
+#: Kernel variants whose first launch failed (a Triton whose Gluon differs): the Triton kernel
+#: runs them instead, after one warning.
+_hopper_failed: set[tuple] = set()
+
+
+def hopper_config(q: torch.Tensor) -> KH.HopperConfig | None:
+    """The Gluon kernel's config for a plain forward of ``q`` ``(B, H, N, D)``, or None where
+    it does not apply: not a CUDA sm_90 device, not fp16/bf16, a head dim without a measured
+    entry (:data:`~flashlite.kernels.attention.hopper.CONFIGS`), no Gluon in this Triton, a
+    config pinned through the environment, or ``FLASHLITE_HOPPER_KERNEL=0``."""
+    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if _backend.kernels_interpreted() or not KH.available() or C.pinned_text():
+        return None
+    if os.environ.get(HOPPER_ENV, "1") == "0":
+        return None
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    if _backend.capability(index)[0] != 9:
+        return None
+    return KH.CONFIGS.get(q.shape[-1])
+
+
+def _run_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                lse: torch.Tensor, causal: bool, scale: float,
+                config: KH.HopperConfig) -> bool:  # fmt: skip
+    """Launch the Gluon kernel; False (after one warning) if it fails to compile here."""
+    key = (q.dtype, causal, config)
+    if key in _hopper_failed:
+        return False
+    try:
+        KH.attention_fwd_hopper(q, k, v, o, lse, causal, scale, config)
+    except (triton.CompilationError, TypeError, ValueError, AttributeError) as err:
+        _hopper_failed.add(key)
+        warnings.warn(f"flashlite: the Hopper attention kernel failed to build ({err!r:.300}); "
+                      "the Triton kernel runs instead", RuntimeWarning, stacklevel=3)  # fmt: skip
+        return False
+    return True
 
 
 @on_compute_device

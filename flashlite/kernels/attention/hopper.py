@@ -1,0 +1,291 @@
+"""Attention forward for Hopper (sm_90) in Gluon: warp-specialised, FlashAttention-3's schedule.
+
+Triton's ``tl.dot`` leaves the scheduling of the tensor cores to its compiler, and on the H200
+that compiler keeps the two warpgroups of a 128-row tile in step (one barrier per key tile), so
+neither hides its softmax under the other's products (``benchmarks/NOTES.md``). Gluon, Triton's
+lower-level dialect, states the schedule explicitly. One program owns ``BLOCK_M = 128`` query rows
+of one (batch, head) and runs three partitions:
+
+* a **producer** warp issues every load as a TMA bulk copy: the two 64-row halves of Q once,
+  then the K and V tiles of ``BLOCK_N`` keys into a ring of ``STAGES`` shared-memory slots. Each
+  slot has a *ready* barrier (the copy engine signals the bytes landed) and an *empty* barrier
+  (both consumers signal they are done with it) — the only synchronisation there is;
+* two **consumer** warpgroups of 4 warps, one per 64-row half, each running the online softmax
+  on its rows independently of the other, so that one's softmax overlaps the other's products.
+  Within a warpgroup the loop keeps the tensor cores busy too: tile j+1's scores ``S = Q·Kᵀ``
+  and tile j's ``P·V`` are issued together, tile j+1's softmax runs while ``P·V`` finishes,
+  and only then is the new ``P`` written over the registers the product read.
+
+The statistics are :mod:`flashlite.stats`'s pair: ``(m, s)`` with ``m`` the running maximum
+and ``s = Σ 2^(x − m)``, the same update as :func:`flashlite.stats.online_update` (Gluon cannot
+call ``@triton.jit`` helpers, so :func:`_online_update` restates its three lines). Q is scaled
+by ``scale·log2 e`` and rounded to the input dtype once, as the Triton kernel's ``PRESCALE_Q``
+does, so the backward's recomputed scores match the LSE saved here.
+
+Runs only on a CUDA sm_90 device with Triton's Gluon (3.6 measured); :func:`available` says
+whether this process can use it. The interpreter cannot run Gluon, so CPU tests cover the
+dispatch; the ``gpu`` tests cover the kernel.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+
+try:  # Gluon is experimental: absent or different in some Triton versions
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    GLUON_IMPORT_ERROR: str | None = None
+except Exception as err:  # noqa: BLE001 - any failure means: not available
+    GLUON_IMPORT_ERROR = f"{type(err).__name__}: {err}"
+
+LOG2E = 1.4426950408889634
+
+
+class HopperConfig(NamedTuple):
+    """Rows per program (two warpgroups of ``block_m / 2``), keys per tile, ring slots."""
+
+    block_m: int
+    block_n: int
+    stages: int
+
+
+#: Per head dim: measured on the H200 (bf16, B·N = 16k, N = 4k and 16k, causal and not;
+#: ``benchmarks/NOTES.md``): 128-key tiles with three slots (225 KB of shared memory) beat
+#: 64-key tiles with 3–5 slots by 7–12% and 128-key tiles with two slots by 25–40%.
+CONFIGS = {128: HopperConfig(128, 128, 3)}
+
+
+def available() -> bool:
+    """Whether this Triton has the Gluon pieces the kernel uses."""
+    return GLUON_IMPORT_ERROR is None
+
+
+if GLUON_IMPORT_ERROR is None:
+    _LN2 = gl.constexpr(0.6931471805599453)
+
+    @gluon.jit
+    def _online_update(s, m, l_sum, start_n, rows, cols, seq_q, seq_k, MASK: gl.constexpr,
+                       IS_CAUSAL: gl.constexpr):  # fmt: skip
+        """Fold the ``[R, BLOCK_N]`` score tile ``s`` (exp2 units) into ``(m, l_sum)``:
+        ``(p, alpha, m, l_sum)`` as :func:`flashlite.stats.online_update`. ``MASK``: keys past
+        ``seq_k`` (and, causal, past each row's diagonal) get −inf first."""
+        if MASK:
+            key = gl.expand_dims(start_n + cols, 0)
+            seen = key < seq_k
+            if IS_CAUSAL:  # bottom-right aligned, as flashlite.masks.visible
+                seen = seen & (key <= gl.expand_dims(rows, 1) + (seq_k - seq_q))
+            s = gl.where(seen, s, float("-inf"))
+        m_new = gl.maximum(m, gl.max(s, axis=1))
+        ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing stays empty
+        alpha = gl.exp2(m - ref)
+        p = gl.exp2(s - gl.expand_dims(ref, 1))
+        return p, alpha, m_new, l_sum * alpha + gl.sum(p, axis=1)
+
+    @gluon.jit
+    def _fold(s, m, l_sum, start_n, full_hi, rows, cols, seq_q, seq_k, IS_CAUSAL: gl.constexpr):
+        """:func:`_online_update`, masked only on tiles at or past ``full_hi``."""
+        if start_n >= full_hi:
+            p, alpha, m, l_sum = _online_update(s, m, l_sum, start_n, rows, cols, seq_q, seq_k,
+                                                True, IS_CAUSAL)  # fmt: skip
+        else:
+            p, alpha, m, l_sum = _online_update(s, m, l_sum, start_n, rows, cols, seq_q, seq_k,
+                                                False, IS_CAUSAL)  # fmt: skip
+        return p, alpha, m, l_sum
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready,
+                  empty, b, h, h_kv, start_m, n_tiles):  # fmt: skip
+        """The load warp: both halves of Q, then K and V tile by tile into the ring, each slot
+        reused once both consumers have released the tile before."""
+        half: gl.constexpr = q_bufs.shape[3]
+        block_n: gl.constexpr = k_bufs.shape[3]
+        stages: gl.constexpr = k_bufs.shape[0]
+        for i in gl.static_range(2):
+            mbarrier.expect(q_ready.index(i), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, h, start_m + i * half, 0],
+                                            q_ready.index(i), q_bufs.index(i))  # fmt: skip
+        for t in range(n_tiles):
+            slot = t % stages
+            if t >= stages:
+                mbarrier.wait(empty.index(slot), ((t // stages) - 1) & 1)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b, h_kv, t * block_n, 0],
+                                            k_ready.index(slot), k_bufs.index(slot))  # fmt: skip
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [b, h_kv, t * block_n, 0],
+                                            v_ready.index(slot), v_bufs.index(slot))  # fmt: skip
+
+    @gluon.jit
+    def _consumer(q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, empty, o_desc, LSE, b, h,
+                  pid_bh, start_m, n_tiles, full_hi, seq_q, seq_k, qk_scale, WG: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr):  # fmt: skip
+        """One warpgroup: the online softmax of its 64-row half; writes its O rows (TMA) and
+        LSE."""
+        half: gl.constexpr = q_bufs.shape[3]
+        head_dim: gl.constexpr = q_bufs.shape[4]
+        block_n: gl.constexpr = k_bufs.shape[3]
+        stages: gl.constexpr = k_bufs.shape[0]
+        dtype: gl.constexpr = o_desc.dtype
+        # wgmma register layouts: the scores [half, block_n] and the output [half, head_dim];
+        # Q and P enter the products from registers as the A operand
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 16]
+        )
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, head_dim, 16]
+        )
+        q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+
+        row0 = start_m + WG * half
+        q_buf = q_bufs.index(WG)
+        mbarrier.wait(q_ready.index(WG), 0)
+        q = q_buf.reshape([half, head_dim]).load(q_layout)
+        q = (q.to(gl.float32) * qk_scale).to(dtype)  # scores in exp2 units (PRESCALE_Q)
+        rows = row0 + gl.arange(0, half, layout=row_s)
+        cols = gl.arange(0, block_n, layout=gl.SliceLayout(0, s_layout))
+        m = gl.full([half], float("-inf"), gl.float32, layout=row_s)
+        l_sum = gl.zeros([half], gl.float32, layout=row_s)
+        s_zero = gl.zeros([half, block_n], gl.float32, layout=s_layout)
+        out = gl.zeros([half, head_dim], gl.float32, layout=o_layout)
+        if n_tiles > 0:
+            k0 = k_bufs.index(0).reshape([block_n, head_dim]).permute((1, 0))
+            mbarrier.wait(k_ready.index(0), 0)
+            s = warpgroup_mma_wait(0, deps=[warpgroup_mma(q, k0, s_zero, use_acc=False,
+                                                          is_async=True)])  # fmt: skip
+            p, alpha, m, l_sum = _fold(s, m, l_sum, 0, full_hi, rows, cols, seq_q, seq_k,
+                                       IS_CAUSAL)  # fmt: skip
+            p_op = gl.convert_layout(p.to(dtype), p_layout)
+            acc = out
+            for j in range(0, n_tiles - 1):
+                slot = j % stages
+                nxt = (j + 1) % stages
+                kt = k_bufs.index(nxt).reshape([block_n, head_dim]).permute((1, 0))
+                mbarrier.wait(k_ready.index(nxt), ((j + 1) // stages) & 1)
+                s_tok = warpgroup_mma(q, kt, s_zero, use_acc=False, is_async=True)
+                vt = v_bufs.index(slot).reshape([block_n, head_dim])
+                mbarrier.wait(v_ready.index(slot), (j // stages) & 1)
+                acc_tok = warpgroup_mma(p_op, vt, acc, is_async=True)
+                # tile j+1's scores are ready (p·v may still run): its softmax overlaps p·v
+                s = warpgroup_mma_wait(1, deps=[s_tok])
+                p, alpha, m, l_sum = _fold(s, m, l_sum, (j + 1) * block_n, full_hi, rows, cols,
+                                           seq_q, seq_k, IS_CAUSAL)  # fmt: skip
+                acc = warpgroup_mma_wait(0, deps=[acc_tok])
+                mbarrier.arrive(empty.index(slot), count=1)  # this warpgroup is done with tile j
+                acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
+                p_op = gl.convert_layout(p.to(dtype), p_layout)
+            slot = (n_tiles - 1) % stages
+            vt = v_bufs.index(slot).reshape([block_n, head_dim])
+            mbarrier.wait(v_ready.index(slot), ((n_tiles - 1) // stages) & 1)
+            out = warpgroup_mma_wait(0, deps=[warpgroup_mma(p_op, vt, acc, is_async=True)])
+            mbarrier.arrive(empty.index(slot), count=1)
+
+        # natural-log LSE (flashlite.stats.finalize_lse with the scale folded into Q); rows
+        # that saw no key keep s = 0: output 0 and LSE −inf
+        gl.store(LSE + pid_bh.to(gl.int64) * seq_q + rows, m * _LN2 + gl.log(l_sum),
+                 mask=rows < seq_q)  # fmt: skip
+        l_o = gl.convert_layout(l_sum, row_o)
+        o = (out * gl.expand_dims(gl.where(l_o > 0.0, 1.0 / l_o, 0.0), 1)).to(dtype)
+        q_buf.reshape([half, head_dim]).store(o)  # Q is in registers: its buffer stages O
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], q_buf)  # rows past N clipped
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_heads, group, seq_q,
+                                     seq_k, qk_scale, BLOCK_M: gl.constexpr,
+                                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                                     IS_CAUSAL: gl.constexpr):  # fmt: skip
+        """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``; 4 warps (the first consumer) plus the worker
+        partitions. Q, K, V, O: 4-D ``(B, H, N, D)`` descriptors of ``[1, 1, rows, D]`` blocks
+        (out-of-bounds rows read as zeros and are never stored). Causal is bottom-right
+        aligned; the last query blocks, which see the most keys, start first."""
+        half: gl.constexpr = BLOCK_M // 2
+        head_dim: gl.constexpr = q_desc.block_type.shape[3]
+        dtype: gl.constexpr = q_desc.dtype
+        pid_bh = gl.program_id(1)
+        b = pid_bh // n_heads
+        h = pid_bh % n_heads
+        h_kv = h // group  # GQA: the group's query heads share one K/V head, no copies
+        pid_m = gl.program_id(0)
+        if IS_CAUSAL:
+            pid_m = gl.cdiv(seq_q, BLOCK_M) - 1 - pid_m
+        start_m = pid_m * BLOCK_M
+        # key tiles [0, full_hi) are seen whole by every row; [full_hi, hi) are masked
+        if IS_CAUSAL:
+            diag = seq_k - seq_q
+            hi = gl.minimum(gl.maximum(start_m + BLOCK_M + diag, 0), seq_k)
+            full_hi = (gl.minimum(gl.maximum(start_m + diag + 1, 0), seq_k) // BLOCK_N) * BLOCK_N
+        else:
+            hi = seq_k
+            full_hi = (seq_k // BLOCK_N) * BLOCK_N
+        n_tiles = gl.cdiv(hi, BLOCK_N)
+
+        q_bufs = gl.allocate_shared_memory(dtype, [2, 1, 1, half, head_dim], q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, head_dim],
+                                           k_desc.layout)  # fmt: skip
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, head_dim],
+                                           v_desc.layout)  # fmt: skip
+        q_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(q_ready.index(i), count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_ready.index(i), count=1)
+            mbarrier.init(v_ready.index(i), count=1)
+            mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+
+        # (argument tuples written out: constexprs must reach the partitions as literals)
+        gl.warp_specialize([
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, empty, o_desc, LSE,
+                         b, h, pid_bh, start_m, n_tiles, full_hi, seq_q, seq_k, qk_scale, 0,
+                         IS_CAUSAL)),
+            (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, empty, o_desc, LSE,
+                         b, h, pid_bh, start_m, n_tiles, full_hi, seq_q, seq_k, qk_scale, 1,
+                         IS_CAUSAL)),
+            (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready,
+                         v_ready, empty, b, h, h_kv, start_m, n_tiles)),
+        ], [4, 1], [240, 24])  # fmt: skip
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A 4-D TMA descriptor of ``t`` ``(B, H, N, D)`` (any 16-byte aligned strides) reading
+    ``[1, 1, rows, D]`` blocks."""
+    block = [1, 1, rows, t.shape[-1]]
+    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def attention_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                         lse: torch.Tensor, causal: bool, scale: float,
+                         config: HopperConfig) -> None:  # fmt: skip
+    """Launch the kernel: writes ``o`` ``(B, Hq, Nq, D)`` and the contiguous fp32 ``lse``
+    ``(B, Hq, Nq)``. No checks: the caller has validated the inputs and that TMA can read them
+    (16-bit, D = ``head dim`` of a :data:`CONFIGS` entry, 16-byte aligned strides)."""
+    b, hq, nq, _ = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    half = config.block_m // 2
+    grid = (triton.cdiv(nq, config.block_m), b * hq)
+    _attention_fwd_hopper_kernel[grid](
+        _descriptor(q, half), _descriptor(k, config.block_n), _descriptor(v, config.block_n),
+        _descriptor(o, half), lse, hq, hq // hkv, nq, nk, scale * LOG2E,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.stages, IS_CAUSAL=causal,
+        num_warps=4,
+    )  # fmt: skip
