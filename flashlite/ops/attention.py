@@ -1,8 +1,8 @@
 """Tiled attention front-end: validation, layouts, config choice, launch, custom op, autograd.
 
 The kernel lives in :mod:`flashlite.kernels.attention.fwd` and its tile table in
-:mod:`flashlite.kernels.configs`; on Hopper, the plain cases (16-bit, head dim 128, causal or
-not, TMA-readable strides) run :mod:`flashlite.kernels.attention.hopper`'s warp-specialised
+:mod:`flashlite.kernels.configs`; on Hopper, the plain cases (16-bit, head dim 64 or 128, causal
+or not, TMA-readable strides) run :mod:`flashlite.kernels.attention.hopper`'s warp-specialised
 Gluon kernel instead (:func:`hopper_config` says when). This module reads any layout through
 strides (no copies), chooses tensor-descriptor or pointer loads and the tile config
 (:func:`fixed_config`, else the autotuner, once per length bucket), and launches it.
