@@ -29,7 +29,7 @@ from flashlite.kernels.configs import (
     pinned_config,
 )
 from flashlite.masks import torch_visible
-from flashlite.ops.attention import HOPPER_ENV, attention_fwd, hopper_config
+from flashlite.ops.attention import HOPPER_ENV, attention_fwd, empty_output, hopper_config
 from flashlite.reference import attention as ref_attention
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -357,12 +357,15 @@ def test_gpu_cpu_tensors_still_work_on_a_cuda_machine() -> None:
 # --------------------------------------------------------------------------- Hopper (Gluon) kernel
 def test_hopper_kernel_is_only_chosen_where_it_runs(monkeypatch) -> None:
     # CPU tensors, fp32 and head dims without a measured entry keep the Triton kernel
-    assert hopper_config(rand(1, 1, 8, 128)) is None
+    assert hopper_config(rand(1, 1, 8, 128), 8) is None
     if torch.cuda.is_available():
-        assert hopper_config(rand(1, 1, 8, 128, dtype=torch.float32, device="cuda")) is None
-        assert hopper_config(rand(1, 1, 8, 96, device="cuda")) is None  # no measured entry
+        assert hopper_config(rand(1, 1, 8, 128, dtype=torch.float32, device="cuda"), 8) is None
+        assert hopper_config(rand(1, 1, 8, 96, device="cuda"), 8) is None  # no measured entry
+        if torch.cuda.get_device_capability()[0] == 9 and KH.available():
+            assert hopper_config(rand(1, 1, 8, 64, device="cuda"), 4096) is not None
+            assert hopper_config(rand(1, 1, 8, 64, device="cuda"), 4095) is None  # min_keys
         monkeypatch.setenv(HOPPER_ENV, "0")
-        assert hopper_config(rand(1, 1, 8, 128, device="cuda")) is None
+        assert hopper_config(rand(1, 1, 8, 128, device="cuda"), 8) is None
 
 
 def test_hopper_kernel_that_fails_to_build_falls_back(monkeypatch) -> None:
@@ -372,7 +375,7 @@ def test_hopper_kernel_that_fails_to_build_falls_back(monkeypatch) -> None:
     def broken(*args, **kwargs):
         raise TypeError("warp_specialize() got an unexpected keyword argument")
 
-    monkeypatch.setattr(ops, "hopper_config", lambda q: KH.HopperConfig(128, 128, 3))
+    monkeypatch.setattr(ops, "hopper_config", lambda q, n: KH.HopperConfig(128, 128, 3))
     monkeypatch.setattr(ops.KH, "attention_fwd_hopper", broken)
     monkeypatch.setattr(ops, "_hopper_failed", set())
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
@@ -406,9 +409,15 @@ def test_gpu_hopper_kernel(dtype, causal, d, nq, nk, hq, hkv, layout) -> None:
     q = rand(*shape(hq, nq), dtype=dtype, device="cuda")
     k, v = (rand(*shape(hkv, nk), dtype=dtype, device="cuda") for _ in range(2))
     views = [t if layout == "b h n d" else t.transpose(1, 2) for t in (q, k, v)]
-    out, lse, info = attention_fwd(*views, causal, d**-0.5, use_desc=True)
-    assert info.config.warp_specialize and info.config.block_m == 128, info
+    # the kernel itself at every length (the front-end sends D=64 below 4096 keys to Triton)
+    out = empty_output(views[0])
+    lse = views[0].new_empty(views[0].shape[:3], dtype=torch.float32)
+    KH.attention_fwd_hopper(*views, out, lse, causal, d**-0.5, KH.CONFIGS[d])
     assert out.stride() == views[0].stride()  # O keeps q's layout
+    if hopper_config(views[0], nk) is not None:  # and the front-end runs it
+        out2, lse2, info = attention_fwd(*views, causal, d**-0.5, use_desc=True)
+        assert info.config.warp_specialize and info.config.block_m == 128, info
+        assert torch.equal(out2, out) and torch.equal(lse2, lse)
     if nq * nk <= 4_000_000:  # the whole fp64 reference
         assert_close_to_reference(*(t.cpu() for t in (out, *views)), causal, lse=lse.cpu())
     else:
@@ -424,7 +433,7 @@ def test_gpu_hopper_kernel_trains_like_the_triton_kernel(monkeypatch, causal) ->
     _needs_gluon_hopper()
     q, k, v = (rand(2, 4, 1200, 128, dtype=torch.bfloat16, device="cuda").requires_grad_()
                for _ in range(3))  # fmt: skip
-    assert hopper_config(q) is not None and q.numel() * 1200 >= 1 << 30  # past DESC_MIN_WORK
+    assert hopper_config(q, 1200) is not None and q.numel() * 1200 >= 1 << 30  # past DESC_MIN_WORK
     dy = torch.randn_like(q)
     grads = []
     for env in ("1", "0"):

@@ -307,7 +307,7 @@ def attention_fwd(
     is_causal, has_window, left, right = masks.kernel_window(window, causal, nq, nk)
     plain = not (has_window or softcap is not None or seqlens_k is not None or varlen is not None)
     if plain and use_desc and config is None and prescale_q is not False:
-        hopper = hopper_config(q)
+        hopper = hopper_config(q, nk)
         if hopper is not None and _run_hopper(q, k, v, o, lse, is_causal, scale, hopper):
             cfg = C.Config(hopper.block_m, hopper.block_n, 4, hopper.stages, warp_specialize=True)
             return o, lse, LaunchInfo(cfg, d, True)
@@ -349,11 +349,12 @@ HOPPER_ENV = "FLASHLITE_HOPPER_KERNEL"
 _hopper_failed: set[tuple] = set()
 
 
-def hopper_config(q: torch.Tensor) -> KH.HopperConfig | None:
-    """The Gluon kernel's config for a plain forward of ``q`` ``(B, H, N, D)``, or None where
-    it does not apply: not a CUDA sm_90 device, not fp16/bf16, a head dim without a measured
-    entry (:data:`~flashlite.kernels.attention.hopper.CONFIGS`), no Gluon in this Triton, a
-    config pinned through the environment, or ``FLASHLITE_HOPPER_KERNEL=0``."""
+def hopper_config(q: torch.Tensor, n_keys: int) -> KH.HopperConfig | None:
+    """The Gluon kernel's config for a plain forward of ``q`` ``(B, H, N, D)`` over ``n_keys``
+    keys, or None where it does not apply: not a CUDA sm_90 device, not fp16/bf16, a head dim
+    without a measured entry (:data:`~flashlite.kernels.attention.hopper.CONFIGS`) or fewer
+    keys than the entry's ``min_keys``, no Gluon in this Triton, a config pinned through the
+    environment, or ``FLASHLITE_HOPPER_KERNEL=0``."""
     if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
         return None
     if _backend.kernels_interpreted() or not KH.available() or C.pinned_text():
@@ -363,7 +364,8 @@ def hopper_config(q: torch.Tensor) -> KH.HopperConfig | None:
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     if _backend.capability(index)[0] != 9:
         return None
-    return KH.CONFIGS.get(q.shape[-1])
+    config = KH.CONFIGS.get(q.shape[-1])
+    return config if config is not None and n_keys >= config.min_keys else None
 
 
 def _run_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,

@@ -54,18 +54,21 @@ LOG2E = 1.4426950408889634
 
 
 class HopperConfig(NamedTuple):
-    """Rows per program (two warpgroups of ``block_m / 2``), keys per tile, ring slots."""
+    """Rows per program (two warpgroups of ``block_m / 2``), keys per tile, ring slots, and the
+    fewest keys for which this kernel beats the Triton one."""
 
     block_m: int
     block_n: int
     stages: int
+    min_keys: int = 0
 
 
 #: Per head dim: measured on the H200 (bf16, B·N = 16k, N = 4k and 16k, causal and not;
 #: ``benchmarks/NOTES.md``). D=128: 128-key tiles with three slots (225 KB of shared memory)
 #: beat 64-key tiles with 3–5 slots by 7–12% and 128-key tiles with two slots by 25–40%. D=64:
-#: 128-key tiles with four slots, 0–6% ahead of three or six, 10–15% ahead of 64-key tiles.
-CONFIGS = {64: HopperConfig(128, 128, 4), 128: HopperConfig(128, 128, 3)}
+#: 128-key tiles with four slots, 0–6% ahead of three or six, 10–15% ahead of 64-key tiles;
+#: below 4096 keys it lost to the Triton kernel (N = 1k causal 260 against 324 TFLOP/s).
+CONFIGS = {64: HopperConfig(128, 128, 4, min_keys=4096), 128: HopperConfig(128, 128, 3)}
 
 
 def available() -> bool:
