@@ -387,6 +387,60 @@ def test_hopper_kernel_that_fails_to_build_falls_back(monkeypatch) -> None:
     assert torch.equal(out, out2)
 
 
+_SM90_BUILD = """
+import os, subprocess, sys
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon._runtime import GluonASTSource
+from triton.runtime.jit import mangle_type
+from flashlite.kernels.attention import hopper as H
+
+d, causal = int(sys.argv[1]), sys.argv[2] == "1"
+cfg = H.CONFIGS[d]
+x = torch.empty(2, 4, 256, d, dtype=torch.bfloat16)
+fn = H._attention_fwd_hopper_kernel
+names = list(fn.arg_names)
+rows = (cfg.block_m // 2, cfg.block_n, cfg.block_n, cfg.block_m // 2)
+sig = {n: mangle_type(H._descriptor(x, r)) for n, r in zip(names[:4], rows)}
+sig.update(LSE="*fp32", n_heads="i32", group="i32", seq_q="i32", seq_k="i32", qk_scale="fp32")
+consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_CAUSAL=causal)
+sig.update(dict.fromkeys(consts, "constexpr"))
+src = GluonASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+from triton.backends.nvidia.compiler import get_ptxas
+
+ptxas = get_ptxas(90).path  # the ptxas Triton itself builds sm_90 code with
+path = os.path.join(sys.argv[3], "k.ptx")
+open(path, "w").write(k.asm["ptx"])
+out = subprocess.run([ptxas, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"],
+                     capture_output=True, text=True)
+print("SHARED", k.metadata.shared)
+print(out.stdout + out.stderr)
+"""
+
+
+@pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
+def test_hopper_kernel_builds_for_sm90_without_spills_or_serialised_wgmma(d, causal, tmp_path):
+    # No GPU needed: Triton compiles the Gluon kernel for sm_90a and its ptxas reports. A code
+    # change that breaks the build, spills, outgrows shared memory or makes ptxas serialise the
+    # async products (warning C7513/C7514: the overlap this kernel exists for) fails here.
+    if not KH.available():
+        pytest.skip(f"this Triton has no usable Gluon ({KH.GLUON_IMPORT_ERROR})")
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # a real build, not the interpreter
+    cmd = [sys.executable, "-c", _SM90_BUILD, str(d), str(int(causal)), str(tmp_path)]
+    run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = run.stdout
+    assert "0 bytes spill stores, 0 bytes spill loads" in report, report
+    assert "C7513" not in report and "C7514" not in report, report
+    shared = int(report.split("SHARED", 1)[1].split()[0])
+    assert shared <= 227 * 1024, shared  # an sm_90 block's most
+
+
 def _needs_gluon_hopper() -> None:
     if torch.cuda.get_device_capability()[0] != 9 or not KH.available():
         pytest.skip(f"the Gluon kernel runs on sm_90 with Gluon ({KH.GLUON_IMPORT_ERROR})")

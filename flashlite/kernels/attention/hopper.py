@@ -78,6 +78,26 @@ def available() -> bool:
 
 if GLUON_IMPORT_ERROR is None:
     _LN2 = gl.constexpr(0.6931471805599453)
+    # Triton 3.7+ names the TMA copies async_load / async_store (3.6: async_copy_*)
+    if hasattr(tma, "async_load"):
+
+        @gluon.jit
+        def _tma_load(desc, coord, barrier, dst):
+            tma.async_load(desc, coord, barrier, dst)
+
+        @gluon.jit
+        def _tma_store(desc, coord, src):
+            tma.async_store(desc, coord, src)
+
+    else:
+
+        @gluon.jit
+        def _tma_load(desc, coord, barrier, dst):
+            tma.async_copy_global_to_shared(desc, coord, barrier, dst)
+
+        @gluon.jit
+        def _tma_store(desc, coord, src):
+            tma.async_copy_shared_to_global(desc, coord, src)
 
     @gluon.jit
     def _online_update(s, m, l_sum, start_n, rows, cols, seq_q, seq_k, MASK: gl.constexpr,
@@ -118,18 +138,15 @@ if GLUON_IMPORT_ERROR is None:
         stages: gl.constexpr = k_bufs.shape[0]
         for i in gl.static_range(2):
             mbarrier.expect(q_ready.index(i), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, h, start_m + i * half, 0],
-                                            q_ready.index(i), q_bufs.index(i))  # fmt: skip
+            _tma_load(q_desc, [b, h, start_m + i * half, 0], q_ready.index(i), q_bufs.index(i))
         for t in range(n_tiles):
             slot = t % stages
             if t >= stages:
                 mbarrier.wait(empty.index(slot), ((t // stages) - 1) & 1)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, h_kv, t * block_n, 0],
-                                            k_ready.index(slot), k_bufs.index(slot))  # fmt: skip
+            _tma_load(k_desc, [b, h_kv, t * block_n, 0], k_ready.index(slot), k_bufs.index(slot))
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, h_kv, t * block_n, 0],
-                                            v_ready.index(slot), v_bufs.index(slot))  # fmt: skip
+            _tma_load(v_desc, [b, h_kv, t * block_n, 0], v_ready.index(slot), v_bufs.index(slot))
 
     @gluon.jit
     def _consumer(q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, empty, o_desc, LSE, b, h,
@@ -206,7 +223,7 @@ if GLUON_IMPORT_ERROR is None:
         o = (out * gl.expand_dims(gl.where(l_o > 0.0, 1.0 / l_o, 0.0), 1)).to(dtype)
         q_buf.reshape([half, head_dim]).store(o)  # Q is in registers: its buffer stages O
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [b, h, row0, 0], q_buf)  # rows past N clipped
+        _tma_store(o_desc, [b, h, row0, 0], q_buf)  # rows past N are clipped
         tma.store_wait(pendings=0)
 
     @gluon.jit
