@@ -225,14 +225,22 @@ def gpu_config(
 
     Returns:
         The config (the pinned one when ``$FLASHLITE_ATTENTION_CONFIG`` is set) and whether that
-        GPU loads through tensor descriptors (problems past :data:`DESC_MIN_WORK`).
+        GPU loads through tensor descriptors (problems past :data:`DESC_MIN_WORK`). Where the
+        H200 runs the Gluon kernel (:func:`hopper_config`, with Triton 3.6's Gluon), its tiles as
+        a ``warp_specialize`` config: the Triton kernel with those tiles issues the same bytes
+        (Q and O once, K and V once per 128-row block), so the interpreter counts them.
     """
     if gpu not in GPU_TABLES:
         raise ValueError(f"gpu={gpu!r} is not one of {', '.join(map(repr, GPU_TABLES))}")
     b, hq, nq, nk, d = shape
     block_d = C.block_d(d)
     use_desc = b * hq * nq * nk * d >= DESC_MIN_WORK
-    config = C.pinned_config() or _table_entry(block_d, causal, dtype, not use_desc, gpu == "h200")
+    pinned = C.pinned_config()
+    if pinned is None and gpu == "h200" and use_desc and dtype in (torch.float16, torch.bfloat16):
+        hopper = KH.CONFIGS.get(d)
+        if hopper is not None and nk >= hopper.min_keys:  # the Gluon kernel (hopper_config)
+            return _hopper_launch_config(hopper), True
+    config = pinned or _table_entry(block_d, causal, dtype, not use_desc, gpu == "h200")
     return config or C.default_config(block_d, dtype.itemsize, use_desc), use_desc
 
 
@@ -309,8 +317,7 @@ def attention_fwd(
     if plain and use_desc and config is None and prescale_q is not False:
         hopper = hopper_config(q, nk)
         if hopper is not None and _run_hopper(q, k, v, o, lse, is_causal, scale, hopper):
-            cfg = C.Config(hopper.block_m, hopper.block_n, 4, hopper.stages, warp_specialize=True)
-            return o, lse, LaunchInfo(cfg, d, True)
+            return o, lse, LaunchInfo(_hopper_launch_config(hopper), d, True)
     config, launch = _plan(dev, q.dtype, d, is_causal, small and not use_desc, use_desc,
                            prescale_q, config, has_window, softcap is not None,
                            seqlens_k is not None, varlen is not None,
@@ -366,6 +373,12 @@ def hopper_config(q: torch.Tensor, n_keys: int) -> KH.HopperConfig | None:
         return None
     config = KH.CONFIGS.get(q.shape[-1])
     return config if config is not None and n_keys >= config.min_keys else None
+
+
+def _hopper_launch_config(config: KH.HopperConfig) -> C.Config:
+    """How launches of the Gluon kernel are reported (``LaunchInfo``, the traffic tools): its
+    tiles, its 4-warp consumers and ring slots, ``warp_specialize`` on."""
+    return C.Config(config.block_m, config.block_n, 4, config.stages, warp_specialize=True)
 
 
 def _run_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
