@@ -441,6 +441,25 @@ def test_hopper_kernel_builds_for_sm90_without_spills_or_serialised_wgmma(d, cau
     assert shared <= 227 * 1024, shared  # an sm_90 block's most
 
 
+def test_hopper_kernel_only_takes_plain_forwards(monkeypatch) -> None:
+    # windows, soft caps, per-batch lengths, packed sequences, pinned configs and pointer loads
+    # keep the Triton kernel even where the Gluon one would run
+    import flashlite.ops.attention as ops
+
+    calls = []
+    monkeypatch.setattr(ops, "hopper_config", lambda q, n: KH.HopperConfig(128, 128, 3))
+    monkeypatch.setattr(ops, "_run_hopper", lambda *a: calls.append(a) or False)
+    q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
+    seqlens = torch.tensor([30], dtype=torch.int32)
+    for kwargs in ({"window": (8, 0)}, {"softcap": 5.0}, {"seqlens_k": seqlens},
+                   {"config": Config(16, 16, 4, 1)}, {"use_desc": False},
+                   {"prescale_q": False}):  # fmt: skip
+        attention_fwd(q, k, v, True, 0.25, **({"use_desc": True} | kwargs))
+    assert calls == []
+    attention_fwd(q, k, v, True, 0.25, use_desc=True)  # a plain one asks for it
+    assert len(calls) == 1
+
+
 def _needs_gluon_hopper() -> None:
     if torch.cuda.get_device_capability()[0] != 9 or not KH.available():
         pytest.skip(f"the Gluon kernel runs on sm_90 with Gluon ({KH.GLUON_IMPORT_ERROR})")
