@@ -79,25 +79,8 @@ def available() -> bool:
 if GLUON_IMPORT_ERROR is None:
     _LN2 = gl.constexpr(0.6931471805599453)
     # Triton 3.7+ names the TMA copies async_load / async_store (3.6: async_copy_*)
-    if hasattr(tma, "async_load"):
-
-        @gluon.jit
-        def _tma_load(desc, coord, barrier, dst):
-            tma.async_load(desc, coord, barrier, dst)
-
-        @gluon.jit
-        def _tma_store(desc, coord, src):
-            tma.async_store(desc, coord, src)
-
-    else:
-
-        @gluon.jit
-        def _tma_load(desc, coord, barrier, dst):
-            tma.async_copy_global_to_shared(desc, coord, barrier, dst)
-
-        @gluon.jit
-        def _tma_store(desc, coord, src):
-            tma.async_copy_shared_to_global(desc, coord, src)
+    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
     @gluon.jit
     def _online_update(s, m, l_sum, start_n, rows, cols, seq_q, seq_k, MASK: gl.constexpr,
