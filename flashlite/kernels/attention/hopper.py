@@ -1,9 +1,11 @@
 """Attention forward for Hopper (sm_90) in Gluon: warp-specialised, FlashAttention-3's schedule.
 
-Triton's ``tl.dot`` leaves the scheduling of the tensor cores to its compiler, and on the H200
-that compiler keeps the two warpgroups of a 128-row tile in step (one barrier per key tile), so
-neither hides its softmax under the other's products (``benchmarks/NOTES.md``). Gluon, Triton's
-lower-level dialect, states the schedule explicitly. One program owns ``BLOCK_M = 128`` query rows
+Triton's ``tl.dot`` leaves the scheduling of the tensor cores to its compiler. On the H200 its
+128-row tiles (two warpgroups) ran slower than 64-row ones, and a Gluon loop without warp
+specialisation showed a likely reason: the compiler puts a CTA-wide barrier before every load
+issue and barrier wait, so the two warpgroups run in step and neither hides its softmax under
+the other's products (``benchmarks/NOTES.md``). Gluon, Triton's lower-level dialect, states the
+schedule explicitly. One program owns ``BLOCK_M = 128`` query rows
 of one (batch, head) and runs three partitions:
 
 * a **producer** warp issues every load as a TMA bulk copy: the two 64-row halves of Q once,
@@ -65,7 +67,7 @@ class HopperConfig(NamedTuple):
 
 #: Per head dim: measured on the H200 (bf16, B·N = 16k, N = 4k and 16k, causal and not;
 #: ``benchmarks/NOTES.md``). D=128: 128-key tiles with three slots (225 KB of shared memory)
-#: beat 64-key tiles with 3–5 slots by 7–12% and 128-key tiles with two slots by 25–40%. D=64:
+#: beat 64-key tiles with 3–5 slots by 6–10% and 128-key tiles with two slots by 29–41%. D=64:
 #: 128-key tiles with four slots, 0–6% ahead of three or six, 10–15% ahead of 64-key tiles;
 #: below 4096 keys it lost to the Triton kernel (N = 1k causal 260 against 324 TFLOP/s).
 CONFIGS = {64: HopperConfig(128, 128, 4, min_keys=4096), 128: HopperConfig(128, 128, 3)}
