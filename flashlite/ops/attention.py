@@ -235,12 +235,10 @@ def gpu_config(
     b, hq, nq, nk, d = shape
     block_d = C.block_d(d)
     use_desc = b * hq * nq * nk * d >= DESC_MIN_WORK
-    pinned = C.pinned_config()
-    if pinned is None and gpu == "h200" and use_desc and dtype in (torch.float16, torch.bfloat16):
-        hopper = KH.CONFIGS.get(d)
-        if hopper is not None and nk >= hopper.min_keys:  # the Gluon kernel (hopper_config)
-            return _hopper_launch_config(hopper), True
-    config = pinned or _table_entry(block_d, causal, dtype, not use_desc, gpu == "h200")
+    hopper = _hopper_entry(dtype, d, nk) if gpu == "h200" and use_desc else None
+    if hopper is not None:
+        return _hopper_launch_config(hopper), True
+    config = C.pinned_config() or _table_entry(block_d, causal, dtype, not use_desc, gpu == "h200")
     return config or C.default_config(block_d, dtype.itemsize, use_desc), use_desc
 
 
@@ -362,16 +360,23 @@ def hopper_config(q: torch.Tensor, n_keys: int) -> KH.HopperConfig | None:
     without a measured entry (:data:`~flashlite.kernels.attention.hopper.CONFIGS`) or fewer
     keys than the entry's ``min_keys``, no Gluon in this Triton, a config pinned through the
     environment, or ``FLASHLITE_HOPPER_KERNEL=0``."""
-    if q.device.type != "cuda" or q.dtype not in (torch.float16, torch.bfloat16):
-        return None
-    if _backend.kernels_interpreted() or not KH.available() or C.pinned_text():
-        return None
-    if os.environ.get(HOPPER_ENV, "1") == "0":
+    if q.device.type != "cuda" or _backend.kernels_interpreted() or not KH.available():
         return None
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
     if _backend.capability(index)[0] != 9:
         return None
-    config = KH.CONFIGS.get(q.shape[-1])
+    return _hopper_entry(q.dtype, q.shape[-1], n_keys)
+
+
+def _hopper_entry(dtype: torch.dtype, head_dim: int, n_keys: int) -> KH.HopperConfig | None:
+    """The rule :func:`hopper_config` and :func:`gpu_config` share, from the problem alone: a
+    16-bit problem whose head dim has a measured entry and at least its ``min_keys`` keys, with
+    no config pinned and the kernel not switched off."""
+    if dtype not in (torch.float16, torch.bfloat16) or C.pinned_text():
+        return None
+    if os.environ.get(HOPPER_ENV, "1") == "0":
+        return None
+    config = KH.CONFIGS.get(head_dim)
     return config if config is not None and n_keys >= config.min_keys else None
 
 
