@@ -402,7 +402,7 @@ fn = H._attention_fwd_hopper_kernel
 names = list(fn.arg_names)
 rows = (cfg.block_m // 2, cfg.block_n, cfg.block_n, cfg.block_m // 2)
 sig = {n: mangle_type(H._descriptor(x, r)) for n, r in zip(names[:4], rows)}
-sig.update(LSE="*fp32", n_heads="i32", group="i32", seq_q="i32", seq_k="i32", qk_scale="fp32")
+sig.update(LSE="*fp32", n_heads="i32", group="i32", seq_q="i32", seq_k="i32", sm_scale="fp32")
 consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_CAUSAL=causal)
 sig.update(dict.fromkeys(consts, "constexpr"))
 src = GluonASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()})

@@ -36,6 +36,8 @@ from typing import NamedTuple
 import torch
 import triton
 
+from flashlite.stats import LN2, LOG2E
+
 try:  # Gluon is experimental: absent or different in some Triton versions
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
@@ -51,8 +53,6 @@ try:  # Gluon is experimental: absent or different in some Triton versions
     GLUON_IMPORT_ERROR: str | None = None
 except Exception as err:  # noqa: BLE001 - any failure means: not available
     GLUON_IMPORT_ERROR = f"{type(err).__name__}: {err}"
-
-LOG2E = 1.4426950408889634
 
 
 class HopperConfig(NamedTuple):
@@ -79,7 +79,6 @@ def available() -> bool:
 
 
 if GLUON_IMPORT_ERROR is None:
-    _LN2 = gl.constexpr(0.6931471805599453)
     # Triton 3.7+ names the TMA copies async_load / async_store (3.6: async_copy_*)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
@@ -202,7 +201,7 @@ if GLUON_IMPORT_ERROR is None:
 
         # natural-log LSE (flashlite.stats.finalize_lse with the scale folded into Q); rows
         # that saw no key keep s = 0: output 0 and LSE −inf
-        gl.store(LSE + pid_bh.to(gl.int64) * seq_q + rows, m * _LN2 + gl.log(l_sum),
+        gl.store(LSE + pid_bh.to(gl.int64) * seq_q + rows, m * LN2 + gl.log(l_sum),
                  mask=rows < seq_q)  # fmt: skip
         l_o = gl.convert_layout(l_sum, row_o)
         o = (out * gl.expand_dims(gl.where(l_o > 0.0, 1.0 / l_o, 0.0), 1)).to(dtype)
@@ -213,7 +212,7 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_heads, group, seq_q,
-                                     seq_k, qk_scale, BLOCK_M: gl.constexpr,
+                                     seq_k, sm_scale, BLOCK_M: gl.constexpr,
                                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                                      IS_CAUSAL: gl.constexpr):  # fmt: skip
         """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``; 4 warps (the first consumer) plus the worker
@@ -222,6 +221,7 @@ if GLUON_IMPORT_ERROR is None:
         aligned; the last query blocks, which see the most keys, start first."""
         half: gl.constexpr = BLOCK_M // 2
         head_dim: gl.constexpr = q_desc.block_type.shape[3]
+        qk_scale = sm_scale * LOG2E  # in fp32, as the Triton kernels and the backward take it
         dtype: gl.constexpr = q_desc.dtype
         pid_bh = gl.program_id(1)
         b = pid_bh // n_heads
@@ -291,7 +291,7 @@ def attention_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: t
     grid = (triton.cdiv(nq, config.block_m), b * hq)
     _attention_fwd_hopper_kernel[grid](
         _descriptor(q, half), _descriptor(k, config.block_n), _descriptor(v, config.block_n),
-        _descriptor(o, half), lse, hq, hq // hkv, nq, nk, scale * LOG2E,
+        _descriptor(o, half), lse, hq, hq // hkv, nq, nk, scale,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.stages, IS_CAUSAL=causal,
         num_warps=4,
     )  # fmt: skip
