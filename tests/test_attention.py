@@ -517,3 +517,19 @@ def test_gpu_hopper_kernel_trains_like_the_triton_kernel(monkeypatch, causal) ->
         assert torch.isfinite(got).all()
         err = (got.float() - want.float()).abs().max()
         assert err <= 2e-2 * want.float().abs().max(), err
+
+
+@pytest.mark.gpu
+def test_gpu_hopper_kernel_through_the_custom_op() -> None:
+    # the Gluon forward runs inside flashlite::attention_fwd: its output must match the op's
+    # fake (opcheck) and torch.compile(fullgraph=True) must trace and run it
+    _needs_gluon_hopper()
+    q = rand(1, 8, 1024, 128, dtype=torch.bfloat16, device="cuda")  # 2^30 multiply-adds
+    k, v = (rand(1, 4, 1024, 128, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    assert hopper_config(q, 1024) is not None
+    torch.library.opcheck(torch.ops.flashlite.attention_fwd.default,
+                          (q.requires_grad_(), k, v, True, 0.125))  # fmt: skip
+    eager = flashlite.attention(q, k, v, causal=True)
+    compiled = torch.compile(lambda a, b, c: flashlite.attention(a, b, c, causal=True),
+                             fullgraph=True)  # fmt: skip
+    assert torch.equal(compiled(q, k, v), eager)
