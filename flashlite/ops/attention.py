@@ -34,6 +34,7 @@ from flashlite.kernels.attention import bwd as KB
 from flashlite.kernels.attention import decode as KD
 from flashlite.kernels.attention import fwd as K
 from flashlite.kernels.attention import hopper as KH
+from flashlite.kernels.attention import hopper_bwd as KHB
 from flashlite.ops.common import check_softcap, on_compute_device, plain_eager, skip_dispatcher
 
 LAYOUTS = ("b h n d", "b n h d")
@@ -777,24 +778,73 @@ def attention_bwd(
         config: pin the kernels' tiles (the traffic tools count the GPU's on a CPU; benchmarks).
 
     Returns:
-        ``(dq, dk, dv)``, each strided like its input. Extra memory: delta, fp32 ``(B, Hq, Nq)``.
+        ``(dq, dk, dv)``, each strided like its input. Extra memory: delta, fp32 ``(B, Hq, Nq)``;
+        on the fused Hopper path (:func:`hopper_bwd_applies`) also dQ's fp32 accumulator,
+        ``(B, Hq, Nq, D)``.
     """
     b, hq, nq, d = q.shape
     nk = k.shape[2]
     dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
     if b * hq * nq == 0 or nk == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    is_causal = masks.kernel_window(window, causal, nq, nk)[0]
+    is_causal, has_window = masks.kernel_window(window, causal, nq, nk)[:2]
     cfg = config or bwd_config(q.device, q.dtype, d, is_causal)
     # 16-bit inputs: the preprocess writes Qs (Q·scale·log2 e, as the forward rounded it) into
     # dq's memory; the dQ kernel reads each block of it before overwriting it with dQ
     qs = dq if _prescale_q(q) else q
     delta = bwd_preprocess(o, do, lse, dlse, q, qs, scale)
     lse = lse.contiguous()  # the kernels index the (B, Hq, Nq) statistics densely
+    plain = not has_window and softcap is None and seqlens_k is None and varlen is None
+    fused = config is None and plain and hopper_bwd_applies(qs, k, v, do, dk, dv)
+    if fused and _run_hopper_bwd(qs, k, v, do, lse, delta, dq, dk, dv, is_causal, scale):
+        return dq, dk, dv
     masking = {"window": window, "softcap": softcap, "seqlens_k": seqlens_k, "varlen": varlen}
     bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, causal, scale, cfg, **masking)
     bwd_dq(qs, k, v, do, lse, delta, dq, causal, scale, cfg, **masking)
     return dq, dk, dv
+
+
+#: Fused-backward variants whose first launch failed to build: the Triton kernels run them.
+_hopper_bwd_failed: set[tuple] = set()
+
+
+def hopper_bwd_applies(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                       dk: torch.Tensor, dv: torch.Tensor) -> bool:  # fmt: skip
+    """Whether a plain backward (causal or not, GQA; no window, soft cap, per-batch lengths or
+    packed sequences: the caller checks those) of these ``(B, H, N, D)`` tensors takes the fused
+    Gluon kernel (:mod:`flashlite.kernels.attention.hopper_bwd`): a CUDA sm_90 device with
+    Gluon, 16-bit inputs, a head dim in its ``HEAD_DIMS``, tensors TMA can read, gradients with
+    a unit last stride, ``FLASHLITE_HOPPER_KERNEL`` not ``0``, and deterministic algorithms not
+    requested (``torch.use_deterministic_algorithms``): its dQ is summed by atomic reductions
+    in no fixed order, so there the two Triton kernels run instead."""
+    if qs.device.type != "cuda" or _backend.kernels_interpreted() or not KHB.available():
+        return False
+    if qs.dtype not in (torch.float16, torch.bfloat16) or qs.shape[-1] not in KHB.HEAD_DIMS:
+        return False
+    if torch.are_deterministic_algorithms_enabled() or os.environ.get(HOPPER_ENV, "1") == "0":
+        return False
+    index = qs.device.index if qs.device.index is not None else torch.cuda.current_device()
+    if _backend.capability(index)[0] != 9:
+        return False
+    return _descriptor_ok(qs, k, v, do) and dk.stride(-1) == 1 and dv.stride(-1) == 1
+
+
+def _run_hopper_bwd(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                    lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+                    dv: torch.Tensor, causal: bool, scale: float) -> bool:  # fmt: skip
+    """Launch the fused Gluon backward; False (after one warning) if it fails to build here."""
+    key = (qs.dtype, qs.shape[-1], causal)
+    if key in _hopper_bwd_failed:
+        return False
+    try:
+        KHB.attention_bwd_hopper(qs, k, v, do, lse, delta, dq, dk, dv, causal, scale)
+    except (triton.CompilationError, TypeError, ValueError, AttributeError) as err:
+        _hopper_bwd_failed.add(key)
+        warnings.warn(f"flashlite: the fused Hopper attention backward failed to build "
+                      f"({err!r:.300}); the Triton kernels run instead", RuntimeWarning,
+                      stacklevel=3)  # fmt: skip
+        return False
+    return True
 
 
 def _dot_flags(dtype: torch.dtype) -> dict[str, object]:

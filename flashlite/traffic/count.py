@@ -288,8 +288,11 @@ def attention_bwd_fn(
     """A call that runs one backward of ``method`` on ``shape``, its forward already done: what
     the count (CPU) and the ncu measurement (GPU) both take.
 
-    flashlite: the three backward kernels (``ops.attention.attention_bwd``; on CPU with the
-    GPU's config, :func:`flashlite.traffic.model.counted_bwd_config`, on a GPU with its own).
+    flashlite: the three Triton backward kernels the model describes
+    (``ops.attention.attention_bwd`` with the H200's config,
+    :func:`flashlite.traffic.model.counted_bwd_config`, on CPU and GPU alike: a pinned config
+    also keeps a Hopper GPU off the fused Gluon backward, whose traffic the model does not
+    cover).
     naive: autograd's backward through :func:`flashlite.reference.attention` (graph retained, so
     the call can repeat), run on the calling thread. dO (and dlse) are the same seeded values
     for both.
@@ -304,7 +307,7 @@ def attention_bwd_fn(
     dlse = torch.randn(o_shape[:3], generator=gen).to(device) if with_lse_grad else None
     if method == "flashlite":
         o, lse, _ = attention_ops.attention_fwd(q, k, v, shape.causal, scale)
-        cfg = counted_bwd_config(shape) if device == "cpu" else None
+        cfg = counted_bwd_config(shape)
         return lambda: attention_ops.attention_bwd(
             do, q, k, v, o, lse, dlse, shape.causal, scale, config=cfg
         )
