@@ -6,15 +6,19 @@ queries for a block of keys, dQ walks the keys for a block of queries, and each 
 FlashAttention-3 and cuDNN do: one program owns ``BLOCK_N = 128`` keys of one K/V head, walks
 the query blocks that see them (over the GQA group's heads), and adds its share of dQ into an
 fp32 accumulator with a TMA reduction (``cp.reduce.async.bulk.tensor`` add): five products
-per tile. A small conversion (``dq = scale · acc``) finishes dQ afterwards. The sums' order
-varies from run to run, so dQ is not bit-for-bit deterministic (dK and dV are).
+per tile. The kernel adds ``scale·dS·K`` already, so a copy that rounds the accumulator
+finishes dQ. The sums' order varies from run to run, so dQ is not bit-for-bit deterministic (dK
+and dV are); the front-end keeps the Triton kernels under deterministic algorithms.
 
 Per program, three partitions, as in the forward (:mod:`flashlite.kernels.attention.hopper`):
 
 * a **producer** warp loads K and V once, then Qs and dO tiles of ``BLOCK_M = 64`` rows into a
-  ring of ``STAGES`` shared-memory slots (TMA);
+  ring of ``STAGES`` shared-memory slots (TMA), and the tile's LSE and delta (through registers:
+  64 values each);
 * two **consumer** warpgroups, each owning 64 of the 128 keys: per query tile each computes
-  ``Sᵀ = K·Qsᵀ`` and ``dPᵀ = V·dOᵀ`` for its keys, ``Pᵀ`` from the saved LSE,
+  ``Sᵀ − LSE = K·Qsᵀ`` and ``dPᵀ − delta = V·dOᵀ`` for its keys (the products start from −LSE
+  and −delta broadcast over the keys: no row vector lives in registers across the step, which
+  keeps ptxas's spills to a few loop counters), ``Pᵀ = 2^(Sᵀ − LSE)``,
   ``dSᵀ = Pᵀ ∘ (dPᵀ − delta)``, and accumulates ``dV += Pᵀ·dO`` and ``dK += dSᵀ·Qs`` in
   registers (``Pᵀ`` and ``dSᵀ`` enter those products from registers);
 * for dQ the two warpgroups split **columns**, not keys (FlashAttention-3's split): each
@@ -22,6 +26,8 @@ Per program, three partitions, as in the forward (:mod:`flashlite.kernels.attent
   ``dQ[:, its 64 columns] = dS · K[:, its columns]`` over all 128 keys. Every dQ byte is then
   reduced once per 128 keys, not once per 64, and each warpgroup holds a 64×64 dQ tile, not
   64×128.
+
+The query blocks are walked from the last down, the causal diagonal's (masked) ones last.
 
 Qs is the backward preprocess's ``Q·scale·log2 e`` (:mod:`flashlite.kernels.attention.bwd`),
 so the scores are the forward's bit for bit and ``P = 2^(Sᵀ − LSE·log2 e)``.
