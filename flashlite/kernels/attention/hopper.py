@@ -83,6 +83,13 @@ if GLUON_IMPORT_ERROR is None:
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
 
+    @gluon.constexpr_function
+    def wgmma_layout(n):  # noqa: ANN001, ANN202
+        """The register layout of a warpgroup's ``[64, n]`` wgmma accumulator (4 warps)."""
+        return gl.NVMMADistributedLayout(
+            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16]
+        )
+
     @gluon.jit
     def _online_update(s, m, l_sum, start_n, rows, cols, seq_q, seq_k, MASK: gl.constexpr,
                        IS_CAUSAL: gl.constexpr):  # fmt: skip
@@ -145,12 +152,8 @@ if GLUON_IMPORT_ERROR is None:
         dtype: gl.constexpr = o_desc.dtype
         # wgmma register layouts: the scores [half, block_n] and the output [half, head_dim];
         # Q and P enter the products from registers as the A operand
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_n, 16]
-        )
-        o_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, head_dim, 16]
-        )
+        s_layout: gl.constexpr = wgmma_layout(block_n)
+        o_layout: gl.constexpr = wgmma_layout(head_dim)
         q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)

@@ -57,6 +57,8 @@ if GLUON_IMPORT_ERROR is None:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    from flashlite.kernels.attention.hopper import wgmma_layout
+
 #: Keys per program (two warpgroups of 64), query rows per step, ring slots for Qs and dO.
 BLOCK_N = 128
 BLOCK_M = 64
@@ -137,15 +139,9 @@ if GLUON_IMPORT_ERROR is None:
         dtype: gl.constexpr = k_mine.dtype
         # wgmma register layouts: the transposed scores [keys, queries], dK/dV [keys, head_dim],
         # dQ [queries, dcols]; Pᵀ and dSᵀ enter dV and dK's products from registers
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_m, 16]
-        )
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, head_dim, 16]
-        )
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, dcols, 16]
-        )
+        s_layout: gl.constexpr = wgmma_layout(block_m)
+        acc_layout: gl.constexpr = wgmma_layout(head_dim)
+        dq_layout: gl.constexpr = wgmma_layout(dcols)
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout,
                                                      k_width=2)  # fmt: skip
         slot = t % stages
@@ -215,12 +211,8 @@ if GLUON_IMPORT_ERROR is None:
         dcols: gl.constexpr = head_dim // 2  # this warpgroup's dQ columns
         dtype: gl.constexpr = k_buf.dtype
         # wgmma register layouts (see _step): the transposed scores, dK and dV
-        s_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, block_m, 16]
-        )
-        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(
-            version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, head_dim, 16]
-        )
+        s_layout: gl.constexpr = wgmma_layout(block_m)
+        acc_layout: gl.constexpr = wgmma_layout(head_dim)
         key_l: gl.constexpr = gl.SliceLayout(1, s_layout)
 
         keys = start_n + WG * half + gl.arange(0, half, layout=key_l)
