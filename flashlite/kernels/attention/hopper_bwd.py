@@ -72,27 +72,37 @@ HEAD_DIMS = (64, 128)
 CAUSAL_GROUP_H = 4
 
 
+#: Why this Triton cannot build the kernel, or None.
+GLUON_BWD_ERROR: str | None = GLUON_IMPORT_ERROR
+if GLUON_BWD_ERROR is None:
+    try:  # the names differ between Triton versions; a missing one only disables the kernel
+        _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+        # a CTA barrier (inside a partition: its warps only); Triton 3.9 names it gl.barrier
+        _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+        _tma_add = getattr(tma, "async_atomic_add", None)
+        if _tma_add is None:  # Triton 3.6 has the operation but no Python name for it
+            from triton._C.libtriton import ir as _ir
+            from triton.experimental.gluon.language._core import builtin as _builtin
+
+            _REDUCE_ADD = _ir.DESCRIPTOR_REDUCE_KIND.ADD
+
+            @_builtin
+            def _tma_add(tensor_desc, coord, src, _semantic=None):  # noqa: ANN001, ANN202
+                """Add the shared-memory tile ``src`` into global memory at ``coord``."""
+                coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+                _semantic.builder.create_async_tma_reduce(
+                    _REDUCE_ADD, tensor_desc.handle, coord, src.handle
+                )
+    except Exception as err:  # noqa: BLE001 - any failure means: not available
+        GLUON_BWD_ERROR = f"{type(err).__name__}: {err}"
+
+
 def available() -> bool:
     """Whether this Triton has the Gluon pieces the kernel uses."""
-    return GLUON_IMPORT_ERROR is None
+    return GLUON_BWD_ERROR is None
 
 
-if GLUON_IMPORT_ERROR is None:
-    _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    # a CTA barrier (inside a partition: its warps only); Triton 3.9 names it gl.barrier
-    _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
-    _tma_add = getattr(tma, "async_atomic_add", None)
-    if _tma_add is None:  # Triton 3.6 has the operation but no Python name for it
-        from triton._C.libtriton import ir as _ir
-        from triton.experimental.gluon.language._core import builtin as _builtin
-
-        @_builtin
-        def _tma_add(tensor_desc, coord, src, _semantic=None):  # noqa: ANN001, ANN202
-            """Add the shared-memory tile ``src`` into global memory at ``coord`` (TMA)."""
-            coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-            _semantic.builder.create_async_tma_reduce(
-                _ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle
-            )
+if GLUON_BWD_ERROR is None:
 
     @gluon.jit
     def _producer(qs_desc, do_desc, k_desc, v_desc, LSE, DELTA, qs_bufs, do_bufs, lse_bufs,
