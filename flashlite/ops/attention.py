@@ -361,12 +361,18 @@ def hopper_config(q: torch.Tensor, n_keys: int) -> KH.HopperConfig | None:
     without a measured entry (:data:`~flashlite.kernels.attention.hopper.CONFIGS`) or fewer
     keys than the entry's ``min_keys``, no Gluon in this Triton, a config pinned through the
     environment, or ``FLASHLITE_HOPPER_KERNEL=0``."""
-    if q.device.type != "cuda" or _backend.kernels_interpreted() or not KH.available():
-        return None
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    if _backend.capability(index)[0] != 9:
+    if not _on_hopper(q, KH.available()):
         return None
     return _hopper_entry(q.dtype, q.shape[-1], n_keys)
+
+
+def _on_hopper(t: torch.Tensor, gluon_ok: bool) -> bool:
+    """Whether ``t`` lives on a compiled (not interpreted) CUDA sm_90 device and this Triton
+    can build the Gluon kernel in question (``gluon_ok``)."""
+    if t.device.type != "cuda" or _backend.kernels_interpreted() or not gluon_ok:
+        return False
+    index = t.device.index if t.device.index is not None else torch.cuda.current_device()
+    return _backend.capability(index)[0] == 9
 
 
 def _hopper_entry(dtype: torch.dtype, head_dim: int, n_keys: int) -> KH.HopperConfig | None:
@@ -817,16 +823,12 @@ def hopper_bwd_applies(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: t
     a unit last stride, ``FLASHLITE_HOPPER_KERNEL`` not ``0``, and deterministic algorithms not
     requested (``torch.use_deterministic_algorithms``): its dQ is summed by atomic reductions
     in no fixed order, so there the two Triton kernels run instead."""
-    if qs.device.type != "cuda" or _backend.kernels_interpreted() or not KHB.available():
-        return False
     if qs.dtype not in (torch.float16, torch.bfloat16) or qs.shape[-1] not in KHB.HEAD_DIMS:
         return False
     if torch.are_deterministic_algorithms_enabled() or os.environ.get(HOPPER_ENV, "1") == "0":
         return False
-    index = qs.device.index if qs.device.index is not None else torch.cuda.current_device()
-    if _backend.capability(index)[0] != 9:
-        return False
-    return _descriptor_ok(qs, k, v, do) and dk.stride(-1) == 1 and dv.stride(-1) == 1
+    units = dk.stride(-1) == 1 and dv.stride(-1) == 1
+    return _on_hopper(qs, KHB.available()) and _descriptor_ok(qs, k, v, do) and units
 
 
 def _run_hopper_bwd(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,

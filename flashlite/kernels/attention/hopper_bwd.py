@@ -43,7 +43,7 @@ import torch
 import triton
 
 from flashlite.kernels.attention.hopper import GLUON_IMPORT_ERROR
-from flashlite.stats import LOG2E
+from flashlite.stats import LN2, LOG2E
 
 if GLUON_IMPORT_ERROR is None:
     from triton.experimental import gluon
@@ -266,7 +266,7 @@ if GLUON_BWD_ERROR is None:
         v_off = gl.expand_dims(r.to(gl.int64) * stride_vn, 1) + gl.expand_dims(c, 0)
         dk_base = DK + b.to(gl.int64) * stride_kb + h_kv.to(gl.int64) * stride_kh
         dv_base = DV + b.to(gl.int64) * stride_vb + h_kv.to(gl.int64) * stride_vh
-        gl.store(dk_base + k_off, (dk * 0.6931471805599453).to(dtype), mask=mask)
+        gl.store(dk_base + k_off, (dk * LN2).to(dtype), mask=mask)
         gl.store(dv_base + v_off, dv.to(dtype), mask=mask)
 
     @gluon.jit
