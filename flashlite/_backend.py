@@ -173,8 +173,9 @@ def resident_programs(compiled: Any, index: int) -> int:
         getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * threads // 32),
         32,
     )
-    if shared:
-        per_sm = min(per_sm, getattr(props, "shared_memory_per_multiprocessor", 233472) // shared)
+    if shared:  # the driver reserves 1 KB of each block's shared memory for itself (sm_80+)
+        smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+        per_sm = min(per_sm, smem // (shared + 1024))
     _resident[key] = per_sm * props.multi_processor_count
     return _resident[key]
 

@@ -493,6 +493,42 @@ def test_team_kernel_on_many_rows(n: int, dtype: torch.dtype, op: str) -> None:
     torch.testing.assert_close(y.double(), want, atol=atol, rtol=rtol, equal_nan=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", list(FNS))
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    ("n_rows", "n", "pad"),
+    [(1, 65536, 0), (997, 65536, 0), (301, 262144, 0), (64, 65536 + 8, 0), (40, 40000, 24),
+     (5, 8, 0)],
+)  # fmt: skip
+def test_prefetch_kernel(n_rows: int, n: int, pad: int, dtype: torch.dtype, op: str) -> None:
+    # The Gluon team kernel that prefetches the next row into shared memory: one row, more
+    # rows than teams (an odd count), a ragged last chunk, rows strided (pad columns between
+    # rows), a row shorter than one chunk; twice, since the kernel leaves its counters at zero
+    # for the next launch.
+    from flashlite.ops.softmax import prefetch_applies, softmax_fwd
+
+    base = _team_rows(max(n_rows, 4), n + pad, dtype, "cuda")[:n_rows]
+    x = base[:, :n]
+    y = torch.full_like(x, 7.0)
+    if not prefetch_applies(x, y):
+        pytest.skip("the prefetch kernel needs Gluon on a CUDA sm_80+ device")
+    atol, rtol = TOL[dtype][:2]
+    want = REFS[op](x.double(), -1)
+    for _ in range(2):
+        softmax_fwd(x, y, op == "log_softmax", "prefetch")
+        torch.testing.assert_close(y.double(), want, atol=atol, rtol=rtol, equal_nan=True)
+
+
+def test_prefetch_kernel_is_gpu_only() -> None:
+    from flashlite.ops.softmax import prefetch_applies, softmax_fwd
+
+    x = torch.randn(2, 65536)
+    assert not prefetch_applies(x, x)
+    with pytest.raises(ValueError, match="prefetch kernel needs a GPU"):
+        softmax_fwd(x, torch.empty_like(x), False, "prefetch")
+
+
 # Offsets past 2^31: x lives in a 4 GiB buffer of which only a few rows are touched. On the CPU
 # the untouched pages are never committed (and the interpreter runs the real int64 arithmetic),
 # so these are cheap there too.

@@ -347,6 +347,20 @@ def test_team_softmax_model_reads_once() -> None:
     assert t.parts["counters"] == [0, 4 * rows]
 
 
+def test_prefetch_softmax_model_reads_once() -> None:
+    # GPU-only Gluon kernel (model only): one read and one write of x plus one word per chunk
+    from flashlite.kernels import softmax_gluon
+
+    rows, n = 8, 262144
+    t = traffic.model_softmax(rows, n, torch.bfloat16, "prefetch")
+    e = rows * n * 2
+    chunks = -(-n // (softmax_gluon.CHUNK_BYTES // 2))
+    assert t.parts["x"] == [e, 0] and t.parts["y"] == [0, e]
+    assert t.parts["workspace"] == [8 * rows * chunks**2, 2 * 8 * rows * chunks]
+    d = traffic.dram_softmax(rows, n, torch.bfloat16, "prefetch")
+    assert d.parts["x"] == [e, 0]
+
+
 # --------------------------------------------------------------------------- the GPU's tiles
 @pytest.mark.interpreter
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -472,6 +486,7 @@ def test_softmax_rows_issued_counted_and_dram() -> None:
         assert by[name]["counted_bytes"] == by[name]["model_bytes"]
         assert by[name]["dram_read"] == e  # small rows stay in L2 between the passes
     assert by["flashlite-team"]["counted_bytes"] is None  # GPU-only: modelled
+    assert by["flashlite-prefetch"]["counted_bytes"] is None
     assert not notes
 
 

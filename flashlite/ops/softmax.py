@@ -17,6 +17,7 @@ import torch
 
 from flashlite import _backend
 from flashlite.kernels import softmax as K
+from flashlite.kernels import softmax_gluon as KG
 from flashlite.kernels.configs import cdiv
 from flashlite.ops.common import on_compute_device, plain_eager, skip_dispatcher
 
@@ -79,8 +80,8 @@ def softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = 
     """Launch the forward kernel for ``algorithm`` on the ``(rows, n)`` views ``x2 → y2``.
 
     Both views live where kernels run (no checks, no autograd, no device moves). ``algorithm``
-    also takes the kernel names ``"single_read"``, ``"split"`` and ``"team"`` (GPU) that
-    ``"auto"`` chooses from.
+    also takes the kernel names ``"single_read"``, ``"split"``, ``"team"`` (GPU) and
+    ``"prefetch"`` (GPU with Gluon) that ``"auto"`` chooses from.
     """
     n_rows, n_cols = x2.shape
     dev = x2.device
@@ -88,7 +89,9 @@ def softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = 
     strides = (*x2.stride(), *y2.stride())
     flags = {"LOG": log, "COL_INT64": col64, "ROUND_BF16": _backend.round_bf16(y2.dtype)}
     if algorithm == "auto":
-        if K.fits_single_read(n_cols, x2.element_size()):
+        if n_cols > KG.SINGLE_READ_WINS[x2.element_size()] and prefetch_applies(x2, y2):
+            algorithm = "prefetch"
+        elif K.fits_single_read(n_cols, x2.element_size()):
             algorithm = "single_read"
         elif dev.type == "cuda" and _backend.teams_fit(
             K.team_config(n_cols, x2.element_size())["n_chunks"], dev
@@ -114,6 +117,10 @@ def softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = 
                                             n_chunks, **flags, **cfg)  # fmt: skip
     elif algorithm == "team":
         _team_fwd(x2, y2, flags)
+    elif algorithm == "prefetch":
+        if not prefetch_applies(x2, y2):
+            raise ValueError("the prefetch kernel needs a GPU with Gluon and 16-byte aligned rows")
+        _prefetch_fwd(x2, y2, log)
     elif algorithm in ("online", "three_pass"):  # one program per row, looping over tiles
         cfg = K.loop_config(n_cols)
         del cfg["ROWS"]
@@ -137,6 +144,44 @@ def _team_fwd(x2: torch.Tensor, y2: torch.Tensor, flags: dict[str, bool]) -> Non
     args = [x2, y2, m_ws, s_ws, count, n_rows, n_cols, *x2.stride(), *y2.stride(), n_chunks]
     _backend.launch_teams(K._softmax_team_fwd_kernel, args, {**flags, **cfg}, n_chunks, n_rows,
                           dev)  # fmt: skip
+
+
+def prefetch_applies(x2: torch.Tensor, y2: torch.Tensor) -> bool:
+    """Whether the Gluon prefetching team kernel can run on the ``(rows, n)`` views: a CUDA
+    device of compute capability 8.0+ with Gluon, columns contiguous, rows and pointers
+    aligned to 16 bytes (every copy moves 16), and teams that fit."""
+    if x2.device.type != "cuda" or not KG.available():
+        return False
+    if torch.cuda.get_device_capability(x2.device)[0] < 8:
+        return False
+    n_rows, n_cols = x2.shape
+    vec = 16 // x2.element_size()
+    for t in (x2, y2):
+        if t.stride(1) != 1 or t.data_ptr() % 16 or (n_rows > 1 and t.stride(0) % vec):
+            return False
+    cfg = KG.prefetch_config(n_cols, x2.element_size())
+    return (
+        n_cols % vec == 0
+        and cfg["n_chunks"] <= KG.MAX_CHUNKS
+        and _backend.teams_fit(cfg["n_chunks"], x2.device)
+    )
+
+
+def _prefetch_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool,
+                  cfg: KG.PrefetchConfig | None = None) -> None:  # fmt: skip
+    """Launch the Gluon team kernel that prefetches each program's next row into shared
+    memory (:mod:`flashlite.kernels.softmax_gluon`)."""
+    n_rows, n_cols = x2.shape
+    dev = x2.device
+    opts = KG.prefetch_config(n_cols, x2.element_size(), cfg)
+    n_chunks = opts.pop("n_chunks")
+    # one word per (row, chunk) for the chunk's (m, s); -1 until it is published
+    words = torch.full((n_rows, n_chunks), -1, device=dev, dtype=torch.int64)
+    vec = opts["VEC"]  # lengths and strides in 16-byte vectors (prefetch_applies checked)
+    args = [x2, y2, words, n_rows, n_cols // vec, x2.stride(0) // vec, y2.stride(0) // vec,
+            n_chunks]  # fmt: skip
+    _backend.launch_teams(KG._softmax_prefetch_team_kernel, args, {"LOG": log, **opts},
+                          n_chunks, n_rows, dev)  # fmt: skip
 
 
 def softmax_bwd(y2: torch.Tensor, dy2: torch.Tensor, dx2: torch.Tensor, log: bool) -> None:

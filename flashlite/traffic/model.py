@@ -16,7 +16,7 @@ import torch
 import triton
 
 from flashlite import masks
-from flashlite.kernels import configs
+from flashlite.kernels import configs, softmax_gluon
 from flashlite.kernels import softmax as softmax_kernels
 from flashlite.kernels.configs import BwdConfig, Config, bwd_config, keep_config
 from flashlite.ops import attention as attention_ops
@@ -237,7 +237,7 @@ def model_attention(method: str, shape: AttentionShape, **config: int) -> Traffi
 def resolve_softmax_algorithm(algorithm: str, n: int, elem_bytes: int) -> str:
     """The softmax kernel ``algorithm`` names for rows of ``n`` elements of ``elem_bytes``."""
     # mirrors the front-end's "auto" on a CPU: one read when the row fits on chip, split
-    # otherwise (a GPU runs long rows with the team kernel: one read, see kernels/softmax.py)
+    # otherwise (a GPU runs long rows with the prefetch or team kernel: one read each)
     if algorithm == "auto":
         fits = softmax_kernels.fits_single_read(n, elem_bytes)
         return "single_read" if fits else "split"
@@ -265,13 +265,17 @@ def model_softmax(rows: int, n: int, dtype: torch.dtype, algorithm: str = "auto"
     programs, which all repeat the C-way merge (``8·rows·C²``). team (GPU, what ``auto`` runs
     for long rows there) ``E + E`` plus the same workspace with its own chunk count and the
     zeroed per-row arrival counters (``4·rows``); the spin-wait atomics stay in L2 and are not
-    modelled.
+    modelled. prefetch (GPU with Gluon: what ``auto`` runs there for long rows) ``E + E``
+    plus one 8-byte word per (row, chunk): filled with −1 and then published once
+    (``8·rows·C`` each), read by each of the row's ``C`` programs (``8·rows·C²``, spin
+    re-reads not modelled).
     """
     elem_bytes = torch.empty((), dtype=dtype).element_size()
     algorithm = resolve_softmax_algorithm(algorithm, n, elem_bytes)
     e = rows * n * elem_bytes
     t = Traffic()
-    passes = {"three_pass": 3, "online": 2, "single_read": 1, "split": 2, "team": 1}[algorithm]
+    passes = {"three_pass": 3, "online": 2, "single_read": 1, "split": 2, "team": 1,
+              "prefetch": 1}[algorithm]  # fmt: skip
     t.add("x", passes * e, 0)
     t.add("y", 0, e)
     if algorithm == "split":
@@ -281,6 +285,9 @@ def model_softmax(rows: int, n: int, dtype: torch.dtype, algorithm: str = "auto"
         chunks = softmax_kernels.team_config(n, elem_bytes)["n_chunks"]
         t.add("workspace", 8 * rows * chunks * chunks, 8 * rows * chunks)
         t.add("counters", 0, 4 * rows)
+    elif algorithm == "prefetch":
+        chunks = softmax_gluon.prefetch_config(n, elem_bytes)["n_chunks"]
+        t.add("workspace", 8 * rows * chunks * chunks, 2 * 8 * rows * chunks)
     return t
 
 
@@ -446,11 +453,12 @@ def dram_softmax(
     """DRAM bytes of the softmax forward for a contiguous ``(rows, n)`` input, each kernel from a
     cold L2 (as ncu measures it).
 
-    single_read and team read x once whatever the L2. three_pass and online re-read each row
-    (two more passes, one more): the ``P`` rows in flight (one per program; SMs × programs per
-    SM from the kernel's warps) stay in L2 between the passes when ``P·n·b`` fits in the
-    effective L2, so x comes from DRAM once; otherwise every pass reads it again. split runs two
-    kernels, and the second starts cold: x is read twice. Writes as :func:`_written_back`.
+    single_read, team and prefetch read x once whatever the L2. three_pass and online re-read
+    each row (two more passes, one more): the ``P`` rows in flight (one per program; SMs ×
+    programs per SM from the kernel's warps) stay in L2 between the passes when ``P·n·b`` fits
+    in the effective L2, so x comes from DRAM once; otherwise every pass reads it again. split
+    runs two kernels, and the second starts cold: x is read twice. Writes as
+    :func:`_written_back`.
     """
     l2 = _l2(gpu, l2_bytes)
     b = dtype.itemsize

@@ -206,9 +206,9 @@ def plot_traffic(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> 
 
 
 #: What ``flashlite traffic --softmax`` shows by default: the lesson of the softmax seeds in bytes
-#: (three passes read x three times, the online form twice, single-read once; team is the GPU's
-#: one-read kernel for long rows).
-SOFTMAX_SHOWN = ("three_pass", "online", "single_read", "team")
+#: (three passes read x three times, the online form twice, single-read once; team and prefetch
+#: are the GPU's one-read kernels for long rows).
+SOFTMAX_SHOWN = ("three_pass", "online", "single_read", "team", "prefetch")
 
 
 def softmax_rows(
@@ -223,8 +223,8 @@ def softmax_rows(
     l2_bytes: int | None = None,
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """One row per softmax algorithm (and ``torch`` when measuring): issued bytes (model,
-    counted on CPU; team is GPU-only and modelled), the DRAM estimate, measured DRAM bytes and
-    the compulsory ``x`` read + ``y`` write."""
+    counted on CPU; team and prefetch are GPU-only and modelled), the DRAM estimate, measured
+    DRAM bytes and the compulsory ``x`` read + ``y`` write."""
     notes: list[str] = []
     measured: dict[str, Traffic | None] = {}
     if measure:

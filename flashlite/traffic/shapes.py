@@ -12,8 +12,9 @@ import torch
 ATTENTION_METHODS = ("naive", "flashlite", "sdpa-flash", "sdpa-cudnn")
 #: Softmax kernels of :mod:`flashlite.kernels.softmax` (``auto`` resolves to one of the last two).
 SOFTMAX_ALGORITHMS = ("three_pass", "online", "single_read", "split")
-#: GPU-only (its programs wait for each other, which the interpreter cannot run): modelled only
-SOFTMAX_GPU_ALGORITHMS = ("team",)
+#: GPU-only (their programs wait for each other, which the interpreter cannot run; prefetch is
+#: Gluon, which it cannot run either): modelled only
+SOFTMAX_GPU_ALGORITHMS = ("team", "prefetch")
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
