@@ -600,16 +600,17 @@ def build_parser() -> argparse.ArgumentParser:
     _option(t, "--ce-weight", action="store_true", help="with --ce: class weights")
     _option(t, "--rows", type=int, default=4096, help="softmax rows (with --softmax)")
     _option(t, "--n", type=int, default=4096, help="softmax row length (with --softmax)")
-    algorithms = ["auto", "three_pass", "online", "single_read", "split", "team"]
+    algorithms = ["auto", "three_pass", "online", "single_read", "split", "team", "prefetch"]
     _option(
         t,
         "--algorithm",
         nargs="+",
         choices=algorithms,
-        default=["three_pass", "online", "single_read", "team"],
+        default=["three_pass", "online", "single_read", "team", "prefetch"],
         metavar="ALG",
-        help=f"softmax kernels to show, any of {', '.join(algorithms)} (team runs on GPUs "
-        "only: modelled, not counted) (default: three_pass online single_read team)",
+        help=f"softmax kernels to show, any of {', '.join(algorithms)} (team and prefetch run "
+        "on GPUs only: modelled, not counted) (default: three_pass online single_read team "
+        "prefetch)",
     )
     _option(t, "--quiet", action="store_true", help="no progress bar on stderr")
     t.set_defaults(func=_cmd_traffic)

@@ -295,6 +295,68 @@ def test_gpu_long_rows_every_option(dtype: torch.dtype, v: int, inplace: bool) -
     torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad, atol=tol.atol, rtol=tol.rtol)
 
 
+PREFETCH_OPTIONS = [
+    {},
+    {"label_smoothing": 0.1, "z_loss": 1e-4},
+    {"reduction": "sum", "ignore_index": 7},
+    {"reduction": "none", "label_smoothing": 0.2},
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inplace", [False, True], ids=["grad", "inplace"])
+@pytest.mark.parametrize("kw", PREFETCH_OPTIONS, ids=lambda kw: "-".join(kw) or "plain")
+@pytest.mark.parametrize(("rows", "v"), [(300, 40000), (257, 131072), (64, 262144)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_gpu_prefetch_kernel(dtype: torch.dtype, rows: int, v: int, kw: dict,
+                             inplace: bool) -> None:  # fmt: skip
+    # Long rows without weights or a soft cap take the Gluon team kernel (logits read once):
+    # an odd number of rows (more than teams), −inf logits, ±1e4, an ignored row, a target in
+    # the last chunk, every reduction; in place or not.
+    from flashlite.ops.softmax import prefetch_applies
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    logits = (torch.randn(rows, v, device="cuda", generator=gen) * 4).to(dtype)
+    if not prefetch_applies(logits, logits):
+        pytest.skip("the prefetch kernel needs Gluon on a CUDA sm_80+ device")
+    logits[3, ::7] = float("-inf")
+    logits[4, 11] = 1e4
+    logits[6, -1] = -1e4
+    target = torch.randint(0, v, (rows,), device="cuda", generator=gen)
+    target[3], target[4], target[5], target[6] = 1, 11, kw.get("ignore_index", -100), v - 1
+    leaf = logits.clone().requires_grad_()
+    hidden = leaf * 1.0  # a non-leaf: inplace_backward overwrites its buffer with the gradient
+    got = flashlite.cross_entropy(hidden, target, inplace_backward=inplace, **kw)
+    ref_leaf = logits.double().requires_grad_()
+    want = reference(ref_leaf, target, **kw)
+    tol = TOL[dtype]
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, atol=tol.atol, rtol=tol.rtol)
+    got.sum().backward()
+    want.sum().backward()
+    torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad, atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.gpu
+def test_gpu_prefetch_kernel_bad_target_and_lse() -> None:
+    # validate=False: a target outside [0, V) gives a NaN loss and gradient row; the LSE
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    logits = torch.randn(33, 65536, device="cuda", dtype=torch.bfloat16)
+    target = torch.randint(0, 65536, (33,), device="cuda")
+    target[2] = 65536
+    leaf = logits.clone().requires_grad_()
+    loss, lse = flashlite.cross_entropy(leaf, target, reduction="none", validate=False,
+                                        return_lse=True)  # fmt: skip
+    loss.sum().backward()
+    assert torch.isnan(loss[2]) and torch.isfinite(loss[torch.arange(33) != 2]).all()
+    assert torch.isnan(leaf.grad[2]).all() and torch.isfinite(leaf.grad[:2]).all()
+    want = torch.logsumexp(logits.double(), -1)
+    torch.testing.assert_close(lse.double(), want, atol=1e-4, rtol=1e-5)
+
+
 # --------------------------------------------------------------------------- linear CE (must 2)
 LINEAR_OPTIONS = [
     {},

@@ -18,8 +18,11 @@ import torch
 
 from flashlite import _backend, stats
 from flashlite.kernels import cross_entropy as K
+from flashlite.kernels import cross_entropy_gluon as KG
+from flashlite.kernels import softmax_gluon
 from flashlite.kernels.configs import cdiv
 from flashlite.ops.common import check_softcap, on_compute_device, skip_dispatcher
+from flashlite.ops.softmax import prefetch_applies
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REDUCTIONS = ("none", "mean", "sum")
@@ -51,6 +54,10 @@ def cross_entropy_fwd(
     lse = logits.new_empty((n,), dtype=torch.float32)
     if n == 0:
         return losses, lse
+    if weight is None and not softcap and v >= KG.MIN_COLS and prefetch_applies(logits, grad):
+        _prefetch_fwd(logits, target, grad_scale, grad, losses, lse, ignore_index,
+                      label_smoothing, z_loss)  # fmt: skip
+        return losses, lse
     wsum = weight.float().sum().reshape(1) if weight is not None else losses
     col64 = any((v - 1) * abs(t.stride(1)) >= _INT32_LIMIT for t in (logits, grad))
     kernel = _backend.launcher(K._cross_entropy_fwd_kernel)
@@ -62,6 +69,30 @@ def cross_entropy_fwd(
         num_stages=1, **K.ce_config(v),
     )  # fmt: skip
     return losses, lse
+
+
+def _prefetch_fwd(logits: torch.Tensor, target: torch.Tensor, grad_scale: torch.Tensor,
+                  grad: torch.Tensor, losses: torch.Tensor, lse: torch.Tensor, ignore_index: int,
+                  label_smoothing: float, z_loss: float,
+                  cfg: softmax_gluon.PrefetchConfig | None = None,
+                  **options: int) -> None:  # fmt: skip
+    """Long rows without class weights or a soft cap, on a GPU with Gluon: the prefetching
+    team kernel (:mod:`flashlite.kernels.cross_entropy_gluon`), logits read once. ``cfg`` and
+    ``options`` (e.g. ``maxnreg``) are for sweeps."""
+    n, v = logits.shape
+    opts = softmax_gluon.prefetch_config(v, logits.element_size(), cfg)
+    n_chunks = opts.pop("n_chunks")
+    smooth = label_smoothing > 0
+    # per (row, chunk): the (m, s) word, and with smoothing a Σx word; -1 until published
+    words = torch.full((n, n_chunks * (2 if smooth else 1)), -1, device=logits.device,
+                       dtype=torch.int64)  # fmt: skip
+    vec = opts["VEC"]  # lengths and strides in 16-byte vectors (prefetch_applies checked)
+    args = [logits, target, grad_scale, grad, losses, lse, words, n, v, v // vec,
+            logits.stride(0) // vec, grad.stride(0) // vec, n_chunks, ignore_index,
+            float(label_smoothing), float(z_loss)]  # fmt: skip
+    options = {"SMOOTH": smooth, "maxnreg": KG.MAXNREG, **opts, **options}
+    _backend.launch_teams(KG._cross_entropy_prefetch_kernel, args, options, n_chunks, n,
+                          logits.device)  # fmt: skip
 
 
 @on_compute_device

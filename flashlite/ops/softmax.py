@@ -120,7 +120,7 @@ def softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = 
     elif algorithm == "prefetch":
         if not prefetch_applies(x2, y2):
             raise ValueError("the prefetch kernel needs a GPU with Gluon and 16-byte aligned rows")
-        _prefetch_fwd(x2, y2, log)
+        prefetch_fwd(x2, y2, log)
     elif algorithm in ("online", "three_pass"):  # one program per row, looping over tiles
         cfg = K.loop_config(n_cols)
         del cfg["ROWS"]
@@ -167,7 +167,7 @@ def prefetch_applies(x2: torch.Tensor, y2: torch.Tensor) -> bool:
     )
 
 
-def _prefetch_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool,
+def prefetch_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool,
                   cfg: KG.PrefetchConfig | None = None) -> None:  # fmt: skip
     """Launch the Gluon team kernel that prefetches each program's next row into shared
     memory (:mod:`flashlite.kernels.softmax_gluon`)."""

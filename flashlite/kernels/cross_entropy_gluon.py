@@ -1,0 +1,128 @@
+"""Fused cross-entropy forward for long rows in Gluon: the prefetching team of
+:mod:`flashlite.kernels.softmax_gluon`, writing the gradient instead of the softmax.
+
+The Triton kernel (:mod:`flashlite.kernels.cross_entropy`) reads a row longer than 8192 logits
+twice: once for the statistics, once (mostly from L2) for the gradient, and ran at 0.62–0.73×
+the copy ceiling on the H200. Here a team of programs shares each row, every program keeping
+its chunk in shared memory, so the logits are read from memory once:
+
+* step ``i`` loads row ``i``'s chunk from shared memory, publishes its ``(m, s)`` word (and,
+  with label smoothing, a second word holding ``Σ x`` of the chunk), as the softmax kernel;
+* then it gathers row ``i − 1``'s words, forms ``lse = m + ln s``, and writes the chunk's
+  gradient ``(p·(1 + 2z·lse) − ε/V − (1 − ε)·[j = t])·scale`` over the logits or into ``G``
+  (each chunk is read into shared memory before the same program writes its gradient, so ``G``
+  may be ``X``);
+* the program whose chunk holds the target (chunk 0 when the target is ignored or out of range)
+  writes the row's loss and LSE, as the Triton kernel defines them.
+
+Plain rows only: class weights and soft caps take the Triton kernel. Same layout rules as the
+softmax kernel: 16-byte copies, so row lengths and strides in multiples of 16 bytes.
+"""
+
+from __future__ import annotations
+
+from flashlite.kernels.softmax_gluon import GLUON_IMPORT_ERROR
+from flashlite.stats import LOG2E
+
+#: Shortest rows (logits) this kernel takes; shorter ones keep the Triton kernel. H200, bf16,
+#: forward alone, × copy: 32k 0.71 against the Triton kernel's 0.73; 128k 0.72 against 0.66;
+#: 256k 0.71 against 0.64 (``benchmarks/NOTES.md``).
+MIN_COLS = 65537
+#: Registers per thread the compiler may use: unbounded it takes 232-237 (two programs per SM),
+#: and ran 10-12% slower than capped at 128 (a few bytes spilled); at 96 it lost 40%.
+MAXNREG = 128
+
+if GLUON_IMPORT_ERROR is None:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+    from flashlite.kernels.softmax_gluon import _chunk, _gather, _prefetch, _publish
+
+    @gluon.jit
+    def _gather_sum(row_ptr, c, n_chunks):
+        """``Σ x`` of a row from its team's second words (low half, high half 0), once all are
+        published."""
+        got = c < n_chunks
+        w = gl.load(row_ptr + 2 * c + 1, mask=got, other=0, volatile=True)
+        while gl.min(w, axis=0) < 0:
+            w = gl.load(row_ptr + 2 * c + 1, mask=got, other=0, volatile=True)
+        part = (w & 0xFFFFFFFF).to(gl.int32).to(gl.float32, bitcast=True)
+        return gl.sum(gl.where(got, part, 0.0), axis=0)
+
+    @gluon.jit
+    def _cross_entropy_prefetch_kernel(
+        X, T, GSCALE, G, LOSS, LSE, W, n_rows, n_cols, n_vecs, xv_stride, gv_stride, n_chunks,
+        ignore_index, smoothing, z_loss, n_teams,
+        SMOOTH: gl.constexpr, CHUNK: gl.constexpr, CHUNKS_PAD: gl.constexpr,
+        STAGES: gl.constexpr, VEC: gl.constexpr, NUM_WARPS: gl.constexpr,
+    ):  # fmt: skip
+        """Rows ``team, team + n_teams, …`` of the ``(N, V)`` logits ``X``: losses and LSE
+        (fp32, ``(N,)``) and the gradient of a unit loss times ``GSCALE[0]`` into ``G``. ``W``
+        holds ``WORDS = 1 + SMOOTH`` words per (row, chunk), −1 until published."""
+        WORDS: gl.constexpr = 2 if SMOOTH else 1
+        layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NUM_WARPS], [0])
+        part_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
+        slots = gl.allocate_shared_memory(
+            X.dtype.element_ty, [STAGES, CHUNK], gl.SwizzledSharedLayout(1, 1, 1, [0])
+        )
+        pid = gl.program_id(0)
+        team = pid // n_chunks
+        chunk = pid % n_chunks
+        cols = chunk * CHUNK + gl.arange(0, CHUNK, layout=layout)
+        in_row = cols // VEC < n_vecs
+        stride_xm = xv_stride * VEC
+        stride_gm = gv_stride * VEC
+        n_mine = (n_rows - team + n_teams - 1) // n_teams
+        c = gl.arange(0, CHUNKS_PAD, layout=part_layout)
+        inv_v = 1.0 / n_cols
+        g_scale = gl.load(GSCALE)
+        for i in gl.static_range(STAGES - 1):
+            _prefetch(slots, i, X, team, n_teams, n_mine, stride_xm, cols, in_row)
+        for i in range(n_mine + 1):
+            # row i - 1's target, loaded now so that its latency hides under row i's statistics
+            prev = (team + (i - 1) * n_teams).to(gl.int64)
+            target = gl.load(T + prev, mask=i > 0, other=0).to(gl.int64)
+            if i < n_mine:  # row i: this chunk's words
+                async_copy.wait_group(STAGES - 2)
+                x = _chunk(slots.index(i % STAGES), in_row, layout)
+                m = gl.max(x, axis=0)
+                ref = gl.where(m == float("-inf"), 0.0, m)
+                s = gl.sum(gl.exp2((x - ref) * LOG2E), axis=0)
+                row = (team + i * n_teams).to(gl.int64)
+                words = W + (row * n_chunks + chunk) * WORDS
+                if SMOOTH:  # Σ x of the chunk, high half 0 (so the word is its own flag)
+                    sx = gl.sum(gl.where(in_row, x, 0.0), axis=0)
+                    sx_word = sx.to(gl.int32, bitcast=True).to(gl.int64) & 0xFFFFFFFF
+                    gl.atomic_xchg(words + 1, sx_word, sem="relaxed", scope="gpu")
+                _publish(words, m, s)
+            if i > 0:  # row i - 1: gradient, and the loss where the target is
+                row = prev
+                row_words = W + row * n_chunks * WORDS
+                m_row, s_row = _gather(row_words, c, n_chunks, WORDS)
+                lse = m_row + gl.log(s_row)
+                ignored = target == ignore_index
+                in_range = (target >= 0) & (target < n_cols)
+                t_col = gl.where(in_range, target, -1).to(gl.int32)  # 32-bit column compares
+                # ignored rows: zero gradient (not 0·scale: a mean over no target has an
+                # infinite scale); a target outside [0, V): NaN, like its loss
+                scale = gl.where(ignored, 0.0, gl.where(in_range, g_scale, float("nan")))
+                x = _chunk(slots.index((i - 1) % STAGES), in_row, layout)
+                p = gl.exp2((x - lse) * LOG2E)
+                g = p * (1.0 + 2.0 * z_loss * lse) - smoothing * inv_v
+                g = gl.where(cols == t_col, g - (1.0 - smoothing), g) * scale
+                gl.store(G + row * stride_gm + cols, g.to(G.dtype.element_ty), mask=in_row)
+                owner = gl.where(in_range, t_col // CHUNK, 0)
+                if owner == chunk:
+                    # (the chunk read again from shared memory: x stays out of registers)
+                    x_own = _chunk(slots.index((i - 1) % STAGES), in_row, layout)
+                    x_t = gl.sum(gl.where(cols == t_col, x_own, 0.0), axis=0)
+                    loss = (1.0 - smoothing) * (lse - x_t) + z_loss * lse * lse
+                    if SMOOTH:
+                        sx_row = _gather_sum(row_words, c, n_chunks)
+                        loss += smoothing * inv_v * (lse * n_cols - sx_row)
+                    loss = gl.where(ignored, 0.0, gl.where(in_range, loss, float("nan")))
+                    gl.store(LOSS + row, loss)
+                    gl.store(LSE + row, lse)
+            _prefetch(slots, i + STAGES - 1, X, team, n_teams, n_mine, stride_xm, cols, in_row)
+        async_copy.wait_group(0)
