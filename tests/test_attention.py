@@ -59,17 +59,22 @@ def assert_close_to_reference(out, q, k, v, causal=False, scale=None, lse=None):
 
 
 # --------------------------------------------------------------------------- lengths and masks
+LENGTHS = [
+    (1, 1),  # one query, one key: a single partial tile
+    (17, 17),  # one full tile + a 1-row/1-key tail
+    (100, 130),  # several tiles, Nq < Nk: causal diagonal offset by 30
+    (130, 100),  # Nq > Nk: with causal the first 30 rows see no key (output 0, LSE -inf)
+    (1, 130),  # decoding-like: one query against a long cache
+    (130, 1),
+]
+
+
+# every length eager; compiled (dynamic shapes, ~5 s each in CI) for the two ragged ones
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize(
-    "nq,nk",
-    [
-        (1, 1),  # one query, one key: a single partial tile
-        (17, 17),  # one full tile + a 1-row/1-key tail
-        (100, 130),  # several tiles, Nq < Nk: causal diagonal offset by 30
-        (130, 100),  # Nq > Nk: with causal the first 30 rows see no key (output 0, LSE -inf)
-        (1, 130),  # decoding-like: one query against a long cache
-        (130, 1),
-    ],
+    ("nq", "nk", "use_compile"),
+    [*((nq, nk, False) for nq, nk in LENGTHS), (100, 130, True), (130, 100, True)],
+    ids=lambda v: ("compiled" if v else "eager") if isinstance(v, bool) else str(v),
 )
 def test_lengths(nq: int, nk: int, causal: bool, use_compile: bool) -> None:
     q, k, v = rand(1, 4, nq, 64), rand(1, 2, nk, 64), rand(1, 2, nk, 64)

@@ -88,8 +88,12 @@ OPTIONS = [
 
 
 @pytest.mark.parametrize("opts", OPTIONS, ids=lambda o: "-".join(o) or "plain")
-@pytest.mark.parametrize("v", [1000, 4093, 17], ids=lambda v: f"V{v}")
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("dtype", "v"),
+    [(torch.float32, 1000), (torch.float32, 4093), (torch.float32, 17), (torch.float16, 4093),
+     (torch.bfloat16, 1000)],
+    ids=lambda v: f"V{v}" if isinstance(v, int) else str(v),
+)  # fmt: skip
 def test_matches_torch(dtype: torch.dtype, v: int, opts: dict, kernel: str) -> None:
     logits, target, weight = _inputs((5,), v, dtype, seed=v)
     kw = dict(opts)
@@ -306,7 +310,7 @@ PREFETCH_OPTIONS = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("inplace", [False, True], ids=["grad", "inplace"])
 @pytest.mark.parametrize("kw", PREFETCH_OPTIONS, ids=lambda kw: "-".join(kw) or "plain")
-@pytest.mark.parametrize(("rows", "v"), [(300, 40000), (257, 131072), (64, 262144)])
+@pytest.mark.parametrize(("rows", "v"), [(300, 65544), (257, 131072), (64, 262144)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 def test_gpu_prefetch_kernel(dtype: torch.dtype, rows: int, v: int, kw: dict,
                              inplace: bool) -> None:  # fmt: skip

@@ -23,7 +23,7 @@ def _load(name: str):  # noqa: ANN202
 def test_train_gpt_tiny_flashlite_matches_sdpa(tmp_path: Path) -> None:
     train_gpt = _load("train_gpt")
     out = tmp_path / "gpt.json"
-    argv = ["--layers", "2", "--context", "64", "--width", "64", "--heads", "2", "--steps", "5",
+    argv = ["--layers", "2", "--context", "32", "--width", "64", "--heads", "2", "--steps", "5",
             "--batch", "4", "--corpus-mib", "1", "--device", "cpu", "--log-every", "0",
             "--json", str(out)]  # fmt: skip
     assert train_gpt.main(argv) == 0

@@ -123,7 +123,7 @@ def _worker(rank: int, world: int, port: int, cases: list) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [3])  # an odd ring: every rank both sends and waits
 def test_ring_attention_equals_single_process(world: int) -> None:
     """Output, LSE and dq/dk/dv shards equal single-process attention's, causal (zigzag and
     contiguous shards) and not, GQA/MQA, both layouts, fp32 and bf16; bytes counted = model;

@@ -72,7 +72,8 @@ def test_forward_backward_and_padding_match(family: str) -> None:
     torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+# two families (plain, and soft caps + windows): each generation takes ~20 s of CI
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_greedy_generation_matches(family: str) -> None:
     """32 new tokens, greedy, from a left-padded batch: the KV cache grows each step and the
     decode path attends to it; the token ids equal the peer's."""
