@@ -287,15 +287,21 @@ def test_gpu_long_rows_every_option(dtype: torch.dtype, v: int, inplace: bool) -
     weight = torch.rand(v, device="cuda", generator=gen) + 0.5
     kw = dict(weight=weight, label_smoothing=0.1, z_loss=1e-4, softcap=30.0)
     target[3] = 0  # a finite logit (column 0 is not −inf)
+    _check_through_a_non_leaf(logits, target, inplace, **kw)
+
+
+def _check_through_a_non_leaf(logits, target, inplace, **kw):  # noqa: ANN001, ANN003, ANN202
+    """Loss and gradient against the fp64 reference, the logits a non-leaf (``inplace_backward``
+    overwrites its buffer with the gradient)."""
     leaf = logits.clone().requires_grad_()
-    hidden = leaf * 1.0  # a non-leaf: inplace_backward overwrites its buffer with the gradient
-    got = flashlite.cross_entropy(hidden, target, inplace_backward=inplace, **kw)
+    got = flashlite.cross_entropy(leaf * 1.0, target, inplace_backward=inplace, **kw)
     ref_leaf = logits.double().requires_grad_()
     want = reference(ref_leaf, target, **kw)
-    tol = TOL[dtype]
+    tol = TOL[logits.dtype]
+    assert got.dtype == torch.float32
     torch.testing.assert_close(got.double(), want, atol=tol.atol, rtol=tol.rtol)
-    got.backward()
-    want.backward()
+    got.sum().backward()
+    want.sum().backward()
     torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad, atol=tol.atol, rtol=tol.rtol)
 
 
@@ -330,17 +336,7 @@ def test_gpu_prefetch_kernel(dtype: torch.dtype, rows: int, v: int, kw: dict,
     logits[6, -1] = -1e4
     target = torch.randint(0, v, (rows,), device="cuda", generator=gen)
     target[3], target[4], target[5], target[6] = 1, 11, kw.get("ignore_index", -100), v - 1
-    leaf = logits.clone().requires_grad_()
-    hidden = leaf * 1.0  # a non-leaf: inplace_backward overwrites its buffer with the gradient
-    got = flashlite.cross_entropy(hidden, target, inplace_backward=inplace, **kw)
-    ref_leaf = logits.double().requires_grad_()
-    want = reference(ref_leaf, target, **kw)
-    tol = TOL[dtype]
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got.double(), want, atol=tol.atol, rtol=tol.rtol)
-    got.sum().backward()
-    want.sum().backward()
-    torch.testing.assert_close(leaf.grad.double(), ref_leaf.grad, atol=tol.atol, rtol=tol.rtol)
+    _check_through_a_non_leaf(logits, target, inplace, **kw)
 
 
 @pytest.mark.gpu

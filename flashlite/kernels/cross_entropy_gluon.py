@@ -37,7 +37,7 @@ if GLUON_IMPORT_ERROR is None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from flashlite.kernels.softmax_gluon import _chunk, _gather, _prefetch, _publish
+    from flashlite.kernels.softmax_gluon import _chunk, _gather, _prefetch, _publish, _team_setup
 
     @gluon.jit
     def _gather_sum(row_ptr, c, n_chunks):
@@ -63,22 +63,24 @@ if GLUON_IMPORT_ERROR is None:
         WORDS: gl.constexpr = 2 if SMOOTH else 1
         layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NUM_WARPS], [0])
         part_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-        slots = gl.allocate_shared_memory(
-            X.dtype.element_ty, [STAGES, CHUNK], gl.SwizzledSharedLayout(1, 1, 1, [0])
-        )
-        pid = gl.program_id(0)
-        team = pid // n_chunks
-        chunk = pid % n_chunks
-        cols = chunk * CHUNK + gl.arange(0, CHUNK, layout=layout)
-        in_row = cols // VEC < n_vecs
         stride_xm = xv_stride * VEC
         stride_gm = gv_stride * VEC
-        n_mine = (n_rows - team + n_teams - 1) // n_teams
-        c = gl.arange(0, CHUNKS_PAD, layout=part_layout)
+        slots, team, chunk, cols, in_row, n_mine, c = _team_setup(
+            X,
+            n_rows,
+            n_vecs,
+            stride_xm,
+            n_chunks,
+            n_teams,
+            CHUNK,
+            CHUNKS_PAD,
+            STAGES,
+            VEC,
+            layout,
+            part_layout,
+        )
         inv_v = 1.0 / n_cols
         g_scale = gl.load(GSCALE)
-        for i in gl.static_range(STAGES - 1):
-            _prefetch(slots, i, X, team, n_teams, n_mine, stride_xm, cols, in_row)
         for i in range(n_mine + 1):
             # row i - 1's target, loaded now so that its latency hides under row i's statistics
             prev = (team + (i - 1) * n_teams).to(gl.int64)

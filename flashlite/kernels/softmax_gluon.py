@@ -104,6 +104,28 @@ if GLUON_IMPORT_ERROR is None:
         async_copy.commit_group()
 
     @gluon.jit
+    def _team_setup(X, n_rows, n_vecs, stride_xm, n_chunks, n_teams, CHUNK: gl.constexpr,
+                    CHUNKS_PAD: gl.constexpr, STAGES: gl.constexpr, VEC: gl.constexpr,
+                    layout: gl.constexpr, part_layout: gl.constexpr):  # fmt: skip
+        """This program's place in its team, the same in every prefetching kernel: its slots,
+        team and chunk, its columns and which of them are in the row, how many rows the team
+        has, the lanes the row's words are merged on; and the first ``STAGES − 1`` rows set
+        loading."""
+        slots = gl.allocate_shared_memory(
+            X.dtype.element_ty, [STAGES, CHUNK], gl.SwizzledSharedLayout(1, 1, 1, [0])
+        )
+        pid = gl.program_id(0)
+        team = pid // n_chunks
+        chunk = pid % n_chunks
+        cols = chunk * CHUNK + gl.arange(0, CHUNK, layout=layout)
+        in_row = cols // VEC < n_vecs
+        n_mine = (n_rows - team + n_teams - 1) // n_teams
+        c = gl.arange(0, CHUNKS_PAD, layout=part_layout)
+        for i in gl.static_range(STAGES - 1):  # the first rows start loading
+            _prefetch(slots, i, X, team, n_teams, n_mine, stride_xm, cols, in_row)
+        return slots, team, chunk, cols, in_row, n_mine, c
+
+    @gluon.jit
     def _softmax_prefetch_team_kernel(
         X, Y, W, n_rows, n_vecs, xv_stride, yv_stride, n_chunks, n_teams,
         LOG: gl.constexpr, CHUNK: gl.constexpr, CHUNKS_PAD: gl.constexpr, STAGES: gl.constexpr,
@@ -119,20 +141,22 @@ if GLUON_IMPORT_ERROR is None:
         ``i − 1`` has left."""
         layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NUM_WARPS], [0])
         part_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
-        slots = gl.allocate_shared_memory(
-            X.dtype.element_ty, [STAGES, CHUNK], gl.SwizzledSharedLayout(1, 1, 1, [0])
-        )
-        pid = gl.program_id(0)
-        team = pid // n_chunks
-        chunk = pid % n_chunks
-        cols = chunk * CHUNK + gl.arange(0, CHUNK, layout=layout)
-        in_row = cols // VEC < n_vecs
         stride_xm = xv_stride * VEC
         stride_ym = yv_stride * VEC
-        n_mine = (n_rows - team + n_teams - 1) // n_teams
-        c = gl.arange(0, CHUNKS_PAD, layout=part_layout)
-        for i in gl.static_range(STAGES - 1):  # the first rows start loading
-            _prefetch(slots, i, X, team, n_teams, n_mine, stride_xm, cols, in_row)
+        slots, team, chunk, cols, in_row, n_mine, c = _team_setup(
+            X,
+            n_rows,
+            n_vecs,
+            stride_xm,
+            n_chunks,
+            n_teams,
+            CHUNK,
+            CHUNKS_PAD,
+            STAGES,
+            VEC,
+            layout,
+            part_layout,
+        )
         for i in range(n_mine + 1):
             if i < n_mine:  # row i: this chunk's pair (flashlite.stats.tile_stats), published
                 async_copy.wait_group(STAGES - 2)  # row i's copy has landed
