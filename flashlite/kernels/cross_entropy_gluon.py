@@ -66,19 +66,8 @@ if GLUON_IMPORT_ERROR is None:
         stride_xm = xv_stride * VEC
         stride_gm = gv_stride * VEC
         slots, team, chunk, cols, in_row, n_mine, c = _team_setup(
-            X,
-            n_rows,
-            n_vecs,
-            stride_xm,
-            n_chunks,
-            n_teams,
-            CHUNK,
-            CHUNKS_PAD,
-            STAGES,
-            VEC,
-            layout,
-            part_layout,
-        )
+            X, n_rows, n_vecs, stride_xm, n_chunks, n_teams, CHUNK, CHUNKS_PAD, STAGES, VEC,
+            layout, part_layout)  # fmt: skip
         inv_v = 1.0 / n_cols
         g_scale = gl.load(GSCALE)
         for i in range(n_mine + 1):

@@ -144,19 +144,8 @@ if GLUON_IMPORT_ERROR is None:
         stride_xm = xv_stride * VEC
         stride_ym = yv_stride * VEC
         slots, team, chunk, cols, in_row, n_mine, c = _team_setup(
-            X,
-            n_rows,
-            n_vecs,
-            stride_xm,
-            n_chunks,
-            n_teams,
-            CHUNK,
-            CHUNKS_PAD,
-            STAGES,
-            VEC,
-            layout,
-            part_layout,
-        )
+            X, n_rows, n_vecs, stride_xm, n_chunks, n_teams, CHUNK, CHUNKS_PAD, STAGES, VEC,
+            layout, part_layout)  # fmt: skip
         for i in range(n_mine + 1):
             if i < n_mine:  # row i: this chunk's pair (flashlite.stats.tile_stats), published
                 async_copy.wait_group(STAGES - 2)  # row i's copy has landed
