@@ -121,8 +121,10 @@ VARIANTS = {
 }
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("variant", list(VARIANTS))
+# each variant in one dtype, every dtype covered (the product took 33 s of CI)
+@pytest.mark.parametrize(
+    ("variant", "dtype"), [(v, DTYPES[i % len(DTYPES)]) for i, v in enumerate(VARIANTS)], ids=str
+)
 def test_loop_variants(variant: str, dtype: torch.dtype) -> None:
     # lazy: the accumulator is rescaled only on tiles that move a row's reference maximum;
     # growing scores (a ramp along the keys) make the reference move on most tiles.

@@ -428,17 +428,18 @@ def test_bad_input(fn: Callable, kwargs: dict, error: type[Exception], match: st
 # --------------------------------------------------------------------------- GPU only
 # Real block tables (no monkeypatch): auto splits rows of next_pow2(n) > 32768 into 8192-column
 # chunks; the backward loops over 4096-wide tiles. One CPU case keeps the default tables tested.
+# On CPU (the interpreter, ~2 s a case) auto only: online and three_pass loop over the same
+# tiles as in the small-tile tests above.
 LONG = [
-    pytest.param("cpu", 65536 + 13, id="cpu-65549"),
-    *(pytest.param("cuda", n, id=f"cuda-{n}", marks=pytest.mark.gpu)
-      for n in (65536, 262144, 262144 + 13)),
+    pytest.param("cpu", 65536 + 13, "auto", id="cpu-65549-auto"),
+    *(pytest.param("cuda", n, algo, id=f"cuda-{n}-{algo}", marks=pytest.mark.gpu)
+      for n in (65536, 262144, 262144 + 13) for algo in ("auto", "online", "three_pass")),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize("op", list(FNS))
-@pytest.mark.parametrize("algo", ["auto", "online", "three_pass"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("device", "n"), LONG)
+@pytest.mark.parametrize(("device", "n", "algo"), LONG)
 def test_long_rows(device: str, n: int, dtype: torch.dtype, algo: str, op: str) -> None:
     x = (torch.randn(3, n, device=device) * 4).to(dtype).requires_grad_(True)
     y = FNS[op](x, algorithm=algo)
