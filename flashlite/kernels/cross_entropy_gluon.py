@@ -37,16 +37,21 @@ if GLUON_IMPORT_ERROR is None:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
-    from flashlite.kernels.softmax_gluon import _chunk, _gather, _prefetch, _publish, _team_setup
+    from flashlite.kernels.softmax_gluon import (
+        _await_words,
+        _chunk,
+        _gather,
+        _prefetch,
+        _publish,
+        _team_setup,
+    )
 
     @gluon.jit
     def _gather_sum(row_ptr, c, n_chunks):
         """``Σ x`` of a row from its team's second words (low half, high half 0), once all are
         published."""
         got = c < n_chunks
-        w = gl.load(row_ptr + 2 * c + 1, mask=got, other=0, volatile=True)
-        while gl.min(w, axis=0) < 0:
-            w = gl.load(row_ptr + 2 * c + 1, mask=got, other=0, volatile=True)
+        w = _await_words(row_ptr + 2 * c + 1, got)
         part = (w & 0xFFFFFFFF).to(gl.int32).to(gl.float32, bitcast=True)
         return gl.sum(gl.where(got, part, 0.0), axis=0)
 

@@ -72,13 +72,19 @@ if GLUON_IMPORT_ERROR is None:
         gl.atomic_xchg(slot_ptr, (s_bits << 32) | m_bits, sem="relaxed", scope="gpu")
 
     @gluon.jit
-    def _gather(row_ptr, c, n_chunks, STRIDE: gl.constexpr = 1):
-        """The row's merged ``(m, s)`` from its team's words ``row_ptr[STRIDE·k]``, once every
-        one of them has been published (a spin: the team is resident, see the module notes)."""
-        got = c < n_chunks
-        w = gl.load(row_ptr + STRIDE * c, mask=got, other=0, volatile=True)
+    def _await_words(ptrs, got):
+        """The words at ``ptrs`` (lanes ``got``; 0 elsewhere), once every one of them has been
+        published: non-negative (a spin: the team is resident, see the module notes)."""
+        w = gl.load(ptrs, mask=got, other=0, volatile=True)
         while gl.min(w, axis=0) < 0:
-            w = gl.load(row_ptr + STRIDE * c, mask=got, other=0, volatile=True)
+            w = gl.load(ptrs, mask=got, other=0, volatile=True)
+        return w
+
+    @gluon.jit
+    def _gather(row_ptr, c, n_chunks, STRIDE: gl.constexpr = 1):
+        """The row's merged ``(m, s)`` from its team's words ``row_ptr[STRIDE·k]``."""
+        got = c < n_chunks
+        w = _await_words(row_ptr + STRIDE * c, got)
         m_part = gl.where(got, (w & 0xFFFFFFFF).to(gl.int32).to(gl.float32, bitcast=True),
                           float("-inf"))  # fmt: skip
         s_part = gl.where(got, (w >> 32).to(gl.int32).to(gl.float32, bitcast=True), 0.0)
