@@ -22,7 +22,7 @@ from flashlite.kernels import cross_entropy_gluon as KG
 from flashlite.kernels import softmax_gluon
 from flashlite.kernels.configs import cdiv
 from flashlite.ops.common import check_softcap, on_compute_device, skip_dispatcher
-from flashlite.ops.softmax import prefetch_applies
+from flashlite.ops.softmax import prefetch_applies, prefetch_plan
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REDUCTIONS = ("none", "mean", "sum")
@@ -80,12 +80,9 @@ def _prefetch_fwd(logits: torch.Tensor, target: torch.Tensor, grad_scale: torch.
     team kernel (:mod:`flashlite.kernels.cross_entropy_gluon`), logits read once. ``cfg`` and
     ``options`` (e.g. ``maxnreg``) are for sweeps."""
     n, v = logits.shape
-    opts = softmax_gluon.prefetch_config(v, logits.element_size(), cfg)
-    n_chunks = opts.pop("n_chunks")
     smooth = label_smoothing > 0
-    # per (row, chunk): the (m, s) word, and with smoothing a Σx word; -1 until published
-    words = torch.full((n, n_chunks * (2 if smooth else 1)), -1, device=logits.device,
-                       dtype=torch.int64)  # fmt: skip
+    # per (row, chunk): the (m, s) word, and with smoothing a Σx word
+    opts, n_chunks, words = prefetch_plan(logits, 2 if smooth else 1, cfg)
     vec = opts["VEC"]  # lengths and strides in 16-byte vectors (prefetch_applies checked)
     args = [logits, target, grad_scale, grad, losses, lse, words, n, v, v // vec,
             logits.stride(0) // vec, grad.stride(0) // vec, n_chunks, ignore_index,

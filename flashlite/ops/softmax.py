@@ -167,21 +167,30 @@ def prefetch_applies(x2: torch.Tensor, y2: torch.Tensor) -> bool:
     )
 
 
+def prefetch_plan(
+    x2: torch.Tensor, words_per_chunk: int = 1, cfg: KG.PrefetchConfig | None = None
+) -> tuple[dict, int, torch.Tensor]:
+    """What every launch of a prefetching team kernel on the ``(rows, n)`` view ``x2`` needs:
+    its launch options, the programs per row, and the ``(rows, n_chunks·words_per_chunk)``
+    int64 words the team publishes through, −1 until published."""
+    opts = KG.prefetch_config(x2.shape[1], x2.element_size(), cfg)
+    n_chunks = opts.pop("n_chunks")
+    words = torch.full((x2.shape[0], n_chunks * words_per_chunk), -1, device=x2.device,
+                       dtype=torch.int64)  # fmt: skip
+    return opts, n_chunks, words
+
+
 def prefetch_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool,
                   cfg: KG.PrefetchConfig | None = None) -> None:  # fmt: skip
     """Launch the Gluon team kernel that prefetches each program's next row into shared
     memory (:mod:`flashlite.kernels.softmax_gluon`)."""
     n_rows, n_cols = x2.shape
-    dev = x2.device
-    opts = KG.prefetch_config(n_cols, x2.element_size(), cfg)
-    n_chunks = opts.pop("n_chunks")
-    # one word per (row, chunk) for the chunk's (m, s); -1 until it is published
-    words = torch.full((n_rows, n_chunks), -1, device=dev, dtype=torch.int64)
+    opts, n_chunks, words = prefetch_plan(x2, 1, cfg)
     vec = opts["VEC"]  # lengths and strides in 16-byte vectors (prefetch_applies checked)
     args = [x2, y2, words, n_rows, n_cols // vec, x2.stride(0) // vec, y2.stride(0) // vec,
             n_chunks]  # fmt: skip
     _backend.launch_teams(KG._softmax_prefetch_team_kernel, args, {"LOG": log, **opts},
-                          n_chunks, n_rows, dev)  # fmt: skip
+                          n_chunks, n_rows, x2.device)  # fmt: skip
 
 
 def softmax_bwd(y2: torch.Tensor, dy2: torch.Tensor, dx2: torch.Tensor, log: bool) -> None:
