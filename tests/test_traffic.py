@@ -657,6 +657,29 @@ def test_cross_entropy_counted_equals_model(dtype, path, weight, monkeypatch) ->
         assert torch_ops.total > counted.total
 
 
+@pytest.mark.parametrize("smoothing", [False, True])
+def test_cross_entropy_prefetch_model_reads_logits_once(smoothing: bool) -> None:
+    # GPU-only Gluon kernel (model only): the Triton loop reads a 128k row twice, the team once,
+    # plus the targets and words each of a row's programs reads
+    from flashlite.kernels import softmax_gluon
+
+    rows, n = 4, 131072
+    loop = traffic.model_cross_entropy(rows, n, torch.bfloat16, backward=False)
+    team = traffic.model_cross_entropy(rows, n, torch.bfloat16, backward=False, prefetch=True,
+                                       smoothing=smoothing)  # fmt: skip
+    chunks = -(-n // (softmax_gluon.CHUNK_BYTES // 2))
+    words = chunks * (2 if smoothing else 1)
+    assert loop.parts["logits"] == [2 * rows * n * 2, 0] and team.parts["logits"] == [
+        rows * n * 2,
+        0,
+    ]
+    assert team.parts["words"] == [8 * rows * chunks * words, 16 * rows * words]
+    assert team.parts["target, gradient scale"] == [rows * chunks * 12, 0]
+    assert team.parts["gradient"] == loop.parts["gradient"]
+    with pytest.raises(ValueError, match="class weights"):
+        traffic.model_cross_entropy(rows, n, torch.bfloat16, weight_bytes=4, prefetch=True)
+
+
 def test_cross_entropy_traffic_cli(capsys: pytest.CaptureFixture) -> None:
     from flashlite import cli
 

@@ -629,6 +629,8 @@ def model_cross_entropy(
     target_bytes: int = 8,
     backward: bool = True,
     unit_grad: bool = True,
+    prefetch: bool = False,
+    smoothing: bool = False,
 ) -> Traffic:
     """Bytes the fused cross-entropy kernels issue for ``(rows, n)`` logits (classes last),
     ``weight_bytes`` > 0 with class weights of that element size, and the backward's kernel
@@ -644,15 +646,28 @@ def model_cross_entropy(
     programs read the incoming gradient (one scalar) and stop; otherwise they rescale the
     gradient (the bracketed terms). The host's O(rows) reductions (mean's denominator, the sum
     of the losses) are not counted here.
+
+    ``prefetch``: the GPU's Gluon team kernel for long rows
+    (:mod:`flashlite.kernels.cross_entropy_gluon`, no class weights), modelled only (the
+    interpreter cannot run it): logits read once, but each of a row's ``C`` programs reads the
+    row's target and the gradient scale, and the row's ``C·k`` words (``k = 2`` with
+    ``smoothing``) are filled with −1, published once and read by each of its ``C`` programs
+    (``8·rows·C·k`` written twice, ``8·rows·C²·k`` read; spin re-reads not modelled).
     """
     from flashlite.kernels.cross_entropy import ce_config
     from flashlite.ops.cross_entropy import BWD_BLOCK, BWD_TILES
 
     b = torch.empty((), dtype=dtype).element_size()
-    passes = 1 if ce_config(n)["SINGLE"] else 2
+    if prefetch and weight_bytes:
+        raise ValueError("the prefetch kernel takes no class weights")
+    passes = 1 if prefetch or ce_config(n)["SINGLE"] else 2
+    chunks = softmax_gluon.prefetch_config(n, b)["n_chunks"] if prefetch else 1
     t = Traffic()
-    t.add("target, gradient scale", rows * (target_bytes + 4), 0)
+    t.add("target, gradient scale", rows * chunks * (target_bytes + 4), 0)
     t.add("logits", rows * passes * n * b, 0)
+    if prefetch:
+        words = chunks * (2 if smoothing else 1)
+        t.add("words", 8 * rows * chunks * words, 2 * 8 * rows * words)
     if weight_bytes:
         t.add("weight", rows * (4 + weight_bytes + passes * n * weight_bytes), 0)
     t.add("gradient", 0, rows * n * b)
