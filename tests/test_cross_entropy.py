@@ -204,10 +204,18 @@ def test_backward_runs_once() -> None:
         loss.backward()
 
 
-def test_compiles_and_passes_opcheck() -> None:
+# on a GPU with Gluon, 128k columns without class weights take the prefetch kernel
+@pytest.mark.parametrize(
+    ("device", "v", "use_weight"),
+    [("cpu", 64, True), pytest.param("cuda", 131072, False, marks=pytest.mark.gpu)],
+)
+def test_compiles_and_passes_opcheck(device: str, v: int, use_weight: bool) -> None:
     from torch.library import opcheck
 
-    logits, target, weight = _inputs((4,), 64, torch.float32)
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    logits, target, weight = (t.to(device) for t in _inputs((4,), v, torch.float32))
+    weight = weight if use_weight else None
 
     def step(x, t, w):  # noqa: ANN001, ANN202
         return flashlite.cross_entropy(x, t, w, label_smoothing=0.1, z_loss=1e-3)
@@ -219,13 +227,15 @@ def test_compiles_and_passes_opcheck() -> None:
         loss.backward()
         grads.append((loss.detach(), leaf.grad))
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=0)
-    scale = torch.tensor([0.25])
+    scale = torch.tensor([0.25], device=device)
     args = (logits.clone(), torch.empty_like(logits), target, weight, scale, -100, 0.1, 1e-3, 0.0)
     opcheck(torch.ops.flashlite.cross_entropy_fwd.default, args)
     opcheck(torch.ops.flashlite.cross_entropy_fwd_inplace.default,
             (logits.clone(), target, None, scale, -100, 0.0, 0.0, 0.0))  # fmt: skip
-    opcheck(torch.ops.flashlite.cross_entropy_bwd.default, (torch.randn(4, 64), torch.rand(4)))
-    opcheck(torch.ops.flashlite.cross_entropy_bwd.default, (torch.randn(4, 64), torch.tensor(2.0)))
+    grad = torch.randn(4, v, device=device)
+    opcheck(torch.ops.flashlite.cross_entropy_bwd.default, (grad, torch.rand(4, device=device)))
+    opcheck(torch.ops.flashlite.cross_entropy_bwd.default,
+            (grad, torch.tensor(2.0, device=device)))  # fmt: skip
 
 
 def test_bad_input() -> None:

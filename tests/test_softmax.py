@@ -527,6 +527,26 @@ def test_prefetch_kernel(n_rows: int, n: int, pad: int, dtype: torch.dtype, op: 
         torch.testing.assert_close(y.double(), want, atol=atol, rtol=rtol, equal_nan=True)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("op", list(FNS))
+def test_prefetch_kernel_through_the_op_and_compiled(op: str) -> None:
+    # auto takes the prefetch kernel for these rows on a GPU with Gluon: the custom op passes
+    # opcheck there, and torch.compile(fullgraph) gives the eager result
+    from torch.library import opcheck
+
+    from flashlite.ops.softmax import prefetch_applies
+
+    x = torch.randn(6, 65536, device="cuda", dtype=torch.bfloat16) * 3
+    if not prefetch_applies(x, x):
+        pytest.skip("the prefetch kernel needs Gluon on a CUDA sm_80+ device")
+    log = op == "log_softmax"
+    opcheck(torch.ops.flashlite.softmax_fwd.default, (x.requires_grad_(), 1, "auto", log))
+    eager = FNS[op](x)
+    compiled = torch.compile(FNS[op], fullgraph=True)(x)
+    torch.testing.assert_close(compiled, eager, atol=0, rtol=0)
+    _assert_matches(eager, x.detach(), -1, op)
+
+
 def test_prefetch_kernel_is_gpu_only() -> None:
     from flashlite.ops.softmax import prefetch_applies, softmax_fwd
 
