@@ -19,7 +19,6 @@ import torch
 from flashlite import _backend, stats
 from flashlite.kernels import cross_entropy as K
 from flashlite.kernels import cross_entropy_gluon as KG
-from flashlite.kernels import softmax_gluon
 from flashlite.kernels.configs import cdiv
 from flashlite.ops.common import check_softcap, on_compute_device, skip_dispatcher
 from flashlite.ops.softmax import prefetch_applies, prefetch_plan
@@ -73,21 +72,18 @@ def cross_entropy_fwd(
 
 def _prefetch_fwd(logits: torch.Tensor, target: torch.Tensor, grad_scale: torch.Tensor,
                   grad: torch.Tensor, losses: torch.Tensor, lse: torch.Tensor, ignore_index: int,
-                  label_smoothing: float, z_loss: float,
-                  cfg: softmax_gluon.PrefetchConfig | None = None,
-                  **options: int) -> None:  # fmt: skip
+                  label_smoothing: float, z_loss: float) -> None:  # fmt: skip
     """Long rows without class weights or a soft cap, on a GPU with Gluon: the prefetching
-    team kernel (:mod:`flashlite.kernels.cross_entropy_gluon`), logits read once. ``cfg`` and
-    ``options`` (e.g. ``maxnreg``) are for sweeps."""
+    team kernel (:mod:`flashlite.kernels.cross_entropy_gluon`), logits read once."""
     n, v = logits.shape
     smooth = label_smoothing > 0
     # per (row, chunk): the (m, s) word, and with smoothing a Σx word
-    opts, n_chunks, words = prefetch_plan(logits, 2 if smooth else 1, cfg)
+    opts, n_chunks, words = prefetch_plan(logits, 2 if smooth else 1)
     vec = opts["VEC"]  # lengths and strides in 16-byte vectors (prefetch_applies checked)
     args = [logits, target, grad_scale, grad, losses, lse, words, n, v, v // vec,
             logits.stride(0) // vec, grad.stride(0) // vec, n_chunks, ignore_index,
             float(label_smoothing), float(z_loss)]  # fmt: skip
-    options = {"SMOOTH": smooth, "maxnreg": KG.MAXNREG, **opts, **options}
+    options = {"SMOOTH": smooth, "maxnreg": KG.MAXNREG, **opts}
     _backend.launch_teams(KG._cross_entropy_prefetch_kernel, args, options, n_chunks, n,
                           logits.device)  # fmt: skip
 

@@ -90,8 +90,9 @@ def softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = 
     flags = {"LOG": log, "COL_INT64": col64, "ROUND_BF16": _backend.round_bf16(y2.dtype)}
     if algorithm == "auto":
         if n_cols > KG.SINGLE_READ_WINS[x2.element_size()] and prefetch_applies(x2, y2):
-            algorithm = "prefetch"
-        elif K.fits_single_read(n_cols, x2.element_size()):
+            prefetch_fwd(x2, y2, log)  # (checked: not again below)
+            return
+        if K.fits_single_read(n_cols, x2.element_size()):
             algorithm = "single_read"
         elif dev.type == "cuda" and _backend.teams_fit(
             K.team_config(n_cols, x2.element_size())["n_chunks"], dev
