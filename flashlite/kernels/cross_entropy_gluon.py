@@ -13,7 +13,9 @@ its chunk in shared memory, so the logits are read from memory once:
   (each chunk is read into shared memory before the same program writes its gradient, so ``G``
   may be ``X``);
 * the program whose chunk holds the target (chunk 0 when the target is ignored or out of range)
-  writes the row's loss and LSE, as the Triton kernel defines them.
+  writes the row's loss and LSE, as the Triton kernel defines them, and the target's gradient
+  as a scalar after the chunk's vector store: ``[j = t]`` compared on every column kept the
+  column indices live (232 registers a thread against 96) and cost 12% of the time.
 
 Plain rows only: class weights and soft caps take the Triton kernel. Same layout rules as the
 softmax kernel: 16-byte copies, so row lengths and strides in multiples of 16 bytes.
@@ -25,12 +27,9 @@ from flashlite.kernels.softmax_gluon import GLUON_IMPORT_ERROR
 from flashlite.stats import LOG2E
 
 #: Shortest rows (logits) this kernel takes; shorter ones keep the Triton kernel. H200, bf16,
-#: forward alone, × copy: 32k 0.71 against the Triton kernel's 0.73; 128k 0.72 against 0.66;
-#: 256k 0.71 against 0.64 (``benchmarks/NOTES.md``).
-MIN_COLS = 65537
-#: Registers per thread the compiler may use: unbounded it takes 232-237 (two programs per SM),
-#: and ran 10-12% slower than capped at 128 (a few bytes spilled); at 96 it lost 40%.
-MAXNREG = 128
+#: forward alone, × copy: 16k 0.86 against the Triton kernel's 0.77, 32k 0.88 against 0.73;
+#: 128k 0.89; 256k 0.86 (``benchmarks/NOTES.md``, fourteenth session).
+MIN_COLS = 16384
 
 if GLUON_IMPORT_ERROR is None:
     from triton.experimental import gluon
@@ -45,6 +44,10 @@ if GLUON_IMPORT_ERROR is None:
         _publish,
         _team_setup,
     )
+
+    # a CTA-wide barrier, which also orders the block's global loads and stores (Triton 3.6's
+    # name; later versions call it barrier)
+    _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
     @gluon.jit
     def _gather_sum(row_ptr, c, n_chunks):
@@ -99,20 +102,27 @@ if GLUON_IMPORT_ERROR is None:
                 lse = m_row + gl.log(s_row)
                 ignored = target == ignore_index
                 in_range = (target >= 0) & (target < n_cols)
-                t_col = gl.where(in_range, target, -1).to(gl.int32)  # 32-bit column compares
+                t_col = gl.where(in_range, target, 0).to(gl.int32)
                 # ignored rows: zero gradient (not 0·scale: a mean over no target has an
                 # infinite scale); a target outside [0, V): NaN, like its loss
                 scale = gl.where(ignored, 0.0, gl.where(in_range, g_scale, float("nan")))
+                coef = 1.0 + 2.0 * z_loss * lse
+                # The program whose chunk holds the target (chunk 0 for none) writes the loss
+                # and the target's gradient as scalars: comparing every column with the target
+                # kept the column indices live and cost 12% of the kernel's time on the H200.
+                owner = t_col // CHUNK == chunk
+                # the target's logit, read before this chunk's gradient replaces it (G may be X)
+                x_t = gl.load(X + row * stride_xm + t_col, mask=owner, other=0.0).to(gl.float32)
+                if owner:
+                    _thread_barrier()
                 x = _chunk(slots.index((i - 1) % STAGES), in_row, layout)
-                p = gl.exp2((x - lse) * LOG2E)
-                g = p * (1.0 + 2.0 * z_loss * lse) - smoothing * inv_v
-                g = gl.where(cols == t_col, g - (1.0 - smoothing), g) * scale
+                g = (gl.exp2((x - lse) * LOG2E) * coef - smoothing * inv_v) * scale
                 gl.store(G + row * stride_gm + cols, g.to(G.dtype.element_ty), mask=in_row)
-                owner = gl.where(in_range, t_col // CHUNK, 0)
-                if owner == chunk:
-                    # (the chunk read again from shared memory: x stays out of registers)
-                    x_own = _chunk(slots.index((i - 1) % STAGES), in_row, layout)
-                    x_t = gl.sum(gl.where(cols == t_col, x_own, 0.0), axis=0)
+                if owner:
+                    _thread_barrier()  # every thread's store lands before the target's below
+                    g_t = gl.exp2((x_t - lse) * LOG2E) * coef - smoothing * inv_v
+                    g_t = (g_t - (1.0 - smoothing)) * scale
+                    gl.store(G + row * stride_gm + t_col, g_t.to(G.dtype.element_ty))
                     loss = (1.0 - smoothing) * (lse - x_t) + z_loss * lse * lse
                     if SMOOTH:
                         sx_row = _gather_sum(row_words, c, n_chunks)

@@ -83,7 +83,7 @@ def _prefetch_fwd(logits: torch.Tensor, target: torch.Tensor, grad_scale: torch.
     args = [logits, target, grad_scale, grad, losses, lse, words, n, v, v // vec,
             logits.stride(0) // vec, grad.stride(0) // vec, n_chunks, ignore_index,
             float(label_smoothing), float(z_loss)]  # fmt: skip
-    options = {"SMOOTH": smooth, "maxnreg": KG.MAXNREG, **opts}
+    options = {"SMOOTH": smooth, **opts}
     _backend.launch_teams(KG._cross_entropy_prefetch_kernel, args, options, n_chunks, n,
                           logits.device)  # fmt: skip
 
