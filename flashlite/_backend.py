@@ -287,11 +287,24 @@ def launch_teams(kernel: Any, args: list[Any], options: dict[str, Any], n_chunks
         kernel[(n_teams,)](*args, n_teams, **options)
         return n_teams
     options = dict(options, launch_cooperative_grid=True)
-    compiled = kernel.warmup(*args, n_rows, grid=(1,), **options)
-    capacity = resident_programs(compiled, device.index or 0)
-    n_teams = max(1, min(n_rows, capacity // n_chunks))
-    kernel[(n_teams * n_chunks,)](*args, n_teams, **options)
+    # the team count depends on the compiled kernel's resources, which the options and the
+    # tensors' dtypes and alignment fix: found once per such key (a warmup costs as much host
+    # time as a launch)
+    tensors = tuple((a.dtype, a.data_ptr() % 16 == 0) for a in args if isinstance(a, torch.Tensor))
+    key = (id(kernel), device.index, n_chunks, n_rows, tuple(options.items()), tensors)
+    n_teams = _team_counts.get(key)
+    if n_teams is None:
+        compiled = kernel.warmup(*args, n_rows, grid=(1,), **options)
+        capacity = resident_programs(compiled, device.index or 0)
+        n_teams = max(1, min(n_rows, capacity // n_chunks))
+        if len(_team_counts) >= _LAUNCH_CACHE_LIMIT:
+            _team_counts.clear()
+        _team_counts[key] = n_teams
+    launcher(kernel)[(n_teams * n_chunks,)](*args, n_teams, **options)
     return n_teams
+
+
+_team_counts: dict[tuple, int] = {}
 
 
 def launcher(kernel: Any) -> Launcher:

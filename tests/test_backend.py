@@ -208,15 +208,19 @@ def test_launch_teams_sizes_a_resident_cooperative_grid(
 ) -> None:
     # on a GPU: as many teams of 16 as fit at once (never more than the rows, at least one),
     # launched cooperatively, the team count passed as the last argument
+    # (the team count is found once per kernel, options, rows and tensor types: a second call
+    # launches without another warmup)
     monkeypatch.setattr(_backend, "resident_programs", lambda compiled, index: capacity)
+    monkeypatch.setattr(_backend, "_team_counts", {})
     kernel = _FakeKernel()
-    got = _backend.launch_teams(kernel, ["x", 7], {"BLOCK_N": 64}, 16, n_rows,
-                                torch.device("cuda", 0))  # fmt: skip
-    assert got == teams
+    for _ in range(2):
+        got = _backend.launch_teams(kernel, ["x", 7], {"BLOCK_N": 64}, 16, n_rows,
+                                    torch.device("cuda", 0))  # fmt: skip
+        assert got == teams
     assert kernel.warmups == [(("x", 7, n_rows), {"BLOCK_N": 64, "launch_cooperative_grid": True,
                                                   "grid": (1,)})]  # fmt: skip
-    assert kernel.launches == [((teams * 16,), ("x", 7, teams),
-                                {"BLOCK_N": 64, "launch_cooperative_grid": True})]  # fmt: skip
+    assert kernel.launches == 2 * [((teams * 16, 1, 1), ("x", 7, teams),
+                                    {"BLOCK_N": 64, "launch_cooperative_grid": True})]  # fmt: skip
 
 
 def test_launch_teams_in_the_interpreter_takes_single_program_teams_only() -> None:

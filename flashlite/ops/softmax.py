@@ -153,7 +153,7 @@ def prefetch_applies(x2: torch.Tensor, y2: torch.Tensor) -> bool:
     aligned to 16 bytes (every copy moves 16), and teams that fit."""
     if x2.device.type != "cuda" or not KG.available():
         return False
-    if torch.cuda.get_device_capability(x2.device)[0] < 8:
+    if _backend.capability(x2.device.index or 0)[0] < 8:
         return False
     n_rows, n_cols = x2.shape
     vec = 16 // x2.element_size()
