@@ -266,6 +266,63 @@ def test_bad_input() -> None:
     assert torch.isnan(leaf.grad[1]).all() and torch.isfinite(leaf.grad[[0, 2, 3]]).all()
 
 
+def test_target_check_reports_the_class_and_resets() -> None:
+    # CPU tensors: the device-side check is reported by the call itself, with the class and V;
+    # the record is cleared once reported, so the next good call runs
+    x = torch.randn(5, 7)
+    with pytest.raises(ValueError, match=r"class 9, outside \[0, 7\) and not ignore_index=-1"):
+        flashlite.cross_entropy(x, torch.tensor([0, -1, 9, 3, 12]), ignore_index=-1)
+    with pytest.raises(ValueError, match=r"class -5, outside"):  # a sum checks too
+        flashlite.cross_entropy(x, torch.tensor([0, -5, 2, 3, 4]), reduction="sum",
+                                validate="sync")  # fmt: skip
+    got = flashlite.cross_entropy(x, torch.tensor([0, 6, 2, 3, 4], dtype=torch.int32))
+    want = F.cross_entropy(x.double(), torch.tensor([0, 6, 2, 3, 4]))
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    # ignore_index may be any integer, a valid class or far outside int32
+    for ii in (2, -(2**40)):
+        t = torch.tensor([0, ii, 2, 3, 4])
+        got = flashlite.cross_entropy(x, t, ignore_index=ii)
+        torch.testing.assert_close(got.double(), F.cross_entropy(x.double(), t, ignore_index=ii),
+                                   atol=1e-5, rtol=1e-5)  # fmt: skip
+    for bad in ("yes", 1, None):
+        with pytest.raises(ValueError, match="validate"):
+            flashlite.cross_entropy(x, torch.tensor([0, 1, 2, 3, 4]), validate=bad)
+
+
+def test_no_targets() -> None:
+    # N = 0: torch's mean of nothing is NaN, its sum 0
+    x = torch.randn(0, 5, requires_grad=True)
+    t = torch.zeros(0, dtype=torch.int64)
+    assert torch.isnan(flashlite.cross_entropy(x, t))
+    loss = flashlite.cross_entropy(x, t, reduction="sum")
+    loss.backward()
+    assert loss.item() == 0.0 and x.grad.shape == (0, 5)
+
+
+@pytest.mark.gpu
+def test_gpu_bad_target_reported_by_a_later_call() -> None:
+    # validate=True on a GPU: no host sync; the bad target's row is NaN and the next call
+    # that finds the device's check finished raises; validate="sync" raises at the call
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for v in (1000, 65536):  # the Triton kernel and, for 64k, the Gluon one
+        x = torch.randn(6, v, device="cuda", dtype=torch.bfloat16)
+        good = torch.randint(0, v, (6,), device="cuda")
+        bad = good.clone()
+        bad[4] = v + 3
+        loss = flashlite.cross_entropy(x, bad, reduction="none")
+        assert torch.isnan(loss[4]) and torch.isfinite(loss[:4]).all()
+        torch.cuda.synchronize()
+        with pytest.raises(ValueError, match=rf"earlier .* class {v + 3}, outside \[0, {v}\)"):
+            flashlite.cross_entropy(x, good)
+        assert torch.isfinite(flashlite.cross_entropy(x, good))  # reported once
+        with pytest.raises(ValueError, match=rf"class {v + 3}, outside \[0, {v}\) and not"):
+            flashlite.cross_entropy(x, bad, validate="sync")
+        loss = flashlite.cross_entropy(x, bad, validate=False)  # unchecked: NaN, no report
+        torch.cuda.synchronize()
+        assert torch.isnan(loss) and torch.isfinite(flashlite.cross_entropy(x, good))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("v", [131072, 262144], ids=["128k", "256k"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)

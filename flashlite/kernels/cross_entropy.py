@@ -211,3 +211,47 @@ def _cross_entropy_bwd_kernel(
         dx = tl.where(g == 0.0, 0.0, g * d)
         tl.store(DX + row * stride_dm + cols * stride_dn,
                  cast(dx, DX.dtype.element_ty, ROUND_BF16), mask=mask)  # fmt: skip
+
+
+#: Targets per tile of :func:`_cross_entropy_scale_kernel` (one program loops over them all: a
+#: few µs for the 8k-64k tokens of a training step, no atomics between programs).
+SCALE_BLOCK = 4096
+
+
+@triton.jit
+def _cross_entropy_scale_kernel(
+    T, W, GSCALE, BAD, n_rows, n_cols, ignore_index,
+    MEAN: tl.constexpr, HAS_WEIGHT: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """What the forward kernels need before they start, in one launch over the ``n_rows``
+    targets: ``GSCALE[0]``, the gradient a unit loss sends each row (``1/Σ`` of the kept
+    targets' weights, 1 each without ``W``, for a mean: torch's weighted mean; 1 otherwise), and
+    with ``CHECK`` the targets checked on the device: the first one outside ``[0, V)`` that is
+    not ``ignore_index`` is recorded in ``BAD = (flag, class, V)`` unless a bad target is
+    recorded there already (the host reads it later, without waiting for this kernel)."""
+    total = tl.zeros([BLOCK], tl.float32)
+    first = tl.zeros([], tl.int32) + n_rows  # (a tensor: n_rows = 1 comes as a constant)
+    for start in range(0, n_rows, BLOCK):
+        rows = start + tl.arange(0, BLOCK)
+        inside = rows < n_rows
+        t = tl.load(T + rows, mask=inside, other=0).to(tl.int64)
+        kept = inside & (t != ignore_index)
+        if HAS_WEIGHT:  # (a bad target's weight read at class 0: its row is NaN anyway)
+            in_range = (t >= 0) & (t < n_cols)
+            total += tl.load(W + tl.where(in_range, t, 0), mask=kept, other=0.0).to(tl.float32)
+        else:
+            total += tl.where(kept, 1.0, 0.0)
+        if CHECK:
+            bad = kept & ((t < 0) | (t >= n_cols))
+            first = tl.minimum(first, tl.min(tl.where(bad, rows, n_rows)))
+    scale = 1.0
+    if MEAN:  # every target ignored: NaN, and so the loss, as torch's 0/0 (no 1/0 computed)
+        denom = tl.sum(total)
+        scale = tl.where(denom > 0, 1.0 / tl.where(denom > 0, denom, 1.0), float("nan"))
+    tl.store(GSCALE, scale)
+    if CHECK:  # noqa: SIM102 - (a compile-time branch, then the device's)
+        if first < n_rows:  # noqa: SIM102 - (the exchange only where there is a bad target)
+            none = tl.zeros([], tl.int64)  # (the exchange's operands: the flag's type)
+            if tl.atomic_cas(BAD, none, none + 1) == 0:  # the first report stands till read
+                tl.store(BAD + 1, tl.load(T + first).to(tl.int64))
+                tl.store(BAD + 2, n_cols)

@@ -13,6 +13,7 @@ in a ``torch.autograd.Function`` around them, and ``torch.compile(fullgraph=True
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ from flashlite import _backend, stats
 from flashlite.kernels import cross_entropy as K
 from flashlite.kernels import cross_entropy_gluon as KG
 from flashlite.kernels.configs import cdiv
-from flashlite.ops.common import check_softcap, on_compute_device, skip_dispatcher
+from flashlite.ops.common import check_softcap, on_compute_device, plain_eager, skip_dispatcher
 from flashlite.ops.softmax import prefetch_applies, prefetch_plan
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -112,6 +113,76 @@ def cross_entropy_bwd(grad: torch.Tensor, out: torch.Tensor, dloss: torch.Tensor
     return out
 
 
+@on_compute_device
+def cross_entropy_scale(
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    n_classes: int,
+    ignore_index: int,
+    mean: bool,
+    bad: torch.Tensor | None,
+) -> torch.Tensor:
+    """The fp32 0-dim gradient scale a unit loss sends each row (``1/Σ`` of the kept targets'
+    weights for a mean, NaN when none is kept; else 1), from the ``(N,)`` targets in one launch;
+    with ``bad`` (int64 ``(3,)`` on the compute device), the first target outside
+    ``[0, V)`` that is not ``ignore_index`` is recorded there as ``(1, class, V)``, unless one
+    is recorded already."""
+    scale = target.new_empty((), dtype=torch.float32)
+    n = target.shape[0]
+    if n == 0:  # (a mean of nothing is NaN; nothing to check)
+        return scale.fill_(math.nan if mean else 1.0)
+    _backend.launcher(K._cross_entropy_scale_kernel)[(1,)](
+        target, weight if weight is not None else scale, scale, bad if bad is not None else scale,
+        n, n_classes, ignore_index, MEAN=mean, HAS_WEIGHT=weight is not None,
+        CHECK=bad is not None, BLOCK=K.SCALE_BLOCK, num_warps=4,
+    )  # fmt: skip
+    return scale
+
+
+# ----------------------------------------------------------------------------- target checks
+#: Per compute device, where :func:`cross_entropy_scale` records a bad target: ``(flag, class,
+#: V)`` in the device's memory, kept until reported, and its host copy (pinned memory on a GPU,
+#: refreshed after each checked call without waiting; the same tensor on the CPU).
+_bad_records: dict[torch.device, tuple[torch.Tensor, torch.Tensor, Any]] = {}
+
+
+def _bad_record(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """``(flag, host copy, the host copy as a numpy array)`` (numpy: a read costs no torch op)."""
+    found = _bad_records.get(device)
+    if found is None:
+        flag = torch.zeros(3, dtype=torch.int64, device=device)
+        host = torch.zeros(3, dtype=torch.int64, pin_memory=True) if device.type == "cuda" else flag
+        found = _bad_records[device] = (flag, host, host.numpy())
+    return found
+
+
+def _report_bad_targets(device: torch.device, wait: bool, ignore_index: int) -> None:
+    """Raise the ``ValueError`` for a bad target recorded on ``device``: with ``wait`` once the
+    device has finished (the call's own targets included), else only what the host copy
+    already shows (an earlier call's targets; nothing is waited for unless there is one)."""
+    found = _bad_records.get(device)
+    if found is None:
+        return
+    flag, host, host_view = found
+    if not wait and not host_view[0]:  # (pinned memory: read without a sync)
+        return
+    record = flag.tolist()  # the whole record, once the device is done (a sync on a GPU)
+    if not record[0]:
+        return
+    flag.zero_()
+    host.zero_()
+    _, cls, v = record
+    if wait:
+        raise ValueError(f"target holds class {cls}, outside [0, {v}) and not "
+                         f"ignore_index={ignore_index}")  # fmt: skip
+    raise ValueError(
+        f"an earlier flashlite.cross_entropy call on {device} had a target of class {cls}, "
+        f"outside [0, {v}) and not its ignore_index: that call's loss and gradient rows are "
+        "NaN. Targets are checked on the device without waiting for it, and a bad one is "
+        "reported by a later call; validate='sync' reports it at the call itself"
+    )
+
+
 # ----------------------------------------------------------------------------- custom ops
 @torch.library.custom_op("flashlite::cross_entropy_fwd", mutates_args=("grad",))
 def _ce_fwd_op(
@@ -196,7 +267,7 @@ class _CrossEntropy(torch.autograd.Function):
         if reduction == "none":
             return losses, lse
         total = losses.sum()  # (Σ loss)·(1/Σ) for a mean: the gradient was stored times 1/Σ
-        return (total if reduction == "sum" else total * grad_scale[0]), lse
+        return (total if reduction == "sum" else total * grad_scale), lse
 
     @staticmethod
     def backward(ctx, dloss, _dlse):  # type: ignore[no-untyped-def, override]
@@ -263,6 +334,32 @@ def _check(
     check_softcap(softcap)
 
 
+_unit_scales: dict[torch.device, torch.Tensor] = {}
+
+
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    """A 0-dim fp32 one on ``device``, kept (the kernels only read it)."""
+    found = _unit_scales.get(device)
+    if found is None:
+        found = _unit_scales[device] = torch.ones((), dtype=torch.float32, device=device)
+    return found
+
+
+def _traced_scale(target: torch.Tensor, weight: torch.Tensor | None, n_classes: int,
+                  ignore_index: int, mean: bool) -> torch.Tensor:  # fmt: skip
+    """:func:`cross_entropy_scale` without the check, in torch ops (what a trace can hold): the
+    incoming gradient a unit loss sends each row, ``1/Σ`` of the kept targets' weights for a
+    mean (torch's weighted mean), else 1."""
+    if not mean:
+        return torch.ones((), dtype=torch.float32, device=target.device)
+    kept = target != ignore_index
+    if weight is None:
+        denom = kept.sum(dtype=torch.float32)
+    else:
+        denom = torch.where(kept, weight.float()[target.clamp(0, n_classes - 1)], 0.0).sum()
+    return 1.0 / denom
+
+
 def _check_targets(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
     """Targets in ``[0, V)`` or ``ignore_index`` (one host sync on a GPU)."""
     bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
@@ -284,7 +381,7 @@ def cross_entropy(
     softcap: float | None = None,
     inplace_backward: bool = False,
     return_lse: bool = False,
-    validate: bool = True,
+    validate: bool | str = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax cross-entropy with its gradient computed in the same pass (the softmax is never
     stored).
@@ -307,9 +404,14 @@ def cross_entropy(
             ``logits`` must then be a non-leaf tensor (or need no gradient) that nothing else
             saved for its own backward, and it holds the gradient afterwards.
         return_lse: also return the fp32 LSE per token (``target``'s shape; no gradient).
-        validate: check that every target is in ``[0, V)`` or ``ignore_index`` (one host sync
-            on a GPU; skipped inside ``torch.compile``). ``False`` skips it: a bad target then
-            gives a NaN loss and gradient row, never a read outside the tensors.
+        validate: check that every target is in ``[0, V)`` or ``ignore_index``. A bad target
+            always gives a NaN loss and gradient row, never a read outside the tensors; the
+            check turns it into a ``ValueError``. ``True``: on the device, in the launch that
+            computes the mean's divisor, without stopping the host. On a GPU the error is then
+            raised by a *later* ``cross_entropy`` call on that device, the first that finds
+            the check finished (on the CPU, by this call). ``"sync"``: by this call, after a
+            host sync (for debugging; about 0.4 ms a step on the H200). ``False``: no check.
+            Skipped inside ``torch.compile``.
 
     Returns:
         The loss in **fp32** whatever the logits' dtype (a bf16 sum over thousands of tokens
@@ -319,28 +421,40 @@ def cross_entropy(
     Raises:
         TypeError: non-tensors, unsupported dtypes, float targets, non-numeric options.
         ValueError: shape or device mismatch, a bad reduction, ``label_smoothing`` outside
-            [0, 1], a negative ``z_loss``, a non-positive ``softcap``; with ``validate``, a
-            target outside ``[0, V)`` that is not ``ignore_index``.
+            [0, 1], a negative ``z_loss``, a non-positive ``softcap``, ``validate`` not one of
+            True, False, "sync"; with ``validate``, a target outside ``[0, V)`` that is not
+            ``ignore_index`` (see ``validate`` for which call raises it).
     """
     _check(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
+    if not (isinstance(validate, bool) or validate == "sync"):
+        raise ValueError(f"validate must be True, False or 'sync', got {validate!r}")
     v = logits.shape[-1]
     x2 = logits.reshape(-1, v)
     if inplace_backward and x2.data_ptr() != logits.data_ptr():
         raise ValueError("inplace_backward needs logits whose rows form a (N, V) view (no copy)")
     t1 = target.reshape(-1)
-    if validate and not torch.compiler.is_compiling():
-        _check_targets(t1, v, ignore_index)
-    # the incoming gradient a unit loss sends each row: the gradient is stored times it, so
-    # that loss.backward() finds nothing left to do (1/Σ for a mean: torch's weighted mean)
-    if reduction == "mean":
-        kept = t1 != ignore_index
-        if weight is None:
-            denom = kept.sum(dtype=torch.float32)
+    record = None
+    if plain_eager(x2, t1):
+        # the gradient's scale (below) and the targets' check in one launch, not waited for:
+        # on a GPU a bad target is reported by a later call (validate="sync": by this one)
+        device = _backend.compute_device(x2.device)
+        wait = validate == "sync" or x2.device.type == "cpu"
+        if validate:
+            if not wait:
+                _report_bad_targets(device, False, ignore_index)
+            record = _bad_record(device)
+        if validate or reduction == "mean":
+            grad_scale = cross_entropy_scale(t1, weight, v, ignore_index, reduction == "mean",
+                                             record[0] if record else None)  # fmt: skip
         else:
-            denom = torch.where(kept, weight.float()[t1.clamp(0, v - 1)], 0.0).sum()
-        grad_scale = (1.0 / denom).reshape(1)
-    else:
-        grad_scale = torch.ones(1, dtype=torch.float32, device=logits.device)
+            grad_scale = _unit_scale(x2.device)
+        if record is not None:
+            if wait:
+                _report_bad_targets(device, True, ignore_index)
+            else:  # the host copy, refreshed when the device gets there
+                record[1].copy_(record[0], non_blocking=True)
+    else:  # traced: the same scale from torch ops, no check (a host read cannot be traced)
+        grad_scale = _traced_scale(t1, weight, v, ignore_index, reduction == "mean")
     args = (t1, weight, grad_scale, ignore_index, float(label_smoothing), float(z_loss),
             check_softcap(softcap))  # fmt: skip
     loss, lse = _CrossEntropy.apply(x2, *args, bool(inplace_backward), reduction)

@@ -631,11 +631,13 @@ def model_cross_entropy(
     unit_grad: bool = True,
     prefetch: bool = False,
     smoothing: bool = False,
+    scale: bool = True,
 ) -> Traffic:
     """Bytes the fused cross-entropy kernels issue for ``(rows, n)`` logits (classes last),
     ``weight_bytes`` > 0 with class weights of that element size, and the backward's kernel
     with ``backward`` (:mod:`flashlite.kernels.cross_entropy`)::
 
+        scale    read  = rows·(target [+ w]),  write = 4          the mean's 1/Σ, the check
         forward  read  = rows·(target + 4 + passes·n·b [+ 4 + w + passes·n·w])   passes: 1 or 2
                  write = rows·(n·b + 8)                                        gradient, loss, lse
         backward read  = rows·4·progs [+ rows·n·b],  write [rows·n·b]    progs = ⌈n/(16·4096)⌉
@@ -644,8 +646,10 @@ def model_cross_entropy(
     statistics, then the gradient). The forward stores the gradient already scaled for a unit
     loss (``1/Σ`` for a mean), so with ``unit_grad`` (``loss.backward()``) the backward's
     programs read the incoming gradient (one scalar) and stop; otherwise they rescale the
-    gradient (the bracketed terms). The host's O(rows) reductions (mean's denominator, the sum
-    of the losses) are not counted here.
+    gradient (the bracketed terms). With ``scale`` (every call but an unchecked ``sum`` or
+    ``none``), one launch first reads the targets (and their class weights) for the mean's
+    divisor and the device-side target check. The sum of the losses (a torch reduction) is not
+    counted here.
 
     ``prefetch``: the GPU's Gluon team kernel for long rows
     (:mod:`flashlite.kernels.cross_entropy_gluon`, no class weights), modelled only (the
@@ -663,6 +667,8 @@ def model_cross_entropy(
     passes = 1 if prefetch or ce_config(n)["SINGLE"] else 2
     chunks = softmax_gluon.prefetch_config(n, b)["n_chunks"] if prefetch else 1
     t = Traffic()
+    if scale:
+        t.add("scale: targets", rows * (target_bytes + weight_bytes), 4)
     t.add("target, gradient scale", rows * chunks * (target_bytes + 4), 0)
     t.add("logits", rows * passes * n * b, 0)
     if prefetch:
