@@ -13,6 +13,7 @@ in a ``torch.autograd.Function`` around them, and ``torch.compile(fullgraph=True
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -34,6 +35,29 @@ BWD_TILES = 16
 
 
 # ----------------------------------------------------------------------------- launchers
+#: Planned launches (kernel, launch options, grid, Triton's argument binding), per everything
+#: they depend on but the tensors' addresses: a training loop's repeated calls skip the
+#: planning, which cost more host time than the launch itself (``_backend.Launcher.bind``).
+#: Fresh buffers (losses, LSE, the words) come from torch's allocator, 512-byte aligned. The
+#: kernels' module constants (tile sizes) are taken as fixed: a test that patches them starts
+#: an empty cache.
+_plans: dict[tuple, Callable[..., None]] = {}
+_PLAN_LIMIT = 1024
+
+
+def _aligned(*tensors: torch.Tensor | None) -> tuple[bool, ...]:
+    return tuple(t is None or t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def _planned(key: tuple, plan: Callable[[], Callable[..., None]]) -> Callable[..., None]:
+    found = _plans.get(key)
+    if found is None:
+        if len(_plans) >= _PLAN_LIMIT:
+            _plans.clear()
+        found = _plans[key] = plan()
+    return found
+
+
 @on_compute_device
 def cross_entropy_fwd(
     logits: torch.Tensor,
@@ -54,26 +78,56 @@ def cross_entropy_fwd(
     lse = logits.new_empty((n,), dtype=torch.float32)
     if n == 0:
         return losses, lse
-    if weight is None and not softcap and v >= KG.MIN_COLS and prefetch_applies(logits, grad):
-        _prefetch_fwd(logits, target, grad_scale, grad, losses, lse, ignore_index,
-                      label_smoothing, z_loss)  # fmt: skip
-        return losses, lse
-    wsum = weight.float().sum().reshape(1) if weight is not None else losses
-    col64 = any((v - 1) * abs(t.stride(1)) >= _INT32_LIMIT for t in (logits, grad))
-    kernel = _backend.launcher(K._cross_entropy_fwd_kernel)
-    kernel[(n,)](
-        logits, target, weight if weight is not None else losses, wsum, grad_scale, grad, losses,
-        lse, v, *logits.stride(), *grad.stride(), ignore_index, float(label_smoothing),
-        float(z_loss), float(softcap), HAS_WEIGHT=weight is not None, SOFTCAP=softcap > 0,
-        SMOOTH=label_smoothing > 0, COL_INT64=col64, ROUND_BF16=_backend.round_bf16(logits.dtype),
-        num_stages=1, **K.ce_config(v),
-    )  # fmt: skip
+    opts = (ignore_index, float(label_smoothing), float(z_loss), float(softcap))
+    key = ("fwd", logits.device, logits.dtype, grad.dtype, target.dtype, n, v, logits.stride(),
+           grad.stride(), None if weight is None else weight.dtype,
+           _aligned(logits, target, weight, grad_scale, grad), *opts)  # fmt: skip
+    run = _planned(key, lambda: _plan_fwd(logits, target, weight, grad_scale, grad, *opts))
+    run(logits, target, weight, grad_scale, grad, losses, lse)
     return losses, lse
 
 
-def _prefetch_fwd(logits: torch.Tensor, target: torch.Tensor, grad_scale: torch.Tensor,
-                  grad: torch.Tensor, losses: torch.Tensor, lse: torch.Tensor, ignore_index: int,
-                  label_smoothing: float, z_loss: float) -> None:  # fmt: skip
+def _plan_fwd(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    grad_scale: torch.Tensor,
+    grad: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+) -> Callable[..., None]:
+    """``run(logits, target, weight, grad_scale, grad, losses, lse)`` for calls like this one:
+    the Gluon prefetching team for long plain rows on a GPU that runs it, else the Triton
+    kernel."""
+    n, v = logits.shape
+    if weight is None and not softcap and v >= KG.MIN_COLS and prefetch_applies(logits, grad):
+        return _plan_prefetch(logits, target, grad_scale, grad, ignore_index, label_smoothing,
+                              z_loss)  # fmt: skip
+    col64 = any((v - 1) * abs(t.stride(1)) >= _INT32_LIMIT for t in (logits, grad))
+    rest = (v, *logits.stride(), *grad.stride(), ignore_index, label_smoothing, z_loss, softcap)
+    options = dict(HAS_WEIGHT=weight is not None, SOFTCAP=softcap > 0, SMOOTH=label_smoothing > 0,
+                   COL_INT64=col64, ROUND_BF16=_backend.round_bf16(logits.dtype), num_stages=1,
+                   **K.ce_config(v))  # fmt: skip
+    stand_in = grad_scale  # (for the weights and their sum when there are none: never read)
+    bound = _backend.launcher(K._cross_entropy_fwd_kernel).bind(
+        (logits, target, weight if weight is not None else stand_in, stand_in, grad_scale, grad,
+         stand_in, stand_in, *rest), options)  # fmt: skip
+
+    def run(logits, target, weight, grad_scale, grad, losses, lse) -> None:  # noqa: ANN001
+        if weight is None:
+            weight = wsum = losses
+        else:  # Σ w on the device: no host sync for it
+            wsum = weight.float().sum().reshape(1)
+        bound((n, 1, 1), logits, target, weight, wsum, grad_scale, grad, losses, lse, *rest)
+
+    return run
+
+
+def _plan_prefetch(logits: torch.Tensor, target: torch.Tensor, grad_scale: torch.Tensor,
+                   grad: torch.Tensor, ignore_index: int, label_smoothing: float,
+                   z_loss: float) -> Callable[..., None]:  # fmt: skip
     """Long rows without class weights or a soft cap, on a GPU with Gluon: the prefetching
     team kernel (:mod:`flashlite.kernels.cross_entropy_gluon`), logits read once."""
     n, v = logits.shape
@@ -81,12 +135,19 @@ def _prefetch_fwd(logits: torch.Tensor, target: torch.Tensor, grad_scale: torch.
     # per (row, chunk): the (m, s) word, and with smoothing a Σx word
     opts, n_chunks, words = prefetch_plan(logits, 2 if smooth else 1)
     vec = opts["VEC"]  # lengths and strides in 16-byte vectors (prefetch_applies checked)
-    args = [logits, target, grad_scale, grad, losses, lse, words, n, v, v // vec,
-            logits.stride(0) // vec, grad.stride(0) // vec, n_chunks, ignore_index,
-            float(label_smoothing), float(z_loss)]  # fmt: skip
-    options = {"SMOOTH": smooth, **opts}
-    _backend.launch_teams(KG._cross_entropy_prefetch_kernel, args, options, n_chunks, n,
-                          logits.device)  # fmt: skip
+    rest = (n, v, v // vec, logits.stride(0) // vec, grad.stride(0) // vec, n_chunks,
+            ignore_index, label_smoothing, z_loss)  # fmt: skip
+    launch = _backend.bind_teams(KG._cross_entropy_prefetch_kernel,
+                                 [logits, target, grad_scale, grad, grad_scale, grad_scale, words,
+                                  *rest], {"SMOOTH": smooth, **opts}, n_chunks, n,
+                                 logits.device)  # fmt: skip
+    shape, device = words.shape, logits.device
+
+    def run(logits, target, weight, grad_scale, grad, losses, lse) -> None:  # noqa: ANN001
+        words = torch.full(shape, -1, device=device, dtype=torch.int64)  # −1: not yet published
+        launch(logits, target, grad_scale, grad, losses, lse, words, *rest)
+
+    return run
 
 
 @on_compute_device
@@ -98,19 +159,31 @@ def cross_entropy_bwd(grad: torch.Tensor, out: torch.Tensor, dloss: torch.Tensor
     n, v = grad.shape
     if n == 0:
         return out
-    d = dloss.reshape(-1)
+    d = dloss if dloss.dim() == 1 else dloss.reshape(-1)
     if d.dtype != torch.float32:
         d = d.float()
+    stride_l = d.stride(0) if d.numel() > 1 else 0
+    skip = out.data_ptr() == grad.data_ptr()
+    key = ("bwd", grad.device, grad.dtype, out.dtype, n, v, grad.stride(), out.stride(), stride_l,
+           skip, _aligned(grad, out, d))  # fmt: skip
+    _planned(key, lambda: _plan_bwd(grad, out, d, stride_l, skip))(grad, out, d)
+    return out
+
+
+def _plan_bwd(grad: torch.Tensor, out: torch.Tensor, d: torch.Tensor, stride_l: int,
+              skip: bool) -> Callable[..., None]:  # fmt: skip
+    n, v = grad.shape
     block = min(BWD_BLOCK, 1 << max(4, (v - 1).bit_length()))
     tiles = min(BWD_TILES, cdiv(v, block))
     col64 = (v - 1) * max(abs(grad.stride(1)), abs(out.stride(1))) >= _INT32_LIMIT
-    kernel = _backend.launcher(K._cross_entropy_bwd_kernel)
-    kernel[(n, cdiv(v, block * tiles))](
-        grad, out, d, v, *grad.stride(), *out.stride(), d.stride(0) if d.numel() > 1 else 0,
-        SKIP_UNIT=out.data_ptr() == grad.data_ptr(), BLOCK_N=block, TILES=tiles,
-        COL_INT64=col64, ROUND_BF16=_backend.round_bf16(grad.dtype), num_warps=4, num_stages=1,
+    rest = (v, *grad.stride(), *out.stride(), stride_l)
+    bound = _backend.launcher(K._cross_entropy_bwd_kernel).bind(
+        (grad, out, d, *rest),
+        dict(SKIP_UNIT=skip, BLOCK_N=block, TILES=tiles, COL_INT64=col64,
+             ROUND_BF16=_backend.round_bf16(grad.dtype), num_warps=4, num_stages=1),
     )  # fmt: skip
-    return out
+    grid = (n, cdiv(v, block * tiles), 1)
+    return lambda grad, out, d: bound(grid, grad, out, d, *rest)
 
 
 @on_compute_device
@@ -429,10 +502,11 @@ def cross_entropy(
     if not (isinstance(validate, bool) or validate == "sync"):
         raise ValueError(f"validate must be True, False or 'sync', got {validate!r}")
     v = logits.shape[-1]
-    x2 = logits.reshape(-1, v)
+    # (2-D logits and 1-D targets as they are: a reshape would add a view to the autograd graph)
+    x2 = logits if logits.dim() == 2 else logits.reshape(-1, v)
     if inplace_backward and x2.data_ptr() != logits.data_ptr():
         raise ValueError("inplace_backward needs logits whose rows form a (N, V) view (no copy)")
-    t1 = target.reshape(-1)
+    t1 = target if target.dim() == 1 else target.reshape(-1)
     record = None
     if plain_eager(x2, t1):
         # the gradient's scale (below) and the targets' check in one launch, not waited for:
