@@ -45,7 +45,14 @@ _plans: dict[tuple, Callable[..., None]] = {}
 _PLAN_LIMIT = 1024
 
 
-def _aligned(*tensors: torch.Tensor | None) -> tuple[bool, ...]:
+def _aligned(*tensors: torch.Tensor | None) -> bool | tuple[bool, ...]:
+    """True when every tensor starts on 16 bytes (the usual case, one test), else each one's."""
+    bits = 0
+    for t in tensors:
+        if t is not None:
+            bits |= t.data_ptr()
+    if bits % 16 == 0:
+        return True
     return tuple(t is None or t.data_ptr() % 16 == 0 for t in tensors)
 
 
@@ -159,7 +166,7 @@ def cross_entropy_bwd(grad: torch.Tensor, out: torch.Tensor, dloss: torch.Tensor
     n, v = grad.shape
     if n == 0:
         return out
-    d = dloss if dloss.dim() == 1 else dloss.reshape(-1)
+    d = dloss if dloss.dim() <= 1 else dloss.reshape(-1)  # (a 0-dim one is read as a pointer)
     if d.dtype != torch.float32:
         d = d.float()
     stride_l = d.stride(0) if d.numel() > 1 else 0
@@ -204,11 +211,20 @@ def cross_entropy_scale(
     n = target.shape[0]
     if n == 0:  # (a mean of nothing is NaN; nothing to check)
         return scale.fill_(math.nan if mean else 1.0)
-    _backend.launcher(K._cross_entropy_scale_kernel)[(1,)](
-        target, weight if weight is not None else scale, scale, bad if bad is not None else scale,
-        n, n_classes, ignore_index, MEAN=mean, HAS_WEIGHT=weight is not None,
-        CHECK=bad is not None, BLOCK=K.SCALE_BLOCK, num_warps=4,
-    )  # fmt: skip
+    weight = weight if weight is not None else scale  # (stand-ins: never read)
+    bad = bad if bad is not None else scale
+    rest = (n, n_classes, ignore_index)
+    key = ("scale", target.device, target.dtype, weight.dtype, *rest, mean, bad is not scale,
+           weight is not scale, _aligned(target, weight, bad))  # fmt: skip
+
+    def plan() -> Callable[..., None]:
+        options = dict(MEAN=mean, HAS_WEIGHT=weight is not scale, CHECK=bad is not scale,
+                       BLOCK=K.SCALE_BLOCK, num_warps=4)  # fmt: skip
+        bound = _backend.launcher(K._cross_entropy_scale_kernel).bind(
+            (target, weight, scale, bad, *rest), options)  # fmt: skip
+        return lambda *a: bound((1, 1, 1), *a, *rest)
+
+    _planned(key, plan)(target, weight, scale, bad)
     return scale
 
 
@@ -320,20 +336,22 @@ class _CrossEntropy(torch.autograd.Function):
     raises torch's "modified by an inplace operation" error instead of reading gradients."""
 
     @staticmethod
-    def forward(ctx, logits, target, weight, grad_scale, ignore_index, label_smoothing, z_loss,  # type: ignore[no-untyped-def, override]
-                softcap, inplace, reduction):  # fmt: skip
-        opts = (weight, grad_scale, ignore_index, label_smoothing, z_loss, softcap)
+    def forward(ctx, logits, target, weight, grad_scale, opts):  # type: ignore[no-untyped-def, override]
+        # (the options in one tuple: autograd's per-argument handling costs host time)
+        ignore_index, label_smoothing, z_loss, softcap, inplace, reduction, eager = opts
+        kernel_opts = (ignore_index, label_smoothing, z_loss, softcap)
         grad = logits.detach() if inplace else torch.empty_like(logits)
-        if skip_dispatcher(logits, grad, target):  # eager: the op's body, minus the dispatcher
-            losses, lse = cross_entropy_fwd(logits, target, weight, grad_scale, grad, *opts[2:])
+        if eager:  # a plain eager call (the front-end checked): the op's body, no dispatcher
+            losses, lse = cross_entropy_fwd(logits, target, weight, grad_scale, grad,
+                                            *kernel_opts)  # fmt: skip
             if inplace:  # what the op's declared mutation would do
                 torch.autograd.graph.increment_version(grad)
         elif inplace:
-            losses, lse = torch.ops.flashlite.cross_entropy_fwd_inplace.default(grad, target,
-                                                                               *opts)  # fmt: skip
+            losses, lse = torch.ops.flashlite.cross_entropy_fwd_inplace.default(
+                grad, target, weight, grad_scale, *kernel_opts)  # fmt: skip
         else:
-            losses, lse = torch.ops.flashlite.cross_entropy_fwd.default(logits, grad, target,
-                                                                       *opts)  # fmt: skip
+            losses, lse = torch.ops.flashlite.cross_entropy_fwd.default(
+                logits, grad, target, weight, grad_scale, *kernel_opts)  # fmt: skip
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(grad)
         ctx.used = False
@@ -355,7 +373,7 @@ class _CrossEntropy(torch.autograd.Function):
             cross_entropy_bwd(grad, grad, dloss)
         else:  # traced (compile, AOT, fake tensors): the functional op, a new buffer
             grad = torch.ops.flashlite.cross_entropy_bwd.default(grad, dloss)
-        return grad, *([None] * 9)
+        return grad, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- front-end
@@ -508,7 +526,8 @@ def cross_entropy(
         raise ValueError("inplace_backward needs logits whose rows form a (N, V) view (no copy)")
     t1 = target if target.dim() == 1 else target.reshape(-1)
     record = None
-    if plain_eager(x2, t1):
+    eager = plain_eager(x2, t1)
+    if eager:
         # the gradient's scale (below) and the targets' check in one launch, not waited for:
         # on a GPU a bad target is reported by a later call (validate="sync": by this one)
         device = _backend.compute_device(x2.device)
@@ -529,9 +548,9 @@ def cross_entropy(
                 record[1].copy_(record[0], non_blocking=True)
     else:  # traced: the same scale from torch ops, no check (a host read cannot be traced)
         grad_scale = _traced_scale(t1, weight, v, ignore_index, reduction == "mean")
-    args = (t1, weight, grad_scale, ignore_index, float(label_smoothing), float(z_loss),
-            check_softcap(softcap))  # fmt: skip
-    loss, lse = _CrossEntropy.apply(x2, *args, bool(inplace_backward), reduction)
+    opts = (ignore_index, float(label_smoothing), float(z_loss), check_softcap(softcap),
+            bool(inplace_backward), reduction, eager)  # fmt: skip
+    loss, lse = _CrossEntropy.apply(x2, t1, weight, grad_scale, opts)
     if reduction == "none":
         loss = loss.view(target.shape)
     return (loss, lse.view(target.shape)) if return_lse else loss
