@@ -22,6 +22,7 @@ Triton helpers (``@triton.jit``, called from kernels):
 ``finalize_lse``         natural-log LSE from a pair
 ``probs_from_lse``       normalised probabilities of a tile from a finished LSE (backward)
 ``probs_from_lse_t``     the same for a transposed ``[C, R]`` tile (one LSE per column)
+``probs_from_pair``      the same from the finished pair ``(m, s)``: exact at large logits
 =======================  ============================================================
 
 ``m`` is kept in the logits' own units and every exponential is ``2^((x − m)·SCALE)`` for a
@@ -66,6 +67,7 @@ __all__ = [
     "finalize_lse",
     "probs_from_lse",
     "probs_from_lse_t",
+    "probs_from_pair",
     "merge",
     "merge_attention",
     "torch_tile_stats",
@@ -208,6 +210,19 @@ def probs_from_lse_t(xt, lse, SCALE):
     along its columns: the backward's dK/dV kernel works keys-major (``Sᵀ = K·Qᵀ``) so that
     ``Pᵀ`` feeds the next products straight from registers."""
     return tl.exp2(xt * SCALE - _lse_log2(lse)[None, :])
+
+
+@triton.jit
+def probs_from_pair(x, m, s, SCALE):
+    """The normalised probabilities ``2^((x − m)·SCALE) / s`` of an ``[R, C]`` tile from its
+    rows' finished pair (``[R]`` each): one more multiply per element than
+    :func:`probs_from_lse`, and exact near the row's maximum. The LSE rounded to fp32 is off by
+    up to half its ulp (5e-4 at |x| ≈ 1e4), and ``p`` from it inherits that relative error: fine
+    for attention's scaled scores, not for cross-entropy's raw logits, whose gradient is ``p``.
+    Rows that saw nothing (``m = −inf``, ``s = 0``) give 0."""
+    ref = tl.where(m == float("-inf"), 0.0, m)
+    inv_s = tl.where(s > 0.0, 1.0 / tl.where(s > 0.0, s, 1.0), 0.0)
+    return tl.exp2((x - ref[:, None]) * SCALE) * inv_s[:, None]
 
 
 @triton.jit

@@ -137,6 +137,44 @@ def test_extreme_logits(kernel: str) -> None:
     assert torch.isinf(got) and torch.isinf(reference(masked, target, label_smoothing=0.1))
 
 
+def _close_logits_case(device: str, v: int) -> None:
+    # logits near 1e4 that differ by less than one: the LSE rounded to fp32 is off by up to
+    # 5e-4, so p and the loss come from the pair (m, s) instead; fp32 then matches fp64 to ~1e-7
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, v, generator=gen) * 3
+    x[:, 5], x[:, 7], x[1, 9] = 1e4, 1e4 - 0.7, -1e4
+    target = torch.tensor([5, 7, 3, 5])
+    for opts in ({}, {"label_smoothing": 0.1}, {"weight": torch.rand(v, generator=gen) + 0.5}):
+        leaf = x.to(device, copy=True).requires_grad_()
+        w = opts.get("weight")
+        kw = dict(opts, weight=w.to(device)) if w is not None else opts
+        loss = flashlite.cross_entropy(leaf, target.to(device), reduction="none", **kw)
+        loss.sum().backward()
+        ref = x.double().requires_grad_()
+        eps = opts.get("label_smoothing", 0.0)
+        want = F.cross_entropy(ref, target, w.double() if w is not None else None,
+                               reduction="none", label_smoothing=eps)  # fmt: skip
+        want.sum().backward()
+        torch.testing.assert_close(leaf.grad.double().cpu(), ref.grad, atol=1e-6, rtol=0)
+        # (a loss of 1e4 is fp32's to 6e-8; the smoothing term's lse·V − Σ x cancels at 1e4·V
+        # in fp32: looser there)
+        tol = 2e-3 if eps else 1e-5
+        torch.testing.assert_close(loss.double().cpu(), want.detach(), atol=tol, rtol=1.2e-7)
+
+
+def test_close_logits_near_1e4_in_fp32(kernel: str) -> None:
+    _close_logits_case("cpu", 1000)
+
+
+@pytest.mark.gpu
+def test_gpu_close_logits_near_1e4_in_fp32() -> None:
+    # 64k: the Gluon kernel without weights, the Triton loop with them; 1000: one tile
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    for v in (1000, 65536):
+        _close_logits_case("cuda", v)
+
+
 def test_every_target_ignored() -> None:
     logits = torch.randn(4, 30, requires_grad=True)
     target = torch.full((4,), -100)

@@ -31,7 +31,7 @@ from flashlite.stats import (
     LOG2E,
     finalize_lse,
     online_update,
-    probs_from_lse,
+    probs_from_pair,
     tile_stats,
 )
 
@@ -73,10 +73,12 @@ def _logits(X, W, cols, n_cols, stride_n, softcap, SOFTCAP: tl.constexpr,
 
 
 @triton.jit
-def _grad(x, t, w, lse, cols, target, w_t, smoothing, inv_v, z_loss, weight_sum, scale,
+def _grad(x, t, w, m, s, lse, cols, target, w_t, smoothing, inv_v, z_loss, weight_sum, scale,
           SOFTCAP: tl.constexpr):  # fmt: skip
     """``∂loss/∂x`` of a ``[1, BLOCK_N]`` tile from the row's finished statistics."""
-    p = probs_from_lse(x, lse, LOG2E)  # (one exponential per logit, no division)
+    # from the pair, not the LSE: p = e^(x − lse) with lse rounded to fp32 is off by up to 5e-4
+    # at |x| ≈ 1e4 (one exponential per logit and no division either way)
+    p = probs_from_pair(x, m, s, LOG2E)
     coef = (1.0 - smoothing) * w_t + smoothing * inv_v * weight_sum + 2.0 * z_loss * lse
     g = p * coef[:, None] - smoothing * inv_v * w
     g = tl.where(cols[None, :] == target, g - (1.0 - smoothing) * w_t[:, None], g)
@@ -108,11 +110,12 @@ def _partials(x, w, cols, target, SMOOTH: tl.constexpr):
 
 
 @triton.jit
-def _loss(lse, x_t, wx, w_t, weight_sum, smoothing, inv_v, z_loss, ignored, in_range,
+def _loss(m, s, lse, x_t, wx, w_t, weight_sum, smoothing, inv_v, z_loss, ignored, in_range,
           SMOOTH: tl.constexpr):  # fmt: skip
-    """A row's loss from its LSE and partials: 0 when ignored, NaN for a target outside
+    """A row's loss from its statistics and partials: 0 when ignored, NaN for a target outside
     ``[0, V)``."""
-    loss = (1.0 - smoothing) * w_t * (lse - x_t) + z_loss * lse * lse
+    # lse − x_t as (m − x_t) + ln s: exact where the LSE rounded to fp32 is not (large logits)
+    loss = (1.0 - smoothing) * w_t * ((m - x_t) + tl.log(s)) + z_loss * lse * lse
     if SMOOTH:
         loss += smoothing * inv_v * (lse * weight_sum - wx)
     return tl.where(ignored, 0.0, tl.where(in_range, loss, float("nan")))
@@ -162,8 +165,8 @@ def _cross_entropy_fwd_kernel(
             wx += wx_tile
 
     lse = finalize_lse(m, s, LOG2E)
-    loss = _loss(lse, x_t, wx, w_t, weight_sum, smoothing, inv_v, z_loss, ignored, in_range,
-                 SMOOTH)  # fmt: skip
+    loss = _loss(m, s, lse, x_t, wx, w_t, weight_sum, smoothing, inv_v, z_loss, ignored,
+                 in_range, SMOOTH)  # fmt: skip
     tl.store(LOSS + row + tl.arange(0, 1), loss)
     tl.store(LSE + row + tl.arange(0, 1), lse)
 
@@ -171,8 +174,8 @@ def _cross_entropy_fwd_kernel(
     # a target outside [0, V): NaN, like its loss
     scale = tl.where(ignored, 0.0, tl.where(in_range, tl.load(GSCALE), float("nan")))
     if SINGLE:
-        g = _grad(x, t, w, lse, offs, target, w_t, smoothing, inv_v, z_loss, weight_sum, scale,
-                  SOFTCAP)  # fmt: skip
+        g = _grad(x, t, w, m, s, lse, offs, target, w_t, smoothing, inv_v, z_loss, weight_sum,
+                  scale, SOFTCAP)  # fmt: skip
         tl.store(g_row + offs[None, :] * stride_gn, cast(g, G.dtype.element_ty, ROUND_BF16),
                  mask=offs[None, :] < n_cols)  # fmt: skip
     else:  # pass 2: read the row again, backwards (the tiles pass 1 read last are in L2)
@@ -180,8 +183,8 @@ def _cross_entropy_fwd_kernel(
         for i in range(0, n_tiles):
             cols = (n_tiles - 1 - i) * BLOCK_N + offs
             x, t, w = _logits(x_row, W, cols, n_cols, stride_xn, softcap, SOFTCAP, HAS_WEIGHT)
-            g = _grad(x, t, w, lse, cols, target, w_t, smoothing, inv_v, z_loss, weight_sum,
-                      scale, SOFTCAP)  # fmt: skip
+            g = _grad(x, t, w, m, s, lse, cols, target, w_t, smoothing, inv_v, z_loss,
+                      weight_sum, scale, SOFTCAP)  # fmt: skip
             tl.store(g_row + cols[None, :] * stride_gn, cast(g, G.dtype.element_ty, ROUND_BF16),
                      mask=cols[None, :] < n_cols)  # fmt: skip
 

@@ -106,7 +106,11 @@ if GLUON_IMPORT_ERROR is None:
                 # ignored rows: zero gradient (not 0·scale: a mean over no target has an
                 # infinite scale); a target outside [0, V): NaN, like its loss
                 scale = gl.where(ignored, 0.0, gl.where(in_range, g_scale, float("nan")))
-                coef = 1.0 + 2.0 * z_loss * lse
+                # p = 2^((x − m)·log2 e)/s from the pair, not e^(x − lse): the LSE rounded to
+                # fp32 is off by up to 5e-4 at |x| ≈ 1e4 (flashlite.stats.probs_from_pair)
+                ref_row = gl.where(m_row == float("-inf"), 0.0, m_row)
+                inv_s = gl.where(s_row > 0.0, 1.0 / gl.where(s_row > 0.0, s_row, 1.0), 0.0)
+                coef = (1.0 + 2.0 * z_loss * lse) * inv_s
                 # The program whose chunk holds the target (chunk 0 for none) writes the loss
                 # and the target's gradient as scalars: comparing every column with the target
                 # kept the column indices live and cost 12% of the kernel's time on the H200.
@@ -116,14 +120,16 @@ if GLUON_IMPORT_ERROR is None:
                 if owner:
                     _thread_barrier()
                 x = _chunk(slots.index((i - 1) % STAGES), in_row, layout)
-                g = (gl.exp2((x - lse) * LOG2E) * coef - smoothing * inv_v) * scale
+                g = (gl.exp2((x - ref_row) * LOG2E) * coef - smoothing * inv_v) * scale
                 gl.store(G + row * stride_gm + cols, g.to(G.dtype.element_ty), mask=in_row)
                 if owner:
                     _thread_barrier()  # every thread's store lands before the target's below
-                    g_t = gl.exp2((x_t - lse) * LOG2E) * coef - smoothing * inv_v
+                    g_t = gl.exp2((x_t - ref_row) * LOG2E) * coef - smoothing * inv_v
                     g_t = (g_t - (1.0 - smoothing)) * scale
                     gl.store(G + row * stride_gm + t_col, g_t.to(G.dtype.element_ty))
-                    loss = (1.0 - smoothing) * (lse - x_t) + z_loss * lse * lse
+                    # lse − x_t as (m − x_t) + ln s, exact where the rounded LSE is not
+                    gap = (m_row - x_t) + gl.log(s_row)
+                    loss = (1.0 - smoothing) * gap + z_loss * lse * lse
                     if SMOOTH:
                         sx_row = _gather_sum(row_words, c, n_chunks)
                         loss += smoothing * inv_v * (lse * n_cols - sx_row)
