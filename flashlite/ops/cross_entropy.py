@@ -89,25 +89,18 @@ def cross_entropy_fwd(
     key = ("fwd", logits.device, logits.dtype, grad.dtype, target.dtype, n, v, logits.stride(),
            grad.stride(), None if weight is None else weight.dtype,
            _aligned(logits, target, weight, grad_scale, grad), *opts)  # fmt: skip
-    run = _planned(key, lambda: _plan_fwd(logits, target, weight, grad_scale, grad, *opts))
+    run = _planned(key, lambda: _plan_fwd(logits, target, weight, grad_scale, grad, opts))
     run(logits, target, weight, grad_scale, grad, losses, lse)
     return losses, lse
 
 
-def _plan_fwd(
-    logits: torch.Tensor,
-    target: torch.Tensor,
-    weight: torch.Tensor | None,
-    grad_scale: torch.Tensor,
-    grad: torch.Tensor,
-    ignore_index: int,
-    label_smoothing: float,
-    z_loss: float,
-    softcap: float,
-) -> Callable[..., None]:
-    """``run(logits, target, weight, grad_scale, grad, losses, lse)`` for calls like this one:
-    the Gluon prefetching team for long plain rows on a GPU that runs it, else the Triton
-    kernel."""
+def _plan_fwd(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+              grad_scale: torch.Tensor, grad: torch.Tensor,
+              opts: tuple[int, float, float, float]) -> Callable[..., None]:  # fmt: skip
+    """``run(logits, target, weight, grad_scale, grad, losses, lse)`` for calls like this one
+    (``opts``: ignore_index, label_smoothing, z_loss, softcap): the Gluon prefetching team for
+    long plain rows on a GPU that runs it, else the Triton kernel."""
+    ignore_index, label_smoothing, z_loss, softcap = opts
     n, v = logits.shape
     if weight is None and not softcap and v >= KG.MIN_COLS and prefetch_applies(logits, grad):
         return _plan_prefetch(logits, target, grad_scale, grad, ignore_index, label_smoothing,
