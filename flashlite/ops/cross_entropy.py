@@ -494,7 +494,8 @@ def cross_entropy(
             computes the mean's divisor, without stopping the host. On a GPU the error is then
             raised by a *later* ``cross_entropy`` call on that device, the first that finds
             the check finished (on the CPU, by this call). ``"sync"``: by this call, after a
-            host sync (for debugging; about 0.4 ms a step on the H200). ``False``: no check.
+            host sync (for debugging; 0.1–0.2 ms a step at 128k–256k classes on the H200).
+            ``False``: no check.
             Skipped inside ``torch.compile``.
 
     Returns:
