@@ -39,6 +39,7 @@ if GLUON_IMPORT_ERROR is None:
     from flashlite.kernels.softmax_gluon import (
         _await_words,
         _chunk,
+        _chunk_pair,
         _gather,
         _prefetch,
         _publish,
@@ -83,11 +84,7 @@ if GLUON_IMPORT_ERROR is None:
             prev = (team + (i - 1) * n_teams).to(gl.int64)
             target = gl.load(T + prev, mask=i > 0, other=0).to(gl.int64)
             if i < n_mine:  # row i: this chunk's words
-                async_copy.wait_group(STAGES - 2)
-                x = _chunk(slots.index(i % STAGES), in_row, layout)
-                m = gl.max(x, axis=0)
-                ref = gl.where(m == float("-inf"), 0.0, m)
-                s = gl.sum(gl.exp2((x - ref) * LOG2E), axis=0)
+                x, m, s = _chunk_pair(slots, i, in_row, layout)
                 row = (team + i * n_teams).to(gl.int64)
                 words = W + (row * n_chunks + chunk) * WORDS
                 if SMOOTH:  # Σ x of the chunk, high half 0 (so the word is its own flag)

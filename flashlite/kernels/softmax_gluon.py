@@ -100,6 +100,17 @@ if GLUON_IMPORT_ERROR is None:
         return gl.where(in_row, slot.load(layout).to(gl.float32), float("-inf"))
 
     @gluon.jit
+    def _chunk_pair(slots, i, in_row, layout: gl.constexpr):
+        """Row ``i``'s chunk once its copy has landed, and the chunk's pair
+        (:func:`flashlite.stats.tile_stats`: ``m``, and ``s`` against it, 0 when ``m = −inf``)."""
+        async_copy.wait_group(slots.shape[0] - 2)  # (the later rows' copies may still fly)
+        x = _chunk(slots.index(i % slots.shape[0]), in_row, layout)
+        m = gl.max(x, axis=0)
+        ref = gl.where(m == float("-inf"), 0.0, m)  # -inf only: s = 0, not NaN
+        s = gl.sum(gl.exp2((x - ref) * LOG2E), axis=0)
+        return x, m, s
+
+    @gluon.jit
     def _prefetch(slots, i, X, team, n_teams, n_mine, stride_xm, cols, in_row):
         """Start copying row ``i`` of the team's rows into slot ``i % STAGES`` (nothing past
         the team's rows, but a group is committed all the same)."""
@@ -153,12 +164,8 @@ if GLUON_IMPORT_ERROR is None:
             X, n_rows, n_vecs, stride_xm, n_chunks, n_teams, CHUNK, CHUNKS_PAD, STAGES, VEC,
             layout, part_layout)  # fmt: skip
         for i in range(n_mine + 1):
-            if i < n_mine:  # row i: this chunk's pair (flashlite.stats.tile_stats), published
-                async_copy.wait_group(STAGES - 2)  # row i's copy has landed
-                x = _chunk(slots.index(i % STAGES), in_row, layout)
-                m = gl.max(x, axis=0)
-                ref = gl.where(m == float("-inf"), 0.0, m)  # -inf only: s = 0, not NaN
-                s = gl.sum(gl.exp2((x - ref) * LOG2E), axis=0)
+            if i < n_mine:  # row i: this chunk's pair, published
+                _x, m, s = _chunk_pair(slots, i, in_row, layout)
                 row = (team + i * n_teams).to(gl.int64)
                 _publish(W + row * n_chunks + chunk, m, s)
             if i > 0:  # row i - 1: the team's pairs merged, the chunk written
