@@ -329,6 +329,23 @@ def test_target_check_reports_the_class_and_resets() -> None:
             flashlite.cross_entropy(x, torch.tensor([0, 1, 2, 3, 4]), validate=bad)
 
 
+def test_an_earlier_calls_bad_target_is_reported_as_earlier() -> None:
+    # a record left by an earlier call (on a GPU: one whose check had not landed when it
+    # returned) is reported as that call's, before this call's own targets are checked
+    from flashlite.ops import cross_entropy as oce
+
+    flag = oce._bad_record(torch.device("cpu"))[0]
+    flag.copy_(torch.tensor([1, 42, 7]))
+    x, t = torch.randn(3, 7), torch.tensor([0, 1, 2])
+    with pytest.raises(ValueError, match=r"an earlier .* class 42, outside \[0, 7\)"):
+        flashlite.cross_entropy(x, t, validate="sync")
+    assert flag.tolist() == [0, 0, 0]
+    flag.copy_(torch.tensor([1, 42, 7]))
+    with pytest.raises(ValueError, match=r"an earlier .* class 42"):
+        flashlite.linear_cross_entropy(x, torch.randn(7, 7), t)
+    assert torch.isfinite(flashlite.cross_entropy(x, t))  # reported once
+
+
 def test_no_targets() -> None:
     # N = 0: torch's mean of nothing is NaN, its sum 0
     x = torch.randn(0, 5, requires_grad=True)

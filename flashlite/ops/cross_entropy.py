@@ -238,10 +238,12 @@ def _bad_record(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
     return found
 
 
-def _report_bad_targets(device: torch.device, wait: bool, ignore_index: int) -> None:
+def _report_bad_targets(device: torch.device, wait: bool, ignore_index: int,
+                        earlier: bool) -> None:  # fmt: skip
     """Raise the ``ValueError`` for a bad target recorded on ``device``: with ``wait`` once the
-    device has finished (the call's own targets included), else only what the host copy
-    already shows (an earlier call's targets; nothing is waited for unless there is one)."""
+    device has finished, else only what the host copy already shows (nothing is waited for
+    unless there is one). ``earlier``: the record can only be an earlier call's (this call's
+    check is not launched yet), and the message says so."""
     found = _bad_records.get(device)
     if found is None:
         return
@@ -254,7 +256,7 @@ def _report_bad_targets(device: torch.device, wait: bool, ignore_index: int) -> 
     flag.zero_()
     host.zero_()
     _, cls, v = record
-    if wait:
+    if not earlier:
         raise ValueError(f"target holds class {cls}, outside [0, {v}) and not "
                          f"ignore_index={ignore_index}")  # fmt: skip
     raise ValueError(
@@ -418,6 +420,36 @@ def _check(
     check_softcap(softcap)
 
 
+def _scale_and_check(
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    n_classes: int,
+    ignore_index: int,
+    mean: bool,
+    validate: bool | str,
+) -> torch.Tensor:
+    """An eager call's gradient scale (:func:`cross_entropy_scale`) and, with ``validate``, the
+    targets' check in the same launch. A bad target an earlier call recorded is reported first.
+    This call's is reported before returning with ``validate="sync"`` or CPU tensors (one
+    wait); otherwise by a later call, from the host copy this refreshes without waiting."""
+    device = _backend.compute_device(target.device)
+    wait = validate == "sync" or target.device.type == "cpu"
+    record = None
+    if validate:
+        _report_bad_targets(device, wait, ignore_index, earlier=True)
+        record = _bad_record(device)
+    elif not mean:
+        return _unit_scale(target.device)
+    scale = cross_entropy_scale(target, weight, n_classes, ignore_index, mean,
+                                record[0] if record else None)  # fmt: skip
+    if record is not None:
+        if wait:
+            _report_bad_targets(device, True, ignore_index, earlier=False)
+        else:  # the host copy, refreshed when the device gets there
+            record[1].copy_(record[0], non_blocking=True)
+    return scale
+
+
 _unit_scales: dict[torch.device, torch.Tensor] = {}
 
 
@@ -436,21 +468,17 @@ def _traced_scale(target: torch.Tensor, weight: torch.Tensor | None, n_classes: 
     mean (torch's weighted mean), else 1."""
     if not mean:
         return torch.ones((), dtype=torch.float32, device=target.device)
+    return 1.0 / _mean_divisor(target, weight, n_classes, ignore_index)
+
+
+def _mean_divisor(target: torch.Tensor, weight: torch.Tensor | None, n_classes: int,
+                  ignore_index: int) -> torch.Tensor:  # fmt: skip
+    """torch's divisor of a mean, in torch ops: the kept targets' count, or the sum of their
+    class weights (a bad target's weight read at a clamped class: its row is NaN anyway)."""
     kept = target != ignore_index
     if weight is None:
-        denom = kept.sum(dtype=torch.float32)
-    else:
-        denom = torch.where(kept, weight.float()[target.clamp(0, n_classes - 1)], 0.0).sum()
-    return 1.0 / denom
-
-
-def _check_targets(target: torch.Tensor, n_classes: int, ignore_index: int) -> None:
-    """Targets in ``[0, V)`` or ``ignore_index`` (one host sync on a GPU)."""
-    bad = (target != ignore_index) & ((target < 0) | (target >= n_classes))
-    if bad.any().item():
-        first = target[bad][0].item()
-        raise ValueError(f"target holds class {first}, outside [0, {n_classes}) and not "
-                         f"ignore_index={ignore_index}")  # fmt: skip
+        return kept.sum(dtype=torch.float32)
+    return torch.where(kept, weight.float()[target.clamp(0, n_classes - 1)], 0.0).sum()
 
 
 def cross_entropy(
@@ -519,27 +547,9 @@ def cross_entropy(
     if inplace_backward and x2.data_ptr() != logits.data_ptr():
         raise ValueError("inplace_backward needs logits whose rows form a (N, V) view (no copy)")
     t1 = target if target.dim() == 1 else target.reshape(-1)
-    record = None
     eager = plain_eager(x2, t1)
     if eager:
-        # the gradient's scale (below) and the targets' check in one launch, not waited for:
-        # on a GPU a bad target is reported by a later call (validate="sync": by this one)
-        device = _backend.compute_device(x2.device)
-        wait = validate == "sync" or x2.device.type == "cpu"
-        if validate:
-            if not wait:
-                _report_bad_targets(device, False, ignore_index)
-            record = _bad_record(device)
-        if validate or reduction == "mean":
-            grad_scale = cross_entropy_scale(t1, weight, v, ignore_index, reduction == "mean",
-                                             record[0] if record else None)  # fmt: skip
-        else:
-            grad_scale = _unit_scale(x2.device)
-        if record is not None:
-            if wait:
-                _report_bad_targets(device, True, ignore_index)
-            else:  # the host copy, refreshed when the device gets there
-                record[1].copy_(record[0], non_blocking=True)
+        grad_scale = _scale_and_check(t1, weight, v, ignore_index, reduction == "mean", validate)
     else:  # traced: the same scale from torch ops, no check (a host read cannot be traced)
         grad_scale = _traced_scale(t1, weight, v, ignore_index, reduction == "mean")
     opts = (ignore_index, float(label_smoothing), float(z_loss), check_softcap(softcap),
@@ -809,12 +819,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 z_loss, softcap, reduction, chunk, vocab_chunk):  # fmt: skip
         n, v = hidden.shape[0], weight.shape[0]
         opts = (ignore_index, label_smoothing, z_loss, softcap, chunk, vocab_chunk)
-        kept = target != ignore_index
         if reduction == "mean":
-            if class_weight is None:
-                denom = kept.sum().float()
-            else:
-                denom = torch.where(kept, class_weight.float()[target.clamp(0, v - 1)], 0.0).sum()
+            denom = _mean_divisor(target, class_weight, v, ignore_index)
             scale = (1.0 / denom).expand(n)
         else:
             denom, scale = None, hidden.new_ones((n,), dtype=torch.float32)
@@ -890,8 +896,10 @@ def linear_cross_entropy(
         target: ``(N,)`` or ``(B, T)`` class indices.
         bias: ``(V,)`` or None.
         class_weight: ``(V,)`` per-class weights (torch's ``weight``).
-        ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, validate: as
+        ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse: as
             :func:`cross_entropy`.
+        validate: as :func:`cross_entropy`, but a bad target is always reported by this call
+            (one host sync: the sweep takes far longer).
         chunk_size: tokens per chunk (default: as many as fit :data:`LINEAR_CHUNK_BYTES`).
         vocab_chunk_size: classes per vocabulary slice (default: the whole vocabulary, unless
             it does not fit the budget as said above).
@@ -917,8 +925,8 @@ def linear_cross_entropy(
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"{name} must be None or an int >= 1, got {size!r}")
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
-    if validate and not torch.compiler.is_compiling():
-        _check_targets(t1, v, ignore_index)
+    if validate and plain_eager(h2, t1):  # (at the call: a sweep takes far longer than a sync)
+        _scale_and_check(t1, None, v, ignore_index, False, "sync")
     chunk, vocab_chunk = _linear_chunking(v, hidden.element_size(), chunk_size, vocab_chunk_size)
     loss, lse = _LinearCrossEntropy.apply(
         h2, weight, bias, t1, class_weight, ignore_index, float(label_smoothing), float(z_loss),
