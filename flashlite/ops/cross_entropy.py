@@ -29,9 +29,11 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REDUCTIONS = ("none", "mean", "sum")
 _INT32_LIMIT = 2**31
 #: Columns per tile, and tiles per program, of the backward's scaling kernel (a row's tiles in
-#: one program: skipping a row costs one program, 40 us -> a few for 8192 x 32k on the H200).
+#: one program), and its most programs along the rows (each loops over rows: a skipped incoming
+#: gradient costs one program, not one per row: 11-16 us -> a few at 8192 rows on the H200).
 BWD_BLOCK = 4096
 BWD_TILES = 16
+BWD_PROGRAMS = 1024
 
 
 # ----------------------------------------------------------------------------- launchers
@@ -176,13 +178,13 @@ def _plan_bwd(grad: torch.Tensor, out: torch.Tensor, d: torch.Tensor, stride_l: 
     block = min(BWD_BLOCK, 1 << max(4, (v - 1).bit_length()))
     tiles = min(BWD_TILES, cdiv(v, block))
     col64 = (v - 1) * max(abs(grad.stride(1)), abs(out.stride(1))) >= _INT32_LIMIT
-    rest = (v, *grad.stride(), *out.stride(), stride_l)
+    rest = (n, v, *grad.stride(), *out.stride(), stride_l)
     bound = _backend.launcher(K._cross_entropy_bwd_kernel).bind(
         (grad, out, d, *rest),
-        dict(SKIP_UNIT=skip, BLOCK_N=block, TILES=tiles, COL_INT64=col64,
+        dict(SCALAR=d.numel() == 1, SKIP_UNIT=skip, BLOCK_N=block, TILES=tiles, COL_INT64=col64,
              ROUND_BF16=_backend.round_bf16(grad.dtype), num_warps=4, num_stages=1),
     )  # fmt: skip
-    grid = (n, cdiv(v, block * tiles), 1)
+    grid = (min(n, BWD_PROGRAMS), cdiv(v, block * tiles), 1)
     return lambda grad, out, d: bound(grid, grad, out, d, *rest)
 
 

@@ -629,6 +629,7 @@ def model_cross_entropy(
     target_bytes: int = 8,
     backward: bool = True,
     unit_grad: bool = True,
+    scalar_grad: bool = True,
     prefetch: bool = False,
     smoothing: bool = False,
     scale: bool = True,
@@ -640,16 +641,18 @@ def model_cross_entropy(
         scale    read  = rows·(target [+ w]),  write = 4          the mean's 1/Σ, the check
         forward  read  = rows·(target + 4 + passes·n·b [+ 4 + w + passes·n·w])   passes: 1 or 2
                  write = rows·(n·b + 8)                                        gradient, loss, lse
-        backward read  = rows·4·progs [+ rows·n·b],  write [rows·n·b]    progs = ⌈n/(16·4096)⌉
+        backward read  = p·4·g [+ rows·n·b],  write [rows·n·b]    g = ⌈n/(16·4096)⌉
 
     Rows that fit on chip (``ce_config``'s single read) are read once; longer rows twice (the
     statistics, then the gradient). The forward stores the gradient already scaled for a unit
     loss (``1/Σ`` for a mean), so with ``unit_grad`` (``loss.backward()``) the backward's
     programs read the incoming gradient (one scalar) and stop; otherwise they rescale the
-    gradient (the bracketed terms). With ``scale`` (every call but an unchecked ``sum`` or
-    ``none``), one launch first reads the targets (and their class weights) for the mean's
-    divisor and the device-side target check. The sum of the losses (a torch reduction) is not
-    counted here.
+    gradient (the bracketed terms). Its ``p`` programs along the rows loop over them:
+    ``p = min(rows, 1024)`` each read a scalar incoming gradient (``scalar_grad``: a mean or a
+    sum) once; a per-row one (``none``) is read once per row (``p = rows``). With ``scale``
+    (every call but an unchecked ``sum`` or ``none``), one launch first reads the targets (and
+    their class weights) for the mean's divisor and the device-side target check. The sum of
+    the losses (a torch reduction) is not counted here.
 
     ``prefetch``: the GPU's Gluon team kernel for long rows
     (:mod:`flashlite.kernels.cross_entropy_gluon`, no class weights), modelled only (the
@@ -659,7 +662,7 @@ def model_cross_entropy(
     (``8·rows·C·k`` written twice, ``8·rows·C²·k`` read; spin re-reads not modelled).
     """
     from flashlite.kernels.cross_entropy import ce_config
-    from flashlite.ops.cross_entropy import BWD_BLOCK, BWD_TILES
+    from flashlite.ops.cross_entropy import BWD_BLOCK, BWD_PROGRAMS, BWD_TILES
 
     b = torch.empty((), dtype=dtype).element_size()
     if prefetch and weight_bytes:
@@ -681,7 +684,9 @@ def model_cross_entropy(
     if backward:
         block = min(BWD_BLOCK, 1 << max(4, (n - 1).bit_length()))
         span = block * min(BWD_TILES, triton.cdiv(n, block))
-        t.add("backward: incoming gradient", rows * 4 * triton.cdiv(n, span), 0)
+        # one read per program of a scalar (mean, sum), one per row of per-row gradients
+        reads = min(rows, BWD_PROGRAMS) if scalar_grad else rows
+        t.add("backward: incoming gradient", reads * 4 * triton.cdiv(n, span), 0)
         if not unit_grad:
             t.add("backward: gradient", rows * n * b, rows * n * b)
     t.info = {"passes": passes}
