@@ -185,6 +185,47 @@ def test_gpu_direct_launch_keeps_specialisations_apart() -> None:
         assert ref_err < 2e-3, (offset, ref_err)
 
 
+@pytest.mark.gpu
+def test_gpu_raw_launch_and_launch_hooks() -> None:
+    # On the Triton version _raw_launch was written against, a bound launch calls the compiled
+    # kernel's C launcher directly (right results, on the current stream); a launch hook (what
+    # a profiler adds) sends it through Triton's own path, which calls the hook.
+    from triton import knobs
+
+    x = torch.randn(8, 1000, device="cuda")
+    want = torch.softmax(x, -1)
+    assert (flashlite.softmax(x) - want).abs().max().item() < 1e-6
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        y = flashlite.softmax(x)
+    side.synchronize()
+    assert (y - want).abs().max().item() < 1e-6
+    if _backend.TRITON_VERSION == _backend._RAW_LAUNCH_TESTED:
+        compiled = next(iter(_backend.launcher(_softmax_kernel()).compiled.values()))[0]
+        assert _backend._raw_launch(compiled) is not None
+    seen: list[object] = []
+    hooks = knobs.runtime
+    saved = hooks.launch_enter_hook
+    hooks.launch_enter_hook = lambda metadata: seen.append(metadata)
+    try:
+        assert (flashlite.softmax(x) - want).abs().max().item() < 1e-6
+    finally:
+        hooks.launch_enter_hook = saved
+    assert seen, "the launch hook was not called"
+
+
+def _softmax_kernel() -> object:
+    """The Triton kernel a small fp32 softmax forward launches (a launcher has compiled it)."""
+    from flashlite.kernels import softmax as KS
+
+    for name in dir(KS):
+        kernel = getattr(KS, name)
+        found = _backend._launchers.get(id(kernel))
+        if found is not None and found.compiled:
+            return kernel
+    raise AssertionError("no launched softmax kernel found")
+
+
 class _FakeKernel:
     """Records warmups and launches the way a Triton JIT function receives them."""
 
