@@ -464,6 +464,38 @@ def test_gpu_prefetch_kernel(dtype: torch.dtype, rows: int, v: int, kw: dict,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("validate", [True, False], ids=["checked", "unchecked"])
+def test_gpu_prefetch_counts_and_sums_many_rows(validate: bool) -> None:
+    # An eager call on the Gluon path is one launch: the kernel counts the mean's targets and
+    # sums the losses itself. More rows than its programs' first blocks of targets, a third of
+    # them ignored; the same loss bit for bit on a second call; every target ignored.
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from flashlite.ops.softmax import prefetch_applies
+
+    rows, v = 300_007, 16384
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    logits = torch.randn(rows, v, device="cuda", dtype=torch.bfloat16, generator=gen)
+    if not prefetch_applies(logits, logits):
+        pytest.skip("the prefetch kernel needs Gluon on a CUDA sm_80+ device")
+    target = torch.randint(0, v, (rows,), device="cuda", generator=gen)
+    target[::3] = -100
+    want = sum(torch.nn.functional.cross_entropy(logits[r : r + 20000].double(),
+                                                 target[r : r + 20000], reduction="sum")
+               for r in range(0, rows, 20000))  # fmt: skip
+    kept = (target != -100).sum().double()
+    got = flashlite.cross_entropy(logits, target, validate=validate)
+    torch.testing.assert_close(got.double(), want / kept, atol=1e-6, rtol=1e-5)
+    assert torch.equal(got, flashlite.cross_entropy(logits, target, validate=validate))
+    total = flashlite.cross_entropy(logits, target, reduction="sum", validate=validate)
+    torch.testing.assert_close(total.double(), want, atol=1e-6, rtol=1e-5)
+    none = torch.full((1000,), -100, device="cuda")
+    assert torch.isnan(flashlite.cross_entropy(logits[:1000], none, validate=validate))
+    zero = flashlite.cross_entropy(logits[:1000], none, reduction="sum", validate=validate)
+    assert zero.item() == 0.0
+
+
+@pytest.mark.gpu
 def test_gpu_prefetch_kernel_bad_target_and_lse() -> None:
     # validate=False: a target outside [0, V) gives a NaN loss and gradient row; the LSE
     if not torch.cuda.is_available():

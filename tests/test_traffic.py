@@ -675,8 +675,13 @@ def test_cross_entropy_prefetch_model_reads_logits_once(smoothing: bool) -> None
         rows * n * 2,
         0,
     ]
-    assert team.parts["words"] == [8 * rows * chunks * words, 16 * rows * words]
-    assert team.parts["target, gradient scale"] == [rows * chunks * 12, 0]
+    assert team.parts["words"] == [8 * rows * chunks * words, 16 * rows * words + 16]
+    assert team.parts["target, gradient scale"] == [rows * chunks * 8, 0]
+    # the mean's count, the check and the loss sum happen inside the team kernel
+    assert (
+        team.parts["count, check: targets"] == [rows * 8, 0] and "scale: targets" not in team.parts
+    )
+    assert team.parts["loss sum"] == [rows * 4, 4]
     assert team.parts["gradient"] == loop.parts["gradient"]
     with pytest.raises(ValueError, match="class weights"):
         traffic.model_cross_entropy(rows, n, torch.bfloat16, weight_bytes=4, prefetch=True)

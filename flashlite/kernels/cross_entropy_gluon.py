@@ -60,16 +60,77 @@ if GLUON_IMPORT_ERROR is None:
         return gl.sum(gl.where(got, part, 0.0), axis=0)
 
     @gluon.jit
+    def _targets_share(T, BAD, n_rows, n_cols, ignore_index, CHECK: gl.constexpr,
+                       BLOCK: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+        """This program's share of the targets (blocks ``pid, pid + programs, …``): how many are
+        kept (not ``ignore_index``), and with ``CHECK`` the first one outside ``[0, V)`` that
+        is not ``ignore_index`` recorded in ``BAD = (flag, class, V)`` unless one is already."""
+        pid = gl.program_id(0)
+        kept = pid * 0
+        for start in range(pid * BLOCK, n_rows, gl.num_programs(0) * BLOCK):
+            rows = start + gl.arange(0, BLOCK, layout=layout)
+            inside = rows < n_rows
+            t = gl.load(T + rows, mask=inside, other=0).to(gl.int64)
+            keep = inside & (t != ignore_index)
+            kept += gl.sum(keep.to(gl.int32), axis=0)
+            if CHECK:
+                bad = keep & ((t < 0) | (t >= n_cols))
+                first = gl.min(gl.where(bad, rows, n_rows), axis=0)
+                if first < n_rows:  # (the exchange only where there is a bad target)
+                    none = first.to(gl.int64) * 0  # (the exchange's operands: the flag's type)
+                    if gl.atomic_cas(BAD, none, none + 1) == 0:  # the first report stands
+                        gl.store(BAD + 1, gl.load(T + first).to(gl.int64))
+                        gl.store(BAD + 2, n_cols.to(gl.int64))
+        return kept
+
+    @gluon.jit
+    def _mean_scale(ctrl, kept):
+        """``1/Σ`` over the kept targets of every program (NaN for none, as torch's 0/0): each
+        adds ``2³² + kept`` to the word at ``ctrl`` (−1 to start), so the word's high half counts
+        the programs in and its low half their targets; then each spins until all are in (the
+        grid is resident: a cooperative launch)."""
+        gl.atomic_add(ctrl, (1 << 32) + kept.to(gl.int64), sem="relaxed", scope="gpu")
+        w = gl.load(ctrl, volatile=True)
+        while (w + 1) >> 32 < gl.num_programs(0):
+            w = gl.load(ctrl, volatile=True)
+        total = ((w + 1) & 0xFFFFFFFF).to(gl.float32)
+        return gl.where(total > 0, 1.0 / gl.where(total > 0, total, 1.0), float("nan"))
+
+    @gluon.jit
+    def _reduce_losses(LOSS, OUT, ctrl, n_rows, g_scale, MEAN: gl.constexpr,
+                       BLOCK: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+        """The last program to finish (a count at ``ctrl``, −1 to start) sums the ``(N,)``
+        losses in a fixed order (the same total every run) into ``OUT[0]``, times ``g_scale``
+        for a mean."""
+        _thread_barrier()  # every thread's loss stores come before the count below
+        done = gl.atomic_add(ctrl, 1, sem="acq_rel", scope="gpu")
+        if done == gl.num_programs(0) - 2:
+            _thread_barrier()
+            acc = gl.zeros([BLOCK], gl.float32, layout)
+            for start in range(0, n_rows, BLOCK):
+                rows = start + gl.arange(0, BLOCK, layout=layout)
+                acc += gl.load(LOSS + rows, mask=rows < n_rows, other=0.0)
+            total = gl.sum(acc, axis=0)
+            if MEAN:
+                total = total * g_scale
+            gl.store(OUT, total)
+
+    @gluon.jit
     def _cross_entropy_prefetch_kernel(
-        X, T, GSCALE, G, LOSS, LSE, W, n_rows, n_cols, n_vecs, xv_stride, gv_stride, n_chunks,
-        ignore_index, smoothing, z_loss, n_teams,
-        SMOOTH: gl.constexpr, CHUNK: gl.constexpr, CHUNKS_PAD: gl.constexpr,
-        STAGES: gl.constexpr, VEC: gl.constexpr, NUM_WARPS: gl.constexpr,
+        X, T, GSCALE, G, LOSS, LSE, W, BAD, OUT, n_rows, n_cols, n_vecs, xv_stride, gv_stride,
+        n_chunks, ignore_index, smoothing, z_loss, n_teams,
+        SMOOTH: gl.constexpr, MEAN: gl.constexpr, CHECK: gl.constexpr, REDUCE: gl.constexpr,
+        CHUNK: gl.constexpr, CHUNKS_PAD: gl.constexpr, STAGES: gl.constexpr, VEC: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
     ):  # fmt: skip
         """Rows ``team, team + n_teams, …`` of the ``(N, V)`` logits ``X``: losses and LSE
-        (fp32, ``(N,)``) and the gradient of a unit loss times ``GSCALE[0]`` into ``G``. ``W``
-        holds ``WORDS = 1 + SMOOTH`` words per (row, chunk), −1 until published."""
+        (fp32, ``(N,)``) and the gradient of a unit loss into ``G``, times ``GSCALE[0]``, or
+        with ``MEAN`` times ``1/Σ`` over the kept targets, counted here. ``W`` holds
+        ``WORDS = 1 + SMOOTH`` words per (row, chunk), then two control words, all −1 to start.
+        ``CHECK``: bad targets recorded in ``BAD``; ``REDUCE``: the losses' sum (a mean with
+        ``MEAN``) into ``OUT[0]``. So one launch serves an eager call's whole forward."""
         WORDS: gl.constexpr = 2 if SMOOTH else 1
+        TARGETS: gl.constexpr = 4 * 32 * NUM_WARPS  # targets per block of the count and the sum
         layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NUM_WARPS], [0])
         part_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
         stride_xm = xv_stride * VEC
@@ -77,8 +138,15 @@ if GLUON_IMPORT_ERROR is None:
         slots, team, chunk, cols, in_row, n_mine, c = _team_setup(
             X, n_rows, n_vecs, stride_xm, n_chunks, n_teams, CHUNK, CHUNKS_PAD, STAGES, VEC,
             layout, part_layout)  # fmt: skip
+        ctrl = W + n_rows.to(gl.int64) * n_chunks * WORDS
         inv_v = 1.0 / n_cols
-        g_scale = gl.load(GSCALE)
+        if MEAN or CHECK:  # (while the first rows load)
+            kept = _targets_share(T, BAD, n_rows, n_cols, ignore_index, CHECK, TARGETS,
+                                  part_layout)  # fmt: skip
+        if MEAN:
+            g_scale = _mean_scale(ctrl, kept)
+        else:
+            g_scale = gl.load(GSCALE)
         for i in range(n_mine + 1):
             # row i - 1's target, loaded now so that its latency hides under row i's statistics
             prev = (team + (i - 1) * n_teams).to(gl.int64)
@@ -135,3 +203,5 @@ if GLUON_IMPORT_ERROR is None:
                     gl.store(LSE + row, lse)
             _prefetch(slots, i + STAGES - 1, X, team, n_teams, n_mine, stride_xm, cols, in_row)
         async_copy.wait_group(0)
+        if REDUCE:
+            _reduce_losses(LOSS, OUT, ctrl + 1, n_rows, g_scale, MEAN, TARGETS, part_layout)

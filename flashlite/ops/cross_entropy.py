@@ -67,6 +67,14 @@ def _planned(key: tuple, plan: Callable[[], Callable[..., None]]) -> Callable[..
     return found
 
 
+def _gluon_applies(logits: torch.Tensor, weight: torch.Tensor | None, grad: torch.Tensor,
+                   softcap: float) -> bool:  # fmt: skip
+    """Whether the Gluon prefetching team takes these logits: long plain rows (no class
+    weights, no soft cap) on a GPU that runs it."""
+    return (weight is None and not softcap and logits.shape[1] >= KG.MIN_COLS
+            and prefetch_applies(logits, grad))  # fmt: skip
+
+
 @on_compute_device
 def cross_entropy_fwd(
     logits: torch.Tensor,
@@ -102,11 +110,19 @@ def _plan_fwd(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor |
     """``run(logits, target, weight, grad_scale, grad, losses, lse)`` for calls like this one
     (``opts``: ignore_index, label_smoothing, z_loss, softcap): the Gluon prefetching team for
     long plain rows on a GPU that runs it, else the Triton kernel."""
+    if _gluon_applies(logits, weight, grad, opts[3]):
+        launch = _plan_prefetch(logits, target, grad, opts, (False, False, False))
+        return lambda logits, target, weight, grad_scale, grad, losses, lse: launch(
+            logits, target, grad_scale, grad, losses, lse, None, None)  # fmt: skip
+    return _plan_triton_fwd(logits, target, weight, grad_scale, grad, opts)
+
+
+def _plan_triton_fwd(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+                     grad_scale: torch.Tensor, grad: torch.Tensor,
+                     opts: tuple[int, float, float, float]) -> Callable[..., None]:  # fmt: skip
+    """The Triton kernel's ``run(logits, target, weight, grad_scale, grad, losses, lse)``."""
     ignore_index, label_smoothing, z_loss, softcap = opts
     n, v = logits.shape
-    if weight is None and not softcap and v >= KG.MIN_COLS and prefetch_applies(logits, grad):
-        return _plan_prefetch(logits, target, grad_scale, grad, ignore_index, label_smoothing,
-                              z_loss)  # fmt: skip
     col64 = any((v - 1) * abs(t.stride(1)) >= _INT32_LIMIT for t in (logits, grad))
     rest = (v, *logits.stride(), *grad.stride(), ignore_index, label_smoothing, z_loss, softcap)
     options = dict(HAS_WEIGHT=weight is not None, SOFTCAP=softcap > 0, SMOOTH=label_smoothing > 0,
@@ -127,29 +143,119 @@ def _plan_fwd(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor |
     return run
 
 
-def _plan_prefetch(logits: torch.Tensor, target: torch.Tensor, grad_scale: torch.Tensor,
-                   grad: torch.Tensor, ignore_index: int, label_smoothing: float,
-                   z_loss: float) -> Callable[..., None]:  # fmt: skip
+def _plan_prefetch(logits: torch.Tensor, target: torch.Tensor, grad: torch.Tensor,
+                   opts: tuple[int, float, float, float],
+                   mode: tuple[bool, bool, bool]) -> Callable[..., None]:  # fmt: skip
     """Long rows without class weights or a soft cap, on a GPU with Gluon: the prefetching
-    team kernel (:mod:`flashlite.kernels.cross_entropy_gluon`), logits read once."""
+    team kernel (:mod:`flashlite.kernels.cross_entropy_gluon`), logits read once.
+    ``mode = (mean, check, reduce)``: the mean's divisor counted in the kernel (``grad_scale``
+    unread), bad targets recorded in ``bad``, the losses summed into ``out``. Returns
+    ``launch(logits, target, grad_scale, grad, losses, lse, bad, out)``."""
+    ignore_index, label_smoothing, z_loss, _ = opts
+    mean, check, reduce = mode
     n, v = logits.shape
     smooth = label_smoothing > 0
-    # per (row, chunk): the (m, s) word, and with smoothing a Σx word
-    opts, n_chunks, words = prefetch_plan(logits, 2 if smooth else 1)
-    vec = opts["VEC"]  # lengths and strides in 16-byte vectors (prefetch_applies checked)
+    # per (row, chunk): the (m, s) word, and with smoothing a Σx word; then two control words
+    options, n_chunks, words = prefetch_plan(logits, 2 if smooth else 1)
+    size, device = words.numel() + 2, logits.device
+    vec = options["VEC"]  # lengths and strides in 16-byte vectors (prefetch_applies checked)
     rest = (n, v, v // vec, logits.stride(0) // vec, grad.stride(0) // vec, n_chunks,
             ignore_index, label_smoothing, z_loss)  # fmt: skip
-    launch = _backend.bind_teams(KG._cross_entropy_prefetch_kernel,
-                                 [logits, target, grad_scale, grad, grad_scale, grad_scale, words,
-                                  *rest], {"SMOOTH": smooth, **opts}, n_chunks, n,
-                                 logits.device)  # fmt: skip
-    shape, device = words.shape, logits.device
+    f32 = torch.empty(1, device=device)  # (stand-ins for the binding: dtype and alignment)
+    launch = _backend.bind_teams(
+        KG._cross_entropy_prefetch_kernel,
+        [logits, target, f32, grad, f32, f32, words, words, f32, *rest],
+        {"SMOOTH": smooth, "MEAN": mean, "CHECK": check, "REDUCE": reduce, **options},
+        n_chunks, n, device,
+    )  # fmt: skip
 
-    def run(logits, target, weight, grad_scale, grad, losses, lse) -> None:  # noqa: ANN001
-        words = torch.full(shape, -1, device=device, dtype=torch.int64)  # −1: not yet published
-        launch(logits, target, grad_scale, grad, losses, lse, words, *rest)
+    def run(logits, target, grad_scale, grad, losses, lse, bad, out) -> None:  # noqa: ANN001
+        # −1: not yet published (the control words: no program in, none done)
+        words = torch.full((size,), -1, device=device, dtype=torch.int64)
+        launch(logits, target, losses if grad_scale is None else grad_scale, grad, losses, lse,
+               words, words if bad is None else bad, losses if out is None else out,
+               *rest)  # fmt: skip
 
     return run
+
+
+@on_compute_device
+def cross_entropy_fwd_eager(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    grad: torch.Tensor,
+    grad_scale: torch.Tensor | None,
+    bad: torch.Tensor | None,
+    reduction: str,
+    ignore_index: int,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """An eager call's whole forward: :func:`cross_entropy_fwd` with the gradient scale
+    worked out here unless given (``1/Σ`` of the kept targets' weights for a ``mean``, else 1),
+    bad targets recorded in ``bad`` (:func:`cross_entropy_scale`), and the loss reduced: returns
+    the per-row losses, the LSE and the fp32 0-dim loss (None for ``"none"``). On the Gluon
+    path all of it is one launch (the host time before the kernel starts is what a host-bound
+    step waits for); otherwise the scale kernel, the forward kernel and a torch sum."""
+    n, v = logits.shape
+    mean = reduction == "mean"
+    if n == 0:
+        losses = logits.new_empty((0,), dtype=torch.float32)
+        nothing = math.nan if mean else 0.0
+        return losses, torch.empty_like(losses), None if reduction == "none" else (
+            losses.new_full((), nothing))  # fmt: skip
+    opts = (ignore_index, float(label_smoothing), float(z_loss), float(softcap))
+    key = ("eager", logits.device, logits.dtype, grad.dtype, target.dtype, n, v, logits.stride(),
+           grad.stride(), None if weight is None else weight.dtype, reduction,
+           grad_scale is None, bad is None, _aligned(logits, target, weight, grad_scale, grad, bad),
+           *opts)  # fmt: skip
+    run = _planned(key, lambda: _plan_eager(logits, target, weight, grad, grad_scale, bad,
+                                            reduction, opts))  # fmt: skip
+    return run(logits, target, weight, grad, grad_scale, bad)
+
+
+def _plan_eager(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+                grad: torch.Tensor, grad_scale: torch.Tensor | None, bad: torch.Tensor | None,
+                reduction: str, opts: tuple[int, float, float, float],
+                ) -> Callable[..., Any]:  # fmt: skip
+    """``run(logits, target, weight, grad, grad_scale, bad)`` for :func:`cross_entropy_fwd_eager`
+    calls like this one."""
+    n, v = logits.shape
+    mean, reduce = reduction == "mean", reduction != "none"
+    device = logits.device
+    if _gluon_applies(logits, weight, grad, opts[3]):
+        count = mean and grad_scale is None
+        launch = _plan_prefetch(logits, target, grad, opts, (count, bad is not None, reduce))
+
+        def fused(logits, target, weight, grad, grad_scale, bad):  # noqa: ANN001, ANN202
+            losses = logits.new_empty((n,), dtype=torch.float32)
+            lse = logits.new_empty((n,), dtype=torch.float32)
+            out = losses.new_empty(()) if reduce else None
+            if grad_scale is None and not count:
+                grad_scale = _unit_scale(device)
+            launch(logits, target, grad_scale, grad, losses, lse, bad, out)
+            return losses, lse, out
+
+        return fused
+    unit = _unit_scale(device)
+    fwd = _plan_triton_fwd(logits, target, weight, unit, grad, opts)
+
+    def apart(logits, target, weight, grad, grad_scale, bad):  # noqa: ANN001, ANN202
+        if grad_scale is None:
+            grad_scale = unit
+            if mean or bad is not None:
+                grad_scale = cross_entropy_scale(target, weight, v, opts[0], mean, bad)
+        losses = logits.new_empty((n,), dtype=torch.float32)
+        lse = logits.new_empty((n,), dtype=torch.float32)
+        fwd(logits, target, weight, grad_scale, grad, losses, lse)
+        if not reduce:
+            return losses, lse, None
+        total = losses.sum()  # (Σ loss)·(1/Σ) for a mean: the gradient was stored times 1/Σ
+        return losses, lse, total * grad_scale if mean else total
+
+    return apart
 
 
 @on_compute_device
@@ -335,27 +441,27 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, weight, grad_scale, opts):  # type: ignore[no-untyped-def, override]
         # (the options in one tuple: autograd's per-argument handling costs host time)
-        ignore_index, label_smoothing, z_loss, softcap, inplace, reduction, eager = opts
+        ignore_index, label_smoothing, z_loss, softcap, inplace, reduction, eager, bad = opts
         kernel_opts = (ignore_index, label_smoothing, z_loss, softcap)
         grad = logits.detach() if inplace else torch.empty_like(logits)
-        if eager:  # a plain eager call (the front-end checked): the op's body, no dispatcher
-            losses, lse = cross_entropy_fwd(logits, target, weight, grad_scale, grad,
-                                            *kernel_opts)  # fmt: skip
+        if eager:  # a plain eager call (the front-end checked): the ops' bodies, no dispatcher
+            losses, lse, total = cross_entropy_fwd_eager(logits, target, weight, grad, grad_scale,
+                                                         bad, reduction, *kernel_opts)  # fmt: skip
             if inplace:  # what the op's declared mutation would do
                 torch.autograd.graph.increment_version(grad)
-        elif inplace:
-            losses, lse = torch.ops.flashlite.cross_entropy_fwd_inplace.default(
-                grad, target, weight, grad_scale, *kernel_opts)  # fmt: skip
         else:
-            losses, lse = torch.ops.flashlite.cross_entropy_fwd.default(
-                logits, grad, target, weight, grad_scale, *kernel_opts)  # fmt: skip
+            if inplace:
+                losses, lse = torch.ops.flashlite.cross_entropy_fwd_inplace.default(
+                    grad, target, weight, grad_scale, *kernel_opts)  # fmt: skip
+            else:
+                losses, lse = torch.ops.flashlite.cross_entropy_fwd.default(
+                    logits, grad, target, weight, grad_scale, *kernel_opts)  # fmt: skip
+            total = losses.sum()  # (Σ loss)·(1/Σ) for a mean: the gradient was stored times 1/Σ
+            total = total * grad_scale if reduction == "mean" else total
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(grad)
         ctx.used = False
-        if reduction == "none":
-            return losses, lse
-        total = losses.sum()  # (Σ loss)·(1/Σ) for a mean: the gradient was stored times 1/Σ
-        return (total if reduction == "sum" else total * grad_scale), lse
+        return (losses if reduction == "none" else total), lse
 
     @staticmethod
     def backward(ctx, dloss, _dlse):  # type: ignore[no-untyped-def, override]
@@ -422,33 +528,16 @@ def _check(
     check_softcap(softcap)
 
 
-def _scale_and_check(
-    target: torch.Tensor,
-    weight: torch.Tensor | None,
-    n_classes: int,
-    ignore_index: int,
-    mean: bool,
-    validate: bool | str,
-) -> torch.Tensor:
-    """An eager call's gradient scale (:func:`cross_entropy_scale`) and, with ``validate``, the
-    targets' check in the same launch. A bad target an earlier call recorded is reported first.
-    This call's is reported before returning with ``validate="sync"`` or CPU tensors (one
-    wait); otherwise by a later call, from the host copy this refreshes without waiting."""
+def _scale_and_check(target: torch.Tensor, weight: torch.Tensor | None, n_classes: int,
+                     ignore_index: int, mean: bool) -> torch.Tensor:  # fmt: skip
+    """The gradient scale (:func:`cross_entropy_scale`) with the targets checked in the same
+    launch, waited for: a bad target raises here (``validate="sync"``, CPU tensors and linear
+    cross-entropy). A bad target an earlier call recorded is reported first, as that call's."""
     device = _backend.compute_device(target.device)
-    wait = validate == "sync" or target.device.type == "cpu"
-    record = None
-    if validate:
-        _report_bad_targets(device, wait, ignore_index, earlier=True)
-        record = _bad_record(device)
-    elif not mean:
-        return _unit_scale(target.device)
+    _report_bad_targets(device, True, ignore_index, earlier=True)
     scale = cross_entropy_scale(target, weight, n_classes, ignore_index, mean,
-                                record[0] if record else None)  # fmt: skip
-    if record is not None:
-        if wait:
-            _report_bad_targets(device, True, ignore_index, earlier=False)
-        else:  # the host copy, refreshed when the device gets there
-            record[1].copy_(record[0], non_blocking=True)
+                                _bad_record(device)[0])  # fmt: skip
+    _report_bad_targets(device, True, ignore_index, earlier=False)
     return scale
 
 
@@ -520,11 +609,13 @@ def cross_entropy(
         return_lse: also return the fp32 LSE per token (``target``'s shape; no gradient).
         validate: check that every target is in ``[0, V)`` or ``ignore_index``. A bad target
             always gives a NaN loss and gradient row, never a read outside the tensors; the
-            check turns it into a ``ValueError``. ``True``: on the device, in the launch that
-            computes the mean's divisor, without stopping the host. On a GPU the error is then
-            raised by a *later* ``cross_entropy`` call on that device, the first that finds
-            the check finished (on the CPU, by this call). ``"sync"``: by this call, after a
-            host sync (for debugging; 0.1–0.2 ms a step at 128k–256k classes on the H200).
+            check turns it into a ``ValueError``. ``True``: on the device, inside the
+            forward's launches (the one that computes the mean's divisor; for rows of 16k
+            logits and more on a GPU, the forward kernel itself), without stopping the host.
+            On a GPU the error is then raised by a *later* ``cross_entropy`` call on that
+            device, the first that finds the check finished (on the CPU, by this call).
+            ``"sync"``: by this call, before the forward runs, after a host sync (for
+            debugging; 0.1–0.2 ms a step at 128k–256k classes on the H200).
             ``False``: no check.
             Skipped inside ``torch.compile``.
 
@@ -550,13 +641,21 @@ def cross_entropy(
         raise ValueError("inplace_backward needs logits whose rows form a (N, V) view (no copy)")
     t1 = target if target.dim() == 1 else target.reshape(-1)
     eager = plain_eager(x2, t1)
-    if eager:
-        grad_scale = _scale_and_check(t1, weight, v, ignore_index, reduction == "mean", validate)
-    else:  # traced: the same scale from torch ops, no check (a host read cannot be traced)
-        grad_scale = _traced_scale(t1, weight, v, ignore_index, reduction == "mean")
+    mean = reduction == "mean"
+    record, grad_scale = None, None
+    if not eager:  # traced: the scale from torch ops, no check (a host read cannot be traced)
+        grad_scale = _traced_scale(t1, weight, v, ignore_index, mean)
+    elif validate == "sync" or (validate and x2.device.type == "cpu"):  # checked, then waited for
+        grad_scale = _scale_and_check(t1, weight, v, ignore_index, mean)
+    elif validate:  # checked in the forward's own launch, reported by a later call
+        _report_bad_targets(t1.device, False, ignore_index, earlier=True)
+        record = _bad_record(t1.device)
+    bad = None if record is None else record[0]
     opts = (ignore_index, float(label_smoothing), float(z_loss), check_softcap(softcap),
-            bool(inplace_backward), reduction, eager)  # fmt: skip
+            bool(inplace_backward), reduction, eager, bad)  # fmt: skip
     loss, lse = _CrossEntropy.apply(x2, t1, weight, grad_scale, opts)
+    if record is not None:  # the host copy, refreshed when the device gets there
+        record[1].copy_(record[0], non_blocking=True)
     if reduction == "none":
         loss = loss.view(target.shape)
     return (loss, lse.view(target.shape)) if return_lse else loss
@@ -928,7 +1027,7 @@ def linear_cross_entropy(
             raise ValueError(f"{name} must be None or an int >= 1, got {size!r}")
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     if validate and plain_eager(h2, t1):  # (at the call: a sweep takes far longer than a sync)
-        _scale_and_check(t1, None, v, ignore_index, False, "sync")
+        _scale_and_check(t1, None, v, ignore_index, False)
     chunk, vocab_chunk = _linear_chunking(v, hidden.element_size(), chunk_size, vocab_chunk_size)
     loss, lse = _LinearCrossEntropy.apply(
         h2, weight, bias, t1, class_weight, ignore_index, float(label_smoothing), float(z_loss),

@@ -633,6 +633,7 @@ def model_cross_entropy(
     prefetch: bool = False,
     smoothing: bool = False,
     scale: bool = True,
+    reduce: bool = True,
 ) -> Traffic:
     """Bytes the fused cross-entropy kernels issue for ``(rows, n)`` logits (classes last),
     ``weight_bytes`` > 0 with class weights of that element size, and the backward's kernel
@@ -655,11 +656,15 @@ def model_cross_entropy(
     the losses (a torch reduction) is not counted here.
 
     ``prefetch``: the GPU's Gluon team kernel for long rows
-    (:mod:`flashlite.kernels.cross_entropy_gluon`, no class weights), modelled only (the
-    interpreter cannot run it): logits read once, but each of a row's ``C`` programs reads the
-    row's target and the gradient scale, and the row's ``C·k`` words (``k = 2`` with
+    (:mod:`flashlite.kernels.cross_entropy_gluon`, no class weights) as an eager call runs it,
+    modelled only (the interpreter cannot run it): logits read once, but each of a row's ``C``
+    programs reads the row's target, and the row's ``C·k`` words (``k = 2`` with
     ``smoothing``) are filled with −1, published once and read by each of its ``C`` programs
-    (``8·rows·C·k`` written twice, ``8·rows·C²·k`` read; spin re-reads not modelled).
+    (``8·rows·C·k`` written twice, ``8·rows·C²·k`` read; spin re-reads not modelled), plus two
+    control words filled. ``scale`` happens inside it (the targets read once more for the
+    mean's count and the check, no separate launch), and with ``reduce`` (a mean or a sum) its
+    last program reads the losses back and writes their sum. Atomics on the control words are
+    not modelled.
     """
     from flashlite.kernels.cross_entropy import ce_config
     from flashlite.ops.cross_entropy import BWD_BLOCK, BWD_PROGRAMS, BWD_TILES
@@ -670,13 +675,17 @@ def model_cross_entropy(
     passes = 1 if prefetch or ce_config(n)["SINGLE"] else 2
     chunks = softmax_gluon.prefetch_config(n, b)["n_chunks"] if prefetch else 1
     t = Traffic()
-    if scale:
+    if scale and prefetch:
+        t.add("count, check: targets", rows * target_bytes, 0)
+    elif scale:
         t.add("scale: targets", rows * (target_bytes + weight_bytes), 4)
-    t.add("target, gradient scale", rows * chunks * (target_bytes + 4), 0)
+    t.add("target, gradient scale", rows * chunks * (target_bytes + (0 if prefetch else 4)), 0)
     t.add("logits", rows * passes * n * b, 0)
     if prefetch:
         words = chunks * (2 if smoothing else 1)
-        t.add("words", 8 * rows * chunks * words, 2 * 8 * rows * words)
+        t.add("words", 8 * rows * chunks * words, 2 * 8 * rows * words + 16)
+        if reduce:
+            t.add("loss sum", rows * 4, 4)
     if weight_bytes:
         t.add("weight", rows * (4 + weight_bytes + passes * n * weight_bytes), 0)
     t.add("gradient", 0, rows * n * b)
