@@ -1,0 +1,35 @@
+"""The committed benchmark results redraw without a GPU (``--replot``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _bench(name: str) -> object:
+    """``benchmarks/<name>.py`` as a module (its folder on the path for ``_common``)."""
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    return module
+
+
+def test_cross_entropy_results_replot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    src = ROOT / "benchmarks" / "results" / "cross-entropy-nvidia-h200.json"
+    copy = tmp_path / src.name
+    shutil.copy(src, copy)
+    assert _bench("bench_cross_entropy").main(["--replot", str(copy)]) == 0  # type: ignore[attr-defined]
+    png = copy.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
