@@ -17,6 +17,12 @@ its chunk in shared memory, so the logits are read from memory once:
   as a scalar after the chunk's vector store: ``[j = t]`` compared on every column kept the
   column indices live (232 registers a thread against 96) and cost 12% of the time.
 
+An eager call runs the whole forward in this one launch (``MEAN``, ``CHECK``, ``REDUCE``): every
+program first counts the kept targets of its share of the rows into one grid-wide word (and
+records a bad target), waits for all programs' counts (the grid is resident) and takes the
+mean's ``1/Σ``; the last program to finish sums the losses in a fixed order. A traced call (the
+custom op) and linear cross-entropy pass the gradient scale in ``GSCALE`` instead.
+
 Plain rows only: class weights and soft caps take the Triton kernel. Same layout rules as the
 softmax kernel: 16-byte copies, so row lengths and strides in multiples of 16 bytes.
 """

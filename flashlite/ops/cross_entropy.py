@@ -615,7 +615,7 @@ def cross_entropy(
             On a GPU the error is then raised by a *later* ``cross_entropy`` call on that
             device, the first that finds the check finished (on the CPU, by this call).
             ``"sync"``: by this call, before the forward runs, after a host sync (for
-            debugging; 0.1–0.2 ms a step at 128k–256k classes on the H200).
+            debugging; about 0.2 ms a step at 128k–256k classes on the H200).
             ``False``: no check.
             Skipped inside ``torch.compile``.
 
