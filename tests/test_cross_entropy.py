@@ -496,6 +496,34 @@ def test_gpu_prefetch_counts_and_sums_many_rows(validate: bool) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("v", [1000, 16384], ids=["triton", "gluon"])
+def test_gpu_cpu_tensors_run_on_the_gpu(v: int) -> None:
+    # CPU tensors in a process with a GPU: the call moves whole to the GPU (its kernels write
+    # the gradient in place, which a per-call copy would lose) and the gradients come back to
+    # the CPU leaves; a bad target still raises at the call, as on the CPU
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(6, v, generator=gen) * 3
+    target = torch.randint(0, v, (6,), generator=gen)
+    target[2] = -100
+    for inplace in (False, True):
+        _check_through_a_non_leaf(logits, target, inplace, label_smoothing=0.1)
+    bad = target.clone()
+    bad[4] = v + 3
+    with pytest.raises(ValueError, match=rf"class {v + 3}, outside \[0, {v}\) and not"):
+        flashlite.cross_entropy(logits, bad)
+    hidden = torch.randn(6, 16, generator=gen, requires_grad=True)
+    weight = (torch.randn(v, 16, generator=gen) / 4).requires_grad_()
+    flashlite.linear_cross_entropy(hidden, weight, target).backward()
+    h64, w64 = (t.detach().double().requires_grad_() for t in (hidden, weight))
+    F.cross_entropy(h64 @ w64.t(), target).backward()
+    assert hidden.grad.device.type == "cpu" and weight.grad.device.type == "cpu"
+    torch.testing.assert_close(hidden.grad.double(), h64.grad, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(weight.grad.double(), w64.grad, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.gpu
 def test_gpu_prefetch_kernel_bad_target_and_lse() -> None:
     # validate=False: a target outside [0, V) gives a NaN loss and gradient row; the LSE
     if not torch.cuda.is_available():

@@ -572,6 +572,25 @@ def _mean_divisor(target: torch.Tensor, weight: torch.Tensor | None, n_classes: 
     return torch.where(kept, weight.float()[target.clamp(0, n_classes - 1)], 0.0).sum()
 
 
+def _elsewhere(device: torch.device) -> torch.device | None:
+    """The GPU that runs the kernels for CPU tensors in a process that compiles them; None
+    when they run where the tensors are. The kernels write the gradient in place, which the
+    per-call copies of :func:`on_compute_device` would lose (the bodies' results come back, not
+    their arguments), so such a call moves whole: differentiable copies there, the results
+    back, and autograd brings the gradients home."""
+    if device.type == "cuda":
+        return None
+    dev = _backend.compute_device(device)
+    return None if dev == device else dev
+
+
+def _to(x: Any, device: torch.device) -> Any:
+    """``x`` (a tensor, None or a tuple of them) on ``device``, through differentiable copies."""
+    if isinstance(x, tuple):
+        return tuple(_to(t, device) for t in x)
+    return x if x is None else x.to(device)
+
+
 def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -634,6 +653,15 @@ def cross_entropy(
     _check(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
     if not (isinstance(validate, bool) or validate == "sync"):
         raise ValueError(f"validate must be True, False or 'sync', got {validate!r}")
+    dev = _elsewhere(logits.device)
+    if dev is not None:  # the whole call on the GPU, CPU tensors' rule kept: a bad one raises
+        out = cross_entropy(
+            logits.to(dev), target.to(dev), _to(weight, dev), ignore_index=ignore_index,
+            reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+            inplace_backward=inplace_backward, return_lse=return_lse,
+            validate="sync" if validate else False,
+        )  # fmt: skip
+        return _to(out, logits.device)
     v = logits.shape[-1]
     # (2-D logits and 1-D targets as they are: a reshape would add a view to the autograd graph)
     x2 = logits if logits.dim() == 2 else logits.reshape(-1, v)
@@ -1025,6 +1053,16 @@ def linear_cross_entropy(
     for name, size in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"{name} must be None or an int >= 1, got {size!r}")
+    dev = _elsewhere(hidden.device)
+    if dev is not None:  # the whole call on the GPU (see _elsewhere)
+        out = linear_cross_entropy(
+            hidden.to(dev), weight.to(dev), target.to(dev), bias=_to(bias, dev),
+            class_weight=_to(class_weight, dev), ignore_index=ignore_index, reduction=reduction,
+            label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+            return_lse=return_lse, validate=validate, chunk_size=chunk_size,
+            vocab_chunk_size=vocab_chunk_size,
+        )  # fmt: skip
+        return _to(out, hidden.device)
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     if validate and plain_eager(h2, t1):  # (at the call: a sweep takes far longer than a sync)
         _scale_and_check(t1, None, v, ignore_index, False)
