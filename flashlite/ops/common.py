@@ -14,12 +14,28 @@ from flashlite import _backend
 F = TypeVar("F", bound=Callable[..., Any])
 
 
-def _moved(x: Any, device: torch.device) -> Any:
+def moved(x: Any, device: torch.device) -> Any:
+    """``x`` on ``device`` when it is a tensor (``Tensor.to``: differentiable), each element of a
+    tuple so, anything else as it is."""
     if isinstance(x, torch.Tensor):
         return x.to(device)
     if isinstance(x, tuple):
-        return tuple(_moved(v, device) for v in x)
+        return tuple(moved(v, device) for v in x)
     return x
+
+
+def moved_call_device(device: torch.device) -> torch.device | None:
+    """Where the kernels for tensors on ``device`` run when that is elsewhere (CPU tensors in a
+    process that compiles its kernels: the current GPU); None when they run where the tensors
+    are. Raises as :func:`flashlite._backend.compute_device` does when nothing can run them.
+
+    :func:`on_compute_device` moves one body's tensors per call and brings back what it returns,
+    not what it wrote into its arguments: a front-end whose kernels write a gradient in place
+    (cross-entropy) moves its whole call instead, with differentiable copies."""
+    if device.type == "cuda" and _backend.INTERPRETER_PROBLEM is None:
+        return None  # (where its kernels run: the common case, no lookup)
+    dev = _backend.compute_device(device)
+    return None if dev == device else dev
 
 
 def on_compute_device(fn: F) -> F:
@@ -32,13 +48,10 @@ def on_compute_device(fn: F) -> F:
         first = args[0] if args and isinstance(args[0], torch.Tensor) else None
         if first is None:
             first = next(a for a in args if isinstance(a, torch.Tensor))
-        here = first.device
-        if here.type == "cuda" and _backend.INTERPRETER_PROBLEM is None:
-            return fn(*args, **kwargs)  # (where its kernels run: the common case, no lookup)
-        dev = _backend.compute_device(here)
-        if dev == here:
+        dev = moved_call_device(first.device)
+        if dev is None:
             return fn(*args, **kwargs)
-        return _moved(fn(*(_moved(a, dev) for a in args), **kwargs), here)
+        return moved(fn(*(moved(a, dev) for a in args), **kwargs), first.device)
 
     return run  # type: ignore[return-value]
 

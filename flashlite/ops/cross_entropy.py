@@ -22,8 +22,15 @@ from flashlite import _backend, stats
 from flashlite.kernels import cross_entropy as K
 from flashlite.kernels import cross_entropy_gluon as KG
 from flashlite.kernels.configs import cdiv
-from flashlite.ops.common import check_softcap, on_compute_device, plain_eager, skip_dispatcher
-from flashlite.ops.softmax import prefetch_applies, prefetch_plan
+from flashlite.ops.common import (
+    check_softcap,
+    moved,
+    moved_call_device,
+    on_compute_device,
+    plain_eager,
+    skip_dispatcher,
+)
+from flashlite.ops.softmax import prefetch_applies, prefetch_plan, prefetch_words
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REDUCTIONS = ("none", "mean", "sum")
@@ -75,7 +82,6 @@ def _gluon_applies(logits: torch.Tensor, weight: torch.Tensor | None, grad: torc
             and prefetch_applies(logits, grad))  # fmt: skip
 
 
-@on_compute_device
 def cross_entropy_fwd(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -89,32 +95,12 @@ def cross_entropy_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on ``(N, V)`` logits (any strides), ``(N,)`` targets: returns
     the fp32 per-row losses and LSE ``(N,)`` and writes the per-row gradient, times the fp32
-    1-element ``grad_scale``, into ``grad`` ``(N, V)`` (which may be ``logits``). No checks."""
-    n, v = logits.shape
-    losses = logits.new_empty((n,), dtype=torch.float32)
-    lse = logits.new_empty((n,), dtype=torch.float32)
-    if n == 0:
-        return losses, lse
-    opts = (ignore_index, float(label_smoothing), float(z_loss), float(softcap))
-    key = ("fwd", logits.device, logits.dtype, grad.dtype, target.dtype, n, v, logits.stride(),
-           grad.stride(), None if weight is None else weight.dtype,
-           _aligned(logits, target, weight, grad_scale, grad), *opts)  # fmt: skip
-    run = _planned(key, lambda: _plan_fwd(logits, target, weight, grad_scale, grad, opts))
-    run(logits, target, weight, grad_scale, grad, losses, lse)
+    1-element ``grad_scale``, into ``grad`` ``(N, V)`` (which may be ``logits``). No checks.
+    (:func:`cross_entropy_fwd_eager` with the scale given, nothing checked, nothing reduced.)"""
+    losses, lse, _ = cross_entropy_fwd_eager(logits, target, weight, grad, grad_scale, None,
+                                             "none", ignore_index, label_smoothing, z_loss,
+                                             softcap)  # fmt: skip
     return losses, lse
-
-
-def _plan_fwd(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
-              grad_scale: torch.Tensor, grad: torch.Tensor,
-              opts: tuple[int, float, float, float]) -> Callable[..., None]:  # fmt: skip
-    """``run(logits, target, weight, grad_scale, grad, losses, lse)`` for calls like this one
-    (``opts``: ignore_index, label_smoothing, z_loss, softcap): the Gluon prefetching team for
-    long plain rows on a GPU that runs it, else the Triton kernel."""
-    if _gluon_applies(logits, weight, grad, opts[3]):
-        launch = _plan_prefetch(logits, target, grad, opts, (False, False, False))
-        return lambda logits, target, weight, grad_scale, grad, losses, lse: launch(
-            logits, target, grad_scale, grad, losses, lse, None, None)  # fmt: skip
-    return _plan_triton_fwd(logits, target, weight, grad_scale, grad, opts)
 
 
 def _plan_triton_fwd(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
@@ -156,22 +142,22 @@ def _plan_prefetch(logits: torch.Tensor, target: torch.Tensor, grad: torch.Tenso
     n, v = logits.shape
     smooth = label_smoothing > 0
     # per (row, chunk): the (m, s) word, and with smoothing a Σx word; then two control words
-    options, n_chunks, words = prefetch_plan(logits, 2 if smooth else 1)
-    size, device = words.numel() + 2, logits.device
+    options, n_chunks, size = prefetch_plan(logits, 2 if smooth else 1, control=2)
+    device = logits.device
     vec = options["VEC"]  # lengths and strides in 16-byte vectors (prefetch_applies checked)
     rest = (n, v, v // vec, logits.stride(0) // vec, grad.stride(0) // vec, n_chunks,
             ignore_index, label_smoothing, z_loss)  # fmt: skip
-    f32 = torch.empty(1, device=device)  # (stand-ins for the binding: dtype and alignment)
+    # (stand-ins for the binding, which reads only their dtypes and alignment)
+    f32, i64 = torch.empty(1, device=device), torch.empty(1, device=device, dtype=torch.int64)
     launch = _backend.bind_teams(
         KG._cross_entropy_prefetch_kernel,
-        [logits, target, f32, grad, f32, f32, words, words, f32, *rest],
+        [logits, target, f32, grad, f32, f32, i64, i64, f32, *rest],
         {"SMOOTH": smooth, "MEAN": mean, "CHECK": check, "REDUCE": reduce, **options},
         n_chunks, n, device,
     )  # fmt: skip
 
     def run(logits, target, grad_scale, grad, losses, lse, bad, out) -> None:  # noqa: ANN001
-        # −1: not yet published (the control words: no program in, none done)
-        words = torch.full((size,), -1, device=device, dtype=torch.int64)
+        words = prefetch_words(size, device)  # (the control words: no program in, none done)
         launch(logits, target, losses if grad_scale is None else grad_scale, grad, losses, lse,
                words, words if bad is None else bad, losses if out is None else out,
                *rest)  # fmt: skip
@@ -572,25 +558,6 @@ def _mean_divisor(target: torch.Tensor, weight: torch.Tensor | None, n_classes: 
     return torch.where(kept, weight.float()[target.clamp(0, n_classes - 1)], 0.0).sum()
 
 
-def _elsewhere(device: torch.device) -> torch.device | None:
-    """The GPU that runs the kernels for CPU tensors in a process that compiles them; None
-    when they run where the tensors are. The kernels write the gradient in place, which the
-    per-call copies of :func:`on_compute_device` would lose (the bodies' results come back, not
-    their arguments), so such a call moves whole: differentiable copies there, the results
-    back, and autograd brings the gradients home."""
-    if device.type == "cuda":
-        return None
-    dev = _backend.compute_device(device)
-    return None if dev == device else dev
-
-
-def _to(x: Any, device: torch.device) -> Any:
-    """``x`` (a tensor, None or a tuple of them) on ``device``, through differentiable copies."""
-    if isinstance(x, tuple):
-        return tuple(_to(t, device) for t in x)
-    return x if x is None else x.to(device)
-
-
 def cross_entropy(
     logits: torch.Tensor,
     target: torch.Tensor,
@@ -653,15 +620,15 @@ def cross_entropy(
     _check(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
     if not (isinstance(validate, bool) or validate == "sync"):
         raise ValueError(f"validate must be True, False or 'sync', got {validate!r}")
-    dev = _elsewhere(logits.device)
+    dev = moved_call_device(logits.device)
     if dev is not None:  # the whole call on the GPU, CPU tensors' rule kept: a bad one raises
         out = cross_entropy(
-            logits.to(dev), target.to(dev), _to(weight, dev), ignore_index=ignore_index,
+            logits.to(dev), target.to(dev), moved(weight, dev), ignore_index=ignore_index,
             reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
             inplace_backward=inplace_backward, return_lse=return_lse,
             validate="sync" if validate else False,
         )  # fmt: skip
-        return _to(out, logits.device)
+        return moved(out, logits.device)
     v = logits.shape[-1]
     # (2-D logits and 1-D targets as they are: a reshape would add a view to the autograd graph)
     x2 = logits if logits.dim() == 2 else logits.reshape(-1, v)
@@ -1053,16 +1020,16 @@ def linear_cross_entropy(
     for name, size in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"{name} must be None or an int >= 1, got {size!r}")
-    dev = _elsewhere(hidden.device)
-    if dev is not None:  # the whole call on the GPU (see _elsewhere)
+    dev = moved_call_device(hidden.device)
+    if dev is not None:  # the whole call on the GPU (see moved_call_device)
         out = linear_cross_entropy(
-            hidden.to(dev), weight.to(dev), target.to(dev), bias=_to(bias, dev),
-            class_weight=_to(class_weight, dev), ignore_index=ignore_index, reduction=reduction,
+            hidden.to(dev), weight.to(dev), target.to(dev), bias=moved(bias, dev),
+            class_weight=moved(class_weight, dev), ignore_index=ignore_index, reduction=reduction,
             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
             return_lse=return_lse, validate=validate, chunk_size=chunk_size,
             vocab_chunk_size=vocab_chunk_size,
         )  # fmt: skip
-        return _to(out, hidden.device)
+        return moved(out, hidden.device)
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     if validate and plain_eager(h2, t1):  # (at the call: a sweep takes far longer than a sync)
         _scale_and_check(t1, None, v, ignore_index, False)

@@ -169,16 +169,21 @@ def prefetch_applies(x2: torch.Tensor, y2: torch.Tensor) -> bool:
 
 
 def prefetch_plan(
-    x2: torch.Tensor, words_per_chunk: int = 1, cfg: KG.PrefetchConfig | None = None
-) -> tuple[dict, int, torch.Tensor]:
+    x2: torch.Tensor, words_per_chunk: int = 1, cfg: KG.PrefetchConfig | None = None,
+    control: int = 0,
+) -> tuple[dict, int, int]:  # fmt: skip
     """What every launch of a prefetching team kernel on the ``(rows, n)`` view ``x2`` needs:
-    its launch options, the programs per row, and the ``(rows, n_chunks·words_per_chunk)``
-    int64 words the team publishes through, −1 until published."""
+    its launch options, the programs per row, and how many int64 words its workspace holds
+    (:func:`prefetch_words`): ``words_per_chunk`` per (row, chunk), row-major, then
+    ``control`` more."""
     opts = KG.prefetch_config(x2.shape[1], x2.element_size(), cfg)
     n_chunks = opts.pop("n_chunks")
-    words = torch.full((x2.shape[0], n_chunks * words_per_chunk), -1, device=x2.device,
-                       dtype=torch.int64)  # fmt: skip
-    return opts, n_chunks, words
+    return opts, n_chunks, x2.shape[0] * n_chunks * words_per_chunk + control
+
+
+def prefetch_words(size: int, device: torch.device) -> torch.Tensor:
+    """A team kernel's workspace of ``size`` int64 words, all −1: nothing published yet."""
+    return torch.full((size,), -1, device=device, dtype=torch.int64)
 
 
 def prefetch_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool,
@@ -186,7 +191,8 @@ def prefetch_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool,
     """Launch the Gluon team kernel that prefetches each program's next row into shared
     memory (:mod:`flashlite.kernels.softmax_gluon`)."""
     n_rows, n_cols = x2.shape
-    opts, n_chunks, words = prefetch_plan(x2, 1, cfg)
+    opts, n_chunks, size = prefetch_plan(x2, 1, cfg)
+    words = prefetch_words(size, x2.device)
     vec = opts["VEC"]  # lengths and strides in 16-byte vectors (prefetch_applies checked)
     args = [x2, y2, words, n_rows, n_cols // vec, x2.stride(0) // vec, y2.stride(0) // vec,
             n_chunks]  # fmt: skip
