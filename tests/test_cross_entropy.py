@@ -464,11 +464,13 @@ def test_gpu_prefetch_kernel(dtype: torch.dtype, rows: int, v: int, kw: dict,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("validate", [True, False], ids=["checked", "unchecked"])
-def test_gpu_prefetch_counts_and_sums_many_rows(validate: bool) -> None:
+@pytest.mark.parametrize("validate", [True, False, "sync"], ids=["checked", "unchecked", "sync"])
+def test_gpu_prefetch_counts_and_sums_many_rows(validate: bool | str) -> None:
     # An eager call on the Gluon path is one launch: the kernel counts the mean's targets and
-    # sums the losses itself. More rows than its programs' first blocks of targets, a third of
-    # them ignored; the same loss bit for bit on a second call; every target ignored.
+    # sums the losses itself ("sync": the scale is counted before, with the host check, and
+    # given; the kernel still scales the sum). More rows than its programs' first blocks of
+    # targets, a third of them ignored; the same loss bit for bit on a second call; every
+    # target ignored.
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     from flashlite.ops.softmax import prefetch_applies

@@ -17,11 +17,20 @@ its chunk in shared memory, so the logits are read from memory once:
   as a scalar after the chunk's vector store: ``[j = t]`` compared on every column kept the
   column indices live (232 registers a thread against 96) and cost 12% of the time.
 
-An eager call runs the whole forward in this one launch (``MEAN``, ``CHECK``, ``REDUCE``): every
+An eager call runs the whole forward in this one launch (``COUNT``, ``CHECK``, ``REDUCE``): every
 program first counts the kept targets of its share of the rows into one grid-wide word (and
 records a bad target), waits for all programs' counts (the grid is resident) and takes the
-mean's ``1/Σ``; the last program to finish sums the losses in a fixed order. A traced call (the
-custom op) and linear cross-entropy pass the gradient scale in ``GSCALE`` instead.
+mean's ``1/Σ``; the last program to finish sums the losses in a fixed order (times the
+gradient scale for a mean). A traced call (the custom op), a call that checked its targets with
+a host sync and linear cross-entropy pass the gradient scale in ``GSCALE`` instead.
+
+Per logit the gradient pass costs a shared-memory load, one fused exponent (16-bit logits) and
+one multiply: rows that end on a chunk boundary skip the column masks (``EVEN``), and the
+gradient's scale is folded into the row's constants. On the H200 that took the forward from
+0.85–0.89× to 0.90–0.92× the copy ceiling, which is where a variant of this kernel that only
+moves the data (the same copies, loads and stores, no arithmetic, no exchange) runs too
+(``benchmarks/NOTES.md``, sixteenth session): the data path, not the arithmetic or the team's
+exchange, is what is left.
 
 Plain rows only: class weights and soft caps take the Triton kernel. Same layout rules as the
 softmax kernel: 16-byte copies, so row lengths and strides in multiples of 16 bytes.
@@ -46,6 +55,7 @@ if GLUON_IMPORT_ERROR is None:
         _await_words,
         _chunk,
         _chunk_pair,
+        _exp2_from,
         _gather,
         _prefetch,
         _publish,
@@ -103,11 +113,11 @@ if GLUON_IMPORT_ERROR is None:
         return gl.where(total > 0, 1.0 / gl.where(total > 0, total, 1.0), float("nan"))
 
     @gluon.jit
-    def _reduce_losses(LOSS, OUT, ctrl, n_rows, g_scale, MEAN: gl.constexpr,
+    def _reduce_losses(LOSS, OUT, ctrl, n_rows, g_scale, SCALED: gl.constexpr,
                        BLOCK: gl.constexpr, layout: gl.constexpr):  # fmt: skip
         """The last program to finish (a count at ``ctrl``, −1 to start) sums the ``(N,)``
         losses in a fixed order (the same total every run) into ``OUT[0]``, times ``g_scale``
-        for a mean."""
+        with ``SCALED`` (a mean)."""
         _thread_barrier()  # every thread's loss stores come before the count below
         done = gl.atomic_add(ctrl, 1, sem="acq_rel", scope="gpu")
         if done == gl.num_programs(0) - 2:
@@ -117,7 +127,7 @@ if GLUON_IMPORT_ERROR is None:
                 rows = start + gl.arange(0, BLOCK, layout=layout)
                 acc += gl.load(LOSS + rows, mask=rows < n_rows, other=0.0)
             total = gl.sum(acc, axis=0)
-            if MEAN:
+            if SCALED:
                 total = total * g_scale
             gl.store(OUT, total)
 
@@ -125,17 +135,22 @@ if GLUON_IMPORT_ERROR is None:
     def _cross_entropy_prefetch_kernel(
         X, T, GSCALE, G, LOSS, LSE, W, BAD, OUT, n_rows, n_cols, n_vecs, xv_stride, gv_stride,
         n_chunks, ignore_index, smoothing, z_loss, n_teams,
-        SMOOTH: gl.constexpr, MEAN: gl.constexpr, CHECK: gl.constexpr, REDUCE: gl.constexpr,
-        CHUNK: gl.constexpr, CHUNKS_PAD: gl.constexpr, STAGES: gl.constexpr, VEC: gl.constexpr,
-        NUM_WARPS: gl.constexpr,
+        SMOOTH: gl.constexpr, COUNT: gl.constexpr, CHECK: gl.constexpr, REDUCE: gl.constexpr,
+        EVEN: gl.constexpr, CHUNK: gl.constexpr, CHUNKS_PAD: gl.constexpr, STAGES: gl.constexpr,
+        VEC: gl.constexpr, NUM_WARPS: gl.constexpr,
     ):  # fmt: skip
         """Rows ``team, team + n_teams, …`` of the ``(N, V)`` logits ``X``: losses and LSE
         (fp32, ``(N,)``) and the gradient of a unit loss into ``G``, times ``GSCALE[0]``, or
-        with ``MEAN`` times ``1/Σ`` over the kept targets, counted here. ``W`` holds
+        with ``COUNT`` times ``1/Σ`` over the kept targets, counted here. ``W`` holds
         ``WORDS = 1 + SMOOTH`` words per (row, chunk), then two control words, all −1 to start.
-        ``CHECK``: bad targets recorded in ``BAD``; ``REDUCE``: the losses' sum (a mean with
-        ``MEAN``) into ``OUT[0]``. So one launch serves an eager call's whole forward."""
+        ``CHECK``: bad targets recorded in ``BAD``; ``REDUCE`` 1: the losses' sum into
+        ``OUT[0]``, 2: their mean (the sum times the gradient scale, ``1/Σ``), 0: neither. So
+        one launch serves an eager call's whole forward.
+        ``EVEN``: the row length is a multiple of ``CHUNK`` (no column masks)."""
         WORDS: gl.constexpr = 2 if SMOOTH else 1
+        # 16-bit logits: fused exponents (precise enough for a 16-bit gradient; fp32 keeps
+        # subtract-first, flashlite.stats.probs_from_pair)
+        FMA: gl.constexpr = X.dtype.element_ty != gl.float32
         TARGETS: gl.constexpr = 4 * 32 * NUM_WARPS  # targets per block of the count and the sum
         layout: gl.constexpr = gl.BlockedLayout([VEC], [32], [NUM_WARPS], [0])
         part_layout: gl.constexpr = gl.BlockedLayout([1], [32], [NUM_WARPS], [0])
@@ -146,10 +161,10 @@ if GLUON_IMPORT_ERROR is None:
             layout, part_layout)  # fmt: skip
         ctrl = W + n_rows.to(gl.int64) * n_chunks * WORDS
         inv_v = 1.0 / n_cols
-        if MEAN or CHECK:  # (while the first rows load)
+        if COUNT or CHECK:  # (while the first rows load)
             kept = _targets_share(T, BAD, n_rows, n_cols, ignore_index, CHECK, TARGETS,
                                   part_layout)  # fmt: skip
-        if MEAN:
+        if COUNT:
             g_scale = _mean_scale(ctrl, kept)
         else:
             g_scale = gl.load(GSCALE)
@@ -158,11 +173,14 @@ if GLUON_IMPORT_ERROR is None:
             prev = (team + (i - 1) * n_teams).to(gl.int64)
             target = gl.load(T + prev, mask=i > 0, other=0).to(gl.int64)
             if i < n_mine:  # row i: this chunk's words
-                x, m, s = _chunk_pair(slots, i, in_row, layout)
+                x, m, s = _chunk_pair(slots, i, in_row, layout, EVEN, FMA)
                 row = (team + i * n_teams).to(gl.int64)
                 words = W + (row * n_chunks + chunk) * WORDS
                 if SMOOTH:  # Σ x of the chunk, high half 0 (so the word is its own flag)
-                    sx = gl.sum(gl.where(in_row, x, 0.0), axis=0)
+                    if EVEN:
+                        sx = gl.sum(x, axis=0)
+                    else:
+                        sx = gl.sum(gl.where(in_row, x, 0.0), axis=0)
                     sx_word = sx.to(gl.int32, bitcast=True).to(gl.int64) & 0xFFFFFFFF
                     gl.atomic_xchg(words + 1, sx_word, sem="relaxed", scope="gpu")
                 _publish(words, m, s)
@@ -190,9 +208,15 @@ if GLUON_IMPORT_ERROR is None:
                 x_t = gl.load(X + row * stride_xm + t_col, mask=owner, other=0.0).to(gl.float32)
                 if owner:
                     _thread_barrier()
-                x = _chunk(slots.index((i - 1) % STAGES), in_row, layout)
-                g = (gl.exp2((x - ref_row) * LOG2E) * coef - smoothing * inv_v) * scale
-                gl.store(G + row * stride_gm + cols, g.to(G.dtype.element_ty), mask=in_row)
+                x = _chunk(slots.index((i - 1) % STAGES), in_row, layout, EVEN)
+                # (the scale folded into the row's constants: one multiply a logit)
+                g = _exp2_from(x, ref_row, FMA) * (coef * scale)
+                if SMOOTH:
+                    g -= smoothing * inv_v * scale
+                if EVEN:
+                    gl.store(G + row * stride_gm + cols, g.to(G.dtype.element_ty))
+                else:
+                    gl.store(G + row * stride_gm + cols, g.to(G.dtype.element_ty), mask=in_row)
                 if owner:
                     _thread_barrier()  # every thread's store lands before the target's below
                     g_t = gl.exp2((x_t - ref_row) * LOG2E) * coef - smoothing * inv_v
@@ -209,5 +233,6 @@ if GLUON_IMPORT_ERROR is None:
                     gl.store(LSE + row, lse)
             _prefetch(slots, i + STAGES - 1, X, team, n_teams, n_mine, stride_xm, cols, in_row)
         async_copy.wait_group(0)
-        if REDUCE:
-            _reduce_losses(LOSS, OUT, ctrl + 1, n_rows, g_scale, MEAN, TARGETS, part_layout)
+        if REDUCE > 0:
+            _reduce_losses(LOSS, OUT, ctrl + 1, n_rows, g_scale, REDUCE == 2, TARGETS,
+                           part_layout)  # fmt: skip

@@ -95,19 +95,34 @@ if GLUON_IMPORT_ERROR is None:
         return m_row, s_row
 
     @gluon.jit
-    def _chunk(slot, in_row, layout: gl.constexpr):
-        """This program's chunk of a row, from shared memory, fp32, −inf past the row."""
-        return gl.where(in_row, slot.load(layout).to(gl.float32), float("-inf"))
+    def _chunk(slot, in_row, layout: gl.constexpr, EVEN: gl.constexpr = False):
+        """This program's chunk of a row, from shared memory, fp32, −inf past the row
+        (``EVEN``: the row ends on a chunk boundary, nothing to mask)."""
+        if EVEN:
+            return slot.load(layout).to(gl.float32)
+        else:
+            return gl.where(in_row, slot.load(layout).to(gl.float32), float("-inf"))
 
     @gluon.jit
-    def _chunk_pair(slots, i, in_row, layout: gl.constexpr):
+    def _exp2_from(x, ref, FMA: gl.constexpr = False):
+        """``2^((x − ref)·log2 e)``; with ``FMA`` as one fused ``x·log2 e − ref·log2 e``, whose
+        rounded ``ref·log2 e`` is off by up to ``|ref|·9e-8`` in the exponent: below a 16-bit
+        result's rounding, not fp32's (at ``|x| ≈ 1e4``, 9e-4)."""
+        if FMA:
+            return gl.exp2(x * LOG2E - ref * LOG2E)
+        else:
+            return gl.exp2((x - ref) * LOG2E)
+
+    @gluon.jit
+    def _chunk_pair(slots, i, in_row, layout: gl.constexpr, EVEN: gl.constexpr = False,
+                    FMA: gl.constexpr = False):  # fmt: skip
         """Row ``i``'s chunk once its copy has landed, and the chunk's pair
         (:func:`flashlite.stats.tile_stats`: ``m``, and ``s`` against it, 0 when ``m = −inf``)."""
         async_copy.wait_group(slots.shape[0] - 2)  # (the later rows' copies may still fly)
-        x = _chunk(slots.index(i % slots.shape[0]), in_row, layout)
+        x = _chunk(slots.index(i % slots.shape[0]), in_row, layout, EVEN)
         m = gl.max(x, axis=0)
         ref = gl.where(m == float("-inf"), 0.0, m)  # -inf only: s = 0, not NaN
-        s = gl.sum(gl.exp2((x - ref) * LOG2E), axis=0)
+        s = gl.sum(_exp2_from(x, ref, FMA), axis=0)
         return x, m, s
 
     @gluon.jit

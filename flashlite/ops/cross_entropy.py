@@ -131,14 +131,15 @@ def _plan_triton_fwd(logits: torch.Tensor, target: torch.Tensor, weight: torch.T
 
 def _plan_prefetch(logits: torch.Tensor, target: torch.Tensor, grad: torch.Tensor,
                    opts: tuple[int, float, float, float],
-                   mode: tuple[bool, bool, bool]) -> Callable[..., None]:  # fmt: skip
+                   mode: tuple[bool, bool, int]) -> Callable[..., None]:  # fmt: skip
     """Long rows without class weights or a soft cap, on a GPU with Gluon: the prefetching
     team kernel (:mod:`flashlite.kernels.cross_entropy_gluon`), logits read once.
-    ``mode = (mean, check, reduce)``: the mean's divisor counted in the kernel (``grad_scale``
-    unread), bad targets recorded in ``bad``, the losses summed into ``out``. Returns
+    ``mode = (count, check, reduce)``: the mean's divisor counted in the kernel (``grad_scale``
+    unread), bad targets recorded in ``bad``, the losses summed into ``out`` (``reduce`` 1)
+    or averaged (2: the sum times the gradient scale, counted or given). Returns
     ``launch(logits, target, grad_scale, grad, losses, lse, bad, out)``."""
     ignore_index, label_smoothing, z_loss, _ = opts
-    mean, check, reduce = mode
+    count, check, reduce = mode
     n, v = logits.shape
     smooth = label_smoothing > 0
     # per (row, chunk): the (m, s) word, and with smoothing a Σx word; then two control words
@@ -152,7 +153,8 @@ def _plan_prefetch(logits: torch.Tensor, target: torch.Tensor, grad: torch.Tenso
     launch = _backend.bind_teams(
         KG._cross_entropy_prefetch_kernel,
         [logits, target, f32, grad, f32, f32, i64, i64, f32, *rest],
-        {"SMOOTH": smooth, "MEAN": mean, "CHECK": check, "REDUCE": reduce, **options},
+        {"SMOOTH": smooth, "COUNT": count, "CHECK": check, "REDUCE": reduce,
+         "EVEN": v % options["CHUNK"] == 0, **options},
         n_chunks, n, device,
     )  # fmt: skip
 
@@ -213,7 +215,9 @@ def _plan_eager(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor
     device = logits.device
     if _gluon_applies(logits, weight, grad, opts[3]):
         count = mean and grad_scale is None
-        launch = _plan_prefetch(logits, target, grad, opts, (count, bad is not None, reduce))
+        # a mean's sum is scaled in the kernel whether it counted the divisor or was given it
+        mode = (count, bad is not None, 2 if mean else int(reduce))
+        launch = _plan_prefetch(logits, target, grad, opts, mode)
 
         def fused(logits, target, weight, grad, grad_scale, bad):  # noqa: ANN001, ANN202
             losses = logits.new_empty((n,), dtype=torch.float32)
