@@ -240,12 +240,18 @@ def _plan_eager(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor
         losses = logits.new_empty((n,), dtype=torch.float32)
         lse = logits.new_empty((n,), dtype=torch.float32)
         fwd(logits, target, weight, grad_scale, grad, losses, lse)
-        if not reduce:
-            return losses, lse, None
-        total = losses.sum()  # (Σ loss)·(1/Σ) for a mean: the gradient was stored times 1/Σ
-        return losses, lse, total * grad_scale if mean else total
+        return losses, lse, _reduced(losses, grad_scale, reduction)
 
     return apart
+
+
+def _reduced(losses: torch.Tensor, grad_scale: torch.Tensor, reduction: str) -> torch.Tensor | None:
+    """The loss of the per-row ``losses`` in torch ops (None for ``"none"``): their sum, times
+    ``grad_scale`` (``1/Σ``, the scale the gradient was stored with) for a mean."""
+    if reduction == "none":
+        return None
+    total = losses.sum()
+    return total * grad_scale if reduction == "mean" else total
 
 
 @on_compute_device
@@ -446,8 +452,7 @@ class _CrossEntropy(torch.autograd.Function):
             else:
                 losses, lse = torch.ops.flashlite.cross_entropy_fwd.default(
                     logits, grad, target, weight, grad_scale, *kernel_opts)  # fmt: skip
-            total = losses.sum()  # (Σ loss)·(1/Σ) for a mean: the gradient was stored times 1/Σ
-            total = total * grad_scale if reduction == "mean" else total
+            total = _reduced(losses, grad_scale, reduction)
         ctx.mark_non_differentiable(lse)
         ctx.save_for_backward(grad)
         ctx.used = False
