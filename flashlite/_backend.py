@@ -351,8 +351,7 @@ def launch_teams(kernel: Any, args: list[Any], options: dict[str, Any], n_chunks
         n_teams = min(n_rows, 3)
         kernel[(n_teams,)](*args, n_teams, **options)
         return n_teams
-    options = dict(options, launch_cooperative_grid=True)
-    n_teams = _team_count(kernel, args, options, n_chunks, n_rows, device)
+    options, n_teams = _cooperative_teams(kernel, args, options, n_chunks, n_rows, device)
     launcher(kernel)[(n_teams * n_chunks,)](*args, n_teams, **options)
     return n_teams
 
@@ -365,18 +364,25 @@ def bind_teams(kernel: Any, args: list[Any], options: dict[str, Any], n_chunks: 
     per-call planning and argument binding."""
     if device.type != "cuda":
         return lambda *a: launch_teams(kernel, list(a), options, n_chunks, n_rows, device)
-    options = dict(options, launch_cooperative_grid=True)
-    n_teams = _team_count(kernel, args, options, n_chunks, n_rows, device)
+    options, n_teams = _cooperative_teams(kernel, args, options, n_chunks, n_rows, device)
     bound = launcher(kernel).bind((*args, n_teams), options)
     grid = (n_teams * n_chunks, 1, 1)
     return lambda *a: bound(grid, *a, n_teams)
 
 
-def _team_count(kernel: Any, args: list[Any], options: dict[str, Any], n_chunks: int,
-                n_rows: int, device: torch.device) -> int:  # fmt: skip
-    """Teams of ``n_chunks`` programs that fit on ``device`` at once (at most one per row): from
-    the compiled kernel's resources, which the options and the tensors' dtypes and alignment
-    fix, so found once per such key (a warmup costs as much host time as a launch)."""
+def _cooperative_teams(
+    kernel: Any,
+    args: list[Any],
+    options: dict[str, Any],
+    n_chunks: int,
+    n_rows: int,
+    device: torch.device,
+) -> tuple[dict[str, Any], int]:
+    """The options of a cooperative launch, and how many teams of ``n_chunks`` programs fit on
+    ``device`` at once (at most one per row): from the compiled kernel's resources, which the
+    options and the tensors' dtypes and alignment fix, so found once per such key (a warmup
+    costs as much host time as a launch)."""
+    options = dict(options, launch_cooperative_grid=True)
     tensors = tuple((a.dtype, a.data_ptr() % 16 == 0) for a in args if isinstance(a, torch.Tensor))
     key = (id(kernel), device.index, n_chunks, n_rows, tuple(options.items()), tensors)
     n_teams = _team_counts.get(key)
@@ -387,7 +393,7 @@ def _team_count(kernel: Any, args: list[Any], options: dict[str, Any], n_chunks:
         if len(_team_counts) >= _LAUNCH_CACHE_LIMIT:
             _team_counts.clear()
         _team_counts[key] = n_teams
-    return n_teams
+    return options, n_teams
 
 
 _team_counts: dict[tuple, int] = {}
