@@ -360,6 +360,8 @@ def test_no_targets() -> None:
 def test_gpu_bad_target_reported_by_a_later_call() -> None:
     # validate=True on a GPU: no host sync; the bad target's row is NaN and the next call
     # that finds the device's check finished raises; validate="sync" raises at the call
+    from flashlite.ops import cross_entropy as oce
+
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     for v in (1000, 65536):  # the Triton kernel and, for 64k, the Gluon one
@@ -370,6 +372,8 @@ def test_gpu_bad_target_reported_by_a_later_call() -> None:
         loss = flashlite.cross_entropy(x, bad, reduction="none")
         assert torch.isnan(loss[4]) and torch.isfinite(loss[:4]).all()
         torch.cuda.synchronize()
+        # the kernel set the record's host flag itself (pinned memory, no copy launched)
+        assert oce._bad_record(x.device)[1].tolist() == [1]
         with pytest.raises(ValueError, match=rf"earlier .* class {v + 3}, outside \[0, {v}\)"):
             flashlite.cross_entropy(x, good)
         assert torch.isfinite(flashlite.cross_entropy(x, good))  # reported once

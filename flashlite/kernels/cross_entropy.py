@@ -231,7 +231,7 @@ SCALE_BLOCK = 4096
 
 @triton.jit
 def _cross_entropy_scale_kernel(
-    T, W, GSCALE, BAD, n_rows, n_cols, ignore_index,
+    T, W, GSCALE, SEEN, BAD, n_rows, n_cols, ignore_index,
     MEAN: tl.constexpr, HAS_WEIGHT: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """What the forward kernels need before they start, in one launch over the ``n_rows``
@@ -239,7 +239,8 @@ def _cross_entropy_scale_kernel(
     targets' weights, 1 each without ``W``, for a mean: torch's weighted mean; 1 otherwise), and
     with ``CHECK`` the targets checked on the device: the first one outside ``[0, V)`` that is
     not ``ignore_index`` is recorded in ``BAD = (flag, class, V)`` unless a bad target is
-    recorded there already (the host reads it later, without waiting for this kernel)."""
+    recorded there already, and ``SEEN[0]`` set to 1: the host's pinned memory on a GPU, which
+    the host reads later without waiting for this kernel (no copy launched per call)."""
     total = tl.zeros([BLOCK], tl.float32)
     first = tl.zeros([], tl.int32) + n_rows  # (a tensor: n_rows = 1 comes as a constant)
     for start in range(0, n_rows, BLOCK):
@@ -266,3 +267,4 @@ def _cross_entropy_scale_kernel(
             if tl.atomic_cas(BAD, none, none + 1) == 0:  # the first report stands till read
                 tl.store(BAD + 1, tl.load(T + first).to(tl.int64))
                 tl.store(BAD + 2, n_cols)
+                tl.store(SEEN, 1)

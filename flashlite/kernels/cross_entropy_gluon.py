@@ -76,11 +76,12 @@ if GLUON_IMPORT_ERROR is None:
         return gl.sum(gl.where(got, part, 0.0), axis=0)
 
     @gluon.jit
-    def _targets_share(T, BAD, n_rows, n_cols, ignore_index, CHECK: gl.constexpr,
+    def _targets_share(T, SEEN, BAD, n_rows, n_cols, ignore_index, CHECK: gl.constexpr,
                        BLOCK: gl.constexpr, layout: gl.constexpr):  # fmt: skip
         """This program's share of the targets (blocks ``pid, pid + programs, …``): how many are
         kept (not ``ignore_index``), and with ``CHECK`` the first one outside ``[0, V)`` that
-        is not ``ignore_index`` recorded in ``BAD = (flag, class, V)`` unless one is already."""
+        is not ``ignore_index`` recorded in ``BAD = (flag, class, V)`` unless one is already,
+        and ``SEEN[0]`` set to 1 (the host's pinned memory: read there without a copy)."""
         pid = gl.program_id(0)
         kept = pid * 0
         for start in range(pid * BLOCK, n_rows, gl.num_programs(0) * BLOCK):
@@ -97,6 +98,7 @@ if GLUON_IMPORT_ERROR is None:
                     if gl.atomic_cas(BAD, none, none + 1) == 0:  # the first report stands
                         gl.store(BAD + 1, gl.load(T + first).to(gl.int64))
                         gl.store(BAD + 2, n_cols.to(gl.int64))
+                        gl.store(SEEN, none + 1)
         return kept
 
     @gluon.jit
@@ -133,7 +135,7 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _cross_entropy_prefetch_kernel(
-        X, T, GSCALE, G, LOSS, LSE, W, BAD, OUT, n_rows, n_cols, n_vecs, xv_stride, gv_stride,
+        X, T, GSCALE, G, LOSS, LSE, W, SEEN, BAD, OUT, n_rows, n_cols, n_vecs, xv_stride, gv_stride,
         n_chunks, ignore_index, smoothing, z_loss, n_teams,
         SMOOTH: gl.constexpr, COUNT: gl.constexpr, CHECK: gl.constexpr, REDUCE: gl.constexpr,
         EVEN: gl.constexpr, CHUNK: gl.constexpr, CHUNKS_PAD: gl.constexpr, STAGES: gl.constexpr,
@@ -143,9 +145,9 @@ if GLUON_IMPORT_ERROR is None:
         (fp32, ``(N,)``) and the gradient of a unit loss into ``G``, times ``GSCALE[0]``, or
         with ``COUNT`` times ``1/Σ`` over the kept targets, counted here. ``W`` holds
         ``WORDS = 1 + SMOOTH`` words per (row, chunk), then two control words, all −1 to start.
-        ``CHECK``: bad targets recorded in ``BAD``; ``REDUCE`` 1: the losses' sum into
-        ``OUT[0]``, 2: their mean (the sum times the gradient scale, ``1/Σ``), 0: neither. So
-        one launch serves an eager call's whole forward.
+        ``CHECK``: bad targets recorded in ``BAD`` (and flagged in ``SEEN``); ``REDUCE`` 1: the
+        losses' sum into ``OUT[0]``, 2: their mean (the sum times the gradient scale, ``1/Σ``),
+        0: neither. So one launch serves an eager call's whole forward.
         ``EVEN``: the row length is a multiple of ``CHUNK`` (no column masks)."""
         WORDS: gl.constexpr = 2 if SMOOTH else 1
         # 16-bit logits: fused exponents (precise enough for a 16-bit gradient; fp32 keeps
@@ -162,7 +164,7 @@ if GLUON_IMPORT_ERROR is None:
         ctrl = W + n_rows.to(gl.int64) * n_chunks * WORDS
         inv_v = 1.0 / n_cols
         if COUNT or CHECK:  # (while the first rows load)
-            kept = _targets_share(T, BAD, n_rows, n_cols, ignore_index, CHECK, TARGETS,
+            kept = _targets_share(T, SEEN, BAD, n_rows, n_cols, ignore_index, CHECK, TARGETS,
                                   part_layout)  # fmt: skip
         if COUNT:
             g_scale = _mean_scale(ctrl, kept)

@@ -152,7 +152,7 @@ def _plan_prefetch(logits: torch.Tensor, target: torch.Tensor, grad: torch.Tenso
     f32, i64 = torch.empty(1, device=device), torch.empty(1, device=device, dtype=torch.int64)
     launch = _backend.bind_teams(
         KG._cross_entropy_prefetch_kernel,
-        [logits, target, f32, grad, f32, f32, i64, i64, f32, *rest],
+        [logits, target, f32, grad, f32, f32, i64, i64, i64, f32, *rest],
         {"SMOOTH": smooth, "COUNT": count, "CHECK": check, "REDUCE": reduce,
          "EVEN": v % options["CHUNK"] == 0, **options},
         n_chunks, n, device,
@@ -160,9 +160,12 @@ def _plan_prefetch(logits: torch.Tensor, target: torch.Tensor, grad: torch.Tenso
 
     def run(logits, target, grad_scale, grad, losses, lse, bad, out) -> None:  # noqa: ANN001
         words = prefetch_words(size, device)  # (the control words: no program in, none done)
+        if bad is None:
+            seen = bad = words
+        else:
+            seen = _host_flag(bad)
         launch(logits, target, losses if grad_scale is None else grad_scale, grad, losses, lse,
-               words, words if bad is None else bad, losses if out is None else out,
-               *rest)  # fmt: skip
+               words, seen, bad, losses if out is None else out, *rest)  # fmt: skip
 
     return run
 
@@ -202,6 +205,10 @@ def cross_entropy_fwd_eager(
     run = _planned(key, lambda: _plan_eager(logits, target, weight, grad, grad_scale, bad,
                                             reduction, opts))  # fmt: skip
     return run(logits, target, weight, grad, grad_scale, bad)
+
+
+#: :func:`cross_entropy_fwd_eager` for a front-end that moved its call to the compute device
+_fwd_eager_here = cross_entropy_fwd_eager.__wrapped__  # type: ignore[attr-defined]
 
 
 def _plan_eager(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
@@ -274,6 +281,9 @@ def cross_entropy_bwd(grad: torch.Tensor, out: torch.Tensor, dloss: torch.Tensor
     return out
 
 
+_bwd_here = cross_entropy_bwd.__wrapped__  # type: ignore[attr-defined]
+
+
 def _plan_bwd(grad: torch.Tensor, out: torch.Tensor, d: torch.Tensor, stride_l: int,
               skip: bool) -> Callable[..., None]:  # fmt: skip
     n, v = grad.shape
@@ -303,12 +313,13 @@ def cross_entropy_scale(
     weights for a mean, NaN when none is kept; else 1), from the ``(N,)`` targets in one launch;
     with ``bad`` (int64 ``(3,)`` on the compute device), the first target outside
     ``[0, V)`` that is not ``ignore_index`` is recorded there as ``(1, class, V)``, unless one
-    is recorded already."""
+    is recorded already (and, for a device's record, flagged in its host copy)."""
     scale = target.new_empty((), dtype=torch.float32)
     n = target.shape[0]
     if n == 0:  # (a mean of nothing is NaN; nothing to check)
         return scale.fill_(math.nan if mean else 1.0)
     weight = weight if weight is not None else scale  # (stand-ins: never read)
+    seen = _host_flag(bad) if bad is not None else scale
     bad = bad if bad is not None else scale
     rest = (n, n_classes, ignore_index)
     key = ("scale", target.device, target.dtype, weight.dtype, *rest, mean, bad is not scale,
@@ -318,34 +329,42 @@ def cross_entropy_scale(
         options = dict(MEAN=mean, HAS_WEIGHT=weight is not scale, CHECK=bad is not scale,
                        BLOCK=K.SCALE_BLOCK, num_warps=4)  # fmt: skip
         bound = _backend.launcher(K._cross_entropy_scale_kernel).bind(
-            (target, weight, scale, bad, *rest), options)  # fmt: skip
+            (target, weight, scale, bad, bad, *rest), options)  # fmt: skip
         return lambda *a: bound((1, 1, 1), *a, *rest)
 
-    _planned(key, plan)(target, weight, scale, bad)
+    _planned(key, plan)(target, weight, scale, seen, bad)
     return scale
 
 
 # ----------------------------------------------------------------------------- target checks
-#: Per compute device, where :func:`cross_entropy_scale` records a bad target: ``(flag, class,
-#: V)`` in the device's memory, kept until reported, and its host copy (pinned memory on a GPU,
-#: refreshed after each checked call without waiting; the same tensor on the CPU).
+#: Per compute device, where the kernels record a bad target: ``(flag, class, V)`` in the
+#: device's memory, kept until reported, and a host flag the recording kernel also sets (pinned
+#: host memory on a GPU, which a kernel writes directly: no copy launched per call, the host
+#: reads it without waiting; the same tensor on the CPU).
 _bad_records: dict[torch.device, tuple[torch.Tensor, torch.Tensor, Any]] = {}
 
 
 def _bad_record(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """``(flag, host copy, the host copy as a numpy array)`` (numpy: a read costs no torch op)."""
+    """``(flag, host flag, the host flag as a numpy array)`` (numpy: a read costs no torch op)."""
     found = _bad_records.get(device)
     if found is None:
         flag = torch.zeros(3, dtype=torch.int64, device=device)
-        host = torch.zeros(3, dtype=torch.int64, pin_memory=True) if device.type == "cuda" else flag
+        host = torch.zeros(1, dtype=torch.int64, pin_memory=True) if device.type == "cuda" else flag
         found = _bad_records[device] = (flag, host, host.numpy())
     return found
+
+
+def _host_flag(bad: torch.Tensor) -> torch.Tensor:
+    """What a kernel that records a bad target in ``bad`` sets to 1 as well: the host flag of a
+    device's record, or ``bad`` itself (any other record: its own flag)."""
+    found = _bad_records.get(bad.device)
+    return found[1] if found is not None and found[0] is bad else bad
 
 
 def _report_bad_targets(device: torch.device, wait: bool, ignore_index: int,
                         earlier: bool) -> None:  # fmt: skip
     """Raise the ``ValueError`` for a bad target recorded on ``device``: with ``wait`` once the
-    device has finished, else only what the host copy already shows (nothing is waited for
+    device has finished, else only what the host flag already shows (nothing is waited for
     unless there is one). ``earlier``: the record can only be an earlier call's (this call's
     check is not launched yet), and the message says so."""
     found = _bad_records.get(device)
@@ -437,19 +456,19 @@ class _CrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, weight, grad_scale, opts):  # type: ignore[no-untyped-def, override]
         # (the options in one tuple: autograd's per-argument handling costs host time)
-        ignore_index, label_smoothing, z_loss, softcap, inplace, reduction, eager, bad = opts
-        kernel_opts = (ignore_index, label_smoothing, z_loss, softcap)
-        grad = logits.detach() if inplace else torch.empty_like(logits)
-        if eager:  # a plain eager call (the front-end checked): the ops' bodies, no dispatcher
-            losses, lse, total = cross_entropy_fwd_eager(logits, target, weight, grad, grad_scale,
-                                                         bad, reduction, *kernel_opts)  # fmt: skip
+        ignore_index, label_smoothing, z_loss, softcap, inplace, reduction, grad, done = opts
+        if done is not None:  # a plain eager call: the front-end launched the ops' bodies
+            losses, lse, total = done
             if inplace:  # what the op's declared mutation would do
                 torch.autograd.graph.increment_version(grad)
         else:
+            kernel_opts = (ignore_index, label_smoothing, z_loss, softcap)
             if inplace:
+                grad = logits.detach()
                 losses, lse = torch.ops.flashlite.cross_entropy_fwd_inplace.default(
                     grad, target, weight, grad_scale, *kernel_opts)  # fmt: skip
             else:
+                grad = torch.empty_like(logits)
                 losses, lse = torch.ops.flashlite.cross_entropy_fwd.default(
                     logits, grad, target, weight, grad_scale, *kernel_opts)  # fmt: skip
             total = _reduced(losses, grad_scale, reduction)
@@ -468,7 +487,7 @@ class _CrossEntropy(torch.autograd.Function):
         ctx.used = True
         (grad,) = ctx.saved_tensors
         if skip_dispatcher(grad, dloss):  # eager: scaled where it is, and only if needed
-            cross_entropy_bwd(grad, grad, dloss)
+            _bwd_here(grad, grad, dloss)  # (on the compute device: the front-end moved the call)
         else:  # traced (compile, AOT, fake tensors): the functional op, a new buffer
             grad = torch.ops.flashlite.cross_entropy_bwd.default(grad, dloss)
         return grad, None, None, None, None
@@ -655,11 +674,14 @@ def cross_entropy(
         _report_bad_targets(t1.device, False, ignore_index, earlier=True)
         record = _bad_record(t1.device)
     bad = None if record is None else record[0]
-    opts = (ignore_index, float(label_smoothing), float(z_loss), check_softcap(softcap),
-            bool(inplace_backward), reduction, eager, bad)  # fmt: skip
+    kernel_opts = (ignore_index, float(label_smoothing), float(z_loss), check_softcap(softcap))
+    grad, done = None, None
+    if eager:  # the whole forward launched before autograd's bookkeeping: a host-bound step's
+        # GPU starts that much sooner (the Function only records what was launched)
+        grad = x2.detach() if inplace_backward else torch.empty_like(x2)
+        done = _fwd_eager_here(x2, t1, weight, grad, grad_scale, bad, reduction, *kernel_opts)
+    opts = (*kernel_opts, bool(inplace_backward), reduction, grad, done)
     loss, lse = _CrossEntropy.apply(x2, t1, weight, grad_scale, opts)
-    if record is not None:  # the host copy, refreshed when the device gets there
-        record[1].copy_(record[0], non_blocking=True)
     if reduction == "none":
         loss = loss.view(target.shape)
     return (loss, lse.view(target.shape)) if return_lse else loss
