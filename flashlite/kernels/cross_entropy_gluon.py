@@ -30,7 +30,9 @@ gradient's scale is folded into the row's constants. On the H200 that took the f
 0.85–0.89× to 0.90–0.92× the copy ceiling, which is where a variant of this kernel that only
 moves the data (the same copies, loads and stores, no arithmetic, no exchange) runs too
 (``benchmarks/NOTES.md``, sixteenth session): the data path, not the arithmetic or the team's
-exchange, is what is left.
+exchange, is what is left. Rows are dealt to the teams statically, and the teams finish up to
+8% of the kernel's time apart; teams that claim their rows from a counter finish together but
+were not reliably faster (seventeenth session).
 
 Plain rows only: class weights and soft caps take the Triton kernel. Same layout rules as the
 softmax kernel: 16-byte copies, so row lengths and strides in multiples of 16 bytes.

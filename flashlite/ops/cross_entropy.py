@@ -313,7 +313,7 @@ def cross_entropy_scale(
     weights for a mean, NaN when none is kept; else 1), from the ``(N,)`` targets in one launch;
     with ``bad`` (int64 ``(3,)`` on the compute device), the first target outside
     ``[0, V)`` that is not ``ignore_index`` is recorded there as ``(1, class, V)``, unless one
-    is recorded already (and, for a device's record, flagged in its host copy)."""
+    is recorded already (and, for a device's record, flagged in its host flag)."""
     scale = target.new_empty((), dtype=torch.float32)
     n = target.shape[0]
     if n == 0:  # (a mean of nothing is NaN; nothing to check)
