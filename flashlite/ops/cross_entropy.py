@@ -281,6 +281,7 @@ def cross_entropy_bwd(grad: torch.Tensor, out: torch.Tensor, dloss: torch.Tensor
     return out
 
 
+#: :func:`cross_entropy_bwd` for tensors already on the compute device (the autograd backward)
 _bwd_here = cross_entropy_bwd.__wrapped__  # type: ignore[attr-defined]
 
 
@@ -463,12 +464,11 @@ class _CrossEntropy(torch.autograd.Function):
                 torch.autograd.graph.increment_version(grad)
         else:
             kernel_opts = (ignore_index, label_smoothing, z_loss, softcap)
+            grad = _grad_buffer(logits, inplace)
             if inplace:
-                grad = logits.detach()
                 losses, lse = torch.ops.flashlite.cross_entropy_fwd_inplace.default(
                     grad, target, weight, grad_scale, *kernel_opts)  # fmt: skip
             else:
-                grad = torch.empty_like(logits)
                 losses, lse = torch.ops.flashlite.cross_entropy_fwd.default(
                     logits, grad, target, weight, grad_scale, *kernel_opts)  # fmt: skip
             total = _reduced(losses, grad_scale, reduction)
@@ -491,6 +491,12 @@ class _CrossEntropy(torch.autograd.Function):
         else:  # traced (compile, AOT, fake tensors): the functional op, a new buffer
             grad = torch.ops.flashlite.cross_entropy_bwd.default(grad, dloss)
         return grad, None, None, None, None
+
+
+def _grad_buffer(logits: torch.Tensor, inplace: bool) -> torch.Tensor:
+    """Where the forward writes the gradient: a buffer of its own, or with ``inplace`` the
+    logits through a detached alias (it shares their version counter)."""
+    return logits.detach() if inplace else torch.empty_like(logits)
 
 
 # ----------------------------------------------------------------------------- front-end
@@ -678,7 +684,7 @@ def cross_entropy(
     grad, done = None, None
     if eager:  # the whole forward launched before autograd's bookkeeping: a host-bound step's
         # GPU starts that much sooner (the Function only records what was launched)
-        grad = x2.detach() if inplace_backward else torch.empty_like(x2)
+        grad = _grad_buffer(x2, inplace_backward)
         done = _fwd_eager_here(x2, t1, weight, grad, grad_scale, bad, reduction, *kernel_opts)
     opts = (*kernel_opts, bool(inplace_backward), reduction, grad, done)
     loss, lse = _CrossEntropy.apply(x2, t1, weight, grad_scale, opts)
