@@ -33,7 +33,11 @@ values, which is what makes inputs like ``1e4 + small`` come out right in fp32 o
 (the interpreter has no fused multiply-add to hide a rounded ``x·SCALE``).
 
 Every helper is safe when maxima are −inf (an empty or fully masked set): the reference point for
-the subtraction is 0 there, so no ``−inf − (−inf)`` NaN appears and sums stay 0.
+the subtraction is 0 there, so no ``−inf − (−inf)`` NaN appears and sums stay 0. A set holding
++inf has ``m = +inf`` and an LSE of +inf, as ``torch.logsumexp``: the merges take 0 as the
+reference there too (the union's ``s`` stays positive, never ``inf − inf``), and
+``finalize_lse`` returns +inf whatever ``s`` is. Inside one tile ``e^(x − m)`` of the +inf logit
+itself is NaN, as in torch's softmax, whose rows holding +inf are NaN.
 
 Torch twins (natural log, any shape, used by tests, split-KV merging and docs):
 ``merge`` (twin of ``merge_pair``), ``merge_attention``, ``torch_tile_stats``,
@@ -84,6 +88,14 @@ __all__ = [
 def _reference_point(m):
     # Subtract 0 instead of −inf when nothing finite was seen: 2^(−inf − 0) = 0, not NaN.
     return tl.where(m == float("-inf"), 0.0, m)
+
+
+@triton.jit
+def _merge_point(m):
+    # A merge's reference: 0 where the union's maximum is infinite. −inf: both parts are empty;
+    # +inf: a part holds +inf, and its weight 2^(+inf − 0) = inf keeps the union's LSE +inf
+    # (2^(+inf − +inf) would be NaN).
+    return tl.where((m == float("-inf")) | (m == float("inf")), 0.0, m)
 
 
 @triton.jit
@@ -174,7 +186,7 @@ def tile_stats(x, SCALE):
 def merge_pair(m_a, s_a, m_b, s_b, SCALE):
     """Associative, commutative merge of two pairs; identity (−inf, 0)."""
     m = tl.maximum(m_a, m_b)
-    ref = _reference_point(m)
+    ref = _merge_point(m)
     return m, s_a * tl.exp2((m_a - ref) * SCALE) + s_b * tl.exp2((m_b - ref) * SCALE)
 
 
@@ -186,14 +198,15 @@ def merge_partials(m, s, SCALE):
     partial sum moved onto it. Padding partials must be the identity (−inf, 0).
     """
     m_all = tl.max(m, 1)
-    w = tl.exp2((m - _reference_point(m_all)[:, None]) * SCALE)
+    w = tl.exp2((m - _merge_point(m_all)[:, None]) * SCALE)
     return m_all, tl.sum(s * w, 1)
 
 
 @triton.jit
 def finalize_lse(m, s, SCALE):
-    """Natural-log LSE of the scaled logits, ``ln Σ e^(x·SCALE·ln2)``; −inf for an empty set."""
-    return m * (SCALE * LN2) + tl.log(s)
+    """Natural-log LSE of the scaled logits, ``ln Σ e^(x·SCALE·ln2)``; −inf for an empty set,
+    +inf for a set holding +inf (``m = +inf``; its ``s`` may be NaN), as ``torch.logsumexp``."""
+    return tl.where(m == float("inf"), m, m * (SCALE * LN2) + tl.log(s))
 
 
 @triton.jit
@@ -234,6 +247,11 @@ def _lse_log2(lse):
 # --------------------------------------------------------------------------- torch twins
 def _ref_point(m: torch.Tensor) -> torch.Tensor:
     return torch.where(m == -math.inf, torch.zeros_like(m), m)
+
+
+def _merge_ref(m: torch.Tensor) -> torch.Tensor:
+    # twin of _merge_point: 0 where the union's maximum is ±inf
+    return torch.where(m.isinf(), torch.zeros_like(m), m)
 
 
 def torch_rescale(m_old: torch.Tensor, m_new: torch.Tensor) -> torch.Tensor:
@@ -280,16 +298,18 @@ def merge(
 
     Returns:
         ``(m, s)`` of the union: ``m = max(m_a, m_b)``, ``s = s_a e^(m_a − m) + s_b e^(m_b − m)``.
-        ``(−inf, 0)`` is the identity; two empty sets give ``(−inf, 0)``, never NaN.
+        ``(−inf, 0)`` is the identity; two empty sets give ``(−inf, 0)``, never NaN. Where a part
+        holds +inf (``m = +inf``), ``s`` is taken against 0 instead of ``m`` and is +inf, so
+        ``m + log s`` is +inf, as ``torch.logsumexp`` of the union.
     """
     m = torch.maximum(m_a, m_b)
-    ref = _ref_point(m)
+    ref = _merge_ref(m)
     return m, s_a * torch.exp(m_a - ref) + s_b * torch.exp(m_b - ref)
 
 
 def torch_finalize_lse(m: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
-    """Twin of :func:`finalize_lse` in natural units: ``m + log s``."""
-    return m + torch.log(s)
+    """Twin of :func:`finalize_lse` in natural units: ``m + log s``; +inf where ``m`` is."""
+    return torch.where(m == math.inf, m, m + torch.log(s))
 
 
 def merge_attention(
@@ -306,11 +326,12 @@ def merge_attention(
 
     Returns:
         ``(o, lse)``: ``o`` ``(..., n, d)`` in ``o_a``'s dtype, ``lse`` ``(..., n)`` fp32.
-        Rows that saw no key in either part give ``o = 0``, ``lse = −inf``.
+        Rows that saw no key in either part give ``o = 0``, ``lse = −inf``; a part whose LSE is
+        +inf (a score of +inf) gives ``lse = +inf`` (and ``o`` NaN, as torch's attention).
     """
     lse_a, lse_b = lse_a.float(), lse_b.float()
     m = torch.maximum(lse_a, lse_b)
-    ref = _ref_point(m)
+    ref = _merge_ref(m)
     w_a, w_b = torch.exp(lse_a - ref), torch.exp(lse_b - ref)
     total = w_a + w_b
     lse = m + torch.log(total)

@@ -192,7 +192,8 @@ if GLUON_IMPORT_ERROR is None:
                 row = prev
                 row_words = W + row * n_chunks * WORDS
                 m_row, s_row = _gather(row_words, c, n_chunks, WORDS)
-                lse = m_row + gl.log(s_row)
+                # (flashlite.stats.finalize_lse: +inf for a row holding +inf)
+                lse = gl.where(m_row == float("inf"), m_row, m_row + gl.log(s_row))
                 ignored = target == ignore_index
                 in_range = (target >= 0) & (target < n_cols)
                 t_col = gl.where(in_range, target, 0).to(gl.int32)

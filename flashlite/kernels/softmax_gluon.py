@@ -88,9 +88,9 @@ if GLUON_IMPORT_ERROR is None:
         m_part = gl.where(got, (w & 0xFFFFFFFF).to(gl.int32).to(gl.float32, bitcast=True),
                           float("-inf"))  # fmt: skip
         s_part = gl.where(got, (w >> 32).to(gl.int32).to(gl.float32, bitcast=True), 0.0)
-        # flashlite.stats.merge_partials
+        # flashlite.stats.merge_partials (reference 0 where the row's maximum is ±inf)
         m_row = gl.max(m_part, axis=0)
-        ref_row = gl.where(m_row == float("-inf"), 0.0, m_row)
+        ref_row = gl.where((m_row == float("-inf")) | (m_row == float("inf")), 0.0, m_row)
         s_row = gl.sum(s_part * gl.exp2((m_part - ref_row) * LOG2E), axis=0)
         return m_row, s_row
 

@@ -203,9 +203,9 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.arrive(empty.index(slot), count=1)
 
         # natural-log LSE (flashlite.stats.finalize_lse with the scale folded into Q); rows
-        # that saw no key keep s = 0: output 0 and LSE −inf
-        gl.store(LSE + pid_bh.to(gl.int64) * seq_q + rows, m * LN2 + gl.log(l_sum),
-                 mask=rows < seq_q)  # fmt: skip
+        # that saw no key keep s = 0: output 0 and LSE −inf; a score of +inf gives +inf
+        lse = gl.where(m == float("inf"), m, m * LN2 + gl.log(l_sum))
+        gl.store(LSE + pid_bh.to(gl.int64) * seq_q + rows, lse, mask=rows < seq_q)
         l_o = gl.convert_layout(l_sum, row_o)
         o = (out * gl.expand_dims(gl.where(l_o > 0.0, 1.0 / l_o, 0.0), 1)).to(dtype)
         q_buf.reshape([half, head_dim]).store(o)  # Q is in registers: its buffer stages O
