@@ -253,7 +253,25 @@ def _(x: torch.Tensor, dim: int, algorithm: str, log: bool) -> torch.Tensor:
     return _empty_rows(x.reshape(1), 0)[0].reshape(()) if x.dim() == 0 else _empty_rows(x, dim)[0]
 
 
+def _check_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> None:
+    # autograd hands over a matching dy; a direct call of the op could pass any, and the kernel
+    # reads dy through y's shape
+    if dy.shape != y.shape:
+        raise ValueError(
+            f"softmax_bwd: dy must have the shape of the saved output y, {tuple(y.shape)}; got "
+            f"{tuple(dy.shape)}"
+        )
+    if dy.device != y.device:
+        raise ValueError(f"softmax_bwd: dy must be on y's device {y.device}, got {dy.device}")
+    if not dy.is_floating_point():
+        raise TypeError(f"softmax_bwd: dy must be a float tensor, got {dy.dtype}")
+    ndim = max(y.dim(), 1)
+    if not -ndim <= dim < ndim:
+        raise IndexError(f"softmax_bwd: dim={dim} is out of range for y of {y.dim()} dimensions")
+
+
 def _softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    _check_bwd(y, dy, dim)
     if y.dim() == 0:
         return _softmax_backward(y.reshape(1), dy.reshape(1), 0, log).reshape(())
     dx, dx2 = _empty_rows(y, dim)
@@ -270,7 +288,40 @@ _softmax_bwd_op = torch.library.custom_op("flashlite::softmax_bwd", mutates_args
 
 @_softmax_bwd_op.register_fake
 def _(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    _check_bwd(y, dy, dim)
     return _empty_rows(y.reshape(1), 0)[0].reshape(()) if y.dim() == 0 else _empty_rows(y, dim)[0]
+
+
+def _bwd_setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    y, dy, dim, log = inputs
+    ctx.save_for_backward(y, dy)
+    ctx.dim, ctx.log = dim, log
+
+
+def _bwd_backward(ctx, ddx):  # type: ignore[no-untyped-def]
+    """Second derivatives: the backward's own derivative, in torch ops (so differentiable again),
+    fp32 for 16-bit tensors. With ``p = e^y`` and ``S = Σ dy`` for log_softmax
+    (``dx = dy − p·S``), and ``c = Σ dy·y`` for softmax (``dx = y·(dy − c)``), along ``dim``::
+
+        log_softmax:  ∂/∂dy = ddx − Σ ddx·p            ∂/∂y = −ddx·p·S
+        softmax:      ∂/∂dy = y·(ddx − Σ ddx·y)        ∂/∂y = ddx·(dy − c) − dy·Σ ddx·y
+    """
+    y, dy = ctx.saved_tensors
+    dim = ctx.dim
+    wide = torch.promote_types(y.dtype, torch.float32)
+    yf, dyf, ddxf = y.to(wide), dy.to(wide), ddx.to(wide)
+    if ctx.log:
+        p = yf.exp()
+        g_dy = ddxf - (ddxf * p).sum(dim, keepdim=True)
+        g_y = -ddxf * p * dyf.sum(dim, keepdim=True)
+    else:
+        ddx_y = (ddxf * yf).sum(dim, keepdim=True)
+        g_dy = yf * (ddxf - ddx_y)
+        g_y = ddxf * (dyf - (dyf * yf).sum(dim, keepdim=True)) - dyf * ddx_y
+    return g_y.to(y.dtype), g_dy.to(dy.dtype), None, None
+
+
+_softmax_bwd_op.register_autograd(_bwd_backward, setup_context=_bwd_setup_context)
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
