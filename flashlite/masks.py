@@ -233,12 +233,20 @@ def window_bounds(window: tuple[int, int] | None, causal: bool) -> tuple[int, in
     """``(left, right)`` key offsets a query sees around its bottom-right diagonal, −1 meaning
     unlimited: ``window`` (flash-attn's ``window_size``), with ``causal`` setting right to 0.
 
+    ``window`` may also be a 2-element integer tensor (flash-attn accepts one); its values are
+    read on the host.
+
     Raises:
         TypeError: ``window`` is not a pair of ints.
         ValueError: a bound below −1.
     """
     if window is None:
         return (-1, 0) if causal else (-1, -1)
+    if isinstance(window, torch.Tensor):
+        if window.numel() != 2 or window.is_floating_point() or window.dtype == torch.bool:
+            raise TypeError(f"window must be a pair of ints (left, right); got a tensor of "
+                            f"shape {tuple(window.shape)} and dtype {window.dtype}")  # fmt: skip
+        window = tuple(int(w) for w in window.reshape(2).tolist())
     if (
         not isinstance(window, (tuple, list))
         or len(window) != 2

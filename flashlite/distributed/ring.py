@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from flashlite import stats
 from flashlite.ops.attention import attention_bwd, attention_fwd, check_inputs
+from flashlite.ops.common import check_flag
 
 #: What to pass to ``init_process_group`` so that a peer that dies cannot hang the others.
 DEFAULT_TIMEOUT = timedelta(seconds=120)
@@ -352,6 +353,9 @@ def ring_attention(
         ValueError: shards of different lengths or device kinds across ranks, an odd local
             length for zigzag shards, and everything :func:`flashlite.attention` rejects.
     """
+    for name, flag in (("causal", causal), ("return_lse", return_lse), ("zigzag", zigzag),
+                       ("validate", validate)):  # fmt: skip
+        check_flag(flag, name)
     _group_info(group)
     sm_scale, qc, kc, vc = check_inputs(q, k, v, layout, scale)
     if qc.shape[2] != kc.shape[2]:
@@ -362,7 +366,7 @@ def ring_attention(
     if validate and not torch.compiler.is_compiling():
         _check_shards(qc, 2, group, "q")
     o, lse = torch.ops.flashlite.ring_attention_fwd.default(
-        qc, kc, vc, _group_name(group), bool(causal), sm_scale, bool(zigzag)
+        qc, kc, vc, _group_name(group), causal, sm_scale, zigzag
     )
     if layout != "b h n d":
         o = o.transpose(1, 2)

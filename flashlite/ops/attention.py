@@ -35,7 +35,14 @@ from flashlite.kernels.attention import decode as KD
 from flashlite.kernels.attention import fwd as K
 from flashlite.kernels.attention import hopper as KH
 from flashlite.kernels.attention import hopper_bwd as KHB
-from flashlite.ops.common import check_softcap, on_compute_device, plain_eager, skip_dispatcher
+from flashlite.ops.common import (
+    check_flag,
+    check_softcap,
+    on_compute_device,
+    overlapping,
+    plain_eager,
+    skip_dispatcher,
+)
 
 LAYOUTS = ("b h n d", "b n h d")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -631,6 +638,8 @@ def splits_for(programs: int, rows: int, nk: int, sms: int, block_m: int, per_sm
     only splits the SM's bandwidth); a paged one, whose loads wait on the block table, with two
     (H200, ``benchmarks/NOTES.md``)."""
     blocks = programs * C.cdiv(rows, block_m)
+    if blocks == 0:  # an empty batch or no query rows: nothing to split
+        return 1
     return max(1, min(per_sm * sms // blocks, C.cdiv(nk, 256), 64))
 
 
@@ -1013,6 +1022,19 @@ def _(do, q, k, v, o, lse, dlse, causal, scale, window_left=-1, window_right=-1,
     return empty_output(q), empty_output(k), empty_output(v)
 
 
+def _no_second_derivative(ctx, *grads):  # type: ignore[no-untyped-def]
+    raise NotImplementedError(
+        "flashlite.attention has no second derivative: its backward is a kernel without an "
+        "autograd formula of its own (torch.autograd.grad(..., create_graph=True) through it "
+        "cannot be differentiated again)"
+    )
+
+
+# (a registered formula that refuses: clearer than torch's "no autograd formula" for op authors)
+_attention_bwd_op.register_autograd(_no_second_derivative,
+                                    setup_context=lambda ctx, inputs, output: None)  # fmt: skip
+
+
 def _check_bwd_grads(
     do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None
 ) -> None:
@@ -1132,14 +1154,16 @@ def attention(
 
     Raises:
         TypeError: non-tensors, unsupported or mixed dtypes, a non-numeric scale or softcap,
-            a window that is not a pair of ints, a seqlens_k that is not an int32 tensor.
+            ``causal`` or ``return_lse`` not a bool, a window that is not a pair of ints, a
+            seqlens_k that is not an int32 tensor.
         ValueError: wrong rank, mismatched batch/heads/lengths/head dims, unknown layout,
             mixed devices, a non-positive scale or softcap, a window bound below −1, a
             seqlens_k of the wrong shape or device (or, on CPU, values outside ``[0, Nk]``).
         NotImplementedError: head dim above 256.
     """
     sm_scale, qc, kc, vc = _check(q, k, v, layout, scale)
-    causal = bool(causal)
+    check_flag(causal, "causal")
+    check_flag(return_lse, "return_lse")
     splits = _decode_splits(qc, kc, _check_splits(num_splits))
     # the plain call passes five arguments: every default-valued one more is dispatcher host
     # time on every small call (issue 8's per-call cost)
@@ -1224,7 +1248,8 @@ def attention_varlen(
         LSE). Sequences of length 0 give nothing; a query that sees no key gives 0, LSE −inf.
 
     Raises:
-        TypeError: non-tensors, wrong dtypes (cu_seqlens must be int32), as :func:`attention`.
+        TypeError: non-tensors, wrong dtypes (cu_seqlens must be int32), flags that are not
+            bools, as :func:`attention`.
         ValueError: shapes, devices; with ``validate``, cu_seqlens that do not start at 0,
             decrease or do not end at the packed length, max_seqlen below a sequence's length.
     """
@@ -1233,6 +1258,8 @@ def attention_varlen(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3:
             raise ValueError(f"{name} must be (total, heads, head_dim), got {tuple(t.shape)}")
+    for name, flag in (("causal", causal), ("return_lse", return_lse), ("validate", validate)):
+        check_flag(flag, name)
     # (1, H, total, D) views: one 'batch' in the layout the kernels read, no copy
     sm_scale, qc, kc, vc = _check(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), "b n h d", scale)
     cu_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q, max_seqlen_q)
@@ -1244,9 +1271,9 @@ def attention_varlen(
         )
     if validate and not torch.compiler.is_compiling():
         _check_cu_values(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
-    left, right = masks.window_bounds(window, bool(causal))
+    left, right = masks.window_bounds(window, causal)
     cap = check_softcap(softcap)
-    o, lse = _attention_op(qc, kc, vc, bool(causal), sm_scale, left, right, cap, None, cu_q, cu_k,
+    o, lse = _attention_op(qc, kc, vc, causal, sm_scale, left, right, cap, None, cu_q, cu_k,
                            int(max_seqlen_q), int(max_seqlen_k))  # fmt: skip
     o = o.transpose(1, 2).squeeze(0)
     return (o, lse.squeeze(0)) if return_lse else o
@@ -1318,12 +1345,15 @@ def attention_kvcache(
     Args:
         q: ``(B, Nq, Hq, D)``, the new tokens' queries.
         k_cache, v_cache: ``(B, Ncap, Hkv, D)``, or with ``block_table`` a paged cache
-            ``(num_pages, page_size, Hkv, D)``, page size a multiple of 16 from 16 to 256.
-        cache_seqlens: int32 ``(B,)``: keys already in the cache per batch.
+            ``(num_pages, page_size, Hkv, D)``, page size a multiple of 16 from 16 to 256 or a
+            multiple of 256 (flash-attn's pages: read as 256-key sub-pages, no copy). Any
+            strides; expanded (stride-0) or otherwise overlapping caches are read, but refused
+            when ``k_new`` is to be written into them.
+        cache_seqlens: int32 ``(B,)``: keys already in the cache per batch (any stride).
         k_new, v_new: ``(B, Nnew, Hkv, D)``, written into the cache in place at
             ``cache_seqlens[b]`` before attending (both or neither).
         block_table: int32 ``(B, max_pages)``: batch b's key j lives in page
-            ``block_table[b, j // page_size]`` (vLLM's convention).
+            ``block_table[b, j // page_size]`` (vLLM's convention; any strides).
         causal, scale, window, softcap: as :func:`attention`, aligned bottom-right to
             ``cache_seqlens[b] + Nnew`` keys (so with ``causal`` query i of Nq sees keys up to
             ``cache_seqlens[b] + Nnew − Nq + i``).
@@ -1337,11 +1367,15 @@ def attention_kvcache(
             read or write outside the caches.
 
     Returns:
-        ``out`` ``(B, Nq, Hq, D)`` (and the LSE).
+        ``out`` ``(B, Nq, Hq, D)`` (and the LSE). Forward only: with grad mode on, tensors
+        that require grad are refused (use ``torch.no_grad()`` or ``.detach()``).
 
     Raises:
-        TypeError: non-tensors, mixed or unsupported dtypes, index tensors that are not int32.
-        ValueError: shapes, devices; with ``validate``, ``cache_seqlens + Nnew`` past the
+        TypeError: non-tensors, mixed or unsupported dtypes, index tensors that are not int32,
+            flags that are not bools.
+        ValueError: shapes, devices, an input that requires grad (grad mode on), ``k_new``
+            with caches whose elements overlap (expanded, stride 0) or that are one tensor;
+            with ``validate``, a negative ``cache_seqlens``, ``cache_seqlens + Nnew`` past the
             cache's capacity or a block-table entry outside ``[0, num_pages)`` among the pages
             in use. Every check comes before anything is written.
     """
@@ -1357,6 +1391,8 @@ def attention_kvcache(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new come together: pass both or neither")
+    for name, flag in (("causal", causal), ("return_lse", return_lse), ("validate", validate)):
+        check_flag(flag, name)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
                     ("v_new", v_new)):  # fmt: skip
         if t is None:
@@ -1373,7 +1409,7 @@ def attention_kvcache(
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} "
                          f"and {tuple(v_cache.shape)}")  # fmt: skip
-    slots, hkv, dk = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+    hkv, dk = k_cache.shape[2], k_cache.shape[3]
     if dk != d or hkv == 0 or hq % hkv:
         raise ValueError(f"the caches must be (.., .., Hkv, D={d}) with Hq={hq} a multiple of "
                          f"Hkv; got {tuple(k_cache.shape)}")  # fmt: skip
@@ -1390,20 +1426,22 @@ def attention_kvcache(
                              f"got {tuple(t.shape)} on {t.device}")  # fmt: skip
     if block_table is None and k_cache.shape[0] != bsz:
         raise ValueError(f"k_cache must be (B={bsz}, Ncap, Hkv, D), got {tuple(k_cache.shape)}")
-    if block_table is not None and (slots % 16 or not 16 <= slots <= 256):
-        raise ValueError(f"page size {slots}: must be a multiple of 16 from 16 to 256")
+    if block_table is not None:
+        _check_page_size(k_cache, v_cache)
+    _check_forward_only(q, k_cache, v_cache, k_new, v_new)
     n_new = 0 if k_new is None else k_new.shape[1]
     if k_new is not None:
         want = (bsz, n_new, hkv, d)
         if k_new.shape != want or v_new.shape != want:  # type: ignore[union-attr]
             raise ValueError(f"k_new and v_new must be (B, Nnew, Hkv, D) = {want}, got "
                              f"{tuple(k_new.shape)} and {tuple(v_new.shape)}")  # type: ignore[union-attr]  # fmt: skip
+        _check_writable(k_cache, v_cache)
     splits = _check_splits(num_splits) or 0
-    left, right = masks.window_bounds(window, bool(causal))
+    left, right = masks.window_bounds(window, causal)
     cap = check_softcap(softcap)
     sm_scale = _check_scale(scale, d)
-    args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, bool(causal),
-            sm_scale, left, right, cap, splits, bool(validate))  # fmt: skip
+    args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, sm_scale,
+            left, right, cap, splits, validate)  # fmt: skip
     if skip_dispatcher(q, k_cache, v_cache):  # the op's own body, minus the dispatcher
         plan = _kvcache_plan(args)
         if key is not None:  # these arguments passed every check above: next time, skip them
@@ -1414,6 +1452,80 @@ def attention_kvcache(
     return (o, lse) if return_lse else o
 
 
+def _check_forward_only(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+) -> None:
+    """:func:`attention_kvcache` records no autograd graph: refuse, with grad mode on, inputs
+    that require grad (a backward would otherwise fail far from the call, or gradients go
+    missing without a word)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
+                    ("v_new", v_new)):  # fmt: skip
+        if t is not None and t.requires_grad:
+            raise ValueError(
+                f"attention_kvcache is forward-only (decoding: no gradient), but {name} requires "
+                "grad with grad mode on; call it under torch.no_grad() or torch.inference_mode(), "
+                f"or pass {name}.detach(); for a differentiable call use flashlite.attention "
+                "(seqlens_k= for per-batch lengths)"
+            )
+
+
+def _check_page_size(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """A paged cache's page size: a multiple of 16 from 16 to 256, or a multiple of 256 whose
+    pages can be read as 256-key sub-pages without a copy (:func:`_sub_pages`)."""
+    slots = k_cache.shape[1]
+    if 16 <= slots <= 256 and slots % 16 == 0:
+        return
+    if slots < 16 or slots % 256:
+        raise ValueError(f"page size {slots}: must be a multiple of 16 from 16 to 256, or a "
+                         "multiple of 256")  # fmt: skip
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.shape[0] > 1 and t.stride(0) != slots * t.stride(1):
+            raise ValueError(
+                f"{name}: pages of {slots} keys are read as 256-key sub-pages, which needs each "
+                f"page's keys evenly strided into the next page (stride(0) = page_size · "
+                f"stride(1)); got strides {t.stride()}"
+            )
+
+
+def _sub_pages(cache: torch.Tensor, factor: int) -> torch.Tensor:
+    """A paged cache ``(num_pages, factor·256, Hkv, D)`` as ``(num_pages·factor, 256, Hkv, D)``:
+    a view (:func:`_check_page_size` checked the strides)."""
+    n, slots, h, d = cache.shape
+    return cache.unflatten(1, (factor, slots // factor)).view(n * factor, slots // factor, h, d)
+
+
+def _sub_table(block_table: torch.Tensor, factor: int) -> torch.Tensor:
+    """``block_table`` over pages of ``factor`` sub-pages: entry p becomes ``p·factor + j``,
+    ``j < factor`` (entries outside the pool stay outside it: ``p < 0`` or ``p >= pages``)."""
+    steps = torch.arange(factor, device=block_table.device, dtype=torch.int32)
+    return (block_table[:, :, None] * factor + steps).flatten(1)
+
+
+def _check_writable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The caches ``k_new``/``v_new`` are written into: no two elements of one cache may share
+    memory, and the two caches may not be one tensor (torch's in-place ops refuse the same)."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if overlapping(t):
+            raise ValueError(
+                f"{name} (shape {tuple(t.shape)}, strides {t.stride()}) has elements that share "
+                "memory (expanded or overlapping strides): k_new/v_new cannot be written into it; "
+                "pass a cache of its own (.contiguous() or .clone())"
+            )
+    if torch.compiler.is_compiling():  # (a trace cannot compare data pointers)
+        same = k_cache is v_cache
+    else:
+        same = k_cache.data_ptr() == v_cache.data_ptr() and k_cache.stride() == v_cache.stride()
+    if same:
+        raise ValueError("k_cache and v_cache are the same memory: k_new and v_new would be "
+                         "written over each other; pass two caches")  # fmt: skip
+
+
 def _kvcache_key(tensors: tuple, options: tuple) -> tuple | None:
     """What :func:`attention_kvcache`'s checks read — each tensor's :func:`_meta` (plain
     ``torch.Tensor`` s only) and each option's type and value — or None where an option is not
@@ -1422,8 +1534,8 @@ def _kvcache_key(tensors: tuple, options: tuple) -> tuple | None:
         return None
     key: list = []
     for t in tensors:
-        if t is not None and type(t) is not torch.Tensor:
-            return None
+        if t is not None and (type(t) is not torch.Tensor or t.requires_grad):
+            return None  # (a tensor that requires grad: refused, or not, by the checks each time)
         key.append(_meta(t))
     for x in options:
         kind = type(x)
@@ -1441,10 +1553,18 @@ def _kvcache_key(tensors: tuple, options: tuple) -> tuple | None:
 _checked_kvcache: dict[tuple, KVCachePlan] = {}
 
 
+#: Largest page the decode kernel reads as one; bigger pages (multiples of it) are split.
+MAX_PAGE = 256
+
+
 class KVCachePlan:
     """:func:`_kvcache` for one kind of call (shapes, strides, dtypes and options): the value
     checks, the append and a :class:`DecodePlan` over the caches' ``b h n d`` views. Made from
-    :func:`_kvcache`'s argument tuple (:data:`_TENSORS` tensors, then its options)."""
+    :func:`_kvcache`'s argument tuple (:data:`_TENSORS` tensors, then its options).
+
+    The kernels index ``cache_seqlens`` and the block table's rows densely: other strides are
+    made dense per call (``B`` or ``B·max_pages`` ints). Pages of more than :data:`MAX_PAGE`
+    keys are read as that many sub-pages each (views of the caches, the table rewritten)."""
 
     def __init__(self, args: tuple) -> None:
         q, k_cache, v_cache, cache_seqlens, k_new, _, block_table = args[:_TENSORS]
@@ -1454,12 +1574,29 @@ class KVCachePlan:
         self.capacity = block_table.shape[1] * self.slots if block_table is not None else self.slots
         self.n_new = 0 if k_new is None else k_new.shape[1]
         self.lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+        self.dense_lengths = cache_seqlens.is_contiguous()
+        self.dense_table = block_table is None or block_table.is_contiguous()
+        paged = block_table is not None and self.slots > MAX_PAGE
+        self.factor = self.slots // MAX_PAGE if paged else 1
+        k_cache, v_cache, block_table = self._kernel_view(k_cache, v_cache, block_table)
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.decode = DecodePlan(
             q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-            o.transpose(1, 2), cache_seqlens, block_table, causal, scale,
+            o.transpose(1, 2), cache_seqlens.contiguous(), block_table, causal, scale,
             (window_left, window_right), softcap or None, num_splits or None, None, None,
         )  # fmt: skip
+
+    def _kernel_view(
+        self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The caches and block table as the kernels read them: a dense table, and pages of at
+        most :data:`MAX_PAGE` keys."""
+        if not self.dense_table:
+            block_table = block_table.contiguous()  # type: ignore[union-attr]
+        if self.factor > 1:
+            k_cache, v_cache = _sub_pages(k_cache, self.factor), _sub_pages(v_cache, self.factor)
+            block_table = _sub_table(block_table, self.factor)  # type: ignore[arg-type]
+        return k_cache, v_cache, block_table
 
     def __call__(
         self,
@@ -1475,6 +1612,10 @@ class KVCachePlan:
         if self.validate:  # every check that reads values, before anything is written (a sync)
             _check_cache_values(cache_seqlens, self.n_new, self.capacity, block_table,
                                 self.slots, self.num_pages)  # fmt: skip
+        if not self.dense_lengths:
+            cache_seqlens = cache_seqlens.contiguous()
+        if not self.dense_table or self.factor > 1:
+            k_cache, v_cache, block_table = self._kernel_view(k_cache, v_cache, block_table)
         lengths = cache_seqlens
         if self.n_new:
             lengths = _append(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
@@ -1571,21 +1712,33 @@ def _check_cache_values(
     page_size: int,
     num_pages: int,
 ) -> None:
-    """:func:`attention_kvcache`'s value checks, read back in one host sync."""
+    """:func:`attention_kvcache`'s value checks, read back in one host sync (a second one only
+    to quote the offending values)."""
     lengths = cache_seqlens.long() + n_new
-    bad_length = ((cache_seqlens < 0) | (lengths > capacity)).any()
-    bad_page = torch.zeros_like(bad_length)
+    negative = (cache_seqlens < 0).any()
+    too_long = (lengths > capacity).any()
+    bad_page = torch.zeros_like(negative)
     if block_table is not None:
         pages = torch.arange(block_table.shape[1], device=lengths.device)
-        used = pages[None, :] < (-(-lengths // page_size))[:, None]
+        used = pages[None, :] < (-(-lengths.clamp(min=0) // page_size))[:, None]
         bad_page = (used & ((block_table < 0) | (block_table >= num_pages))).any()
-    length_wrong, page_wrong = torch.stack([bad_length, bad_page]).tolist()
-    if length_wrong:
-        raise ValueError(f"cache_seqlens + Nnew must lie in [0, {capacity}] (the cache's "
-                         f"capacity); got {lengths.tolist()}")  # fmt: skip
+    is_negative, is_too_long, page_wrong = torch.stack([negative, too_long, bad_page]).tolist()
+    if is_negative or is_too_long:
+        where = cache_seqlens < 0 if is_negative else lengths > capacity
+        b = int(where.nonzero()[0, 0])
+        value = int(cache_seqlens[b])
+        if is_negative:
+            raise ValueError(f"cache_seqlens must be >= 0 (keys already in the cache); got "
+                             f"cache_seqlens[{b}] = {value}")  # fmt: skip
+        raise ValueError(
+            f"cache_seqlens + Nnew must be at most {capacity} (the cache's capacity); got "
+            f"cache_seqlens[{b}] = {value}, Nnew = {n_new}"
+        )
     if page_wrong:
+        bad = used & ((block_table < 0) | (block_table >= num_pages))  # type: ignore[operator]
+        b, j = (int(i) for i in bad.nonzero()[0])
         raise ValueError(f"block_table holds pages outside [0, {num_pages}) among the pages "
-                         "in use")  # fmt: skip
+                         f"in use: block_table[{b}, {j}] = {int(block_table[b, j])}")  # type: ignore[index]  # fmt: skip
 
 
 def _decode_splits(q: torch.Tensor, k: torch.Tensor, num_splits: int | None) -> int:

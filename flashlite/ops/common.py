@@ -93,3 +93,33 @@ def check_softcap(softcap: object) -> float:
     if not 0 < softcap < math.inf:
         raise ValueError(f"softcap must be a finite positive number or None, got {softcap}")
     return float(softcap)
+
+
+def check_flag(value: object, name: str) -> bool:
+    """A boolean option (``causal``, ``return_lse``, ...) checked as SDPA checks ``is_causal``:
+    a ``bool``, else ``TypeError`` (``bool("no")`` is True, so a string must not pass)."""
+    if type(value) is not bool:
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def overlapping(t: torch.Tensor) -> bool:
+    """Whether two of ``t``'s elements may share memory, decided from sizes and strides alone (no
+    data read): False when, with the dimensions of size > 1 ordered by stride, each stride is at
+    least the span of the smaller ones, ``Σ (size − 1)·stride + 1`` (then every element has an
+    address of its own). That catches expanded (stride-0) dimensions and ``as_strided`` rows that
+    share elements; a few layouts whose dimensions interleave without sharing an element fail it
+    too and count as overlapping (a kernel that would write ``t`` in place refuses them)."""
+    if t.is_contiguous() or t.numel() <= 1:  # the usual case, in one test
+        return False
+    dims = [(st, n) for n, st in zip(t.shape, t.stride(), strict=True) if n > 1]
+    # the dimensions "inside" dimension i: smaller strides, ties broken by position (a stable
+    # sort's order, written as comparisons: Dynamo traces those, not sorted() on symbolic strides)
+    for i, (stride, _) in enumerate(dims):
+        span = 1
+        for j, (other, size) in enumerate(dims):
+            if other < stride or (other == stride and j < i):
+                span += (size - 1) * other
+        if stride < span:
+            return True
+    return False

@@ -28,6 +28,9 @@ Per program, three partitions, as in the forward (:mod:`flashlite.kernels.attent
   64×128.
 
 The query blocks are walked from the last down, the causal diagonal's (masked) ones last.
+Without causal masking the last key block, when it runs past Nk, masks every step: TMA reads
+the missing keys' rows as zeros, so their ``P = 2^(0 − LSE)`` is not 0, and with few keys and
+large scores (a very negative LSE) it overflows 16 bits, and ``inf·0`` in ``dS·K`` made dQ NaN.
 
 Qs is the backward preprocess's ``Q·scale·log2 e`` (:mod:`flashlite.kernels.attention.bwd`),
 so the scores are the forward's bit for bit and ``P = 2^(Sᵀ − LSE·log2 e)``.
@@ -137,10 +140,12 @@ if GLUON_BWD_ERROR is None:
     @gluon.jit
     def _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs, delta_bufs, k_mine, v_mine,
               k_cols, ds_bufs, dq_buf, q_ready, do_ready, empty, ds_ready, ds_free, dq_desc, b,
-              keys, diag, sm_scale, WG: gl.constexpr, MASKED: gl.constexpr):  # fmt: skip
+              keys, diag, seq_k, sm_scale, WG: gl.constexpr, MASKED: gl.constexpr,
+              IS_CAUSAL: gl.constexpr):  # fmt: skip
         """The ``t``-th step of one consumer warpgroup, the query tile at ``start_m`` of head
         ``h``: dK and dV updated and returned, this warpgroup's columns of dQ added to the
-        accumulator. ``MASKED``: the tile holds the causal diagonal."""
+        accumulator. ``MASKED``: the tile holds the causal diagonal (causal) or keys past Nk
+        (not causal: the last key block)."""
         block_m: gl.constexpr = qs_bufs.shape[3]
         head_dim: gl.constexpr = qs_bufs.shape[4]
         stages: gl.constexpr = qs_bufs.shape[0]
@@ -175,9 +180,14 @@ if GLUON_BWD_ERROR is None:
                                 is_async=True)  # fmt: skip
         st = warpgroup_mma_wait(1, deps=[st_tok])
         pt = gl.exp2(st)
-        if MASKED:  # keys past a row's last visible one (bottom-right aligned)
-            rows = start_m + gl.arange(0, block_m, layout=stat_l)
-            pt = gl.where(gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + diag, pt, 0.0)
+        if MASKED:
+            if IS_CAUSAL:  # keys past a row's last visible one (bottom-right aligned)
+                rows = start_m + gl.arange(0, block_m, layout=stat_l)
+                seen = gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + diag
+            else:  # keys past Nk: TMA reads their rows as zeros, so S = 0 and P = 2^(−LSE),
+                # which a very negative LSE (few keys, large scores) overflows to inf in 16 bits
+                seen = gl.expand_dims(keys < seq_k, 1)
+            pt = gl.where(seen, pt, 0.0)
         pt16 = pt.to(dtype)
         dv_tok = warpgroup_mma(gl.convert_layout(pt16, a_layout), do, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=[dpt_tok])
@@ -239,22 +249,22 @@ if GLUON_BWD_ERROR is None:
         for g in range(group):
             h = h_kv * group + g
             # query blocks from the last down (programs of one head then reduce into the same
-            # dQ rows at about the same time); the diagonal's blocks, masked, come last
+            # dQ rows at about the same time); the masked ones (the diagonal's, or every one of
+            # a key block that runs past Nk) come last
             for j in range(0, n_qblocks - n_masked):
                 start_m = lo + (n_qblocks - 1 - j) * block_m
                 dk, dv = _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs, delta_bufs,
                                k_mine, v_mine, k_cols, ds_bufs, dq_buf, q_ready, do_ready, empty,
-                               ds_ready, ds_free, dq_desc, b, keys, diag, sm_scale, WG,
-                               False)  # fmt: skip
+                               ds_ready, ds_free, dq_desc, b, keys, diag, seq_k, sm_scale, WG,
+                               False, IS_CAUSAL)  # fmt: skip
                 t += 1
-            if IS_CAUSAL:
-                for j in range(n_qblocks - n_masked, n_qblocks):
-                    start_m = lo + (n_qblocks - 1 - j) * block_m
-                    dk, dv = _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs,
-                                   delta_bufs, k_mine, v_mine, k_cols, ds_bufs, dq_buf, q_ready,
-                                   do_ready, empty, ds_ready, ds_free, dq_desc, b, keys, diag,
-                                   sm_scale, WG, True)  # fmt: skip
-                    t += 1
+            for j in range(n_qblocks - n_masked, n_qblocks):
+                start_m = lo + (n_qblocks - 1 - j) * block_m
+                dk, dv = _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs, delta_bufs,
+                               k_mine, v_mine, k_cols, ds_bufs, dq_buf, q_ready, do_ready, empty,
+                               ds_ready, ds_free, dq_desc, b, keys, diag, seq_k, sm_scale, WG,
+                               True, IS_CAUSAL)  # fmt: skip
+                t += 1
         tma.store_wait(pendings=0)
 
         # dK is summed against Qs = Q·scale·log2 e: divide the log2 e out. Keys past Nk are
@@ -306,6 +316,8 @@ if GLUON_BWD_ERROR is None:
             full_lo = 0
         n_qblocks = gl.cdiv(gl.maximum(seq_q - lo, 0), block_m)
         n_masked = gl.minimum((full_lo - lo) // block_m, n_qblocks)
+        if not IS_CAUSAL:  # the last key block, past Nk: every step masks the missing keys
+            n_masked = gl.where(start_n + block_n > seq_k, n_qblocks, 0)
         n_steps = n_qblocks * group
 
         qs_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, block_m, head_dim],
