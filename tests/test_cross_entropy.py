@@ -31,24 +31,22 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
 
 def reference(logits, target, weight=None, *, ignore_index=-100, reduction="mean",  # noqa: ANN001, ANN201
               label_smoothing=0.0, z_loss=0.0, softcap=None):  # fmt: skip
-    """fp64 torch: cross_entropy on the (capped) logits, classes last, plus z·lse² per kept
-    token, reduced like the loss (weighted mean: divided by the kept targets' weights)."""
+    """fp64 torch: cross_entropy on the (capped) logits, classes last, reduced as torch does
+    (weighted mean: divided by the kept targets' weights), plus z·lse² per kept token reduced
+    unweighted (mean: divided by the kept targets' count), Liger's convention."""
     x = logits.double()
     if softcap is not None:
         x = softcap * torch.tanh(x / softcap)
     v = x.shape[-1]
     x2, t1 = x.reshape(-1, v), target.reshape(-1).long()
     w = weight.double() if weight is not None else None
-    loss = F.cross_entropy(x2, t1, w, ignore_index=ignore_index, reduction="none",
-                           label_smoothing=label_smoothing)  # fmt: skip
+    ce = F.cross_entropy(x2, t1, w, ignore_index=ignore_index, reduction=reduction,
+                         label_smoothing=label_smoothing)  # fmt: skip
     kept = t1 != ignore_index
-    loss = loss + z_loss * torch.where(kept, torch.logsumexp(x2, -1) ** 2, 0.0)
+    z = z_loss * torch.where(kept, torch.logsumexp(x2, -1) ** 2, 0.0)
     if reduction == "none":
-        return loss.view(target.shape)
-    if reduction == "sum":
-        return loss.sum()
-    denom = kept.sum() if w is None else torch.where(kept, w[t1.clamp(0, v - 1)], 0.0).sum()
-    return loss.sum() / denom
+        return (ce + z).view(target.shape)
+    return ce + (z.sum() if reduction == "sum" else z.sum() / kept.sum())
 
 
 def _inputs(shape, v, dtype, seed=0, scale=3.0):  # noqa: ANN001, ANN202
@@ -555,6 +553,7 @@ LINEAR_OPTIONS = [
     {"z_loss": 1e-3, "softcap": 5.0, "bias": True},
     {"reduction": "sum", "class_weight": True},
     {"reduction": "none", "bias": True, "label_smoothing": 0.2},
+    {"class_weight": True, "z_loss": 1e-2, "softcap": 5.0},  # the mean's z-loss: by the count
 ]
 
 

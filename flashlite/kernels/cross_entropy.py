@@ -8,7 +8,11 @@ For a row of logits ``x`` (soft-capped first with ``SOFTCAP``: ``x ← c·tanh(x
     ∂loss/∂x_j = p_j·((1 − ε)·w_t + (ε/V)·Σ_k w_k + 2z·lse) − (1 − ε)·w_t·[j = t] − (ε/V)·w_j
 
 (the first term is torch's weighted NLL, the second its label-smoothing term, the third PaLM's
-z-loss), times ``1 − tanh²`` through a soft cap. The gradient is the row softmax minus a
+z-loss), times ``1 − tanh²`` through a soft cap. A ``mean`` divides the first two terms by
+``Σ w_t`` of the kept targets (torch's weighted mean) and the z-loss by their count (it bounds
+each row's LSE, whatever the target's class: Liger's and PaLM's convention); with class weights
+the forward scales ``z`` by ``r = Σ w_t / count`` on the device, so that dividing the whole
+row by ``Σ w_t`` gives both. The gradient is the row softmax minus a
 smoothed one-hot, so it is written here, in the forward, and never stored as a softmax: the
 backward only scales it by the incoming gradient. A row whose target is ``ignore_index`` has loss
 and gradient 0; a target outside ``[0, V)`` gives a NaN loss (the front-end rejects it first
@@ -128,17 +132,21 @@ def _cross_entropy_fwd_kernel(
     ignore_index, smoothing, z_loss, softcap,
     HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr,
     SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, COL_INT64: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
+    ROUND_BF16: tl.constexpr, Z_SCALE: tl.constexpr,
 ):  # fmt: skip
     """One program per row: loss (fp32), LSE (fp32) and the gradient ``G`` (the logits' dtype;
     ``G`` may be ``X`` itself: each tile is read before it is overwritten). ``WSUM`` holds
     ``Σ_j w_j`` (fp32, on the device: no host sync for it); ``GSCALE`` the gradient's scale,
     the incoming gradient a unit loss sends each row (``1/Σ`` for a mean, else 1), so that the
-    backward has nothing to do when that is what arrives."""
+    backward has nothing to do when that is what arrives. ``Z_SCALE`` (a weighted mean with
+    z-loss): ``GSCALE[1]`` holds ``r = Σ w_t / count`` of the kept targets and the z-loss is
+    ``z·r·lse²``, which the mean's ``1/Σ w_t`` turns into ``z·lse²/count``."""
     row = tl.program_id(0).to(tl.int64)
     weight_sum = n_cols * 1.0
     if HAS_WEIGHT:
         weight_sum = tl.load(WSUM)
+    if Z_SCALE:
+        z_loss = z_loss * tl.load(GSCALE + 1)
     x_row = X + row * stride_xm
     g_row = G + row * stride_gm
     target, ignored, in_range, w_t = _target(T, W, row, n_cols, ignore_index, HAS_WEIGHT)
@@ -233,6 +241,7 @@ SCALE_BLOCK = 4096
 def _cross_entropy_scale_kernel(
     T, W, GSCALE, SEEN, BAD, n_rows, n_cols, ignore_index,
     MEAN: tl.constexpr, HAS_WEIGHT: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr,
+    Z_SCALE: tl.constexpr,
 ):  # fmt: skip
     """What the forward kernels need before they start, in one launch over the ``n_rows``
     targets: ``GSCALE[0]``, the gradient a unit loss sends each row (``1/Σ`` of the kept
@@ -240,8 +249,11 @@ def _cross_entropy_scale_kernel(
     with ``CHECK`` the targets checked on the device: the first one outside ``[0, V)`` that is
     not ``ignore_index`` is recorded in ``BAD = (flag, class, V)`` unless a bad target is
     recorded there already, and ``SEEN[0]`` set to 1: the host's pinned memory on a GPU, which
-    the host reads later without waiting for this kernel (no copy launched per call)."""
+    the host reads later without waiting for this kernel (no copy launched per call).
+    ``Z_SCALE`` (a weighted mean with z-loss): also ``GSCALE[1] = Σ w / count`` of the kept
+    targets, the z-loss's scale in the forward kernel (0 when none is kept)."""
     total = tl.zeros([BLOCK], tl.float32)
+    count = tl.zeros([BLOCK], tl.int32)
     first = tl.zeros([], tl.int32) + n_rows  # (a tensor: n_rows = 1 comes as a constant)
     for start in range(0, n_rows, BLOCK):
         rows = start + tl.arange(0, BLOCK)
@@ -253,6 +265,8 @@ def _cross_entropy_scale_kernel(
             total += tl.load(W + tl.where(in_range, t, 0), mask=kept, other=0.0).to(tl.float32)
         else:
             total += tl.where(kept, 1.0, 0.0)
+        if Z_SCALE:
+            count += kept.to(tl.int32)
         if CHECK:
             bad = kept & ((t < 0) | (t >= n_cols))
             first = tl.minimum(first, tl.min(tl.where(bad, rows, n_rows)))
@@ -261,6 +275,10 @@ def _cross_entropy_scale_kernel(
         denom = tl.sum(total)
         scale = tl.where(denom > 0, 1.0 / tl.where(denom > 0, denom, 1.0), float("nan"))
     tl.store(GSCALE, scale)
+    if Z_SCALE:  # (no target kept: 0, not 0/0, so that ignored rows' gradients stay 0, not NaN)
+        kept_n = tl.sum(count).to(tl.float32)
+        denom = tl.sum(total)
+        tl.store(GSCALE + 1, tl.where(kept_n > 0, denom / tl.maximum(kept_n, 1.0), 0.0))
     if CHECK:  # noqa: SIM102 - (a compile-time branch, then the device's)
         if first < n_rows:  # noqa: SIM102 - (the exchange only where there is a bad target)
             none = tl.zeros([], tl.int64)  # (the exchange's operands: the flag's type)

@@ -27,6 +27,7 @@ from flashlite.ops.common import (
     moved,
     moved_call_device,
     on_compute_device,
+    overlapping,
     plain_eager,
     skip_dispatcher,
 )
@@ -95,7 +96,8 @@ def cross_entropy_fwd(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward kernel on ``(N, V)`` logits (any strides), ``(N,)`` targets: returns
     the fp32 per-row losses and LSE ``(N,)`` and writes the per-row gradient, times the fp32
-    1-element ``grad_scale``, into ``grad`` ``(N, V)`` (which may be ``logits``). No checks.
+    1-element ``grad_scale``, into ``grad`` ``(N, V)`` (which may be ``logits``); a 2-element
+    ``grad_scale`` also scales the z-loss by its second element (:func:`_z_scaled`). No checks.
     (:func:`cross_entropy_fwd_eager` with the scale given, nothing checked, nothing reduced.)"""
     losses, lse, _ = cross_entropy_fwd_eager(logits, target, weight, grad, grad_scale, None,
                                              "none", ignore_index, label_smoothing, z_loss,
@@ -105,15 +107,17 @@ def cross_entropy_fwd(
 
 def _plan_triton_fwd(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
                      grad_scale: torch.Tensor, grad: torch.Tensor,
-                     opts: tuple[int, float, float, float]) -> Callable[..., None]:  # fmt: skip
-    """The Triton kernel's ``run(logits, target, weight, grad_scale, grad, losses, lse)``."""
+                     opts: tuple[int, float, float, float],
+                     z_scale: bool = False) -> Callable[..., None]:  # fmt: skip
+    """The Triton kernel's ``run(logits, target, weight, grad_scale, grad, losses, lse)``;
+    ``z_scale``: ``grad_scale`` holds the z-loss's scale too (:func:`_z_scaled`)."""
     ignore_index, label_smoothing, z_loss, softcap = opts
     n, v = logits.shape
     col64 = any((v - 1) * abs(t.stride(1)) >= _INT32_LIMIT for t in (logits, grad))
     rest = (v, *logits.stride(), *grad.stride(), ignore_index, label_smoothing, z_loss, softcap)
     options = dict(HAS_WEIGHT=weight is not None, SOFTCAP=softcap > 0, SMOOTH=label_smoothing > 0,
                    COL_INT64=col64, ROUND_BF16=_backend.round_bf16(logits.dtype), num_stages=1,
-                   **K.ce_config(v))  # fmt: skip
+                   Z_SCALE=z_scale, **K.ce_config(v))  # fmt: skip
     stand_in = grad_scale  # (for the weights and their sum when there are none: never read)
     bound = _backend.launcher(K._cross_entropy_fwd_kernel).bind(
         (logits, target, weight if weight is not None else stand_in, stand_in, grad_scale, grad,
@@ -185,7 +189,8 @@ def cross_entropy_fwd_eager(
     softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """An eager call's whole forward: :func:`cross_entropy_fwd` with the gradient scale
-    worked out here unless given (``1/Σ`` of the kept targets' weights for a ``mean``, else 1),
+    worked out here unless given (``1/Σ`` of the kept targets' weights for a ``mean``, else 1;
+    with the z-loss's scale too where :func:`_z_scaled`),
     bad targets recorded in ``bad`` (:func:`cross_entropy_scale`), and the loss reduced: returns
     the per-row losses, the LSE and the fp32 0-dim loss (None for ``"none"``). On the Gluon
     path all of it is one launch (the host time before the kernel starts is what a host-bound
@@ -200,8 +205,8 @@ def cross_entropy_fwd_eager(
     opts = (ignore_index, float(label_smoothing), float(z_loss), float(softcap))
     key = ("eager", logits.device, logits.dtype, grad.dtype, target.dtype, n, v, logits.stride(),
            grad.stride(), None if weight is None else weight.dtype, reduction,
-           grad_scale is None, bad is None, _aligned(logits, target, weight, grad_scale, grad, bad),
-           *opts)  # fmt: skip
+           None if grad_scale is None else grad_scale.numel(), bad is None,
+           _aligned(logits, target, weight, grad_scale, grad, bad), *opts)  # fmt: skip
     run = _planned(key, lambda: _plan_eager(logits, target, weight, grad, grad_scale, bad,
                                             reduction, opts))  # fmt: skip
     return run(logits, target, weight, grad, grad_scale, bad)
@@ -237,13 +242,16 @@ def _plan_eager(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor
 
         return fused
     unit = _unit_scale(device)
-    fwd = _plan_triton_fwd(logits, target, weight, unit, grad, opts)
+    given = grad_scale is not None
+    z_scale = grad_scale.numel() == 2 if given else _z_scaled(weight, mean, opts[2])
+    fwd = _plan_triton_fwd(logits, target, weight, unit, grad, opts, z_scale)
 
     def apart(logits, target, weight, grad, grad_scale, bad):  # noqa: ANN001, ANN202
         if grad_scale is None:
             grad_scale = unit
             if mean or bad is not None:
-                grad_scale = cross_entropy_scale(target, weight, v, opts[0], mean, bad)
+                grad_scale = cross_entropy_scale(target, weight, v, opts[0], mean, bad,
+                                                 z_scale)  # fmt: skip
         losses = logits.new_empty((n,), dtype=torch.float32)
         lse = logits.new_empty((n,), dtype=torch.float32)
         fwd(logits, target, weight, grad_scale, grad, losses, lse)
@@ -258,7 +266,9 @@ def _reduced(losses: torch.Tensor, grad_scale: torch.Tensor, reduction: str) -> 
     if reduction == "none":
         return None
     total = losses.sum()
-    return total * grad_scale if reduction == "mean" else total
+    if reduction != "mean":
+        return total
+    return total * (grad_scale if grad_scale.numel() == 1 else grad_scale[0])
 
 
 @on_compute_device
@@ -309,26 +319,32 @@ def cross_entropy_scale(
     ignore_index: int,
     mean: bool,
     bad: torch.Tensor | None,
+    z_scale: bool = False,
 ) -> torch.Tensor:
     """The fp32 0-dim gradient scale a unit loss sends each row (``1/Σ`` of the kept targets'
     weights for a mean, NaN when none is kept; else 1), from the ``(N,)`` targets in one launch;
     with ``bad`` (int64 ``(3,)`` on the compute device), the first target outside
     ``[0, V)`` that is not ``ignore_index`` is recorded there as ``(1, class, V)``, unless one
-    is recorded already (and, for a device's record, flagged in its host flag)."""
-    scale = target.new_empty((), dtype=torch.float32)
+    is recorded already (and, for a device's record, flagged in its host flag). With
+    ``z_scale`` (a weighted mean with z-loss, :func:`_z_scaled`): ``(2,)``, that scale and the
+    z-loss's, ``Σ w / count`` of the kept targets (0 when none is kept)."""
+    scale = target.new_empty((2,) if z_scale else (), dtype=torch.float32)
     n = target.shape[0]
     if n == 0:  # (a mean of nothing is NaN; nothing to check)
-        return scale.fill_(math.nan if mean else 1.0)
+        scale.fill_(math.nan if mean else 1.0)
+        if z_scale:
+            scale[1] = 0.0
+        return scale
     weight = weight if weight is not None else scale  # (stand-ins: never read)
     seen = _host_flag(bad) if bad is not None else scale
     bad = bad if bad is not None else scale
     rest = (n, n_classes, ignore_index)
     key = ("scale", target.device, target.dtype, weight.dtype, *rest, mean, bad is not scale,
-           weight is not scale, _aligned(target, weight, bad))  # fmt: skip
+           weight is not scale, z_scale, _aligned(target, weight, bad))  # fmt: skip
 
     def plan() -> Callable[..., None]:
         options = dict(MEAN=mean, HAS_WEIGHT=weight is not scale, CHECK=bad is not scale,
-                       BLOCK=K.SCALE_BLOCK, num_warps=4)  # fmt: skip
+                       BLOCK=K.SCALE_BLOCK, Z_SCALE=z_scale, num_warps=4)  # fmt: skip
         bound = _backend.launcher(K._cross_entropy_scale_kernel).bind(
             (target, weight, scale, bad, bad, *rest), options)  # fmt: skip
         return lambda *a: bound((1, 1, 1), *a, *rest)
@@ -549,14 +565,15 @@ def _check(
 
 
 def _scale_and_check(target: torch.Tensor, weight: torch.Tensor | None, n_classes: int,
-                     ignore_index: int, mean: bool) -> torch.Tensor:  # fmt: skip
+                     ignore_index: int, mean: bool, z_scale: bool = False,
+                     ) -> torch.Tensor:  # fmt: skip
     """The gradient scale (:func:`cross_entropy_scale`) with the targets checked in the same
     launch, waited for: a bad target raises here (``validate="sync"``, CPU tensors and linear
     cross-entropy). A bad target an earlier call recorded is reported first, as that call's."""
     device = _backend.compute_device(target.device)
     _report_bad_targets(device, True, ignore_index, earlier=True)
     scale = cross_entropy_scale(target, weight, n_classes, ignore_index, mean,
-                                _bad_record(device)[0])  # fmt: skip
+                                _bad_record(device)[0], z_scale)  # fmt: skip
     _report_bad_targets(device, True, ignore_index, earlier=False)
     return scale
 
@@ -573,13 +590,33 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
 
 
 def _traced_scale(target: torch.Tensor, weight: torch.Tensor | None, n_classes: int,
-                  ignore_index: int, mean: bool) -> torch.Tensor:  # fmt: skip
+                  ignore_index: int, mean: bool, z_scale: bool = False,
+                  ) -> torch.Tensor:  # fmt: skip
     """:func:`cross_entropy_scale` without the check, in torch ops (what a trace can hold): the
     incoming gradient a unit loss sends each row, ``1/Σ`` of the kept targets' weights for a
-    mean (torch's weighted mean), else 1."""
+    mean (torch's weighted mean), else 1; with ``z_scale``, and the z-loss's scale."""
     if not mean:
         return torch.ones((), dtype=torch.float32, device=target.device)
-    return 1.0 / _mean_divisor(target, weight, n_classes, ignore_index)
+    denom = _mean_divisor(target, weight, n_classes, ignore_index)
+    if not z_scale:
+        return 1.0 / denom
+    return torch.stack((1.0 / denom, _z_ratio(target, denom, ignore_index)))
+
+
+def _z_scaled(weight: torch.Tensor | None, mean: bool, z_loss: float) -> bool:
+    """Whether the z-loss needs a scale of its own: a mean divides the cross-entropy by the kept
+    targets' class weights (torch's weighted mean) but the z-loss by their count (it bounds each
+    row's LSE, whatever the target's class: Liger's convention, PaLM's definition); the kernel
+    adds ``z·r·lse²`` to a row, ``r = Σ w / count`` (:func:`_z_ratio`), so that dividing the
+    rows' sum by ``Σ w`` gives both. Without class weights the two divisors are one."""
+    return weight is not None and mean and z_loss > 0
+
+
+def _z_ratio(target: torch.Tensor, denom: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``r = Σ w / count`` of the kept targets from the mean's divisor ``denom = Σ w``, in torch
+    ops; 0 when none is kept (their rows' gradients stay 0, not 0/0)."""
+    count = (target != ignore_index).sum(dtype=torch.float32)
+    return torch.where(count > 0, denom / count.clamp(min=1.0), 0.0)
 
 
 def _mean_divisor(target: torch.Tensor, weight: torch.Tensor | None, n_classes: int,
@@ -590,6 +627,29 @@ def _mean_divisor(target: torch.Tensor, weight: torch.Tensor | None, n_classes: 
     if weight is None:
         return kept.sum(dtype=torch.float32)
     return torch.where(kept, weight.float()[target.clamp(0, n_classes - 1)], 0.0).sum()
+
+
+def _check_inplace(logits: torch.Tensor) -> None:
+    """Refuse logits that ``inplace_backward`` must not overwrite: a leaf that requires grad (or
+    a view of one), which torch forbids to modify in place while grad mode is on (the leaf would
+    hold its own gradient), and memory whose elements overlap (writing one row's gradient would
+    clobber rows still to be read)."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        base = logits if logits.is_leaf else logits._base
+        if base is not None and base.is_leaf:
+            what = "a leaf tensor" if base is logits else "a view of a leaf tensor"
+            raise ValueError(
+                f"inplace_backward=True would overwrite logits, {what} that requires grad, with "
+                "its gradient (torch forbids in-place writes to such a leaf); pass a non-leaf "
+                "(e.g. the output layer's output, as it comes) or use inplace_backward=False"
+            )
+    if overlapping(logits):
+        raise ValueError(
+            f"inplace_backward=True needs logits whose elements do not share memory, got "
+            f"overlapping or interleaved strides {logits.stride()} for shape "
+            f"{tuple(logits.shape)} (the gradient written over one row would clobber others "
+            "still to be read); pass logits.contiguous() or use inplace_backward=False"
+        )
 
 
 def cross_entropy(
@@ -619,13 +679,15 @@ def cross_entropy(
             rule, NaN when every target is ignored), ``"sum"`` or ``"none"``.
         label_smoothing: ε in [0, 1], as torch defines it: the target mixes ``1 − ε`` of the
             one-hot with ``ε/V`` everywhere (weighted by ``weight``).
-        z_loss: adds ``z_loss·lse²`` to each non-ignored token's loss (PaLM), before the
-            reduction.
+        z_loss: adds ``z_loss·lse²`` to each non-ignored token's loss (PaLM). A ``mean``
+            divides the z-loss by the number of non-ignored targets, also with ``weight``
+            (it bounds each row's LSE, whatever the target's class: Liger's convention).
         softcap: logits become ``softcap·tanh(logits/softcap)`` first; the loss, z-loss and LSE
             use the capped logits.
         inplace_backward: write the gradient over ``logits`` (no extra memory; Liger's trick).
             ``logits`` must then be a non-leaf tensor (or need no gradient) that nothing else
-            saved for its own backward, and it holds the gradient afterwards.
+            saved for its own backward, whose elements do not share memory, and it holds the
+            gradient afterwards.
         return_lse: also return the fp32 LSE per token (``target``'s shape; no gradient).
         validate: check that every target is in ``[0, V)`` or ``ignore_index``. A bad target
             always gives a NaN loss and gradient row, never a read outside the tensors; the
@@ -648,12 +710,16 @@ def cross_entropy(
         TypeError: non-tensors, unsupported dtypes, float targets, non-numeric options.
         ValueError: shape or device mismatch, a bad reduction, ``label_smoothing`` outside
             [0, 1], a negative ``z_loss``, a non-positive ``softcap``, ``validate`` not one of
-            True, False, "sync"; with ``validate``, a target outside ``[0, V)`` that is not
-            ``ignore_index`` (see ``validate`` for which call raises it).
+            True, False, "sync"; ``inplace_backward`` on a leaf that requires grad (or a view
+            of one) while grad mode is on, or on logits whose elements overlap; with
+            ``validate``, a target outside ``[0, V)`` that is not ``ignore_index`` (see
+            ``validate`` for which call raises it).
     """
     _check(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
     if not (isinstance(validate, bool) or validate == "sync"):
         raise ValueError(f"validate must be True, False or 'sync', got {validate!r}")
+    if inplace_backward:  # (here: a moved call's copy would no longer be the caller's leaf)
+        _check_inplace(logits)
     dev = moved_call_device(logits.device)
     if dev is not None:  # the whole call on the GPU, CPU tensors' rule kept: a bad one raises
         out = cross_entropy(
@@ -673,9 +739,11 @@ def cross_entropy(
     mean = reduction == "mean"
     record, grad_scale = None, None
     if not eager:  # traced: the scale from torch ops, no check (a host read cannot be traced)
-        grad_scale = _traced_scale(t1, weight, v, ignore_index, mean)
+        grad_scale = _traced_scale(t1, weight, v, ignore_index, mean,
+                                   _z_scaled(weight, mean, z_loss))  # fmt: skip
     elif validate == "sync" or (validate and x2.device.type == "cpu"):  # checked, then waited for
-        grad_scale = _scale_and_check(t1, weight, v, ignore_index, mean)
+        grad_scale = _scale_and_check(t1, weight, v, ignore_index, mean,
+                                      _z_scaled(weight, mean, z_loss))  # fmt: skip
     elif validate:  # checked in the forward's own launch, reported by a later call
         _report_bad_targets(t1.device, False, ignore_index, earlier=True)
         record = _bad_record(t1.device)
@@ -723,22 +791,26 @@ def _linear_chunks(
     chunk: int,
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
     vocab_chunk: int = 0,
+    z_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sweep over token chunks: logits ``h·Wᵀ + b`` of a chunk (tensor cores through
     ``torch.matmul``), the fused kernel writing their gradient over them, then that gradient
     scaled per row by ``scale`` and folded into ``grads = (dh, dW, db)`` (when given). With
     ``0 < vocab_chunk < V`` each token chunk's vocabulary is swept in slices instead
-    (:func:`_vocab_sweep`). Returns the fp32 per-token losses and LSE."""
+    (:func:`_vocab_sweep`). ``z_scale``: a 1-element fp32 factor of the z-loss, on the device
+    (:func:`_z_scaled`). Returns the fp32 per-token losses and LSE."""
     n = hidden.shape[0]
     losses = hidden.new_empty((n,), dtype=torch.float32)
     lse = hidden.new_empty((n,), dtype=torch.float32)
     unit = torch.ones(1, dtype=torch.float32, device=hidden.device)
+    if z_scale is not None:  # (the kernel reads the z-loss's factor after the gradient's scale)
+        unit = torch.cat((unit, z_scale.reshape(1).float()))
     for r0 in range(0, n, chunk):
         rows = slice(r0, min(n, r0 + chunk))
         if 0 < vocab_chunk < weight.shape[0]:
             losses[rows], lse[rows] = _vocab_sweep(
                 hidden[rows], weight, bias, target[rows], scale[rows], opts, vocab_chunk, grads,
-                rows,
+                rows, z_scale,
             )  # fmt: skip
             continue
         h = hidden[rows]
@@ -781,6 +853,7 @@ def _vocab_sweep(
     vocab_chunk: int,
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
     rows: slice,
+    z_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Losses and LSE of one token chunk whose vocabulary is too wide to hold: slices of
     ``vocab_chunk`` classes, each one's ``(m, s)`` pair merged into the row's with
@@ -791,6 +864,8 @@ def _vocab_sweep(
     product per slice than a whole-row chunk, so :func:`linear_cross_entropy` takes it only
     when a row of logits is too wide for the chunk budget."""
     class_weight, ignore_index, smoothing, z_loss, softcap = opts
+    if z_scale is not None:
+        z_loss = z_loss * z_scale.float()  # (1,): broadcast over the rows
     v = weight.shape[0]
     ignored = target == ignore_index
     in_range = (target >= 0) & (target < v)
@@ -873,14 +948,19 @@ def _linear_fwd(
     chunk: int,
     vocab_chunk: int,
     with_grads: bool,
+    z_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward sweep: per-token losses and LSE, and with ``with_grads`` the gradients of
     hidden, weight and bias for per-token incoming gradients ``scale`` (empty tensors stand for
-    the gradients not made)."""
+    the gradients not made); ``z_scale``, a 1-element factor of the z-loss (a weighted mean's,
+    :func:`_z_scaled`). The products run in the operands' own dtype, autocast or not (the
+    front-end cast them to autocast's; a product autocast cast again would not match the
+    gradient buffers)."""
     opts = (class_weight, ignore_index, label_smoothing, z_loss, softcap)
-    grads = _linear_grads(hidden, weight, bias) if with_grads else None
-    losses, lse = _linear_chunks(hidden, weight, bias, target, scale, opts, chunk, grads,
-                                 vocab_chunk)  # fmt: skip
+    with torch.autocast(hidden.device.type, enabled=False):
+        grads = _linear_grads(hidden, weight, bias) if with_grads else None
+        losses, lse = _linear_chunks(hidden, weight, bias, target, scale, opts, chunk, grads,
+                                     vocab_chunk, z_scale)  # fmt: skip
     if grads is None:  # (distinct empty tensors: an op's outputs may not alias)
         return losses, lse, *(hidden.new_empty((0,), dtype=torch.float32) for _ in range(3))
     return losses, lse, grads[0], grads[1], _no_bias(grads[2], hidden)
@@ -892,7 +972,7 @@ _linear_fwd_op = torch.library.custom_op("flashlite::linear_cross_entropy_fwd",
 
 @_linear_fwd_op.register_fake
 def _(hidden, weight, bias, target, class_weight, scale, ignore_index, label_smoothing, z_loss,  # type: ignore[no-untyped-def]
-      softcap, chunk, vocab_chunk, with_grads):  # fmt: skip
+      softcap, chunk, vocab_chunk, with_grads, z_scale=None):  # fmt: skip
     losses = hidden.new_empty((hidden.shape[0],), dtype=torch.float32)
     if not with_grads:
         return losses, torch.empty_like(losses), *(hidden.new_empty((0,), dtype=torch.float32)
@@ -952,14 +1032,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 z_loss, softcap, reduction, chunk, vocab_chunk):  # fmt: skip
         n, v = hidden.shape[0], weight.shape[0]
         opts = (ignore_index, label_smoothing, z_loss, softcap, chunk, vocab_chunk)
+        z_scale = None
         if reduction == "mean":
             denom = _mean_divisor(target, class_weight, v, ignore_index)
             scale = (1.0 / denom).expand(n)
+            if _z_scaled(class_weight, True, z_loss):
+                z_scale = _z_ratio(target, denom, ignore_index).reshape(1)
         else:
             denom, scale = None, hidden.new_ones((n,), dtype=torch.float32)
         need = any(ctx.needs_input_grad[:3])
         with_grads = need and reduction != "none"
-        args = (hidden, weight, bias, target, class_weight, scale, *opts, with_grads)
+        args = (hidden, weight, bias, target, class_weight, scale, *opts, with_grads, z_scale)
         if skip_dispatcher(hidden, weight, target):
             losses, lse, dh, dw, db = _linear_fwd(*args)  # the op's own body
         else:
@@ -993,6 +1076,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return dh, dw, db.to(weight.dtype) if ctx.has_bias else None, *([None] * 9)
 
 
+def _autocast(t: object, dtype: torch.dtype) -> Any:
+    """``t`` cast as autocast casts a product's operands: floating tensors but fp64 (which
+    autocast leaves alone) to ``dtype``; anything else as it is (the checks judge it)."""
+    if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float64:
+        return t.to(dtype)
+    return t
+
+
 def linear_cross_entropy(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -1023,6 +1114,10 @@ def linear_cross_entropy(
     ``(m, s)`` pairs merged with :func:`flashlite.stats.merge`, then the gradient from the
     finished LSE, slice by slice (one more product per slice).
 
+    Under ``torch.autocast`` the products run in autocast's dtype, as ``hidden @ weight.T``
+    would: hidden, weight and bias are cast to it (differentiably, so their gradients come back
+    in their own dtypes); the loss is fp32 as always.
+
     Args:
         hidden: ``(N, H)`` or ``(B, T, H)``.
         weight: ``(V, H)``, the output layer's matrix (class weights are ``class_weight``).
@@ -1043,6 +1138,20 @@ def linear_cross_entropy(
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    device_type = hidden.device.type  # (other devices fail the checks below)
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+        # as torch.matmul under autocast: the products in autocast's dtype (differentiable
+        # casts: the gradients come back in the leaves' dtypes), the loss fp32; the sweep then
+        # runs with autocast off, so that its products and its buffers agree on one dtype
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch.autocast(device_type, enabled=False):
+            return linear_cross_entropy(
+                _autocast(hidden, dtype), _autocast(weight, dtype), target,
+                bias=_autocast(bias, dtype), class_weight=class_weight, ignore_index=ignore_index,
+                reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
+                softcap=softcap, return_lse=return_lse, validate=validate, chunk_size=chunk_size,
+                vocab_chunk_size=vocab_chunk_size,
+            )  # fmt: skip
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1] or hidden.dim() not in (2, 3):
         raise ValueError(f"hidden (N, H) or (B, T, H) and weight (V, H) must agree on H, got "
                          f"{tuple(hidden.shape)} and {tuple(weight.shape)}")  # fmt: skip
