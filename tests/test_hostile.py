@@ -215,6 +215,21 @@ def test_attention_with_an_empty_batch_or_no_queries_returns_empty(shape, device
         assert q.grad.shape == q.shape and k.grad.abs().sum() == 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(0, 2, 5, 8), (2, 2, 0, 8)], ids=["B=0", "Nq=0"])
+def test_gpu_attention_with_an_empty_batch_or_no_queries_returns_empty(shape) -> None:  # noqa: ANN001
+    # (the CUDA path chose split-KV chunks by dividing by the programs: ZeroDivisionError)
+    test_attention_with_an_empty_batch_or_no_queries_returns_empty(shape, "cuda")
+
+
+def test_splits_for_no_programs_or_no_rows_is_one_chunk() -> None:
+    from flashlite.ops.attention import splits_for
+
+    assert splits_for(0, 4, 1024, 132, 16) == 1  # B = 0
+    assert splits_for(8, 0, 1024, 132, 16) == 1  # Nq = 0
+    assert splits_for(8, 4, 0, 132, 16) == 1  # Nk = 0
+
+
 def test_attention_double_backward_raises_not_implemented() -> None:
     q, k, v = (t.requires_grad_() for t in _qkv())
     out = flashlite.attention(q, k, v)
