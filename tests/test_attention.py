@@ -377,13 +377,13 @@ def test_hopper_kernel_is_only_chosen_where_it_runs(monkeypatch) -> None:
 
 def test_hopper_kernel_that_fails_to_build_falls_back(monkeypatch) -> None:
     # a Triton whose Gluon differs: one warning, then the Triton kernel gives the answer
-    import flashlite.ops.attention as ops
+    import flashlite.ops.attention.fwd as ops
 
     def broken(*args, **kwargs):
         raise TypeError("warp_specialize() got an unexpected keyword argument")
 
     monkeypatch.setattr(ops, "hopper_config", lambda q, n: KH.HopperConfig(128, 128, 3))
-    monkeypatch.setattr(ops.KH, "attention_fwd_hopper", broken)
+    monkeypatch.setattr(KH, "attention_fwd_hopper", broken)
     monkeypatch.setattr(ops, "_hopper_failed", set())
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
     with pytest.warns(RuntimeWarning, match="Hopper attention kernel failed to build"):
@@ -451,7 +451,7 @@ def test_hopper_kernel_builds_for_sm90_without_spills_or_serialised_wgmma(d, cau
 def test_hopper_kernel_only_takes_plain_forwards(monkeypatch) -> None:
     # windows, soft caps, per-batch lengths, packed sequences, pinned configs and pointer loads
     # keep the Triton kernel even where the Gluon one would run
-    import flashlite.ops.attention as ops
+    import flashlite.ops.attention.fwd as ops
 
     calls = []
     monkeypatch.setattr(ops, "hopper_config", lambda q, n: KH.HopperConfig(128, 128, 3))

@@ -139,7 +139,7 @@ def test_non_contiguous_grad_output() -> None:
 def test_descriptor_loads(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     # BwdConfig.use_desc: the loops' tiles through TMA descriptors (the interpreter runs them on
     # CPU tensors), ragged lengths and GQA, against the same fp64 rule
-    from flashlite.ops import attention as ops
+    from flashlite.ops.attention import bwd as ops
 
     made: list[object] = []
 
@@ -340,13 +340,14 @@ def test_fused_hopper_backward_only_takes_plain_backwards(monkeypatch: pytest.Mo
     # windows, soft caps, per-batch lengths and pinned configs keep the Triton kernels even
     # where the fused Gluon kernel would run; a plain one (causal as a window too) asks for it,
     # and a launch that declines leaves the Triton kernels' answer
-    import flashlite.ops.attention as ops
+    import flashlite.ops.attention.bwd as ops
+    from flashlite.ops.attention import attention_fwd
 
     calls = []
     monkeypatch.setattr(ops, "hopper_bwd_applies", lambda *a: True)
     monkeypatch.setattr(ops, "_run_hopper_bwd", lambda *a: calls.append(a) or False)
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
-    o, lse, _ = ops.attention_fwd(q, k, v, True, 0.25)
+    o, lse, _ = attention_fwd(q, k, v, True, 0.25)
     do = torch.randn_like(o)
     seqlens = torch.tensor([30], dtype=torch.int32)
     for kwargs in ({"window": (8, 0)}, {"softcap": 5.0}, {"seqlens_k": seqlens},
@@ -389,7 +390,8 @@ def test_fused_hopper_backward_that_fails_to_build_falls_back(
     # a Triton whose Gluon differs: one warning, then the Triton kernels give the answer
     import warnings
 
-    import flashlite.ops.attention as ops
+    import flashlite.ops.attention.bwd as ops
+    from flashlite.ops.attention import attention_fwd
 
     def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise AttributeError("module 'triton.experimental.gluon.language' has no attribute")
@@ -398,7 +400,7 @@ def test_fused_hopper_backward_that_fails_to_build_falls_back(
     monkeypatch.setattr(ops.KHB, "attention_bwd_hopper", broken)
     monkeypatch.setattr(ops, "_hopper_bwd_failed", set())
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
-    o, lse, _ = ops.attention_fwd(q, k, v, True, 0.25)
+    o, lse, _ = attention_fwd(q, k, v, True, 0.25)
     do = torch.randn_like(o)
     want = ops.attention_bwd(do, q, k, v, o, lse, None, True, 0.25, config=C.CPU_BWD_CONFIG)
     with pytest.warns(RuntimeWarning, match="fused Hopper attention backward failed to build"):

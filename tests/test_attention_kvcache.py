@@ -153,7 +153,7 @@ def test_repeated_calls_reuse_the_plan_and_still_check_values() -> None:
     """A decode loop's second call of one kind runs the plan made by the first (its argument
     checks skipped: they read only what the plan's key pins), on the new tensors' data; value
     checks still run every call, and a new kind of call is checked afresh."""
-    from flashlite.ops import attention as ops
+    from flashlite.ops.attention import kvcache as ops
 
     q, k, v, new, seqlens = _case(torch.float32, 1, 1, [40, 10, 3])
     ops._checked_kvcache.clear()

@@ -19,7 +19,7 @@ from flashlite.masks import (
     visible_t,
     window_bounds,
 )
-from flashlite.ops.attention import _tuned_kernel
+from flashlite.ops.attention.plan import _tuned_kernel
 from flashlite.reference import attention as ref_attention
 
 #: (causal, window) pairs every helper is checked on: none, causal, and windows of each shape

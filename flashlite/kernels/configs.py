@@ -1,6 +1,7 @@
 """Tile configs of the attention kernels: one ``Config`` type, one measured table per GPU family,
 the autotuner's list for shapes without an entry, and the filter that drops configs a shape
-cannot fit. Host-side only (no ``@triton.jit`` here); the front-end (``ops/attention.py``) picks.
+cannot fit. Host-side only (no ``@triton.jit`` here); the front-end (``ops/attention/plan.py``)
+picks.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ a 2-D strided view of the rows (no copy when the layout allows one) and register
 ``flashlite::softmax_fwd`` / ``flashlite::softmax_bwd`` as ``torch.library`` custom ops (fakes
 and autograd included), so ``torch.compile(fullgraph=True)`` traces through :func:`softmax` and
 :func:`log_softmax` forward and backward. They are ``custom_op`` rather than ``triton_op`` for
-the reason ``ops/attention.py`` gives: one op serves the interpreter, the GPU and CPU tensors
+the reason ``flashlite.ops.attention`` gives: one op serves the interpreter, the GPU and CPU tensors
 moved to the GPU, with host-side dispatch per call.
 """
 

@@ -1,0 +1,78 @@
+"""Tiled attention front-end, one module per idea:
+
+==============  ==================================================================================
+``api``         the public functions: :func:`attention`, :func:`attention_varlen`,
+                :func:`attention_kvcache`
+``checks``      argument checks (types, shapes, layouts, lengths, offsets, the cache's values)
+``plan``        what a call runs: tile configs, descriptor or pointer loads, the Gluon kernels'
+                applicability, split-KV chunks, the plan caches
+``fwd``         the forward launcher and its custom op ``flashlite::attention_fwd``
+``bwd``         the backward launchers and ``flashlite::attention_bwd``
+``autograd``    the ops' autograd formula, and the eager :class:`AttentionFunction`
+``decode``      the decode kernel's plan and launch (GQA packing, split-KV, the exact merge)
+``kvcache``     the KV-cache step: value checks, append, decode; ``flashlite::attention_kvcache``
+==============  ==================================================================================
+
+The kernels live in :mod:`flashlite.kernels.attention` and their tile tables in
+:mod:`flashlite.kernels.configs`. Every layout is read through strides (no copies). The ops are
+``torch.library`` custom ops with fake implementations, so ``torch.compile(fullgraph=True)``
+traces through :func:`attention` without a graph break. They are ``custom_op`` rather than
+``triton_op``: the same op runs CPU tensors in Triton's interpreter or moves them to the GPU, picks
+descriptors and configs on the host per call, and Inductor could only inline the CUDA case.
+"""
+
+from flashlite.ops.attention.api import attention, attention_kvcache, attention_varlen
+from flashlite.ops.attention.bwd import (
+    attention_bwd,
+    bwd_dkdv,
+    bwd_dq,
+    bwd_preprocess,
+    hopper_bwd_applies,
+)
+from flashlite.ops.attention.checks import check_inputs
+from flashlite.ops.attention.decode import DecodePlan, attention_decode_fwd, combine_splits
+from flashlite.ops.attention.fwd import attention_fwd
+from flashlite.ops.attention.kvcache import KVCachePlan
+from flashlite.ops.attention.plan import (
+    DECODE_MAX_ROWS,
+    DESC_MIN_WORK,
+    GPU_TABLES,
+    HOPPER_ENV,
+    SMALL_CONFIG,
+    LaunchInfo,
+    bwd_config,
+    empty_output,
+    fixed_config,
+    gpu_config,
+    hopper_config,
+    splits_for,
+)
+
+__all__ = [
+    "DECODE_MAX_ROWS",
+    "DESC_MIN_WORK",
+    "GPU_TABLES",
+    "HOPPER_ENV",
+    "SMALL_CONFIG",
+    "DecodePlan",
+    "KVCachePlan",
+    "LaunchInfo",
+    "attention",
+    "attention_bwd",
+    "attention_decode_fwd",
+    "attention_fwd",
+    "attention_kvcache",
+    "attention_varlen",
+    "bwd_config",
+    "bwd_dkdv",
+    "bwd_dq",
+    "bwd_preprocess",
+    "check_inputs",
+    "combine_splits",
+    "empty_output",
+    "fixed_config",
+    "gpu_config",
+    "hopper_bwd_applies",
+    "hopper_config",
+    "splits_for",
+]

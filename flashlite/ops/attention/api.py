@@ -1,0 +1,311 @@
+"""The public attention functions: :func:`attention`, :func:`attention_varlen` and
+:func:`attention_kvcache`."""
+
+from __future__ import annotations
+
+import torch
+
+from flashlite import _backend, masks
+from flashlite.ops.attention.autograd import _attention_op
+from flashlite.ops.attention.checks import (
+    DTYPES,
+    MAX_HEAD_DIM,
+    _check,
+    _check_cu_seqlens,
+    _check_cu_values,
+    _check_forward_only,
+    _check_page_size,
+    _check_scale,
+    _check_seqlens,
+    _check_splits,
+    _check_writable,
+)
+from flashlite.ops.attention.fwd import attention_fwd
+from flashlite.ops.attention.kvcache import _checked_kvcache, _kvcache_key, _kvcache_plan
+from flashlite.ops.attention.plan import _cache, _decode_splits
+from flashlite.ops.common import check_flag, check_softcap, skip_dispatcher
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    layout: str = "b h n d",
+    return_lse: bool = False,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    seqlens_k: torch.Tensor | None = None,
+    num_splits: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Exact softmax attention computed tile by tile (FlashAttention-2 loop order).
+
+    Args:
+        q: ``(B, Hq, Nq, D)`` (or ``(B, Nq, Hq, D)`` with ``layout="b n h d"``).
+        k, v: ``(B, Hkv, Nk, D)`` in the same layout; ``Hq % Hkv == 0`` gives GQA/MQA without
+            repeating k and v in memory. Any strides: slices of a packed qkv buffer work.
+        causal: bottom-right aligned mask (flash-attn >= 2.1, ``causal_lower_right``): query i
+            sees key j iff ``j <= i + Nk - Nq``. Rows that see no key give 0 and LSE −inf.
+        scale: multiplies ``QKᵀ`` before the softmax; defaults to ``1/sqrt(D)``; must be > 0.
+        layout: ``"b h n d"`` or ``"b n h d"`` (einops notation).
+        return_lse: also return the natural-log LSE of the scaled scores.
+        window: ``(left, right)`` sliding window aligned bottom-right like ``causal``: query i
+            sees key j iff ``i + Nk − Nq − left <= j <= i + Nk − Nq + right``, −1 meaning
+            unlimited (flash-attn's ``window_size``); ``(-1, 0)`` is causal, and with
+            ``causal=True`` right becomes 0. Key tiles outside every row's window are skipped.
+        softcap: scores ``s = scale·q·k`` become ``softcap·tanh(s/softcap)`` before masking
+            and the softmax (Gemma 2); the LSE is of the capped scores.
+        seqlens_k: int32 ``(B,)`` tensor on q's device: batch b has only its first
+            ``seqlens_k[b]`` keys (a padded KV cache or batch); ``causal`` and ``window`` align
+            to that length, and a length of 0 gives output 0 and LSE −inf. Keys past it get
+            zero gradients. CPU tensors are checked to lie in ``[0, Nk]``; on a GPU (no host
+            sync) values outside are clamped to it.
+        num_splits: split the keys across this many programs per block of query rows and
+            merge the partial results exactly (flash-decoding: few queries against many keys),
+            the query heads of a GQA group packed into one tile. 1: no split, the plain
+            forward kernel. None: on a GPU, when ``Nq·Hq/Hkv`` is at most 64 (decoding), the
+            split that fills the GPU (:func:`splits_for`); otherwise no split.
+
+    Returns:
+        ``out`` in ``q``'s layout and dtype, or ``(out, lse)`` with ``lse`` fp32 ``(B, Hq, Nq)``.
+        fp16/bf16 run on tensor cores with fp32 accumulation; fp32 uses three TF32 passes
+        (``tf32x3``) on a GPU, about fp32 accuracy. D runs from 1 to 256. A custom op
+        (``torch.ops.flashlite.attention_fwd``): ``torch.compile`` traces through it.
+
+    Raises:
+        TypeError: non-tensors, unsupported or mixed dtypes, a non-numeric scale or softcap,
+            ``causal`` or ``return_lse`` not a bool, a window that is not a pair of ints, a
+            seqlens_k that is not an int32 tensor.
+        ValueError: wrong rank, mismatched batch/heads/lengths/head dims, unknown layout,
+            mixed devices, a non-positive scale or softcap, a window bound below −1, a
+            seqlens_k of the wrong shape or device (or, on CPU, values outside ``[0, Nk]``).
+        NotImplementedError: head dim above 256.
+    """
+    sm_scale, qc, kc, vc = _check(q, k, v, layout, scale)
+    check_flag(causal, "causal")
+    check_flag(return_lse, "return_lse")
+    splits = _decode_splits(qc, kc, _check_splits(num_splits))
+    # the plain call passes five arguments: every default-valued one more is dispatcher host
+    # time on every small call (issue 8's per-call cost)
+    if window is None and softcap is None and seqlens_k is None and splits == 0:
+        if skip_dispatcher(q, k, v):  # the op's own body, minus the dispatcher's host cost
+            o, lse, _ = attention_fwd(qc, kc, vc, causal, sm_scale)
+        else:
+            o, lse = _attention_op(qc, kc, vc, causal, sm_scale)
+    else:
+        left, right = masks.window_bounds(window, causal)
+        cap = check_softcap(softcap)
+        lengths = _check_seqlens(seqlens_k, qc, kc)
+        if skip_dispatcher(q, k, v):
+            o, lse, _ = attention_fwd(qc, kc, vc, causal, sm_scale, window=(left, right),
+                                      softcap=cap or None, seqlens_k=lengths,
+                                      num_splits=splits)  # fmt: skip
+        else:
+            o, lse = _attention_op(qc, kc, vc, causal, sm_scale, left, right, cap, lengths, None,
+                                   None, 0, 0, splits)  # fmt: skip
+    if layout != "b h n d":
+        o = o.transpose(1, 2)
+    return (o, lse) if return_lse else o
+
+
+def attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    validate: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention over packed sequences of different lengths (flash-attn's varlen convention),
+    without padding: sequence b is rows ``[cu_seqlens_q[b], cu_seqlens_q[b + 1])`` of q and
+    ``[cu_seqlens_k[b], cu_seqlens_k[b + 1])`` of k and v.
+
+    Args:
+        q: ``(total_q, Hq, D)``; k, v: ``(total_k, Hkv, D)``, ``Hq % Hkv == 0``.
+        cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` offsets: start at 0, non-decreasing,
+            last entry the packed length.
+        max_seqlen_q, max_seqlen_k: the longest sequence's lengths (at least the true maxima;
+            the grid is sized by them).
+        causal, scale, window, softcap: as :func:`attention`, per sequence (causal and window
+            aligned bottom-right to each sequence's own lengths).
+        return_lse: also return the fp32 LSE, ``(Hq, total_q)``.
+        validate: check the values of the offsets (one host sync on a GPU; skipped inside
+            ``torch.compile``). ``False`` skips it (no sync: CUDA graphs, training loops whose
+            offsets are known good); the kernels clamp the offsets to the packed lengths, so
+            bad ones give wrong rows, never reads or writes outside the tensors.
+
+    Returns:
+        ``out`` ``(total_q, Hq, D)`` (and the LSE). Differentiable in q, k, v (and through the
+        LSE). Sequences of length 0 give nothing; a query that sees no key gives 0, LSE −inf.
+
+    Raises:
+        TypeError: non-tensors, wrong dtypes (cu_seqlens must be int32), flags that are not
+            bools, as :func:`attention`.
+        ValueError: shapes, devices; with ``validate``, cu_seqlens that do not start at 0,
+            decrease or do not end at the packed length, max_seqlen below a sequence's length.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be (total, heads, head_dim), got {tuple(t.shape)}")
+    for name, flag in (("causal", causal), ("return_lse", return_lse), ("validate", validate)):
+        check_flag(flag, name)
+    # (1, H, total, D) views: one 'batch' in the layout the kernels read, no copy
+    sm_scale, qc, kc, vc = _check(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), "b n h d", scale)
+    cu_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q, max_seqlen_q)
+    cu_k = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q, max_seqlen_k)
+    if cu_q.shape != cu_k.shape:
+        raise ValueError(
+            f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
+            f"{tuple(cu_q.shape)} and {tuple(cu_k.shape)}"
+        )
+    if validate and not torch.compiler.is_compiling():
+        _check_cu_values(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+    left, right = masks.window_bounds(window, causal)
+    cap = check_softcap(softcap)
+    o, lse = _attention_op(qc, kc, vc, causal, sm_scale, left, right, cap, None, cu_q, cu_k,
+                           int(max_seqlen_q), int(max_seqlen_k))  # fmt: skip
+    o = o.transpose(1, 2).squeeze(0)
+    return (o, lse.squeeze(0)) if return_lse else o
+
+
+def attention_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cache_seqlens: torch.Tensor,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+    return_lse: bool = False,
+    validate: bool = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Decoding against a KV cache (layout ``b n h d``), optionally paged: the query heads of a
+    GQA group share one K/V read, the keys are split across programs (flash-decoding). Forward
+    only.
+
+    Args:
+        q: ``(B, Nq, Hq, D)``, the new tokens' queries.
+        k_cache, v_cache: ``(B, Ncap, Hkv, D)``, or with ``block_table`` a paged cache
+            ``(num_pages, page_size, Hkv, D)``, page size a multiple of 16 from 16 to 256 or a
+            multiple of 256 (flash-attn's pages: read as 256-key sub-pages, no copy). Any
+            strides; expanded (stride-0) or otherwise overlapping caches are read, but refused
+            when ``k_new`` is to be written into them.
+        cache_seqlens: int32 ``(B,)``: keys already in the cache per batch (any stride).
+        k_new, v_new: ``(B, Nnew, Hkv, D)``, written into the cache in place at
+            ``cache_seqlens[b]`` before attending (both or neither).
+        block_table: int32 ``(B, max_pages)``: batch b's key j lives in page
+            ``block_table[b, j // page_size]`` (vLLM's convention; any strides).
+        causal, scale, window, softcap: as :func:`attention`, aligned bottom-right to
+            ``cache_seqlens[b] + Nnew`` keys (so with ``causal`` query i of Nq sees keys up to
+            ``cache_seqlens[b] + Nnew − Nq + i``).
+        num_splits: key chunks per block of query rows (None: one chunk per SM,
+            :func:`splits_for`; 1 on CPU).
+        return_lse: also return the fp32 LSE ``(B, Hq, Nq)``.
+        validate: check the values of ``cache_seqlens`` and of the block table's pages in use
+            before anything is written, which costs one host sync on a GPU. ``False`` skips it
+            (no sync: CUDA graphs, tight decode loops); lengths are then clamped to the
+            capacity and page ids to the pool, so bad values give wrong results but never a
+            read or write outside the caches.
+
+    Returns:
+        ``out`` ``(B, Nq, Hq, D)`` (and the LSE). Forward only: with grad mode on, tensors
+        that require grad are refused (use ``torch.no_grad()`` or ``.detach()``).
+
+    Raises:
+        TypeError: non-tensors, mixed or unsupported dtypes, index tensors that are not int32,
+            flags that are not bools.
+        ValueError: shapes, devices, an input that requires grad (grad mode on), ``k_new``
+            with caches whose elements overlap (expanded, stride 0) or that are one tensor;
+            with ``validate``, a negative ``cache_seqlens``, ``cache_seqlens + Nnew`` past the
+            cache's capacity or a block-table entry outside ``[0, num_pages)`` among the pages
+            in use. Every check comes before anything is written.
+    """
+    tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+    key = _kvcache_key(tensors, (causal, scale, window, softcap, num_splits, validate))
+    plan = _checked_kvcache.get(key) if key is not None else None
+    if plan is not None and skip_dispatcher(q, k_cache, v_cache):  # a kind of call seen before
+        o, lse = plan(*tensors)
+        return (o, lse) if return_lse else o
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
+                    ("cache_seqlens", cache_seqlens)):  # fmt: skip
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new come together: pass both or neither")
+    for name, flag in (("causal", causal), ("return_lse", return_lse), ("validate", validate)):
+        check_flag(flag, name)
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
+                    ("v_new", v_new)):  # fmt: skip
+        if t is None:
+            continue
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (b n h d), got {tuple(t.shape)}")
+        if t.dtype != q.dtype or t.dtype not in DTYPES:
+            raise TypeError(f"{name} has dtype {t.dtype}; q, the caches and k_new/v_new share "
+                            "one of torch.float16, torch.bfloat16, torch.float32")  # fmt: skip
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+        _backend.check_device(t, name)
+    bsz, nq, hq, d = q.shape
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} "
+                         f"and {tuple(v_cache.shape)}")  # fmt: skip
+    hkv, dk = k_cache.shape[2], k_cache.shape[3]
+    if dk != d or hkv == 0 or hq % hkv:
+        raise ValueError(f"the caches must be (.., .., Hkv, D={d}) with Hq={hq} a multiple of "
+                         f"Hkv; got {tuple(k_cache.shape)}")  # fmt: skip
+    if d > MAX_HEAD_DIM:
+        raise NotImplementedError(f"head dim {d} is not supported: flashlite supports 1 to 256")
+    for name, t, dims in (("cache_seqlens", cache_seqlens, 1), ("block_table", block_table, 2)):
+        if t is None:
+            continue
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must have dtype torch.int32, got {t.dtype}")
+        if t.dim() != dims or t.shape[0] != bsz or t.device != q.device:
+            shape = "(B,)" if dims == 1 else "(B, max_pages)"
+            raise ValueError(f"{name} must be a {shape} tensor with B={bsz} on {q.device}, "
+                             f"got {tuple(t.shape)} on {t.device}")  # fmt: skip
+    if block_table is None and k_cache.shape[0] != bsz:
+        raise ValueError(f"k_cache must be (B={bsz}, Ncap, Hkv, D), got {tuple(k_cache.shape)}")
+    if block_table is not None:
+        _check_page_size(k_cache, v_cache)
+    _check_forward_only(q, k_cache, v_cache, k_new, v_new)
+    n_new = 0 if k_new is None else k_new.shape[1]
+    if k_new is not None:
+        want = (bsz, n_new, hkv, d)
+        if k_new.shape != want or v_new.shape != want:  # type: ignore[union-attr]
+            raise ValueError(f"k_new and v_new must be (B, Nnew, Hkv, D) = {want}, got "
+                             f"{tuple(k_new.shape)} and {tuple(v_new.shape)}")  # type: ignore[union-attr]  # fmt: skip
+        _check_writable(k_cache, v_cache)
+    splits = _check_splits(num_splits) or 0
+    left, right = masks.window_bounds(window, causal)
+    cap = check_softcap(softcap)
+    sm_scale = _check_scale(scale, d)
+    args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, sm_scale,
+            left, right, cap, splits, validate)  # fmt: skip
+    if skip_dispatcher(q, k_cache, v_cache):  # the op's own body, minus the dispatcher
+        plan = _kvcache_plan(args)
+        if key is not None:  # these arguments passed every check above: next time, skip them
+            _cache(_checked_kvcache, key, plan)
+        o, lse = plan(*tensors)
+    else:
+        o, lse = torch.ops.flashlite.attention_kvcache.default(*args)
+    return (o, lse) if return_lse else o

@@ -1,0 +1,270 @@
+"""Attention's argument checks: types, shapes, layouts, scales, lengths, offsets and the KV
+cache's values, each error naming the argument and what is accepted."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from flashlite import _backend
+from flashlite.ops.common import overlapping
+
+LAYOUTS = ("b h n d", "b n h d")
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
+
+
+def _check(
+    q: object, k: object, v: object, layout: object, scale: object
+) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Validate the public arguments; return the softmax scale and q, k, v as ``b h n d`` views."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+    assert isinstance(v, torch.Tensor)
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {', '.join(map(repr, LAYOUTS))}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name} must have 4 dimensions ({layout}), got shape {tuple(t.shape)}"
+            )
+        if t.dtype not in DTYPES:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; accepted: "
+                "torch.float16, torch.bfloat16, torch.float32"
+            )
+        _backend.check_device(t, name)
+    if not q.dtype == k.dtype == v.dtype:
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.device == k.device == v.device:
+        raise ValueError(f"q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if layout == "b n h d":  # a strided view, no copy
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    (b, hq, _, d), (bk, hkv, _, dk) = q.shape, k.shape
+    if k.shape != v.shape:
+        raise ValueError(
+            f"k and v must have the same shape (B, Hkv, Nk, D) in layout {layout!r}, got "
+            f"{tuple(k.shape)} and {tuple(v.shape)} (as b h n d)"
+        )
+    if bk != b:
+        raise ValueError(f"q and k must have the same batch size, got {b} and {bk}")
+    if dk != d:
+        raise ValueError(f"q and k must have the same head dim, got {d} and {dk}")
+    if hkv == 0 or hq % hkv != 0:
+        raise ValueError(
+            f"the number of query heads ({hq}) must be a multiple of the number of key/value "
+            f"heads ({hkv}) for GQA/MQA"
+        )
+    if d == 0:
+        raise ValueError("head dim must be at least 1, got 0")
+    if d > MAX_HEAD_DIM:
+        raise NotImplementedError(f"head dim {d} is not supported: flashlite supports 1 to 256")
+    return _check_scale(scale, d), q, k, v
+
+
+def check_inputs(
+    q: object, k: object, v: object, layout: str, scale: object
+) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`attention`'s argument checks for other front-ends (ring attention): the softmax
+    scale and ``b h n d`` views of q, k and v, or the errors :func:`attention` raises."""
+    return _check(q, k, v, layout, scale)
+
+
+def _check_scale(scale: object, head_dim: int) -> float:
+    """The softmax scale: ``scale`` validated, or ``1/sqrt(D)`` for None."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale must be a float or None, got {type(scale).__name__}")
+    if not 0 < scale < math.inf:  # (NaN fails it too; comparisons trace under torch.compile)
+        raise ValueError(f"scale must be a finite positive number, got {scale}")
+    return float(scale)
+
+
+def _check_bwd_grads(
+    do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None
+) -> None:
+    # autograd already matches shapes (and casts dtypes) for `out.backward(grad)`; this guards
+    # direct calls of the op, whose kernels would otherwise read out of bounds
+    if do.shape != o.shape or do.dtype != o.dtype:
+        raise ValueError(
+            f"attention_bwd: do must match the output O, {tuple(o.shape)} {o.dtype}; got "
+            f"{tuple(do.shape)} {do.dtype}"
+        )
+    if dlse is not None and dlse.shape != lse.shape:
+        raise ValueError(
+            f"attention_bwd: dlse must match the LSE's shape {tuple(lse.shape)}; got "
+            f"{tuple(dlse.shape)}"
+        )
+
+
+def _check_seqlens(seqlens_k: object, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+    """``seqlens_k`` validated: an int32 ``(B,)`` tensor on q's device (values checked on CPU)."""
+    if seqlens_k is None:
+        return None
+    if not isinstance(seqlens_k, torch.Tensor):
+        raise TypeError(f"seqlens_k must be an int32 torch.Tensor, got {type(seqlens_k).__name__}")
+    if seqlens_k.dtype != torch.int32:
+        raise TypeError(f"seqlens_k must have dtype torch.int32, got {seqlens_k.dtype}")
+    if seqlens_k.shape != (q.shape[0],):
+        raise ValueError(
+            f"seqlens_k must have shape (B,) = ({q.shape[0]},), got {tuple(seqlens_k.shape)}"
+        )
+    if seqlens_k.device != q.device:
+        raise ValueError(f"seqlens_k must be on q's device {q.device}, got {seqlens_k.device}")
+    if seqlens_k.device.type == "cpu" and not torch.compiler.is_compiling():
+        nk = k.shape[2]
+        if bool(((seqlens_k < 0) | (seqlens_k > nk)).any()):
+            raise ValueError(f"seqlens_k values must lie in [0, Nk = {nk}]: {seqlens_k.tolist()}")
+    return seqlens_k.contiguous()
+
+
+def _check_cu_seqlens(cu: object, name: str, q: torch.Tensor, max_seqlen: object) -> torch.Tensor:
+    """``cu``'s type, shape and device checked: int32 ``(batch + 1,)`` on q's device."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32, got {cu.dtype}")
+    if cu.dim() != 1 or cu.shape[0] < 2:
+        raise ValueError(
+            f"{name} must have shape (batch + 1,) with batch >= 1, got {tuple(cu.shape)}"
+        )
+    if cu.device != q.device:
+        raise ValueError(f"{name} must be on q's device {q.device}, got {cu.device}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise TypeError(f"max_seqlen for {name} must be a non-negative int, got {max_seqlen!r}")
+    return cu.contiguous()
+
+
+def _check_cu_values(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, max_q: int, max_k: int
+) -> None:
+    """Both offset tensors' values: from 0 to the packed length, never decreasing, no sequence
+    longer than its max_seqlen (read back in one host sync)."""
+    stats = []
+    for cu in (cu_q, cu_k):
+        lengths = cu[1:] - cu[:-1]
+        stats += [cu[0], cu[-1], lengths.min(), lengths.max()]
+    values = torch.stack(stats).tolist()
+    for i, (name, cu, total, max_seqlen) in enumerate(
+        (("cu_seqlens_q", cu_q, total_q, max_q), ("cu_seqlens_k", cu_k, total_k, max_k))
+    ):
+        first, last, shortest, longest = values[4 * i : 4 * i + 4]
+        if first != 0 or last != total or shortest < 0:
+            raise ValueError(
+                f"{name} must start at 0, never decrease and end at the packed length {total}; "
+                f"got {cu.tolist() if cu.numel() <= 16 else 'first ' + str(first)}"
+            )
+        if longest > max_seqlen:
+            raise ValueError(
+                f"max_seqlen ({max_seqlen}) is below the longest sequence of {name} ({longest})"
+            )
+
+
+def _check_forward_only(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+) -> None:
+    """:func:`attention_kvcache` records no autograd graph: refuse, with grad mode on, inputs
+    that require grad (a backward would otherwise fail far from the call, or gradients go
+    missing without a word)."""
+    if not torch.is_grad_enabled():
+        return
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
+                    ("v_new", v_new)):  # fmt: skip
+        if t is not None and t.requires_grad:
+            raise ValueError(
+                f"attention_kvcache is forward-only (decoding: no gradient), but {name} requires "
+                "grad with grad mode on; call it under torch.no_grad() or torch.inference_mode(), "
+                f"or pass {name}.detach(); for a differentiable call use flashlite.attention "
+                "(seqlens_k= for per-batch lengths)"
+            )
+
+
+def _check_page_size(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """A paged cache's page size: a multiple of 16 from 16 to 256, or a multiple of 256 whose
+    pages can be read as 256-key sub-pages without a copy (:func:`_sub_pages`)."""
+    slots = k_cache.shape[1]
+    if 16 <= slots <= 256 and slots % 16 == 0:
+        return
+    if slots < 16 or slots % 256:
+        raise ValueError(f"page size {slots}: must be a multiple of 16 from 16 to 256, or a "
+                         "multiple of 256")  # fmt: skip
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.shape[0] > 1 and t.stride(0) != slots * t.stride(1):
+            raise ValueError(
+                f"{name}: pages of {slots} keys are read as 256-key sub-pages, which needs each "
+                f"page's keys evenly strided into the next page (stride(0) = page_size · "
+                f"stride(1)); got strides {t.stride()}"
+            )
+
+
+def _check_writable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """The caches ``k_new``/``v_new`` are written into: no two elements of one cache may share
+    memory, and the two caches may not be one tensor (torch's in-place ops refuse the same)."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if overlapping(t):
+            raise ValueError(
+                f"{name} (shape {tuple(t.shape)}, strides {t.stride()}) has elements that share "
+                "memory (expanded or overlapping strides): k_new/v_new cannot be written into it; "
+                "pass a cache of its own (.contiguous() or .clone())"
+            )
+    if torch.compiler.is_compiling():  # (a trace cannot compare data pointers)
+        same = k_cache is v_cache
+    else:
+        same = k_cache.data_ptr() == v_cache.data_ptr() and k_cache.stride() == v_cache.stride()
+    if same:
+        raise ValueError("k_cache and v_cache are the same memory: k_new and v_new would be "
+                         "written over each other; pass two caches")  # fmt: skip
+
+
+def _check_cache_values(
+    cache_seqlens: torch.Tensor,
+    n_new: int,
+    capacity: int,
+    block_table: torch.Tensor | None,
+    page_size: int,
+    num_pages: int,
+) -> None:
+    """:func:`attention_kvcache`'s value checks, read back in one host sync (a second one only
+    to quote the offending values)."""
+    lengths = cache_seqlens.long() + n_new
+    negative = (cache_seqlens < 0).any()
+    too_long = (lengths > capacity).any()
+    bad_page = torch.zeros_like(negative)
+    if block_table is not None:
+        pages = torch.arange(block_table.shape[1], device=lengths.device)
+        used = pages[None, :] < (-(-lengths.clamp(min=0) // page_size))[:, None]
+        bad_page = (used & ((block_table < 0) | (block_table >= num_pages))).any()
+    is_negative, is_too_long, page_wrong = torch.stack([negative, too_long, bad_page]).tolist()
+    if is_negative or is_too_long:
+        where = cache_seqlens < 0 if is_negative else lengths > capacity
+        b = int(where.nonzero()[0, 0])
+        value = int(cache_seqlens[b])
+        if is_negative:
+            raise ValueError(f"cache_seqlens must be >= 0 (keys already in the cache); got "
+                             f"cache_seqlens[{b}] = {value}")  # fmt: skip
+        raise ValueError(
+            f"cache_seqlens + Nnew must be at most {capacity} (the cache's capacity); got "
+            f"cache_seqlens[{b}] = {value}, Nnew = {n_new}"
+        )
+    if page_wrong:
+        bad = used & ((block_table < 0) | (block_table >= num_pages))  # type: ignore[operator]
+        b, j = (int(i) for i in bad.nonzero()[0])
+        raise ValueError(f"block_table holds pages outside [0, {num_pages}) among the pages "
+                         f"in use: block_table[{b}, {j}] = {int(block_table[b, j])}")  # type: ignore[index]  # fmt: skip
+
+
+def _check_splits(num_splits: object) -> int | None:
+    """``num_splits`` checked: None (choose) or an int >= 1."""
+    if num_splits is None:
+        return None
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
+        raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
+    return num_splits

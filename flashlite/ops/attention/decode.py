@@ -1,0 +1,204 @@
+"""The decode forward (few query rows against many keys, :mod:`flashlite.kernels.attention.decode`):
+GQA heads packed into one tile, the keys split across programs and merged exactly, planned once per
+kind of call (:class:`DecodePlan`)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from flashlite import _backend, masks
+from flashlite.kernels import configs as C
+from flashlite.kernels.attention import decode as KD
+from flashlite.ops.attention.plan import (
+    _default_splits,
+    _descriptor_ok,
+    _dot_flags,
+    _meta,
+    _planned,
+    _prescale_q,
+    empty_output,
+)
+from flashlite.ops.common import on_compute_device
+
+
+@on_compute_device
+def attention_decode_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seqlens_k: torch.Tensor | None,
+    causal: bool,
+    scale: float,
+    *,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    block_table: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    config: C.DecodeConfig | None = None,
+    use_desc: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The forward for few query rows against many keys (:mod:`flashlite.kernels.attention.decode`):
+    the query heads of a GQA group packed into one tile, the keys split across programs and the
+    partials merged exactly (flash-decoding).
+
+    Args:
+        q: ``(B, Hq, Nq, D)`` view. k, v: a cache ``(B, Hkv, Ncap, D)`` or, with
+            ``block_table`` ``(B, max_pages)`` int32, a paged one ``(num_pages, Hkv, page_size,
+            D)`` (both as ``b h n d`` views of the ``b n h d`` storage).
+        seqlens_k: int32 ``(B,)`` keys in use per batch (clamped to ``[0, Ncap]``), or None: all.
+        num_splits: key chunks per row block (None: :func:`splits_for` this GPU; 1 on CPU).
+        config: pin the tile (else :func:`flashlite.kernels.configs.decode_config`).
+        use_desc: force TMA descriptor (True) or pointer (False) K/V loads (contiguous caches).
+
+    Returns:
+        ``O`` ``(B, Hq, Nq, D)`` strided like q, the fp32 LSE ``(B, Hq, Nq)``, the splits used.
+    """
+    o = empty_output(q)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    # (o is fresh and strided from q: q's entry pins it)
+    key = (_meta(q), _meta(k), _meta(v), _meta(seqlens_k), _meta(block_table), causal, scale,
+           window, softcap, num_splits, config, use_desc)  # fmt: skip
+    plan = _planned(_decode_plans, key, lambda: DecodePlan(
+        q, k, v, o, seqlens_k, block_table, causal, scale, window, softcap, num_splits, config,
+        use_desc))  # fmt: skip
+    return o, lse, plan(q, k, v, seqlens_k, block_table, o, lse)
+
+
+class DecodePlan:
+    """Everything :func:`attention_decode_fwd` works out from shapes, strides and options — the
+    tile, the key chunks, the grids, the kernels' scalar arguments and their compiled launches
+    — made once per kind of call and reused: a decode loop calls one shape thousands of times,
+    and at B=8 the host's per-call work was twice the GPU's (``benchmarks/NOTES.md``).
+
+    The caller's key pins what the plan read (:func:`_meta` of every tensor, every option).
+    ``o`` and ``lse`` must be fresh allocations strided like the ones it was made with.
+    """
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        o: torch.Tensor,
+        seqlens_k: torch.Tensor | None,
+        block_table: torch.Tensor | None,
+        causal: bool,
+        scale: float,
+        window: tuple[int, int] | None,
+        softcap: float | None,
+        num_splits: int | None,
+        config: C.DecodeConfig | None,
+        use_desc: bool | None,
+    ) -> None:
+        b, hq, nq, d = q.shape
+        hkv = k.shape[1]
+        page_size = k.shape[2] if block_table is not None else 0
+        nk = block_table.shape[1] * page_size if block_table is not None else k.shape[2]
+        self.empty = b * hq * nq == 0 or nk == 0
+        self.splits = 1
+        if self.empty:
+            return
+        group = hq // hkv
+        if config is None:
+            config = C.decode_config(nq * group, _backend.kernels_interpreted(), b * hkv,
+                                     C.block_d(d), q.element_size())  # fmt: skip
+        if num_splits is None:  # (paged tiles load one after the other: two programs per SM)
+            num_splits = _default_splits(q.device, b * hkv, nq * group, nk, config.block_m,
+                                         2 if page_size else 1)  # fmt: skip
+        bn = config.block_n
+        split_len = bn * C.cdiv(C.cdiv(nk, bn), num_splits)
+        self.splits = splits = C.cdiv(nk, split_len)  # chunks of whole tiles: at most num_splits
+        if use_desc is None:
+            use_desc = config.use_desc
+        self.use_desc = use_desc and block_table is None and _descriptor_ok(k, v)
+        self.desc_block = [1, 1, bn, C.block_d(d)]
+        is_causal, has_window, left, right = masks.kernel_window(window, causal, nq, nk)
+        self.options = {
+            "GROUP": group, "HEAD_DIM": d, "BLOCK_D": C.block_d(d), "BLOCK_M": config.block_m,
+            "BLOCK_N": bn, "IS_CAUSAL": is_causal, "WINDOW": has_window,
+            "SOFTCAP": softcap is not None, "HAS_SEQLENS": seqlens_k is not None,
+            "PAGE_SIZE": page_size, "USE_DESC": self.use_desc,
+            "PRESCALE_Q": _prescale_q(q), **_dot_flags(q.dtype),
+            "num_warps": config.num_warps, "num_stages": config.num_stages,
+        }  # fmt: skip
+        self.grid = (C.cdiv(nq * group, config.block_m), b * hkv, splits)
+        # split partials: fp32 (S·B, Hq, Nq, D) and (S·B·Hq, Nq), contiguous
+        self.parts = ((splits * b, hq, nq, d), (splits * b * hq, nq)) if splits > 1 else None
+        parts_stride = (hq * nq * d, nq * d, d, 1)
+        self.head = (*q.stride(), *k.stride(), *v.stride(),
+                     *(parts_stride if self.parts else o.stride()), hkv, nq, nk, scale, left,
+                     right, softcap or 0.0)  # fmt: skip
+        self.tail = (block_table.stride(0) if block_table is not None else 0, k.shape[0],
+                     split_len)  # fmt: skip
+        self.combine_head = (b * hq * nq * d, *parts_stride, *o.stride(), hq, nq, splits)
+        self.combine_options = {
+            "HEAD_DIM": d, "BLOCK_D": C.block_d(d),
+            "SPLITS_PAD": max(2, triton.next_power_of_2(splits)),
+            "ROUND_BF16": _backend.round_bf16(o.dtype), "num_warps": 4, "num_stages": 1,
+        }  # fmt: skip
+        self.combine_grid = (nq, b * hq, 1)
+        self._decode = self._combine = None  # bound at the first run (its tensors specialise)
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        seqlens_k: torch.Tensor | None,
+        block_table: torch.Tensor | None,
+        o: torch.Tensor,
+        lse: torch.Tensor,
+    ) -> int:
+        """Run on tensors of the planned kind (any view of the same memory: only their data
+        pointers are read); returns the chunks used."""
+        if self.empty:
+            o.zero_()
+            lse.fill_(-math.inf)
+            return 1
+        if self.parts is not None:
+            o_out = torch.empty(self.parts[0], dtype=torch.float32, device=o.device)
+            lse_out = torch.empty(self.parts[1], dtype=torch.float32, device=o.device)
+        else:
+            o_out, lse_out = o, lse
+        if self.use_desc:  # (descriptors hold the data pointer: built per call)
+            k = TensorDescriptor(k, list(k.shape), list(k.stride()), self.desc_block)
+            v = TensorDescriptor(v, list(v.shape), list(v.stride()), self.desc_block)
+        args = (q, k, v, o_out, lse_out, *self.head, lse if seqlens_k is None else seqlens_k,
+                lse if block_table is None else block_table, *self.tail)  # fmt: skip
+        if self._decode is None:
+            self._decode = _backend.launcher(KD._attention_decode_kernel).bind(args, self.options)
+        self._decode(self.grid, *args)
+        if self.parts is not None:
+            args = (o_out, lse_out, o, lse, *self.combine_head)
+            if self._combine is None:
+                kernel = _backend.launcher(KD._split_kv_combine_kernel)
+                self._combine = kernel.bind(args, self.combine_options)
+            self._combine(self.combine_grid, *args)
+        return self.splits
+
+
+def combine_splits(
+    o_parts: torch.Tensor, lse_parts: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
+) -> None:
+    """Merge split-KV partials into ``o`` and ``lse`` (:mod:`flashlite.kernels.attention.decode`;
+    the torch twin is :func:`flashlite.stats.merge_attention` folded over the splits).
+
+    Args:
+        o_parts: fp32 ``(S, B, H, Nq, D)``; lse_parts: contiguous fp32 ``(S, B, H, Nq)``.
+        o: ``(B, H, Nq, D)`` output (any strides); lse: contiguous fp32 ``(B, H, Nq)``.
+    """
+    splits, b, h, nq, d = o_parts.shape
+    combine = _backend.launcher(KD._split_kv_combine_kernel)
+    combine[(nq, b * h)](
+        o_parts, lse_parts, o, lse, *o_parts.stride(), *o.stride(), h, nq, splits, HEAD_DIM=d,
+        BLOCK_D=C.block_d(d), SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+        ROUND_BF16=_backend.round_bf16(o.dtype), num_warps=4, num_stages=1,
+    )  # fmt: skip
+
+
+#: :class:`DecodePlan` per kind of :func:`attention_decode_fwd` call.
+_decode_plans: dict[tuple, DecodePlan] = {}

@@ -1,0 +1,199 @@
+"""The forward launcher :func:`attention_fwd` (the Triton kernel, or on Hopper the Gluon one) and
+its custom op ``flashlite::attention_fwd``."""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import triton
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from flashlite import _backend, masks
+from flashlite.kernels import configs as C
+from flashlite.kernels.attention import fwd as K
+from flashlite.kernels.attention import hopper as KH
+from flashlite.ops.attention.decode import attention_decode_fwd
+from flashlite.ops.attention.plan import (
+    DESC_MIN_WORK,
+    LaunchInfo,
+    _descriptor_ok,
+    _fixed_reference,
+    _hopper_launch_config,
+    _plan,
+    _tuned_kernel,
+    empty_output,
+    hopper_config,
+)
+from flashlite.ops.common import on_compute_device
+
+
+@on_compute_device
+def attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    *,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    seqlens_k: torch.Tensor | None = None,
+    varlen: Varlen | None = None,
+    num_splits: int = 0,
+    config: C.Config | None = None,
+    use_desc: bool | None = None,
+    prescale_q: bool | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, LaunchInfo | None]:
+    """Launch the forward kernel on validated ``(B, H, N, D)`` views (no autograd, no checks).
+
+    Args:
+        q: ``(B, Hq, Nq, D)``; k, v: ``(B, Hkv, Nk, D)``; any strides, one dtype and device.
+        causal: bottom-right aligned mask (:mod:`flashlite.masks`).
+        scale: the softmax scale.
+        window: ``(left, right)`` sliding window, −1 unlimited (:mod:`flashlite.masks`).
+        softcap: cap the scaled scores at ``softcap·tanh(s/softcap)`` (None: no cap).
+        seqlens_k: int32 ``(B,)``: batch b has only its first ``seqlens_k[b]`` keys.
+        varlen: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for packed
+            sequences; q, k, v are then ``(1, H, total, D)`` views.
+        num_splits: 0 runs this forward kernel; n >= 1 runs :func:`attention_decode_fwd` (GQA
+            rows packed, the keys split across n programs per row block and merged; not with
+            ``varlen``).
+        config: pin a :class:`~flashlite.kernels.configs.Config` (else :func:`fixed_config` or
+            the autotuner chooses).
+        use_desc: force descriptor (True) or pointer (False) loads.
+        prescale_q: fold the scale into Q (default for 16-bit inputs).
+
+    Returns:
+        ``O`` ``(B, Hq, Nq, D)`` strided like ``q``, the fp32 LSE ``(B, Hq, Nq)`` and what the
+        launch used (None when nothing was launched). CPU tensors in a process that compiles its
+        kernels run on the GPU: moved there once, results moved back.
+    """
+    if num_splits > 0 and varlen is None:  # few rows: packed GQA, split-KV, the exact merge
+        o, lse, _ = attention_decode_fwd(q, k, v, seqlens_k, causal, scale, window=window,
+                                         softcap=softcap, num_splits=num_splits)  # fmt: skip
+        return o, lse, None
+    dev = q.device
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    o = empty_output(q)
+    lse = q.new_empty((b, hq, nq), dtype=torch.float32)
+    if b * hq * nq == 0:
+        return o, lse, None
+    if nk == 0:  # no key at all: every row sees nothing
+        return o.zero_(), lse.fill_(-math.inf), None
+
+    small = b * hq * nq * nk * d < DESC_MIN_WORK
+    if use_desc is None:
+        use_desc = not small and _descriptor_ok(q, k, v, o)
+    is_causal, has_window, left, right = masks.kernel_window(window, causal, nq, nk)
+    plain = not (has_window or softcap is not None or seqlens_k is not None or varlen is not None)
+    if plain and use_desc and config is None and prescale_q is not False:
+        hopper = hopper_config(q, nk)
+        if hopper is not None and _run_hopper(q, k, v, o, lse, is_causal, scale, hopper):
+            return o, lse, LaunchInfo(_hopper_launch_config(hopper), d, True)
+    config, launch = _plan(dev, q.dtype, d, is_causal, small and not use_desc, use_desc,
+                           prescale_q, config, has_window, softcap is not None,
+                           seqlens_k is not None, varlen is not None,
+                           _fixed_reference(q.dtype, softcap))  # fmt: skip
+    block_d = launch["BLOCK_D"]
+    if use_desc:  # block shapes are set per config (set_block_shapes), placeholders here
+        bm, bn = (config.block_m, config.block_n) if config is not None else (16, 16)
+        srcs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])
+                for t, r in ((q, bm), (k, bn), (v, bn), (o, bm))]  # fmt: skip
+        if varlen is not None:  # O is stored through pointers (blocks cross sequences)
+            srcs[3] = o
+    else:
+        srcs = [q, k, v, o]
+    args = (*srcs, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+            hq, hq // hkv, nq, nk, scale, left, right, softcap or 0.0,
+            seqlens_k if seqlens_k is not None else lse,
+            *(varlen[:2] if varlen is not None else (lse, lse)))  # fmt: skip
+    # packed sequences: one program row per sequence, as many query blocks as the longest has
+    rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
+    if config is not None:
+        fwd = _backend.launcher(K._attention_fwd_kernel)
+        fwd[(C.cdiv(rows, config.block_m), seqs * hq)](*args, **launch)
+    else:
+        tuned = _tuned_kernel(rows, nk)
+        tuned[lambda meta: (C.cdiv(rows, meta["BLOCK_M"]), seqs * hq)](*args, **launch)  # type: ignore[index]
+        config = C.Config.of(tuned.best_config)  # type: ignore[attr-defined]
+    return o, lse, LaunchInfo(config, block_d, use_desc)
+
+
+#: Kernel variants whose first launch failed (a Triton whose Gluon differs): the Triton kernel
+#: runs them instead, after one warning.
+_hopper_failed: set[tuple] = set()
+
+
+def _run_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                lse: torch.Tensor, causal: bool, scale: float,
+                config: KH.HopperConfig) -> bool:  # fmt: skip
+    """Launch the Gluon kernel; False (after one warning) if it fails to compile here."""
+    key = (q.dtype, causal, config)
+    if key in _hopper_failed:
+        return False
+    try:
+        KH.attention_fwd_hopper(q, k, v, o, lse, causal, scale, config)
+    except (triton.CompilationError, TypeError, ValueError, AttributeError) as err:
+        _hopper_failed.add(key)
+        warnings.warn(f"flashlite: the Hopper attention kernel failed to build ({err!r:.300}); "
+                      "the Triton kernel runs instead", RuntimeWarning, stacklevel=3)  # fmt: skip
+        return False
+    return True
+
+
+def _attention_fwd_body(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    scale: float,
+    window_left: int = -1,
+    window_right: int = -1,
+    softcap: float = 0.0,
+    seqlens_k: torch.Tensor | None = None,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    max_seqlen_q: int = 0,
+    max_seqlen_k: int = 0,
+    num_splits: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    window, cap = _op_extras(window_left, window_right, softcap)
+    varlen = _op_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    o, lse, _ = attention_fwd(q, k, v, causal, scale, window=window, softcap=cap,
+                              seqlens_k=seqlens_k, varlen=varlen,
+                              num_splits=num_splits)  # fmt: skip
+    return o, lse
+
+
+_attention_fwd_op = torch.library.custom_op("flashlite::attention_fwd", mutates_args=())(
+    _attention_fwd_body
+)
+
+
+@_attention_fwd_op.register_fake
+def _(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0, seqlens_k=None,  # type: ignore[no-untyped-def]
+      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
+      num_splits=0):  # fmt: skip
+    return empty_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+#: packed sequences as the launchers take them: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+#: max_seqlen_k)``
+Varlen = tuple[torch.Tensor, torch.Tensor, int, int]
+
+
+def _op_varlen(
+    cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, max_q: int, max_k: int
+) -> Varlen | None:
+    return None if cu_q is None or cu_k is None else (cu_q, cu_k, max_q, max_k)
+
+
+def _op_extras(
+    window_left: int, window_right: int, softcap: float
+) -> tuple[tuple[int, int] | None, float | None]:
+    """The ops' flat mask arguments (−1, −1 and 0.0 mean none) as the launchers take them."""
+    window = None if window_left == window_right == -1 else (window_left, window_right)
+    return window, (softcap if softcap > 0 else None)
