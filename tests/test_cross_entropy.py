@@ -16,6 +16,9 @@ from conftest import TOL
 import flashlite
 from flashlite.kernels import cross_entropy as kce
 from flashlite.ops import cross_entropy as oce
+from flashlite.ops.cross_entropy import checks as oce_checks
+from flashlite.ops.cross_entropy import linear as oce_linear
+from flashlite.ops.cross_entropy import plan as oce_plan
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -25,7 +28,7 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     if request.param == "loop":  # rows of 17 take one ragged 32-wide tile, 1000 take four
         monkeypatch.setattr(kce, "SINGLE_READ_MAX", 8)
         monkeypatch.setattr(kce, "LOOP_TILE", 256)
-        monkeypatch.setattr(oce, "_plans", {})  # (launches planned with the patched tiles)
+        monkeypatch.setattr(oce_plan, "_plans", {})  # (launches planned with the patched tiles)
     return request.param
 
 
@@ -330,9 +333,8 @@ def test_target_check_reports_the_class_and_resets() -> None:
 def test_an_earlier_calls_bad_target_is_reported_as_earlier() -> None:
     # a record left by an earlier call (on a GPU: one whose check had not landed when it
     # returned) is reported as that call's, before this call's own targets are checked
-    from flashlite.ops import cross_entropy as oce
 
-    flag = oce._bad_record(torch.device("cpu"))[0]
+    flag = oce_checks._bad_record(torch.device("cpu"))[0]
     flag.copy_(torch.tensor([1, 42, 7]))
     x, t = torch.randn(3, 7), torch.tensor([0, 1, 2])
     with pytest.raises(ValueError, match=r"an earlier .* class 42, outside \[0, 7\)"):
@@ -358,7 +360,6 @@ def test_no_targets() -> None:
 def test_gpu_bad_target_reported_by_a_later_call() -> None:
     # validate=True on a GPU: no host sync; the bad target's row is NaN and the next call
     # that finds the device's check finished raises; validate="sync" raises at the call
-    from flashlite.ops import cross_entropy as oce
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -371,7 +372,7 @@ def test_gpu_bad_target_reported_by_a_later_call() -> None:
         assert torch.isnan(loss[4]) and torch.isfinite(loss[:4]).all()
         torch.cuda.synchronize()
         # the kernel set the record's host flag itself (pinned memory, no copy launched)
-        assert oce._bad_record(x.device)[1].tolist() == [1]
+        assert oce_checks._bad_record(x.device)[1].tolist() == [1]
         with pytest.raises(ValueError, match=rf"earlier .* class {v + 3}, outside \[0, {v}\)"):
             flashlite.cross_entropy(x, good)
         assert torch.isfinite(flashlite.cross_entropy(x, good))  # reported once
@@ -650,17 +651,16 @@ def test_linear_cross_entropy_compiles_and_passes_opcheck(reduction: str) -> Non
 
 
 def test_linear_cross_entropy_slices_the_vocabulary_only_when_rows_do_not_fit() -> None:
-    from flashlite.ops import cross_entropy as oce
 
     budget = oce.LINEAR_CHUNK_BYTES
-    assert oce._linear_chunking(128256, 2, None, None) == (budget // (128256 * 2), 0)
+    assert oce_linear._linear_chunking(128256, 2, None, None) == (budget // (128256 * 2), 0)
     too_wide = budget // (2 * oce.LINEAR_MIN_TOKENS) + 1  # classes: 256 tokens no longer fit
-    assert oce._linear_chunking(too_wide, 2, None, None) == (
+    assert oce_linear._linear_chunking(too_wide, 2, None, None) == (
         oce.LINEAR_MIN_TOKENS,
         budget // (2 * oce.LINEAR_MIN_TOKENS),
     )
-    assert oce._linear_chunking(1000, 4, 8, 300) == (8, 300)
-    assert oce._linear_chunking(1000, 4, 8, 5000) == (8, 0)  # a slice past V: whole rows
+    assert oce_linear._linear_chunking(1000, 4, 8, 300) == (8, 300)
+    assert oce_linear._linear_chunking(1000, 4, 8, 5000) == (8, 0)  # a slice past V: whole rows
     with pytest.raises(ValueError, match="vocab_chunk_size"):
         flashlite.linear_cross_entropy(torch.randn(2, 8), torch.randn(50, 8),
                                        torch.zeros(2, dtype=torch.long),

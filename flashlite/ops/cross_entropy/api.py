@@ -1,0 +1,235 @@
+"""The public functions :func:`cross_entropy` and :func:`linear_cross_entropy`."""
+
+from __future__ import annotations
+
+import torch
+
+from flashlite.ops.common import check_softcap, moved, moved_call_device, plain_eager
+from flashlite.ops.cross_entropy.autograd import _CrossEntropy, _grad_buffer
+from flashlite.ops.cross_entropy.checks import (
+    _bad_record,
+    _check,
+    _check_inplace,
+    _report_bad_targets,
+)
+from flashlite.ops.cross_entropy.fwd import (
+    _fwd_eager_here,
+    _scale_and_check,
+    _traced_scale,
+    _z_scaled,
+)
+from flashlite.ops.cross_entropy.linear import _autocast, _linear_chunking, _LinearCrossEntropy
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    inplace_backward: bool = False,
+    return_lse: bool = False,
+    validate: bool | str = True,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Softmax cross-entropy with its gradient computed in the same pass (the softmax is never
+    stored).
+
+    Args:
+        logits: ``(N, V)`` or ``(B, T, V)``: classes on the *last* dim (the language-model
+            layout; torch's ``cross_entropy`` wants them on dim 1). fp16, bf16 or fp32.
+        target: ``(N,)`` or ``(B, T)`` class indices (int64 or int32).
+        weight: ``(V,)`` per-class weights (torch's ``weight``, its weighted mean included).
+        ignore_index: targets equal to it add nothing (any integer, even a valid class).
+        reduction: ``"mean"`` (over the non-ignored targets, weighted by ``weight``: torch's
+            rule, NaN when every target is ignored), ``"sum"`` or ``"none"``.
+        label_smoothing: ε in [0, 1], as torch defines it: the target mixes ``1 − ε`` of the
+            one-hot with ``ε/V`` everywhere (weighted by ``weight``).
+        z_loss: adds ``z_loss·lse²`` to each non-ignored token's loss (PaLM). A ``mean``
+            divides the z-loss by the number of non-ignored targets, also with ``weight``
+            (it bounds each row's LSE, whatever the target's class: Liger's convention).
+        softcap: logits become ``softcap·tanh(logits/softcap)`` first; the loss, z-loss and LSE
+            use the capped logits.
+        inplace_backward: write the gradient over ``logits`` (no extra memory; Liger's trick).
+            ``logits`` must then be a non-leaf tensor (or need no gradient) that nothing else
+            saved for its own backward, whose elements do not share memory, and it holds the
+            gradient afterwards.
+        return_lse: also return the fp32 LSE per token (``target``'s shape; no gradient).
+        validate: check that every target is in ``[0, V)`` or ``ignore_index``. A bad target
+            always gives a NaN loss and gradient row, never a read outside the tensors; the
+            check turns it into a ``ValueError``. ``True``: on the device, inside the
+            forward's launches (the one that computes the mean's divisor; for rows of 16k
+            logits and more on a GPU, the forward kernel itself), without stopping the host.
+            On a GPU the error is then raised by a *later* ``cross_entropy`` call on that
+            device, the first that finds the check finished (on the CPU, by this call).
+            ``"sync"``: by this call, before the forward runs, after a host sync (for
+            debugging; about 0.2 ms a step at 128k–256k classes on the H200).
+            ``False``: no check.
+            Skipped inside ``torch.compile``.
+
+    Returns:
+        The loss in **fp32** whatever the logits' dtype (a bf16 sum over thousands of tokens
+        loses the digits training curves compare): a scalar for ``mean``/``sum``, ``target``'s
+        shape for ``none``; and the LSE with ``return_lse``. The backward runs once per forward.
+
+    Raises:
+        TypeError: non-tensors, unsupported dtypes, float targets, non-numeric options.
+        ValueError: shape or device mismatch, a bad reduction, ``label_smoothing`` outside
+            [0, 1], a negative ``z_loss``, a non-positive ``softcap``, ``validate`` not one of
+            True, False, "sync"; ``inplace_backward`` on a leaf that requires grad (or a view
+            of one) while grad mode is on, or on logits whose elements overlap; with
+            ``validate``, a target outside ``[0, V)`` that is not ``ignore_index`` (see
+            ``validate`` for which call raises it).
+    """
+    _check(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
+    if not (isinstance(validate, bool) or validate == "sync"):
+        raise ValueError(f"validate must be True, False or 'sync', got {validate!r}")
+    if inplace_backward:  # (here: a moved call's copy would no longer be the caller's leaf)
+        _check_inplace(logits)
+    dev = moved_call_device(logits.device)
+    if dev is not None:  # the whole call on the GPU, CPU tensors' rule kept: a bad one raises
+        out = cross_entropy(
+            logits.to(dev), target.to(dev), moved(weight, dev), ignore_index=ignore_index,
+            reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+            inplace_backward=inplace_backward, return_lse=return_lse,
+            validate="sync" if validate else False,
+        )  # fmt: skip
+        return moved(out, logits.device)
+    v = logits.shape[-1]
+    # (2-D logits and 1-D targets as they are: a reshape would add a view to the autograd graph)
+    x2 = logits if logits.dim() == 2 else logits.reshape(-1, v)
+    if inplace_backward and x2.data_ptr() != logits.data_ptr():
+        raise ValueError("inplace_backward needs logits whose rows form a (N, V) view (no copy)")
+    t1 = target if target.dim() == 1 else target.reshape(-1)
+    eager = plain_eager(x2, t1)
+    mean = reduction == "mean"
+    record, grad_scale = None, None
+    if not eager:  # traced: the scale from torch ops, no check (a host read cannot be traced)
+        grad_scale = _traced_scale(t1, weight, v, ignore_index, mean,
+                                   _z_scaled(weight, mean, z_loss))  # fmt: skip
+    elif validate == "sync" or (validate and x2.device.type == "cpu"):  # checked, then waited for
+        grad_scale = _scale_and_check(t1, weight, v, ignore_index, mean,
+                                      _z_scaled(weight, mean, z_loss))  # fmt: skip
+    elif validate:  # checked in the forward's own launch, reported by a later call
+        _report_bad_targets(t1.device, False, ignore_index, earlier=True)
+        record = _bad_record(t1.device)
+    bad = None if record is None else record[0]
+    kernel_opts = (ignore_index, float(label_smoothing), float(z_loss), check_softcap(softcap))
+    grad, done = None, None
+    if eager:  # the whole forward launched before autograd's bookkeeping: a host-bound step's
+        # GPU starts that much sooner (the Function only records what was launched)
+        grad = _grad_buffer(x2, inplace_backward)
+        done = _fwd_eager_here(x2, t1, weight, grad, grad_scale, bad, reduction, *kernel_opts)
+    opts = (*kernel_opts, bool(inplace_backward), reduction, grad, done)
+    loss, lse = _CrossEntropy.apply(x2, t1, weight, grad_scale, opts)
+    if reduction == "none":
+        loss = loss.view(target.shape)
+    return (loss, lse.view(target.shape)) if return_lse else loss
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    class_weight: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    validate: bool = True,
+    chunk_size: int | None = None,
+    vocab_chunk_size: int | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cross_entropy` of the output layer's logits ``hidden·weightᵀ + bias``, never
+    materialising the ``(N, V)`` logits.
+
+    The tokens are swept in chunks: each chunk's logits come from ``torch.matmul`` (tensor
+    cores, cuBLAS's tuned GEMMs), the fused kernel turns them into that chunk's losses and
+    writes their gradient over them, and the gradients of hidden, weight and bias are folded in
+    with two more matmuls, all in the same sweep. At most one chunk of logits exists at a time
+    (:data:`LINEAR_CHUNK_BYTES`, 256 MiB by default), plus the gradients themselves. When even
+    :data:`LINEAR_MIN_TOKENS` tokens of whole-vocabulary logits would not fit that budget, or
+    with ``vocab_chunk_size``, each token chunk's vocabulary is swept in slices too: their
+    ``(m, s)`` pairs merged with :func:`flashlite.stats.merge`, then the gradient from the
+    finished LSE, slice by slice (one more product per slice).
+
+    Under ``torch.autocast`` the products run in autocast's dtype, as ``hidden @ weight.T``
+    would: hidden, weight and bias are cast to it (differentiably, so their gradients come back
+    in their own dtypes); the loss is fp32 as always.
+
+    Args:
+        hidden: ``(N, H)`` or ``(B, T, H)``.
+        weight: ``(V, H)``, the output layer's matrix (class weights are ``class_weight``).
+        target: ``(N,)`` or ``(B, T)`` class indices.
+        bias: ``(V,)`` or None.
+        class_weight: ``(V,)`` per-class weights (torch's ``weight``).
+        ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse: as
+            :func:`cross_entropy`.
+        validate: as :func:`cross_entropy`, but a bad target is always reported by this call
+            (one host sync: the sweep takes far longer).
+        chunk_size: tokens per chunk (default: as many as fit :data:`LINEAR_CHUNK_BYTES`).
+        vocab_chunk_size: classes per vocabulary slice (default: the whole vocabulary, unless
+            it does not fit the budget as said above).
+
+    Returns:
+        The fp32 loss (and the LSE per token), as :func:`cross_entropy`.
+    """
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    device_type = hidden.device.type  # (other devices fail the checks below)
+    if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
+        # as torch.matmul under autocast: the products in autocast's dtype (differentiable
+        # casts: the gradients come back in the leaves' dtypes), the loss fp32; the sweep then
+        # runs with autocast off, so that its products and its buffers agree on one dtype
+        dtype = torch.get_autocast_dtype(device_type)
+        with torch.autocast(device_type, enabled=False):
+            return linear_cross_entropy(
+                _autocast(hidden, dtype), _autocast(weight, dtype), target,
+                bias=_autocast(bias, dtype), class_weight=class_weight, ignore_index=ignore_index,
+                reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
+                softcap=softcap, return_lse=return_lse, validate=validate, chunk_size=chunk_size,
+                vocab_chunk_size=vocab_chunk_size,
+            )  # fmt: skip
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1] or hidden.dim() not in (2, 3):
+        raise ValueError(f"hidden (N, H) or (B, T, H) and weight (V, H) must agree on H, got "
+                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")  # fmt: skip
+    if hidden.dtype != weight.dtype:
+        raise TypeError(f"hidden and weight must share a dtype, got {hidden.dtype} and "
+                        f"{weight.dtype}")  # fmt: skip
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]):
+        raise ValueError(f"bias must be a ({weight.shape[0]},) tensor")
+    v = weight.shape[0]
+    fake = hidden.new_empty((1,) * hidden.dim()).expand(*hidden.shape[:-1], v)  # (no storage)
+    _check(fake, target, class_weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
+    for name, size in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"{name} must be None or an int >= 1, got {size!r}")
+    dev = moved_call_device(hidden.device)
+    if dev is not None:  # the whole call on the GPU (see moved_call_device)
+        out = linear_cross_entropy(
+            hidden.to(dev), weight.to(dev), target.to(dev), bias=moved(bias, dev),
+            class_weight=moved(class_weight, dev), ignore_index=ignore_index, reduction=reduction,
+            label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
+            return_lse=return_lse, validate=validate, chunk_size=chunk_size,
+            vocab_chunk_size=vocab_chunk_size,
+        )  # fmt: skip
+        return moved(out, hidden.device)
+    h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
+    if validate and plain_eager(h2, t1):  # (at the call: a sweep takes far longer than a sync)
+        _scale_and_check(t1, None, v, ignore_index, False)
+    chunk, vocab_chunk = _linear_chunking(v, hidden.element_size(), chunk_size, vocab_chunk_size)
+    loss, lse = _LinearCrossEntropy.apply(
+        h2, weight, bias, t1, class_weight, ignore_index, float(label_smoothing), float(z_loss),
+        check_softcap(softcap), reduction, chunk, vocab_chunk,
+    )  # fmt: skip
+    if reduction == "none":
+        loss = loss.view(target.shape)
+    return (loss, lse.view(target.shape)) if return_lse else loss

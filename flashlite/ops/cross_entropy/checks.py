@@ -1,0 +1,138 @@
+"""Cross-entropy's argument checks, and the bad-target record: where the kernels note a target
+outside ``[0, V)`` (on the device, with a host flag in pinned memory) and how it is reported."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flashlite import _backend
+from flashlite.ops.common import check_softcap, overlapping
+
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+REDUCTIONS = ("none", "mean", "sum")
+
+
+#: Per compute device, where the kernels record a bad target: ``(flag, class, V)`` in the
+#: device's memory, kept until reported, and a host flag the recording kernel also sets (pinned
+#: host memory on a GPU, which a kernel writes directly: no copy launched per call, the host
+#: reads it without waiting; the same tensor on the CPU).
+_bad_records: dict[torch.device, tuple[torch.Tensor, torch.Tensor, Any]] = {}
+
+
+def _bad_record(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """``(flag, host flag, the host flag as a numpy array)`` (numpy: a read costs no torch op)."""
+    found = _bad_records.get(device)
+    if found is None:
+        flag = torch.zeros(3, dtype=torch.int64, device=device)
+        host = torch.zeros(1, dtype=torch.int64, pin_memory=True) if device.type == "cuda" else flag
+        found = _bad_records[device] = (flag, host, host.numpy())
+    return found
+
+
+def _host_flag(bad: torch.Tensor) -> torch.Tensor:
+    """What a kernel that records a bad target in ``bad`` sets to 1 as well: the host flag of a
+    device's record, or ``bad`` itself (any other record: its own flag)."""
+    found = _bad_records.get(bad.device)
+    return found[1] if found is not None and found[0] is bad else bad
+
+
+def _report_bad_targets(device: torch.device, wait: bool, ignore_index: int,
+                        earlier: bool) -> None:  # fmt: skip
+    """Raise the ``ValueError`` for a bad target recorded on ``device``: with ``wait`` once the
+    device has finished, else only what the host flag already shows (nothing is waited for
+    unless there is one). ``earlier``: the record can only be an earlier call's (this call's
+    check is not launched yet), and the message says so."""
+    found = _bad_records.get(device)
+    if found is None:
+        return
+    flag, host, host_view = found
+    if not wait and not host_view[0]:  # (pinned memory: read without a sync)
+        return
+    record = flag.tolist()  # the whole record, once the device is done (a sync on a GPU)
+    if not record[0]:
+        return
+    flag.zero_()
+    host.zero_()
+    _, cls, v = record
+    if not earlier:
+        raise ValueError(f"target holds class {cls}, outside [0, {v}) and not "
+                         f"ignore_index={ignore_index}")  # fmt: skip
+    raise ValueError(
+        f"an earlier flashlite.cross_entropy call on {device} had a target of class {cls}, "
+        f"outside [0, {v}) and not its ignore_index: that call's loss and gradient rows are "
+        "NaN. Targets are checked on the device without waiting for it, and a bad one is "
+        "reported by a later call; validate='sync' reports it at the call itself"
+    )
+
+
+def _check(
+    logits: object,
+    target: object,
+    weight: object,
+    ignore_index: object,
+    reduction: object,
+    label_smoothing: object,
+    z_loss: object,
+    softcap: object,
+) -> None:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
+    if logits.dtype not in DTYPES:
+        raise TypeError(f"logits has dtype {logits.dtype}; flashlite.cross_entropy accepts "
+                        "torch.float16, torch.bfloat16 and torch.float32")  # fmt: skip
+    if target.dtype not in (torch.int64, torch.int32):
+        raise TypeError(f"target must hold class indices (torch.int64 or torch.int32), got "
+                        f"{target.dtype} (class probabilities are not supported)")  # fmt: skip
+    if logits.dim() not in (2, 3) or target.shape != logits.shape[:-1]:
+        raise ValueError(f"logits (N, V) or (B, T, V) need target (N,) or (B, T): got logits "
+                         f"{tuple(logits.shape)} and target {tuple(target.shape)}")  # fmt: skip
+    if logits.shape[-1] == 0:
+        raise ValueError("logits must have at least one class (V >= 1)")
+    if target.device != logits.device:
+        raise ValueError(f"target must be on logits' device {logits.device}, got {target.device}")
+    _backend.check_device(logits, "logits")
+    if weight is not None:
+        if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
+            raise TypeError(f"weight must be a float tensor, got {type(weight).__name__}")
+        if weight.shape != (logits.shape[-1],) or weight.device != logits.device:
+            raise ValueError(f"weight must be ({logits.shape[-1]},) on {logits.device}, got "
+                             f"{tuple(weight.shape)} on {weight.device}")  # fmt: skip
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction={reduction!r} is not one of {', '.join(REDUCTIONS)}")
+    for name, value in (("label_smoothing", label_smoothing), ("z_loss", z_loss)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name} must be a float, got {value!r}")
+    if not 0.0 <= label_smoothing <= 1.0:  # type: ignore[operator]
+        raise ValueError(f"label_smoothing must lie in [0, 1], got {label_smoothing}")
+    if not z_loss >= 0.0:  # type: ignore[operator]
+        raise ValueError(f"z_loss must be >= 0, got {z_loss}")
+    check_softcap(softcap)
+
+
+def _check_inplace(logits: torch.Tensor) -> None:
+    """Refuse logits that ``inplace_backward`` must not overwrite: a leaf that requires grad (or
+    a view of one), which torch forbids to modify in place while grad mode is on (the leaf would
+    hold its own gradient), and memory whose elements overlap (writing one row's gradient would
+    clobber rows still to be read)."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        base = logits if logits.is_leaf else logits._base
+        if base is not None and base.is_leaf:
+            what = "a leaf tensor" if base is logits else "a view of a leaf tensor"
+            raise ValueError(
+                f"inplace_backward=True would overwrite logits, {what} that requires grad, with "
+                "its gradient (torch forbids in-place writes to such a leaf); pass a non-leaf "
+                "(e.g. the output layer's output, as it comes) or use inplace_backward=False"
+            )
+    if overlapping(logits):
+        raise ValueError(
+            f"inplace_backward=True needs logits whose elements do not share memory, got "
+            f"overlapping or interleaved strides {logits.stride()} for shape "
+            f"{tuple(logits.shape)} (the gradient written over one row would clobber others "
+            "still to be read); pass logits.contiguous() or use inplace_backward=False"
+        )
