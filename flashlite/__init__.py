@@ -1,13 +1,13 @@
 """flashlite: the online-softmax pair behind FlashAttention, as row softmax, fused cross-entropy and
 tiled attention."""
 
+import importlib
 from importlib.metadata import PackageNotFoundError, version
+from typing import Any
 
 from flashlite import (
     _backend,  # noqa: F401  (chooses compiled vs interpreted Triton first)
-    distributed,
     masks,
-    nn,
     reference,
     stats,
 )
@@ -35,3 +35,18 @@ __all__ = [
     "softmax",
     "stats",
 ]
+
+#: Subpackages loaded on first use (``flashlite.distributed.ring_attention``, ``flashlite.nn``):
+#: ``import flashlite`` stays what the kernels need (torch.distributed and the module classes are
+#: not imported for a softmax).
+_LAZY = ("distributed", "nn")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return importlib.import_module(f"flashlite.{name}")  # (sets the attribute: once)
+    raise AttributeError(f"module 'flashlite' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -127,3 +127,20 @@ def test_no_module_shares_a_public_function_name() -> None:
             assert not _is_module(f"flashlite.{name}"), f"flashlite/{name}.py shadows a function"
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module("flashlite.attention")
+
+
+def test_import_flashlite_loads_distributed_and_nn_lazily() -> None:
+    # `import flashlite` imports what the kernels need; the ring and the module classes load on
+    # first use, through the package's attributes
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, flashlite\n"
+        "assert 'flashlite.distributed' not in sys.modules, 'distributed imported'\n"
+        "assert 'flashlite.nn' not in sys.modules, 'nn imported'\n"
+        "assert flashlite.nn.MultiheadAttention and flashlite.distributed.ring_attention\n"
+        "assert 'flashlite.nn' in sys.modules and 'distributed' in dir(flashlite)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
