@@ -412,7 +412,7 @@ def test_kvcache_noncontiguous_block_table_is_read_through_its_strides() -> None
     torch.testing.assert_close(out.double(), _kv_reference(q, k, v, lens), atol=1e-5, rtol=1e-5)
 
 
-def test_kvcache_pages_of_512_keys_are_read_as_256_key_sub_pages() -> None:
+def test_kvcache_pages_of_512_keys_are_read_in_place() -> None:
     # flash-attn's paged cache uses multiples of 256: read in place, the append included
     q, k, v = _kv(cap=1024)
     kp, vp, table = _pages(k, v, 512)
@@ -427,9 +427,28 @@ def test_kvcache_pages_of_512_keys_are_read_as_256_key_sub_pages() -> None:
             assert torch.equal(kp[page, slot], new[0][b, i])
     torch.testing.assert_close(out.double(), _kv_reference(q, k, v, lens + 2), atol=1e-5,
                                rtol=1e-5)  # fmt: skip
-    with pytest.raises(ValueError, match="page size 320"):
-        flashlite.attention_kvcache(q, kp[:, :320], vp[:, :320], cache_seqlens=lens,
+    with pytest.raises(ValueError, match="page size 100"):
+        flashlite.attention_kvcache(q, kp[:, :100], vp[:, :100], cache_seqlens=lens,
                                     block_table=table)  # fmt: skip
+
+
+@pytest.mark.parametrize("page", [48, 192, 512])
+@pytest.mark.parametrize("block_n", [16, 64, 128])
+def test_kvcache_pages_that_are_not_a_multiple_of_the_key_tile(page, block_n) -> None:  # noqa: ANN001
+    # a 128-key tile (the GPU's) over pages of 192 keys spans two pages: each row must read its
+    # own table entry (one read per tile took the first page's for the whole tile)
+    from flashlite.kernels.configs import DecodeConfig
+    from flashlite.ops.attention import attention_decode_fwd
+
+    cap = 3 * page
+    q, k, v = _kv(cap=cap)
+    kp, vp, table = _pages(k, v, page)
+    lens = torch.tensor([cap - 5, page + 7, 1, cap], dtype=torch.int32)
+    out, _, _ = attention_decode_fwd(q.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
+                                     lens, True, KV_D**-0.5, block_table=table,
+                                     config=DecodeConfig(16, block_n, 4, 1))  # fmt: skip
+    want = _kv_reference(q, k, v, lens)
+    torch.testing.assert_close(out.transpose(1, 2).double(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_kvcache_expanded_caches_are_read_but_refused_with_k_new() -> None:

@@ -59,7 +59,10 @@ def kv_tile(X, TABLE, b, h_kv, start_n, offs_n, offs_d, seq_k, stride_b, stride_
     """
     if PAGE_SIZE > 0:
         rows = start_n + offs_n
-        if PAGE_SIZE >= BLOCK_N:  # one page holds the whole tile: one table read
+        # tiles start at multiples of BLOCK_N: a page of a multiple of BLOCK_N keys holds a whole
+        # tile (one table read); any other page size (192 keys and 128-key tiles, say) may end
+        # inside a tile, so each row reads its own entry
+        if PAGE_SIZE % BLOCK_N == 0:
             page = tl.load(TABLE + b.to(tl.int64) * stride_tb + start_n // PAGE_SIZE)
             page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
             row_off = page * stride_b + (rows % PAGE_SIZE).to(tl.int64) * stride_n

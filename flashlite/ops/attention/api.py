@@ -204,8 +204,8 @@ def attention_kvcache(
     Args:
         q: ``(B, Nq, Hq, D)``, the new tokens' queries.
         k_cache, v_cache: ``(B, Ncap, Hkv, D)``, or with ``block_table`` a paged cache
-            ``(num_pages, page_size, Hkv, D)``, page size a multiple of 16 from 16 to 256 or a
-            multiple of 256 (flash-attn's pages: read as 256-key sub-pages, no copy). Any
+            ``(num_pages, page_size, Hkv, D)``, page size any multiple of 16 (flash-attn's
+            multiples of 256 included). Any
             strides; expanded (stride-0) or otherwise overlapping caches are read, but refused
             when ``k_new`` is to be written into them.
         cache_seqlens: int32 ``(B,)``: keys already in the cache per batch (any stride).
@@ -286,7 +286,7 @@ def attention_kvcache(
     if block_table is None and k_cache.shape[0] != bsz:
         raise ValueError(f"k_cache must be (B={bsz}, Ncap, Hkv, D), got {tuple(k_cache.shape)}")
     if block_table is not None:
-        _check_page_size(k_cache, v_cache)
+        _check_page_size(k_cache.shape[1])
     _check_forward_only(q, k_cache, v_cache, k_new, v_new)
     n_new = 0 if k_new is None else k_new.shape[1]
     if k_new is not None:

@@ -187,22 +187,11 @@ def _check_forward_only(
             )
 
 
-def _check_page_size(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
-    """A paged cache's page size: a multiple of 16 from 16 to 256, or a multiple of 256 whose
-    pages can be read as 256-key sub-pages without a copy (:func:`_sub_pages`)."""
-    slots = k_cache.shape[1]
-    if 16 <= slots <= 256 and slots % 16 == 0:
-        return
-    if slots < 16 or slots % 256:
-        raise ValueError(f"page size {slots}: must be a multiple of 16 from 16 to 256, or a "
-                         "multiple of 256")  # fmt: skip
-    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.shape[0] > 1 and t.stride(0) != slots * t.stride(1):
-            raise ValueError(
-                f"{name}: pages of {slots} keys are read as 256-key sub-pages, which needs each "
-                f"page's keys evenly strided into the next page (stride(0) = page_size · "
-                f"stride(1)); got strides {t.stride()}"
-            )
+def _check_page_size(slots: int) -> None:
+    """A paged cache's page size: a positive multiple of 16, of any size (the decode kernel reads
+    one table entry per tile where the page holds whole tiles, one per key row elsewhere)."""
+    if slots < 16 or slots % 16:
+        raise ValueError(f"page size {slots}: must be a positive multiple of 16")
 
 
 def _check_writable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -237,11 +226,12 @@ def _check_cache_values(
     lengths = cache_seqlens.long() + n_new
     negative = (cache_seqlens < 0).any()
     too_long = (lengths > capacity).any()
-    bad_page = torch.zeros_like(negative)
+    bad = None  # (the block-table entries in use that lie outside the pool)
     if block_table is not None:
         pages = torch.arange(block_table.shape[1], device=lengths.device)
         used = pages[None, :] < (-(-lengths.clamp(min=0) // page_size))[:, None]
-        bad_page = (used & ((block_table < 0) | (block_table >= num_pages))).any()
+        bad = used & ((block_table < 0) | (block_table >= num_pages))
+    bad_page = bad.any() if bad is not None else torch.zeros_like(negative)
     is_negative, is_too_long, page_wrong = torch.stack([negative, too_long, bad_page]).tolist()
     if is_negative or is_too_long:
         where = cache_seqlens < 0 if is_negative else lengths > capacity
@@ -255,8 +245,7 @@ def _check_cache_values(
             f"cache_seqlens[{b}] = {value}, Nnew = {n_new}"
         )
     if page_wrong:
-        bad = used & ((block_table < 0) | (block_table >= num_pages))  # type: ignore[operator]
-        b, j = (int(i) for i in bad.nonzero()[0])
+        b, j = (int(i) for i in bad.nonzero()[0])  # type: ignore[union-attr]
         raise ValueError(f"block_table holds pages outside [0, {num_pages}) among the pages "
                          f"in use: block_table[{b}, {j}] = {int(block_table[b, j])}")  # type: ignore[index]  # fmt: skip
 

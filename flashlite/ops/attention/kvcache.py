@@ -11,20 +11,6 @@ from flashlite.ops.attention.decode import DecodePlan
 from flashlite.ops.attention.plan import _meta, _planned
 
 
-def _sub_pages(cache: torch.Tensor, factor: int) -> torch.Tensor:
-    """A paged cache ``(num_pages, factor·256, Hkv, D)`` as ``(num_pages·factor, 256, Hkv, D)``:
-    a view (:func:`_check_page_size` checked the strides)."""
-    n, slots, h, d = cache.shape
-    return cache.unflatten(1, (factor, slots // factor)).view(n * factor, slots // factor, h, d)
-
-
-def _sub_table(block_table: torch.Tensor, factor: int) -> torch.Tensor:
-    """``block_table`` over pages of ``factor`` sub-pages: entry p becomes ``p·factor + j``,
-    ``j < factor`` (entries outside the pool stay outside it: ``p < 0`` or ``p >= pages``)."""
-    steps = torch.arange(factor, device=block_table.device, dtype=torch.int32)
-    return (block_table[:, :, None] * factor + steps).flatten(1)
-
-
 def _kvcache_key(tensors: tuple, options: tuple) -> tuple | None:
     """What :func:`attention_kvcache`'s checks read — each tensor's :func:`_meta` (plain
     ``torch.Tensor`` s only) and each option's type and value — or None where an option is not
@@ -52,18 +38,14 @@ def _kvcache_key(tensors: tuple, options: tuple) -> tuple | None:
 _checked_kvcache: dict[tuple, KVCachePlan] = {}
 
 
-#: Largest page the decode kernel reads as one; bigger pages (multiples of it) are split.
-MAX_PAGE = 256
-
-
 class KVCachePlan:
     """:func:`_kvcache` for one kind of call (shapes, strides, dtypes and options): the value
     checks, the append and a :class:`DecodePlan` over the caches' ``b h n d`` views. Made from
     :func:`_kvcache`'s argument tuple (:data:`_TENSORS` tensors, then its options).
 
     The kernels index ``cache_seqlens`` and the block table's rows densely: other strides are
-    made dense per call (``B`` or ``B·max_pages`` ints). Pages of more than :data:`MAX_PAGE`
-    keys are read as that many sub-pages each (views of the caches, the table rewritten)."""
+    made dense per call (``B`` or ``B·max_pages`` ints, a no-op when they are dense already;
+    cheaper than two more strides through every tile load of the decode kernel)."""
 
     def __init__(self, args: tuple) -> None:
         q, k_cache, v_cache, cache_seqlens, k_new, _, block_table = args[:_TENSORS]
@@ -73,29 +55,14 @@ class KVCachePlan:
         self.capacity = block_table.shape[1] * self.slots if block_table is not None else self.slots
         self.n_new = 0 if k_new is None else k_new.shape[1]
         self.lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-        self.dense_lengths = cache_seqlens.is_contiguous()
-        self.dense_table = block_table is None or block_table.is_contiguous()
-        paged = block_table is not None and self.slots > MAX_PAGE
-        self.factor = self.slots // MAX_PAGE if paged else 1
-        k_cache, v_cache, block_table = self._kernel_view(k_cache, v_cache, block_table)
+        if block_table is not None:
+            block_table = block_table.contiguous()
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         self.decode = DecodePlan(
             q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
             o.transpose(1, 2), cache_seqlens.contiguous(), block_table, causal, scale,
             (window_left, window_right), softcap or None, num_splits or None, None, None,
         )  # fmt: skip
-
-    def _kernel_view(
-        self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor | None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The caches and block table as the kernels read them: a dense table, and pages of at
-        most :data:`MAX_PAGE` keys."""
-        if not self.dense_table:
-            block_table = block_table.contiguous()  # type: ignore[union-attr]
-        if self.factor > 1:
-            k_cache, v_cache = _sub_pages(k_cache, self.factor), _sub_pages(v_cache, self.factor)
-            block_table = _sub_table(block_table, self.factor)  # type: ignore[arg-type]
-        return k_cache, v_cache, block_table
 
     def __call__(
         self,
@@ -111,11 +78,9 @@ class KVCachePlan:
         if self.validate:  # every check that reads values, before anything is written (a sync)
             _check_cache_values(cache_seqlens, self.n_new, self.capacity, block_table,
                                 self.slots, self.num_pages)  # fmt: skip
-        if not self.dense_lengths:
-            cache_seqlens = cache_seqlens.contiguous()
-        if not self.dense_table or self.factor > 1:
-            k_cache, v_cache, block_table = self._kernel_view(k_cache, v_cache, block_table)
-        lengths = cache_seqlens
+        lengths = cache_seqlens = cache_seqlens.contiguous()
+        if block_table is not None:
+            block_table = block_table.contiguous()
         if self.n_new:
             lengths = _append(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                               self.capacity)  # type: ignore[arg-type]  # fmt: skip
