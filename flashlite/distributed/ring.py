@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from flashlite import stats
 from flashlite.ops.attention import attention_bwd, attention_fwd, check_inputs
-from flashlite.ops.common import check_flag
+from flashlite.ops.common import check_flags
 
 #: What to pass to ``init_process_group`` so that a peer that dies cannot hang the others.
 DEFAULT_TIMEOUT = timedelta(seconds=120)
@@ -353,9 +353,7 @@ def ring_attention(
         ValueError: shards of different lengths or device kinds across ranks, an odd local
             length for zigzag shards, and everything :func:`flashlite.attention` rejects.
     """
-    for name, flag in (("causal", causal), ("return_lse", return_lse), ("zigzag", zigzag),
-                       ("validate", validate)):  # fmt: skip
-        check_flag(flag, name)
+    check_flags(causal=causal, return_lse=return_lse, zigzag=zigzag, validate=validate)
     _group_info(group)
     sm_scale, qc, kc, vc = check_inputs(q, k, v, layout, scale)
     if qc.shape[2] != kc.shape[2]:

@@ -95,12 +95,13 @@ def check_softcap(softcap: object) -> float:
     return float(softcap)
 
 
-def check_flag(value: object, name: str) -> bool:
-    """A boolean option (``causal``, ``return_lse``, ...) checked as SDPA checks ``is_causal``:
-    a ``bool``, else ``TypeError`` (``bool("no")`` is True, so a string must not pass)."""
-    if type(value) is not bool:
-        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
+def check_flags(**flags: object) -> None:
+    """Boolean options (``causal=causal, return_lse=return_lse, ...``) checked as SDPA checks
+    ``is_causal``: each a ``bool``, else ``TypeError`` naming it (``bool("no")`` is True, so a
+    string must not pass)."""
+    for name, value in flags.items():
+        if type(value) is not bool:
+            raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
 
 
 def overlapping(t: torch.Tensor) -> bool:

@@ -23,7 +23,7 @@ from flashlite.ops.attention.checks import (
 from flashlite.ops.attention.fwd import attention_fwd
 from flashlite.ops.attention.kvcache import _checked_kvcache, _kvcache_key, _kvcache_plan
 from flashlite.ops.attention.plan import _cache, _decode_splits
-from flashlite.ops.common import check_flag, check_softcap, skip_dispatcher
+from flashlite.ops.common import check_flags, check_softcap, skip_dispatcher
 
 
 def attention(
@@ -84,8 +84,7 @@ def attention(
         NotImplementedError: head dim above 256.
     """
     sm_scale, qc, kc, vc = _check(q, k, v, layout, scale)
-    check_flag(causal, "causal")
-    check_flag(return_lse, "return_lse")
+    check_flags(causal=causal, return_lse=return_lse)
     splits = _decode_splits(qc, kc, _check_splits(num_splits))
     # the plain call passes five arguments: every default-valued one more is dispatcher host
     # time on every small call (issue 8's per-call cost)
@@ -159,8 +158,7 @@ def attention_varlen(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3:
             raise ValueError(f"{name} must be (total, heads, head_dim), got {tuple(t.shape)}")
-    for name, flag in (("causal", causal), ("return_lse", return_lse), ("validate", validate)):
-        check_flag(flag, name)
+    check_flags(causal=causal, return_lse=return_lse, validate=validate)
     # (1, H, total, D) views: one 'batch' in the layout the kernels read, no copy
     sm_scale, qc, kc, vc = _check(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), "b n h d", scale)
     cu_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q, max_seqlen_q)
@@ -250,8 +248,7 @@ def attention_kvcache(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new come together: pass both or neither")
-    for name, flag in (("causal", causal), ("return_lse", return_lse), ("validate", validate)):
-        check_flag(flag, name)
+    check_flags(causal=causal, return_lse=return_lse, validate=validate)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
                     ("v_new", v_new)):  # fmt: skip
         if t is None:
