@@ -15,6 +15,7 @@ import torch
 from conftest import TOL
 
 import flashlite
+from flashlite.masks import torch_visible
 
 # ----------------------------------------------------------------------------- statistics
 INF = math.inf
@@ -259,8 +260,7 @@ def _rounded_output_error(q, k, v, do, causal):  # noqa: ANN001, ANN202
     scale = q.shape[-1] ** -0.5
     s = qd @ kd.transpose(-1, -2) * scale
     if causal:
-        n, m = s.shape[-2:]
-        s = s.masked_fill(~torch.ones(n, m, dtype=torch.bool, device=s.device).tril(m - n), -INF)
+        s = s.masked_fill(~torch_visible(*s.shape[-2:], True, device=s.device), -INF)
     p = s.softmax(-1).nan_to_num(0.0)
     o, dp = p @ vd, dod @ vd.transpose(-1, -2)
     grads = []
@@ -358,14 +358,9 @@ KV_B, KV_HQ, KV_HKV, KV_D, KV_CAP = 4, 4, 2, 16, 64
 
 def _kv_reference(q, k_cache, v_cache, lengths):  # noqa: ANN001, ANN202
     """(B, Nq, Hq, D) in fp64: each batch's queries against its first ``lengths[b]`` keys."""
-    from flashlite.reference import attention as ref
+    from test_attention_kvcache import _reference
 
-    outs = []
-    for b, n in enumerate(lengths.tolist()):
-        parts = ((q, q.shape[1]), (k_cache, n), (v_cache, n))
-        one = [t[b : b + 1, :m].transpose(1, 2).double() for t, m in parts]
-        outs.append(ref(*one, causal=True).transpose(1, 2))
-    return torch.cat(outs)
+    return _reference(*(t.double() for t in (q, k_cache, v_cache)), lengths, True, causal=True)
 
 
 def _kv(device="cpu", cap=KV_CAP):  # noqa: ANN001, ANN202
@@ -896,12 +891,9 @@ def test_sweep_softmax_refuses_other_dtypes(op, dtype) -> None:  # noqa: ANN001
 
 def _attention_close(got: torch.Tensor, q, k, v, causal=False) -> None:  # noqa: ANN001
     # within 2x PyTorch's own error in the same dtype plus the floor (b h n d)
-    from flashlite.reference import attention as ref
+    from test_attention import assert_close_to_reference
 
-    want = ref(q, k, v, causal, upcast=True)
-    torch_err = (ref(q, k, v, causal).double() - want).abs().max().item()
-    err = (got.double() - want).abs().max().item()
-    assert err <= 2 * torch_err + TOL[q.dtype].floor, (err, torch_err)
+    assert_close_to_reference(got, q, k, v, causal)
 
 
 @pytest.mark.parametrize("dtype", SWEEP_DTYPES, ids=str)
