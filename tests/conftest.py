@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashlite  # noqa: F401  (switches on the interpreter before any test imports triton)
-from flashlite import _backend
+from flashlite import _backend, _caches
 
 
 class Tol(NamedTuple):
@@ -57,6 +57,18 @@ def devices() -> list[str]:
 def device(request: pytest.FixtureRequest) -> str:
     """Parametrise a test over :func:`devices`."""
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _fresh_plans(request: pytest.FixtureRequest) -> Any:
+    """A test that monkeypatches (config tables, kernel choices) plans with what it patched, and
+    leaves no plan made under its patches to the tests after it."""
+    patches = "monkeypatch" in request.fixturenames
+    if patches:
+        _caches.clear()
+    yield
+    if patches:
+        _caches.clear()
 
 
 @pytest.fixture(autouse=True)

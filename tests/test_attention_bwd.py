@@ -227,10 +227,10 @@ def test_eager_autograd_skips_the_dispatcher_and_matches_the_op(kind: str) -> No
 
     do = torch.randn(q.shape, generator=gen)
     o, lse = run(q, k, v)
-    assert "AttentionFunctionBackward" in nodes(o)
+    assert "AttentionFwdFunctionBackward" in nodes(o)
     with FlopCounterMode(display=False):  # a dispatch mode watches: the custom op's path
         o_op, lse_op = run(q, k, v)
-    assert "AttentionFunctionBackward" not in nodes(o_op)
+    assert "AttentionFwdFunctionBackward" not in nodes(o_op)
     torch.testing.assert_close((o, lse), (o_op, lse_op), atol=0, rtol=0)
     fast, slow = (torch.autograd.grad(outs, (q, k, v), (do, torch.ones_like(lse)),
                                       retain_graph=True)  # through O and the LSE

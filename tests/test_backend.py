@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 import flashlite
-from flashlite import _backend
+from flashlite import _backend, _launch
 from flashlite.kernels.common import cast
 
 # A process that imports triton before flashlite. Without CUDA its @triton.jit functions were
@@ -200,9 +200,10 @@ def test_gpu_raw_launch_and_launch_hooks() -> None:
         y = flashlite.softmax(x)
     side.synchronize()
     assert (y - want).abs().max().item() < 1e-6
-    if _backend.TRITON_VERSION == _backend._RAW_LAUNCH_TESTED:
-        compiled = next(iter(_backend.launcher(_softmax_kernel()).compiled.values()))[0]
-        assert _backend._raw_launch(compiled) is not None
+    if _backend.TRITON_VERSION == _launch._RAW_LAUNCH_TESTED:
+        kernel_id = id(_softmax_kernel())
+        compiled = next(run.compiled for key, run in _launch._bound.items() if key[0] == kernel_id)
+        assert _launch._raw_launch(compiled) is not None
     seen: list[object] = []
     hooks = knobs.runtime
     saved = hooks.launch_enter_hook
@@ -218,10 +219,10 @@ def _softmax_kernel() -> object:
     """The Triton kernel a small fp32 softmax forward launches (a launcher has compiled it)."""
     from flashlite.kernels import softmax as KS
 
+    launched = {key[0] for key in _launch._bound}
     for name in dir(KS):
         kernel = getattr(KS, name)
-        found = _backend._launchers.get(id(kernel))
-        if found is not None and found.compiled:
+        if id(kernel) in launched:
             return kernel
     raise AssertionError("no launched softmax kernel found")
 
@@ -251,11 +252,11 @@ def test_launch_teams_sizes_a_resident_cooperative_grid(
     # launched cooperatively, the team count passed as the last argument
     # (the team count is found once per kernel, options, rows and tensor types: a second call
     # launches without another warmup)
-    monkeypatch.setattr(_backend, "resident_programs", lambda compiled, index: capacity)
-    monkeypatch.setattr(_backend, "_team_counts", {})
+    monkeypatch.setattr(_launch, "resident_programs", lambda compiled, index: capacity)
+    _launch._team_counts.clear()
     kernel = _FakeKernel()
     for _ in range(2):
-        got = _backend.launch_teams(kernel, ["x", 7], {"BLOCK_N": 64}, 16, n_rows,
+        got = _launch.launch_teams(kernel, ["x", 7], {"BLOCK_N": 64}, 16, n_rows,
                                     torch.device("cuda", 0))  # fmt: skip
         assert got == teams
     assert kernel.warmups == [(("x", 7, n_rows), {"BLOCK_N": 64, "launch_cooperative_grid": True,
@@ -266,7 +267,7 @@ def test_launch_teams_sizes_a_resident_cooperative_grid(
 
 def test_launch_teams_in_the_interpreter_takes_single_program_teams_only() -> None:
     kernel = _FakeKernel()
-    assert _backend.launch_teams(kernel, ["x"], {}, 1, 8, torch.device("cpu")) == 3
+    assert _launch.launch_teams(kernel, ["x"], {}, 1, 8, torch.device("cpu")) == 3
     assert kernel.launches == [((3,), ("x", 3), {})] and kernel.warmups == []
     with pytest.raises(ValueError, match="teams of 4 programs need a CUDA device"):
-        _backend.launch_teams(kernel, ["x"], {}, 4, 8, torch.device("cpu"))
+        _launch.launch_teams(kernel, ["x"], {}, 4, 8, torch.device("cpu"))

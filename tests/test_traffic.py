@@ -189,11 +189,11 @@ def test_memory_hooks_restore_on_error_and_name_the_version(
     import triton
     from triton.runtime import interpreter
 
-    from flashlite import _backend
+    from flashlite.traffic.hooks import interpreter_memory_hooks
 
     builder, executor = interpreter.interpreter_builder, interpreter.GridExecutor
     call = vars(executor)["__call__"]
-    hooks = _backend.interpreter_memory_hooks(
+    hooks = interpreter_memory_hooks(
         lambda *a: None, lambda *a: None, lambda name: contextlib.nullcontext()
     )
     with pytest.raises(KeyError), hooks:
@@ -201,7 +201,7 @@ def test_memory_hooks_restore_on_error_and_name_the_version(
     assert "create_masked_load" not in vars(builder) and vars(executor)["__call__"] is call
     monkeypatch.delattr(type(builder), "create_masked_store")  # a Triton without the hook point
     missing = pytest.raises(RuntimeError, match=f"triton {re.escape(triton.__version__)}")
-    with missing, _backend.interpreter_memory_hooks(on_store=lambda *a: None):
+    with missing, interpreter_memory_hooks(on_store=lambda *a: None):
         pass
     assert "create_masked_load" not in vars(builder)
 

@@ -12,14 +12,16 @@ moved to the GPU, with host-side dispatch per call.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
-from flashlite import _backend
+from flashlite import _backend, _launch
+from flashlite._caches import Cache
 from flashlite.kernels import softmax as K
 from flashlite.kernels import softmax_gluon as KG
 from flashlite.kernels.configs import cdiv
-from flashlite.ops.common import on_compute_device, plain_eager, skip_dispatcher
+from flashlite.ops._dispatch import Op
 
 ALGORITHMS = ("auto", "three_pass", "online")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -76,75 +78,127 @@ def _col_int64(n_cols: int, *tensors: torch.Tensor) -> bool:
     return any((n_cols - 1) * abs(t.stride(1)) >= _INT32_LIMIT for t in tensors)
 
 
+def softmax_kernel_for(
+    n_cols: int, elem_bytes: int, device: torch.device, prefetch_ok: bool = False
+) -> str:
+    """The kernel ``algorithm="auto"`` runs for rows of ``n_cols`` values of ``elem_bytes``
+    bytes on ``device`` (``prefetch_ok``: :func:`prefetch_applies` holds for the views): the
+    one decision, read by the launcher and by :mod:`flashlite.traffic` alike."""
+    if prefetch_ok and n_cols > KG.SINGLE_READ_WINS[elem_bytes]:
+        return "prefetch"
+    if K.fits_single_read(n_cols, elem_bytes):
+        return "single_read"
+    if device.type == "cuda" and _launch.teams_fit(
+        K.team_config(n_cols, elem_bytes)["n_chunks"], device
+    ):  # the interpreter runs only single-program teams: CPU takes split
+        return "team"
+    return "split"
+
+
+#: The forward and backward launches per kind of ``(rows, n)`` views (shape, strides, dtype,
+#: device, alignment) and options: every decision taken once.
+_fwd_plans = Cache("softmax.fwd", 512)
+_bwd_plans = Cache("softmax.bwd", 512)
+
+Launch = Callable[..., None]
+
+
 def softmax_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = "auto") -> None:
     """Launch the forward kernel for ``algorithm`` on the ``(rows, n)`` views ``x2 → y2``.
 
     Both views live where kernels run (no checks, no autograd, no device moves). ``algorithm``
     also takes the kernel names ``"single_read"``, ``"split"``, ``"team"`` (GPU) and
-    ``"prefetch"`` (GPU with Gluon) that ``"auto"`` chooses from.
+    ``"prefetch"`` (GPU with Gluon) that ``"auto"`` chooses from (:func:`softmax_kernel_for`).
+    The launch is planned once per kind of views (:func:`plan_fwd`).
     """
+    key = (x2.shape, x2.stride(), y2.stride(), x2.dtype, x2.device, x2.data_ptr() % 16,
+           y2.data_ptr() % 16, log, algorithm)  # fmt: skip
+    launch = _fwd_plans.get(key)
+    if launch is None:
+        launch = _fwd_plans.put(key, plan_fwd(x2, y2, log, algorithm))
+    launch(x2, y2)
+
+
+def plan_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = "auto") -> Launch:
+    """``launch(x2, y2)`` for views specialised as these are: the kernel, config, grid and
+    bound launches decided here, once; only workspaces are allocated per call. Holds no
+    tensor."""
     n_rows, n_cols = x2.shape
     dev = x2.device
     col64 = _col_int64(n_cols, x2, y2)
     strides = (*x2.stride(), *y2.stride())
     flags = {"LOG": log, "COL_INT64": col64, "ROUND_BF16": _backend.round_bf16(y2.dtype)}
     if algorithm == "auto":
-        if n_cols > KG.SINGLE_READ_WINS[x2.element_size()] and prefetch_applies(x2, y2):
-            prefetch_fwd(x2, y2, log)  # (checked: not again below)
-            return
-        if K.fits_single_read(n_cols, x2.element_size()):
-            algorithm = "single_read"
-        elif dev.type == "cuda" and _backend.teams_fit(
-            K.team_config(n_cols, x2.element_size())["n_chunks"], dev
-        ):  # the interpreter runs only single-program teams: CPU takes split
-            algorithm = "team"
-        else:
-            algorithm = "split"
+        prefetch_ok = n_cols > KG.SINGLE_READ_WINS[x2.element_size()] and prefetch_applies(x2, y2)
+        algorithm = softmax_kernel_for(n_cols, x2.element_size(), dev, prefetch_ok)
     if algorithm == "single_read":
         cfg = K.single_read_config(n_cols, x2.element_size())
-        grid = (cdiv(n_rows, cfg["ROWS"]),)
-        kernel = _backend.launcher(K._softmax_single_read_fwd_kernel)
-        kernel[grid](x2, y2, n_rows, n_cols, *strides, **flags, **cfg)
-    elif algorithm == "split":
+        grid = (cdiv(n_rows, cfg["ROWS"]), 1, 1)
+        rest = (n_rows, n_cols, *strides)
+        bound = _launch.launcher(K._softmax_single_read_fwd_kernel).bind(
+            (x2, y2, *rest), {**flags, **cfg}
+        )
+        return lambda x, y: bound(grid, x, y, *rest)
+    if algorithm == "split":
         cfg = K.split_config(n_cols)
         n_chunks = cfg.pop("n_chunks")
-        m_ws = torch.empty((n_rows, n_chunks), device=dev, dtype=torch.float32)
-        s_ws = torch.empty_like(m_ws)
-        grid = (n_rows * n_chunks,)
-        K._softmax_split_stats_kernel[grid](x2, m_ws, s_ws, n_rows, n_cols, *x2.stride(),
-                                            n_chunks, BLOCK_N=cfg["BLOCK_N"], COL_INT64=col64,
-                                            num_warps=cfg["num_warps"])  # fmt: skip
-        K._softmax_split_write_kernel[grid](x2, y2, m_ws, s_ws, n_rows, n_cols, *strides,
-                                            n_chunks, **flags, **cfg)  # fmt: skip
-    elif algorithm == "team":
-        _team_fwd(x2, y2, flags)
-    elif algorithm == "prefetch":
+        grid = (n_rows * n_chunks, 1, 1)
+        ws = (n_rows, n_chunks)
+        stats_opts = {"BLOCK_N": cfg["BLOCK_N"], "COL_INT64": col64, "num_warps": cfg["num_warps"]}
+        m0 = torch.empty(ws, device=dev, dtype=torch.float32)
+        stats = _launch.launcher(K._softmax_split_stats_kernel).bind(
+            (x2, m0, m0, n_rows, n_cols, *x2.stride(), n_chunks), stats_opts
+        )
+        write = _launch.launcher(K._softmax_split_write_kernel).bind(
+            (x2, y2, m0, m0, n_rows, n_cols, *strides, n_chunks), {**flags, **cfg}
+        )
+        x_strides = x2.stride()
+
+        def split(x: torch.Tensor, y: torch.Tensor) -> None:
+            m_ws = torch.empty(ws, device=dev, dtype=torch.float32)
+            s_ws = torch.empty(ws, device=dev, dtype=torch.float32)
+            stats(grid, x, m_ws, s_ws, n_rows, n_cols, *x_strides, n_chunks)
+            write(grid, x, y, m_ws, s_ws, n_rows, n_cols, *strides, n_chunks)
+
+        return split
+    if algorithm == "team":
+        return _plan_team(x2, y2, flags)
+    if algorithm == "prefetch":
         if not prefetch_applies(x2, y2):
             raise ValueError("the prefetch kernel needs a GPU with Gluon and 16-byte aligned rows")
-        prefetch_fwd(x2, y2, log)
-    elif algorithm in ("online", "three_pass"):  # one program per row, looping over tiles
+        return plan_prefetch(x2, y2, log)
+    if algorithm in ("online", "three_pass"):  # one program per row, looping over tiles
         cfg = K.loop_config(n_cols)
         del cfg["ROWS"]
-        K._softmax_online_fwd_kernel[(n_rows,)](x2, y2, n_rows, n_cols, *strides,
-                                                THREE_PASS=algorithm == "three_pass", **flags,
-                                                **cfg)  # fmt: skip
-    else:
-        raise ValueError(f"algorithm={algorithm!r} is not a softmax kernel")
+        rest = (n_rows, n_cols, *strides)
+        bound = _launch.launcher(K._softmax_online_fwd_kernel).bind(
+            (x2, y2, *rest), {"THREE_PASS": algorithm == "three_pass", **flags, **cfg}
+        )
+        return lambda x, y: bound((n_rows, 1, 1), x, y, *rest)
+    raise ValueError(f"algorithm={algorithm!r} is not a softmax kernel")
 
 
-def _team_fwd(x2: torch.Tensor, y2: torch.Tensor, flags: dict[str, bool]) -> None:
-    """Launch the team kernel: co-resident programs that share each row and wait for each
-    other."""
+def _plan_team(x2: torch.Tensor, y2: torch.Tensor, flags: dict[str, bool]) -> Launch:
+    """The team kernel: co-resident programs that share each row and wait for each other."""
     n_rows, n_cols = x2.shape
     dev = x2.device
     cfg = K.team_config(n_cols, x2.element_size())
     n_chunks = cfg.pop("n_chunks")
-    m_ws = torch.empty((n_rows, n_chunks), device=dev, dtype=torch.float32)
-    s_ws = torch.empty_like(m_ws)
-    count = torch.zeros(n_rows, device=dev, dtype=torch.int32)
-    args = [x2, y2, m_ws, s_ws, count, n_rows, n_cols, *x2.stride(), *y2.stride(), n_chunks]
-    _backend.launch_teams(K._softmax_team_fwd_kernel, args, {**flags, **cfg}, n_chunks, n_rows,
-                          dev)  # fmt: skip
+    ws = (n_rows, n_chunks)
+    m0 = torch.empty(ws, device=dev, dtype=torch.float32)
+    c0 = torch.zeros(n_rows, device=dev, dtype=torch.int32)
+    strides = (*x2.stride(), *y2.stride())
+    args = [x2, y2, m0, m0, c0, n_rows, n_cols, *strides, n_chunks]
+    bound = _launch.bind_teams(K._softmax_team_fwd_kernel, args, {**flags, **cfg}, n_chunks,
+                               n_rows, dev)  # fmt: skip
+
+    def team(x: torch.Tensor, y: torch.Tensor) -> None:
+        m_ws = torch.empty(ws, device=dev, dtype=torch.float32)
+        s_ws = torch.empty(ws, device=dev, dtype=torch.float32)
+        count = torch.zeros(n_rows, device=dev, dtype=torch.int32)
+        bound(x, y, m_ws, s_ws, count, n_rows, n_cols, *strides, n_chunks)
+
+    return team
 
 
 def prefetch_applies(x2: torch.Tensor, y2: torch.Tensor) -> bool:
@@ -164,7 +218,7 @@ def prefetch_applies(x2: torch.Tensor, y2: torch.Tensor) -> bool:
     return (
         n_cols % vec == 0
         and cfg["n_chunks"] <= KG.MAX_CHUNKS
-        and _backend.teams_fit(cfg["n_chunks"], x2.device)
+        and _launch.teams_fit(cfg["n_chunks"], x2.device)
     )
 
 
@@ -186,32 +240,51 @@ def prefetch_words(size: int, device: torch.device) -> torch.Tensor:
     return torch.full((size,), -1, device=device, dtype=torch.int64)
 
 
+def plan_prefetch(x2: torch.Tensor, y2: torch.Tensor, log: bool,
+                  cfg: KG.PrefetchConfig | None = None) -> Launch:  # fmt: skip
+    """``launch(x2, y2)`` of the Gluon team kernel that prefetches each program's next row into
+    shared memory (:mod:`flashlite.kernels.softmax_gluon`), planned for these views."""
+    n_rows, n_cols = x2.shape
+    dev = x2.device
+    opts, n_chunks, size = prefetch_plan(x2, 1, cfg)
+    vec = opts["VEC"]  # lengths and strides in 16-byte vectors (prefetch_applies checked)
+    rest = (n_rows, n_cols // vec, x2.stride(0) // vec, y2.stride(0) // vec, n_chunks)
+    bound = _launch.bind_teams(KG._softmax_prefetch_team_kernel,
+                               [x2, y2, prefetch_words(size, dev), *rest], {"LOG": log, **opts},
+                               n_chunks, n_rows, dev)  # fmt: skip
+    return lambda x, y: bound(x, y, prefetch_words(size, dev), *rest)
+
+
 def prefetch_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool,
                   cfg: KG.PrefetchConfig | None = None) -> None:  # fmt: skip
-    """Launch the Gluon team kernel that prefetches each program's next row into shared
-    memory (:mod:`flashlite.kernels.softmax_gluon`)."""
-    n_rows, n_cols = x2.shape
-    opts, n_chunks, size = prefetch_plan(x2, 1, cfg)
-    words = prefetch_words(size, x2.device)
-    vec = opts["VEC"]  # lengths and strides in 16-byte vectors (prefetch_applies checked)
-    args = [x2, y2, words, n_rows, n_cols // vec, x2.stride(0) // vec, y2.stride(0) // vec,
-            n_chunks]  # fmt: skip
-    _backend.launch_teams(KG._softmax_prefetch_team_kernel, args, {"LOG": log, **opts},
-                          n_chunks, n_rows, x2.device)  # fmt: skip
+    """Launch the Gluon prefetching team kernel on the views (:func:`plan_prefetch`)."""
+    plan_prefetch(x2, y2, log, cfg)(x2, y2)
 
 
 def softmax_bwd(y2: torch.Tensor, dy2: torch.Tensor, dx2: torch.Tensor, log: bool) -> None:
-    """Launch the backward kernel on ``(rows, n)`` views: ``dx2`` from saved ``y2`` and ``dy2``."""
+    """Launch the backward kernel on ``(rows, n)`` views: ``dx2`` from saved ``y2`` and ``dy2``
+    (planned once per kind of views)."""
+    key = (y2.shape, y2.stride(), dy2.stride(), dx2.stride(), y2.dtype, y2.device,
+           y2.data_ptr() % 16, dy2.data_ptr() % 16, dx2.data_ptr() % 16, log)  # fmt: skip
+    launch = _bwd_plans.get(key)
+    if launch is None:
+        launch = _bwd_plans.put(key, plan_bwd(y2, dy2, dx2, log))
+    launch(y2, dy2, dx2)
+
+
+def plan_bwd(y2: torch.Tensor, dy2: torch.Tensor, dx2: torch.Tensor, log: bool) -> Launch:
+    """``launch(y2, dy2, dx2)`` of the backward kernel for views specialised as these are."""
     n_rows, n_cols = y2.shape
     # y and dy both stay on chip as fp32: a 16-bit row of 64k (128k values, 512 KB) spilled and
     # ran at 0.33x the copy ceiling on the H200, where the two-pass loop ran fp32's at 0.61x
     one_tile = K.fits_single_read(n_cols, y2.element_size(), tensors=2)
     cfg = K.single_read_config(n_cols, y2.element_size()) if one_tile else K.loop_config(n_cols)
-    _backend.launcher(K._softmax_bwd_kernel)[(cdiv(n_rows, cfg["ROWS"]),)](
-        y2, dy2, dx2, n_rows, n_cols, *y2.stride(), *dy2.stride(), *dx2.stride(), LOG=log,
-        ONE_TILE=one_tile, COL_INT64=_col_int64(n_cols, y2, dy2, dx2),
-        ROUND_BF16=_backend.round_bf16(dx2.dtype), **cfg,
-    )  # fmt: skip
+    grid = (cdiv(n_rows, cfg["ROWS"]), 1, 1)
+    rest = (n_rows, n_cols, *y2.stride(), *dy2.stride(), *dx2.stride())
+    options = {"LOG": log, "ONE_TILE": one_tile, "COL_INT64": _col_int64(n_cols, y2, dy2, dx2),
+               "ROUND_BF16": _backend.round_bf16(dx2.dtype), **cfg}  # fmt: skip
+    bound = _launch.launcher(K._softmax_bwd_kernel).bind((y2, dy2, dx2, *rest), options)
+    return lambda y, dy, dx: bound(grid, y, dy, dx, *rest)
 
 
 def _empty_rows(like: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -232,8 +305,13 @@ def _row_view(t: torch.Tensor, dim: int) -> torch.Tensor:
     return v if v is not None else t.movedim(dim, -1).reshape(-1, t.shape[dim])
 
 
-# ----------------------------------------------------------------------------- custom ops
+# ----------------------------------------------------------------------------- the ops
 def _softmax_forward(x: torch.Tensor, dim: int, algorithm: str, log: bool) -> torch.Tensor:
+    if x.is_contiguous() and dim == x.dim() - 1 and x.numel():  # the usual case, in one test
+        y = torch.empty_like(x)
+        n = x.shape[-1]
+        softmax_fwd(x.view(-1, n), y.view(-1, n), log, algorithm)
+        return y
     if x.dim() == 0:  # one value: a row of one
         return _softmax_forward(x.reshape(1), 0, algorithm, log).reshape(())
     y, y2 = _empty_rows(x, dim)
@@ -242,14 +320,7 @@ def _softmax_forward(x: torch.Tensor, dim: int, algorithm: str, log: bool) -> to
     return y
 
 
-_softmax_fwd_op_body = on_compute_device(_softmax_forward)
-_softmax_fwd_op = torch.library.custom_op("flashlite::softmax_fwd", mutates_args=())(
-    _softmax_fwd_op_body
-)
-
-
-@_softmax_fwd_op.register_fake
-def _(x: torch.Tensor, dim: int, algorithm: str, log: bool) -> torch.Tensor:
+def _softmax_fwd_fake(x: torch.Tensor, dim: int, algorithm: str, log: bool) -> torch.Tensor:
     return _empty_rows(x.reshape(1), 0)[0].reshape(()) if x.dim() == 0 else _empty_rows(x, dim)[0]
 
 
@@ -272,22 +343,23 @@ def _check_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> None:
 
 def _softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     _check_bwd(y, dy, dim)
+    if dy.dtype != y.dtype:
+        dy = dy.to(y.dtype)
+    same = dy.stride() == y.stride()  # (autograd's dy is usually laid out as y)
+    if same and y.is_contiguous() and dim == y.dim() - 1 and y.numel():
+        dx = torch.empty_like(y)
+        n = y.shape[-1]
+        softmax_bwd(y.view(-1, n), dy.view(-1, n), dx.view(-1, n), log)
+        return dx
     if y.dim() == 0:
         return _softmax_backward(y.reshape(1), dy.reshape(1), 0, log).reshape(())
     dx, dx2 = _empty_rows(y, dim)
     if y.numel():
-        softmax_bwd(_row_view(y, dim), _row_view(dy.to(y.dtype), dim), dx2, log)
+        softmax_bwd(_row_view(y, dim), _row_view(dy, dim), dx2, log)
     return dx
 
 
-_softmax_bwd_op_body = on_compute_device(_softmax_backward)
-_softmax_bwd_op = torch.library.custom_op("flashlite::softmax_bwd", mutates_args=())(
-    _softmax_bwd_op_body
-)
-
-
-@_softmax_bwd_op.register_fake
-def _(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+def _softmax_bwd_fake(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
     _check_bwd(y, dy, dim)
     return _empty_rows(y.reshape(1), 0)[0].reshape(()) if y.dim() == 0 else _empty_rows(y, dim)[0]
 
@@ -321,7 +393,9 @@ def _bwd_backward(ctx, ddx):  # type: ignore[no-untyped-def]
     return g_y.to(y.dtype), g_dy.to(dy.dtype), None, None
 
 
-_softmax_bwd_op.register_autograd(_bwd_backward, setup_context=_bwd_setup_context)
+#: ``flashlite::softmax_bwd``: dx from the saved output and dy, differentiable again.
+SOFTMAX_BWD = Op("softmax_bwd", _softmax_backward, fake=_softmax_bwd_fake, inputs=2,
+                 setup_context=_bwd_setup_context, backward=_bwd_backward)  # fmt: skip
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
@@ -330,44 +404,14 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.dim, ctx.log = dim, log
 
 
-def _backward(ctx, dy, bwd=None):  # type: ignore[no-untyped-def]
-    """The gradient of x through ``bwd`` (default: the op)."""
+def _backward(ctx, dy):  # type: ignore[no-untyped-def]
     (y,) = ctx.saved_tensors
-    return (bwd or _SOFTMAX_BWD)(y, dy, ctx.dim, ctx.log), None, None, None
+    return SOFTMAX_BWD(y, dy, ctx.dim, ctx.log), None, None, None
 
 
-_softmax_fwd_op.register_autograd(_backward, setup_context=_setup_context)
-_SOFTMAX_FWD = torch.ops.flashlite.softmax_fwd.default
-_SOFTMAX_BWD = torch.ops.flashlite.softmax_bwd.default
-
-
-class SoftmaxFunction(torch.autograd.Function):
-    """Eager autograd of softmax and log_softmax around the ops' bodies: the same forward, saved
-    output and backward as the custom ops' autograd, without the dispatcher's autograd wrapper
-    and redispatch (about 50 µs of host time per forward + backward here, several times the
-    kernels' time at small shapes). Traced and observed calls take the ops (:func:`plain_eager`).
-    """
-
-    @staticmethod
-    def forward(ctx, x, dim, algorithm, log):  # type: ignore[no-untyped-def, override]
-        y = _softmax_fwd_op_body(x, dim, algorithm, log)
-        _setup_context(ctx, (x, dim, algorithm, log), y)
-        return y
-
-    @staticmethod
-    def backward(ctx, dy):  # type: ignore[no-untyped-def, override]
-        # create_graph: the op, which refuses a second derivative; else its body
-        return _backward(ctx, dy, _SOFTMAX_BWD if torch.is_grad_enabled() else _softmax_bwd_op_body)
-
-
-def _forward(x: torch.Tensor, dim: int, algorithm: str, log: bool) -> torch.Tensor:
-    """The cheapest correct path: the op's body when nothing records or traces, the autograd
-    function when only autograd records, the custom op otherwise."""
-    if skip_dispatcher(x):  # the op's own body, minus the dispatcher's host cost
-        return _softmax_fwd_op_body(x, dim, algorithm, log)
-    if plain_eager(x):
-        return SoftmaxFunction.apply(x, dim, algorithm, log)
-    return _SOFTMAX_FWD(x, dim, algorithm, log)
+#: ``flashlite::softmax_fwd``: softmax or log_softmax along ``dim``, with autograd.
+SOFTMAX_FWD = Op("softmax_fwd", _softmax_forward, fake=_softmax_fwd_fake, inputs=1,
+                 setup_context=_setup_context, backward=_backward)  # fmt: skip
 
 
 def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch.Tensor:
@@ -390,7 +434,7 @@ def softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch
         IndexError: ``dim`` is out of range.
         ValueError: unknown ``algorithm`` or device.
     """
-    return _forward(x, _check(x, dim, algorithm), algorithm, False)
+    return SOFTMAX_FWD(x, _check(x, dim, algorithm), algorithm, False)
 
 
 def log_softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> torch.Tensor:
@@ -398,4 +442,4 @@ def log_softmax(x: torch.Tensor, dim: int = -1, *, algorithm: str = "auto") -> t
 
     Args, returns and errors as :func:`softmax`. A row that is entirely −inf gives NaN.
     """
-    return _forward(x, _check(x, dim, algorithm), algorithm, True)
+    return SOFTMAX_FWD(x, _check(x, dim, algorithm), algorithm, True)

@@ -10,7 +10,7 @@ Three independent ways to get the bytes a call moves between DRAM (HBM) and the 
   kernel really used.
 * **counted** (:mod:`~flashlite.traffic.count`) — run the real code and add up bytes. Triton
   kernels are run in Triton's interpreter with its load/store entry points wrapped by
-  :func:`flashlite._backend.interpreter_memory_hooks` (:func:`count_kernels`); torch ops are
+  :func:`flashlite.traffic.hooks.interpreter_memory_hooks` (:func:`count_kernels`); torch ops are
   seen by a :class:`~torch.utils._python_dispatch.TorchDispatchMode` (:func:`count_torch_ops`).
 * **measured** (:mod:`~flashlite.traffic.measure`) — DRAM bytes of the kernels of one call on a
   GPU, from Nsight Compute (``dram__bytes_read.sum``, ``dram__bytes_write.sum``) run on a child

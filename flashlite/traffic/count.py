@@ -1,7 +1,7 @@
 """Counted bytes: run the real code and add up what every load, store and torch op moves.
 
 Triton kernels run in Triton's interpreter, whose loads and stores are reported through
-:func:`flashlite._backend.interpreter_memory_hooks` (:func:`count_kernels`); torch ops are seen
+:func:`flashlite.traffic.hooks.interpreter_memory_hooks` (:func:`count_kernels`); torch ops are seen
 by a :class:`~torch.utils._python_dispatch.TorchDispatchMode` (:func:`count_torch_ops`). Each
 counter is a context manager that yields the object holding its counts: nothing is kept in
 module state, so counters nest. Counted equals the flashlite models of
@@ -23,6 +23,7 @@ from flashlite import _backend, reference
 from flashlite.kernels.configs import Config, DecodeConfig
 from flashlite.ops import attention as attention_ops
 from flashlite.ops import softmax as softmax_ops
+from flashlite.traffic import hooks
 from flashlite.traffic.model import (
     bwd_info,
     counted_bwd_config,
@@ -156,11 +157,11 @@ class KernelCounter:
             self.regions.append((name, start, start + t.untyped_storage().nbytes()))
 
     def on_load(self, ptrs: np.ndarray, mask: np.ndarray, itemsize: int) -> None:
-        """One interpreted load (an :data:`flashlite._backend.AccessHook`)."""
+        """One interpreted load (an :data:`flashlite.traffic.hooks.AccessHook`)."""
         self._record(ptrs, mask, itemsize, False)
 
     def on_store(self, ptrs: np.ndarray, mask: np.ndarray, itemsize: int) -> None:
-        """One interpreted store (an :data:`flashlite._backend.AccessHook`)."""
+        """One interpreted store (an :data:`flashlite.traffic.hooks.AccessHook`)."""
         self._record(ptrs, mask, itemsize, True)
 
     def on_launch(self, kernel: str) -> contextlib.nullcontext[None]:
@@ -206,7 +207,7 @@ def count_kernels() -> Iterator[KernelCounter]:
             "imported, e.g. `TRITON_INTERPRET=1 flashlite traffic --count`"
         )
     counter = KernelCounter()
-    with _backend.interpreter_memory_hooks(counter.on_load, counter.on_store, counter.on_launch):
+    with hooks.interpreter_memory_hooks(counter.on_load, counter.on_store, counter.on_launch):
         yield counter
 
 
@@ -219,7 +220,7 @@ def count_torch_ops() -> Iterator[OpCounter]:
     """
     counter = OpCounter()
     pause_launches = (
-        _backend.interpreter_memory_hooks(on_launch=counter.pause)
+        hooks.interpreter_memory_hooks(on_launch=counter.pause)
         if _backend.kernels_interpreted()
         else contextlib.nullcontext()
     )

@@ -20,6 +20,7 @@ from flashlite.kernels import configs, softmax_gluon
 from flashlite.kernels import softmax as softmax_kernels
 from flashlite.kernels.configs import BwdConfig, Config, bwd_config, keep_config
 from flashlite.ops import attention as attention_ops
+from flashlite.ops import softmax as softmax_ops
 from flashlite.traffic.shapes import (
     ATTENTION_METHODS,
     SOFTMAX_ALGORITHMS,
@@ -236,11 +237,10 @@ def model_attention(method: str, shape: AttentionShape, **config: int) -> Traffi
 
 def resolve_softmax_algorithm(algorithm: str, n: int, elem_bytes: int) -> str:
     """The softmax kernel ``algorithm`` names for rows of ``n`` elements of ``elem_bytes``."""
-    # mirrors the front-end's "auto" on a CPU: one read when the row fits on chip, split
-    # otherwise (a GPU runs long rows with the prefetch or team kernel: one read each)
+    # the front-end's own "auto" decision, as a CPU takes it: one read when the row fits on
+    # chip, split otherwise (a GPU runs long rows with the prefetch or team kernel: one read each)
     if algorithm == "auto":
-        fits = softmax_kernels.fits_single_read(n, elem_bytes)
-        return "single_read" if fits else "split"
+        return softmax_ops.softmax_kernel_for(n, elem_bytes, torch.device("cpu"))
     if algorithm not in SOFTMAX_ALGORITHMS + SOFTMAX_GPU_ALGORITHMS:
         accepted = ", ".join(("auto", *SOFTMAX_ALGORITHMS, *SOFTMAX_GPU_ALGORITHMS))
         raise ValueError(f"algorithm={algorithm!r} is not one of {accepted}")

@@ -36,6 +36,8 @@ from typing import NamedTuple
 import torch
 import triton
 
+from flashlite import _launch
+from flashlite._caches import Cache
 from flashlite.stats import LN2, LOG2E
 
 try:  # Gluon is experimental: absent or different in some Triton versions
@@ -273,12 +275,26 @@ if GLUON_IMPORT_ERROR is None:
         ], [4, 1], [240, 24])  # fmt: skip
 
 
+#: Shared-memory layouts of TMA blocks by (block shape, dtype): built in Python, so once each.
+_layouts = Cache("hopper.layouts", 64)
+
+
+def shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> object:
+    """The swizzled shared-memory layout TMA fills with ``block`` of ``dtype`` (made once)."""
+    key = (block, dtype)
+    found = _layouts.get(key)
+    if found is None:
+        gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+                    torch.float32: gl.float32}[dtype]  # fmt: skip
+        found = _layouts.put(key, gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype))
+    return found
+
+
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     """A 4-D TMA descriptor of ``t`` ``(B, H, N, D)`` (any 16-byte aligned strides) reading
     ``[1, 1, rows, D]`` blocks."""
     block = [1, 1, rows, t.shape[-1]]
-    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype)
+    layout = shared_layout(tuple(block), t.dtype)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
@@ -292,7 +308,7 @@ def attention_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: t
     hkv, nk = k.shape[1], k.shape[2]
     half = config.block_m // 2
     grid = (triton.cdiv(nq, config.block_m), b * hq)
-    _attention_fwd_hopper_kernel[grid](
+    _launch.launcher(_attention_fwd_hopper_kernel)[grid](
         _descriptor(q, half), _descriptor(k, config.block_n), _descriptor(v, config.block_n),
         _descriptor(o, half), lse, hq, hq // hkv, nq, nk, scale,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.stages, IS_CAUSAL=causal,

@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from flashlite import _launch
 from flashlite.kernels.attention.hopper import GLUON_IMPORT_ERROR
 from flashlite.stats import LN2, LOG2E
 
@@ -60,7 +61,7 @@ if GLUON_IMPORT_ERROR is None:
     )
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from flashlite.kernels.attention.hopper import wgmma_layout
+    from flashlite.kernels.attention.hopper import shared_layout, wgmma_layout
 
 #: Keys per program (two warpgroups of 64), query rows per step, ring slots for Qs and dO.
 BLOCK_N = 128
@@ -368,8 +369,7 @@ if GLUON_BWD_ERROR is None:
 def _descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
     """A 4-D TMA descriptor of ``t`` ``(B, H, N, D)`` reading ``[1, 1, rows, cols]`` blocks."""
     block = [1, 1, rows, cols]
-    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}
-    layout = gl.NVMMASharedLayout.get_default_for(block, dtype[t.dtype])
+    layout = shared_layout((1, 1, rows, cols), t.dtype)
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
@@ -386,7 +386,7 @@ def attention_bwd_hopper(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do:
     hkv, nk = k.shape[1], k.shape[2]
     acc = torch.zeros((b, hq, nq, d), device=qs.device, dtype=torch.float32)
     grid = (triton.cdiv(nk, BLOCK_N) * b * hkv,)
-    _attention_bwd_hopper_kernel[grid](
+    _launch.launcher(_attention_bwd_hopper_kernel)[grid](
         _descriptor(qs, BLOCK_M, d), _descriptor(do, BLOCK_M, d), _descriptor(k, BLOCK_N, d),
         _descriptor(v, BLOCK_N, d), _descriptor(acc, BLOCK_M, d // 2), lse, delta, dk, dv,
         *dk.stride()[:3], *dv.stride()[:3], hq, hkv, hq // hkv, nq, nk, scale, STAGES=STAGES,

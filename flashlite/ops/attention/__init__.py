@@ -6,9 +6,9 @@
 ``checks``      argument checks (types, shapes, layouts, lengths, offsets, the cache's values)
 ``plan``        what a call runs: tile configs, descriptor or pointer loads, the Gluon kernels'
                 applicability, split-KV chunks, the plan caches
-``fwd``         the forward launcher and its custom op ``flashlite::attention_fwd``
-``bwd``         the backward launchers and ``flashlite::attention_bwd``
-``autograd``    the ops' autograd formula, and the eager :class:`AttentionFunction`
+``fwd``         the forward launcher, the forward op's body and fake
+``bwd``         the backward launchers, the backward op's body and fake
+``autograd``    the two ops stated once (``flashlite::attention_fwd``/``_bwd``, autograd included)
 ``decode``      the decode kernel's plan and launch (GQA packing, split-KV, the exact merge)
 ``kvcache``     the KV-cache step: value checks, append, decode; ``flashlite::attention_kvcache``
 ==============  ==================================================================================

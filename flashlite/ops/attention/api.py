@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from flashlite import _backend, masks
-from flashlite.ops.attention.autograd import _attention_op
+from flashlite.ops.attention.autograd import ATTENTION_FWD
 from flashlite.ops.attention.checks import (
     DTYPES,
     MAX_HEAD_DIM,
@@ -20,7 +20,6 @@ from flashlite.ops.attention.checks import (
     _check_splits,
     _check_writable,
 )
-from flashlite.ops.attention.fwd import attention_fwd
 from flashlite.ops.attention.kvcache import _checked_kvcache, _kvcache_key, _kvcache_plan
 from flashlite.ops.attention.plan import _cache, _decode_splits
 from flashlite.ops.common import check_flags, check_softcap, skip_dispatcher
@@ -89,21 +88,13 @@ def attention(
     # the plain call passes five arguments: every default-valued one more is dispatcher host
     # time on every small call (issue 8's per-call cost)
     if window is None and softcap is None and seqlens_k is None and splits == 0:
-        if skip_dispatcher(q, k, v):  # the op's own body, minus the dispatcher's host cost
-            o, lse, _ = attention_fwd(qc, kc, vc, causal, sm_scale)
-        else:
-            o, lse = _attention_op(qc, kc, vc, causal, sm_scale)
+        o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale)
     else:
         left, right = masks.window_bounds(window, causal)
         cap = check_softcap(softcap)
         lengths = _check_seqlens(seqlens_k, qc, kc)
-        if skip_dispatcher(q, k, v):
-            o, lse, _ = attention_fwd(qc, kc, vc, causal, sm_scale, window=(left, right),
-                                      softcap=cap or None, seqlens_k=lengths,
-                                      num_splits=splits)  # fmt: skip
-        else:
-            o, lse = _attention_op(qc, kc, vc, causal, sm_scale, left, right, cap, lengths, None,
-                                   None, 0, 0, splits)  # fmt: skip
+        o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale, left, right, cap, lengths, None, None,
+                               0, 0, splits)  # fmt: skip
     if layout != "b h n d":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
@@ -172,7 +163,7 @@ def attention_varlen(
         _check_cu_values(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
     left, right = masks.window_bounds(window, causal)
     cap = check_softcap(softcap)
-    o, lse = _attention_op(qc, kc, vc, causal, sm_scale, left, right, cap, None, cu_q, cu_k,
+    o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale, left, right, cap, None, cu_q, cu_k,
                            int(max_seqlen_q), int(max_seqlen_k))  # fmt: skip
     o = o.transpose(1, 2).squeeze(0)
     return (o, lse.squeeze(0)) if return_lse else o

@@ -1,15 +1,13 @@
-"""Attention's autograd: the custom op's formula and :class:`AttentionFunction`, the same formula
-for unobserved eager calls without the dispatcher's host cost."""
+"""Attention's two ops, stated once (:class:`~flashlite.ops._dispatch.Op`): the forward with its
+autograd formula, and the backward, which has no derivative of its own."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
-from flashlite.ops.attention.bwd import _attention_bwd_body, _attention_bwd_op
-from flashlite.ops.attention.fwd import _attention_fwd_body, _attention_fwd_op
-from flashlite.ops.common import plain_eager
+from flashlite.ops._dispatch import Op
+from flashlite.ops.attention.bwd import _attention_bwd_body, _attention_bwd_fake
+from flashlite.ops.attention.fwd import _attention_fwd_body, _attention_fwd_fake
 
 
 def _no_second_derivative(ctx, *grads):  # type: ignore[no-untyped-def]
@@ -20,9 +18,11 @@ def _no_second_derivative(ctx, *grads):  # type: ignore[no-untyped-def]
     )
 
 
-# (a registered formula that refuses: clearer than torch's "no autograd formula" for op authors)
-_attention_bwd_op.register_autograd(_no_second_derivative,
-                                    setup_context=lambda ctx, inputs, output: None)  # fmt: skip
+#: ``flashlite::attention_bwd``: dq, dk, dv. Its registered formula refuses (clearer than
+#: torch's "no autograd formula" for op authors).
+ATTENTION_BWD = Op("attention_bwd", _attention_bwd_body, fake=_attention_bwd_fake, inputs=7,
+                   setup_context=lambda ctx, inputs, output: None,
+                   backward=_no_second_derivative, moves=False)  # fmt: skip
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
@@ -33,45 +33,18 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     ctx.causal, ctx.scale, ctx.extras = causal, scale, extras[:8]  # (num_splits: forward only)
 
 
-def _backward(ctx, grad_o, grad_lse, bwd=None):  # type: ignore[no-untyped-def]
-    """The gradients of q, k, v through ``bwd`` (default: the op)."""
+def _backward(ctx, grad_o, grad_lse):  # type: ignore[no-untyped-def]
+    """The gradients of q, k, v (and None for every other argument)."""
     q, k, v, o, lse = ctx.saved_tensors
     if grad_o is None:
         grad_o = torch.zeros_like(o)
-    dq, dk, dv = (bwd or _ATTENTION_BWD)(grad_o, q, k, v, o, lse, grad_lse, ctx.causal,
-                                         ctx.scale, *ctx.extras)  # fmt: skip
+    dq, dk, dv = ATTENTION_BWD(grad_o, q, k, v, o, lse, grad_lse, ctx.causal, ctx.scale,
+                               *ctx.extras)  # fmt: skip
     return dq, dk, dv, None, None, *(None for _ in range(ctx.n_extras))
 
 
-_attention_fwd_op.register_autograd(_backward, setup_context=_setup_context)
-_ATTENTION_BWD = torch.ops.flashlite.attention_bwd.default
-_ATTENTION_FWD = torch.ops.flashlite.attention_fwd.default
-
-
-class AttentionFunction(torch.autograd.Function):
-    """Eager autograd of attention around the ops' bodies: the same forward, saved tensors and
-    backward as the custom op's autograd (``_setup_context``, ``_backward``), without the
-    dispatcher's autograd wrapper and redispatch, which cost host time on every training call
-    (felt at small shapes). Traced and observed calls take the op (:func:`plain_eager`)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, *extras):  # type: ignore[no-untyped-def, override]
-        ctx.set_materialize_grads(False)  # an unused LSE's gradient stays None, as in the op
-        o, lse = _attention_fwd_body(q, k, v, causal, scale, *extras)
-        _setup_context(ctx, (q, k, v, causal, scale, *extras), (o, lse))
-        return o, lse
-
-    @staticmethod
-    def backward(ctx, grad_o, grad_lse):  # type: ignore[no-untyped-def, override]
-        # create_graph: the op, which refuses a second derivative; else its body
-        bwd = _ATTENTION_BWD if torch.is_grad_enabled() else _attention_bwd_body
-        return _backward(ctx, grad_o, grad_lse, bwd)
-
-
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-                  scale: float, *extras: Any) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``flashlite::attention_fwd`` with autograd: in an unobserved eager call
-    (:func:`plain_eager`) through :class:`AttentionFunction`, else through the op."""
-    if plain_eager(q, k, v):
-        return AttentionFunction.apply(q, k, v, causal, scale, *extras)
-    return _ATTENTION_FWD(q, k, v, causal, scale, *extras)
+#: ``flashlite::attention_fwd``: ``(out, lse)`` on ``(B, H, N, D)`` views, differentiable in
+#: q, k, v and through the LSE (an unused LSE's gradient stays None).
+ATTENTION_FWD = Op("attention_fwd", _attention_fwd_body, fake=_attention_fwd_fake, inputs=3,
+                   setup_context=_setup_context, backward=_backward, materialize_grads=False,
+                   moves=False)  # fmt: skip

@@ -11,7 +11,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashlite import _backend, masks
+from flashlite import _backend, _launch, masks
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import bwd as KB
 from flashlite.kernels.attention import hopper_bwd as KHB
@@ -166,7 +166,7 @@ def bwd_preprocess(
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
     delta = torch.empty((b, hq, nq), device=o.device, dtype=torch.float32)
     bm = 64 if d <= 128 else 32
-    prep = _backend.launcher(KB._attention_bwd_preprocess_kernel)
+    prep = _launch.launcher(KB._attention_bwd_preprocess_kernel)
     prep[(C.cdiv(nq, bm), b * hq)](
         o, do, dlse if dlse is not None else delta, delta, q, qs, *o.stride(), *do.stride(),
         *q.stride(), *qs.stride(), hq, nq, scale, HEAD_DIM=d, BLOCK_D=C.block_d(d),
@@ -189,7 +189,7 @@ def bwd_dkdv(
     srcs, use_desc = _tile_sources(cfg.use_desc and varlen is None, (qs, do), cfg.kv_block_m, d)
     extra, flags = _bwd_args(qs, k, causal, window, softcap, seqlens_k, varlen, lse)
     rows, seqs = (varlen[3], varlen[0].shape[0] - 1) if varlen is not None else (nk, b)
-    kernel = _backend.launcher(KB._attention_bwd_dkdv_kernel)
+    kernel = _launch.launcher(KB._attention_bwd_dkdv_kernel)
     kernel[(C.cdiv(rows, cfg.kv_block_n), seqs * hkv)](
         srcs[0], k, v, srcs[1], lse, delta, dk, dv, *qs.stride(), *k.stride(), *v.stride(),
         *do.stride(), *dk.stride(), *dv.stride(), hq, hkv, hq // hkv, nq, nk, scale, *extra,
@@ -223,7 +223,7 @@ def bwd_dq(
     srcs, use_desc = _tile_sources(cfg.use_desc and varlen is None, (k, v), cfg.q_block_n, d)
     extra, flags = _bwd_args(qs, k, causal, window, softcap, seqlens_k, varlen, lse)
     rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
-    kernel = _backend.launcher(KB._attention_bwd_dq_kernel)
+    kernel = _launch.launcher(KB._attention_bwd_dq_kernel)
     kernel[(C.cdiv(rows, cfg.q_block_m), seqs * hq)](
         qs, *srcs, do, lse, delta, dq, *qs.stride(), *k.stride(), *v.stride(), *do.stride(),
         *dq.stride(), hq, hq // hkv, nq, nk, scale, *extra, USE_DESC=use_desc, **flags,
@@ -257,13 +257,8 @@ def _attention_bwd_body(
                          seqlens_k=seqlens_k, varlen=varlen)  # fmt: skip
 
 
-_attention_bwd_op = torch.library.custom_op("flashlite::attention_bwd", mutates_args=())(
-    _attention_bwd_body
-)
-
-
-@_attention_bwd_op.register_fake
-def _(do, q, k, v, o, lse, dlse, causal, scale, window_left=-1, window_right=-1, softcap=0.0,  # type: ignore[no-untyped-def]
+def _attention_bwd_fake(do, q, k, v, o, lse, dlse, causal, scale, window_left=-1,  # type: ignore[no-untyped-def]
+      window_right=-1, softcap=0.0,
       seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
       max_seqlen_k=0):  # fmt: skip
     _check_bwd_grads(do, o, lse, dlse)

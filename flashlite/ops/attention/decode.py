@@ -10,7 +10,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashlite import _backend, masks
+from flashlite import _backend, _launch, masks
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import decode as KD
 from flashlite.ops.attention.plan import (
@@ -170,12 +170,12 @@ class DecodePlan:
         args = (q, k, v, o_out, lse_out, *self.head, lse if seqlens_k is None else seqlens_k,
                 lse if block_table is None else block_table, *self.tail)  # fmt: skip
         if self._decode is None:
-            self._decode = _backend.launcher(KD._attention_decode_kernel).bind(args, self.options)
+            self._decode = _launch.launcher(KD._attention_decode_kernel).bind(args, self.options)
         self._decode(self.grid, *args)
         if self.parts is not None:
             args = (o_out, lse_out, o, lse, *self.combine_head)
             if self._combine is None:
-                kernel = _backend.launcher(KD._split_kv_combine_kernel)
+                kernel = _launch.launcher(KD._split_kv_combine_kernel)
                 self._combine = kernel.bind(args, self.combine_options)
             self._combine(self.combine_grid, *args)
         return self.splits
@@ -192,7 +192,7 @@ def combine_splits(
         o: ``(B, H, Nq, D)`` output (any strides); lse: contiguous fp32 ``(B, H, Nq)``.
     """
     splits, b, h, nq, d = o_parts.shape
-    combine = _backend.launcher(KD._split_kv_combine_kernel)
+    combine = _launch.launcher(KD._split_kv_combine_kernel)
     combine[(nq, b * h)](
         o_parts, lse_parts, o, lse, *o_parts.stride(), *o.stride(), h, nq, splits, HEAD_DIM=d,
         BLOCK_D=C.block_d(d), SPLITS_PAD=max(2, triton.next_power_of_2(splits)),

@@ -10,7 +10,7 @@ import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashlite import _backend, masks
+from flashlite import _launch, masks
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import fwd as K
 from flashlite.kernels.attention import hopper as KH
@@ -113,7 +113,7 @@ def attention_fwd(
     # packed sequences: one program row per sequence, as many query blocks as the longest has
     rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
     if config is not None:
-        fwd = _backend.launcher(K._attention_fwd_kernel)
+        fwd = _launch.launcher(K._attention_fwd_kernel)
         fwd[(C.cdiv(rows, config.block_m), seqs * hq)](*args, **launch)
     else:
         tuned = _tuned_kernel(rows, nk)
@@ -168,13 +168,8 @@ def _attention_fwd_body(
     return o, lse
 
 
-_attention_fwd_op = torch.library.custom_op("flashlite::attention_fwd", mutates_args=())(
-    _attention_fwd_body
-)
-
-
-@_attention_fwd_op.register_fake
-def _(q, k, v, causal, scale, window_left=-1, window_right=-1, softcap=0.0, seqlens_k=None,  # type: ignore[no-untyped-def]
+def _attention_fwd_fake(q, k, v, causal, scale, window_left=-1, window_right=-1,  # type: ignore[no-untyped-def]
+      softcap=0.0, seqlens_k=None,
       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
       num_splits=0):  # fmt: skip
     return empty_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from flashlite import _backend
+from flashlite import _backend, _launch
 from flashlite.kernels import cross_entropy as K
 from flashlite.ops.common import on_compute_device
 from flashlite.ops.cross_entropy.checks import _bad_record, _host_flag, _report_bad_targets
@@ -192,7 +192,7 @@ def cross_entropy_scale(
     def plan() -> Callable[..., None]:
         options = dict(MEAN=mean, HAS_WEIGHT=weight is not scale, CHECK=bad is not scale,
                        BLOCK=K.SCALE_BLOCK, Z_SCALE=z_scale, num_warps=4)  # fmt: skip
-        bound = _backend.launcher(K._cross_entropy_scale_kernel).bind(
+        bound = _launch.launcher(K._cross_entropy_scale_kernel).bind(
             (target, weight, scale, bad, bad, *rest), options)  # fmt: skip
         return lambda *a: bound((1, 1, 1), *a, *rest)
 

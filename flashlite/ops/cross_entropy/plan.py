@@ -1,6 +1,6 @@
 """Planned launches of the cross-entropy kernels (kernel, options, grid, Triton's binding), kept
 per everything they depend on but the tensors' addresses: a training loop's repeated calls skip
-the planning, which cost more host time than the launch itself (``_backend.Launcher.bind``)."""
+the planning, which cost more host time than the launch itself (``_launch.Launcher.bind``)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from flashlite import _backend
+from flashlite import _backend, _launch
 from flashlite.kernels import cross_entropy as K
 from flashlite.kernels import cross_entropy_gluon as KG
 from flashlite.kernels.configs import cdiv
@@ -26,7 +26,7 @@ BWD_PROGRAMS = 1024
 
 #: Planned launches (kernel, launch options, grid, Triton's argument binding), per everything
 #: they depend on but the tensors' addresses: a training loop's repeated calls skip the
-#: planning, which cost more host time than the launch itself (``_backend.Launcher.bind``).
+#: planning, which cost more host time than the launch itself (``_launch.Launcher.bind``).
 #: Fresh buffers (losses, LSE, the words) come from torch's allocator, 512-byte aligned. The
 #: kernels' module constants (tile sizes) are taken as fixed: a test that patches them starts
 #: an empty cache.
@@ -76,7 +76,7 @@ def _plan_triton_fwd(logits: torch.Tensor, target: torch.Tensor, weight: torch.T
                    COL_INT64=col64, ROUND_BF16=_backend.round_bf16(logits.dtype), num_stages=1,
                    Z_SCALE=z_scale, **K.ce_config(v))  # fmt: skip
     stand_in = grad_scale  # (for the weights and their sum when there are none: never read)
-    bound = _backend.launcher(K._cross_entropy_fwd_kernel).bind(
+    bound = _launch.launcher(K._cross_entropy_fwd_kernel).bind(
         (logits, target, weight if weight is not None else stand_in, stand_in, grad_scale, grad,
          stand_in, stand_in, *rest), options)  # fmt: skip
 
@@ -111,7 +111,7 @@ def _plan_prefetch(logits: torch.Tensor, target: torch.Tensor, grad: torch.Tenso
             ignore_index, label_smoothing, z_loss)  # fmt: skip
     # (stand-ins for the binding, which reads only their dtypes and alignment)
     f32, i64 = torch.empty(1, device=device), torch.empty(1, device=device, dtype=torch.int64)
-    launch = _backend.bind_teams(
+    launch = _launch.bind_teams(
         KG._cross_entropy_prefetch_kernel,
         [logits, target, f32, grad, f32, f32, i64, i64, i64, f32, *rest],
         {"SMOOTH": smooth, "COUNT": count, "CHECK": check, "REDUCE": reduce,
@@ -149,7 +149,7 @@ def _plan_bwd(grad: torch.Tensor, out: torch.Tensor, d: torch.Tensor, stride_l: 
     tiles = min(BWD_TILES, cdiv(v, block))
     col64 = (v - 1) * max(abs(grad.stride(1)), abs(out.stride(1))) >= _INT32_LIMIT
     rest = (n, v, *grad.stride(), *out.stride(), stride_l)
-    bound = _backend.launcher(K._cross_entropy_bwd_kernel).bind(
+    bound = _launch.launcher(K._cross_entropy_bwd_kernel).bind(
         (grad, out, d, *rest),
         dict(SCALAR=d.numel() == 1, SKIP_UNIT=skip, BLOCK_N=block, TILES=tiles, COL_INT64=col64,
              ROUND_BF16=_backend.round_bf16(grad.dtype), num_warps=4, num_stages=1),

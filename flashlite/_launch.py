@@ -1,0 +1,315 @@
+"""How kernels are launched: ``kernel[grid](*args)`` with Triton's per-call work done once per
+kind of call.
+
+Triton's ``JITFunction.run`` binds and specialises every argument on every call, and its
+compiled-kernel launch builds metadata and closures in Python: together tens of µs of host time,
+more than a small kernel's whole GPU time. :class:`Launcher` looks the compiled kernel up by a key
+that pins what Triton specialises on and, on the Triton version it was written against, calls the
+CUDA launcher's C function directly. Cooperative "team" launches (programs of one row that wait
+for each other) size their grid from the compiled kernel's resources.
+
+Everything private is guarded by the Triton versions it was tested with, and fails loudly naming
+the version. ``FLASHLITE_LAUNCH=triton`` in the environment (read at import) makes every launch
+take Triton's own path, ``kernel[grid](...)``, with no private API at all; ``direct`` (the
+default) allows the bound launch. The interpreter always takes Triton's own path.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from flashlite._backend import (
+    INTERPRETED,
+    TRITON_VERSION,
+    _private_api_error,
+    cooperative_launch_supported,
+    num_sms,
+)
+from flashlite._caches import Cache
+
+#: The environment switch, and its values: ``direct`` (bound launches where tested) or
+#: ``triton`` (Triton's own launch path for every kernel).
+LAUNCH_ENV = "FLASHLITE_LAUNCH"
+LAUNCH_MODES = ("direct", "triton")
+LAUNCH_MODE = os.environ.get(LAUNCH_ENV, "direct")
+if LAUNCH_MODE not in LAUNCH_MODES:
+    raise ValueError(
+        f"{LAUNCH_ENV}={LAUNCH_MODE!r} is not one of {', '.join(LAUNCH_MODES)} (direct: bound "
+        "launches where this Triton was tested; triton: Triton's own launch path)"
+    )
+
+_resident = Cache("launch.resident", 1024)
+
+
+def resident_programs(compiled: Any, index: int) -> int:
+    """How many programs of a compiled kernel fit on CUDA device ``index`` at once (cached per
+    compiled kernel: registers and shared memory do not change)."""
+    key = (index, compiled.hash if hasattr(compiled, "hash") else id(compiled))
+    if key in _resident:
+        return _resident[key]
+    try:  # private: the compiled kernel's resource usage
+        if not hasattr(compiled, "n_regs"):  # loaded lazily
+            compiled._init_handles()
+        n_regs, meta = compiled.n_regs, compiled.metadata
+        num_warps, shared = meta.num_warps, meta.shared
+    except AttributeError as err:
+        raise _private_api_error("CompiledKernel.n_regs / metadata", err) from err
+    props = torch.cuda.get_device_properties(index)
+    threads = 32 * num_warps
+    regs_per_warp = -(-max(n_regs, 1) * 32 // 256) * 256  # allocated per warp, by 256
+    per_sm = min(
+        getattr(props, "max_threads_per_multi_processor", 2048) // threads,
+        getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * threads // 32),
+        32,
+    )
+    if shared:  # the driver reserves 1 KB of each block's shared memory for itself (sm_80+)
+        smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+        per_sm = min(per_sm, smem // (shared + 1024))
+    return _resident.put(key, per_sm * props.multi_processor_count)
+
+
+# ----------------------------------------------------------------------------- launching
+#: Triton versions whose compiled-kernel launch (``JITFunction.warmup`` returning a
+#: ``CompiledKernel``, ``CompiledKernel[grid](*all_args)``) :class:`Launcher` was written against.
+_DIRECT_LAUNCH_TESTED = ((3, 4), (3, 9))
+
+#: Bound launches per kind of call, all kernels together (one :class:`~flashlite._caches.Cache`).
+_bound = Cache("launch.bound", 4096)
+
+
+class Launcher:
+    """``kernel[grid](*args, **options)``, with Triton's per-call argument binding done once.
+
+    ``JITFunction.run`` binds and specialises every argument on every call (about 15 µs of host
+    time for the attention kernel's 30 arguments, more than its whole GPU time at small shapes).
+    Here the compiled kernel is looked up by a key that pins everything Triton specialises on —
+    each tensor's dtype and 16-byte alignment, each tensor descriptor's dtype, block shape and
+    layout, the exact value of every other argument, the options and the device — and launched
+    directly (tensor descriptors through the compiled kernel's own launch, which builds their
+    TMA maps). Interpreted kernels, untested Triton versions and ``FLASHLITE_LAUNCH=triton``
+    take Triton's own path.
+    """
+
+    def __init__(self, kernel: Any) -> None:
+        self.kernel = kernel
+        low, high = _DIRECT_LAUNCH_TESTED
+        self.direct = not INTERPRETED and low <= TRITON_VERSION <= high and LAUNCH_MODE == "direct"
+
+    def __getitem__(self, grid: tuple[int, ...]) -> Any:
+        return functools.partial(self.launch, grid)
+
+    def launch(self, grid: tuple[int, ...], *args: Any, **options: Any) -> None:
+        grid3 = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self.bind(args, options)(grid3, *args)
+
+    def bind(self, args: tuple, options: dict) -> Callable[..., None]:
+        """``launch(grid, *args)`` (``grid`` of three) for calls whose arguments specialise as
+        ``args`` do (the same tensor dtypes and 16-byte alignment, the same value of every other
+        argument): the compiled kernel looked up once. A caller that keeps the result must pin
+        all that in its own key (the plans do, by shapes, strides, dtypes and alignment)."""
+        key = self._key(args, options) if self.direct else None
+        if key is None:
+            kernel = self.kernel
+            return lambda grid, *a: kernel[grid](*a, **options)
+        run = _bound.get(key)
+        if run is None:
+            run = _bound.put(key, self._bound_run(args, options))
+        return run
+
+    def _key(self, args: tuple, options: dict) -> tuple | None:
+        key: list[Any] = [id(self.kernel)]
+        device = None
+        for a in args:
+            kind = type(a)
+            if kind is torch.Tensor or isinstance(a, torch.Tensor):
+                key.append((a.dtype, a.data_ptr() % 16 == 0))
+                device = a.device.index
+            elif kind is int or kind is float or kind is bool:  # the value itself is kept
+                key.append((kind, a))
+            elif hasattr(a, "block_shape") and isinstance(getattr(a, "base", None), torch.Tensor):
+                # a host tensor descriptor: Triton specialises on its dtype, block and layout
+                base = a.base
+                key.append((kind, base.dtype, base.data_ptr() % 16 == 0, tuple(a.block_shape),
+                            getattr(a, "layout", None), getattr(a, "padding", None)))  # fmt: skip
+                device = base.device.index
+            else:  # anything else: Triton's own path
+                return None
+        key.append(device)
+        key.append(tuple(options.items()))
+        try:
+            hash(key[-1])
+        except TypeError:  # an option Triton takes that is not hashable
+            return None
+        return tuple(key)
+
+    def _bound_run(self, args: tuple, options: dict) -> Callable[..., None]:
+        """The launch of the compiled kernel for ``args``: the CUDA launcher's C function called
+        directly where :func:`_raw_launch` allows it, else the compiled kernel's own launch."""
+        try:  # private: warmup's return value and the compiled kernel's launch
+            compiled = self.kernel.warmup(*args, grid=(1,), **options)
+            defaults = {p.name: p.default for p in self.kernel.params}
+            constants = [options.get(n, defaults[n]) for n in self.kernel.arg_names[len(args) :]]
+            compiled.__getitem__  # noqa: B018
+        except (AttributeError, KeyError, TypeError) as err:
+            raise _private_api_error("JITFunction.warmup / CompiledKernel launch", err) from err
+        has_desc = any(hasattr(a, "block_shape") for a in args)
+        raw = None if has_desc else _raw_launch(compiled)
+        if raw is None:
+
+            def run(grid: tuple[int, int, int], *a: Any) -> None:
+                compiled[grid](*a, *constants)
+
+            run.compiled = compiled  # type: ignore[attr-defined]  # (what the tests inspect)
+            return run
+        launch, function, coop, pdl, packed = raw
+        hooks = _launch_hooks()
+
+        def run(grid: tuple[int, int, int], *a: Any) -> None:
+            if _listening(hooks.launch_enter_hook) or _listening(hooks.launch_exit_hook):
+                compiled[grid](*a, *constants)
+                return
+            stream = _current_stream(_current_device())
+            launch(*grid, stream, function, coop, pdl, None, None, packed, None, None, None, *a,
+                   *constants)  # fmt: skip
+
+        run.compiled = compiled  # type: ignore[attr-defined]
+        return run
+
+
+#: The one Triton version whose compiled-kernel launcher :func:`_raw_launch` calls directly.
+_RAW_LAUNCH_TESTED = (3, 6)
+
+
+def _raw_launch(compiled: Any) -> tuple[Any, ...] | None:
+    """``(launch, function, cooperative, pdl, packed metadata)`` to call a compiled kernel's C
+    launcher with, skipping Triton's per-call Python (``CompiledKernel.__getitem__``'s runner,
+    launch metadata, the launcher's scratch closures): about 20 µs of host time per launch on
+    the H200's host, more than a small kernel's whole time. Only on the Triton version it was
+    written against, for kernels without global or profile scratch; None otherwise."""
+    if TRITON_VERSION != _RAW_LAUNCH_TESTED or INTERPRETED:
+        return None
+    try:  # private: the CUDA launcher's fields and its C launch function's argument order
+        run = compiled.run
+        if run.global_scratch_size or run.profile_scratch_size:
+            return None
+        raw = (run.launch, compiled.function, run.launch_cooperative_grid, run.launch_pdl,
+               compiled.packed_metadata)  # fmt: skip
+    except AttributeError:
+        return None
+    return raw
+
+
+def _launch_hooks() -> Any:
+    """Triton's runtime knobs, whose launch hooks are empty (falsy) unless a profiler listens."""
+    from triton import knobs
+
+    return knobs.runtime
+
+
+def _listening(hook: Any) -> bool:
+    """Whether a launch hook is set: 3.6's default is an empty ``HookChain`` (a profiler such as
+    Proton adds to it), or a user's function."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _current_device() -> int:
+    return torch.cuda.current_device()
+
+
+def _current_stream(device: int) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+try:  # the raw stream handle without a Stream object (what Triton's own launch reads)
+    from torch._C import _cuda_getCurrentRawStream as _current_stream  # noqa: F811
+    from torch._C import _cuda_getDevice as _current_device  # noqa: F811
+except ImportError:  # pragma: no cover - a CPU-only torch
+    pass
+
+
+_launchers = Cache("launch.launchers", 256)
+
+
+def teams_fit(n_chunks: int, device: torch.device) -> bool:
+    """Whether :func:`launch_teams` can run teams of ``n_chunks`` programs on ``device``: on a
+    GPU with cooperative launches and no more programs to a team than SMs; in the interpreter
+    only single-program teams."""
+    if device.type != "cuda":
+        return n_chunks == 1
+    return cooperative_launch_supported() and n_chunks <= num_sms(device.index or 0)
+
+
+def launch_teams(kernel: Any, args: list[Any], options: dict[str, Any], n_chunks: int,
+                 n_rows: int, device: torch.device) -> int:  # fmt: skip
+    """Launch a kernel whose programs work in teams of ``n_chunks`` that wait for each other
+    (the team softmax), over ``n_rows`` rows; its last argument is the number of
+    teams, which this picks and returns.
+
+    On a GPU every program must be resident at once, or a wait never ends: the grid is sized
+    from the compiled kernel's registers and shared memory, and launched as a cooperative grid,
+    which the driver refuses (rather than hangs) should that ever fall short. The interpreter
+    runs programs one after another, so there teams must be single programs; three of them take
+    turns over the rows."""
+    if device.type != "cuda":
+        if not teams_fit(n_chunks, device):
+            raise ValueError(f"teams of {n_chunks} programs need a CUDA device")
+        n_teams = min(n_rows, 3)
+        kernel[(n_teams,)](*args, n_teams, **options)
+        return n_teams
+    options, n_teams = _cooperative_teams(kernel, args, options, n_chunks, n_rows, device)
+    launcher(kernel)[(n_teams * n_chunks,)](*args, n_teams, **options)
+    return n_teams
+
+
+def bind_teams(kernel: Any, args: list[Any], options: dict[str, Any], n_chunks: int,
+               n_rows: int, device: torch.device) -> Callable[..., None]:  # fmt: skip
+    """:func:`launch_teams`, planned once: ``launch(*args)`` for calls whose arguments
+    specialise as ``args`` do (the same tensor dtypes and 16-byte alignment, the same value of
+    every other argument: the caller keeps it under a key that pins all that), without the
+    per-call planning and argument binding."""
+    if device.type != "cuda":
+        return lambda *a: launch_teams(kernel, list(a), options, n_chunks, n_rows, device)
+    options, n_teams = _cooperative_teams(kernel, args, options, n_chunks, n_rows, device)
+    bound = launcher(kernel).bind((*args, n_teams), options)
+    grid = (n_teams * n_chunks, 1, 1)
+    return lambda *a: bound(grid, *a, n_teams)
+
+
+def _cooperative_teams(
+    kernel: Any,
+    args: list[Any],
+    options: dict[str, Any],
+    n_chunks: int,
+    n_rows: int,
+    device: torch.device,
+) -> tuple[dict[str, Any], int]:
+    """The options of a cooperative launch, and how many teams of ``n_chunks`` programs fit on
+    ``device`` at once (at most one per row): from the compiled kernel's resources, which the
+    options and the tensors' dtypes and alignment fix, so found once per such key (a warmup
+    costs as much host time as a launch)."""
+    options = dict(options, launch_cooperative_grid=True)
+    tensors = tuple((a.dtype, a.data_ptr() % 16 == 0) for a in args if isinstance(a, torch.Tensor))
+    key = (id(kernel), device.index, n_chunks, n_rows, tuple(options.items()), tensors)
+    n_teams = _team_counts.get(key)
+    if n_teams is None:
+        compiled = kernel.warmup(*args, n_rows, grid=(1,), **options)
+        capacity = resident_programs(compiled, device.index or 0)
+        n_teams = max(1, min(n_rows, capacity // n_chunks))
+        _team_counts.put(key, n_teams)
+    return options, n_teams
+
+
+_team_counts = Cache("launch.teams", 1024)
+
+
+def launcher(kernel: Any) -> Launcher:
+    """The :class:`Launcher` of ``kernel`` (one per kernel object, made on first use)."""
+    found = _launchers.get(id(kernel))
+    if found is None or found.kernel is not kernel:
+        found = _launchers.put(id(kernel), Launcher(kernel))
+    return found

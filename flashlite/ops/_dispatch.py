@@ -1,0 +1,142 @@
+"""One statement per op: its body, its fake and its autograd, from which the dispatcher op and the
+eager fast path are both derived.
+
+A front-end states an op once with :class:`Op`::
+
+    SOFTMAX_FWD = Op("softmax_fwd", body, fake=..., inputs=1,
+                     setup_context=..., backward=...)
+
+and calls ``SOFTMAX_FWD(*args)``. Three paths run the same body:
+
+* **the body itself**, when the call runs eagerly, nothing observes it (:func:`plain_eager`) and
+  it records no autograd graph: the dispatcher's custom-op machinery costs more host time than a
+  small kernel takes on the GPU, and buys nothing there;
+* **an** ``autograd.Function`` **made from the same** ``setup_context`` **and** ``backward``, when
+  such a call records autograd: the dispatcher's autograd wrapper and redispatch, skipped;
+* **the** ``torch.ops.flashlite.<name>`` **custom op** otherwise: under ``torch.compile``, FX,
+  export, fake tensors, dispatch modes, functorch transforms and tensor subclasses.
+
+The backward formula calls its backward op through the same object, so a second derivative goes
+to the backward op's own autograd (registered, or refused with its message).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from flashlite.ops.common import on_compute_device
+
+_len_dispatch_stack = torch._C._len_torch_dispatch_stack
+_functorch_active = torch._C._are_functorch_transforms_active
+_is_compiling = torch.compiler.is_compiling
+
+
+def plain_eager(*tensors: torch.Tensor) -> bool:
+    """Whether this call runs eagerly and unobserved: nothing traces (Dynamo, FX, export), no
+    torch dispatch mode watches (FakeTensorMode, FlopCounterMode, …), no functorch transform
+    (vmap, grad) is active and every tensor is a plain ``torch.Tensor`` (or None)."""
+    if _is_compiling() or _len_dispatch_stack() or _functorch_active():
+        return False
+    for t in tensors:  # noqa: SIM110  (a loop: no generator per call)
+        if t is not None and type(t) is not torch.Tensor:
+            return False
+    return True
+
+
+def records_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records a call on ``tensors`` (grad mode on, one of them requires grad)."""
+    if not torch.is_grad_enabled():
+        return False
+    for t in tensors:  # noqa: SIM110
+        if t is not None and t.requires_grad:
+            return True
+    return False
+
+
+class Op:
+    """An op stated once; calling it takes the cheapest path that is correct for the call.
+
+    Args:
+        name: the custom op's name, ``flashlite::<name>``.
+        body: the implementation on tensors of any device flashlite runs on (its annotations give
+            the op's schema). It is wrapped to run where kernels run
+            (:func:`~flashlite.ops.common.on_compute_device`) unless ``moves=False``.
+        fake: the op's fake (meta) implementation.
+        inputs: how many leading arguments are tensors the fast path looks at (never None).
+        setup_context, backward: the autograd formula, as ``torch.library.register_autograd``
+            takes it; ``backward`` returns one gradient per argument.
+        materialize_grads: whether ``backward`` receives zeros (True) or None for outputs that got
+            no gradient (as the custom op's autograd does with False).
+        mutates_args: arguments the body writes (an op that mutates has no autograd here).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        body: Callable[..., Any],
+        *,
+        fake: Callable[..., Any],
+        inputs: int,
+        setup_context: Callable[..., None] | None = None,
+        backward: Callable[..., Any] | None = None,
+        materialize_grads: bool = True,
+        mutates_args: tuple[str, ...] = (),
+        moves: bool = True,
+    ) -> None:
+        self.name, self.inputs = name, inputs
+        self.body = on_compute_device(body) if moves else body
+        op = torch.library.custom_op(f"flashlite::{name}", mutates_args=mutates_args)(self.body)
+        op.register_fake(fake)
+        self.function: type[torch.autograd.Function] | None = None
+        if backward is not None:
+            assert setup_context is not None, "an autograd formula needs its setup_context"
+            op.register_autograd(backward, setup_context=setup_context)
+            self.function = _function(name, self.body, setup_context, backward, materialize_grads)
+        self.custom_op = op
+        self.default = getattr(torch.ops.flashlite, name).default
+
+    def __call__(self, *args: Any) -> Any:
+        tensors = args[: self.inputs]
+        if plain_eager(*tensors):
+            if self.function is None or not records_grad(*tensors):
+                return self.body(*args)
+            return self.function.apply(*args)
+        return self.default(*args)
+
+    def __repr__(self) -> str:
+        return f"Op(flashlite::{self.name})"
+
+
+def _function(
+    name: str,
+    body: Callable[..., Any],
+    setup_context: Callable[..., None],
+    backward: Callable[..., Any],
+    materialize_grads: bool,
+) -> type[torch.autograd.Function]:
+    """An ``autograd.Function`` with the op's own formula around its body (the fast path of a
+    call that records autograd)."""
+
+    def forward(ctx: Any, *args: Any) -> Any:
+        if not materialize_grads:
+            ctx.set_materialize_grads(False)
+        out = body(*args)
+        setup_context(ctx, args, out)
+        return out
+
+    def run_backward(ctx: Any, *grads: Any) -> Any:
+        return backward(ctx, *grads)
+
+    title = "".join(part.title() for part in name.split("_"))
+    return type(
+        f"{title}Function",
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(forward),
+            "backward": staticmethod(run_backward),
+            "__doc__": f"Eager autograd of ``flashlite::{name}`` (made by :class:`Op`).",
+        },
+    )
