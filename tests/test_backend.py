@@ -271,3 +271,76 @@ def test_launch_teams_in_the_interpreter_takes_single_program_teams_only() -> No
     assert kernel.launches == [((3,), ("x", 3), {})] and kernel.warmups == []
     with pytest.raises(ValueError, match="teams of 4 programs need a CUDA device"):
         _launch.launch_teams(kernel, ["x"], {}, 4, 8, torch.device("cpu"))
+
+
+# --------------------------------------------------------------------------- launch fallback
+LAUNCH_FALLBACK = textwrap.dedent(
+    """
+    import torch, flashlite
+    from flashlite import _launch
+    from flashlite.kernels import softmax as KS
+    assert _launch.LAUNCH_MODE == "triton"
+    assert not _launch.launcher(KS._softmax_bwd_kernel).direct
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    x = torch.randn(5, 300, device=dev, requires_grad=True)
+    y = flashlite.softmax(x)
+    (g,) = torch.autograd.grad(y, x, torch.ones_like(y))
+    xr = x.detach().double().requires_grad_()
+    (gr,) = torch.autograd.grad(torch.softmax(xr, -1), xr, torch.ones_like(xr))
+    assert (y.double() - torch.softmax(xr, -1)).abs().max() < 1e-5
+    assert (g.double() - gr).abs().max() < 1e-5
+    q = torch.randn(1, 2, 40, 32, device=dev, dtype=torch.float16)
+    o = flashlite.attention(q, q, q, causal=True)
+    ref = flashlite.reference.attention(q, q, q, True, upcast=True)
+    assert (o.double() - ref).abs().max() < 2e-3
+    print("ok", len(_launch._bound))
+    """
+)
+
+
+def _run_with_launch_env(value: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "FLASHLITE_LAUNCH": value}
+    return subprocess.run([sys.executable, "-c", LAUNCH_FALLBACK], env=env, capture_output=True,
+                          text=True, timeout=600, check=False)  # fmt: skip
+
+
+def test_launch_env_falls_back_to_tritons_own_launch() -> None:
+    # FLASHLITE_LAUNCH=triton: no bound launch anywhere (nothing enters the bound-launch
+    # cache), right results forward and backward; on a GPU the same (the gpu twin below)
+    done = _run_with_launch_env("triton")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["ok", "0"]
+
+
+@pytest.mark.gpu
+def test_gpu_launch_env_falls_back_to_tritons_own_launch() -> None:
+    test_launch_env_falls_back_to_tritons_own_launch()
+
+
+def test_launch_env_refuses_unknown_values() -> None:
+    done = _run_with_launch_env("fast")
+    assert done.returncode != 0
+    assert "FLASHLITE_LAUNCH='fast' is not one of direct, triton" in done.stderr
+
+
+# --------------------------------------------------------------------------- bounded caches
+def test_caches_are_bounded_over_a_thousand_shapes() -> None:
+    # every cache lives in one registry with a limit; a sweep over 1000 row lengths (each a new
+    # kind of call for the softmax plans) leaves each at or under its limit, oldest dropped
+    from flashlite import _caches
+
+    limits = {name: c.limit for name, c in _caches.caches().items()}
+    assert {"softmax.fwd", "softmax.bwd", "launch.bound"} <= set(limits)
+    small = _caches.caches()["softmax.fwd"]
+    saved = small.limit
+    small.limit = 50  # (a small limit, so 1000 shapes overflow it many times over quickly)
+    try:
+        for n in range(1, 1001):
+            flashlite.softmax(torch.randn(1, n))
+        assert len(small) == 50
+        latest = {key[0][1] for key in small}  # the row lengths still planned: the newest
+        assert latest == set(range(951, 1001))
+    finally:
+        small.limit = saved
+    for name, cache in _caches.caches().items():
+        assert len(cache) <= cache.limit, name

@@ -18,7 +18,6 @@ from flashlite.kernels import cross_entropy as kce
 from flashlite.ops import cross_entropy as oce
 from flashlite.ops.cross_entropy import checks as oce_checks
 from flashlite.ops.cross_entropy import linear as oce_linear
-from flashlite.ops.cross_entropy import plan as oce_plan
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
@@ -28,7 +27,6 @@ def kernel(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> s
     if request.param == "loop":  # rows of 17 take one ragged 32-wide tile, 1000 take four
         monkeypatch.setattr(kce, "SINGLE_READ_MAX", 8)
         monkeypatch.setattr(kce, "LOOP_TILE", 256)
-        monkeypatch.setattr(oce_plan, "_plans", {})  # (launches planned with the patched tiles)
     return request.param
 
 

@@ -31,6 +31,7 @@ dispatch; the ``gpu`` tests cover the kernel.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -298,19 +299,37 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
+def plan_fwd_hopper(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
+                    config: HopperConfig) -> Callable[..., None]:  # fmt: skip
+    """``run(q, k, v, o, lse)`` for tensors shaped, strided and aligned as ``q``, ``k`` are
+    (and ``v`` as ``k``, ``o`` as ``q``): the grid, options and bound launch fixed here, only
+    the descriptors (which hold the data pointers) built per call. Writes ``o`` ``(B, Hq, Nq,
+    D)`` and the contiguous fp32 ``lse`` ``(B, Hq, Nq)``. No checks: the caller has validated
+    the inputs and that TMA can read them (16-bit, a head dim with a :data:`CONFIGS` entry,
+    16-byte aligned strides)."""
+    b, hq, nq, _ = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    half, bn = config.block_m // 2, config.block_n
+    grid = (triton.cdiv(nq, config.block_m), b * hq, 1)
+    rest = (hq, hq // hkv, nq, nk, scale)
+    options = {"BLOCK_M": config.block_m, "BLOCK_N": bn, "STAGES": config.stages,
+               "IS_CAUSAL": causal, "num_warps": 4}  # fmt: skip
+    kernel = _launch.launcher(_attention_fwd_hopper_kernel)
+    bound: list[Callable[..., None]] = []
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+            lse: torch.Tensor) -> None:  # fmt: skip
+        args = (_descriptor(q, half), _descriptor(k, bn), _descriptor(v, bn), _descriptor(o, half),
+                lse, *rest)  # fmt: skip
+        if not bound:
+            bound.append(kernel.bind(args, options))
+        bound[0](grid, *args)
+
+    return run
+
+
 def attention_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                          lse: torch.Tensor, causal: bool, scale: float,
                          config: HopperConfig) -> None:  # fmt: skip
-    """Launch the kernel: writes ``o`` ``(B, Hq, Nq, D)`` and the contiguous fp32 ``lse``
-    ``(B, Hq, Nq)``. No checks: the caller has validated the inputs and that TMA can read them
-    (16-bit, a head dim with a :data:`CONFIGS` entry, 16-byte aligned strides)."""
-    b, hq, nq, _ = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
-    half = config.block_m // 2
-    grid = (triton.cdiv(nq, config.block_m), b * hq)
-    _launch.launcher(_attention_fwd_hopper_kernel)[grid](
-        _descriptor(q, half), _descriptor(k, config.block_n), _descriptor(v, config.block_n),
-        _descriptor(o, half), lse, hq, hq // hkv, nq, nk, scale,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, STAGES=config.stages, IS_CAUSAL=causal,
-        num_warps=4,
-    )  # fmt: skip
+    """Launch the kernel once (:func:`plan_fwd_hopper`)."""
+    plan_fwd_hopper(q, k, causal, scale, config)(q, k, v, o, lse)

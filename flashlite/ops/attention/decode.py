@@ -11,6 +11,7 @@ import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashlite import _backend, _launch, masks
+from flashlite._caches import Cache
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import decode as KD
 from flashlite.ops.attention.plan import (
@@ -201,4 +202,4 @@ def combine_splits(
 
 
 #: :class:`DecodePlan` per kind of :func:`attention_decode_fwd` call.
-_decode_plans: dict[tuple, DecodePlan] = {}
+_decode_plans = Cache("attention.decode", 1024)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashlite import _launch, masks
+from flashlite._caches import Cache
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import fwd as K
 from flashlite.kernels.attention import hopper as KH
@@ -70,6 +72,16 @@ def attention_fwd(
         launch used (None when nothing was launched). CPU tensors in a process that compiles its
         kernels run on the GPU: moved there once, results moved back.
     """
+    planned = (
+        num_splits <= 0 and window is None and softcap is None and seqlens_k is None
+        and varlen is None and config is None and use_desc is None and prescale_q is None
+    )  # fmt: skip
+    if planned:  # the plain call: planned once per kind of q, k, v (:data:`_fwd_plans`)
+        key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
+               q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, causal, scale)  # fmt: skip
+        plan = _fwd_plans.get(key)
+        if plan is not None:
+            return plan(q, k, v)
     if num_splits > 0 and varlen is None:  # few rows: packed GQA, split-KV, the exact merge
         o, lse, _ = attention_decode_fwd(q, k, v, seqlens_k, causal, scale, window=window,
                                          softcap=softcap, num_splits=num_splits)  # fmt: skip
@@ -92,7 +104,11 @@ def attention_fwd(
     if plain and use_desc and config is None and prescale_q is not False:
         hopper = hopper_config(q, nk)
         if hopper is not None and _run_hopper(q, k, v, o, lse, is_causal, scale, hopper):
-            return o, lse, LaunchInfo(_hopper_launch_config(hopper), d, True)
+            info = LaunchInfo(_hopper_launch_config(hopper), d, True)
+            if planned:  # (it built and ran: later calls of this kind go straight to it)
+                run = KH.plan_fwd_hopper(q, k, is_causal, scale, hopper)
+                _fwd_plans.put(key, _Planned(run, q.shape[:3], info))
+            return o, lse, info
     config, launch = _plan(dev, q.dtype, d, is_causal, small and not use_desc, use_desc,
                            prescale_q, config, has_window, softcap is not None,
                            seqlens_k is not None, varlen is not None,
@@ -113,13 +129,51 @@ def attention_fwd(
     # packed sequences: one program row per sequence, as many query blocks as the longest has
     rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
     if config is not None:
-        fwd = _launch.launcher(K._attention_fwd_kernel)
-        fwd[(C.cdiv(rows, config.block_m), seqs * hq)](*args, **launch)
+        grid = (C.cdiv(rows, config.block_m), seqs * hq, 1)
+        bound = _launch.launcher(K._attention_fwd_kernel).bind(args, launch)
+        bound(grid, *args)
+        info = LaunchInfo(config, block_d, use_desc)
+        if planned:
+            tail = args[5:-3]  # strides, sizes, scale, mask values (then three placeholders)
+            block = (bm, bn) if use_desc else None
+
+            def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                    lse: torch.Tensor) -> None:  # fmt: skip
+                if block is None:
+                    bound(grid, q, k, v, o, lse, *tail, lse, lse, lse)
+                    return
+                bm, bn = block
+                srcs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])
+                        for t, r in ((q, bm), (k, bn), (v, bn), (o, bm))]  # fmt: skip
+                bound(grid, *srcs, lse, *tail, lse, lse, lse)
+
+            _fwd_plans.put(key, _Planned(run, q.shape[:3], info))
+        return o, lse, info
     else:
         tuned = _tuned_kernel(rows, nk)
         tuned[lambda meta: (C.cdiv(rows, meta["BLOCK_M"]), seqs * hq)](*args, **launch)  # type: ignore[index]
         config = C.Config.of(tuned.best_config)  # type: ignore[attr-defined]
     return o, lse, LaunchInfo(config, block_d, use_desc)
+
+
+#: The plain forward's plans per kind of q, k, v (shapes, strides, dtype, device, alignment,
+#: causal, scale): what :func:`attention_fwd` decided and bound the first time.
+_fwd_plans = Cache("attention.fwd", 1024)
+
+
+class _Planned:
+    """A planned plain forward: allocates ``O`` (in q's layout) and the LSE, launches ``run``."""
+
+    def __init__(self, run: Callable[..., None], lse_shape: tuple[int, ...],
+                 info: LaunchInfo) -> None:  # fmt: skip
+        self.run, self.lse_shape, self.info = run, lse_shape, info
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, LaunchInfo]:  # fmt: skip
+        o = empty_output(q)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        self.run(q, k, v, o, lse)
+        return o, lse, self.info
 
 
 #: Kernel variants whose first launch failed (a Triton whose Gluon differs): the Triton kernel

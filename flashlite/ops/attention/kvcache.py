@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from flashlite._caches import Cache
 from flashlite.ops.attention.checks import _check_cache_values
 from flashlite.ops.attention.decode import DecodePlan
 from flashlite.ops.attention.plan import _meta, _planned
@@ -35,7 +36,7 @@ def _kvcache_key(tensors: tuple, options: tuple) -> tuple | None:
 
 #: :func:`attention_kvcache`'s plans by its own arguments (:func:`_kvcache_key`): a call that
 #: matches passed every check before.
-_checked_kvcache: dict[tuple, KVCachePlan] = {}
+_checked_kvcache = Cache("attention.kvcache_checked", 1024)
 
 
 class KVCachePlan:
@@ -117,7 +118,7 @@ def _append(
 
 
 #: :class:`KVCachePlan` per kind of :func:`_kvcache` call.
-_kvcache_plans: dict[tuple, KVCachePlan] = {}
+_kvcache_plans = Cache("attention.kvcache", 1024)
 
 
 #: The tensors that lead :func:`_kvcache`'s arguments (q, the caches, lengths, new keys and

@@ -13,6 +13,7 @@ import torch
 import triton
 
 from flashlite import _backend
+from flashlite._caches import Cache
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import fwd as K
 from flashlite.kernels.attention import hopper as KH
@@ -45,7 +46,7 @@ def _descriptor_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
-_tuned: dict[tuple[int, int], object] = {}
+_tuned = Cache("attention.tuned", 64)
 
 
 def _tuned_kernel(seq_q: int, seq_k: int) -> object:
@@ -161,7 +162,7 @@ def empty_output(q: torch.Tensor) -> torch.Tensor:
     return o.permute([order.index(i) for i in range(4)])
 
 
-_plans: dict[tuple, tuple[C.Config | None, dict]] = {}
+_plans = Cache("attention.configs", 1024)
 
 #: ``FLASHLITE_HOPPER_KERNEL=0`` keeps every forward on the Triton kernel (A/B runs, debugging).
 HOPPER_ENV = "FLASHLITE_HOPPER_KERNEL"
@@ -212,21 +213,14 @@ def _meta(t: torch.Tensor | None) -> tuple | None:
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
 
 
-#: Plans kept per cache before it starts afresh (a serving loop sees a handful of shapes).
-_PLAN_CACHE_LIMIT = 1024
+def _cache(cache: Cache, key: tuple, plan: object) -> object:
+    return cache.put(key, plan)
 
 
-def _cache(cache: dict, key: tuple, plan: object) -> object:
-    if len(cache) >= _PLAN_CACHE_LIMIT:
-        cache.clear()
-    cache[key] = plan
-    return plan
-
-
-def _planned(cache: dict, key: tuple, make: Callable[[], object]) -> Any:
+def _planned(cache: Cache, key: tuple, make: Callable[[], object]) -> Any:
     """``cache[key]``, made by ``make()`` (and kept) the first time."""
     plan = cache.get(key)
-    return plan if plan is not None else _cache(cache, key, make())
+    return plan if plan is not None else cache.put(key, make())
 
 
 def _default_splits(
@@ -307,7 +301,7 @@ def _plan(
     if config is not None:
         launch |= config.constexprs()
         launch |= {"num_warps": config.num_warps, "num_stages": config.num_stages}
-    _plans[key] = (config, launch)
+    _plans.put(key, (config, launch))
     return config, launch
 
 

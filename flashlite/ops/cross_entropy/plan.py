@@ -9,6 +9,7 @@ from collections.abc import Callable
 import torch
 
 from flashlite import _backend, _launch
+from flashlite._caches import Cache
 from flashlite.kernels import cross_entropy as K
 from flashlite.kernels import cross_entropy_gluon as KG
 from flashlite.kernels.configs import cdiv
@@ -30,8 +31,7 @@ BWD_PROGRAMS = 1024
 #: Fresh buffers (losses, LSE, the words) come from torch's allocator, 512-byte aligned. The
 #: kernels' module constants (tile sizes) are taken as fixed: a test that patches them starts
 #: an empty cache.
-_plans: dict[tuple, Callable[..., None]] = {}
-_PLAN_LIMIT = 1024
+_plans = Cache("cross_entropy.plans", 1024)
 
 
 def _aligned(*tensors: torch.Tensor | None) -> bool | tuple[bool, ...]:
@@ -48,9 +48,7 @@ def _aligned(*tensors: torch.Tensor | None) -> bool | tuple[bool, ...]:
 def _planned(key: tuple, plan: Callable[[], Callable[..., None]]) -> Callable[..., None]:
     found = _plans.get(key)
     if found is None:
-        if len(_plans) >= _PLAN_LIMIT:
-            _plans.clear()
-        found = _plans[key] = plan()
+        found = _plans.put(key, plan())
     return found
 
 
@@ -158,12 +156,12 @@ def _plan_bwd(grad: torch.Tensor, out: torch.Tensor, d: torch.Tensor, stride_l: 
     return lambda grad, out, d: bound(grid, grad, out, d, *rest)
 
 
-_unit_scales: dict[torch.device, torch.Tensor] = {}
+_unit_scales = Cache("cross_entropy.unit_scales", 16)
 
 
 def _unit_scale(device: torch.device) -> torch.Tensor:
     """A 0-dim fp32 one on ``device``, kept (the kernels only read it)."""
     found = _unit_scales.get(device)
     if found is None:
-        found = _unit_scales[device] = torch.ones((), dtype=torch.float32, device=device)
+        found = _unit_scales.put(device, torch.ones((), dtype=torch.float32, device=device))
     return found
