@@ -126,7 +126,8 @@ def num_sms(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
-def _private_api_error(what: str, err: Exception) -> RuntimeError:
+def private_api_error(what: str, err: Exception) -> RuntimeError:
+    """The error for a private Triton API that this Triton does not provide as expected."""
     return RuntimeError(
         f"flashlite uses Triton's {what}, which triton {triton.__version__} does not provide "
         f"as expected ({type(err).__name__}: {err}); flashlite is tested with triton "

@@ -26,9 +26,9 @@ import torch
 from flashlite._backend import (
     INTERPRETED,
     TRITON_VERSION,
-    _private_api_error,
     cooperative_launch_supported,
     num_sms,
+    private_api_error,
 )
 from flashlite._caches import Cache
 
@@ -58,7 +58,7 @@ def resident_programs(compiled: Any, index: int) -> int:
         n_regs, meta = compiled.n_regs, compiled.metadata
         num_warps, shared = meta.num_warps, meta.shared
     except AttributeError as err:
-        raise _private_api_error("CompiledKernel.n_regs / metadata", err) from err
+        raise private_api_error("CompiledKernel.n_regs / metadata", err) from err
     props = torch.cuda.get_device_properties(index)
     threads = 32 * num_warps
     regs_per_warp = -(-max(n_regs, 1) * 32 // 256) * 256  # allocated per warp, by 256
@@ -156,7 +156,7 @@ class Launcher:
             constants = [options.get(n, defaults[n]) for n in self.kernel.arg_names[len(args) :]]
             compiled.__getitem__  # noqa: B018
         except (AttributeError, KeyError, TypeError) as err:
-            raise _private_api_error("JITFunction.warmup / CompiledKernel launch", err) from err
+            raise private_api_error("JITFunction.warmup / CompiledKernel launch", err) from err
         has_desc = any(hasattr(a, "block_shape") for a in args)
         raw = None if has_desc else _raw_launch(compiled)
         if raw is None:

@@ -130,7 +130,7 @@ def test_bad_kvcache_arguments_write_nothing() -> None:
     kc, vc = k.clone(), v.clone()
     with pytest.raises(ValueError, match="capacity"):  # 95 + 1 fits, 96 + 1 does not
         flashlite.attention_kvcache(q, kc, vc, cache_seqlens=seqlens + 1, k_new=new[0],
-                                    v_new=new[1])  # fmt: skip
+                                    v_new=new[1], validate="sync")  # fmt: skip
     assert torch.equal(kc, k) and torch.equal(vc, v)
     with pytest.raises(TypeError, match="int32"):
         flashlite.attention_kvcache(q, kc, vc, cache_seqlens=seqlens.long())
@@ -139,8 +139,10 @@ def test_bad_kvcache_arguments_write_nothing() -> None:
     kp = torch.zeros(4, 16, HKV, D)
     bad = table.clone()
     bad[0, 0] = 7  # page 7 of 4, in use by batch 0
-    with pytest.raises(ValueError, match="block_table"):
-        flashlite.attention_kvcache(q, kp, kp.clone(), cache_seqlens=seqlens, block_table=bad)
+    for validate in (True, "sync"):
+        with pytest.raises(ValueError, match="block_table"):
+            flashlite.attention_kvcache(q, kp, kp.clone(), cache_seqlens=seqlens, block_table=bad,
+                                        validate=validate)  # fmt: skip
     with pytest.raises(ValueError, match="page size"):
         flashlite.attention_kvcache(q, torch.zeros(4, 24, HKV, D), torch.zeros(4, 24, HKV, D),
                                     cache_seqlens=seqlens, block_table=table)  # fmt: skip
@@ -174,7 +176,9 @@ def test_repeated_calls_reuse_the_plan_and_still_check_values() -> None:
     with pytest.raises(ValueError, match="capacity"):  # values: checked on every call
         flashlite.attention_kvcache(q2, kc, vc, cache_seqlens=lens2 + 1, k_new=new[0],
                                     v_new=new[1])  # fmt: skip
-    assert torch.equal(kc, ka)
+    # (checked on the device: the bad row 0 wrote nothing, rows 1 and 2 their new key)
+    assert torch.equal(kc[0], ka[0]) and torch.equal(kc[1:, :1], ka[1:, :1])
+    kc, vc = ka.clone(), va.clone()
     with pytest.raises(TypeError, match="scale"):  # a new kind of call: checked
         flashlite.attention_kvcache(q2, kc, vc, cache_seqlens=lens2, scale="1")
     with pytest.raises(ValueError, match="scale"):
@@ -319,15 +323,69 @@ def test_kvcache_is_a_torch_op_that_compiles() -> None:
     for paged in (False, True):
         kc, vc = (_paged(k, v, 16)[:2]) if paged else (k.clone(), v.clone())
         args = (q, kc, vc, seqlens, new[0], new[1], table if paged else None, True, 32**-0.5,
-                -1, 0, 0.0, 2, True)  # fmt: skip
+                -1, 0, 0.0, 2, "device")  # fmt: skip
         opcheck(torch.ops.flashlite.attention_kvcache.default, args)
 
-    def step(q, kc, vc, kn, vn):  # noqa: ANN001, ANN202
-        return flashlite.attention_kvcache(q, kc, vc, cache_seqlens=seqlens, k_new=kn, v_new=vn,
-                                           softcap=5.0, validate=False)  # fmt: skip
+    for validate in (False, True):  # (the default's device check runs inside the op)
 
-    caches = [(k.clone(), v.clone()) for _ in range(2)]
-    eager = step(q, *caches[0], *new)
-    compiled = torch.compile(step, fullgraph=True)(q, *caches[1], *new)
-    torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=0)
-    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+        def step(q, kc, vc, kn, vn, validate=validate):  # noqa: ANN001, ANN202
+            return flashlite.attention_kvcache(q, kc, vc, cache_seqlens=seqlens, k_new=kn,
+                                               v_new=vn, softcap=5.0,
+                                               validate=validate)  # fmt: skip
+
+        caches = [(k.clone(), v.clone()) for _ in range(2)]
+        eager = step(q, *caches[0], *new)
+        compiled = torch.compile(step, fullgraph=True)(q, *caches[1], *new)
+        torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=0)
+        assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+@pytest.mark.parametrize("validate", [True, "sync"])
+def test_bad_values_write_nothing_into_their_row(validate: bool | str) -> None:
+    """A bad length or page: with the device check (the default) the bad batch row writes no
+    key and the others are appended, and this call raises (on the CPU: nothing to wait for);
+    with ``"sync"`` nothing at all is written. The message quotes the value either way."""
+    q, k, v, new, seqlens = _case(torch.float32, 1, 2, [40, 95, 3])
+    kc, vc = k.clone(), v.clone()
+    with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = 95, Nnew = 2"):
+        flashlite.attention_kvcache(q, kc, vc, cache_seqlens=seqlens, k_new=new[0], v_new=new[1],
+                                    validate=validate)  # fmt: skip
+    ka, va = _appended(k, v, new, torch.tensor([40, 0, 3], dtype=torch.int32))  # (rows 0, 2)
+    assert torch.equal(kc[1], k[1]) and torch.equal(vc[1], v[1])  # the bad row: untouched
+    for got, want, base in zip((kc, vc), (ka, va), (k, v), strict=True):
+        rows = want if validate is True else base  # the good rows: appended, or untouched
+        assert torch.equal(got[0], rows[0]) and torch.equal(got[2], rows[2])
+    # the record was reported and cleared: a good call afterwards runs and raises nothing
+    good = flashlite.attention_kvcache(q, k.clone(), v.clone(), cache_seqlens=seqlens - 3,
+                                       k_new=new[0], v_new=new[1])  # fmt: skip
+    assert torch.isfinite(good).all()
+    kp, vp, table = _paged(k, v, 16)
+    table[0, 1] = -4
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = -4"):
+        flashlite.attention_kvcache(q, kp, vp, cache_seqlens=seqlens - 3, block_table=table,
+                                    validate=validate)  # fmt: skip
+
+
+def test_device_check_reports_an_earlier_calls_bad_value(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the device check is reported by a later call: simulated on the CPU by a record
+    that a previous call left (what the kernel writes), which the next call raises, naming it as
+    an earlier call's, and then clears."""
+    from flashlite.ops.attention import checks
+
+    q, k, v, new, seqlens = _case(torch.float32, 1, 1, [4, 5, 6])
+    record, host, _ = checks._kv_record(q.device)
+    record.copy_(torch.tensor([1, 2, 1, 0, 95, 2, 96]))  # flag, kind, b, j, value, Nnew, limit
+    with pytest.raises(ValueError, match=r"an earlier flashlite.attention_kvcache call.*"
+                       r"cache_seqlens\[1\] = 95, Nnew = 2"):  # fmt: skip
+        flashlite.attention_kvcache(q, k.clone(), v.clone(), cache_seqlens=seqlens, k_new=new[0],
+                                    v_new=new[1])  # fmt: skip
+    assert not record.any() and not host.any()
+    out = flashlite.attention_kvcache(q, k.clone(), v.clone(), cache_seqlens=seqlens,
+                                      k_new=new[0], v_new=new[1])  # fmt: skip
+    assert torch.isfinite(out).all()
+
+
+def test_validate_takes_true_false_or_sync() -> None:
+    q, k, v, _, seqlens = _case(torch.float32, 1, 0, [4, 5, 6])
+    with pytest.raises(TypeError, match="validate must be True, False or 'sync'"):
+        flashlite.attention_kvcache(q, k, v, cache_seqlens=seqlens, validate="yes")

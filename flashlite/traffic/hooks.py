@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
-from flashlite._backend import TRITON_VERSION, _private_api_error
+from flashlite._backend import TRITON_VERSION, private_api_error
 
 if TYPE_CHECKING:
     import numpy as np
@@ -51,7 +51,7 @@ def _memory_hook_points() -> tuple[Any, Any]:
             if params[2][:1] != ["self"]:
                 raise TypeError(f"unexpected GridExecutor.__call__ parameters {params[2]}")
     except (ImportError, AttributeError, TypeError, ValueError) as err:
-        raise _private_api_error(
+        raise private_api_error(
             "interpreter hook points (interpreter_builder.create_masked_load / "
             "create_masked_store, GridExecutor.__call__)",
             err,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from flashlite import _backend, masks
+from flashlite.ops._dispatch import plain_eager
 from flashlite.ops.attention.autograd import ATTENTION_FWD
 from flashlite.ops.attention.checks import (
     DTYPES,
@@ -20,9 +21,15 @@ from flashlite.ops.attention.checks import (
     _check_splits,
     _check_writable,
 )
-from flashlite.ops.attention.kvcache import _checked_kvcache, _kvcache_key, _kvcache_plan
-from flashlite.ops.attention.plan import _cache, _decode_splits
-from flashlite.ops.common import check_flags, check_softcap, skip_dispatcher
+from flashlite.ops.attention.kvcache import (
+    KVCACHE,
+    VALIDATE_MODES,
+    _checked_kvcache,
+    _kvcache_key,
+    _kvcache_plan,
+)
+from flashlite.ops.attention.plan import _decode_splits
+from flashlite.ops.common import check_flags, check_softcap
 
 
 def attention(
@@ -184,7 +191,7 @@ def attention_kvcache(
     softcap: float | None = None,
     num_splits: int | None = None,
     return_lse: bool = False,
-    validate: bool = True,
+    validate: bool | str = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decoding against a KV cache (layout ``b n h d``), optionally paged: the query heads of a
     GQA group share one K/V read, the keys are split across programs (flash-decoding). Forward
@@ -208,11 +215,15 @@ def attention_kvcache(
         num_splits: key chunks per block of query rows (None: one chunk per SM,
             :func:`splits_for`; 1 on CPU).
         return_lse: also return the fp32 LSE ``(B, Hq, Nq)``.
-        validate: check the values of ``cache_seqlens`` and of the block table's pages in use
-            before anything is written, which costs one host sync on a GPU. ``False`` skips it
-            (no sync: CUDA graphs, tight decode loops); lengths are then clamped to the
-            capacity and page ids to the pool, so bad values give wrong results but never a
-            read or write outside the caches.
+        validate: check the values of ``cache_seqlens`` and of the block table's pages in use.
+            ``True`` (the default): on the device, in the launch that appends ``k_new``, with
+            no host sync (CUDA graphs capture the call as it is). A batch row with a bad value
+            writes no key, and the error is raised by this call on the CPU, by a *later*
+            ``attention_kvcache`` call on a GPU (the first that finds the check done).
+            ``"sync"``: on the host before anything is written (one sync per call).
+            ``False``: no check. Without a check a bad value still never reads or writes
+            outside the caches: lengths are clamped to the capacity and page ids to the pool,
+            so bad values give wrong results.
 
     Returns:
         ``out`` ``(B, Nq, Hq, D)`` (and the LSE). Forward only: with grad mode on, tensors
@@ -220,17 +231,18 @@ def attention_kvcache(
 
     Raises:
         TypeError: non-tensors, mixed or unsupported dtypes, index tensors that are not int32,
-            flags that are not bools.
+            flags that are not bools, ``validate`` not True, False or ``"sync"``.
         ValueError: shapes, devices, an input that requires grad (grad mode on), ``k_new``
             with caches whose elements overlap (expanded, stride 0) or that are one tensor;
             with ``validate``, a negative ``cache_seqlens``, ``cache_seqlens + Nnew`` past the
             cache's capacity or a block-table entry outside ``[0, num_pages)`` among the pages
-            in use. Every check comes before anything is written.
+            in use (raised when ``validate`` says). Every argument check comes before anything
+            is written.
     """
     tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     key = _kvcache_key(tensors, (causal, scale, window, softcap, num_splits, validate))
     plan = _checked_kvcache.get(key) if key is not None else None
-    if plan is not None and skip_dispatcher(q, k_cache, v_cache):  # a kind of call seen before
+    if plan is not None and plain_eager(q, k_cache, v_cache):  # a kind of call seen before
         o, lse = plan(*tensors)
         return (o, lse) if return_lse else o
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
@@ -239,7 +251,9 @@ def attention_kvcache(
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new come together: pass both or neither")
-    check_flags(causal=causal, return_lse=return_lse, validate=validate)
+    check_flags(causal=causal, return_lse=return_lse)
+    if not (isinstance(validate, bool) or validate == "sync"):
+        raise TypeError(f"validate must be True, False or 'sync', got {validate!r}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
                     ("v_new", v_new)):  # fmt: skip
         if t is None:
@@ -288,12 +302,8 @@ def attention_kvcache(
     cap = check_softcap(softcap)
     sm_scale = _check_scale(scale, d)
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, sm_scale,
-            left, right, cap, splits, validate)  # fmt: skip
-    if skip_dispatcher(q, k_cache, v_cache):  # the op's own body, minus the dispatcher
-        plan = _kvcache_plan(args)
-        if key is not None:  # these arguments passed every check above: next time, skip them
-            _cache(_checked_kvcache, key, plan)
-        o, lse = plan(*tensors)
-    else:
-        o, lse = torch.ops.flashlite.attention_kvcache.default(*args)
+            left, right, cap, splits, VALIDATE_MODES[validate])  # fmt: skip
+    if key is not None:  # these arguments passed every check above: next time, skip them
+        _checked_kvcache.put(key, _kvcache_plan(args))
+    o, lse = KVCACHE(*args)
     return (o, lse) if return_lse else o

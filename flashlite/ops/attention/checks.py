@@ -4,10 +4,12 @@ cache's values, each error naming the argument and what is accepted."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
 from flashlite import _backend
+from flashlite._caches import Cache
 from flashlite.ops.common import overlapping
 
 LAYOUTS = ("b h n d", "b n h d")
@@ -257,3 +259,56 @@ def _check_splits(num_splits: object) -> int | None:
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 1:
         raise ValueError(f"num_splits must be None or an int >= 1, got {num_splits!r}")
     return num_splits
+
+
+#: Per compute device, where the append kernel records a bad cache value, ``(flag, kind, b, j,
+#: value, Nnew, limit)`` (:mod:`flashlite.kernels.attention.kvcache`), in the device's memory,
+#: kept until reported, and a host flag the kernel also sets
+#: (pinned host memory on a GPU, read without a sync; the record itself on the CPU).
+_kv_records = Cache("attention.kvcache_records", 16)
+
+
+def _kv_record(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """``(record, host flag, the host flag as a numpy array)`` of ``device``."""
+    found = _kv_records.get(device)
+    if found is None:
+        record = torch.zeros(7, dtype=torch.int64, device=device)
+        host = (
+            torch.zeros(1, dtype=torch.int64, pin_memory=True) if device.type == "cuda" else record
+        )
+        found = _kv_records.put(device, (record, host, host.numpy()))
+    return found
+
+
+def _report_kv_problems(device: torch.device, wait: bool, earlier: bool) -> None:
+    """Raise the ``ValueError`` for a bad cache value recorded on ``device``: with ``wait`` once
+    the device has finished, else only when the host flag already shows one (no sync).
+    ``earlier``: the record is an earlier call's (this call's kernel has not run yet)."""
+    found = _kv_records.get(device)
+    if found is None:
+        return
+    record, host, host_view = found
+    if not wait and not host_view[0]:
+        return
+    flag, kind, b, j, value, n_new, limit = record.tolist()  # (a sync: once there is something)
+    if not flag:
+        return
+    record.zero_()
+    host.zero_()
+    if kind == 1:
+        what = (f"cache_seqlens must be >= 0 (keys already in the cache); got "
+                f"cache_seqlens[{b}] = {value}")  # fmt: skip
+    elif kind == 2:
+        what = (f"cache_seqlens + Nnew must be at most {limit} (the cache's capacity); got "
+                f"cache_seqlens[{b}] = {value}, Nnew = {n_new}")  # fmt: skip
+    else:
+        what = (f"block_table holds pages outside [0, {limit}) among the pages in use: "
+                f"block_table[{b}, {j}] = {value}")  # fmt: skip
+    if not earlier:
+        raise ValueError(f"{what} (batch {b} was not written)")
+    raise ValueError(
+        f"an earlier flashlite.attention_kvcache call on {device} had a bad value: {what}. That "
+        "call wrote no new key for that batch and its output for it is not meaningful. Values "
+        "are checked on the device without waiting for it, and a bad one is reported by a "
+        "later call; validate='sync' checks them before anything is written"
+    )

@@ -4,10 +4,15 @@ append of ``k_new``/``v_new`` and the decode kernel, planned once per kind of ca
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from flashlite import _launch
 from flashlite._caches import Cache
-from flashlite.ops.attention.checks import _check_cache_values
+from flashlite.kernels.attention import kvcache as KKV
+from flashlite.ops._dispatch import Op
+from flashlite.ops.attention.checks import _check_cache_values, _kv_record, _report_kv_problems
 from flashlite.ops.attention.decode import DecodePlan
 from flashlite.ops.attention.plan import _meta, _planned
 
@@ -28,7 +33,7 @@ def _kvcache_key(tensors: tuple, options: tuple) -> tuple | None:
         if kind is tuple:
             if not all(type(i) is int for i in x):
                 return None
-        elif kind not in (bool, int, float, type(None)):
+        elif kind not in (bool, int, float, str, type(None)):
             return None
         key.append((kind, x))
     return tuple(key)
@@ -44,6 +49,11 @@ class KVCachePlan:
     checks, the append and a :class:`DecodePlan` over the caches' ``b h n d`` views. Made from
     :func:`_kvcache`'s argument tuple (:data:`_TENSORS` tensors, then its options).
 
+    ``validate``: ``"device"`` checks the values on the device, in the append kernel
+    (:mod:`flashlite.kernels.attention.kvcache`), without a host sync: a bad value is reported
+    by this call on the CPU, by a later call on a GPU; ``"sync"`` checks them on the host first
+    (one sync), before anything is written; ``"off"`` checks nothing (values clamped).
+
     The kernels index ``cache_seqlens`` and the block table's rows densely: other strides are
     made dense per call (``B`` or ``B·max_pages`` ints, a no-op when they are dense already;
     cheaper than two more strides through every tile load of the decode kernel)."""
@@ -53,9 +63,21 @@ class KVCachePlan:
         causal, scale, window_left, window_right, softcap, num_splits, validate = args[_TENSORS:]
         self.validate = validate
         self.slots, self.num_pages = k_cache.shape[1], k_cache.shape[0]
+        self.page_size = self.slots if block_table is not None else 0
         self.capacity = block_table.shape[1] * self.slots if block_table is not None else self.slots
+        self.max_pages = block_table.shape[1] if block_table is not None else 0
         self.n_new = 0 if k_new is None else k_new.shape[1]
+        self.bsz = q.shape[0]
         self.lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+        self.device_check = validate == "device"
+        # the append kernel runs when there is something to write or to check on the device
+        self.prepare = self.n_new > 0 or self.device_check
+        hkv, d = k_cache.shape[2], k_cache.shape[3]
+        self.prepare_options = {**KKV.append_config(hkv, d), "PAGE_SIZE": self.page_size,
+                                "CHECK": self.device_check, "APPEND": self.n_new > 0}  # fmt: skip
+        self.prepare_grid = (self.bsz, max(self.n_new, 1), 1)
+        self.sizes = (hkv, d, self.n_new, self.capacity, self.num_pages, self.max_pages)
+        self._prepare: Any = None  # bound at the first run (its tensors specialise)
         if block_table is not None:
             block_table = block_table.contiguous()
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -76,45 +98,47 @@ class KVCachePlan:
         block_table: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run on tensors of the planned kind: ``out`` ``(B, Nq, Hq, D)``, LSE ``(B, Hq, Nq)``."""
-        if self.validate:  # every check that reads values, before anything is written (a sync)
+        if self.validate == "sync":  # every value check before anything is written (a sync)
             _check_cache_values(cache_seqlens, self.n_new, self.capacity, block_table,
                                 self.slots, self.num_pages)  # fmt: skip
         lengths = cache_seqlens = cache_seqlens.contiguous()
         if block_table is not None:
             block_table = block_table.contiguous()
-        if self.n_new:
-            lengths = _append(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                              self.capacity)  # type: ignore[arg-type]  # fmt: skip
+        if self.prepare:
+            lengths = self._run_prepare(k_cache, v_cache, cache_seqlens, k_new, v_new,
+                                        block_table)  # fmt: skip
         o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         self.decode(q, k_cache, v_cache, lengths, block_table, o, lse)
         return o, lse
 
-
-def _append(
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
-    block_table: torch.Tensor | None,
-    capacity: int,
-) -> torch.Tensor:
-    """Write ``k_new``/``v_new`` into the caches at ``cache_seqlens[b]``; the new lengths."""
-    bsz, n_new, slots = k_new.shape[0], k_new.shape[1], k_cache.shape[1]
-    # (clamped: without validation a bad length must still stay inside the cache)
-    pos = (cache_seqlens.long()[:, None] + torch.arange(n_new, device=k_new.device)[None, :]
-           ).clamp(0, capacity - 1)  # fmt: skip
-    if block_table is None:
-        rows = torch.arange(bsz, device=k_new.device)[:, None].expand_as(pos)
-        k_cache[rows, pos] = k_new
-        v_cache[rows, pos] = v_new
-    else:
-        pages = block_table.long().clamp(0, k_cache.shape[0] - 1)
-        page = torch.gather(pages, 1, pos // slots)
-        k_cache[page, pos % slots] = k_new
-        v_cache[page, pos % slots] = v_new
-    return (cache_seqlens + n_new).to(torch.int32)
+    def _run_prepare(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     cache_seqlens: torch.Tensor, k_new: torch.Tensor | None,
+                     v_new: torch.Tensor | None, block_table: torch.Tensor | None,
+                     ) -> torch.Tensor:  # fmt: skip
+        """The append kernel (checks included with device validation): the new lengths."""
+        device = cache_seqlens.device
+        if self.device_check:  # a bad value an earlier call recorded: reported first
+            _report_kv_problems(device, False, earlier=True)
+            record, host = _kv_record(device)[:2]
+        else:
+            record = host = cache_seqlens  # (stand-ins: never read)
+        lengths = torch.empty(self.bsz, dtype=torch.int32, device=device)
+        k_src = k_new if k_new is not None else k_cache
+        v_src = v_new if v_new is not None else v_cache
+        new_strides = (k_src.stride() + v_src.stride()) if k_new is not None else (0,) * 8
+        table = block_table if block_table is not None else cache_seqlens
+        args = (k_cache, v_cache, k_src, v_src, cache_seqlens, lengths, table, record, host,
+                *k_cache.stride(), *v_cache.stride(), *new_strides,
+                block_table.stride(0) if block_table is not None else 0, *self.sizes)  # fmt: skip
+        if self._prepare is None:
+            self._prepare = _launch.launcher(KKV._kvcache_append_kernel).bind(
+                args, self.prepare_options
+            )
+        self._prepare(self.prepare_grid, *args)
+        if self.device_check and device.type != "cuda":  # no sync to save: reported here
+            _report_kv_problems(device, True, earlier=False)
+        return lengths
 
 
 #: :class:`KVCachePlan` per kind of :func:`_kvcache` call.
@@ -146,7 +170,7 @@ def _kvcache(
     window_right: int,
     softcap: float,
     num_splits: int,
-    validate: bool,
+    validate: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_kvcache` after its argument checks: the value checks, the append, the
     decode kernel (:class:`KVCachePlan`). ``num_splits`` 0 chooses; ``softcap`` 0.0 is none."""
@@ -155,15 +179,16 @@ def _kvcache(
     return _kvcache_plan(args)(*args[:_TENSORS])
 
 
-#: ``flashlite::attention_kvcache``: :func:`_kvcache` as a custom op that declares the caches
-#: written (the append), so ``torch.compile`` traces a decode step through it.
-_attention_kvcache_op = torch.library.custom_op(
-    "flashlite::attention_kvcache", mutates_args=("k_cache", "v_cache")
-)(_kvcache)
-
-
-@_attention_kvcache_op.register_fake
-def _(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale,  # type: ignore[no-untyped-def]
-      window_left, window_right, softcap, num_splits, validate):  # fmt: skip
+def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale,  # type: ignore[no-untyped-def]
+                  window_left, window_right, softcap, num_splits, validate):  # fmt: skip
     return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]),
                                             dtype=torch.float32)  # fmt: skip
+
+
+#: ``flashlite::attention_kvcache``: :func:`_kvcache` as an op that declares the caches written
+#: (the append), so ``torch.compile`` traces a decode step through it. Forward only.
+KVCACHE = Op("attention_kvcache", _kvcache, fake=_kvcache_fake, inputs=3,
+             mutates_args=("k_cache", "v_cache"), moves=False)  # fmt: skip
+
+#: what ``validate`` becomes in the op (a string: the schema holds one type)
+VALIDATE_MODES = {True: "device", False: "off", "sync": "sync"}

@@ -1,0 +1,100 @@
+"""The KV-cache step's bookkeeping on the device: the value checks and the append of ``k_new`` /
+``v_new``, in one launch, with no host sync.
+
+Program ``(b, n)`` handles token ``n`` of batch ``b``'s new keys: it writes them into the cache
+at position ``cache_seqlens[b] + n`` (page ``block_table[b, pos // PAGE_SIZE]`` of a paged cache)
+and program ``(b, 0)`` writes the new length. With ``CHECK``, a row whose values are bad (a
+negative length, ``length + Nnew`` past the capacity, a block-table entry outside the pool among
+the pages the row uses) writes no key, and the first such row is recorded for the host:
+``RECORD = (flag, kind, b, j, value, Nnew, limit)``, kind 1 a negative length, 2 one past the
+capacity ``limit``, 3 a bad page ``block_table[b, j]`` of a pool of ``limit`` pages; and
+``HOST_FLAG[0]`` is set to 1 (pinned host memory on a GPU, which the host reads without waiting).
+Without ``CHECK`` positions and page ids are clamped: bad values give wrong results, never a
+write outside the caches.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _row_problem(SEQLENS, TABLE, b, n_new, capacity, num_pages, stride_table, max_pages,
+                 PAGE_SIZE: tl.constexpr, BLOCK_P: tl.constexpr):  # fmt: skip
+    """``(kind, j, value)`` of batch ``b``'s first bad value (kind 0: none)."""
+    length = tl.load(SEQLENS + b).to(tl.int64)
+    end = length + n_new
+    kind = tl.where(length < 0, 1, tl.where(end > capacity, 2, 0))
+    value = length
+    first = max_pages
+    if PAGE_SIZE > 0:  # the entries of the pages the row uses, once its length is clamped
+        used = (tl.minimum(tl.maximum(end, 0), capacity) + PAGE_SIZE - 1) // PAGE_SIZE
+        for j0 in range(0, max_pages, BLOCK_P):
+            j = j0 + tl.arange(0, BLOCK_P)
+            in_use = j < used
+            page = tl.load(TABLE + b * stride_table + j, mask=in_use, other=0)
+            wrong = in_use & ((page < 0) | (page >= num_pages))
+            first = tl.minimum(first, tl.min(tl.where(wrong, j, max_pages), axis=0))
+        bad_page = first < max_pages
+        kind = tl.where((kind == 0) & bad_page, 3, kind)
+        if kind == 3:
+            value = tl.load(TABLE + b * stride_table + first).to(tl.int64)
+    return kind, tl.where(kind == 3, first, 0), value
+
+
+@triton.jit
+def _kvcache_append_kernel(
+    K_CACHE, V_CACHE, K_NEW, V_NEW, SEQLENS, LENGTHS, TABLE, RECORD, HOST_FLAG,
+    stride_kc0, stride_kc1, stride_kch, stride_kcd,
+    stride_vc0, stride_vc1, stride_vch, stride_vcd,
+    stride_knb, stride_knn, stride_knh, stride_knd,
+    stride_vnb, stride_vnn, stride_vnh, stride_vnd,
+    stride_table, n_heads, head_dim, n_new, capacity, num_pages, max_pages,
+    PAGE_SIZE: tl.constexpr, CHECK: tl.constexpr, APPEND: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
+):  # fmt: skip
+    b = tl.program_id(0)
+    n = tl.program_id(1)
+    length = tl.load(SEQLENS + b).to(tl.int64)
+    write = True
+    if CHECK:
+        kind, j, value = _row_problem(SEQLENS, TABLE, b, n_new, capacity, num_pages,
+                                      stride_table, max_pages, PAGE_SIZE, BLOCK_P)  # fmt: skip
+        write = kind == 0
+        if (n == 0) & (kind != 0):  # noqa: SIM102  (Triton's `and` would not short-circuit)
+            if tl.atomic_cas(RECORD, 0, 1) == 0:  # the first report stands till the host reads it
+                zero = value * 0  # (an int64 0: sizes of value 1 arrive as constants)
+                tl.store(RECORD + 1, zero + kind)
+                tl.store(RECORD + 2, zero + b)
+                tl.store(RECORD + 3, zero + j)
+                tl.store(RECORD + 4, value)
+                tl.store(RECORD + 5, zero + n_new)
+                tl.store(RECORD + 6, zero + tl.where(kind == 3, num_pages, capacity))
+                tl.store(HOST_FLAG, 1)
+    if n == 0:  # the decode kernel clamps lengths to the capacity when it reads them
+        tl.store(LENGTHS + b, (length + n_new).to(tl.int32))
+    if APPEND & write:
+        pos = tl.minimum(tl.maximum(length + n, 0), capacity - 1)
+        if PAGE_SIZE > 0:
+            page = tl.load(TABLE + b * stride_table + pos // PAGE_SIZE).to(tl.int64)
+            row, slot = tl.minimum(tl.maximum(page, 0), num_pages - 1), pos % PAGE_SIZE
+        else:
+            row, slot = b.to(tl.int64), pos
+        h = tl.arange(0, BLOCK_H)[:, None]
+        d = tl.arange(0, BLOCK_D)[None, :]
+        mask = (h < n_heads) & (d < head_dim)
+        src = b.to(tl.int64) * stride_knb + n.to(tl.int64) * stride_knn
+        k = tl.load(K_NEW + src + h * stride_knh + d * stride_knd, mask=mask)
+        tl.store(K_CACHE + row * stride_kc0 + slot * stride_kc1 + h * stride_kch + d * stride_kcd,
+                 k, mask=mask)  # fmt: skip
+        src = b.to(tl.int64) * stride_vnb + n.to(tl.int64) * stride_vnn
+        v = tl.load(V_NEW + src + h * stride_vnh + d * stride_vnd, mask=mask)
+        tl.store(V_CACHE + row * stride_vc0 + slot * stride_vc1 + h * stride_vch + d * stride_vcd,
+                 v, mask=mask)  # fmt: skip
+
+
+def append_config(n_heads: int, head_dim: int) -> dict[str, int]:
+    """Tiles of the append kernel: one token's ``(Hkv, D)`` block, the table in 256 entries."""
+    return {"BLOCK_H": triton.next_power_of_2(n_heads), "BLOCK_D": triton.next_power_of_2(head_dim),
+            "BLOCK_P": 256, "num_warps": 4}  # fmt: skip
