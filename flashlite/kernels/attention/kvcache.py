@@ -62,9 +62,9 @@ def _kvcache_append_kernel(
         kind, j, value = _row_problem(SEQLENS, TABLE, b, n_new, capacity, num_pages,
                                       stride_table, max_pages, PAGE_SIZE, BLOCK_P)  # fmt: skip
         write = kind == 0
+        zero = value * 0  # (an int64 0: the record's type; sizes of value 1 arrive as constants)
         if (n == 0) & (kind != 0):  # noqa: SIM102  (Triton's `and` would not short-circuit)
-            if tl.atomic_cas(RECORD, 0, 1) == 0:  # the first report stands till the host reads it
-                zero = value * 0  # (an int64 0: sizes of value 1 arrive as constants)
+            if tl.atomic_cas(RECORD, zero, zero + 1) == 0:  # the first report stands till read
                 tl.store(RECORD + 1, zero + kind)
                 tl.store(RECORD + 2, zero + b)
                 tl.store(RECORD + 3, zero + j)
