@@ -267,14 +267,15 @@ def test_compiles_and_passes_opcheck(device: str, v: int, use_weight: bool) -> N
         grads.append((loss.detach(), leaf.grad))
     torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=0)
     scale = torch.tensor([0.25], device=device)
-    args = (logits.clone(), torch.empty_like(logits), target, weight, scale, -100, 0.1, 1e-3, 0.0)
-    opcheck(torch.ops.flashlite.cross_entropy_fwd.default, args)
+    for reduction in ("mean", "none"):
+        args = (logits.clone(), torch.empty_like(logits), target, weight, scale, None, reduction,
+                -100, 0.1, 1e-3, 0.0)  # fmt: skip
+        opcheck(torch.ops.flashlite.cross_entropy_fwd.default, args)
     opcheck(torch.ops.flashlite.cross_entropy_fwd_inplace.default,
-            (logits.clone(), target, None, scale, -100, 0.0, 0.0, 0.0))  # fmt: skip
+            (logits.clone(), target, None, scale, None, "sum", -100, 0.0, 0.0, 0.0))  # fmt: skip
     grad = torch.randn(4, v, device=device)
-    opcheck(torch.ops.flashlite.cross_entropy_bwd.default, (grad, torch.rand(4, device=device)))
-    opcheck(torch.ops.flashlite.cross_entropy_bwd.default,
-            (grad, torch.tensor(2.0, device=device)))  # fmt: skip
+    for dloss in (torch.rand(4, device=device), torch.tensor(2.0, device=device)):
+        opcheck(torch.ops.flashlite.cross_entropy_bwd_inplace.default, (grad.clone(), dloss))
 
 
 def test_bad_input() -> None:

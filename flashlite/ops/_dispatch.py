@@ -17,11 +17,14 @@ and calls ``SOFTMAX_FWD(*args)``. Three paths run the same body:
   export, fake tensors, dispatch modes, functorch transforms and tensor subclasses.
 
 The backward formula calls its backward op through the same object, so a second derivative goes
-to the backward op's own autograd (registered, or refused with its message).
+to the backward op's own autograd (registered, or refused with its message). An op that writes
+into an argument (cross-entropy's gradient) cannot carry autograd; :func:`differentiable` makes
+the Function around such ops, which still pick their own path.
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -97,12 +100,20 @@ class Op:
             self.function = _function(name, self.body, setup_context, backward, materialize_grads)
         self.custom_op = op
         self.default = getattr(torch.ops.flashlite, name).default
+        # the arguments the body writes: the dispatcher bumps their version counters (autograd's
+        # check that a saved tensor was not modified), so the body path must too
+        params = list(inspect.signature(body).parameters)
+        self.mutated = tuple(params.index(a) for a in mutates_args)
 
     def __call__(self, *args: Any) -> Any:
         tensors = args[: self.inputs]
         if plain_eager(*tensors):
             if self.function is None or not records_grad(*tensors):
-                return self.body(*args)
+                out = self.body(*args)
+                for i in self.mutated:
+                    if i < len(args) and isinstance(args[i], torch.Tensor):
+                        torch.autograd.graph.increment_version(args[i])
+                return out
             return self.function.apply(*args)
         return self.default(*args)
 
@@ -138,5 +149,26 @@ def _function(
             "forward": staticmethod(forward),
             "backward": staticmethod(run_backward),
             "__doc__": f"Eager autograd of ``flashlite::{name}`` (made by :class:`Op`).",
+        },
+    )
+
+
+def differentiable(
+    name: str, forward: Callable[..., Any], backward: Callable[..., Any]
+) -> type[torch.autograd.Function]:
+    """The ``autograd.Function`` of a call whose forward runs :class:`Op` s that write what the
+    backward needs (cross-entropy's gradient, written in the forward pass). A custom op that
+    mutates cannot carry an autograd formula, so the formula lives here, around the ops:
+    ``forward(ctx, *args)`` and ``backward(ctx, *grads)`` as a Function's own, and each op
+    inside still picks its path (body or dispatcher) for itself."""
+    title = "".join(part.title() for part in name.split("_"))
+    return type(
+        f"{title}Function",
+        (torch.autograd.Function,),
+        {
+            "forward": staticmethod(forward),
+            "backward": staticmethod(backward),
+            "__doc__": f"Autograd of ``flashlite.{name}`` around its ops (made by "
+            ":func:`differentiable`).",
         },
     )

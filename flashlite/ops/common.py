@@ -1,4 +1,6 @@
-"""What the front-ends share: where their bodies run, and when to skip the dispatcher."""
+"""What the front-ends share: where their bodies run, and the checks every one of them makes
+(soft caps, boolean flags, overlapping memory). When a call skips the dispatcher is
+:mod:`flashlite.ops._dispatch`'s business."""
 
 from __future__ import annotations
 
@@ -54,33 +56,6 @@ def on_compute_device(fn: F) -> F:
         return moved(fn(*(moved(a, dev) for a in args), **kwargs), first.device)
 
     return run  # type: ignore[return-value]
-
-
-def plain_eager(*tensors: torch.Tensor) -> bool:
-    """Whether this call runs eagerly and unobserved: nothing traces (Dynamo, FX, export), no
-    torch dispatch mode watches (FakeTensorMode, FlopCounterMode, …), no functorch transform
-    (vmap, grad) is active and every tensor is a plain ``torch.Tensor``. Such a call may skip
-    the ``torch.ops.flashlite.*`` dispatcher (:func:`skip_dispatcher`) or, when it records
-    autograd, use a front-end's ``torch.autograd.Function`` around the ops' bodies."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return False
-    if torch._C._are_functorch_transforms_active():
-        return False
-    return all(type(t) is torch.Tensor for t in tensors)
-
-
-def skip_dispatcher(*tensors: torch.Tensor) -> bool:
-    """Whether an eager call may run the op's implementation directly instead of through
-    ``torch.ops.flashlite.*``.
-
-    The dispatcher's custom-op path (autograd wrapper, redispatch, dynamo guard) costs about 7 µs
-    of host time per call here and about 30 µs on the H200's host: more than the whole kernel at
-    small shapes. It buys nothing in a :func:`plain_eager` call that records no autograd graph
-    — then the implementation is called as the op would call it. Everything else takes the op.
-    """
-    if not plain_eager(*tensors):
-        return False
-    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def check_softcap(softcap: object) -> float:

@@ -6,8 +6,8 @@
 ``plan``        the planned launches (kernel, options, grid, Triton's binding), cached per call
                 signature
 ``fwd``         the launchers: forward, the backward's scaling, the gradient scale
-``autograd``    the custom ops ``flashlite::cross_entropy_fwd``, ``_fwd_inplace``, ``_bwd``, and
-                the autograd function that hands over the gradient the forward wrote
+``autograd``    the ops ``flashlite::cross_entropy_fwd``, ``_fwd_inplace``, ``_bwd_inplace``,
+                stated once, and the autograd that hands over the gradient the forward wrote
 ``linear``      linear cross-entropy's sweep over token chunks, its ops and autograd
 ==============  ==================================================================================
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from flashlite.ops.common import check_softcap, moved, moved_call_device, plain_eager
-from flashlite.ops.cross_entropy.autograd import _CrossEntropy, _grad_buffer
+from flashlite.ops._dispatch import plain_eager
+from flashlite.ops.common import check_softcap, moved, moved_call_device
+from flashlite.ops.cross_entropy.autograd import CrossEntropyFunction
 from flashlite.ops.cross_entropy.checks import (
     _bad_record,
     _check,
@@ -13,12 +14,15 @@ from flashlite.ops.cross_entropy.checks import (
     _report_bad_targets,
 )
 from flashlite.ops.cross_entropy.fwd import (
-    _fwd_eager_here,
     _scale_and_check,
     _traced_scale,
     _z_scaled,
 )
-from flashlite.ops.cross_entropy.linear import _autocast, _linear_chunking, _LinearCrossEntropy
+from flashlite.ops.cross_entropy.linear import (
+    LinearCrossEntropyFunction,
+    _autocast,
+    _linear_chunking,
+)
 
 
 def cross_entropy(
@@ -104,27 +108,20 @@ def cross_entropy(
     if inplace_backward and x2.data_ptr() != logits.data_ptr():
         raise ValueError("inplace_backward needs logits whose rows form a (N, V) view (no copy)")
     t1 = target if target.dim() == 1 else target.reshape(-1)
-    eager = plain_eager(x2, t1)
     mean = reduction == "mean"
-    record, grad_scale = None, None
-    if not eager:  # traced: the scale from torch ops, no check (a host read cannot be traced)
+    bad, grad_scale = None, None
+    if not plain_eager(x2, t1):  # traced: the scale from torch ops, no check (no host read)
         grad_scale = _traced_scale(t1, weight, v, ignore_index, mean,
                                    _z_scaled(weight, mean, z_loss))  # fmt: skip
-    elif validate == "sync" or (validate and x2.device.type == "cpu"):  # checked, then waited for
+    elif validate == "sync" or (validate and x2.device.type == "cpu"):  # checked, waited for
         grad_scale = _scale_and_check(t1, weight, v, ignore_index, mean,
                                       _z_scaled(weight, mean, z_loss))  # fmt: skip
     elif validate:  # checked in the forward's own launch, reported by a later call
         _report_bad_targets(t1.device, False, ignore_index, earlier=True)
-        record = _bad_record(t1.device)
-    bad = None if record is None else record[0]
-    kernel_opts = (ignore_index, float(label_smoothing), float(z_loss), check_softcap(softcap))
-    grad, done = None, None
-    if eager:  # the whole forward launched before autograd's bookkeeping: a host-bound step's
-        # GPU starts that much sooner (the Function only records what was launched)
-        grad = _grad_buffer(x2, inplace_backward)
-        done = _fwd_eager_here(x2, t1, weight, grad, grad_scale, bad, reduction, *kernel_opts)
-    opts = (*kernel_opts, bool(inplace_backward), reduction, grad, done)
-    loss, lse = _CrossEntropy.apply(x2, t1, weight, grad_scale, opts)
+        bad = _bad_record(t1.device)[0]
+    opts = (ignore_index, float(label_smoothing), float(z_loss), check_softcap(softcap),
+            bool(inplace_backward), reduction)  # fmt: skip
+    loss, lse = CrossEntropyFunction.apply(x2, t1, weight, grad_scale, bad, opts)
     if reduction == "none":
         loss = loss.view(target.shape)
     return (loss, lse.view(target.shape)) if return_lse else loss
@@ -226,7 +223,7 @@ def linear_cross_entropy(
     if validate and plain_eager(h2, t1):  # (at the call: a sweep takes far longer than a sync)
         _scale_and_check(t1, None, v, ignore_index, False)
     chunk, vocab_chunk = _linear_chunking(v, hidden.element_size(), chunk_size, vocab_chunk_size)
-    loss, lse = _LinearCrossEntropy.apply(
+    loss, lse = LinearCrossEntropyFunction.apply(
         h2, weight, bias, t1, class_weight, ignore_index, float(label_smoothing), float(z_loss),
         check_softcap(softcap), reduction, chunk, vocab_chunk,
     )  # fmt: skip

@@ -86,10 +86,6 @@ def cross_entropy_fwd_eager(
     return run(logits, target, weight, grad, grad_scale, bad)
 
 
-#: :func:`cross_entropy_fwd_eager` for a front-end that moved its call to the compute device
-_fwd_eager_here = cross_entropy_fwd_eager.__wrapped__  # type: ignore[attr-defined]
-
-
 def _plan_eager(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
                 grad: torch.Tensor, grad_scale: torch.Tensor | None, bad: torch.Tensor | None,
                 reduction: str, opts: tuple[int, float, float, float],
@@ -152,10 +148,6 @@ def cross_entropy_bwd(grad: torch.Tensor, out: torch.Tensor, dloss: torch.Tensor
            skip, _aligned(grad, out, d))  # fmt: skip
     _planned(key, lambda: _plan_bwd(grad, out, d, stride_l, skip))(grad, out, d)
     return out
-
-
-#: :func:`cross_entropy_bwd` for tensors already on the compute device (the autograd backward)
-_bwd_here = cross_entropy_bwd.__wrapped__  # type: ignore[attr-defined]
 
 
 @on_compute_device

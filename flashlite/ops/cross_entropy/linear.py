@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from flashlite import stats
-from flashlite.ops.common import skip_dispatcher
+from flashlite.ops._dispatch import Op, differentiable
 from flashlite.ops.cross_entropy.fwd import (
     _mean_divisor,
     _z_ratio,
@@ -222,13 +222,9 @@ def _linear_fwd(
     return losses, lse, grads[0], grads[1], _no_bias(grads[2], hidden)
 
 
-_linear_fwd_op = torch.library.custom_op("flashlite::linear_cross_entropy_fwd",
-                                         mutates_args=())(_linear_fwd)  # fmt: skip
-
-
-@_linear_fwd_op.register_fake
-def _(hidden, weight, bias, target, class_weight, scale, ignore_index, label_smoothing, z_loss,  # type: ignore[no-untyped-def]
-      softcap, chunk, vocab_chunk, with_grads, z_scale=None):  # fmt: skip
+def _linear_fwd_fake(hidden, weight, bias, target, class_weight, scale, ignore_index,  # type: ignore[no-untyped-def]
+                     label_smoothing, z_loss, softcap, chunk, vocab_chunk, with_grads,
+                     z_scale=None):  # fmt: skip
     losses = hidden.new_empty((hidden.shape[0],), dtype=torch.float32)
     if not with_grads:
         return losses, torch.empty_like(losses), *(hidden.new_empty((0,), dtype=torch.float32)
@@ -265,71 +261,63 @@ def _linear_bwd(
     return dh, dw, db
 
 
-_linear_bwd_op = torch.library.custom_op("flashlite::linear_cross_entropy_bwd",
-                                         mutates_args=())(_linear_bwd)  # fmt: skip
-
-
-@_linear_bwd_op.register_fake
-def _(hidden, weight, bias, target, class_weight, dloss, ignore_index, label_smoothing, z_loss,  # type: ignore[no-untyped-def]
-      softcap, chunk, vocab_chunk):  # fmt: skip
+def _linear_bwd_fake(hidden, weight, bias, target, class_weight, dloss, ignore_index,  # type: ignore[no-untyped-def]
+                     label_smoothing, z_loss, softcap, chunk, vocab_chunk):  # fmt: skip
     return _grads_fake(hidden, weight, bias)
 
 
-class _LinearCrossEntropy(torch.autograd.Function):
-    """Cross-entropy of ``hidden·weightᵀ + bias`` without the full logits: the gradients of
-    hidden, weight and bias are accumulated in the forward's sweep over token chunks (mean and
-    sum: the backward scales them by the incoming scalar); ``reduction="none"`` needs each
-    token's incoming gradient, so its backward sweeps the chunks again. The sweeps are the
-    custom ops ``flashlite::linear_cross_entropy_fwd``/``_bwd`` (``torch.compile`` traces
-    through; eager calls their bodies directly)."""
+#: ``flashlite::linear_cross_entropy_fwd``: the forward sweep (losses, LSE, and with
+#: ``with_grads`` the gradients for the given per-token scale).
+LINEAR_FWD = Op("linear_cross_entropy_fwd", _linear_fwd, fake=_linear_fwd_fake, inputs=6,
+                moves=False)  # fmt: skip
+#: ``flashlite::linear_cross_entropy_bwd``: ``reduction="none"``'s second sweep.
+LINEAR_BWD = Op("linear_cross_entropy_bwd", _linear_bwd, fake=_linear_bwd_fake, inputs=6,
+                moves=False)  # fmt: skip
 
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, target, class_weight, ignore_index, label_smoothing,  # type: ignore[no-untyped-def, override]
-                z_loss, softcap, reduction, chunk, vocab_chunk):  # fmt: skip
-        n, v = hidden.shape[0], weight.shape[0]
-        opts = (ignore_index, label_smoothing, z_loss, softcap, chunk, vocab_chunk)
-        z_scale = None
-        if reduction == "mean":
-            denom = _mean_divisor(target, class_weight, v, ignore_index)
-            scale = (1.0 / denom).expand(n)
-            if _z_scaled(class_weight, True, z_loss):
-                z_scale = _z_ratio(target, denom, ignore_index).reshape(1)
-        else:
-            denom, scale = None, hidden.new_ones((n,), dtype=torch.float32)
-        need = any(ctx.needs_input_grad[:3])
-        with_grads = need and reduction != "none"
-        args = (hidden, weight, bias, target, class_weight, scale, *opts, with_grads, z_scale)
-        if skip_dispatcher(hidden, weight, target):
-            losses, lse, dh, dw, db = _linear_fwd(*args)  # the op's own body
-        else:
-            losses, lse, dh, dw, db = torch.ops.flashlite.linear_cross_entropy_fwd.default(*args)
-        ctx.mark_non_differentiable(lse)
-        ctx.reduction, ctx.opts, ctx.has_bias = reduction, opts, bias is not None
-        if with_grads:
-            ctx.save_for_backward(dh, dw, db)
-        elif need:  # "none": the backward sweeps again
-            ctx.save_for_backward(hidden, weight, bias, target, class_weight)
-        if reduction == "none":
-            return losses, lse
-        total = losses.sum()
-        return (total / denom if denom is not None else total), lse
 
-    @staticmethod
-    def backward(ctx, dloss, _dlse):  # type: ignore[no-untyped-def, override]
-        if ctx.reduction != "none":
-            dh, dw, db = ctx.saved_tensors
-            if skip_dispatcher(dh, dw, dloss):  # eager: scaled where they are (no second copy)
-                dh, dw, db = dh.mul_(dloss), dw.mul_(dloss), db.mul_(dloss)
-            else:
-                dh, dw, db = dh * dloss, dw * dloss, db * dloss
-            return dh, dw, db.to(dw.dtype) if ctx.has_bias else None, *([None] * 9)
-        hidden, weight, bias, target, class_weight = ctx.saved_tensors
-        args = (hidden, weight, bias, target, class_weight, dloss, *ctx.opts)
-        if skip_dispatcher(hidden, weight, dloss):
-            dh, dw, db = _linear_bwd(*args)
-        else:
-            dh, dw, db = torch.ops.flashlite.linear_cross_entropy_bwd.default(*args)
-        return dh, dw, db.to(weight.dtype) if ctx.has_bias else None, *([None] * 9)
+def _forward(ctx, hidden, weight, bias, target, class_weight, ignore_index, label_smoothing,  # type: ignore[no-untyped-def]
+             z_loss, softcap, reduction, chunk, vocab_chunk):  # fmt: skip
+    n, v = hidden.shape[0], weight.shape[0]
+    opts = (ignore_index, label_smoothing, z_loss, softcap, chunk, vocab_chunk)
+    z_scale = None
+    if reduction == "mean":
+        denom = _mean_divisor(target, class_weight, v, ignore_index)
+        scale = (1.0 / denom).expand(n)
+        if _z_scaled(class_weight, True, z_loss):
+            z_scale = _z_ratio(target, denom, ignore_index).reshape(1)
+    else:
+        denom, scale = None, hidden.new_ones((n,), dtype=torch.float32)
+    need = any(ctx.needs_input_grad[:3])
+    with_grads = need and reduction != "none"
+    losses, lse, dh, dw, db = LINEAR_FWD(hidden, weight, bias, target, class_weight, scale, *opts,
+                                         with_grads, z_scale)  # fmt: skip
+    ctx.mark_non_differentiable(lse)
+    ctx.reduction, ctx.opts, ctx.has_bias = reduction, opts, bias is not None
+    if with_grads:
+        ctx.save_for_backward(dh, dw, db)
+    elif need:  # "none": the backward sweeps again
+        ctx.save_for_backward(hidden, weight, bias, target, class_weight)
+    if reduction == "none":
+        return losses, lse
+    total = losses.sum()
+    return (total / denom if denom is not None else total), lse
+
+
+def _backward(ctx, dloss, _dlse):  # type: ignore[no-untyped-def]
+    if ctx.reduction != "none":  # the forward's gradients, scaled where they lie
+        dh, dw, db = ctx.saved_tensors
+        dh, dw, db = dh.mul_(dloss), dw.mul_(dloss), db.mul_(dloss)
+        return dh, dw, db.to(dw.dtype) if ctx.has_bias else None, *([None] * 9)
+    hidden, weight, bias, target, class_weight = ctx.saved_tensors
+    dh, dw, db = LINEAR_BWD(hidden, weight, bias, target, class_weight, dloss, *ctx.opts)
+    return dh, dw, db.to(weight.dtype) if ctx.has_bias else None, *([None] * 9)
+
+
+#: Cross-entropy of ``hidden·weightᵀ + bias`` without the full logits: the gradients of hidden,
+#: weight and bias are accumulated in the forward's sweep over token chunks (mean and sum: the
+#: backward scales them by the incoming scalar); ``reduction="none"`` needs each token's
+#: incoming gradient, so its backward sweeps the chunks again.
+LinearCrossEntropyFunction = differentiable("linear_cross_entropy", _forward, _backward)
 
 
 def _autocast(t: object, dtype: torch.dtype) -> Any:
