@@ -111,8 +111,8 @@ class DecodePlan:
             num_splits = _default_splits(q.device, b * hkv, nq * group, nk, config.block_m,
                                          2 if page_size else 1)  # fmt: skip
         bn = config.block_n
-        split_len = bn * C.cdiv(C.cdiv(nk, bn), num_splits)
-        self.splits = splits = C.cdiv(nk, split_len)  # chunks of whole tiles: at most num_splits
+        split_len, splits = key_chunks(nk, bn, num_splits)
+        self.splits = splits
         if use_desc is None:
             use_desc = config.use_desc
         self.use_desc = use_desc and block_table is None and _descriptor_ok(k, v)
@@ -180,6 +180,14 @@ class DecodePlan:
                 self._combine = kernel.bind(args, self.combine_options)
             self._combine(self.combine_grid, *args)
         return self.splits
+
+
+def key_chunks(n_keys: int, block_n: int, num_splits: int) -> tuple[int, int]:
+    """``(keys per chunk, chunks)`` when ``n_keys`` keys are split ``num_splits`` ways in whole
+    tiles of ``block_n`` (at most ``num_splits`` chunks): the decode kernel's split and the
+    traffic model's."""
+    split_len = block_n * C.cdiv(C.cdiv(n_keys, block_n), num_splits)
+    return split_len, C.cdiv(n_keys, split_len)
 
 
 def combine_splits(

@@ -140,11 +140,19 @@ def _reduced(losses: torch.Tensor, grad_scale: torch.Tensor, reduction: str) -> 
     return total * (grad_scale if grad_scale.numel() == 1 else grad_scale[0])
 
 
+def bwd_tiling(n_rows: int, n_cols: int) -> tuple[int, int, tuple[int, int, int]]:
+    """The backward kernel's ``(BLOCK_N, TILES, grid)`` for ``(n_rows, n_cols)`` gradients: a
+    program scales ``TILES`` blocks of ``BLOCK_N`` columns of up to :data:`BWD_PROGRAMS` rows
+    at a time (the launcher and the traffic model both read this)."""
+    block = min(BWD_BLOCK, 1 << max(4, (n_cols - 1).bit_length()))
+    tiles = min(BWD_TILES, cdiv(n_cols, block))
+    return block, tiles, (min(n_rows, BWD_PROGRAMS), cdiv(n_cols, block * tiles), 1)
+
+
 def _plan_bwd(grad: torch.Tensor, out: torch.Tensor, d: torch.Tensor, stride_l: int,
               skip: bool) -> Callable[..., None]:  # fmt: skip
     n, v = grad.shape
-    block = min(BWD_BLOCK, 1 << max(4, (v - 1).bit_length()))
-    tiles = min(BWD_TILES, cdiv(v, block))
+    block, tiles, grid = bwd_tiling(n, v)
     col64 = (v - 1) * max(abs(grad.stride(1)), abs(out.stride(1))) >= _INT32_LIMIT
     rest = (n, v, *grad.stride(), *out.stride(), stride_l)
     bound = _launch.launcher(K._cross_entropy_bwd_kernel).bind(
@@ -152,7 +160,6 @@ def _plan_bwd(grad: torch.Tensor, out: torch.Tensor, d: torch.Tensor, stride_l: 
         dict(SCALAR=d.numel() == 1, SKIP_UNIT=skip, BLOCK_N=block, TILES=tiles, COL_INT64=col64,
              ROUND_BF16=_backend.round_bf16(grad.dtype), num_warps=4, num_stages=1),
     )  # fmt: skip
-    grid = (min(n, BWD_PROGRAMS), cdiv(v, block * tiles), 1)
     return lambda grad, out, d: bound(grid, grad, out, d, *rest)
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import torch
-import triton
 
 from flashlite.kernels import softmax_gluon
 from flashlite.traffic.shapes import (
@@ -59,7 +58,7 @@ def model_cross_entropy(
     not modelled.
     """
     from flashlite.kernels.cross_entropy import ce_config
-    from flashlite.ops.cross_entropy import BWD_BLOCK, BWD_PROGRAMS, BWD_TILES
+    from flashlite.ops.cross_entropy.plan import bwd_tiling
 
     b = torch.empty((), dtype=dtype).element_size()
     if prefetch and weight_bytes:
@@ -83,11 +82,10 @@ def model_cross_entropy(
     t.add("gradient", 0, rows * n * b)
     t.add("loss, lse", 0, rows * 8)
     if backward:
-        block = min(BWD_BLOCK, 1 << max(4, (n - 1).bit_length()))
-        span = block * min(BWD_TILES, triton.cdiv(n, block))
+        _, _, (programs, col_groups, _) = bwd_tiling(rows, n)  # the launcher's own tiling
         # one read per program of a scalar (mean, sum), one per row of per-row gradients
-        reads = min(rows, BWD_PROGRAMS) if scalar_grad else rows
-        t.add("backward: incoming gradient", reads * 4 * triton.cdiv(n, span), 0)
+        reads = programs if scalar_grad else rows
+        t.add("backward: incoming gradient", reads * 4 * col_groups, 0)
         if not unit_grad:
             t.add("backward: gradient", rows * n * b, rows * n * b)
     t.info = {"passes": passes}

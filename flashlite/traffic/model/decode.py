@@ -5,6 +5,7 @@ from __future__ import annotations
 import triton
 
 from flashlite import masks
+from flashlite.ops.attention.decode import key_chunks
 from flashlite.traffic.shapes import (
     AttentionShape,
     Traffic,
@@ -48,8 +49,7 @@ def model_flashlite_decode(
     B, Hq, Hkv = shape.batch, shape.heads, shape.hkv
     Nq, Nk, D = shape.seq_q, shape.nk, shape.head_dim
     group, rows = Hq // Hkv, decode_rows_per_head(shape)
-    split_len = block_n * triton.cdiv(triton.cdiv(Nk, block_n), splits)
-    splits = triton.cdiv(Nk, split_len)
+    split_len, splits = key_chunks(Nk, block_n, splits)  # the decode plan's own split
     lanes = 0
     for r0 in range(0, rows, block_m):
         lo, full_lo, full_hi, hi = masks.torch_key_range(r0 // group, block_m, block_n, Nq, Nk,
