@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from flashlite import stats
+from flashlite.ops._dispatch import Op
 from flashlite.ops.attention import attention_bwd, attention_fwd, check_inputs
 from flashlite.ops.common import check_flags
 
@@ -266,8 +267,7 @@ def _resolve(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
-@torch.library.custom_op("flashlite::ring_attention_fwd", mutates_args=())
-def _ring_fwd_op(
+def _ring_fwd_body(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, causal: bool,
     scale: float, zigzag: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
@@ -277,13 +277,11 @@ def _ring_fwd_op(
     return o.contiguous(), lse
 
 
-@_ring_fwd_op.register_fake
-def _(q, k, v, group_name, causal, scale, zigzag):  # type: ignore[no-untyped-def]
+def _ring_fwd_fake(q, k, v, group_name, causal, scale, zigzag):  # type: ignore[no-untyped-def]
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-@torch.library.custom_op("flashlite::ring_attention_bwd", mutates_args=())
-def _ring_bwd_op(
+def _ring_bwd_body(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     lse: torch.Tensor, dlse: torch.Tensor | None, group_name: str, causal: bool, scale: float,
     zigzag: bool,
@@ -293,9 +291,13 @@ def _ring_bwd_op(
     return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]
 
 
-@_ring_bwd_op.register_fake
-def _(do, q, k, v, o, lse, dlse, group_name, causal, scale, zigzag):  # type: ignore[no-untyped-def]
+def _ring_bwd_fake(do, q, k, v, o, lse, dlse, group_name, causal, scale, zigzag):  # type: ignore[no-untyped-def]
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+#: ``flashlite::ring_attention_bwd``: the backward ring, ``(dq, dk, dv)`` contiguous.
+RING_BWD = Op("ring_attention_bwd", _ring_bwd_body, fake=_ring_bwd_fake, inputs=7,
+              moves=False)  # fmt: skip
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
@@ -303,19 +305,21 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse)
     ctx.args = (group_name, causal, scale, zigzag)
-    ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, do, dlse):  # type: ignore[no-untyped-def]
     q, k, v, o, lse = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = torch.ops.flashlite.ring_attention_bwd.default(do, q, k, v, o, lse, dlse,
-                                                              *ctx.args)  # fmt: skip
+    dq, dk, dv = RING_BWD(do, q, k, v, o, lse, dlse, *ctx.args)
     return dq, dk, dv, None, None, None, None
 
 
-_ring_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+#: ``flashlite::ring_attention_fwd``: the forward ring (its collectives inside, opaque to
+#: tracing), ``(o, lse)``, differentiable in q, k, v and through the LSE.
+RING_FWD = Op("ring_attention_fwd", _ring_fwd_body, fake=_ring_fwd_fake, inputs=3,
+              setup_context=_setup_context, backward=_backward, materialize_grads=False,
+              moves=False)  # fmt: skip
 
 
 def ring_attention(
@@ -363,9 +367,7 @@ def ring_attention(
         raise ValueError(f"zigzag shards hold two equal chunks: local length {qc.shape[2]} is odd")
     if validate and not torch.compiler.is_compiling():
         _check_shards(qc, 2, group, "q")
-    o, lse = torch.ops.flashlite.ring_attention_fwd.default(
-        qc, kc, vc, _group_name(group), causal, sm_scale, zigzag
-    )
+    o, lse = RING_FWD(qc, kc, vc, _group_name(group), causal, sm_scale, zigzag)
     if layout != "b h n d":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
