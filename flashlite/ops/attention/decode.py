@@ -19,7 +19,6 @@ from flashlite.ops.attention.plan import (
     _descriptor_ok,
     _dot_flags,
     _meta,
-    _planned,
     _prescale_q,
     empty_output,
 )
@@ -63,7 +62,7 @@ def attention_decode_fwd(
     # (o is fresh and strided from q: q's entry pins it)
     key = (_meta(q), _meta(k), _meta(v), _meta(seqlens_k), _meta(block_table), causal, scale,
            window, softcap, num_splits, config, use_desc)  # fmt: skip
-    plan = _planned(_decode_plans, key, lambda: DecodePlan(
+    plan = _decode_plans.made(key, lambda: DecodePlan(
         q, k, v, o, seqlens_k, block_table, causal, scale, window, softcap, num_splits, config,
         use_desc))  # fmt: skip
     return o, lse, plan(q, k, v, seqlens_k, block_table, o, lse)

@@ -14,7 +14,7 @@ from flashlite.kernels.attention import kvcache as KKV
 from flashlite.ops._dispatch import Op
 from flashlite.ops.attention.checks import _check_cache_values, _kv_record, _report_kv_problems
 from flashlite.ops.attention.decode import DecodePlan
-from flashlite.ops.attention.plan import _meta, _planned
+from flashlite.ops.attention.plan import _meta
 
 
 def _kvcache_key(tensors: tuple, options: tuple) -> tuple | None:
@@ -153,7 +153,7 @@ _TENSORS = 7
 def _kvcache_plan(args: tuple) -> KVCachePlan:
     """The :class:`KVCachePlan` of :func:`_kvcache`'s (checked) arguments, made on first use."""
     key = (*map(_meta, args[:_TENSORS]), *args[_TENSORS:])
-    return _planned(_kvcache_plans, key, lambda: KVCachePlan(args))
+    return _kvcache_plans.made(key, lambda: KVCachePlan(args))
 
 
 def _kvcache(

@@ -5,9 +5,7 @@ the decode kernel's key chunks, and the plan caches that keep those decisions pe
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import triton
@@ -211,16 +209,6 @@ def _meta(t: torch.Tensor | None) -> tuple | None:
     if t is None:
         return None
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
-
-
-def _cache(cache: Cache, key: tuple, plan: object) -> object:
-    return cache.put(key, plan)
-
-
-def _planned(cache: Cache, key: tuple, make: Callable[[], object]) -> Any:
-    """``cache[key]``, made by ``make()`` (and kept) the first time."""
-    plan = cache.get(key)
-    return plan if plan is not None else cache.put(key, make())
 
 
 def _default_splits(

@@ -20,7 +20,7 @@ from flashlite.ops.cross_entropy.plan import (
     _plan_bwd,
     _plan_prefetch,
     _plan_triton_fwd,
-    _planned,
+    _plans,
     _reduced,
     _unit_scale,
 )
@@ -81,7 +81,7 @@ def cross_entropy_fwd_eager(
            grad.stride(), None if weight is None else weight.dtype, reduction,
            None if grad_scale is None else grad_scale.numel(), bad is None,
            _aligned(logits, target, weight, grad_scale, grad, bad), *opts)  # fmt: skip
-    run = _planned(key, lambda: _plan_eager(logits, target, weight, grad, grad_scale, bad,
+    run = _plans.made(key, lambda: _plan_eager(logits, target, weight, grad, grad_scale, bad,
                                             reduction, opts))  # fmt: skip
     return run(logits, target, weight, grad, grad_scale, bad)
 
@@ -146,7 +146,7 @@ def cross_entropy_bwd(grad: torch.Tensor, out: torch.Tensor, dloss: torch.Tensor
     skip = out.data_ptr() == grad.data_ptr()
     key = ("bwd", grad.device, grad.dtype, out.dtype, n, v, grad.stride(), out.stride(), stride_l,
            skip, _aligned(grad, out, d))  # fmt: skip
-    _planned(key, lambda: _plan_bwd(grad, out, d, stride_l, skip))(grad, out, d)
+    _plans.made(key, lambda: _plan_bwd(grad, out, d, stride_l, skip))(grad, out, d)
     return out
 
 
@@ -188,7 +188,7 @@ def cross_entropy_scale(
             (target, weight, scale, bad, bad, *rest), options)  # fmt: skip
         return lambda *a: bound((1, 1, 1), *a, *rest)
 
-    _planned(key, plan)(target, weight, scale, seen, bad)
+    _plans.made(key, plan)(target, weight, scale, seen, bad)
     return scale
 
 

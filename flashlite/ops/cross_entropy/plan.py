@@ -45,13 +45,6 @@ def _aligned(*tensors: torch.Tensor | None) -> bool | tuple[bool, ...]:
     return tuple(t is None or t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def _planned(key: tuple, plan: Callable[[], Callable[..., None]]) -> Callable[..., None]:
-    found = _plans.get(key)
-    if found is None:
-        found = _plans.put(key, plan())
-    return found
-
-
 def _gluon_applies(logits: torch.Tensor, weight: torch.Tensor | None, grad: torch.Tensor,
                    softcap: float) -> bool:  # fmt: skip
     """Whether the Gluon prefetching team takes these logits: long plain rows (no class
