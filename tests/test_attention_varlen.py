@@ -209,3 +209,75 @@ def test_unvalidated_offsets_stay_inside_the_tensors() -> None:
         out = flashlite.attention_varlen(*leaves, cu_bad, cu_bad, 8, 8, validate=False)
         out.sum().backward()
         assert out.shape == q.shape and all(t.grad is not None for t in leaves)
+
+
+@pytest.mark.parametrize(
+    ("cu_q", "cu_k", "max_q", "message"),
+    [
+        ([1, 5, 9], [0, 4, 9], 8, r"cu_seqlens_q must start at 0; got cu_seqlens_q\[0\] = 1"),
+        (
+            [0, 5, 9],
+            [0, 4, 8],
+            8,
+            r"cu_seqlens_k must end at the packed length 9; got "
+            r"cu_seqlens_k\[2\] = 8",
+        ),  # fmt: skip
+        (
+            [0, 6, 4, 9],
+            [0, 3, 6, 9],
+            8,
+            r"cu_seqlens_q must never decrease; got "
+            r"cu_seqlens_q\[2\] - cu_seqlens_q\[1\] = -2",
+        ),  # fmt: skip
+        (
+            [0, 1, 9],
+            [0, 3, 9],
+            5,
+            r"max_seqlen \(5\) is below the longest sequence of "
+            r"cu_seqlens_q \(sequence 1 has 8\)",
+        ),  # fmt: skip
+        ([0, 4, 9], [0, 4, 9], 8, None),
+    ],
+)
+def test_offsets_checked_on_the_device(cu_q: list, cu_k: list, max_q: int,
+                                       message: str | None) -> None:  # fmt: skip
+    """The GPU's default check, run here in the interpreter: the kernel records the first bad
+    offset without a sync, the next check raises it (naming it an earlier call's), and the
+    record is cleared."""
+    from flashlite.ops.attention import checks
+
+    q_off, k_off = (torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k))
+    assert checks._check_offsets_on_device(q_off, k_off, 9, 9, max_q, 8)
+    if message is None:
+        checks._report_offsets_problems(q_off.device, True, earlier=False)  # nothing recorded
+        return
+    with pytest.raises(ValueError, match=message):
+        checks._report_offsets_problems(q_off.device, True, earlier=False)
+    assert checks._taken("offsets", q_off.device, True) is None  # cleared
+    assert checks._check_offsets_on_device(q_off, k_off, 9, 9, max_q, 8)  # records it again
+    good = torch.tensor([0, 4, 9], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"an earlier flashlite.attention_varlen call.*" + message):
+        checks._check_offsets_on_device(good, good, 9, 9, 8, 8)
+
+
+def test_varlen_validate_takes_true_false_or_sync() -> None:
+    q, k, v = (torch.randn(9, 2, 16) for _ in range(3))
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    out = flashlite.attention_varlen(q, k, v, cu, cu, 5, 5, validate="sync")
+    assert torch.isfinite(out).all()
+    with pytest.raises(TypeError, match="validate must be True, False or 'sync'"):
+        flashlite.attention_varlen(q, k, v, cu, cu, 5, 5, validate="no")
+
+
+@pytest.mark.gpu
+def test_gpu_default_varlen_reports_bad_offsets_from_a_later_call() -> None:
+    q, k, v = (torch.randn(9, 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    good = torch.tensor([0, 4, 9], dtype=torch.int32, device="cuda")
+    bad = torch.tensor([0, 6, 9], dtype=torch.int32, device="cuda")  # 6 > max_seqlen 5
+    out = flashlite.attention_varlen(q, k, v, bad, good, 5, 5)  # no sync, no error yet
+    assert out.shape == q.shape
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match="an earlier flashlite.attention_varlen call"):
+        flashlite.attention_varlen(q, k, v, good, good, 5, 5)
+    ok = flashlite.attention_varlen(q, k, v, good, good, 5, 5)
+    assert torch.isfinite(ok).all()

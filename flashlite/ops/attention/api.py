@@ -15,6 +15,7 @@ from flashlite.ops.attention.checks import (
     _check_cu_seqlens,
     _check_cu_values,
     _check_forward_only,
+    _check_offsets_on_device,
     _check_page_size,
     _check_scale,
     _check_seqlens,
@@ -121,7 +122,7 @@ def attention_varlen(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     return_lse: bool = False,
-    validate: bool = True,
+    validate: bool | str = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed sequences of different lengths (flash-attn's varlen convention),
     without padding: sequence b is rows ``[cu_seqlens_q[b], cu_seqlens_q[b + 1])`` of q and
@@ -136,10 +137,12 @@ def attention_varlen(
         causal, scale, window, softcap: as :func:`attention`, per sequence (causal and window
             aligned bottom-right to each sequence's own lengths).
         return_lse: also return the fp32 LSE, ``(Hq, total_q)``.
-        validate: check the values of the offsets (one host sync on a GPU; skipped inside
-            ``torch.compile``). ``False`` skips it (no sync: CUDA graphs, training loops whose
-            offsets are known good); the kernels clamp the offsets to the packed lengths, so
-            bad ones give wrong rows, never reads or writes outside the tensors.
+        validate: check the values of the offsets. ``True`` (the default): on a GPU in one
+            small launch, with no host sync, bad offsets raised by a *later* varlen call on that
+            device (the first that finds the check done); on the CPU by this call.
+            ``"sync"``: by this call, after a host sync. ``False``: no check. Skipped inside
+            ``torch.compile``. The kernels clamp the offsets to the packed lengths either way,
+            so bad ones give wrong rows, never reads or writes outside the tensors.
 
     Returns:
         ``out`` ``(total_q, Hq, D)`` (and the LSE). Differentiable in q, k, v (and through the
@@ -147,16 +150,19 @@ def attention_varlen(
 
     Raises:
         TypeError: non-tensors, wrong dtypes (cu_seqlens must be int32), flags that are not
-            bools, as :func:`attention`.
+            bools, as :func:`attention`; ``validate`` not True, False or ``"sync"``.
         ValueError: shapes, devices; with ``validate``, cu_seqlens that do not start at 0,
-            decrease or do not end at the packed length, max_seqlen below a sequence's length.
+            decrease or do not end at the packed length, max_seqlen below a sequence's length
+            (raised when ``validate`` says).
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dim() != 3:
             raise ValueError(f"{name} must be (total, heads, head_dim), got {tuple(t.shape)}")
-    check_flags(causal=causal, return_lse=return_lse, validate=validate)
+    check_flags(causal=causal, return_lse=return_lse)
+    if not (isinstance(validate, bool) or validate == "sync"):
+        raise TypeError(f"validate must be True, False or 'sync', got {validate!r}")
     # (1, H, total, D) views: one 'batch' in the layout the kernels read, no copy
     sm_scale, qc, kc, vc = _check(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), "b n h d", scale)
     cu_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q, max_seqlen_q)
@@ -167,7 +173,10 @@ def attention_varlen(
             f"{tuple(cu_q.shape)} and {tuple(cu_k.shape)}"
         )
     if validate and not torch.compiler.is_compiling():
-        _check_cu_values(cu_q, cu_k, q.shape[0], k.shape[0], max_seqlen_q, max_seqlen_k)
+        sizes = (q.shape[0], k.shape[0], int(max_seqlen_q), int(max_seqlen_k))
+        on_device = validate is True and cu_q.device.type == "cuda"  # (a CPU check costs no sync)
+        if not (on_device and _check_offsets_on_device(cu_q, cu_k, *sizes)):
+            _check_cu_values(cu_q, cu_k, *sizes)
     left, right = masks.window_bounds(window, causal)
     cap = check_softcap(softcap)
     o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale, left, right, cap, None, cu_q, cu_k,

@@ -4,9 +4,11 @@ cache's values, each error naming the argument and what is accepted."""
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
+import triton
 
 from flashlite import _backend
 from flashlite._caches import Cache
@@ -261,40 +263,54 @@ def _check_splits(num_splits: object) -> int | None:
     return num_splits
 
 
-#: Per compute device, where the append kernel records a bad cache value, ``(flag, kind, b, j,
-#: value, Nnew, limit)`` (:mod:`flashlite.kernels.attention.kvcache`), in the device's memory,
-#: kept until reported, and a host flag the kernel also sets
-#: (pinned host memory on a GPU, read without a sync; the record itself on the CPU).
-_kv_records = Cache("attention.kvcache_records", 16)
+#: Per kind of check and compute device, where a kernel records a bad index value, ``(flag,
+#: ...)`` int64 words in the device's memory (:mod:`flashlite.kernels.attention.kvcache`,
+#: :mod:`flashlite.kernels.attention.offsets`), kept until reported, and a host flag the kernel
+#: also sets (pinned host memory on a GPU, read without a sync; the record itself on the CPU).
+_value_records = Cache("attention.value_records", 32)
+
+
+def _value_record(what: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """``(record, host flag, the host flag as a numpy array)`` of ``what`` on ``device``."""
+    found = _value_records.get((what, device))
+    if found is None:
+        record = torch.zeros(7, dtype=torch.int64, device=device)
+        cuda = device.type == "cuda"
+        host = torch.zeros(1, dtype=torch.int64, pin_memory=True) if cuda else record
+        found = _value_records.put((what, device), (record, host, host.numpy()))
+    return found
 
 
 def _kv_record(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """``(record, host flag, the host flag as a numpy array)`` of ``device``."""
-    found = _kv_records.get(device)
+    """The KV-cache step's record on ``device`` (:func:`_value_record`)."""
+    return _value_record("kvcache", device)
+
+
+def _taken(what: str, device: torch.device, wait: bool) -> list[int] | None:
+    """The record of ``what`` on ``device`` if it holds a problem (then cleared): with ``wait``
+    once the device has finished, else only when the host flag already shows one (no sync)."""
+    found = _value_records.get((what, device))
     if found is None:
-        record = torch.zeros(7, dtype=torch.int64, device=device)
-        host = (
-            torch.zeros(1, dtype=torch.int64, pin_memory=True) if device.type == "cuda" else record
-        )
-        found = _kv_records.put(device, (record, host, host.numpy()))
-    return found
+        return None
+    record, host, host_view = found
+    if not wait and not host_view[0]:
+        return None
+    words = record.tolist()  # (a sync on a GPU, once there is something)
+    if not words[0]:
+        return None
+    record.zero_()
+    host.zero_()
+    return words
 
 
 def _report_kv_problems(device: torch.device, wait: bool, earlier: bool) -> None:
     """Raise the ``ValueError`` for a bad cache value recorded on ``device``: with ``wait`` once
     the device has finished, else only when the host flag already shows one (no sync).
     ``earlier``: the record is an earlier call's (this call's kernel has not run yet)."""
-    found = _kv_records.get(device)
-    if found is None:
+    words = _taken("kvcache", device, wait)
+    if words is None:
         return
-    record, host, host_view = found
-    if not wait and not host_view[0]:
-        return
-    flag, kind, b, j, value, n_new, limit = record.tolist()  # (a sync: once there is something)
-    if not flag:
-        return
-    record.zero_()
-    host.zero_()
+    _, kind, b, j, value, n_new, limit = words
     if kind == 1:
         what = (f"cache_seqlens must be >= 0 (keys already in the cache); got "
                 f"cache_seqlens[{b}] = {value}")  # fmt: skip
@@ -311,4 +327,65 @@ def _report_kv_problems(device: torch.device, wait: bool, earlier: bool) -> None
         "call wrote no new key for that batch and its output for it is not meaningful. Values "
         "are checked on the device without waiting for it, and a bad one is reported by a "
         "later call; validate='sync' checks them before anything is written"
+    )
+
+
+def _check_offsets_on_device(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int,
+                             max_q: int, max_k: int) -> bool:  # fmt: skip
+    """Launch the offsets check (:mod:`flashlite.kernels.attention.offsets`): no host sync, a
+    problem recorded for a later call to raise (:func:`_report_offsets_problems`). False, after
+    one warning, when this Triton cannot build the kernel (the caller checks on the host)."""
+    from flashlite import _launch
+    from flashlite.kernels.attention import offsets as KO
+
+    device = cu_q.device
+    if device in _offsets_failed:
+        return False
+    _report_offsets_problems(device, False, earlier=True)
+    record, host, _ = _value_record("offsets", device)
+    args = (cu_q, cu_k, record, host, cu_q.shape[0] - 1, total_q, total_k, max_q, max_k)
+    try:
+        _launch.launcher(KO._offsets_check_kernel)[(1,)](*args, BLOCK=1024, num_warps=4)
+    except (triton.CompilationError, RuntimeError) as err:
+        if device in _offsets_checked:  # it built before: a real failure
+            raise
+        _offsets_failed.add(device)
+        warnings.warn(f"flashlite: the device check of cu_seqlens failed to build ({err!r:.300}); "
+                      "the offsets are checked on the host instead (one sync per call)",
+                      RuntimeWarning, stacklevel=3)  # fmt: skip
+        return False
+    _offsets_checked.add(device)
+    return True
+
+
+#: Devices where the offsets-check kernel built (any later error is real) or failed to build.
+_offsets_checked: set[torch.device] = set()
+_offsets_failed: set[torch.device] = set()
+
+
+def _report_offsets_problems(device: torch.device, wait: bool, earlier: bool) -> None:
+    """Raise the ``ValueError`` for bad offsets recorded on ``device`` (as
+    :func:`_report_kv_problems` does for the KV cache)."""
+    words = _taken("offsets", device, wait)
+    if words is None:
+        return
+    _, which, kind, index, value, limit, _ = words
+    name = ("cu_seqlens_q", "cu_seqlens_k")[which]
+    if kind == 1:
+        what = f"{name} must start at 0; got {name}[0] = {value}"
+    elif kind == 2:
+        what = f"{name} must end at the packed length {limit}; got {name}[{index}] = {value}"
+    elif kind == 3:
+        what = (f"{name} must never decrease; got {name}[{index + 1}] - {name}[{index}] = "
+                f"{value}")  # fmt: skip
+    else:
+        what = (f"max_seqlen ({limit}) is below the longest sequence of {name} (sequence "
+                f"{index} has {value})")  # fmt: skip
+    if not earlier:
+        raise ValueError(what)
+    raise ValueError(
+        f"an earlier flashlite.attention_varlen call on {device} had bad offsets: {what}. That "
+        "call's rows are not meaningful (the kernels clamp offsets: nothing was read or written "
+        "outside the tensors). Offsets are checked on the device without waiting for it, and "
+        "bad ones are reported by a later call; validate='sync' checks them at the call"
     )
