@@ -99,7 +99,7 @@ def attention(
         o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale)
     else:
         left, right = masks.window_bounds(window, causal)
-        cap = check_softcap(softcap)
+        cap = check_softcap(softcap) or None  # (None: no cap, as the ops take it)
         lengths = _check_seqlens(seqlens_k, qc, kc)
         o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale, left, right, cap, lengths, None, None,
                                0, 0, splits)  # fmt: skip
@@ -178,7 +178,7 @@ def attention_varlen(
         if not (on_device and _check_offsets_on_device(cu_q, cu_k, *sizes)):
             _check_cu_values(cu_q, cu_k, *sizes)
     left, right = masks.window_bounds(window, causal)
-    cap = check_softcap(softcap)
+    cap = check_softcap(softcap) or None  # (None: no cap, as the ops take it)
     o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale, left, right, cap, None, cu_q, cu_k,
                            int(max_seqlen_q), int(max_seqlen_k))  # fmt: skip
     o = o.transpose(1, 2).squeeze(0)
@@ -308,7 +308,7 @@ def attention_kvcache(
         _check_writable(k_cache, v_cache)
     splits = _check_splits(num_splits) or 0
     left, right = masks.window_bounds(window, causal)
-    cap = check_softcap(softcap)
+    cap = check_softcap(softcap) or None  # (None: no cap, as the ops take it)
     sm_scale = _check_scale(scale, d)
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, sm_scale,
             left, right, cap, splits, VALIDATE_MODES[validate])  # fmt: skip

@@ -243,7 +243,7 @@ def _attention_bwd_body(
     scale: float,
     window_left: int = -1,
     window_right: int = -1,
-    softcap: float = 0.0,
+    softcap: float | None = None,
     seqlens_k: torch.Tensor | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
@@ -258,7 +258,7 @@ def _attention_bwd_body(
 
 
 def _attention_bwd_fake(do, q, k, v, o, lse, dlse, causal, scale, window_left=-1,  # type: ignore[no-untyped-def]
-      window_right=-1, softcap=0.0,
+      window_right=-1, softcap=None,
       seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
       max_seqlen_k=0):  # fmt: skip
     _check_bwd_grads(do, o, lse, dlse)

@@ -206,7 +206,7 @@ def _attention_fwd_body(
     scale: float,
     window_left: int = -1,
     window_right: int = -1,
-    softcap: float = 0.0,
+    softcap: float | None = None,
     seqlens_k: torch.Tensor | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
@@ -223,7 +223,7 @@ def _attention_fwd_body(
 
 
 def _attention_fwd_fake(q, k, v, causal, scale, window_left=-1, window_right=-1,  # type: ignore[no-untyped-def]
-      softcap=0.0, seqlens_k=None,
+      softcap=None, seqlens_k=None,
       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
       num_splits=0):  # fmt: skip
     return empty_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)
@@ -241,8 +241,9 @@ def _op_varlen(
 
 
 def _op_extras(
-    window_left: int, window_right: int, softcap: float
+    window_left: int, window_right: int, softcap: float | None
 ) -> tuple[tuple[int, int] | None, float | None]:
-    """The ops' flat mask arguments (−1, −1 and 0.0 mean none) as the launchers take them."""
+    """The ops' flat mask arguments (a window of (−1, −1) means none) as the launchers take them."""
     window = None if window_left == window_right == -1 else (window_left, window_right)
-    return window, (softcap if softcap > 0 else None)
+    # (0.0 is no cap too: a graph compiled when the schema's default was 0.0 may still pass it)
+    return window, softcap if softcap else None

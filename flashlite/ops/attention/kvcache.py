@@ -168,12 +168,12 @@ def _kvcache(
     scale: float,
     window_left: int,
     window_right: int,
-    softcap: float,
+    softcap: float | None,
     num_splits: int,
     validate: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_kvcache` after its argument checks: the value checks, the append, the
-    decode kernel (:class:`KVCachePlan`). ``num_splits`` 0 chooses; ``softcap`` 0.0 is none."""
+    decode kernel (:class:`KVCachePlan`). ``num_splits`` 0 chooses; ``softcap`` None is none."""
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale,
             window_left, window_right, softcap, num_splits, validate)  # fmt: skip
     return _kvcache_plan(args)(*args[:_TENSORS])
