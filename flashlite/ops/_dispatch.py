@@ -138,19 +138,16 @@ def _function(
         setup_context(ctx, args, out)
         return out
 
-    def run_backward(ctx: Any, *grads: Any) -> Any:
-        return backward(ctx, *grads)
+    doc = f"Eager autograd of ``flashlite::{name}`` (made by :class:`Op`)."
+    return _function_class(name, forward, backward, doc)
 
+
+def _function_class(name: str, forward: Callable[..., Any], backward: Callable[..., Any],
+                    doc: str) -> type[torch.autograd.Function]:  # fmt: skip
+    """``<Name>Function``, an ``autograd.Function`` with this forward and backward."""
     title = "".join(part.title() for part in name.split("_"))
-    return type(
-        f"{title}Function",
-        (torch.autograd.Function,),
-        {
-            "forward": staticmethod(forward),
-            "backward": staticmethod(run_backward),
-            "__doc__": f"Eager autograd of ``flashlite::{name}`` (made by :class:`Op`).",
-        },
-    )
+    members = {"forward": staticmethod(forward), "backward": staticmethod(backward), "__doc__": doc}
+    return type(f"{title}Function", (torch.autograd.Function,), members)
 
 
 def differentiable(
@@ -161,14 +158,5 @@ def differentiable(
     mutates cannot carry an autograd formula, so the formula lives here, around the ops:
     ``forward(ctx, *args)`` and ``backward(ctx, *grads)`` as a Function's own, and each op
     inside still picks its path (body or dispatcher) for itself."""
-    title = "".join(part.title() for part in name.split("_"))
-    return type(
-        f"{title}Function",
-        (torch.autograd.Function,),
-        {
-            "forward": staticmethod(forward),
-            "backward": staticmethod(backward),
-            "__doc__": f"Autograd of ``flashlite.{name}`` around its ops (made by "
-            ":func:`differentiable`).",
-        },
-    )
+    doc = f"Autograd of ``flashlite.{name}`` around its ops (made by :func:`differentiable`)."
+    return _function_class(name, forward, backward, doc)

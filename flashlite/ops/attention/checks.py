@@ -320,14 +320,10 @@ def _report_kv_problems(device: torch.device, wait: bool, earlier: bool) -> None
     else:
         what = (f"block_table holds pages outside [0, {limit}) among the pages in use: "
                 f"block_table[{b}, {j}] = {value}")  # fmt: skip
-    if not earlier:
-        raise ValueError(f"{what} (batch {b} was not written)")
-    raise ValueError(
-        f"an earlier flashlite.attention_kvcache call on {device} had a bad value: {what}. That "
-        "call wrote no new key for that batch and its output for it is not meaningful. Values "
-        "are checked on the device without waiting for it, and a bad one is reported by a "
-        "later call; validate='sync' checks them before anything is written"
-    )
+    _raise_recorded(f"{what} (batch {b} was not written)", earlier, device, "attention_kvcache",
+                    f"a bad value: {what}. That call wrote no new key for that batch and its "
+                    "output for it is not meaningful",
+                    "checks them before anything is written")  # fmt: skip
 
 
 def _check_offsets_on_device(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int,
@@ -381,11 +377,21 @@ def _report_offsets_problems(device: torch.device, wait: bool, earlier: bool) ->
     else:
         what = (f"max_seqlen ({limit}) is below the longest sequence of {name} (sequence "
                 f"{index} has {value})")  # fmt: skip
+    _raise_recorded(what, earlier, device, "attention_varlen",
+                    f"bad offsets: {what}. That call's rows are not meaningful (the kernels clamp "
+                    "offsets: nothing was read or written outside the tensors)",
+                    "checks them at the call")  # fmt: skip
+
+
+def _raise_recorded(what: str, earlier: bool, device: torch.device, fn: str, consequence: str,
+                    strict: str) -> None:  # fmt: skip
+    """The ``ValueError`` for a value a device check recorded: ``what`` as it is for this call's
+    own record, or, for an ``earlier`` call's, the same named as that call's, with what it did
+    (``consequence``) and what ``validate="sync"`` does instead (``strict``)."""
     if not earlier:
         raise ValueError(what)
     raise ValueError(
-        f"an earlier flashlite.attention_varlen call on {device} had bad offsets: {what}. That "
-        "call's rows are not meaningful (the kernels clamp offsets: nothing was read or written "
-        "outside the tensors). Offsets are checked on the device without waiting for it, and "
-        "bad ones are reported by a later call; validate='sync' checks them at the call"
+        f"an earlier flashlite.{fn} call on {device} had {consequence}. Values are checked on "
+        f"the device without waiting for it, and a bad one is reported by a later call; "
+        f"validate='sync' {strict}"
     )
