@@ -245,6 +245,7 @@ def test_offsets_checked_on_the_device(cu_q: list, cu_k: list, max_q: int,
     offset without a sync, the next check raises it (naming it an earlier call's), and the
     record is cleared."""
     from flashlite.ops.attention import checks
+    from flashlite.ops.common import take_record
 
     q_off, k_off = (torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k))
     assert checks._check_offsets_on_device(q_off, k_off, 9, 9, max_q, 8)
@@ -253,7 +254,7 @@ def test_offsets_checked_on_the_device(cu_q: list, cu_k: list, max_q: int,
         return
     with pytest.raises(ValueError, match=message):
         checks._report_offsets_problems(q_off.device, True, earlier=False)
-    assert checks._taken("offsets", q_off.device, True) is None  # cleared
+    assert take_record("offsets", q_off.device, True) is None  # cleared
     assert checks._check_offsets_on_device(q_off, k_off, 9, 9, max_q, 8)  # records it again
     good = torch.tensor([0, 4, 9], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"an earlier flashlite.attention_varlen call.*" + message):

@@ -98,7 +98,6 @@ class Op:
             assert setup_context is not None, "an autograd formula needs its setup_context"
             op.register_autograd(backward, setup_context=setup_context)
             self.function = _function(name, self.body, setup_context, backward, materialize_grads)
-        self.custom_op = op
         self.default = getattr(torch.ops.flashlite, name).default
         # the arguments the body writes: the dispatcher bumps their version counters (autograd's
         # check that a saved tensor was not modified), so the body path must too

@@ -1,6 +1,7 @@
-"""What the front-ends share: where their bodies run, and the checks every one of them makes
-(soft caps, boolean flags, overlapping memory). When a call skips the dispatcher is
-:mod:`flashlite.ops._dispatch`'s business."""
+"""What the front-ends share: where their bodies run, the checks every one of them makes (soft
+caps, boolean flags, overlapping memory), and the records through which kernels report bad index
+values without a host sync. When a call skips the dispatcher is :mod:`flashlite.ops._dispatch`'s
+business."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any, TypeVar
 import torch
 
 from flashlite import _backend
+from flashlite._caches import Cache
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -99,3 +101,49 @@ def overlapping(t: torch.Tensor) -> bool:
         if stride < span:
             return True
     return False
+
+
+#: Per check (``"cross_entropy"``, ``"kvcache"``, ``"offsets"``) and compute device, where a
+#: kernel records a bad index value: int64 words ``(flag, ...)`` in the device's memory, kept
+#: until reported, and a host flag the recording kernel also sets (pinned host memory on a GPU,
+#: which a kernel writes directly and the host reads without waiting; the record itself on the
+#: CPU).
+_records = Cache("ops.value_records", 64)
+
+
+def value_record(what: str, device: torch.device,
+                 words: int) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
+    """``(record, host flag, the host flag as a numpy array)`` of check ``what`` on ``device``
+    (numpy: reading the flag costs no torch op), made on first use."""
+    found = _records.get((what, device))
+    if found is None:
+        record = torch.zeros(words, dtype=torch.int64, device=device)
+        cuda = device.type == "cuda"
+        host = torch.zeros(1, dtype=torch.int64, pin_memory=True) if cuda else record
+        found = _records.put((what, device), (record, host, host.numpy()))
+    return found
+
+
+def host_flag(what: str, record: torch.Tensor) -> torch.Tensor:
+    """What a kernel that records into ``record`` sets to 1 as well: the host flag when it is
+    check ``what``'s record on its device, else ``record`` itself (its own flag)."""
+    found = _records.get((what, record.device))
+    return found[1] if found is not None and found[0] is record else record
+
+
+def take_record(what: str, device: torch.device, wait: bool) -> list[int] | None:
+    """The words of check ``what``'s record on ``device`` if it holds a problem (then cleared):
+    with ``wait`` once the device has finished, else only when the host flag already shows one
+    (no sync unless there is something)."""
+    found = _records.get((what, device))
+    if found is None:
+        return None
+    record, host, host_view = found
+    if not wait and not host_view[0]:
+        return None
+    words = record.tolist()  # the whole record, once the device is done (a sync on a GPU)
+    if not words[0]:
+        return None
+    record.zero_()
+    host.zero_()
+    return words

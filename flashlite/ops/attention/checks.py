@@ -11,8 +11,7 @@ import torch
 import triton
 
 from flashlite import _backend
-from flashlite._caches import Cache
-from flashlite.ops.common import overlapping
+from flashlite.ops.common import overlapping, take_record, value_record
 
 LAYOUTS = ("b h n d", "b n h d")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -263,51 +262,18 @@ def _check_splits(num_splits: object) -> int | None:
     return num_splits
 
 
-#: Per kind of check and compute device, where a kernel records a bad index value, ``(flag,
-#: ...)`` int64 words in the device's memory (:mod:`flashlite.kernels.attention.kvcache`,
-#: :mod:`flashlite.kernels.attention.offsets`), kept until reported, and a host flag the kernel
-#: also sets (pinned host memory on a GPU, read without a sync; the record itself on the CPU).
-_value_records = Cache("attention.value_records", 32)
-
-
-def _value_record(what: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """``(record, host flag, the host flag as a numpy array)`` of ``what`` on ``device``."""
-    found = _value_records.get((what, device))
-    if found is None:
-        record = torch.zeros(7, dtype=torch.int64, device=device)
-        cuda = device.type == "cuda"
-        host = torch.zeros(1, dtype=torch.int64, pin_memory=True) if cuda else record
-        found = _value_records.put((what, device), (record, host, host.numpy()))
-    return found
-
-
 def _kv_record(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """The KV-cache step's record on ``device`` (:func:`_value_record`)."""
-    return _value_record("kvcache", device)
-
-
-def _taken(what: str, device: torch.device, wait: bool) -> list[int] | None:
-    """The record of ``what`` on ``device`` if it holds a problem (then cleared): with ``wait``
-    once the device has finished, else only when the host flag already shows one (no sync)."""
-    found = _value_records.get((what, device))
-    if found is None:
-        return None
-    record, host, host_view = found
-    if not wait and not host_view[0]:
-        return None
-    words = record.tolist()  # (a sync on a GPU, once there is something)
-    if not words[0]:
-        return None
-    record.zero_()
-    host.zero_()
-    return words
+    """Where the append kernel records a bad cache value on ``device``, ``(flag, kind, b, j,
+    value, Nnew, limit)`` (:mod:`flashlite.kernels.attention.kvcache`), with its host flag
+    (:func:`flashlite.ops.common.value_record`)."""
+    return value_record("kvcache", device, 7)
 
 
 def _report_kv_problems(device: torch.device, wait: bool, earlier: bool) -> None:
     """Raise the ``ValueError`` for a bad cache value recorded on ``device``: with ``wait`` once
     the device has finished, else only when the host flag already shows one (no sync).
     ``earlier``: the record is an earlier call's (this call's kernel has not run yet)."""
-    words = _taken("kvcache", device, wait)
+    words = take_record("kvcache", device, wait)
     if words is None:
         return
     _, kind, b, j, value, n_new, limit = words
@@ -338,7 +304,7 @@ def _check_offsets_on_device(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: in
     if device in _offsets_failed:
         return False
     _report_offsets_problems(device, False, earlier=True)
-    record, host, _ = _value_record("offsets", device)
+    record, host, _ = value_record("offsets", device, 7)
     args = (cu_q, cu_k, record, host, cu_q.shape[0] - 1, total_q, total_k, max_q, max_k)
     try:
         _launch.launcher(KO._offsets_check_kernel)[(1,)](*args, BLOCK=1024, num_warps=4)
@@ -362,7 +328,7 @@ _offsets_failed: set[torch.device] = set()
 def _report_offsets_problems(device: torch.device, wait: bool, earlier: bool) -> None:
     """Raise the ``ValueError`` for bad offsets recorded on ``device`` (as
     :func:`_report_kv_problems` does for the KV cache)."""
-    words = _taken("offsets", device, wait)
+    words = take_record("offsets", device, wait)
     if words is None:
         return
     _, which, kind, index, value, limit, _ = words

@@ -116,8 +116,7 @@ def attention_fwd(
     block_d = launch["BLOCK_D"]
     if use_desc:  # block shapes are set per config (set_block_shapes), placeholders here
         bm, bn = (config.block_m, config.block_n) if config is not None else (16, 16)
-        srcs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])
-                for t, r in ((q, bm), (k, bn), (v, bn), (o, bm))]  # fmt: skip
+        srcs = _descriptors(q, k, v, o, bm, bn, block_d)
         if varlen is not None:  # O is stored through pointers (blocks cross sequences)
             srcs[3] = o
     else:
@@ -142,18 +141,21 @@ def attention_fwd(
                 if block is None:
                     bound(grid, q, k, v, o, lse, *tail, lse, lse, lse)
                     return
-                bm, bn = block
-                srcs = [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])
-                        for t, r in ((q, bm), (k, bn), (v, bn), (o, bm))]  # fmt: skip
-                bound(grid, *srcs, lse, *tail, lse, lse, lse)
+                bound(grid, *_descriptors(q, k, v, o, *block, block_d), lse, *tail, lse, lse, lse)
 
             _fwd_plans.put(key, _Planned(run, q.shape[:3], info))
         return o, lse, info
-    else:
-        tuned = _tuned_kernel(rows, nk)
-        tuned[lambda meta: (C.cdiv(rows, meta["BLOCK_M"]), seqs * hq)](*args, **launch)  # type: ignore[index]
-        config = C.Config.of(tuned.best_config)  # type: ignore[attr-defined]
-    return o, lse, LaunchInfo(config, block_d, use_desc)
+    tuned = _tuned_kernel(rows, nk)
+    tuned[lambda meta: (C.cdiv(rows, meta["BLOCK_M"]), seqs * hq)](*args, **launch)  # type: ignore[index]
+    return o, lse, LaunchInfo(C.Config.of(tuned.best_config), block_d, use_desc)  # type: ignore[attr-defined]
+
+
+def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, bm: int,
+                 bn: int, block_d: int) -> list[TensorDescriptor]:  # fmt: skip
+    """The forward kernel's 4-D TMA descriptors of q, k, v, o (``[1, 1, rows, BLOCK_D]``
+    blocks: ``bm`` query rows, ``bn`` keys)."""
+    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])
+            for t, r in ((q, bm), (k, bn), (v, bn), (o, bm))]  # fmt: skip
 
 
 #: The plain forward's plans per kind of q, k, v (shapes, strides, dtype, device, alignment,

@@ -8,34 +8,21 @@ from typing import Any
 import torch
 
 from flashlite import _backend
-from flashlite.ops.common import check_softcap, overlapping
+from flashlite.ops.common import check_softcap, host_flag, overlapping, take_record, value_record
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 REDUCTIONS = ("none", "mean", "sum")
 
 
-#: Per compute device, where the kernels record a bad target: ``(flag, class, V)`` in the
-#: device's memory, kept until reported, and a host flag the recording kernel also sets (pinned
-#: host memory on a GPU, which a kernel writes directly: no copy launched per call, the host
-#: reads it without waiting; the same tensor on the CPU).
-_bad_records: dict[torch.device, tuple[torch.Tensor, torch.Tensor, Any]] = {}
-
-
 def _bad_record(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
-    """``(flag, host flag, the host flag as a numpy array)`` (numpy: a read costs no torch op)."""
-    found = _bad_records.get(device)
-    if found is None:
-        flag = torch.zeros(3, dtype=torch.int64, device=device)
-        host = torch.zeros(1, dtype=torch.int64, pin_memory=True) if device.type == "cuda" else flag
-        found = _bad_records[device] = (flag, host, host.numpy())
-    return found
+    """Where the kernels record a bad target on ``device``, ``(flag, class, V)``, with its host
+    flag (:func:`flashlite.ops.common.value_record`)."""
+    return value_record("cross_entropy", device, 3)
 
 
 def _host_flag(bad: torch.Tensor) -> torch.Tensor:
-    """What a kernel that records a bad target in ``bad`` sets to 1 as well: the host flag of a
-    device's record, or ``bad`` itself (any other record: its own flag)."""
-    found = _bad_records.get(bad.device)
-    return found[1] if found is not None and found[0] is bad else bad
+    """What a kernel that records a bad target in ``bad`` sets to 1 as well."""
+    return host_flag("cross_entropy", bad)
 
 
 def _report_bad_targets(device: torch.device, wait: bool, ignore_index: int,
@@ -44,17 +31,9 @@ def _report_bad_targets(device: torch.device, wait: bool, ignore_index: int,
     device has finished, else only what the host flag already shows (nothing is waited for
     unless there is one). ``earlier``: the record can only be an earlier call's (this call's
     check is not launched yet), and the message says so."""
-    found = _bad_records.get(device)
-    if found is None:
+    record = take_record("cross_entropy", device, wait)
+    if record is None:
         return
-    flag, host, host_view = found
-    if not wait and not host_view[0]:  # (pinned memory: read without a sync)
-        return
-    record = flag.tolist()  # the whole record, once the device is done (a sync on a GPU)
-    if not record[0]:
-        return
-    flag.zero_()
-    host.zero_()
     _, cls, v = record
     if not earlier:
         raise ValueError(f"target holds class {cls}, outside [0, {v}) and not "
