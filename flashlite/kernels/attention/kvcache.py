@@ -27,7 +27,9 @@ def _row_problem(SEQLENS, TABLE, b, n_new, capacity, num_pages, stride_table, ma
     end = length + n_new
     kind = tl.where(length < 0, 1, tl.where(end > capacity, 2, 0))
     value = length
-    first = max_pages
+    # (a tensor from the start: a table of one page passes max_pages as a constant 1, and a
+    # loop-carried value must keep one type)
+    first = tl.zeros((), dtype=tl.int32) + max_pages
     if PAGE_SIZE > 0:  # the entries of the pages the row uses, once its length is clamped
         used = (tl.minimum(tl.maximum(end, 0), capacity) + PAGE_SIZE - 1) // PAGE_SIZE
         for j0 in range(0, max_pages, BLOCK_P):
