@@ -45,7 +45,8 @@ def moved_call_device(device: torch.device) -> torch.device | None:
 def on_compute_device(fn: F) -> F:
     """Run a front-end body where kernels run (:func:`flashlite._backend.compute_device`): CPU
     tensors in a process that compiles its kernels go to the GPU once per call, every tensor
-    argument, and the tensors it returns come back (also inside a returned tuple)."""
+    argument (keyword arguments and tuples of tensors too), and the tensors it returns come back
+    (also inside a returned tuple)."""
 
     @functools.wraps(fn)  # custom_op reads the schema from fn's annotations
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -55,6 +56,7 @@ def on_compute_device(fn: F) -> F:
         dev = moved_call_device(first.device)
         if dev is None:
             return fn(*args, **kwargs)
+        kwargs = {name: moved(a, dev) for name, a in kwargs.items()}  # (varlen's offsets: a tuple)
         return moved(fn(*(moved(a, dev) for a in args), **kwargs), first.device)
 
     return run  # type: ignore[return-value]

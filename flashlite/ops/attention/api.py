@@ -30,7 +30,7 @@ from flashlite.ops.attention.kvcache import (
     _kvcache_plan,
 )
 from flashlite.ops.attention.plan import _decode_splits
-from flashlite.ops.common import check_flags, check_softcap
+from flashlite.ops.common import check_flags, check_softcap, moved_call_device
 
 
 def attention(
@@ -312,7 +312,9 @@ def attention_kvcache(
     sm_scale = _check_scale(scale, d)
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, sm_scale,
             left, right, cap, splits, VALIDATE_MODES[validate])  # fmt: skip
-    if key is not None:  # these arguments passed every check above: next time, skip them
+    if key is not None and moved_call_device(q.device) is None:
+        # these arguments passed every check above: next time, skip them (and the op layer:
+        # CPU tensors whose kernels run on a GPU take the op's moving path every time)
         _checked_kvcache.put(key, _kvcache_plan(args))
     o, lse = KVCACHE(*args)
     return (o, lse) if return_lse else o

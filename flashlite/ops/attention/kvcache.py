@@ -15,6 +15,7 @@ from flashlite.ops._dispatch import Op
 from flashlite.ops.attention.checks import _check_cache_values, _kv_record, _report_kv_problems
 from flashlite.ops.attention.decode import DecodePlan
 from flashlite.ops.attention.plan import _meta
+from flashlite.ops.common import moved, moved_call_device
 
 
 def _kvcache_key(tensors: tuple, options: tuple) -> tuple | None:
@@ -176,7 +177,30 @@ def _kvcache(
     decode kernel (:class:`KVCachePlan`). ``num_splits`` 0 chooses; ``softcap`` None is none."""
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale,
             window_left, window_right, softcap, num_splits, validate)  # fmt: skip
+    dev = moved_call_device(q.device)
+    if dev is not None:
+        return _kvcache_moved(args, dev)
     return _kvcache_plan(args)(*args[:_TENSORS])
+
+
+def _kvcache_moved(args: tuple, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_kvcache` of CPU tensors in a process whose kernels run on the GPU ``dev``: the
+    step runs on copies there, and the caches it wrote are copied back. A bad value the device
+    check finds is raised by this call (the copy back waits for the device anyway)."""
+    q, k_cache, v_cache = args[:3]
+    validate = args[-1]
+    if validate == "device":  # (a record left on the caller's device: reported first)
+        _report_kv_problems(q.device, False, earlier=True)
+    tensors = tuple(moved(t, dev) for t in args[:_TENSORS])
+    try:
+        o, lse = _kvcache_plan((*tensors, *args[_TENSORS:]))(*tensors)
+    finally:  # what the append wrote (the good rows, when a bad one is reported)
+        if tensors[4] is not None:
+            k_cache.copy_(tensors[1])
+            v_cache.copy_(tensors[2])
+    if validate == "device":
+        _report_kv_problems(dev, True, earlier=False)
+    return o.to(q.device), lse.to(q.device)
 
 
 def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale,  # type: ignore[no-untyped-def]
