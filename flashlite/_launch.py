@@ -16,6 +16,7 @@ default) allows the bound launch. The interpreter always takes Triton's own path
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from collections.abc import Callable
@@ -165,6 +166,7 @@ class Launcher:
                 compiled[grid](*a, *constants)
 
             run.compiled = compiled  # type: ignore[attr-defined]  # (what the tests inspect)
+            run.constants = constants  # type: ignore[attr-defined]
             return run
         launch, function, coop, pdl, packed = raw
         hooks = _launch_hooks()
@@ -178,6 +180,50 @@ class Launcher:
                    *constants)  # fmt: skip
 
         run.compiled = compiled  # type: ignore[attr-defined]
+        run.constants = constants  # type: ignore[attr-defined]
+        return run
+
+    def bind_tensors(self, args: tuple, options: dict) -> Callable[..., None]:
+        """:meth:`bind` for a plan that passes, where ``args`` hold tensor descriptors, the
+        tensors they describe: ``launch(grid, *a)`` with each such ``a[i]`` a tensor of the
+        template descriptor's shape, strides, dtype and alignment (the caller's key pins them).
+
+        A descriptor holds its tensor's address, so it is made per call; here nothing else is.
+        On the Triton version :func:`_raw_launch` was written against, each TMA map is encoded by
+        the launcher's own function (:func:`_tma_args`) and kept per address, so a training
+        loop, whose tensors come back at the same few addresses, encodes none after its first
+        steps; elsewhere a descriptor like the template is built per call."""
+        slots = [i for i, a in enumerate(args) if _is_descriptor(a)]
+        bound = self.bind(args, options)
+        if not slots:
+            return bound
+        compiled = getattr(bound, "compiled", None)
+        expand = _tma_args(compiled, args, slots) if compiled is not None else None
+        constants = getattr(bound, "constants", ())
+        if expand is None:  # Triton's own launch of rebuilt descriptors
+            templates = [(i, args[i]) for i in slots]
+
+            def run(grid: tuple[int, int, int], *a: Any) -> None:
+                a = list(a)  # type: ignore[assignment]
+                for i, template in templates:
+                    a[i] = dataclasses.replace(template, base=a[i])  # type: ignore[index]
+                bound(grid, *a)
+
+            return run
+        launch, function, coop, pdl, packed, fill = expand
+        hooks = _launch_hooks()
+
+        def run(grid: tuple[int, int, int], *a: Any) -> None:
+            if _listening(hooks.launch_enter_hook) or _listening(hooks.launch_exit_hook):
+                rebuilt = list(a)
+                for i in slots:
+                    rebuilt[i] = dataclasses.replace(args[i], base=a[i])
+                compiled[grid](*rebuilt, *constants)
+                return
+            stream = _current_stream(_current_device())
+            launch(*grid, stream, function, coop, pdl, None, None, packed, None, None, None,
+                   *fill(a), *constants)  # fmt: skip
+
         return run
 
 
@@ -202,6 +248,78 @@ def _raw_launch(compiled: Any) -> tuple[Any, ...] | None:
     except AttributeError:
         return None
     return raw
+
+
+def _is_descriptor(a: Any) -> bool:
+    """Whether a launch argument is a host tensor descriptor (Triton's or Gluon's)."""
+    return hasattr(a, "block_shape") and isinstance(getattr(a, "base", None), torch.Tensor)
+
+
+class _Described:
+    """What Triton 3.6's ``make_tensordesc_arg`` reads of a descriptor: base, shape, strides,
+    padding (a plan's descriptors differ only in their base)."""
+
+    __slots__ = ("base", "shape", "strides", "padding")
+
+    def __init__(self, base: torch.Tensor, template: Any) -> None:
+        self.base, self.shape, self.strides = base, template.shape, template.strides
+        self.padding = template.padding
+
+
+#: TMA maps kept per descriptor slot of a plan: at most this many addresses each.
+_MAPS_PER_SLOT = 16
+
+
+def _tma_args(compiled: Any, args: tuple, slots: list[int]) -> tuple[Any, ...] | None:
+    """``(launch, function, cooperative, pdl, packed, fill)`` for
+    :meth:`Launcher.bind_tensors`: the C launch under the compiled kernel's descriptor
+    wrapper, and ``fill(a)``, the flat argument list with each descriptor slot's tensor
+    expanded as the wrapper would (its TMA map, shape, strides), maps kept per address. Only on
+    the Triton version :func:`_raw_launch` was written against, else None."""
+    if TRITON_VERSION != _RAW_LAUNCH_TESTED or INTERPRETED or not slots:
+        return None
+    try:  # private: the wrapper's closure (the C launch) and the driver's descriptor expansion
+        run = compiled.run
+        if run.global_scratch_size or run.profile_scratch_size:
+            return None
+        wrapper = run.launch
+        cells = dict(zip(wrapper.__code__.co_freevars, wrapper.__closure__ or (), strict=True))
+        c_launch = cells["launcher"].cell_contents
+        metas = cells["tensordesc_meta"].cell_contents
+        from triton.backends.nvidia.driver import make_tensordesc_arg
+
+        raw = (c_launch, compiled.function, run.launch_cooperative_grid, run.launch_pdl,
+               compiled.packed_metadata)  # fmt: skip
+    except (AttributeError, KeyError, ImportError, ValueError):
+        return None
+    meta_of = dict(zip(slots, metas, strict=True)) if metas else dict.fromkeys(slots)
+    maps: dict[int, dict[int, list]] = {i: {} for i in slots}
+    templates = {i: args[i] for i in slots}
+
+    def expanded(i: int, t: torch.Tensor) -> list:
+        meta = meta_of[i]
+        if meta is None:  # (no map: the launcher reads the tensor itself)
+            return make_tensordesc_arg(_Described(t, templates[i]), meta)
+        kept = maps[i]
+        ptr = t.data_ptr()
+        found = kept.get(ptr)
+        if found is None:
+            if len(kept) >= _MAPS_PER_SLOT:
+                kept.clear()
+            found = kept[ptr] = make_tensordesc_arg(_Described(t, templates[i]), meta)
+        return found
+
+    def fill(a: tuple) -> list:
+        out: list = []
+        start = 0
+        for i in slots:
+            out.extend(a[start:i])
+            out.extend(expanded(i, a[i]))
+            start = i + 1
+        out.extend(a[start:])
+        return out
+
+    return (*raw, fill)
 
 
 def _launch_hooks() -> Any:

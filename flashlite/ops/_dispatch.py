@@ -33,6 +33,10 @@ import torch
 from flashlite.ops.common import on_compute_device
 
 _len_dispatch_stack = torch._C._len_torch_dispatch_stack
+#: ``autograd.Function.apply`` below its Python wrapper, which binds default arguments for
+#: Functions with a separate ``setup_context`` (not these) and unwraps dead functorch wrappers
+#: (none on the path that calls it: :func:`plain_eager` holds); None where torch lacks it.
+_C_APPLY = getattr(torch._C, "_FunctionBase", object).__dict__.get("apply")
 _functorch_active = torch._C._are_functorch_transforms_active
 _is_compiling = torch.compiler.is_compiling
 
@@ -98,6 +102,8 @@ class Op:
             assert setup_context is not None, "an autograd formula needs its setup_context"
             op.register_autograd(backward, setup_context=setup_context)
             self.function = _function(name, self.body, setup_context, backward, materialize_grads)
+            self.apply = (_C_APPLY.__get__(None, self.function) if _C_APPLY is not None
+                          else self.function.apply)  # fmt: skip
         self.default = getattr(torch.ops.flashlite, name).default
         # the arguments the body writes: the dispatcher bumps their version counters (autograd's
         # check that a saved tensor was not modified), so the body path must too
@@ -113,7 +119,7 @@ class Op:
                     if i < len(args) and isinstance(args[i], torch.Tensor):
                         torch.autograd.graph.increment_version(args[i])
                 return out
-            return self.function.apply(*args)
+            return self.apply(*args)
         return self.default(*args)
 
     def __repr__(self) -> str:

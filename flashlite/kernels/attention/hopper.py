@@ -302,11 +302,11 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 def plan_fwd_hopper(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
                     config: HopperConfig) -> Callable[..., None]:  # fmt: skip
     """``run(q, k, v, o, lse)`` for tensors shaped, strided and aligned as ``q``, ``k`` are
-    (and ``v`` as ``k``, ``o`` as ``q``): the grid, options and bound launch fixed here, only
-    the descriptors (which hold the data pointers) built per call. Writes ``o`` ``(B, Hq, Nq,
-    D)`` and the contiguous fp32 ``lse`` ``(B, Hq, Nq)``. No checks: the caller has validated
-    the inputs and that TMA can read them (16-bit, a head dim with a :data:`CONFIGS` entry,
-    16-byte aligned strides)."""
+    (and ``v`` as ``k``, ``o`` as ``q``): the grid, options and bound launch fixed here.
+    Writes ``o`` ``(B, Hq, Nq, D)`` and the contiguous fp32 ``lse`` ``(B, Hq, Nq)``. No checks:
+    the caller has validated the inputs and that TMA can read them (16-bit, a head dim with a
+    :data:`CONFIGS` entry, 16-byte aligned strides). The descriptors are the launcher's business
+    (:meth:`~flashlite._launch.Launcher.bind_tensors`)."""
     b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     half, bn = config.block_m // 2, config.block_n
@@ -319,11 +319,11 @@ def plan_fwd_hopper(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
             lse: torch.Tensor) -> None:  # fmt: skip
-        args = (_descriptor(q, half), _descriptor(k, bn), _descriptor(v, bn), _descriptor(o, half),
-                lse, *rest)  # fmt: skip
-        if not bound:
-            bound.append(kernel.bind(args, options))
-        bound[0](grid, *args)
+        if not bound:  # the first call binds (descriptors of these tensors as templates)
+            templates = (_descriptor(q, half), _descriptor(k, bn), _descriptor(v, bn),
+                         _descriptor(o, half))  # fmt: skip
+            bound.append(kernel.bind_tensors((*templates, lse, *rest), options))
+        bound[0](grid, q, k, v, o, lse, *rest)
 
     return run
 

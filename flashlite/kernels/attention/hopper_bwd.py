@@ -42,6 +42,8 @@ or packed sequences (those take the Triton kernels).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 
@@ -373,23 +375,45 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
+def plan_bwd_hopper(qs: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dk: torch.Tensor,
+                    dv: torch.Tensor, causal: bool,
+                    scale: float) -> Callable[..., None]:  # fmt: skip
+    """``run(qs, k, v, do, lse, delta, dq, dk, dv)`` for tensors shaped, strided and aligned as
+    these are (``v`` as ``k``, ``dq`` as ``qs``): dQ, dK, dV into ``dq``, ``dk``, ``dv``.
+    ``qs``: the preprocess's ``Q·scale·log2 e`` ``(B, Hq, Nq, D)`` (it may be ``dq``'s memory:
+    the kernel reads it before dQ is written); ``lse`` and ``delta``: dense fp32 ``(B, Hq, Nq)``.
+    Extra memory: dQ's fp32 accumulator, ``(B, Hq, Nq, D)``. The grid, options, descriptor
+    blocks and bound launch are fixed here. No checks: the caller has validated the inputs and
+    that TMA can read them (16-bit, D in :data:`HEAD_DIMS`, 16-byte aligned strides, unit last
+    strides)."""
+    b, hq, nq, d = qs.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    acc_shape = (b, hq, nq, d)
+    grid = (triton.cdiv(nk, BLOCK_N) * b * hkv, 1, 1)
+    rest = (*dk.stride()[:3], *dv.stride()[:3], hq, hkv, hq // hkv, nq, nk, scale)
+    options = {"STAGES": STAGES, "GROUP_H": CAUSAL_GROUP_H if causal else 1, "IS_CAUSAL": causal,
+               "num_warps": 4}  # fmt: skip
+    kernel = _launch.launcher(_attention_bwd_hopper_kernel)
+    bound: list[Callable[..., None]] = []
+
+    def run(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+            lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+            dv: torch.Tensor) -> None:  # fmt: skip
+        acc = torch.zeros(acc_shape, device=qs.device, dtype=torch.float32)
+        if not bound:  # the first call binds (descriptors of these tensors as templates)
+            templates = (_descriptor(qs, BLOCK_M, d), _descriptor(do, BLOCK_M, d),
+                         _descriptor(k, BLOCK_N, d), _descriptor(v, BLOCK_N, d),
+                         _descriptor(acc, BLOCK_M, d // 2))  # fmt: skip
+            bound.append(kernel.bind_tensors((*templates, lse, delta, dk, dv, *rest), options))
+        bound[0](grid, qs, do, k, v, acc, lse, delta, dk, dv, *rest)
+        dq.copy_(acc)  # the kernel added scale·dS·K: only the rounding is left
+
+    return run
+
+
 def attention_bwd_hopper(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
                          lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor,
                          dk: torch.Tensor, dv: torch.Tensor, causal: bool,
                          scale: float) -> None:  # fmt: skip
-    """dQ, dK, dV into ``dq``, ``dk``, ``dv``. ``qs``: the preprocess's ``Q·scale·log2 e``
-    ``(B, Hq, Nq, D)`` (it may be ``dq``'s memory: the kernel reads it before dQ is written);
-    ``lse`` and ``delta``: dense fp32 ``(B, Hq, Nq)``. Extra memory: dQ's fp32 accumulator,
-    ``(B, Hq, Nq, D)``. No checks: the caller has validated the inputs and that TMA can read
-    them (16-bit, D in :data:`HEAD_DIMS`, 16-byte aligned strides, unit last strides)."""
-    b, hq, nq, d = qs.shape
-    hkv, nk = k.shape[1], k.shape[2]
-    acc = torch.zeros((b, hq, nq, d), device=qs.device, dtype=torch.float32)
-    grid = (triton.cdiv(nk, BLOCK_N) * b * hkv,)
-    _launch.launcher(_attention_bwd_hopper_kernel)[grid](
-        _descriptor(qs, BLOCK_M, d), _descriptor(do, BLOCK_M, d), _descriptor(k, BLOCK_N, d),
-        _descriptor(v, BLOCK_N, d), _descriptor(acc, BLOCK_M, d // 2), lse, delta, dk, dv,
-        *dk.stride()[:3], *dv.stride()[:3], hq, hkv, hq // hkv, nq, nk, scale, STAGES=STAGES,
-        GROUP_H=CAUSAL_GROUP_H if causal else 1, IS_CAUSAL=causal, num_warps=4,
-    )  # fmt: skip
-    dq.copy_(acc)  # the kernel added scale·dS·K: only the rounding is left
+    """Launch the kernel once (:func:`plan_bwd_hopper`)."""
+    plan_bwd_hopper(qs, k, do, dk, dv, causal, scale)(qs, k, v, do, lse, delta, dq, dk, dv)

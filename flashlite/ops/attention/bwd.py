@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Callable
 
 import torch
 import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashlite import _backend, _launch, masks
+from flashlite._caches import Cache
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import bwd as KB
 from flashlite.kernels.attention import hopper_bwd as KHB
@@ -21,6 +23,7 @@ from flashlite.ops.attention.plan import (
     HOPPER_ENV,
     _descriptor_ok,
     _dot_flags,
+    _meta,
     _on_hopper,
     _prescale_q,
     bwd_config,
@@ -58,24 +61,103 @@ def attention_bwd(
     Returns:
         ``(dq, dk, dv)``, each strided like its input. Extra memory: delta, fp32 ``(B, Hq, Nq)``;
         on the fused Hopper path (:func:`hopper_bwd_applies`) also dQ's fp32 accumulator,
-        ``(B, Hq, Nq, D)``.
+        ``(B, Hq, Nq, D)``. A plain call (no window, soft cap, lengths, packing or pinned
+        config) is planned once per kind of tensors (:class:`BwdPlan`).
     """
+    if window is not None:  # (-1, -1) and (-1, 0) are no mask and causal: their own paths
+        is_causal, has_window = masks.kernel_window(window, causal, q.shape[2], k.shape[2])[:2]
+        if not has_window:
+            window, causal = None, is_causal
+    plain = (window is None and softcap is None and seqlens_k is None and varlen is None
+             and config is None)  # fmt: skip
+    if plain:
+        key = (_meta(do), _meta(q), _meta(k), _meta(v), _meta(o), _meta(lse), _meta(dlse),
+               causal, scale, torch.are_deterministic_algorithms_enabled(),
+               os.environ.get(HOPPER_ENV))  # fmt: skip
+        plan = _bwd_plans.get(key)
+        if plan is not None:
+            return plan(do, q, k, v, o, lse, dlse)
     b, hq, nq, d = q.shape
     nk = k.shape[2]
-    dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
     if b * hq * nq == 0 or nk == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    is_causal, has_window = masks.kernel_window(window, causal, nq, nk)[:2]
-    cfg = config or bwd_config(q.device, q.dtype, d, is_causal)
-    # 16-bit inputs: the preprocess writes Qs (Q·scale·log2 e, as the forward rounded it) into
-    # dq's memory; the dQ kernel reads each block of it before overwriting it with dQ
+        return empty_output(q).zero_(), empty_output(k).zero_(), empty_output(v).zero_()
+    if plain:
+        plan = BwdPlan(q, k, causal, scale)
+        out = plan(do, q, k, v, o, lse, dlse)
+        _bwd_plans.put(key, plan)
+        return out
+    return _attention_bwd_masked(do, q, k, v, o, lse, dlse, causal, scale, window, softcap,
+                                 seqlens_k, varlen, config)  # fmt: skip
+
+
+#: :class:`BwdPlan` per kind of plain backward (every tensor's shape, strides, dtype, device and
+#: alignment, causal, scale, the deterministic-algorithms switch, ``FLASHLITE_HOPPER_KERNEL``).
+_bwd_plans = Cache("attention.bwd", 1024)
+
+
+class BwdPlan:
+    """A plain backward (no window, soft cap, lengths or packing) for one kind of tensors: the
+    preprocess, then the fused Hopper kernel or the Triton pair, each launch bound at the first
+    call, whose tensors set the kind (the caller keys plans by them)."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> None:
+        b, hq, nq, d = q.shape
+        self.causal, self.scale = causal, scale
+        self.is_causal = masks.kernel_window(None, causal, nq, k.shape[2])[0]
+        self.prescale = _prescale_q(q)
+        self.delta_shape = (b, hq, nq)
+        self.cfg = bwd_config(q.device, q.dtype, d, self.is_causal)
+        self.prep: Callable[..., None] | None = None
+        self.fused: Callable[..., None] | None = None
+        self.pair: tuple[Callable[..., None], Callable[..., None]] | None = None
+
+    def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+        dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
+        # 16-bit inputs: the preprocess writes Qs (Q·scale·log2 e, as the forward rounded it)
+        # into dq's memory; the dQ kernel reads each block of it before overwriting it with dQ
+        qs = dq if self.prescale else q
+        # an expanded or strided dlse (autograd may hand one over) is made dense, O(N)
+        dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
+        delta = torch.empty(self.delta_shape, device=q.device, dtype=torch.float32)
+        if self.prep is None:
+            self.prep = plan_preprocess(o, do, dlse, delta, q, qs, self.scale)
+        self.prep(o, do, dlse, delta, q, qs)
+        lse = lse.contiguous()  # the kernels index the (B, Hq, Nq) statistics densely
+        if self.fused is None and self.pair is None:  # the first call: which kernels run
+            if hopper_bwd_applies(qs, k, v, do, dk, dv):
+                ran = _run_hopper_bwd(qs, k, v, do, lse, delta, dq, dk, dv, self.is_causal,
+                                      self.scale)  # fmt: skip
+                if ran:
+                    self.fused = ran
+                    return dq, dk, dv
+            args = (qs, k, v, do, lse, delta)
+            self.pair = (plan_dkdv(*args, dk, dv, self.causal, self.scale, self.cfg),
+                         plan_dq(*args, dq, self.causal, self.scale, self.cfg))  # fmt: skip
+        if self.fused is not None:
+            self.fused(qs, k, v, do, lse, delta, dq, dk, dv)
+        else:
+            dkdv, dq_run = self.pair  # type: ignore[misc]
+            dkdv(qs, k, v, do, lse, delta, dk, dv)
+            dq_run(qs, k, v, do, lse, delta, dq)
+        return dq, dk, dv
+
+
+def _attention_bwd_masked(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                          o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
+                          causal: bool, scale: float, window: tuple[int, int] | None,
+                          softcap: float | None, seqlens_k: torch.Tensor | None,
+                          varlen: Varlen | None, config: C.BwdConfig | None,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A backward with a window, soft cap, lengths, packing or a pinned config: the preprocess
+    and the Triton pair, launched per call."""
+    dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
+    is_causal = masks.kernel_window(window, causal, q.shape[2], k.shape[2])[0]
+    cfg = config or bwd_config(q.device, q.dtype, q.shape[-1], is_causal)
     qs = dq if _prescale_q(q) else q
     delta = bwd_preprocess(o, do, lse, dlse, q, qs, scale)
-    lse = lse.contiguous()  # the kernels index the (B, Hq, Nq) statistics densely
-    plain = not has_window and softcap is None and seqlens_k is None and varlen is None
-    fused = config is None and plain and hopper_bwd_applies(qs, k, v, do, dk, dv)
-    if fused and _run_hopper_bwd(qs, k, v, do, lse, delta, dq, dk, dv, is_causal, scale):
-        return dq, dk, dv
+    lse = lse.contiguous()
     masking = {"window": window, "softcap": softcap, "seqlens_k": seqlens_k, "varlen": varlen}
     bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, causal, scale, cfg, **masking)
     bwd_dq(qs, k, v, do, lse, delta, dq, causal, scale, cfg, **masking)
@@ -105,20 +187,23 @@ def hopper_bwd_applies(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: t
 
 def _run_hopper_bwd(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
                     lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
-                    dv: torch.Tensor, causal: bool, scale: float) -> bool:  # fmt: skip
-    """Launch the fused Gluon backward; False (after one warning) if it fails to build here."""
+                    dv: torch.Tensor, causal: bool,
+                    scale: float) -> Callable[..., None] | None:  # fmt: skip
+    """Plan and launch the fused Gluon backward: its ``run`` for later calls of this kind, or
+    None (after one warning) if it fails to build here."""
     key = (qs.dtype, qs.shape[-1], causal)
     if key in _hopper_bwd_failed:
-        return False
+        return None
     try:
-        KHB.attention_bwd_hopper(qs, k, v, do, lse, delta, dq, dk, dv, causal, scale)
+        run = KHB.plan_bwd_hopper(qs, k, do, dk, dv, causal, scale)
+        run(qs, k, v, do, lse, delta, dq, dk, dv)
     except (triton.CompilationError, TypeError, ValueError, AttributeError) as err:
         _hopper_bwd_failed.add(key)
         warnings.warn(f"flashlite: the fused Hopper attention backward failed to build "
                       f"({err!r:.300}); the Triton kernels run instead", RuntimeWarning,
                       stacklevel=3)  # fmt: skip
-        return False
-    return True
+        return None
+    return run
 
 
 def _bwd_args(
@@ -132,7 +217,7 @@ def _bwd_args(
     lse: torch.Tensor,
 ) -> tuple[tuple[object, ...], dict[str, object]]:
     """The backward kernels' mask arguments ``(win_left, win_right, softcap, SEQLENS_K, CU_Q,
-    CU_K)`` and flags."""
+    CU_K)`` (the last three: tensors, ``lse`` where there is none) and flags."""
     is_causal, has_window, left, right = masks.kernel_window(window, causal, q.shape[2], k.shape[2])
     lengths = seqlens_k if seqlens_k is not None else lse  # (a placeholder pointer)
     cu = varlen[:2] if varlen is not None else (lse, lse)
@@ -149,6 +234,29 @@ def _bwd_args(
     }
 
 
+def plan_preprocess(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None,
+                    delta: torch.Tensor, q: torch.Tensor, qs: torch.Tensor,
+                    scale: float) -> Callable[..., None]:  # fmt: skip
+    """``run(o, do, dlse, delta, q, qs)`` for tensors of these kinds (``dlse`` dense fp32 or
+    None): :func:`bwd_preprocess` into ``delta`` (and ``qs``), its launch bound once."""
+    b, hq, nq, d = o.shape
+    bm = 64 if d <= 128 else 32
+    grid = (C.cdiv(nq, bm), b * hq, 1)
+    tail = (*o.stride(), *do.stride(), *q.stride(), *qs.stride(), hq, nq, scale)
+    options = {"HEAD_DIM": d, "BLOCK_D": C.block_d(d), "BLOCK_M": bm,
+               "HAS_DLSE": dlse is not None, "PRESCALE_Q": _prescale_q(q),
+               "ROUND_BF16": _backend.round_bf16(q.dtype), "num_warps": 4,
+               "num_stages": 1}  # fmt: skip
+    args = (o, do, dlse if dlse is not None else delta, delta, q, qs, *tail)
+    bound = _launch.launcher(KB._attention_bwd_preprocess_kernel).bind(args, options)
+
+    def run(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None, delta: torch.Tensor,
+            q: torch.Tensor, qs: torch.Tensor) -> None:  # fmt: skip
+        bound(grid, o, do, dlse if dlse is not None else delta, delta, q, qs, *tail)
+
+    return run
+
+
 def bwd_preprocess(
     o: torch.Tensor,
     do: torch.Tensor,
@@ -161,19 +269,31 @@ def bwd_preprocess(
     """``delta = rowsum(dO ∘ O) − dlse``: fp32 ``(B, Hq, Nq)`` from ``(B, Hq, Nq, D)`` O, dO;
     for 16-bit inputs also ``qs = Q·scale·log2 e`` rounded as the forward rounded it (``qs`` is
     ``q`` itself for fp32, and not written)."""
-    b, hq, nq, d = o.shape
     # an expanded or strided dlse (autograd may hand one over) is made dense here, O(N)
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
-    delta = torch.empty((b, hq, nq), device=o.device, dtype=torch.float32)
-    bm = 64 if d <= 128 else 32
-    prep = _launch.launcher(KB._attention_bwd_preprocess_kernel)
-    prep[(C.cdiv(nq, bm), b * hq)](
-        o, do, dlse if dlse is not None else delta, delta, q, qs, *o.stride(), *do.stride(),
-        *q.stride(), *qs.stride(), hq, nq, scale, HEAD_DIM=d, BLOCK_D=C.block_d(d),
-        BLOCK_M=bm, HAS_DLSE=dlse is not None, PRESCALE_Q=_prescale_q(q),
-        ROUND_BF16=_backend.round_bf16(q.dtype), num_warps=4, num_stages=1,
-    )  # fmt: skip
+    delta = torch.empty(o.shape[:3], device=o.device, dtype=torch.float32)
+    plan_preprocess(o, do, dlse, delta, q, qs, scale)(o, do, dlse, delta, q, qs)
     return delta
+
+
+def _dkdv_launch(
+    qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+    delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
+    cfg: C.BwdConfig, window: tuple[int, int] | None, softcap: float | None,
+    seqlens_k: torch.Tensor | None, varlen: Varlen | None,
+) -> tuple[tuple[int, int, int], tuple, dict]:  # fmt: skip
+    """The dK/dV kernel's grid, arguments (descriptors of ``qs``, ``do`` where TMA reads them)
+    and options."""
+    b, hq, nq, d = qs.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    srcs, use_desc = _tile_sources(cfg.use_desc and varlen is None, (qs, do), cfg.kv_block_m, d)
+    extra, flags = _bwd_args(qs, k, causal, window, softcap, seqlens_k, varlen, lse)
+    rows, seqs = (varlen[3], varlen[0].shape[0] - 1) if varlen is not None else (nk, b)
+    args = (srcs[0], k, v, srcs[1], lse, delta, dk, dv, *qs.stride(), *k.stride(), *v.stride(),
+            *do.stride(), *dk.stride(), *dv.stride(), hq, hkv, hq // hkv, nq, nk, scale,
+            *extra)  # fmt: skip
+    grid = (C.cdiv(rows, cfg.kv_block_n), seqs * hkv, 1)
+    return grid, args, {"USE_DESC": use_desc, **flags, **cfg.dkdv()}
 
 
 def bwd_dkdv(
@@ -184,17 +304,27 @@ def bwd_dkdv(
 ) -> None:  # fmt: skip
     """The dK/dV kernel into ``dk``, ``dv``; ``qs`` as :func:`bwd_preprocess` left it (``lse``,
     ``delta`` dense ``(B, Hq, Nq)``)."""
-    b, hq, nq, d = qs.shape
-    hkv, nk = k.shape[1], k.shape[2]
-    srcs, use_desc = _tile_sources(cfg.use_desc and varlen is None, (qs, do), cfg.kv_block_m, d)
-    extra, flags = _bwd_args(qs, k, causal, window, softcap, seqlens_k, varlen, lse)
-    rows, seqs = (varlen[3], varlen[0].shape[0] - 1) if varlen is not None else (nk, b)
-    kernel = _launch.launcher(KB._attention_bwd_dkdv_kernel)
-    kernel[(C.cdiv(rows, cfg.kv_block_n), seqs * hkv)](
-        srcs[0], k, v, srcs[1], lse, delta, dk, dv, *qs.stride(), *k.stride(), *v.stride(),
-        *do.stride(), *dk.stride(), *dv.stride(), hq, hkv, hq // hkv, nq, nk, scale, *extra,
-        USE_DESC=use_desc, **flags, **cfg.dkdv(),
-    )  # fmt: skip
+    grid, args, options = _dkdv_launch(qs, k, v, do, lse, delta, dk, dv, causal, scale, cfg,
+                                       window, softcap, seqlens_k, varlen)  # fmt: skip
+    _launch.launcher(KB._attention_bwd_dkdv_kernel).bind(args, options)(grid, *args)
+
+
+def plan_dkdv(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+              lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+              causal: bool, scale: float, cfg: C.BwdConfig) -> Callable[..., None]:  # fmt: skip
+    """``run(qs, k, v, do, lse, delta, dk, dv)``: :func:`bwd_dkdv` of a plain backward for
+    tensors of these kinds, its launch bound once."""
+    grid, args, options = _dkdv_launch(qs, k, v, do, lse, delta, dk, dv, causal, scale, cfg,
+                                       None, None, None, None)  # fmt: skip
+    bound = _launch.launcher(KB._attention_bwd_dkdv_kernel).bind_tensors(args, options)
+    tail = args[8:-3]  # strides, sizes, scale, mask values (then three placeholder pointers)
+
+    def run(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+            lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor,
+            dv: torch.Tensor) -> None:  # fmt: skip
+        bound(grid, qs, k, v, do, lse, delta, dk, dv, *tail, lse, lse, lse)
+
+    return run
 
 
 def _tile_sources(
@@ -210,6 +340,25 @@ def _tile_sources(
     return descs, True
 
 
+def _dq_launch(
+    qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
+    delta: torch.Tensor, dq: torch.Tensor, causal: bool, scale: float, cfg: C.BwdConfig,
+    window: tuple[int, int] | None, softcap: float | None, seqlens_k: torch.Tensor | None,
+    varlen: Varlen | None,
+) -> tuple[tuple[int, int, int], tuple, dict]:  # fmt: skip
+    """The dQ kernel's grid, arguments (descriptors of ``k``, ``v`` where TMA reads them) and
+    options."""
+    b, hq, nq, d = qs.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    srcs, use_desc = _tile_sources(cfg.use_desc and varlen is None, (k, v), cfg.q_block_n, d)
+    extra, flags = _bwd_args(qs, k, causal, window, softcap, seqlens_k, varlen, lse)
+    rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
+    args = (qs, *srcs, do, lse, delta, dq, *qs.stride(), *k.stride(), *v.stride(), *do.stride(),
+            *dq.stride(), hq, hq // hkv, nq, nk, scale, *extra)  # fmt: skip
+    grid = (C.cdiv(rows, cfg.q_block_m), seqs * hq, 1)
+    return grid, args, {"USE_DESC": use_desc, **flags, **cfg.dq()}
+
+
 def bwd_dq(
     qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
     delta: torch.Tensor, dq: torch.Tensor, causal: bool, scale: float, cfg: C.BwdConfig, *,
@@ -218,17 +367,26 @@ def bwd_dq(
 ) -> None:  # fmt: skip
     """The dQ kernel into ``dq``; ``qs`` as :func:`bwd_preprocess` left it, possibly ``dq``
     itself (``lse``, ``delta`` dense ``(B, Hq, Nq)``)."""
-    b, hq, nq, d = qs.shape
-    hkv, nk = k.shape[1], k.shape[2]
-    srcs, use_desc = _tile_sources(cfg.use_desc and varlen is None, (k, v), cfg.q_block_n, d)
-    extra, flags = _bwd_args(qs, k, causal, window, softcap, seqlens_k, varlen, lse)
-    rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
-    kernel = _launch.launcher(KB._attention_bwd_dq_kernel)
-    kernel[(C.cdiv(rows, cfg.q_block_m), seqs * hq)](
-        qs, *srcs, do, lse, delta, dq, *qs.stride(), *k.stride(), *v.stride(), *do.stride(),
-        *dq.stride(), hq, hq // hkv, nq, nk, scale, *extra, USE_DESC=use_desc, **flags,
-        **cfg.dq(),
-    )  # fmt: skip
+    grid, args, options = _dq_launch(qs, k, v, do, lse, delta, dq, causal, scale, cfg, window,
+                                     softcap, seqlens_k, varlen)  # fmt: skip
+    _launch.launcher(KB._attention_bwd_dq_kernel).bind(args, options)(grid, *args)
+
+
+def plan_dq(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+            lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, causal: bool,
+            scale: float, cfg: C.BwdConfig) -> Callable[..., None]:  # fmt: skip
+    """``run(qs, k, v, do, lse, delta, dq)``: :func:`bwd_dq` of a plain backward for tensors of
+    these kinds, its launch bound once."""
+    grid, args, options = _dq_launch(qs, k, v, do, lse, delta, dq, causal, scale, cfg, None,
+                                     None, None, None)  # fmt: skip
+    bound = _launch.launcher(KB._attention_bwd_dq_kernel).bind_tensors(args, options)
+    tail = args[7:-3]  # strides, sizes, scale, mask values (then three placeholder pointers)
+
+    def run(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+            lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor) -> None:  # fmt: skip
+        bound(grid, qs, k, v, do, lse, delta, dq, *tail, lse, lse, lse)
+
+    return run
 
 
 def _attention_bwd_body(

@@ -129,21 +129,21 @@ def attention_fwd(
     rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
     if config is not None:
         grid = (C.cdiv(rows, config.block_m), seqs * hq, 1)
-        bound = _launch.launcher(K._attention_fwd_kernel).bind(args, launch)
-        bound(grid, *args)
+        launcher = _launch.launcher(K._attention_fwd_kernel)
         info = LaunchInfo(config, block_d, use_desc)
-        if planned:
-            tail = args[5:-3]  # strides, sizes, scale, mask values (then three placeholders)
-            block = (bm, bn) if use_desc else None
+        if not planned:
+            launcher.bind(args, launch)(grid, *args)
+            return o, lse, info
+        # the plan's launch takes q, k, v, o themselves where its descriptors read them
+        bound = launcher.bind_tensors(args, launch)
+        tail = args[5:-3]  # strides, sizes, scale, mask values (then three placeholders)
+        bound(grid, q, k, v, o, lse, *tail, lse, lse, lse)
 
-            def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                    lse: torch.Tensor) -> None:  # fmt: skip
-                if block is None:
-                    bound(grid, q, k, v, o, lse, *tail, lse, lse, lse)
-                    return
-                bound(grid, *_descriptors(q, k, v, o, *block, block_d), lse, *tail, lse, lse, lse)
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                lse: torch.Tensor) -> None:  # fmt: skip
+            bound(grid, q, k, v, o, lse, *tail, lse, lse, lse)
 
-            _fwd_plans.put(key, _Planned(run, q.shape[:3], info))
+        _fwd_plans.put(key, _Planned(run, q.shape[:3], info))
         return o, lse, info
     tuned = _tuned_kernel(rows, nk)
     tuned[lambda meta: (C.cdiv(rows, meta["BLOCK_M"]), seqs * hq)](*args, **launch)  # type: ignore[index]
