@@ -21,7 +21,8 @@ from flashlite._caches import Cache
 from flashlite.kernels import softmax as K
 from flashlite.kernels import softmax_gluon as KG
 from flashlite.kernels.configs import cdiv
-from flashlite.ops._dispatch import Op
+from flashlite.ops._dispatch import Op, plain_eager
+from flashlite.ops.common import moved_call_device
 
 ALGORITHMS = ("auto", "three_pass", "online")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -306,11 +307,22 @@ def _row_view(t: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- the ops
+#: Plans of dense calls along the last dim, by ``x``'s shape, dtype, device and alignment: the
+#: launch takes ``x`` and ``y`` themselves (it reads only their addresses), no row views.
+_dense_fwd_plans = Cache("softmax.fwd_dense", 512)
+_dense_bwd_plans = Cache("softmax.bwd_dense", 512)
+
+
 def _softmax_forward(x: torch.Tensor, dim: int, algorithm: str, log: bool) -> torch.Tensor:
     if x.is_contiguous() and dim == x.dim() - 1 and x.numel():  # the usual case, in one test
-        y = torch.empty_like(x)
-        n = x.shape[-1]
-        softmax_fwd(x.view(-1, n), y.view(-1, n), log, algorithm)
+        y = torch.empty_like(x)  # (dense, from the allocator: aligned)
+        key = (x.shape, x.dtype, x.device, x.data_ptr() % 16, log, algorithm)
+        launch = _dense_fwd_plans.get(key)
+        if launch is None:
+            n = x.shape[-1]
+            launch = _dense_fwd_plans.put(key, plan_fwd(x.view(-1, n), y.view(-1, n), log,
+                                                        algorithm))  # fmt: skip
+        launch(x, y)
         return y
     if x.dim() == 0:  # one value: a row of one
         return _softmax_forward(x.reshape(1), 0, algorithm, log).reshape(())
@@ -347,15 +359,26 @@ def _softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) ->
         dy = dy.to(y.dtype)
     same = dy.stride() == y.stride()  # (autograd's dy is usually laid out as y)
     if same and y.is_contiguous() and dim == y.dim() - 1 and y.numel():
-        dx = torch.empty_like(y)
-        n = y.shape[-1]
-        softmax_bwd(y.view(-1, n), dy.view(-1, n), dx.view(-1, n), log)
-        return dx
+        return _dense_backward(y, dy, log)
     if y.dim() == 0:
         return _softmax_backward(y.reshape(1), dy.reshape(1), 0, log).reshape(())
     dx, dx2 = _empty_rows(y, dim)
     if y.numel():
         softmax_bwd(_row_view(y, dim), _row_view(dy, dim), dx2, log)
+    return dx
+
+
+def _dense_backward(y: torch.Tensor, dy: torch.Tensor, log: bool) -> torch.Tensor:
+    """dx along the last dim of a dense, non-empty ``y`` and a ``dy`` strided as it (same
+    dtype, where kernels run), planned by shape (no row views)."""
+    dx = torch.empty_like(y)
+    key = (y.shape, y.dtype, y.device, y.data_ptr() % 16, dy.data_ptr() % 16, log)
+    launch = _dense_bwd_plans.get(key)
+    if launch is None:
+        n = y.shape[-1]
+        launch = _dense_bwd_plans.put(key, plan_bwd(y.view(-1, n), dy.view(-1, n),
+                                                    dx.view(-1, n), log))  # fmt: skip
+    launch(y, dy, dx)
     return dx
 
 
@@ -406,6 +429,13 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
 
 def _backward(ctx, dy):  # type: ignore[no-untyped-def]
     (y,) = ctx.saved_tensors
+    dense = y.is_contiguous() and ctx.dim == y.dim() - 1 and y.numel()
+    if dense and dy.dtype == y.dtype and dy.stride() == y.stride():
+        # autograd's usual dy, laid out as y: the dense plan straight away when nothing records
+        # (a second derivative) or observes the call, as the op would decide
+        plain = not torch.is_grad_enabled() and plain_eager(y, dy)
+        if plain and moved_call_device(y.device) is None:
+            return _dense_backward(y, dy, ctx.log), None, None, None
     return SOFTMAX_BWD(y, dy, ctx.dim, ctx.log), None, None, None
 
 

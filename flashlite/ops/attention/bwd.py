@@ -71,9 +71,7 @@ def attention_bwd(
     plain = (window is None and softcap is None and seqlens_k is None and varlen is None
              and config is None)  # fmt: skip
     if plain:
-        key = (_meta(do), _meta(q), _meta(k), _meta(v), _meta(o), _meta(lse), _meta(dlse),
-               causal, scale, torch.are_deterministic_algorithms_enabled(),
-               os.environ.get(HOPPER_ENV))  # fmt: skip
+        key = _bwd_key(do, q, k, v, o, lse, dlse, causal, scale)
         plan = _bwd_plans.get(key)
         if plan is not None:
             return plan(do, q, k, v, o, lse, dlse)
@@ -88,6 +86,22 @@ def attention_bwd(
         return out
     return _attention_bwd_masked(do, q, k, v, o, lse, dlse, causal, scale, window, softcap,
                                  seqlens_k, varlen, config)  # fmt: skip
+
+
+def _bwd_key(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, causal: bool,
+             scale: float) -> tuple:  # fmt: skip
+    """What a :class:`BwdPlan` depends on: every tensor's shape, strides and dtype, q's device,
+    each tensor's 16-byte alignment (one flag when all are aligned, the usual case), and the
+    switches that choose the kernels."""
+    ptrs = (do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
+            lse.data_ptr())  # fmt: skip
+    aligned = not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5]) & 15
+    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(),
+            do.shape, do.stride(), lse.shape, lse.stride(), _meta(dlse), q.dtype, k.dtype,
+            v.dtype, o.dtype, do.dtype, lse.dtype, q.device,
+            True if aligned else tuple(p % 16 for p in ptrs), causal, scale,
+            torch.are_deterministic_algorithms_enabled(), os.environ.get(HOPPER_ENV))  # fmt: skip
 
 
 #: :class:`BwdPlan` per kind of plain backward (every tensor's shape, strides, dtype, device and
