@@ -30,6 +30,7 @@ from flashlite.kernels.configs import (
 )
 from flashlite.masks import torch_visible
 from flashlite.ops.attention import HOPPER_ENV, attention_fwd, empty_output, hopper_config
+from flashlite.ops.attention import hopper as HP
 from flashlite.reference import attention as ref_attention
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -383,7 +384,7 @@ def test_hopper_kernel_that_fails_to_build_falls_back(monkeypatch) -> None:
         raise TypeError("warp_specialize() got an unexpected keyword argument")
 
     monkeypatch.setattr(ops, "hopper_config", lambda q, n: KH.HopperConfig(128, 128, 3))
-    monkeypatch.setattr(KH, "attention_fwd_hopper", broken)
+    monkeypatch.setattr(ops.HP, "attention_fwd_hopper", broken)
     monkeypatch.setattr(ops, "_hopper_failed", set())
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
     with pytest.warns(RuntimeWarning, match="Hopper attention kernel failed to build"):
@@ -401,6 +402,7 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 from flashlite.kernels.attention import hopper as H
+from flashlite.ops.attention import hopper as HP
 
 d, causal = int(sys.argv[1]), sys.argv[2] == "1"
 cfg = H.CONFIGS[d]
@@ -408,7 +410,7 @@ x = torch.empty(2, 4, 256, d, dtype=torch.bfloat16)
 fn = H._attention_fwd_hopper_kernel
 names = list(fn.arg_names)
 rows = (cfg.block_m // 2, cfg.block_n, cfg.block_n, cfg.block_m // 2)
-sig = {n: mangle_type(H._descriptor(x, r)) for n, r in zip(names[:4], rows)}
+sig = {n: mangle_type(HP._descriptor(x, r)) for n, r in zip(names[:4], rows)}
 sig.update(LSE="*fp32", n_heads="i32", group="i32", seq_q="i32", seq_k="i32", sm_scale="fp32")
 consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_CAUSAL=causal)
 sig.update(dict.fromkeys(consts, "constexpr"))
@@ -492,7 +494,7 @@ def test_gpu_hopper_kernel(dtype, causal, d, nq, nk, hq, hkv, layout) -> None:
     # the kernel itself at every length (the front-end sends D=64 below 4096 keys to Triton)
     out = empty_output(views[0])
     lse = views[0].new_empty(views[0].shape[:3], dtype=torch.float32)
-    KH.attention_fwd_hopper(*views, out, lse, causal, d**-0.5, KH.CONFIGS[d])
+    HP.attention_fwd_hopper(*views, out, lse, causal, d**-0.5, KH.CONFIGS[d])
     assert out.stride() == views[0].stride()  # O keeps q's layout
     if hopper_config(views[0], nk) is not None:  # and the front-end runs it
         out2, lse2, info = attention_fwd(*views, causal, d**-0.5, use_desc=True)

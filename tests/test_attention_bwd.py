@@ -398,7 +398,7 @@ def test_fused_hopper_backward_that_fails_to_build_falls_back(
         raise AttributeError("module 'triton.experimental.gluon.language' has no attribute")
 
     monkeypatch.setattr(ops, "hopper_bwd_applies", lambda *a: True)
-    monkeypatch.setattr(ops.KHB, "plan_bwd_hopper", broken)
+    monkeypatch.setattr(ops.HP, "plan_bwd_hopper", broken)
     monkeypatch.setattr(ops, "_hopper_bwd_failed", set())
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
     o, lse, _ = attention_fwd(q, k, v, True, 0.25)
@@ -421,15 +421,16 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 from flashlite.kernels.attention import hopper_bwd as H
+from flashlite.ops.attention import hopper as HP
 
 d, causal = int(sys.argv[1]), sys.argv[2] == "1"
 x = torch.empty(2, 4, 256, d, dtype=torch.bfloat16)
 acc = torch.empty(2, 4, 256, d, dtype=torch.float32)
 fn = H._attention_bwd_hopper_kernel
 names = list(fn.arg_names)
-descs = [H._descriptor(x, H.BLOCK_M, d), H._descriptor(x, H.BLOCK_M, d),
-         H._descriptor(x, H.BLOCK_N, d), H._descriptor(x, H.BLOCK_N, d),
-         H._descriptor(acc, H.BLOCK_M, d // 2)]
+descs = [HP._descriptor(x, H.BLOCK_M, d), HP._descriptor(x, H.BLOCK_M, d),
+         HP._descriptor(x, H.BLOCK_N, d), HP._descriptor(x, H.BLOCK_N, d),
+         HP._descriptor(acc, H.BLOCK_M, d // 2)]
 sig = {n: mangle_type(t) for n, t in zip(names[:5], descs)}
 sig.update(LSE="*fp32", DELTA="*fp32", DK="*bf16", DV="*bf16", sm_scale="fp32")
 consts = dict(STAGES=H.STAGES, GROUP_H=H.CAUSAL_GROUP_H, IS_CAUSAL=causal)

@@ -31,14 +31,8 @@ dispatch; the ``gpu`` tests cover the kernel.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import NamedTuple
 
-import torch
-import triton
-
-from flashlite import _launch
-from flashlite._caches import Cache
 from flashlite.stats import LN2, LOG2E
 
 try:  # Gluon is experimental: absent or different in some Triton versions
@@ -51,7 +45,6 @@ try:  # Gluon is experimental: absent or different in some Triton versions
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     GLUON_IMPORT_ERROR: str | None = None
 except Exception as err:  # noqa: BLE001 - any failure means: not available
@@ -277,59 +270,3 @@ if GLUON_IMPORT_ERROR is None:
 
 
 #: Shared-memory layouts of TMA blocks by (block shape, dtype): built in Python, so once each.
-_layouts = Cache("hopper.layouts", 64)
-
-
-def shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> object:
-    """The swizzled shared-memory layout TMA fills with ``block`` of ``dtype`` (made once)."""
-    key = (block, dtype)
-    found = _layouts.get(key)
-    if found is None:
-        gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
-                    torch.float32: gl.float32}[dtype]  # fmt: skip
-        found = _layouts.put(key, gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype))
-    return found
-
-
-def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A 4-D TMA descriptor of ``t`` ``(B, H, N, D)`` (any 16-byte aligned strides) reading
-    ``[1, 1, rows, D]`` blocks."""
-    block = [1, 1, rows, t.shape[-1]]
-    layout = shared_layout(tuple(block), t.dtype)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-
-def plan_fwd_hopper(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
-                    config: HopperConfig) -> Callable[..., None]:  # fmt: skip
-    """``run(q, k, v, o, lse)`` for tensors shaped, strided and aligned as ``q``, ``k`` are
-    (and ``v`` as ``k``, ``o`` as ``q``): the grid, options and bound launch fixed here.
-    Writes ``o`` ``(B, Hq, Nq, D)`` and the contiguous fp32 ``lse`` ``(B, Hq, Nq)``. No checks:
-    the caller has validated the inputs and that TMA can read them (16-bit, a head dim with a
-    :data:`CONFIGS` entry, 16-byte aligned strides). The descriptors are the launcher's business
-    (:meth:`~flashlite._launch.Launcher.bind_tensors`)."""
-    b, hq, nq, _ = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
-    half, bn = config.block_m // 2, config.block_n
-    grid = (triton.cdiv(nq, config.block_m), b * hq, 1)
-    rest = (hq, hq // hkv, nq, nk, scale)
-    options = {"BLOCK_M": config.block_m, "BLOCK_N": bn, "STAGES": config.stages,
-               "IS_CAUSAL": causal, "num_warps": 4}  # fmt: skip
-    kernel = _launch.launcher(_attention_fwd_hopper_kernel)
-    bound: list[Callable[..., None]] = []
-
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-            lse: torch.Tensor) -> None:  # fmt: skip
-        if not bound:  # the first call binds (descriptors of these tensors as templates)
-            templates = (_descriptor(q, half), _descriptor(k, bn), _descriptor(v, bn),
-                         _descriptor(o, half))  # fmt: skip
-            bound.append(kernel.bind_tensors((*templates, lse, *rest), options))
-        bound[0](grid, q, k, v, o, lse, *rest)
-
-    return run
-
-
-def attention_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                         lse: torch.Tensor, causal: bool, scale: float,
-                         config: HopperConfig) -> None:  # fmt: skip
-    """Launch the kernel once (:func:`plan_fwd_hopper`)."""
-    plan_fwd_hopper(q, k, causal, scale, config)(q, k, v, o, lse)

@@ -42,12 +42,6 @@ or packed sequences (those take the Triton kernels).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
-import torch
-import triton
-
-from flashlite import _launch
 from flashlite.kernels.attention.hopper import GLUON_IMPORT_ERROR
 from flashlite.stats import LN2, LOG2E
 
@@ -61,9 +55,8 @@ if GLUON_IMPORT_ERROR is None:
         warpgroup_mma,
         warpgroup_mma_wait,
     )
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from flashlite.kernels.attention.hopper import shared_layout, wgmma_layout
+    from flashlite.kernels.attention.hopper import wgmma_layout
 
 #: Keys per program (two warpgroups of 64), query rows per step, ring slots for Qs and dO.
 BLOCK_N = 128
@@ -366,54 +359,3 @@ if GLUON_BWD_ERROR is None:
                          lse_bufs, delta_bufs, k_buf, v_buf, kv_ready, q_ready, do_ready, empty,
                          b, h_kv, n_heads, group, seq_q, start_n, lo, n_qblocks, n_steps)),
         ], [4, 1], [240, 24])  # fmt: skip
-
-
-def _descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
-    """A 4-D TMA descriptor of ``t`` ``(B, H, N, D)`` reading ``[1, 1, rows, cols]`` blocks."""
-    block = [1, 1, rows, cols]
-    layout = shared_layout((1, 1, rows, cols), t.dtype)
-    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
-
-
-def plan_bwd_hopper(qs: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dk: torch.Tensor,
-                    dv: torch.Tensor, causal: bool,
-                    scale: float) -> Callable[..., None]:  # fmt: skip
-    """``run(qs, k, v, do, lse, delta, dq, dk, dv)`` for tensors shaped, strided and aligned as
-    these are (``v`` as ``k``, ``dq`` as ``qs``): dQ, dK, dV into ``dq``, ``dk``, ``dv``.
-    ``qs``: the preprocess's ``Q·scale·log2 e`` ``(B, Hq, Nq, D)`` (it may be ``dq``'s memory:
-    the kernel reads it before dQ is written); ``lse`` and ``delta``: dense fp32 ``(B, Hq, Nq)``.
-    Extra memory: dQ's fp32 accumulator, ``(B, Hq, Nq, D)``. The grid, options, descriptor
-    blocks and bound launch are fixed here. No checks: the caller has validated the inputs and
-    that TMA can read them (16-bit, D in :data:`HEAD_DIMS`, 16-byte aligned strides, unit last
-    strides)."""
-    b, hq, nq, d = qs.shape
-    hkv, nk = k.shape[1], k.shape[2]
-    acc_shape = (b, hq, nq, d)
-    grid = (triton.cdiv(nk, BLOCK_N) * b * hkv, 1, 1)
-    rest = (*dk.stride()[:3], *dv.stride()[:3], hq, hkv, hq // hkv, nq, nk, scale)
-    options = {"STAGES": STAGES, "GROUP_H": CAUSAL_GROUP_H if causal else 1, "IS_CAUSAL": causal,
-               "num_warps": 4}  # fmt: skip
-    kernel = _launch.launcher(_attention_bwd_hopper_kernel)
-    bound: list[Callable[..., None]] = []
-
-    def run(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-            lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
-            dv: torch.Tensor) -> None:  # fmt: skip
-        acc = torch.zeros(acc_shape, device=qs.device, dtype=torch.float32)
-        if not bound:  # the first call binds (descriptors of these tensors as templates)
-            templates = (_descriptor(qs, BLOCK_M, d), _descriptor(do, BLOCK_M, d),
-                         _descriptor(k, BLOCK_N, d), _descriptor(v, BLOCK_N, d),
-                         _descriptor(acc, BLOCK_M, d // 2))  # fmt: skip
-            bound.append(kernel.bind_tensors((*templates, lse, delta, dk, dv, *rest), options))
-        bound[0](grid, qs, do, k, v, acc, lse, delta, dk, dv, *rest)
-        dq.copy_(acc)  # the kernel added scale·dS·K: only the rounding is left
-
-    return run
-
-
-def attention_bwd_hopper(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-                         lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor,
-                         dk: torch.Tensor, dv: torch.Tensor, causal: bool,
-                         scale: float) -> None:  # fmt: skip
-    """Launch the kernel once (:func:`plan_bwd_hopper`)."""
-    plan_bwd_hopper(qs, k, do, dk, dv, causal, scale)(qs, k, v, do, lse, delta, dq, dk, dv)

@@ -17,6 +17,7 @@ from flashlite._caches import Cache
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import bwd as KB
 from flashlite.kernels.attention import hopper_bwd as KHB
+from flashlite.ops.attention import hopper as HP
 from flashlite.ops.attention.checks import _check_bwd_grads
 from flashlite.ops.attention.fwd import Varlen, _op_extras, _op_varlen
 from flashlite.ops.attention.plan import (
@@ -209,7 +210,7 @@ def _run_hopper_bwd(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
     if key in _hopper_bwd_failed:
         return None
     try:
-        run = KHB.plan_bwd_hopper(qs, k, do, dk, dv, causal, scale)
+        run = HP.plan_bwd_hopper(qs, k, do, dk, dv, causal, scale)
         run(qs, k, v, do, lse, delta, dq, dk, dv)
     except (triton.CompilationError, TypeError, ValueError, AttributeError) as err:
         _hopper_bwd_failed.add(key)

@@ -16,6 +16,7 @@ from flashlite._caches import Cache
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import fwd as K
 from flashlite.kernels.attention import hopper as KH
+from flashlite.ops.attention import hopper as HP
 from flashlite.ops.attention.decode import attention_decode_fwd
 from flashlite.ops.attention.plan import (
     DESC_MIN_WORK,
@@ -106,7 +107,7 @@ def attention_fwd(
         if hopper is not None and _run_hopper(q, k, v, o, lse, is_causal, scale, hopper):
             info = LaunchInfo(_hopper_launch_config(hopper), d, True)
             if planned:  # (it built and ran: later calls of this kind go straight to it)
-                run = KH.plan_fwd_hopper(q, k, is_causal, scale, hopper)
+                run = HP.plan_fwd_hopper(q, k, is_causal, scale, hopper)
                 _fwd_plans.put(key, _Planned(run, q.shape[:3], info))
             return o, lse, info
     config, launch = _plan(dev, q.dtype, d, is_causal, small and not use_desc, use_desc,
@@ -191,7 +192,7 @@ def _run_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tens
     if key in _hopper_failed:
         return False
     try:
-        KH.attention_fwd_hopper(q, k, v, o, lse, causal, scale, config)
+        HP.attention_fwd_hopper(q, k, v, o, lse, causal, scale, config)
     except (triton.CompilationError, TypeError, ValueError, AttributeError) as err:
         _hopper_failed.add(key)
         warnings.warn(f"flashlite: the Hopper attention kernel failed to build ({err!r:.300}); "

@@ -1,0 +1,117 @@
+"""The host side of the Hopper (Gluon) attention kernels: their TMA descriptors and their launch
+plans, the forward's (:func:`plan_fwd_hopper`) and the fused backward's (:func:`plan_bwd_hopper`).
+The kernels and their tables live in :mod:`flashlite.kernels.attention.hopper` and
+:mod:`~flashlite.kernels.attention.hopper_bwd`; nothing here runs unless their ``available()``
+says Gluon is there."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+
+from flashlite import _launch
+from flashlite._caches import Cache
+from flashlite.kernels.attention import hopper as KH
+from flashlite.kernels.attention import hopper_bwd as KHB
+
+try:  # Gluon's host descriptor (where Gluon is absent, nothing here runs)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except Exception:  # noqa: BLE001
+    TensorDescriptor = None
+
+_layouts = Cache("hopper.layouts", 64)
+
+
+def shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> object:
+    """The swizzled shared-memory layout TMA fills with ``block`` of ``dtype`` (made once)."""
+    key = (block, dtype)
+    found = _layouts.get(key)
+    if found is None:
+        gl = KH.gl
+        gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16,
+                    torch.float32: gl.float32}[dtype]  # fmt: skip
+        found = _layouts.put(key, gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype))
+    return found
+
+
+def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> Any:
+    """A 4-D Gluon TMA descriptor of ``t`` ``(B, H, N, D)`` (any 16-byte aligned strides)
+    reading ``[1, 1, rows, cols]`` blocks (``cols``: D when None)."""
+    block = [1, 1, rows, t.shape[-1] if cols is None else cols]
+    layout = shared_layout(tuple(block), t.dtype)
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
+
+
+def plan_fwd_hopper(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
+                    config: KH.HopperConfig) -> Callable[..., None]:  # fmt: skip
+    """``run(q, k, v, o, lse)`` for tensors shaped, strided and aligned as ``q``, ``k`` are
+    (and ``v`` as ``k``, ``o`` as ``q``): the grid, options and bound launch fixed here.
+    Writes ``o`` ``(B, Hq, Nq, D)`` and the contiguous fp32 ``lse`` ``(B, Hq, Nq)``. No checks:
+    the caller has validated the inputs and that TMA can read them (16-bit, a head dim with a
+    :data:`~flashlite.kernels.attention.hopper.CONFIGS` entry, 16-byte aligned strides). The
+    descriptors are the launcher's business (:meth:`~flashlite._launch.Launcher.bind_tensors`)."""
+    b, hq, nq, _ = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    half, bn = config.block_m // 2, config.block_n
+    grid = (triton.cdiv(nq, config.block_m), b * hq, 1)
+    rest = (hq, hq // hkv, nq, nk, scale)
+    options = {"BLOCK_M": config.block_m, "BLOCK_N": bn, "STAGES": config.stages,
+               "IS_CAUSAL": causal, "num_warps": 4}  # fmt: skip
+    kernel = _launch.launcher(KH._attention_fwd_hopper_kernel)
+    bound: list[Callable[..., None]] = []
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+            lse: torch.Tensor) -> None:  # fmt: skip
+        if not bound:  # the first call binds (descriptors of these tensors as templates)
+            templates = (_descriptor(q, half), _descriptor(k, bn), _descriptor(v, bn),
+                         _descriptor(o, half))  # fmt: skip
+            bound.append(kernel.bind_tensors((*templates, lse, *rest), options))
+        bound[0](grid, q, k, v, o, lse, *rest)
+
+    return run
+
+
+def attention_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                         lse: torch.Tensor, causal: bool, scale: float,
+                         config: KH.HopperConfig) -> None:  # fmt: skip
+    """Launch the kernel once (:func:`plan_fwd_hopper`)."""
+    plan_fwd_hopper(q, k, causal, scale, config)(q, k, v, o, lse)
+
+
+def plan_bwd_hopper(qs: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dk: torch.Tensor,
+                    dv: torch.Tensor, causal: bool,
+                    scale: float) -> Callable[..., None]:  # fmt: skip
+    """``run(qs, k, v, do, lse, delta, dq, dk, dv)`` for tensors shaped, strided and aligned as
+    these are (``v`` as ``k``, ``dq`` as ``qs``): dQ, dK, dV into ``dq``, ``dk``, ``dv``.
+    ``qs``: the preprocess's ``Q·scale·log2 e`` ``(B, Hq, Nq, D)`` (it may be ``dq``'s memory:
+    the kernel reads it before dQ is written); ``lse`` and ``delta``: dense fp32 ``(B, Hq, Nq)``.
+    Extra memory: dQ's fp32 accumulator, ``(B, Hq, Nq, D)``. The grid, options, descriptor
+    blocks and bound launch are fixed here. No checks: the caller has validated the inputs and
+    that TMA can read them (16-bit, D in the kernel's ``HEAD_DIMS``, 16-byte aligned strides,
+    unit last strides)."""
+    b, hq, nq, d = qs.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    acc_shape = (b, hq, nq, d)
+    grid = (triton.cdiv(nk, KHB.BLOCK_N) * b * hkv, 1, 1)
+    rest = (*dk.stride()[:3], *dv.stride()[:3], hq, hkv, hq // hkv, nq, nk, scale)
+    options = {"STAGES": KHB.STAGES, "GROUP_H": KHB.CAUSAL_GROUP_H if causal else 1,
+               "IS_CAUSAL": causal, "num_warps": 4}  # fmt: skip
+    kernel = _launch.launcher(KHB._attention_bwd_hopper_kernel)
+    bound: list[Callable[..., None]] = []
+
+    def run(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+            lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+            dv: torch.Tensor) -> None:  # fmt: skip
+        acc = torch.zeros(acc_shape, device=qs.device, dtype=torch.float32)
+        if not bound:  # the first call binds (descriptors of these tensors as templates)
+            templates = (_descriptor(qs, KHB.BLOCK_M, d), _descriptor(do, KHB.BLOCK_M, d),
+                         _descriptor(k, KHB.BLOCK_N, d), _descriptor(v, KHB.BLOCK_N, d),
+                         _descriptor(acc, KHB.BLOCK_M, d // 2))  # fmt: skip
+            bound.append(kernel.bind_tensors((*templates, lse, delta, dk, dv, *rest), options))
+        bound[0](grid, qs, do, k, v, acc, lse, delta, dk, dv, *rest)
+        dq.copy_(acc)  # the kernel added scale·dS·K: only the rounding is left
+
+    return run
