@@ -132,7 +132,7 @@ class Launcher:
                 device = a.device.index
             elif kind is int or kind is float or kind is bool:  # the value itself is kept
                 key.append((kind, a))
-            elif hasattr(a, "block_shape") and isinstance(getattr(a, "base", None), torch.Tensor):
+            elif _is_descriptor(a):
                 # a host tensor descriptor: Triton specialises on its dtype, block and layout
                 base = a.base
                 key.append((kind, base.dtype, base.data_ptr() % 16 == 0, tuple(a.block_shape),
@@ -158,7 +158,7 @@ class Launcher:
             compiled.__getitem__  # noqa: B018
         except (AttributeError, KeyError, TypeError) as err:
             raise private_api_error("JITFunction.warmup / CompiledKernel launch", err) from err
-        has_desc = any(hasattr(a, "block_shape") for a in args)
+        has_desc = any(_is_descriptor(a) for a in args)
         raw = None if has_desc else _raw_launch(compiled)
         if raw is None:
 
@@ -193,32 +193,28 @@ class Launcher:
         the launcher's own function (:func:`_tma_args`) and kept per address, so a training
         loop, whose tensors come back at the same few addresses, encodes none after its first
         steps; elsewhere a descriptor like the template is built per call."""
-        slots = [i for i, a in enumerate(args) if _is_descriptor(a)]
+        templates = [(i, a) for i, a in enumerate(args) if _is_descriptor(a)]
         bound = self.bind(args, options)
-        if not slots:
+        if not templates:
             return bound
+
+        def rebuilt(a: tuple) -> list:
+            out = list(a)
+            for i, template in templates:
+                out[i] = dataclasses.replace(template, base=a[i])
+            return out
+
         compiled = getattr(bound, "compiled", None)
-        expand = _tma_args(compiled, args, slots) if compiled is not None else None
-        constants = getattr(bound, "constants", ())
+        expand = _tma_args(compiled, templates) if compiled is not None else None
         if expand is None:  # Triton's own launch of rebuilt descriptors
-            templates = [(i, args[i]) for i in slots]
-
-            def run(grid: tuple[int, int, int], *a: Any) -> None:
-                a = list(a)  # type: ignore[assignment]
-                for i, template in templates:
-                    a[i] = dataclasses.replace(template, base=a[i])  # type: ignore[index]
-                bound(grid, *a)
-
-            return run
+            return lambda grid, *a: bound(grid, *rebuilt(a))
         launch, function, coop, pdl, packed, fill = expand
+        constants = bound.constants  # type: ignore[attr-defined]
         hooks = _launch_hooks()
 
         def run(grid: tuple[int, int, int], *a: Any) -> None:
             if _listening(hooks.launch_enter_hook) or _listening(hooks.launch_exit_hook):
-                rebuilt = list(a)
-                for i in slots:
-                    rebuilt[i] = dataclasses.replace(args[i], base=a[i])
-                compiled[grid](*rebuilt, *constants)
+                compiled[grid](*rebuilt(a), *constants)
                 return
             stream = _current_stream(_current_device())
             launch(*grid, stream, function, coop, pdl, None, None, packed, None, None, None,
@@ -270,56 +266,47 @@ class _Described:
 _MAPS_PER_SLOT = 16
 
 
-def _tma_args(compiled: Any, args: tuple, slots: list[int]) -> tuple[Any, ...] | None:
+def _tma_args(compiled: Any, templates: list[tuple[int, Any]]) -> tuple[Any, ...] | None:
     """``(launch, function, cooperative, pdl, packed, fill)`` for
-    :meth:`Launcher.bind_tensors`: the C launch under the compiled kernel's descriptor
-    wrapper, and ``fill(a)``, the flat argument list with each descriptor slot's tensor
-    expanded as the wrapper would (its TMA map, shape, strides), maps kept per address. Only on
-    the Triton version :func:`_raw_launch` was written against, else None."""
-    if TRITON_VERSION != _RAW_LAUNCH_TESTED or INTERPRETED or not slots:
+    :meth:`Launcher.bind_tensors`: :func:`_raw_launch`'s fields with the C launch that the
+    compiled kernel's descriptor wrapper calls, and ``fill(a)``, the flat argument list with
+    the tensor of each ``(index, template descriptor)`` expanded as the wrapper would (its TMA
+    map, shape, strides), maps kept per address. None where :func:`_raw_launch` is."""
+    raw = _raw_launch(compiled)
+    if raw is None:
         return None
+    wrapper, *fields = raw
     try:  # private: the wrapper's closure (the C launch) and the driver's descriptor expansion
-        run = compiled.run
-        if run.global_scratch_size or run.profile_scratch_size:
-            return None
-        wrapper = run.launch
         cells = dict(zip(wrapper.__code__.co_freevars, wrapper.__closure__ or (), strict=True))
         c_launch = cells["launcher"].cell_contents
-        metas = cells["tensordesc_meta"].cell_contents
+        metas = cells["tensordesc_meta"].cell_contents or [None] * len(templates)
         from triton.backends.nvidia.driver import make_tensordesc_arg
-
-        raw = (c_launch, compiled.function, run.launch_cooperative_grid, run.launch_pdl,
-               compiled.packed_metadata)  # fmt: skip
     except (AttributeError, KeyError, ImportError, ValueError):
         return None
-    meta_of = dict(zip(slots, metas, strict=True)) if metas else dict.fromkeys(slots)
-    maps: dict[int, dict[int, list]] = {i: {} for i in slots}
-    templates = {i: args[i] for i in slots}
-
-    def expanded(i: int, t: torch.Tensor) -> list:
-        meta = meta_of[i]
-        if meta is None:  # (no map: the launcher reads the tensor itself)
-            return make_tensordesc_arg(_Described(t, templates[i]), meta)
-        kept = maps[i]
-        ptr = t.data_ptr()
-        found = kept.get(ptr)
-        if found is None:
-            if len(kept) >= _MAPS_PER_SLOT:
-                kept.clear()
-            found = kept[ptr] = make_tensordesc_arg(_Described(t, templates[i]), meta)
-        return found
+    # per slot: (index, template, its launcher metadata, its TMA maps by address)
+    slots = [(i, t, meta, {}) for (i, t), meta in zip(templates, metas, strict=True)]
 
     def fill(a: tuple) -> list:
         out: list = []
         start = 0
-        for i in slots:
+        for i, template, meta, kept in slots:
             out.extend(a[start:i])
-            out.extend(expanded(i, a[i]))
+            t = a[i]
+            if meta is None:  # (no map: the launcher reads the tensor itself)
+                out.extend(make_tensordesc_arg(_Described(t, template), meta))
+            else:
+                ptr = t.data_ptr()
+                found = kept.get(ptr)
+                if found is None:
+                    if len(kept) >= _MAPS_PER_SLOT:
+                        kept.clear()
+                    found = kept[ptr] = make_tensordesc_arg(_Described(t, template), meta)
+                out.extend(found)
             start = i + 1
         out.extend(a[start:])
         return out
 
-    return (*raw, fill)
+    return (c_launch, *fields, fill)
 
 
 def _launch_hooks() -> Any:
