@@ -117,14 +117,13 @@ class BwdPlan:
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> None:
         b, hq, nq, d = q.shape
-        self.causal, self.scale = causal, scale
-        self.is_causal = masks.kernel_window(None, causal, nq, k.shape[2])[0]
+        self.causal, self.scale = causal, scale  # (causal: as the caller normalised it)
         self.prescale = _prescale_q(q)
         self.delta_shape = (b, hq, nq)
-        self.cfg = bwd_config(q.device, q.dtype, d, self.is_causal)
+        self.cfg = bwd_config(q.device, q.dtype, d, causal)
         self.prep: Callable[..., None] | None = None
-        self.fused: Callable[..., None] | None = None
-        self.pair: tuple[Callable[..., None], Callable[..., None]] | None = None
+        #: ``main(qs, k, v, do, lse, delta, dq, dk, dv)``: the fused kernel or the Triton pair
+        self.main: Callable[..., None] | None = None
 
     def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
@@ -140,23 +139,34 @@ class BwdPlan:
             self.prep = plan_preprocess(o, do, dlse, delta, q, qs, self.scale)
         self.prep(o, do, dlse, delta, q, qs)
         lse = lse.contiguous()  # the kernels index the (B, Hq, Nq) statistics densely
-        if self.fused is None and self.pair is None:  # the first call: which kernels run
-            if hopper_bwd_applies(qs, k, v, do, dk, dv):
-                ran = _run_hopper_bwd(qs, k, v, do, lse, delta, dq, dk, dv, self.is_causal,
-                                      self.scale)  # fmt: skip
+        grads = (qs, k, v, do, lse, delta, dq, dk, dv)
+        if self.main is None:  # the first call: which kernels run
+            if hopper_bwd_applies(qs, k, v, do, dk, dv):  # planned and run once, if it builds
+                ran = _run_hopper_bwd(*grads, self.causal, self.scale)
                 if ran:
-                    self.fused = ran
+                    self.main = ran
                     return dq, dk, dv
-            args = (qs, k, v, do, lse, delta)
-            self.pair = (plan_dkdv(*args, dk, dv, self.causal, self.scale, self.cfg),
-                         plan_dq(*args, dq, self.causal, self.scale, self.cfg))  # fmt: skip
-        if self.fused is not None:
-            self.fused(qs, k, v, do, lse, delta, dq, dk, dv)
-        else:
-            dkdv, dq_run = self.pair  # type: ignore[misc]
-            dkdv(qs, k, v, do, lse, delta, dk, dv)
-            dq_run(qs, k, v, do, lse, delta, dq)
+            self.main = _plan_pair(*grads, self.causal, self.scale, self.cfg)
+        self.main(*grads)
         return dq, dk, dv
+
+
+def _plan_pair(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+               lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+               dv: torch.Tensor, causal: bool, scale: float,
+               cfg: C.BwdConfig) -> Callable[..., None]:  # fmt: skip
+    """``main(qs, k, v, do, lse, delta, dq, dk, dv)`` of the Triton pair (:func:`plan_dkdv`,
+    then :func:`plan_dq`) for tensors of these kinds."""
+    dkdv = plan_dkdv(qs, k, v, do, lse, delta, dk, dv, causal, scale, cfg)
+    dq_run = plan_dq(qs, k, v, do, lse, delta, dq, causal, scale, cfg)
+
+    def main(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+             lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+             dv: torch.Tensor) -> None:  # fmt: skip
+        dkdv(qs, k, v, do, lse, delta, dk, dv)
+        dq_run(qs, k, v, do, lse, delta, dq)
+
+    return main
 
 
 def _attention_bwd_masked(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
