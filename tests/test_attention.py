@@ -384,7 +384,7 @@ def test_hopper_kernel_that_fails_to_build_falls_back(monkeypatch) -> None:
         raise TypeError("warp_specialize() got an unexpected keyword argument")
 
     monkeypatch.setattr(ops, "hopper_config", lambda q, n: KH.HopperConfig(128, 128, 3))
-    monkeypatch.setattr(ops.HP, "attention_fwd_hopper", broken)
+    monkeypatch.setattr(ops.HP, "plan_fwd_hopper", broken)
     monkeypatch.setattr(ops, "_hopper_failed", set())
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
     with pytest.warns(RuntimeWarning, match="Hopper attention kernel failed to build"):
@@ -494,7 +494,7 @@ def test_gpu_hopper_kernel(dtype, causal, d, nq, nk, hq, hkv, layout) -> None:
     # the kernel itself at every length (the front-end sends D=64 below 4096 keys to Triton)
     out = empty_output(views[0])
     lse = views[0].new_empty(views[0].shape[:3], dtype=torch.float32)
-    HP.attention_fwd_hopper(*views, out, lse, causal, d**-0.5, KH.CONFIGS[d])
+    HP.plan_fwd_hopper(views[0], views[1], causal, d**-0.5, KH.CONFIGS[d])(*views, out, lse)
     assert out.stride() == views[0].stride()  # O keeps q's layout
     if hopper_config(views[0], nk) is not None:  # and the front-end runs it
         out2, lse2, info = attention_fwd(*views, causal, d**-0.5, use_desc=True)

@@ -104,10 +104,10 @@ def attention_fwd(
     plain = not (has_window or softcap is not None or seqlens_k is not None or varlen is not None)
     if plain and use_desc and config is None and prescale_q is not False:
         hopper = hopper_config(q, nk)
-        if hopper is not None and _run_hopper(q, k, v, o, lse, is_causal, scale, hopper):
+        run = _run_hopper(q, k, v, o, lse, is_causal, scale, hopper) if hopper else None
+        if run is not None:
             info = LaunchInfo(_hopper_launch_config(hopper), d, True)
             if planned:  # (it built and ran: later calls of this kind go straight to it)
-                run = HP.plan_fwd_hopper(q, k, is_causal, scale, hopper)
                 _fwd_plans.put(key, _Planned(run, q.shape[:3], info))
             return o, lse, info
     config, launch = _plan(dev, q.dtype, d, is_causal, small and not use_desc, use_desc,
@@ -186,19 +186,21 @@ _hopper_failed: set[tuple] = set()
 
 def _run_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                 lse: torch.Tensor, causal: bool, scale: float,
-                config: KH.HopperConfig) -> bool:  # fmt: skip
-    """Launch the Gluon kernel; False (after one warning) if it fails to compile here."""
+                config: KH.HopperConfig) -> Callable[..., None] | None:  # fmt: skip
+    """Plan and launch the Gluon kernel: its ``run`` for later calls of this kind, or None
+    (after one warning) if it fails to compile here."""
     key = (q.dtype, causal, config)
     if key in _hopper_failed:
-        return False
+        return None
     try:
-        HP.attention_fwd_hopper(q, k, v, o, lse, causal, scale, config)
+        run = HP.plan_fwd_hopper(q, k, causal, scale, config)
+        run(q, k, v, o, lse)
     except (triton.CompilationError, TypeError, ValueError, AttributeError) as err:
         _hopper_failed.add(key)
         warnings.warn(f"flashlite: the Hopper attention kernel failed to build ({err!r:.300}); "
                       "the Triton kernel runs instead", RuntimeWarning, stacklevel=3)  # fmt: skip
-        return False
-    return True
+        return None
+    return run
 
 
 def _attention_fwd_body(

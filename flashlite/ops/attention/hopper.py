@@ -74,13 +74,6 @@ def plan_fwd_hopper(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float
     return run
 
 
-def attention_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                         lse: torch.Tensor, causal: bool, scale: float,
-                         config: KH.HopperConfig) -> None:  # fmt: skip
-    """Launch the kernel once (:func:`plan_fwd_hopper`)."""
-    plan_fwd_hopper(q, k, causal, scale, config)(q, k, v, o, lse)
-
-
 def plan_bwd_hopper(qs: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dk: torch.Tensor,
                     dv: torch.Tensor, causal: bool,
                     scale: float) -> Callable[..., None]:  # fmt: skip
