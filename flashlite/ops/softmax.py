@@ -21,8 +21,7 @@ from flashlite._caches import Cache
 from flashlite.kernels import softmax as K
 from flashlite.kernels import softmax_gluon as KG
 from flashlite.kernels.configs import cdiv
-from flashlite.ops._dispatch import Op, plain_eager
-from flashlite.ops.common import moved_call_device
+from flashlite.ops._dispatch import Op
 
 ALGORITHMS = ("auto", "three_pass", "online")
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -429,13 +428,6 @@ def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
 
 def _backward(ctx, dy):  # type: ignore[no-untyped-def]
     (y,) = ctx.saved_tensors
-    dense = y.is_contiguous() and ctx.dim == y.dim() - 1 and y.numel()
-    if dense and dy.dtype == y.dtype and dy.stride() == y.stride():
-        # autograd's usual dy, laid out as y: the dense plan straight away when nothing records
-        # (a second derivative) or observes the call, as the op would decide
-        plain = not torch.is_grad_enabled() and plain_eager(y, dy)
-        if plain and moved_call_device(y.device) is None:
-            return _dense_backward(y, dy, ctx.log), None, None, None
     return SOFTMAX_BWD(y, dy, ctx.dim, ctx.log), None, None, None
 
 
