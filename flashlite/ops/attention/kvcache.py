@@ -192,12 +192,13 @@ def _kvcache_moved(args: tuple, dev: torch.device) -> tuple[torch.Tensor, torch.
     if validate == "device":  # (a record left on the caller's device: reported first)
         _report_kv_problems(q.device, False, earlier=True)
     tensors = tuple(moved(t, dev) for t in args[:_TENSORS])
+    k_moved, v_moved, k_new = tensors[1], tensors[2], tensors[4]
     try:
         o, lse = _kvcache_plan((*tensors, *args[_TENSORS:]))(*tensors)
     finally:  # what the append wrote (the good rows, when a bad one is reported)
-        if tensors[4] is not None:
-            k_cache.copy_(tensors[1])
-            v_cache.copy_(tensors[2])
+        if k_new is not None:
+            k_cache.copy_(k_moved)
+            v_cache.copy_(v_moved)
     if validate == "device":
         _report_kv_problems(dev, True, earlier=False)
     return o.to(q.device), lse.to(q.device)
