@@ -356,6 +356,30 @@ def test_no_targets() -> None:
 
 
 @pytest.mark.gpu
+def test_gpu_linear_bad_target_reported_without_a_sync() -> None:
+    # linear cross-entropy checks its targets as cross_entropy does: on the device, in the launch
+    # that computes the mean's divisor (no host sync), reported by a later call of either
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    hidden = torch.randn(6, 32, device="cuda", dtype=torch.bfloat16)
+    weight = torch.randn(1000, 32, device="cuda", dtype=torch.bfloat16)
+    good = torch.randint(0, 1000, (6,), device="cuda")
+    bad = good.clone()
+    bad[2] = 1005
+    loss = flashlite.linear_cross_entropy(hidden, weight, bad, reduction="none")
+    assert torch.isnan(loss[2]) and torch.isfinite(loss[:2]).all()
+    torch.cuda.synchronize()
+    with pytest.raises(ValueError, match=r"earlier .* class 1005, outside \[0, 1000\)"):
+        flashlite.linear_cross_entropy(hidden, weight, good)
+    assert torch.isfinite(flashlite.linear_cross_entropy(hidden, weight, good))  # reported once
+    with pytest.raises(ValueError, match=r"class 1005, outside \[0, 1000\) and not"):
+        flashlite.linear_cross_entropy(hidden, weight, bad, validate="sync")
+    assert torch.isnan(flashlite.linear_cross_entropy(hidden, weight, bad, validate=False))
+    torch.cuda.synchronize()
+    assert torch.isfinite(flashlite.cross_entropy(hidden @ weight.t(), good))  # nothing recorded
+
+
+@pytest.mark.gpu
 def test_gpu_bad_target_reported_by_a_later_call() -> None:
     # validate=True on a GPU: no host sync; the bad target's row is NaN and the next call
     # that finds the device's check finished raises; validate="sync" raises at the call
@@ -609,6 +633,10 @@ def test_linear_cross_entropy_layouts_and_bad_input() -> None:
         flashlite.linear_cross_entropy(hidden, weight, target + 50)
     with pytest.raises(ValueError, match="chunk_size"):
         flashlite.linear_cross_entropy(hidden, weight, target, chunk_size=0)
+    with pytest.raises(ValueError, match="validate"):
+        flashlite.linear_cross_entropy(hidden, weight, target, validate="later")
+    with pytest.raises(ValueError, match="outside"):  # CPU tensors: reported by this call
+        flashlite.linear_cross_entropy(hidden, weight, target - 60, reduction="sum")
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])

@@ -102,8 +102,7 @@ class Op:
             assert setup_context is not None, "an autograd formula needs its setup_context"
             op.register_autograd(backward, setup_context=setup_context)
             self.function = _function(name, self.body, setup_context, backward, materialize_grads)
-            self.apply = (_C_APPLY.__get__(None, self.function) if _C_APPLY is not None
-                          else self.function.apply)  # fmt: skip
+            self.apply = eager_apply(self.function)
         self.default = getattr(torch.ops.flashlite, name).default
         # the arguments the body writes: the dispatcher bumps their version counters (autograd's
         # check that a saved tensor was not modified), so the body path must too
@@ -165,3 +164,9 @@ def differentiable(
     inside still picks its path (body or dispatcher) for itself."""
     doc = f"Autograd of ``flashlite.{name}`` around its ops (made by :func:`differentiable`)."
     return _function_class(name, forward, backward, doc)
+
+
+def eager_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
+    """``function.apply`` below its Python wrapper (as :class:`Op` calls its own), for calls
+    where :func:`plain_eager` holds; the wrapper itself where torch lacks the C one."""
+    return _C_APPLY.__get__(None, function) if _C_APPLY is not None else function.apply

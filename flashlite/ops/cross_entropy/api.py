@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flashlite.ops._dispatch import plain_eager
+from flashlite.ops._dispatch import eager_apply, plain_eager
 from flashlite.ops.common import check_softcap, moved, moved_call_device
 from flashlite.ops.cross_entropy.autograd import CrossEntropyFunction
 from flashlite.ops.cross_entropy.checks import (
@@ -17,12 +17,17 @@ from flashlite.ops.cross_entropy.fwd import (
     _scale_and_check,
     _traced_scale,
     _z_scaled,
+    cross_entropy_scale,
 )
 from flashlite.ops.cross_entropy.linear import (
     LinearCrossEntropyFunction,
     _autocast,
     _linear_chunking,
 )
+from flashlite.ops.cross_entropy.plan import _unit_scale
+
+_CE_APPLY = eager_apply(CrossEntropyFunction)
+_LINEAR_APPLY = eager_apply(LinearCrossEntropyFunction)
 
 
 def cross_entropy(
@@ -110,7 +115,8 @@ def cross_entropy(
     t1 = target if target.dim() == 1 else target.reshape(-1)
     mean = reduction == "mean"
     bad, grad_scale = None, None
-    if not plain_eager(x2, t1):  # traced: the scale from torch ops, no check (no host read)
+    plain = plain_eager(x2, t1, weight)
+    if not plain:  # traced: the scale from torch ops, no check (no host read)
         grad_scale = _traced_scale(t1, weight, v, ignore_index, mean,
                                    _z_scaled(weight, mean, z_loss))  # fmt: skip
     elif validate == "sync" or (validate and x2.device.type == "cpu"):  # checked, waited for
@@ -121,7 +127,8 @@ def cross_entropy(
         bad = _bad_record(t1.device)[0]
     opts = (ignore_index, float(label_smoothing), float(z_loss), check_softcap(softcap),
             bool(inplace_backward), reduction)  # fmt: skip
-    loss, lse = CrossEntropyFunction.apply(x2, t1, weight, grad_scale, bad, opts)
+    apply = _CE_APPLY if plain else CrossEntropyFunction.apply
+    loss, lse = apply(x2, t1, weight, grad_scale, bad, opts)
     if reduction == "none":
         loss = loss.view(target.shape)
     return (loss, lse.view(target.shape)) if return_lse else loss
@@ -140,7 +147,7 @@ def linear_cross_entropy(
     z_loss: float = 0.0,
     softcap: float | None = None,
     return_lse: bool = False,
-    validate: bool = True,
+    validate: bool | str = True,
     chunk_size: int | None = None,
     vocab_chunk_size: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -169,8 +176,10 @@ def linear_cross_entropy(
         class_weight: ``(V,)`` per-class weights (torch's ``weight``).
         ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse: as
             :func:`cross_entropy`.
-        validate: as :func:`cross_entropy`, but a bad target is always reported by this call
-            (one host sync: the sweep takes far longer).
+        validate: as :func:`cross_entropy`: ``True`` checks the targets on the device, in the
+            launch that computes the mean's divisor, and a later call on that device reports a
+            bad one (on the CPU, this call); ``"sync"`` reports it at this call; ``False``
+            does not check.
         chunk_size: tokens per chunk (default: as many as fit :data:`LINEAR_CHUNK_BYTES`).
         vocab_chunk_size: classes per vocabulary slice (default: the whole vocabulary, unless
             it does not fit the budget as said above).
@@ -203,6 +212,8 @@ def linear_cross_entropy(
                         f"{weight.dtype}")  # fmt: skip
     if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]):
         raise ValueError(f"bias must be a ({weight.shape[0]},) tensor")
+    if not (isinstance(validate, bool) or validate == "sync"):
+        raise ValueError(f"validate must be True, False or 'sync', got {validate!r}")
     v = weight.shape[0]
     fake = hidden.new_empty((1,) * hidden.dim()).expand(*hidden.shape[:-1], v)  # (no storage)
     _check(fake, target, class_weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
@@ -220,13 +231,37 @@ def linear_cross_entropy(
         )  # fmt: skip
         return moved(out, hidden.device)
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
-    if validate and plain_eager(h2, t1):  # (at the call: a sweep takes far longer than a sync)
-        _scale_and_check(t1, None, v, ignore_index, False)
+    plain = plain_eager(h2, t1, weight, bias, class_weight)
+    grad_scale = _grad_scale(plain, t1, class_weight, v, ignore_index, reduction, z_loss, validate)
     chunk, vocab_chunk = _linear_chunking(v, hidden.element_size(), chunk_size, vocab_chunk_size)
-    loss, lse = LinearCrossEntropyFunction.apply(
-        h2, weight, bias, t1, class_weight, ignore_index, float(label_smoothing), float(z_loss),
-        check_softcap(softcap), reduction, chunk, vocab_chunk,
+    apply = _LINEAR_APPLY if plain else LinearCrossEntropyFunction.apply
+    loss, lse = apply(
+        h2, weight, bias, t1, class_weight, grad_scale, ignore_index, float(label_smoothing),
+        float(z_loss), check_softcap(softcap), reduction, chunk, vocab_chunk,
     )  # fmt: skip
     if reduction == "none":
         loss = loss.view(target.shape)
     return (loss, lse.view(target.shape)) if return_lse else loss
+
+
+def _grad_scale(plain: bool, t1: torch.Tensor, class_weight: torch.Tensor | None, v: int,
+                ignore_index: int, reduction: str, z_loss: float,
+                validate: bool | str) -> torch.Tensor:  # fmt: skip
+    """Linear cross-entropy's gradient scale (a mean's ``1/Σ``, else 1; with the z-loss's own
+    factor second where :func:`_z_scaled`), with the targets checked as ``validate`` says, as
+    :func:`cross_entropy` checks them: on the device in the scale's own launch and reported by a
+    later call (``True`` on a GPU), at this call after a sync (``"sync"``, CPU tensors), or not
+    at all (``False``, traced calls). ``plain``: :func:`plain_eager` holds for the call."""
+    mean = reduction == "mean"
+    z = _z_scaled(class_weight, mean, z_loss)
+    if not plain:  # traced (or not plain tensors): torch ops, no check (no host read)
+        return _traced_scale(t1, class_weight, v, ignore_index, mean, z)
+    if validate == "sync" or (validate and t1.device.type == "cpu"):
+        return _scale_and_check(t1, class_weight, v, ignore_index, mean, z)
+    if not validate and not mean:
+        return _unit_scale(t1.device)
+    bad = None
+    if validate:
+        _report_bad_targets(t1.device, False, ignore_index, earlier=True)
+        bad = _bad_record(t1.device)[0]
+    return cross_entropy_scale(t1, class_weight, v, ignore_index, mean, bad, z)

@@ -39,7 +39,8 @@ def _report_bad_targets(device: torch.device, wait: bool, ignore_index: int,
         raise ValueError(f"target holds class {cls}, outside [0, {v}) and not "
                          f"ignore_index={ignore_index}")  # fmt: skip
     raise ValueError(
-        f"an earlier flashlite.cross_entropy call on {device} had a target of class {cls}, "
+        f"an earlier flashlite cross-entropy call (cross_entropy, linear_cross_entropy) on "
+        f"{device} had a target of class {cls}, "
         f"outside [0, {v}) and not its ignore_index: that call's loss and gradient rows are "
         "NaN. Targets are checked on the device without waiting for it, and a bad one is "
         "reported by a later call; validate='sync' reports it at the call itself"

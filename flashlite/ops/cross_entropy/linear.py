@@ -10,13 +10,11 @@ import torch
 
 from flashlite import stats
 from flashlite.ops._dispatch import Op, differentiable
-from flashlite.ops.cross_entropy.fwd import (
-    _mean_divisor,
-    _z_ratio,
-    _z_scaled,
-    cross_entropy_bwd,
-    cross_entropy_fwd,
-)
+from flashlite.ops.cross_entropy.fwd import cross_entropy_bwd, cross_entropy_fwd
+from flashlite.ops.cross_entropy.plan import _unit_scale
+
+#: The gradients of hidden, weight and bias (None without one).
+_Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 
 #: Logits bytes one chunk of tokens may hold (the only logits ever materialised).
 LINEAR_CHUNK_BYTES = 1 << 28
@@ -45,25 +43,42 @@ def _linear_chunks(
     scale: torch.Tensor,
     opts: tuple,
     chunk: int,
-    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None,
+    with_grads: bool,
     vocab_chunk: int = 0,
     z_scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, _Grads | None]:
     """One sweep over token chunks: logits ``h·Wᵀ + b`` of a chunk (tensor cores through
     ``torch.matmul``), the fused kernel writing their gradient over them, then that gradient
-    scaled per row by ``scale`` and folded into ``grads = (dh, dW, db)`` (when given). With
+    scaled per row by ``scale`` and, ``with_grads``, folded into ``(dh, dW, db)``. With
     ``0 < vocab_chunk < V`` each token chunk's vocabulary is swept in slices instead
     (:func:`_vocab_sweep`). ``z_scale``: a 1-element fp32 factor of the z-loss, on the device
-    (:func:`_z_scaled`). Returns the fp32 per-token losses and LSE."""
+    (:func:`_z_scaled`). Returns the fp32 per-token losses and LSE, and the gradients (or
+    None)."""
     n = hidden.shape[0]
+    if z_scale is None:
+        unit = _unit_scale(hidden.device)
+    else:  # (the kernel reads the z-loss's factor after the gradient's scale)
+        unit = torch.cat((torch.ones(1, dtype=torch.float32, device=hidden.device),
+                          z_scale.reshape(1).float()))  # fmt: skip
+    sliced = 0 < vocab_chunk < weight.shape[0]
+    if n <= chunk and not sliced:
+        # one chunk, the usual case: each result is made by its own product, nothing is
+        # accumulated or copied (host time is what a small step waits for)
+        logits = hidden @ weight.t()
+        if bias is not None:
+            logits += bias
+        losses, lse = cross_entropy_fwd(logits, target, opts[0], unit, logits, *opts[1:])
+        if not with_grads:
+            return losses, lse, None
+        g = cross_entropy_bwd(logits, logits, scale)  # ∂loss/∂logits
+        db = g.sum(0, dtype=torch.float32) if bias is not None else None
+        return losses, lse, (g @ weight, g.t() @ hidden, db)
     losses = hidden.new_empty((n,), dtype=torch.float32)
     lse = hidden.new_empty((n,), dtype=torch.float32)
-    unit = torch.ones(1, dtype=torch.float32, device=hidden.device)
-    if z_scale is not None:  # (the kernel reads the z-loss's factor after the gradient's scale)
-        unit = torch.cat((unit, z_scale.reshape(1).float()))
+    grads = _linear_grads(hidden, weight, bias) if with_grads else None
     for r0 in range(0, n, chunk):
         rows = slice(r0, min(n, r0 + chunk))
-        if 0 < vocab_chunk < weight.shape[0]:
+        if sliced:
             losses[rows], lse[rows] = _vocab_sweep(
                 hidden[rows], weight, bias, target[rows], scale[rows], opts, vocab_chunk, grads,
                 rows, z_scale,
@@ -83,7 +98,7 @@ def _linear_chunks(
         dw.addmm_(g.t(), h)
         if db is not None:
             db += g.sum(0, dtype=torch.float32)
-    return losses, lse
+    return losses, lse, grads
 
 
 def _capped_logits(
@@ -175,9 +190,7 @@ def _vocab_sweep(
     return loss, lse
 
 
-def _linear_grads(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def _linear_grads(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> _Grads:
     """Fresh ``(dh, dW, db)`` to accumulate into (db in fp32)."""
     db = None
     if bias is not None:
@@ -214,9 +227,8 @@ def _linear_fwd(
     gradient buffers)."""
     opts = (class_weight, ignore_index, label_smoothing, z_loss, softcap)
     with torch.autocast(hidden.device.type, enabled=False):
-        grads = _linear_grads(hidden, weight, bias) if with_grads else None
-        losses, lse = _linear_chunks(hidden, weight, bias, target, scale, opts, chunk, grads,
-                                     vocab_chunk, z_scale)  # fmt: skip
+        losses, lse, grads = _linear_chunks(hidden, weight, bias, target, scale, opts, chunk,
+                                            with_grads, vocab_chunk, z_scale)  # fmt: skip
     if grads is None:  # (distinct empty tensors: an op's outputs may not alias)
         return losses, lse, *(hidden.new_empty((0,), dtype=torch.float32) for _ in range(3))
     return losses, lse, grads[0], grads[1], _no_bias(grads[2], hidden)
@@ -275,22 +287,18 @@ LINEAR_BWD = Op("linear_cross_entropy_bwd", _linear_bwd, fake=_linear_bwd_fake, 
                 moves=False)  # fmt: skip
 
 
-def _forward(ctx, hidden, weight, bias, target, class_weight, ignore_index, label_smoothing,  # type: ignore[no-untyped-def]
-             z_loss, softcap, reduction, chunk, vocab_chunk):  # fmt: skip
-    n, v = hidden.shape[0], weight.shape[0]
+def _forward(ctx, hidden, weight, bias, target, class_weight, grad_scale, ignore_index,  # type: ignore[no-untyped-def]
+             label_smoothing, z_loss, softcap, reduction, chunk, vocab_chunk):  # fmt: skip
+    # grad_scale: what a unit loss sends each row, worked out by the front-end (a mean's 1/Σ,
+    # with the z-loss's factor second when it has its own; else 1)
+    n = hidden.shape[0]
     opts = (ignore_index, label_smoothing, z_loss, softcap, chunk, vocab_chunk)
-    z_scale = None
-    if reduction == "mean":
-        denom = _mean_divisor(target, class_weight, v, ignore_index)
-        scale = (1.0 / denom).expand(n)
-        if _z_scaled(class_weight, True, z_loss):
-            z_scale = _z_ratio(target, denom, ignore_index).reshape(1)
-    else:
-        denom, scale = None, hidden.new_ones((n,), dtype=torch.float32)
+    z_scale = grad_scale[1:] if grad_scale.numel() == 2 else None
+    unit = grad_scale[0] if z_scale is not None else grad_scale.reshape(())
     need = any(ctx.needs_input_grad[:3])
     with_grads = need and reduction != "none"
-    losses, lse, dh, dw, db = LINEAR_FWD(hidden, weight, bias, target, class_weight, scale, *opts,
-                                         with_grads, z_scale)  # fmt: skip
+    losses, lse, dh, dw, db = LINEAR_FWD(hidden, weight, bias, target, class_weight,
+                                         unit.expand(n), *opts, with_grads, z_scale)  # fmt: skip
     ctx.mark_non_differentiable(lse)
     ctx.reduction, ctx.opts, ctx.has_bias = reduction, opts, bias is not None
     if with_grads:
@@ -300,17 +308,17 @@ def _forward(ctx, hidden, weight, bias, target, class_weight, ignore_index, labe
     if reduction == "none":
         return losses, lse
     total = losses.sum()
-    return (total / denom if denom is not None else total), lse
+    return (total * unit if reduction == "mean" else total), lse
 
 
 def _backward(ctx, dloss, _dlse):  # type: ignore[no-untyped-def]
     if ctx.reduction != "none":  # the forward's gradients, scaled where they lie
         dh, dw, db = ctx.saved_tensors
         dh, dw, db = dh.mul_(dloss), dw.mul_(dloss), db.mul_(dloss)
-        return dh, dw, db.to(dw.dtype) if ctx.has_bias else None, *([None] * 9)
+        return dh, dw, db.to(dw.dtype) if ctx.has_bias else None, *([None] * 10)
     hidden, weight, bias, target, class_weight = ctx.saved_tensors
     dh, dw, db = LINEAR_BWD(hidden, weight, bias, target, class_weight, dloss, *ctx.opts)
-    return dh, dw, db.to(weight.dtype) if ctx.has_bias else None, *([None] * 9)
+    return dh, dw, db.to(weight.dtype) if ctx.has_bias else None, *([None] * 10)
 
 
 #: Cross-entropy of ``hidden·weightᵀ + bias`` without the full logits: the gradients of hidden,
