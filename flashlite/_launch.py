@@ -90,7 +90,8 @@ class Launcher:
     time for the attention kernel's 30 arguments, more than its whole GPU time at small shapes).
     Here the compiled kernel is looked up by a key that pins everything Triton specialises on —
     each tensor's dtype and 16-byte alignment, each tensor descriptor's dtype, block shape and
-    layout, the exact value of every other argument, the options and the device — and launched
+    layout, each int's class (:func:`_int_class`), each float's and bool's type, each constexpr's
+    value, the options and the device — and launched
     directly (tensor descriptors through the compiled kernel's own launch, which builds their
     TMA maps). Interpreted kernels, untested Triton versions and ``FLASHLITE_LAUNCH=triton``
     take Triton's own path.
@@ -100,6 +101,10 @@ class Launcher:
         self.kernel = kernel
         low, high = _DIRECT_LAUNCH_TESTED
         self.direct = not INTERPRETED and low <= TRITON_VERSION <= high and LAUNCH_MODE == "direct"
+        # positions of constexpr parameters: their exact values make the compiled kernel
+        params = getattr(kernel, "params", None)
+        self.exact = (frozenset(i for i, p in enumerate(params) if getattr(p, "is_constexpr", True))
+                      if params is not None else None)  # fmt: skip
 
     def __getitem__(self, grid: tuple[int, ...]) -> Any:
         return functools.partial(self.launch, grid)
@@ -110,9 +115,10 @@ class Launcher:
 
     def bind(self, args: tuple, options: dict) -> Callable[..., None]:
         """``launch(grid, *args)`` (``grid`` of three) for calls whose arguments specialise as
-        ``args`` do (the same tensor dtypes and 16-byte alignment, the same value of every other
-        argument): the compiled kernel looked up once. A caller that keeps the result must pin
-        all that in its own key (the plans do, by shapes, strides, dtypes and alignment)."""
+        ``args`` do (the same tensor dtypes and 16-byte alignment, ints of the same class,
+        :func:`_int_class`): the compiled kernel looked up once. A caller that keeps the result
+        must pin all that in its own key (the plans do, by shapes, strides, dtypes and
+        alignment)."""
         key = self._key(args, options) if self.direct else None
         if key is None:
             kernel = self.kernel
@@ -125,13 +131,19 @@ class Launcher:
     def _key(self, args: tuple, options: dict) -> tuple | None:
         key: list[Any] = [id(self.kernel)]
         device = None
-        for a in args:
+        exact = self.exact
+        for i, a in enumerate(args):
             kind = type(a)
             if kind is torch.Tensor or isinstance(a, torch.Tensor):
                 key.append((a.dtype, a.data_ptr() % 16 == 0))
                 device = a.device.index
-            elif kind is int or kind is float or kind is bool:  # the value itself is kept
-                key.append((kind, a))
+            elif kind is int or kind is float or kind is bool:
+                if exact is None or i in exact:  # a constexpr: the value itself is kept
+                    key.append((kind, a))
+                elif kind is int:  # what Triton specialises an int on, not its value
+                    key.append(_int_class(a))
+                else:  # (fp32 / u1 whatever the value)
+                    key.append(kind)
             elif _is_descriptor(a):
                 # a host tensor descriptor: Triton specialises on its dtype, block and layout
                 base = a.base
@@ -244,6 +256,15 @@ def _raw_launch(compiled: Any) -> tuple[Any, ...] | None:
     except AttributeError:
         return None
     return raw
+
+
+def _int_class(a: int) -> tuple[int, bool, bool]:
+    """What Triton's launch specialises an int argument on: 1 becomes a constant, a multiple of
+    16 gets the divisibility hint, and the range sets its type (i32, i64, u64). A bound launch
+    keyed by this (not the value) serves every value of the class: a decode loop whose cache
+    grows by a key per step binds a few launches, not one per step."""
+    width = 0 if -(2**31) <= a < 2**31 else 1 if -(2**63) <= a < 2**63 else 2
+    return (width, a == 1, a % 16 == 0)
 
 
 def _is_descriptor(a: Any) -> bool:

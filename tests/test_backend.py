@@ -242,6 +242,26 @@ class _FakeKernel:
         return lambda *args, **kwargs: self.launches.append((grid, args, kwargs))
 
 
+def test_bound_launches_are_keyed_by_what_triton_specialises_on() -> None:
+    # ints by Triton's classes (1, multiples of 16, 32/64-bit), floats by type, constexpr
+    # parameters by value: a decode loop whose key count grows by one per step binds a few
+    # launches, not one per step
+    class Param:
+        def __init__(self, name: str, is_constexpr: bool) -> None:
+            self.name, self.is_constexpr = name, is_constexpr
+
+    kernel = _FakeKernel()
+    kernel.params = [Param("n", False), Param("x", False), Param("BLOCK", True)]  # type: ignore[attr-defined]
+    launcher = _launch.Launcher(kernel)
+    key = launcher._key
+    assert key((1000, 0.5, 64), {}) == key((1003, 2.0, 64), {})
+    assert key((1000, 0.5, 64), {}) != key((1008, 0.5, 64), {})  # divisible by 16
+    assert key((16, 0.5, 64), {}) != key((1, 0.5, 64), {})  # 1 is a constant
+    assert key((5, 0.5, 64), {}) != key((2**31 + 5, 0.5, 64), {})  # i64
+    assert key((5, 0.5, 64), {}) != key((5, 0.5, 128), {})  # a constexpr's value
+    assert _launch._int_class(-32) == (0, False, True)
+
+
 @pytest.mark.parametrize(
     ("capacity", "n_rows", "teams"), [(528, 1000, 33), (528, 10, 10), (8, 5, 1)]
 )

@@ -91,7 +91,8 @@ def attention(
         NotImplementedError: head dim above 256.
     """
     sm_scale, qc, kc, vc = _check(q, k, v, layout, scale)
-    check_flags(causal=causal, return_lse=return_lse)
+    if type(causal) is not bool or type(return_lse) is not bool:
+        check_flags(causal=causal, return_lse=return_lse)
     splits = _decode_splits(qc, kc, _check_splits(num_splits))
     # the plain call passes five arguments: every default-valued one more is dispatcher host
     # time on every small call (issue 8's per-call cost)

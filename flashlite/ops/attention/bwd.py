@@ -434,6 +434,12 @@ def _attention_bwd_body(
     max_seqlen_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_bwd_grads(do, o, lse, dlse)
+    if (window_left == -1 and window_right == -1 and softcap is None and seqlens_k is None
+            and cu_seqlens_q is None):  # fmt: skip
+        # a plain backward of a kind planned before: straight to its plan (as the forward)
+        plan = _bwd_plans.get(_bwd_key(do, q, k, v, o, lse, dlse, causal, scale))
+        if plan is not None:
+            return plan(do, q, k, v, o, lse, dlse)
     window, cap = _op_extras(window_left, window_right, softcap)
     varlen = _op_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return attention_bwd(do, q, k, v, o, lse, dlse, causal, scale, window=window, softcap=cap,

@@ -22,6 +22,34 @@ def _check(
     q: object, k: object, v: object, layout: object, scale: object
 ) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validate the public arguments; return the softmax scale and q, k, v as ``b h n d`` views."""
+    if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:
+        # the usual call, in a few tests (host time); anything else, every error included,
+        # takes the checks below
+        if layout == "b n h d":
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        elif layout != "b h n d":
+            return _check_all(q, k, v, layout, scale)
+        qs, ks, dt, dev = q.shape, k.shape, q.dtype, q.device
+        if (len(qs) == 4 and len(ks) == 4 and ks == v.shape and dt in DTYPES and k.dtype == dt
+                and v.dtype == dt and dev.type in _DEVICE_TYPES and k.device == dev
+                and v.device == dev):  # fmt: skip
+            b, hq, _, d = qs
+            bk, hkv, _, dk = ks
+            if bk == b and dk == d and 0 < d <= MAX_HEAD_DIM and hkv and hq % hkv == 0:
+                return _check_scale(scale, d), q, k, v
+        if layout == "b n h d":  # (the full checks start from the caller's tensors)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    return _check_all(q, k, v, layout, scale)
+
+
+#: The devices flashlite's kernels run on (:func:`flashlite._backend.check_device`).
+_DEVICE_TYPES = ("cuda", "cpu")
+
+
+def _check_all(
+    q: object, k: object, v: object, layout: object, scale: object
+) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_check`, every test in order, each failure with its own message."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import torch
-import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashlite import _backend, _launch, masks
@@ -137,7 +136,7 @@ class DecodePlan:
         self.combine_head = (b * hq * nq * d, *parts_stride, *o.stride(), hq, nq, splits)
         self.combine_options = {
             "HEAD_DIM": d, "BLOCK_D": C.block_d(d),
-            "SPLITS_PAD": max(2, triton.next_power_of_2(splits)),
+            "SPLITS_PAD": max(2, 1 << (splits - 1).bit_length()),
             "ROUND_BF16": _backend.round_bf16(o.dtype), "num_warps": 4, "num_stages": 1,
         }  # fmt: skip
         self.combine_grid = (nq, b * hq, 1)
@@ -203,7 +202,7 @@ def combine_splits(
     combine = _launch.launcher(KD._split_kv_combine_kernel)
     combine[(nq, b * h)](
         o_parts, lse_parts, o, lse, *o_parts.stride(), *o.stride(), h, nq, splits, HEAD_DIM=d,
-        BLOCK_D=C.block_d(d), SPLITS_PAD=max(2, triton.next_power_of_2(splits)),
+        BLOCK_D=C.block_d(d), SPLITS_PAD=max(2, 1 << (splits - 1).bit_length()),
         ROUND_BF16=_backend.round_bf16(o.dtype), num_warps=4, num_stages=1,
     )  # fmt: skip
 

@@ -78,8 +78,7 @@ def attention_fwd(
         and varlen is None and config is None and use_desc is None and prescale_q is None
     )  # fmt: skip
     if planned:  # the plain call: planned once per kind of q, k, v (:data:`_fwd_plans`)
-        key = (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
-               q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, causal, scale)  # fmt: skip
+        key = _fwd_key(q, k, v, causal, scale)
         plan = _fwd_plans.get(key)
         if plan is not None:
             return plan(q, k, v)
@@ -164,6 +163,13 @@ def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
 _fwd_plans = Cache("attention.fwd", 1024)
 
 
+def _fwd_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+             scale: float) -> tuple:  # fmt: skip
+    """What a plain forward's plan depends on (:data:`_fwd_plans`)."""
+    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
+            q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, causal, scale)  # fmt: skip
+
+
 class _Planned:
     """A planned plain forward: allocates ``O`` (in q's layout) and the LSE, launches ``run``."""
 
@@ -219,6 +225,14 @@ def _attention_fwd_body(
     max_seqlen_k: int = 0,
     num_splits: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    if (num_splits == 0 and window_left == -1 and window_right == -1 and softcap is None
+            and seqlens_k is None and cu_seqlens_q is None):  # fmt: skip
+        # a plain call of a kind planned before: straight to its plan (plans exist only for
+        # tensors where kernels run, so nothing needs moving)
+        plan = _fwd_plans.get(_fwd_key(q, k, v, causal, scale))
+        if plan is not None:
+            o, lse, _ = plan(q, k, v)
+            return o, lse
     window, cap = _op_extras(window_left, window_right, softcap)
     varlen = _op_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse, _ = attention_fwd(q, k, v, causal, scale, window=window, softcap=cap,
