@@ -58,13 +58,37 @@ def attention_decode_fwd(
     """
     o = empty_output(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    # (o is fresh and strided from q: q's entry pins it)
-    key = (_meta(q), _meta(k), _meta(v), _meta(seqlens_k), _meta(block_table), causal, scale,
-           window, softcap, num_splits, config, use_desc)  # fmt: skip
+    key = _decode_key(q, k, v, seqlens_k, block_table, causal, scale, window, softcap,
+                      num_splits, config, use_desc)  # fmt: skip
     plan = _decode_plans.made(key, lambda: DecodePlan(
         q, k, v, o, seqlens_k, block_table, causal, scale, window, softcap, num_splits, config,
         use_desc))  # fmt: skip
     return o, lse, plan(q, k, v, seqlens_k, block_table, o, lse)
+
+
+def _decode_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens_k: torch.Tensor | None,
+                block_table: torch.Tensor | None, *options: object) -> tuple:  # fmt: skip
+    """What a :class:`DecodePlan` depends on: every tensor's :func:`_meta` and every option (o is
+    fresh and strided from q: q's entry pins it)."""
+    return (_meta(q), _meta(k), _meta(v), _meta(seqlens_k), _meta(block_table), *options)
+
+
+def planned_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   seqlens_k: torch.Tensor | None, causal: bool, scale: float,
+                   window: tuple[int, int] | None, softcap: float | None,
+                   num_splits: int) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+    """:func:`attention_decode_fwd`'s ``(O, LSE)`` for a call without block table or pinned
+    config, when a call of its kind was planned before; else None, nothing launched (plans
+    exist only for tensors where kernels run: nothing needs moving)."""
+    key = _decode_key(q, k, v, seqlens_k, None, causal, scale, window, softcap, num_splits, None,
+                      None)  # fmt: skip
+    plan = _decode_plans.get(key)
+    if plan is None:
+        return None
+    o = empty_output(q)
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    plan(q, k, v, seqlens_k, None, o, lse)
+    return o, lse
 
 
 class DecodePlan:

@@ -17,7 +17,7 @@ from flashlite.kernels import configs as C
 from flashlite.kernels.attention import fwd as K
 from flashlite.kernels.attention import hopper as KH
 from flashlite.ops.attention import hopper as HP
-from flashlite.ops.attention.decode import attention_decode_fwd
+from flashlite.ops.attention.decode import attention_decode_fwd, planned_decode
 from flashlite.ops.attention.plan import (
     DESC_MIN_WORK,
     LaunchInfo,
@@ -225,15 +225,19 @@ def _attention_fwd_body(
     max_seqlen_k: int = 0,
     num_splits: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # a call of a kind planned before goes straight to its plan (plans exist only for tensors
+    # where kernels run, so nothing needs moving)
     if (num_splits == 0 and window_left == -1 and window_right == -1 and softcap is None
             and seqlens_k is None and cu_seqlens_q is None):  # fmt: skip
-        # a plain call of a kind planned before: straight to its plan (plans exist only for
-        # tensors where kernels run, so nothing needs moving)
         plan = _fwd_plans.get(_fwd_key(q, k, v, causal, scale))
         if plan is not None:
             o, lse, _ = plan(q, k, v)
             return o, lse
     window, cap = _op_extras(window_left, window_right, softcap)
+    if num_splits > 0 and cu_seqlens_q is None:  # the decode kernel (as attention_fwd runs it)
+        found = planned_decode(q, k, v, seqlens_k, causal, scale, window, cap, num_splits)
+        if found is not None:
+            return found
     varlen = _op_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse, _ = attention_fwd(q, k, v, causal, scale, window=window, softcap=cap,
                               seqlens_k=seqlens_k, varlen=varlen,

@@ -328,8 +328,17 @@ def _decode_splits(q: torch.Tensor, k: torch.Tensor, num_splits: int | None) -> 
     rows = nq * (hq // hkv)
     if rows > DECODE_MAX_ROWS or q.device.type != "cuda" or _backend.kernels_interpreted():
         return 0
-    block_m = C.decode_config(rows, False, b * hkv, C.block_d(q.shape[3]), q.element_size()).block_m
-    return _default_splits(q.device, b * hkv, rows, nk, block_m)
+    key = (q.shape, hkv, nk, q.dtype, q.device)
+    found = _splits.get(key)
+    if found is None:
+        block_m = C.decode_config(rows, False, b * hkv, C.block_d(q.shape[3]),
+                                  q.element_size()).block_m  # fmt: skip
+        found = _splits.put(key, _default_splits(q.device, b * hkv, rows, nk, block_m))
+    return found
+
+
+#: :func:`_decode_splits` per decode shape (a decode loop asks once per step).
+_splits = Cache("attention.decode_splits", 1024)
 
 
 #: :func:`attention` runs the decode kernel by itself up to this many packed rows (one tile).
