@@ -18,6 +18,7 @@ import torch
 from _common import RESULTS, bench, device_slug, metadata, write_results
 
 from flashlite.kernels.softmax_gluon import PrefetchConfig
+from flashlite.ops import prefetch as P
 from flashlite.ops import softmax as S
 
 ELEMS = {torch.bfloat16: 2**28, torch.float32: 2**27}  # as bench_softmax
@@ -88,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
                     add(algo, ms, err, log)
             for log in logs:  # the default config, as auto would launch it
                 y.fill_(0)
-                S.prefetch_fwd(x, y, log)
+                P.prefetch_fwd(x, y, log)
                 err = _error(y, refs[log], log)
-                ms = bench(lambda x=x, y=y, lg=log: S.prefetch_fwd(x, y, lg)) if err <= 1 else None
+                ms = bench(lambda x=x, y=y, lg=log: P.prefetch_fwd(x, y, lg)) if err <= 1 else None
                 add("prefetch default", ms, err, log)
             if not args.chunk_bytes:
                 del x, y, refs
@@ -109,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
                     name = f"prefetch {cb // 1024}K/s{st}/w{w}"
                     try:
                         y.fill_(0)
-                        S.prefetch_fwd(x, y, log, cfg)
+                        P.prefetch_fwd(x, y, log, cfg)
                         torch.cuda.synchronize()
                         err = _error(y, refs[log], log)
                     except Exception as exc:  # noqa: BLE001 - a sweep reports and goes on
@@ -118,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
                         continue
                     ms = None
                     if err <= 1.0:
-                        ms = bench(lambda x=x, y=y, c=cfg, lg=log: S.prefetch_fwd(x, y, lg, c))
+                        ms = bench(lambda x=x, y=y, c=cfg, lg=log: P.prefetch_fwd(x, y, lg, c))
                     add(name, ms, err, log)
             del x, y, refs
             torch.cuda.empty_cache()

@@ -473,7 +473,7 @@ def test_gpu_prefetch_kernel(dtype: torch.dtype, rows: int, v: int, kw: dict,
     # Long rows without weights or a soft cap take the Gluon team kernel (logits read once):
     # an odd number of rows (more than teams), −inf logits, ±1e4, an ignored row, a target in
     # the last chunk, every reduction; in place or not.
-    from flashlite.ops.softmax import prefetch_applies
+    from flashlite.ops.prefetch import prefetch_applies
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
@@ -499,7 +499,7 @@ def test_gpu_prefetch_counts_and_sums_many_rows(validate: bool | str) -> None:
     # target ignored.
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    from flashlite.ops.softmax import prefetch_applies
+    from flashlite.ops.prefetch import prefetch_applies
 
     rows, v = 300_007, 16384
     gen = torch.Generator(device="cuda").manual_seed(5)

@@ -516,7 +516,8 @@ def test_prefetch_kernel(n_rows: int, n: int, pad: int, dtype: torch.dtype, op: 
     # rows than teams (an odd count), a ragged last chunk, rows strided (pad columns between
     # rows), a row shorter than one chunk; twice, since the kernel leaves its counters at zero
     # for the next launch.
-    from flashlite.ops.softmax import prefetch_applies, softmax_fwd
+    from flashlite.ops.prefetch import prefetch_applies
+    from flashlite.ops.softmax import softmax_fwd
 
     base = _team_rows(max(n_rows, 4), n + pad, dtype, "cuda")[:n_rows]
     x = base[:, :n]
@@ -537,7 +538,7 @@ def test_prefetch_kernel_through_the_op_and_compiled(op: str) -> None:
     # opcheck there, and torch.compile(fullgraph) gives the eager result
     from torch.library import opcheck
 
-    from flashlite.ops.softmax import prefetch_applies
+    from flashlite.ops.prefetch import prefetch_applies
 
     x = torch.randn(6, 65536, device="cuda", dtype=torch.bfloat16) * 3
     if not prefetch_applies(x, x):
@@ -551,7 +552,8 @@ def test_prefetch_kernel_through_the_op_and_compiled(op: str) -> None:
 
 
 def test_prefetch_kernel_is_gpu_only() -> None:
-    from flashlite.ops.softmax import prefetch_applies, softmax_fwd
+    from flashlite.ops.prefetch import prefetch_applies
+    from flashlite.ops.softmax import softmax_fwd
 
     x = torch.randn(2, 65536)
     assert not prefetch_applies(x, x)

@@ -26,7 +26,7 @@ launches a cooperative grid sized from the compiled kernel (``_launch.launch_tea
 Statistics are :mod:`flashlite.stats`'s pair (``m`` the maximum, ``s = Σ 2^((x − m)·log2 e)``,
 merged as :func:`flashlite.stats.merge_partials`); Gluon cannot call ``@triton.jit`` helpers, so
 the few lines are restated here. Each copy moves 16 bytes, so rows need a length and a stride
-that are multiples of 16 bytes (``ops.softmax.prefetch_applies``). Runs on a CUDA sm_80+ device
+that are multiples of 16 bytes (``ops.prefetch.prefetch_applies``). Runs on a CUDA sm_80+ device
 with Triton's Gluon (3.6 measured, on the H200); the interpreter cannot run Gluon, so the
 ``gpu`` tests cover the kernel.
 """

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -22,6 +23,7 @@ from flashlite.kernels import softmax as K
 from flashlite.kernels import softmax_gluon as KG
 from flashlite.kernels.configs import cdiv
 from flashlite.ops._dispatch import Op
+from flashlite.ops.prefetch import plan_prefetch, prefetch_applies
 
 ALGORITHMS = ("auto", "three_pass", "online")
 _DEVICE_TYPES = ("cuda", "cpu")  # (where kernels run: _backend.check_device)
@@ -100,6 +102,46 @@ def softmax_kernel_for(
     return "split"
 
 
+@dataclass(frozen=True)
+class RowPlan:
+    """A softmax forward's plan as data: the kernel and its launch config (tile, warps, and
+    ``n_chunks``, the programs that share a row, for the kernels that split one), read by the
+    launcher (:func:`plan_fwd`) and by :mod:`flashlite.traffic` alike."""
+
+    kernel: str
+    config: dict
+
+    @property
+    def chunks(self) -> int:
+        """Programs per row (1 for the kernels that keep a row in one program)."""
+        return int(self.config.get("n_chunks", 1))
+
+    @property
+    def num_warps(self) -> int:
+        return int(self.config["num_warps"])
+
+
+def row_plan(n_cols: int, elem_bytes: int, device: torch.device, algorithm: str = "auto",
+             prefetch_ok: bool = False) -> RowPlan:  # fmt: skip
+    """The :class:`RowPlan` of rows of ``n_cols`` values of ``elem_bytes`` bytes on ``device``:
+    ``algorithm``'s kernel (``"auto"``: :func:`softmax_kernel_for`'s) with its config."""
+    kernel = softmax_kernel_for(n_cols, elem_bytes, device, prefetch_ok) if algorithm == "auto" \
+        else algorithm  # fmt: skip
+    if kernel == "single_read":
+        cfg = K.single_read_config(n_cols, elem_bytes)
+    elif kernel == "split":
+        cfg = K.split_config(n_cols)
+    elif kernel == "team":
+        cfg = K.team_config(n_cols, elem_bytes)
+    elif kernel == "prefetch":
+        cfg = KG.prefetch_config(n_cols, elem_bytes)
+    elif kernel in ("online", "three_pass"):
+        cfg = K.loop_config(n_cols)
+    else:
+        raise ValueError(f"algorithm={algorithm!r} is not a softmax kernel")
+    return RowPlan(kernel, dict(cfg))
+
+
 #: The forward and backward launches per kind of ``(rows, n)`` views (shape, strides, dtype,
 #: device, alignment) and options: every decision taken once.
 _fwd_plans = Cache("softmax.fwd", 512)
@@ -133,11 +175,11 @@ def plan_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = "au
     col64 = _col_int64(n_cols, x2, y2)
     strides = (*x2.stride(), *y2.stride())
     flags = {"LOG": log, "COL_INT64": col64, "ROUND_BF16": _backend.round_bf16(y2.dtype)}
-    if algorithm == "auto":
-        prefetch_ok = n_cols > KG.SINGLE_READ_WINS[x2.element_size()] and prefetch_applies(x2, y2)
-        algorithm = softmax_kernel_for(n_cols, x2.element_size(), dev, prefetch_ok)
+    prefetch_ok = (algorithm == "auto" and n_cols > KG.SINGLE_READ_WINS[x2.element_size()]
+                   and prefetch_applies(x2, y2))  # fmt: skip
+    plan = row_plan(n_cols, x2.element_size(), dev, algorithm, prefetch_ok)
+    algorithm, cfg = plan.kernel, dict(plan.config)
     if algorithm == "single_read":
-        cfg = K.single_read_config(n_cols, x2.element_size())
         grid = (cdiv(n_rows, cfg["ROWS"]), 1, 1)
         rest = (n_rows, n_cols, *strides)
         bound = _launch.launcher(K._softmax_single_read_fwd_kernel).bind(
@@ -145,7 +187,6 @@ def plan_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = "au
         )
         return lambda x, y: bound(grid, x, y, *rest)
     if algorithm == "split":
-        cfg = K.split_config(n_cols)
         n_chunks = cfg.pop("n_chunks")
         grid = (n_rows * n_chunks, 1, 1)
         ws = (n_rows, n_chunks)
@@ -167,27 +208,26 @@ def plan_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool, algorithm: str = "au
 
         return split
     if algorithm == "team":
-        return _plan_team(x2, y2, flags)
+        return _plan_team(x2, y2, flags, cfg)
     if algorithm == "prefetch":
         if not prefetch_applies(x2, y2):
             raise ValueError("the prefetch kernel needs a GPU with Gluon and 16-byte aligned rows")
         return plan_prefetch(x2, y2, log)
     if algorithm in ("online", "three_pass"):  # one program per row, looping over tiles
-        cfg = K.loop_config(n_cols)
         del cfg["ROWS"]
         rest = (n_rows, n_cols, *strides)
         bound = _launch.launcher(K._softmax_online_fwd_kernel).bind(
             (x2, y2, *rest), {"THREE_PASS": algorithm == "three_pass", **flags, **cfg}
         )
         return lambda x, y: bound((n_rows, 1, 1), x, y, *rest)
-    raise ValueError(f"algorithm={algorithm!r} is not a softmax kernel")
+    raise AssertionError(f"row_plan gave an unknown kernel {algorithm!r}")
 
 
-def _plan_team(x2: torch.Tensor, y2: torch.Tensor, flags: dict[str, bool]) -> Launch:
+def _plan_team(x2: torch.Tensor, y2: torch.Tensor, flags: dict[str, bool],
+               cfg: dict[str, int]) -> Launch:  # fmt: skip
     """The team kernel: co-resident programs that share each row and wait for each other."""
     n_rows, n_cols = x2.shape
     dev = x2.device
-    cfg = K.team_config(n_cols, x2.element_size())
     n_chunks = cfg.pop("n_chunks")
     ws = (n_rows, n_chunks)
     m0 = torch.empty(ws, device=dev, dtype=torch.float32)
@@ -204,66 +244,6 @@ def _plan_team(x2: torch.Tensor, y2: torch.Tensor, flags: dict[str, bool]) -> La
         bound(x, y, m_ws, s_ws, count, n_rows, n_cols, *strides, n_chunks)
 
     return team
-
-
-def prefetch_applies(x2: torch.Tensor, y2: torch.Tensor) -> bool:
-    """Whether the Gluon prefetching team kernel can run on the ``(rows, n)`` views: a CUDA
-    device of compute capability 8.0+ with Gluon, columns contiguous, rows and pointers
-    aligned to 16 bytes (every copy moves 16), and teams that fit."""
-    if x2.device.type != "cuda" or not KG.available():
-        return False
-    if _backend.capability(x2.device.index or 0)[0] < 8:
-        return False
-    n_rows, n_cols = x2.shape
-    vec = 16 // x2.element_size()
-    for t in (x2, y2):
-        if t.stride(1) != 1 or t.data_ptr() % 16 or (n_rows > 1 and t.stride(0) % vec):
-            return False
-    cfg = KG.prefetch_config(n_cols, x2.element_size())
-    return (
-        n_cols % vec == 0
-        and cfg["n_chunks"] <= KG.MAX_CHUNKS
-        and _launch.teams_fit(cfg["n_chunks"], x2.device)
-    )
-
-
-def prefetch_plan(
-    x2: torch.Tensor, words_per_chunk: int = 1, cfg: KG.PrefetchConfig | None = None,
-    control: int = 0,
-) -> tuple[dict, int, int]:  # fmt: skip
-    """What every launch of a prefetching team kernel on the ``(rows, n)`` view ``x2`` needs:
-    its launch options, the programs per row, and how many int64 words its workspace holds
-    (:func:`prefetch_words`): ``words_per_chunk`` per (row, chunk), row-major, then
-    ``control`` more."""
-    opts = KG.prefetch_config(x2.shape[1], x2.element_size(), cfg)
-    n_chunks = opts.pop("n_chunks")
-    return opts, n_chunks, x2.shape[0] * n_chunks * words_per_chunk + control
-
-
-def prefetch_words(size: int, device: torch.device) -> torch.Tensor:
-    """A team kernel's workspace of ``size`` int64 words, all −1: nothing published yet."""
-    return torch.full((size,), -1, device=device, dtype=torch.int64)
-
-
-def plan_prefetch(x2: torch.Tensor, y2: torch.Tensor, log: bool,
-                  cfg: KG.PrefetchConfig | None = None) -> Launch:  # fmt: skip
-    """``launch(x2, y2)`` of the Gluon team kernel that prefetches each program's next row into
-    shared memory (:mod:`flashlite.kernels.softmax_gluon`), planned for these views."""
-    n_rows, n_cols = x2.shape
-    dev = x2.device
-    opts, n_chunks, size = prefetch_plan(x2, 1, cfg)
-    vec = opts["VEC"]  # lengths and strides in 16-byte vectors (prefetch_applies checked)
-    rest = (n_rows, n_cols // vec, x2.stride(0) // vec, y2.stride(0) // vec, n_chunks)
-    bound = _launch.bind_teams(KG._softmax_prefetch_team_kernel,
-                               [x2, y2, prefetch_words(size, dev), *rest], {"LOG": log, **opts},
-                               n_chunks, n_rows, dev)  # fmt: skip
-    return lambda x, y: bound(x, y, prefetch_words(size, dev), *rest)
-
-
-def prefetch_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool,
-                  cfg: KG.PrefetchConfig | None = None) -> None:  # fmt: skip
-    """Launch the Gluon prefetching team kernel on the views (:func:`plan_prefetch`)."""
-    plan_prefetch(x2, y2, log, cfg)(x2, y2)
 
 
 def softmax_bwd(y2: torch.Tensor, dy2: torch.Tensor, dx2: torch.Tensor, log: bool) -> None:

@@ -14,7 +14,12 @@ from flashlite.kernels import cross_entropy as K
 from flashlite.kernels import cross_entropy_gluon as KG
 from flashlite.kernels.configs import cdiv
 from flashlite.ops.cross_entropy.checks import _host_flag
-from flashlite.ops.softmax import prefetch_applies, prefetch_plan, prefetch_words
+from flashlite.ops.prefetch import (
+    prefetch_applies,
+    prefetch_chunks,
+    prefetch_plan,
+    prefetch_words,
+)
 
 _INT32_LIMIT = 2**31
 #: Columns per tile, and tiles per program, of the backward's scaling kernel (a row's tiles in
@@ -51,6 +56,17 @@ def _gluon_applies(logits: torch.Tensor, weight: torch.Tensor | None, grad: torc
     weights, no soft cap) on a GPU that runs it."""
     return (weight is None and not softcap and logits.shape[1] >= KG.MIN_COLS
             and prefetch_applies(logits, grad))  # fmt: skip
+
+
+def fwd_reads(n_cols: int, elem_bytes: int, prefetch: bool) -> tuple[int, int]:
+    """``(passes over a row of logits, programs per row)`` of the forward for rows of
+    ``n_cols`` logits of ``elem_bytes`` bytes: the Gluon prefetching team (``prefetch``) reads a
+    row once with :func:`flashlite.ops.prefetch.prefetch_chunks` programs; the Triton kernel
+    once when a row is one tile (:func:`flashlite.kernels.cross_entropy.ce_config`), twice
+    otherwise, with one program (the launcher and the traffic model both read this)."""
+    if prefetch:
+        return 1, prefetch_chunks(n_cols, elem_bytes)
+    return (1 if K.ce_config(n_cols)["SINGLE"] else 2), 1
 
 
 def _plan_triton_fwd(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from flashlite.kernels import softmax_gluon
+from flashlite.ops.cross_entropy.plan import bwd_tiling, fwd_reads
 from flashlite.traffic.shapes import (
     Traffic,
 )
@@ -57,14 +57,10 @@ def model_cross_entropy(
     last program reads the losses back and writes their sum. Atomics on the control words are
     not modelled.
     """
-    from flashlite.kernels.cross_entropy import ce_config
-    from flashlite.ops.cross_entropy.plan import bwd_tiling
-
     b = torch.empty((), dtype=dtype).element_size()
     if prefetch and weight_bytes:
         raise ValueError("the prefetch kernel takes no class weights")
-    passes = 1 if prefetch or ce_config(n)["SINGLE"] else 2
-    chunks = softmax_gluon.prefetch_config(n, b)["n_chunks"] if prefetch else 1
+    passes, chunks = fwd_reads(n, b, prefetch)
     t = Traffic()
     if scale and prefetch:
         t.add("count, check: targets", rows * target_bytes, 0)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from flashlite.kernels import softmax as softmax_kernels
-from flashlite.kernels import softmax_gluon
 from flashlite.ops import softmax as softmax_ops
 from flashlite.traffic.model.common import (
     GPUS,
@@ -20,16 +18,20 @@ from flashlite.traffic.shapes import (
 )
 
 
-def resolve_softmax_algorithm(algorithm: str, n: int, elem_bytes: int) -> str:
-    """The softmax kernel ``algorithm`` names for rows of ``n`` elements of ``elem_bytes``."""
-    # the front-end's own "auto" decision, as a CPU takes it: one read when the row fits on
-    # chip, split otherwise (a GPU runs long rows with the prefetch or team kernel: one read each)
-    if algorithm == "auto":
-        return softmax_ops.softmax_kernel_for(n, elem_bytes, torch.device("cpu"))
-    if algorithm not in SOFTMAX_ALGORITHMS + SOFTMAX_GPU_ALGORITHMS:
+def softmax_plan(algorithm: str, n: int, elem_bytes: int) -> softmax_ops.RowPlan:
+    """The front-end's own plan (:func:`flashlite.ops.softmax.row_plan`) for rows of ``n``
+    elements of ``elem_bytes``: ``"auto"`` as a CPU decides it (one read when the row fits on
+    chip, split otherwise; a GPU runs long rows with the prefetch or team kernel, one read
+    each), any other kernel by name."""
+    if algorithm != "auto" and algorithm not in SOFTMAX_ALGORITHMS + SOFTMAX_GPU_ALGORITHMS:
         accepted = ", ".join(("auto", *SOFTMAX_ALGORITHMS, *SOFTMAX_GPU_ALGORITHMS))
         raise ValueError(f"algorithm={algorithm!r} is not one of {accepted}")
-    return algorithm
+    return softmax_ops.row_plan(n, elem_bytes, torch.device("cpu"), algorithm)
+
+
+def resolve_softmax_algorithm(algorithm: str, n: int, elem_bytes: int) -> str:
+    """The softmax kernel ``algorithm`` names for rows of ``n`` elements of ``elem_bytes``."""
+    return softmax_plan(algorithm, n, elem_bytes).kernel
 
 
 def compulsory_softmax(rows: int, n: int, dtype: torch.dtype) -> Traffic:
@@ -56,7 +58,8 @@ def model_softmax(rows: int, n: int, dtype: torch.dtype, algorithm: str = "auto"
     re-reads not modelled).
     """
     elem_bytes = torch.empty((), dtype=dtype).element_size()
-    algorithm = resolve_softmax_algorithm(algorithm, n, elem_bytes)
+    plan = softmax_plan(algorithm, n, elem_bytes)
+    algorithm, chunks = plan.kernel, plan.chunks
     e = rows * n * elem_bytes
     t = Traffic()
     passes = {"three_pass": 3, "online": 2, "single_read": 1, "split": 2, "team": 1,
@@ -64,14 +67,11 @@ def model_softmax(rows: int, n: int, dtype: torch.dtype, algorithm: str = "auto"
     t.add("x", passes * e, 0)
     t.add("y", 0, e)
     if algorithm == "split":
-        chunks = softmax_kernels.split_config(n)["n_chunks"]
         t.add("workspace", 8 * rows * chunks * chunks, 8 * rows * chunks)
     elif algorithm == "team":
-        chunks = softmax_kernels.team_config(n, elem_bytes)["n_chunks"]
         t.add("workspace", 8 * rows * chunks * chunks, 8 * rows * chunks)
         t.add("counters", 0, 4 * rows)
     elif algorithm == "prefetch":
-        chunks = softmax_gluon.prefetch_config(n, elem_bytes)["n_chunks"]
         t.add("workspace", 8 * rows * chunks * chunks, 2 * 8 * rows * chunks)
     return t
 
@@ -97,12 +97,13 @@ def dram_softmax(
     """
     l2 = effective_l2(gpu, l2_bytes)
     b = dtype.itemsize
-    algorithm = resolve_softmax_algorithm(algorithm, n, b)
+    plan = softmax_plan(algorithm, n, b)
+    algorithm = plan.kernel
     issued = model_softmax(rows, n, dtype, algorithm)
     e = rows * n * b
     passes = issued.parts["x"][0] // e if e else 1
     if algorithm in ("three_pass", "online") and passes > 1:
-        warps = softmax_kernels.loop_config(n)["num_warps"]
+        warps = plan.num_warps
         in_flight = min(rows, GPUS[gpu].sms * max(1, 64 // warps))
         if in_flight * n * b <= l2:
             passes = 1
