@@ -8,9 +8,11 @@ hooks live beside it (:mod:`flashlite.traffic.hooks`).
 * **A process without CUDA** interprets: before ``triton`` is first imported we set
   ``TRITON_INTERPRET=1``, so every ``@triton.jit`` function (our kernels, the ``stats``/``masks``
   helpers and Triton's own ``tl.*`` library) is created as an interpreted function. Triton
-  decides this once per function, when it is decorated, so a ``triton`` imported *before*
-  flashlite without that variable leaves compiled functions nothing can run:
-  :func:`compute_device` then raises and says how to fix it.
+  decides this once per function, when it is decorated, so after a ``triton`` imported
+  *before* flashlite without that variable, flashlite turns the interpreter on itself and makes
+  Triton's own jit library again (:func:`_interpret_from_now_on`); only a ``TRITON_INTERPRET=0``
+  set by the user is left as it is, and :func:`compute_device` then raises and says how to fix
+  it.
 * **CPU tensors on a CUDA machine** are moved to the GPU once per op call by the front-end
   (:func:`compute_device` says where to run, the op copies the results back).
 * The interpreter computes ``tl.dot`` on bf16 operands wrongly and converts fp32 to bf16 by
@@ -32,10 +34,53 @@ if TYPE_CHECKING:
 
 _HAS_CUDA = torch.cuda.is_available()
 _TRITON_FIRST = "triton" in sys.modules
+# (a variable set by the user, "0" included, is theirs: left alone)
+_LATE_INTERPRETER = not _HAS_CUDA and _TRITON_FIRST and "TRITON_INTERPRET" not in os.environ
 if not _HAS_CUDA and not _TRITON_FIRST:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import triton  # noqa: E402
+
+
+def _interpret_from_now_on() -> str | None:
+    """Turn Triton's interpreter on in a process without CUDA whose ``triton`` was imported
+    before flashlite without ``TRITON_INTERPRET`` (``torch.compile``, a Hugging Face model and
+    many libraries import it first): what the variable would have done at Triton's import.
+
+    Every ``@triton.jit`` function decorated from now on (flashlite's kernels and helpers) is
+    interpreted; Triton's own jit library (``tl.sum``, ``tl.max``, ``tl.cdiv``, the random
+    functions, ...) was made compiled at its import, so its modules are executed again with the
+    interpreter on and their new functions bound where ``triton.language`` and its tensor
+    methods hold the old ones. Nothing compiled can run in such a process anyway. Returns why
+    this failed, or None."""
+    import importlib
+
+    try:
+        import triton.language as tl
+        from triton import knobs
+        from triton.runtime.jit import JITFunction
+
+        knobs.runtime.interpret = True
+        os.environ["TRITON_INTERPRET"] = "1"
+        for name in ("triton.language.standard", "triton.language.random"):
+            module = sys.modules.get(name) or importlib.import_module(name)
+            before = dict(vars(module))
+            importlib.reload(module)
+            for attr, old in before.items():
+                if not isinstance(old, JITFunction):
+                    continue
+                for holder in (tl, tl.tensor):
+                    if vars(holder).get(attr) is old:
+                        setattr(holder, attr, getattr(module, attr))
+    except Exception as err:  # noqa: BLE001  (any failure: the clear error at the first call)
+        os.environ.pop("TRITON_INTERPRET", None)
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+#: Why the interpreter could not be turned on after a late import of Triton (None: it was, or
+#: nothing needed it).
+LATE_INTERPRETER_FAILED = _interpret_from_now_on() if _LATE_INTERPRETER else None
 
 #: The oldest Triton flashlite runs on: host ``TensorDescriptor`` (``triton.tools.
 #: tensor_descriptor``) and ``tl.range(warp_specialize=)`` arrived in 3.4. CI tests it.
@@ -96,11 +141,13 @@ def compute_device(device: torch.device) -> torch.device:
         return device
     if _CUDA0 is not None:
         return _CUDA0
+    why = f" (turning the interpreter on afterwards failed: {LATE_INTERPRETER_FAILED})" \
+        if LATE_INTERPRETER_FAILED else ""  # fmt: skip
     raise RuntimeError(
         "flashlite cannot run kernels in this process: there is no CUDA device, and `triton` "
-        "was imported before flashlite without TRITON_INTERPRET=1, so its functions were "
-        "created for compilation, not for the interpreter. Import flashlite before triton, "
-        "or set TRITON_INTERPRET=1 in the environment before starting Python."
+        "was imported before flashlite with TRITON_INTERPRET unset or 0, so its functions were "
+        f"created for compilation, not for the interpreter{why}. Import flashlite before "
+        "triton, or set TRITON_INTERPRET=1 in the environment before starting Python."
     )
 
 

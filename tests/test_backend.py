@@ -16,12 +16,19 @@ import flashlite
 from flashlite import _backend, _launch
 from flashlite.kernels.common import cast
 
-# A process that imports triton before flashlite. Without CUDA its @triton.jit functions were
-# created for compilation and nothing can run them: flashlite must say how to fix it. With
-# CUDA, CPU tensors run on the GPU. With TRITON_INTERPRET=1 set first, everything interprets.
+# A process that imports triton before flashlite. Without CUDA flashlite turns the interpreter
+# on itself (its kernels are decorated afterwards; Triton's own jit library is made again). With
+# CUDA, CPU tensors run on the GPU. With TRITON_INTERPRET=1 set first, everything interprets;
+# with TRITON_INTERPRET=0 set by the user, nothing can run on a CPU and flashlite says so.
 TRITON_FIRST = textwrap.dedent(
     """
-    import triton
+    import sys
+    if sys.argv[1:] == ["compile"]:  # torch.compile imports triton (the usual way it happens)
+        import torch
+        torch.compile(lambda t: t * 2)(torch.ones(3))
+        assert "triton" in sys.modules
+    else:
+        import triton, triton.language
     import torch, flashlite
     torch.manual_seed(0)
     x = torch.randn(3, 100, requires_grad=True)
@@ -44,26 +51,39 @@ TRITON_FIRST = textwrap.dedent(
 )
 
 
-def _run(code: str, interpret: bool) -> subprocess.CompletedProcess:
+def _run(code: str, interpret: bool | None, *args: str) -> subprocess.CompletedProcess:
+    """``code`` in a fresh Python, ``TRITON_INTERPRET`` unset (None), ``1`` or ``0``."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if interpret:
-        env["TRITON_INTERPRET"] = "1"
+    if interpret is not None:
+        env["TRITON_INTERPRET"] = "1" if interpret else "0"
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env
-    )
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=300,
+        env=env,
+    )  # fmt: skip
 
 
-def test_triton_imported_first() -> None:
-    out = _run(TRITON_FIRST, interpret=False)
+@pytest.mark.parametrize("how", ["import", "compile"])
+def test_triton_imported_first(how: str) -> None:
+    out = _run(TRITON_FIRST, None, how)
     assert out.returncode == 0, out.stderr[-3000:]
-    if torch.cuda.is_available():  # CPU tensors went to the GPU and back
+    problem = _backend._interpreter_problem()
+    if problem is not None and not torch.cuda.is_available():  # (said clearly, as below)
+        assert problem in out.stdout, out.stdout
+    else:  # CPU: interpreted all the same; CUDA: CPU tensors went to the GPU and back
         assert out.stdout.strip().endswith("ok"), out.stdout
-    else:
-        assert "TRITON_INTERPRET=1" in out.stdout and "before" in out.stdout, out.stdout
+
+
+def test_triton_imported_first_with_the_interpreter_off() -> None:
+    # TRITON_INTERPRET=0 is the user's: flashlite leaves it, and on a CPU says what to do
+    if torch.cuda.is_available():
+        pytest.skip("with CUDA the kernels compile")
+    out = _run(TRITON_FIRST, False, "import")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "TRITON_INTERPRET=1" in out.stdout and "before" in out.stdout, out.stdout
 
 
 def test_triton_imported_first_with_the_interpreter_on() -> None:
-    out = _run(TRITON_FIRST, interpret=True)
+    out = _run(TRITON_FIRST, True, "import")
     assert out.returncode == 0, out.stderr[-3000:]
     problem = _backend._interpreter_problem()
     if problem is not None:  # e.g. Triton 3.6 with numpy 2.5 (the GPU machine): said clearly
