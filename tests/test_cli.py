@@ -137,7 +137,7 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert f"torch {torch.__version__}" in out and f"triton {triton.__version__}" in out
 
 
-COMMANDS = ["demo", "softmax", "attention", "traffic", "bench"]
+COMMANDS = ["demo", "softmax", "attention", "traffic", "bench", "ring"]
 NO_DEFAULT = {"-h, --help", "--version"}  # actions, not settings
 
 
@@ -230,7 +230,7 @@ def test_traffic_dram_column_and_l2_option(capsys: pytest.CaptureFixture[str]) -
     assert all(r["dram_bytes"] is not None for r in rows)
     with pytest.raises(SystemExit) as exit_info:
         cli.main([*argv, "--l2-mib", "0"])
-    assert exit_info.value.code == 2 and "positive" in capsys.readouterr().err
+    assert exit_info.value.code == 2 and "must be a number > 0" in capsys.readouterr().err
 
 
 @pytest.mark.interpreter
@@ -243,3 +243,42 @@ def test_traffic_softmax_and_measure_exit_codes(capsys: pytest.CaptureFixture[st
         assert cli.main(["traffic", "--softmax", "--rows", "8", "--n", "500", "--measure"]) == 2
         assert "no CUDA device" in capsys.readouterr().err
         assert cli.main(["traffic", "--seq", "64", "--measure", "--count", "--quiet"]) == 0
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["softmax", "--rows", "0"], "argument --rows: must be an integer >= 1, got 0"),
+        (["softmax", "--n", "-5"], "argument --n: must be an integer >= 1, got -5"),
+        (["softmax", "--rows", "x"], "argument --rows: expected an integer, got 'x'"),
+        (["attention", "--head-dim", "300"], "--head-dim: must be an integer from 1 to 256"),
+        (["attention", "--seq-k", "0"], "argument --seq-k: must be an integer >= 1"),
+        (["attention", "--heads", "4", "--kv-heads", "3"], "--kv-heads=3 must divide --heads=4"),
+        (["attention", "--device", "tpu"], "'tpu' is not a device: cpu, cuda or cuda:N"),
+        (["traffic", "--seq", "64", "0"], "argument --seq: must be an integer >= 1, got 0"),
+        (["traffic", "--l2-mib", "-1"], "argument --l2-mib: must be a number > 0, got -1"),
+        (["traffic", "--decode", "--decode-q", "0"], "argument --decode-q: must be an integer"),
+        (["ring", "--nproc", "0"], "argument --nproc: must be an integer >= 1, got 0"),
+        (["ring", "--head-dim", "0"], "argument --head-dim: must be an integer from 1 to 256"),
+    ],
+)
+def test_bad_numbers_are_usage_errors(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    # every numeric option is checked by argparse: a usage error naming the option and the
+    # accepted range (exit 2), never a traceback or a run on nonsense sizes
+    with pytest.raises(SystemExit) as exc:
+        cli.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_cuda_device_without_cuda_is_one_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    if torch.cuda.is_available():
+        pytest.skip("this torch has CUDA")
+    for command in ("softmax", "attention", "traffic"):
+        with pytest.raises(SystemExit) as exc:
+            cli.main([command, "--device", "cuda"])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert "argument --device: 'cuda': this torch" in err and "Traceback" not in err

@@ -25,8 +25,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the `flashlite` console script."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    if getattr(args, "l2_mib", None) is not None and not args.l2_mib > 0:
-        parser.error(f"--l2-mib={args.l2_mib}: the L2 size must be a positive number of MiB")
+    heads, kv_heads = getattr(args, "heads", None), getattr(args, "kv_heads", None)
+    if heads is not None and kv_heads is not None and heads % kv_heads:
+        parser.error(f"--kv-heads={kv_heads} must divide --heads={heads} (grouped-query heads)")
     if getattr(args, "config", None):  # a bad --config fails now, before any slow work
         from flashlite.traffic import parse_config
 

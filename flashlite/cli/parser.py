@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +100,62 @@ def _option(parser: argparse.ArgumentParser, *flags: str, help: str, **kwargs: A
     parser.add_argument(*flags, help=help, **kwargs)
 
 
+def int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """argparse type of an int in ``[lo, hi]`` (no upper bound for None): anything else is a
+    usage error naming the option and the accepted range, before any work starts."""
+
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if n < lo or (hi is not None and n > hi):
+            accepted = f">= {lo}" if hi is None else f"from {lo} to {hi}"
+            raise argparse.ArgumentTypeError(f"must be an integer {accepted}, got {n}")
+        return n
+
+    return parse
+
+
+def _positive_float(value: str) -> float:
+    """argparse type of a finite number > 0."""
+    try:
+        x = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+    if not 0 < x < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number > 0, got {value}")
+    return x
+
+
+def device_arg(value: str) -> str:
+    """argparse type of ``--device``: cpu, cuda or cuda:N, a CUDA one only where this torch has
+    CUDA (one usage error instead of torch's assertion deep in the run)."""
+    try:
+        dev = torch.device(value)
+    except (RuntimeError, ValueError):
+        msg = f"{value!r} is not a device: cpu, cuda or cuda:N"
+        raise argparse.ArgumentTypeError(msg) from None
+    if dev.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{value!r}: flashlite runs on cpu and cuda devices")
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(
+                f"{value!r}: this torch ({torch.__version__}) has no CUDA device; use --device "
+                "cpu (Triton's interpreter) or a CUDA build of torch on a GPU machine"
+            )
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(
+                f"{value!r}: there are {torch.cuda.device_count()} CUDA devices"
+            )
+    return value
+
+
+#: the head dims flashlite's attention takes
+_HEAD_DIM = int_in(1, 256)
+_COUNT = int_in(1)
+
+
 def _tile_options(parser: argparse.ArgumentParser) -> None:
     """--gpu and --config: which tiles flashlite's kernels are counted and modelled with."""
     _option(
@@ -113,7 +169,7 @@ def _tile_options(parser: argparse.ArgumentParser) -> None:
     _option(
         parser,
         "--l2-mib",
-        type=float,
+        type=_positive_float,
         default=None,
         help="L2 size in MiB for the DRAM estimate (default: the --gpu table's, 60 for h200, "
         "40 for generic)",
@@ -172,12 +228,12 @@ _DEVICE_HELP = (
 
 def _shape_options(sp: argparse.ArgumentParser, *, many: bool, device_help: str) -> None:
     """The attention shape options `attention` and `traffic` share."""
-    _option(sp, "--batch", type=int, default=1, help="batch size B")
-    _option(sp, "--heads", type=int, default=2, help="query heads H")
+    _option(sp, "--batch", type=_COUNT, default=1, help="batch size B")
+    _option(sp, "--heads", type=_COUNT, default=2, help="query heads H")
     _option(
         sp,
         "--kv-heads",
-        type=int,
+        type=_COUNT,
         default=None,
         help="key/value heads (fewer than --heads for GQA; default: --heads)",
     )
@@ -185,16 +241,16 @@ def _shape_options(sp: argparse.ArgumentParser, *, many: bool, device_help: str)
         _option(
             sp,
             "--seq",
-            type=int,
+            type=_COUNT,
             nargs="+",
             default=[64, 128],
             metavar="N",
             help="sequence lengths, one row each (queries and keys; default: 64 128)",
         )
     else:
-        _option(sp, "--seq", type=int, default=64, help="query length")
-        _option(sp, "--seq-k", type=int, default=None, help="key length (default: --seq)")
-    _option(sp, "--head-dim", type=int, default=16, help="head dimension D")
+        _option(sp, "--seq", type=_COUNT, default=64, help="query length")
+        _option(sp, "--seq-k", type=_COUNT, default=None, help="key length (default: --seq)")
+    _option(sp, "--head-dim", type=_HEAD_DIM, default=16, help="head dimension D, 1 to 256")
     _option(sp, "--dtype", choices=list(DTYPES), default="float32", help="Q, K, V dtype")
     _option(
         sp,
@@ -202,7 +258,7 @@ def _shape_options(sp: argparse.ArgumentParser, *, many: bool, device_help: str)
         action="store_true",
         help="causal mask, aligned bottom-right when there are more keys than queries",
     )
-    _option(sp, "--device", default="cpu", help=device_help)
+    _option(sp, "--device", type=device_arg, default="cpu", help=device_help)
     _option(sp, "--json", action="store_true", help="print the results as JSON on stdout")
 
 
@@ -245,8 +301,8 @@ def build_parser() -> argparse.ArgumentParser:
     s = command(
         "softmax", "flashlite.softmax on a random (rows, n) tensor", _SOFTMAX, _SOFTMAX_EXAMPLES
     )
-    _option(s, "--rows", type=int, default=8, help="number of rows")
-    _option(s, "--n", type=int, default=1000, help="row length, the softmax dimension")
+    _option(s, "--rows", type=_COUNT, default=8, help="number of rows")
+    _option(s, "--n", type=_COUNT, default=1000, help="row length, the softmax dimension")
     _option(s, "--dtype", choices=list(DTYPES), default="float32", help="input dtype")
     _option(
         s,
@@ -257,7 +313,7 @@ def build_parser() -> argparse.ArgumentParser:
         "then the write; three_pass: max, sum, write",
     )
     _option(s, "--log", action="store_true", help="run log_softmax instead of softmax")
-    _option(s, "--device", default="cpu", help=_DEVICE_HELP)
+    _option(s, "--device", type=device_arg, default="cpu", help=_DEVICE_HELP)
     _option(s, "--json", action="store_true", help="print the result as JSON on stdout")
     s.set_defaults(func=cmd_softmax)
 
@@ -329,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
         "flashlite's split-KV path (model; --count counts it) against the materialising "
         "reference (counted)",
     )
-    _option(t, "--decode-q", type=int, default=1, help="queries per sequence (with --decode)")
+    _option(t, "--decode-q", type=_COUNT, default=1, help="queries per sequence (with --decode)")
     _option(
         t,
         "--ce",
@@ -338,8 +394,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(model; --count counts it) against torch's cross_entropy (counted)",
     )
     _option(t, "--ce-weight", action="store_true", help="with --ce: class weights")
-    _option(t, "--rows", type=int, default=4096, help="softmax rows (with --softmax)")
-    _option(t, "--n", type=int, default=4096, help="softmax row length (with --softmax)")
+    _option(t, "--rows", type=_COUNT, default=4096, help="softmax rows (with --softmax)")
+    _option(t, "--n", type=_COUNT, default=4096, help="softmax row length (with --softmax)")
     algorithms = ["auto", "three_pass", "online", "single_read", "split", "team", "prefetch"]
     _option(
         t,

@@ -17,17 +17,42 @@ import torch
 import torch.multiprocessing as mp
 
 
+def _int_in(lo: int, hi: int | None = None) -> Any:
+    """argparse type of an int in ``[lo, hi]``: anything else is a usage error naming the
+    range (``flashlite.cli.parser.int_in``'s rule; the CLI sits above this module)."""
+
+    def parse(value: str) -> int:
+        try:
+            n = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
+        if n < lo or (hi is not None and n > hi):
+            accepted = f">= {lo}" if hi is None else f"from {lo} to {hi}"
+            raise argparse.ArgumentTypeError(f"must be an integer {accepted}, got {n}")
+        return n
+
+    return parse
+
+
 def add_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The demo's options (shared with ``flashlite ring``)."""
-    p.add_argument("--nproc", type=int, default=2, help="processes (ranks) to start")
-    p.add_argument("--seq", type=int, default=512, help="total sequence length N")
-    p.add_argument("--heads", type=int, default=4, help="query heads")
-    p.add_argument("--kv-heads", type=int, default=2, help="key/value heads (GQA)")
-    p.add_argument("--head-dim", type=int, default=32, help="D")
-    p.add_argument("--no-causal", dest="causal", action="store_false", help="full attention")
-    p.add_argument("--contiguous", action="store_true", help="contiguous shards, not zigzag")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print the per-rank results as JSON")
+    count = _int_in(1)
+    p.add_argument("--nproc", type=count, default=2,
+                   help="processes (ranks) to start (default: %(default)s)")  # fmt: skip
+    p.add_argument("--seq", type=count, default=512,
+                   help="total sequence length N (default: %(default)s)")  # fmt: skip
+    p.add_argument("--heads", type=count, default=4, help="query heads (default: %(default)s)")
+    p.add_argument("--kv-heads", type=count, default=2,
+                   help="key/value heads, GQA (default: %(default)s)")  # fmt: skip
+    p.add_argument("--head-dim", type=_int_in(1, 256), default=32,
+                   help="head dimension D, 1 to 256 (default: %(default)s)")  # fmt: skip
+    p.add_argument("--no-causal", dest="causal", action="store_false",
+                   help="full attention (default: causal)")  # fmt: skip
+    p.add_argument("--contiguous", action="store_true",
+                   help="contiguous shards, not zigzag (default: zigzag)")  # fmt: skip
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
+    p.add_argument("--json", action="store_true",
+                   help="print the per-rank results as JSON (default: a table)")  # fmt: skip
     return p
 
 
