@@ -82,6 +82,31 @@ def test_softmax_json(capsys: pytest.CaptureFixture[str]) -> None:
 def test_attention_json(capsys: pytest.CaptureFixture[str]) -> None:
     r = _json(capsys, ["attention", "--seq", "20", "--seq-k", "30", "--causal", "--json"])
     assert isinstance(r, dict) and r["max_abs_error"] < 1e-4 and r["seq_k"] == 30
+    assert r["ok"] is True and r["max_abs_error"] <= r["tolerance"]
+    # defaults are printed as the values they stand for, not null
+    r = _json(capsys, ["attention", "--seq", "12", "--heads", "4", "--json"])
+    assert r["seq_k"] == 12 and r["kv_heads"] == 4 and None not in r.values()
+
+
+def test_accuracy_verdicts_set_the_exit_status(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # each accuracy line states its tolerance and a verdict; a FAIL exits 1
+    from flashlite.cli import commands
+
+    assert cli.main(["softmax", "--rows", "2", "--n", "40", "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert "tolerance atol 0.008 + rtol 0.016" in out and out.rstrip().split(": ")[-1].startswith(
+        "ok"
+    )
+    assert cli.main(["attention", "--seq", "9", "--dtype", "float16"]) == 0
+    assert "(2x torch's own error + floor): ok" in capsys.readouterr().out
+    monkeypatch.setitem(commands.SOFTMAX_TOL, torch.float32, (0.0, 0.0))
+    monkeypatch.setitem(commands.ATTENTION_FLOOR, torch.float32, -1.0)
+    assert cli.main(["softmax", "--rows", "3", "--n", "333"]) == 1
+    assert ": FAIL" in capsys.readouterr().out
+    assert cli.main(["attention", "--seq", "9"]) == 1
+    assert ": FAIL" in capsys.readouterr().out
 
 
 @pytest.mark.interpreter
