@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +18,7 @@ from flashlite.cli.commands import (
     cmd_softmax,
     cmd_traffic,
 )
+from flashlite.distributed import demo as ring_demo
 
 # =============================================================================== parser
 _DESCRIPTION = """\
@@ -100,23 +101,6 @@ def _option(parser: argparse.ArgumentParser, *flags: str, help: str, **kwargs: A
     parser.add_argument(*flags, help=help, **kwargs)
 
 
-def int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
-    """argparse type of an int in ``[lo, hi]`` (no upper bound for None): anything else is a
-    usage error naming the option and the accepted range, before any work starts."""
-
-    def parse(value: str) -> int:
-        try:
-            n = int(value)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer, got {value!r}") from None
-        if n < lo or (hi is not None and n > hi):
-            accepted = f">= {lo}" if hi is None else f"from {lo} to {hi}"
-            raise argparse.ArgumentTypeError(f"must be an integer {accepted}, got {n}")
-        return n
-
-    return parse
-
-
 def _positive_float(value: str) -> float:
     """argparse type of a finite number > 0."""
     try:
@@ -152,8 +136,8 @@ def device_arg(value: str) -> str:
 
 
 #: the head dims flashlite's attention takes
-_HEAD_DIM = int_in(1, 256)
-_COUNT = int_in(1)
+_HEAD_DIM = ring_demo.int_in(1, 256)
+_COUNT = ring_demo.int_in(1)
 
 
 def _tile_options(parser: argparse.ArgumentParser) -> None:
@@ -413,8 +397,6 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = command("bench", "how to run the benchmark scripts", _BENCH)
     b.set_defaults(func=cmd_bench)
-
-    from flashlite.distributed import demo as ring_demo
 
     r = command(
         "ring",

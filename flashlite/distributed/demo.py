@@ -11,15 +11,17 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
 
-def _int_in(lo: int, hi: int | None = None) -> Any:
-    """argparse type of an int in ``[lo, hi]``: anything else is a usage error naming the
-    range (``flashlite.cli.parser.int_in``'s rule; the CLI sits above this module)."""
+def int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
+    """argparse type of an int in ``[lo, hi]`` (no upper bound for None): anything else is a
+    usage error naming the option and the accepted range, before any work starts (the
+    ``flashlite`` command's numeric options use it too)."""
 
     def parse(value: str) -> int:
         try:
@@ -36,7 +38,7 @@ def _int_in(lo: int, hi: int | None = None) -> Any:
 
 def add_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The demo's options (shared with ``flashlite ring``)."""
-    count = _int_in(1)
+    count = int_in(1)
     p.add_argument("--nproc", type=count, default=2,
                    help="processes (ranks) to start (default: %(default)s)")  # fmt: skip
     p.add_argument("--seq", type=count, default=512,
@@ -44,7 +46,7 @@ def add_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--heads", type=count, default=4, help="query heads (default: %(default)s)")
     p.add_argument("--kv-heads", type=count, default=2,
                    help="key/value heads, GQA (default: %(default)s)")  # fmt: skip
-    p.add_argument("--head-dim", type=_int_in(1, 256), default=32,
+    p.add_argument("--head-dim", type=int_in(1, 256), default=32,
                    help="head dimension D, 1 to 256 (default: %(default)s)")  # fmt: skip
     p.add_argument("--no-causal", dest="causal", action="store_false",
                    help="full attention (default: causal)")  # fmt: skip
