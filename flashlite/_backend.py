@@ -122,9 +122,14 @@ def kernels_interpreted() -> bool:
     return INTERPRETED
 
 
+#: The device types flashlite runs on: ``cuda`` (compiled Triton) and ``cpu`` (the interpreter,
+#: or the GPU when there is one).
+DEVICE_TYPES = ("cuda", "cpu")
+
+
 def check_device(t: torch.Tensor, name: str) -> None:
     """Raise a clear error for tensors on devices flashlite cannot run on."""
-    if t.device.type not in ("cuda", "cpu"):
+    if t.device.type not in DEVICE_TYPES:
         raise ValueError(
             f"{name} is on device {t.device}; flashlite runs on 'cuda' (compiled Triton) "
             "and 'cpu' (Triton interpreter, or the GPU when there is one) tensors"

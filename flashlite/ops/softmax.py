@@ -26,7 +26,6 @@ from flashlite.ops._dispatch import Op
 from flashlite.ops.prefetch import plan_prefetch, prefetch_applies
 
 ALGORITHMS = ("auto", "three_pass", "online")
-_DEVICE_TYPES = ("cuda", "cpu")  # (where kernels run: _backend.check_device)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INT32_LIMIT = 2**31
 
@@ -35,7 +34,7 @@ def _check(x: object, dim: object, algorithm: object) -> int:
     """Validate the public arguments; return ``dim`` as a non-negative index."""
     if type(x) is torch.Tensor and type(dim) is int and algorithm == "auto":  # the usual call
         ndim = x.dim() or 1
-        if x.dtype in DTYPES and -ndim <= dim < ndim and x.device.type in _DEVICE_TYPES:
+        if x.dtype in DTYPES and -ndim <= dim < ndim and x.device.type in _backend.DEVICE_TYPES:
             return dim % ndim
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")

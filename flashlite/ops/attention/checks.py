@@ -22,28 +22,28 @@ def _check(
     q: object, k: object, v: object, layout: object, scale: object
 ) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validate the public arguments; return the softmax scale and q, k, v as ``b h n d`` views."""
-    if type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor:
-        # the usual call, in a few tests (host time); anything else, every error included,
-        # takes the checks below
+    # the usual call, in a few tests (host time); anything else, every error included, takes
+    # the checks of _check_all, from the caller's tensors
+    if (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+            and q.dim() == 4 and k.dim() == 4 and layout in LAYOUTS):  # fmt: skip
+        views = (q, k, v)
         if layout == "b n h d":
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        elif layout != "b h n d":
-            return _check_all(q, k, v, layout, scale)
-        qs, ks, dt, dev = q.shape, k.shape, q.dtype, q.device
-        if (len(qs) == 4 and len(ks) == 4 and ks == v.shape and dt in DTYPES and k.dtype == dt
-                and v.dtype == dt and dev.type in _DEVICE_TYPES and k.device == dev
-                and v.device == dev):  # fmt: skip
-            b, hq, _, d = qs
-            bk, hkv, _, dk = ks
-            if bk == b and dk == d and 0 < d <= MAX_HEAD_DIM and hkv and hq % hkv == 0:
-                return _check_scale(scale, d), q, k, v
-        if layout == "b n h d":  # (the full checks start from the caller's tensors)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        if _usual(*views):
+            return _check_scale(scale, q.shape[-1]), *views
     return _check_all(q, k, v, layout, scale)
 
 
-#: The devices flashlite's kernels run on (:func:`flashlite._backend.check_device`).
-_DEVICE_TYPES = ("cuda", "cpu")
+def _usual(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether 4-D ``b h n d`` views pass every check of :func:`_check_all` (one dtype and device
+    flashlite runs on, shapes that agree, GQA heads, a head dim from 1 to 256)."""
+    qs, ks, dt, dev = q.shape, k.shape, q.dtype, q.device
+    if not (ks == v.shape and dt in DTYPES and k.dtype == dt
+            and v.dtype == dt and dev.type in _backend.DEVICE_TYPES and k.device == dev
+            and v.device == dev):  # fmt: skip
+        return False
+    (b, hq, _, d), (bk, hkv, _, dk) = qs, ks
+    return bk == b and dk == d and 0 < d <= MAX_HEAD_DIM and hkv > 0 and hq % hkv == 0
 
 
 def _check_all(
