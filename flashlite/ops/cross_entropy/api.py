@@ -113,18 +113,10 @@ def cross_entropy(
     if inplace_backward and x2.data_ptr() != logits.data_ptr():
         raise ValueError("inplace_backward needs logits whose rows form a (N, V) view (no copy)")
     t1 = target if target.dim() == 1 else target.reshape(-1)
-    mean = reduction == "mean"
-    bad, grad_scale = None, None
     plain = plain_eager(x2, t1, weight)
-    if not plain:  # traced: the scale from torch ops, no check (no host read)
-        grad_scale = _traced_scale(t1, weight, v, ignore_index, mean,
-                                   _z_scaled(weight, mean, z_loss))  # fmt: skip
-    elif validate == "sync" or (validate and x2.device.type == "cpu"):  # checked, waited for
-        grad_scale = _scale_and_check(t1, weight, v, ignore_index, mean,
-                                      _z_scaled(weight, mean, z_loss))  # fmt: skip
-    elif validate:  # checked in the forward's own launch, reported by a later call
-        _report_bad_targets(t1.device, False, ignore_index, earlier=True)
-        bad = _bad_record(t1.device)[0]
+    # (no scale yet: the forward's own launch works it out, and checks the targets into `bad`)
+    grad_scale, bad = _scale_or_record(plain, t1, weight, v, ignore_index, reduction, z_loss,
+                                       validate)  # fmt: skip
     opts = (ignore_index, float(label_smoothing), float(z_loss), check_softcap(softcap),
             bool(inplace_backward), reduction)  # fmt: skip
     apply = _CE_APPLY if plain else CrossEntropyFunction.apply
@@ -232,7 +224,13 @@ def linear_cross_entropy(
         return moved(out, hidden.device)
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     plain = plain_eager(h2, t1, weight, bias, class_weight)
-    grad_scale = _grad_scale(plain, t1, class_weight, v, ignore_index, reduction, z_loss, validate)
+    grad_scale, bad = _scale_or_record(plain, t1, class_weight, v, ignore_index, reduction,
+                                       z_loss, validate)  # fmt: skip
+    if grad_scale is None:  # the scale kernel, the device check in its launch
+        mean = reduction == "mean"
+        grad_scale = (cross_entropy_scale(t1, class_weight, v, ignore_index, mean, bad,
+                                          _z_scaled(class_weight, mean, z_loss))
+                      if mean or bad is not None else _unit_scale(t1.device))  # fmt: skip
     chunk, vocab_chunk = _linear_chunking(v, hidden.element_size(), chunk_size, vocab_chunk_size)
     apply = _LINEAR_APPLY if plain else LinearCrossEntropyFunction.apply
     loss, lse = apply(
@@ -244,24 +242,26 @@ def linear_cross_entropy(
     return (loss, lse.view(target.shape)) if return_lse else loss
 
 
-def _grad_scale(plain: bool, t1: torch.Tensor, class_weight: torch.Tensor | None, v: int,
-                ignore_index: int, reduction: str, z_loss: float,
-                validate: bool | str) -> torch.Tensor:  # fmt: skip
-    """Linear cross-entropy's gradient scale (a mean's ``1/Σ``, else 1; with the z-loss's own
-    factor second where :func:`_z_scaled`), with the targets checked as ``validate`` says, as
-    :func:`cross_entropy` checks them: on the device in the scale's own launch and reported by a
-    later call (``True`` on a GPU), at this call after a sync (``"sync"``, CPU tensors), or not
-    at all (``False``, traced calls). ``plain``: :func:`plain_eager` holds for the call."""
+_Maybe = torch.Tensor | None
+
+
+def _scale_or_record(plain: bool, t1: torch.Tensor, weight: _Maybe, v: int, ignore_index: int,
+                     reduction: str, z_loss: float,
+                     validate: bool | str) -> tuple[_Maybe, _Maybe]:  # fmt: skip
+    """``(gradient scale, bad-target record)`` of a cross-entropy call before its forward, the
+    targets checked as ``validate`` says. The scale is a mean's ``1/Σ`` (else 1; with the
+    z-loss's own factor second where :func:`_z_scaled`). Traced calls (``plain`` False: not
+    :func:`plain_eager`): the scale from torch ops, no check (no host read). ``"sync"`` and CPU
+    tensors: the scale with the check, waited for (a bad target raises here). ``True`` on a
+    GPU: no scale yet, and the device's record for the launch that works it out to check into
+    (reported by a later call). ``False``: neither."""
     mean = reduction == "mean"
-    z = _z_scaled(class_weight, mean, z_loss)
-    if not plain:  # traced (or not plain tensors): torch ops, no check (no host read)
-        return _traced_scale(t1, class_weight, v, ignore_index, mean, z)
+    z = _z_scaled(weight, mean, z_loss)
+    if not plain:
+        return _traced_scale(t1, weight, v, ignore_index, mean, z), None
     if validate == "sync" or (validate and t1.device.type == "cpu"):
-        return _scale_and_check(t1, class_weight, v, ignore_index, mean, z)
-    if not validate and not mean:
-        return _unit_scale(t1.device)
-    bad = None
+        return _scale_and_check(t1, weight, v, ignore_index, mean, z), None
     if validate:
         _report_bad_targets(t1.device, False, ignore_index, earlier=True)
-        bad = _bad_record(t1.device)[0]
-    return cross_entropy_scale(t1, class_weight, v, ignore_index, mean, bad, z)
+        return None, _bad_record(t1.device)[0]
+    return None, None
