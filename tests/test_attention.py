@@ -269,6 +269,10 @@ def test_bad_layout_and_scale() -> None:
         flashlite.attention(q, q, q, scale=-1.0)
     with pytest.raises(TypeError, match="scale"):
         flashlite.attention(q, q, q, scale="0.1")
+    # the wrong rank in the other layout: the same ValueError, not an error from a transpose
+    for bad in (rand(5), rand(2, 5, 16)):
+        with pytest.raises(ValueError, match=r"q must have 4 dimensions \(b n h d\)"):
+            flashlite.attention(bad, q, q, layout="b n h d")
 
 
 # --------------------------------------------------------------------------- GPU (compiled kernels)
