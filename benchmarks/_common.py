@@ -16,7 +16,7 @@ import datetime as dt
 import json
 import platform
 import re
-import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -67,23 +67,20 @@ def _version(module: str) -> str | None:
         return None
 
 
-def git_commit() -> str | None:
-    """``HEAD``'s hash, with ``+dirty`` when tracked files differ; None outside a git checkout."""
-
-    def run(*args: str) -> str:
-        cmd = ["git", "-C", str(REPO), *args]
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=10, check=True).stdout
-
-    try:
-        commit = run("rev-parse", "HEAD").strip()
-        return commit + ("+dirty" if run("status", "--porcelain", "--untracked-files=no") else "")
-    except (OSError, subprocess.SubprocessError):
-        return None
+def _command() -> str:
+    """``python <script> <arguments>`` as this process was started, the script relative to the
+    repository where it lies inside it."""
+    script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
+    if script is None:
+        return "python"
+    shown = script.relative_to(REPO) if script.is_relative_to(REPO) else script
+    return " ".join(["python", str(shown), *sys.argv[1:]])
 
 
 def metadata(device: torch.device | str | None = None, **extra: Any) -> dict[str, Any]:
-    """One dict describing the run: device, library versions, date (UTC), git commit; ``extra``
-    keys (a script's own settings) are appended."""
+    """One dict describing the run: device, library versions, date (UTC) and the command that
+    ran (from ``sys.argv`` unless ``extra`` names it); ``extra`` keys (a script's own settings)
+    are appended."""
     dev = torch.device(device) if device is not None else None
     cuda = dev is None or dev.type == "cuda"
     return {
@@ -95,7 +92,7 @@ def metadata(device: torch.device | str | None = None, **extra: Any) -> dict[str
         "numpy": _version("numpy"),
         "flashlite": flashlite.__version__,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
+        "command": _command(),
         **extra,
     }
 

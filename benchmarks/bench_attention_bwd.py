@@ -1,4 +1,4 @@
-"""Attention backward on the GPU: flashlite against SDPA's flash and cuDNN backends (issue 10).
+"""Attention backward on the GPU: flashlite against SDPA's flash and cuDNN backends.
 
 Setup: bf16, B·N = 16k tokens, H = 2048 / D, D ∈ {64, 128}, N ∈ {4k, 16k}, causal and not.
 Backward time = (forward + backward) − forward, each a ``do_bench`` median, in interleaved rounds
@@ -37,7 +37,7 @@ PROVIDERS: dict[str, Callable[[bool], Callable[..., torch.Tensor]]] = {
     "sdpa-flash": lambda causal: lambda q, k, v: sdpa(q, k, v, causal=causal, backend="flash"),
     "sdpa-cudnn": lambda causal: lambda q, k, v: sdpa(q, k, v, causal=causal, backend="cudnn"),
 }
-MUST_FLASH, MUST_CUDNN = 1.3, 0.80  # backward speed, flashlite / peer (issue 10)
+MUST_FLASH, MUST_CUDNN = 1.3, 0.80  # backward speed, flashlite / peer (the targets)
 
 
 def fwd_flops(b: int, h: int, n: int, d: int, causal: bool) -> float:

@@ -1,4 +1,4 @@
-"""Cross-entropy speed and memory on a GPU: issue 12's must 4.
+"""Cross-entropy speed and memory on a GPU: the fused loss and the linear one.
 
 Fused cross-entropy, forward + backward, mean reduction, on bf16 logits at 8192×32k,
 8192×128k and 4096×256k. Bandwidth counts the logits read once and the gradient written once
@@ -187,7 +187,7 @@ def linear_ce_case(rows_out: list[dict[str, Any]], notes: list[str]) -> None:
 
 
 def _musts(rows: list[dict[str, Any]]) -> str:
-    """Issue 12's must 4, one line each (Liger's ratio only where Liger ran)."""
+    """The speed targets, one line each (Liger's ratio only where Liger ran)."""
     lines = [f"{'must':52} {'got':>9}  {'bound':>6}  result"]
 
     def line(name: str, got: float, bound: float, low_is_good: bool = False) -> None:
@@ -216,7 +216,7 @@ def figure(rows: list[dict[str, Any]], device: str) -> Figure:
     x_copy = {(r["case"], r["provider"]): r["x_copy"] for r in rows if "x_copy" in r}
     ce = Panel(
         bars=[Bars([x_copy.get((c, p), math.nan) for c in cases], p) for p in providers],
-        categories=[c.removeprefix("CE ") for c in cases], hlines=[(0.80, "issue 12: 0.80x")],
+        categories=[c.removeprefix("CE ") for c in cases], hlines=[(0.80, "target 0.80x")],
         title="cross-entropy fwd+bwd, bf16 logits, mean", grid="major",
         ylabel="x copy ceiling (higher is better)",
     )  # fmt: skip
@@ -226,7 +226,7 @@ def figure(rows: list[dict[str, Any]], device: str) -> Figure:
         categories=[r["provider"] for r in linear], legend=None, grid="major",
         title="linear CE, 8192 tokens x 4096 x 128256, bf16", ylabel="ms (lower is better)",
     )  # fmt: skip
-    return Figure([[ce, lin]], title=f"issue 12 cases, {device}", panel_size=(7.5, 4.5))
+    return Figure([[ce, lin]], title=f"cross-entropy cases, {device}", panel_size=(7.5, 4.5))
 
 
 def main(argv: list[str] | None = None) -> int:

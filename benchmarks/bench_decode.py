@@ -1,4 +1,4 @@
-"""Decoding, varlen, window and softcap speed on a GPU: the cases of issue 11's must 6.
+"""Decoding, varlen, window and softcap speed on a GPU, against SDPA and cuDNN.
 
 Every case checks flashlite's output against a peer (SDPA or the same flashlite call without
 the feature) before timing it; timings are ``do_bench`` medians of one interleaved round each,
@@ -18,7 +18,7 @@ ratios are taken within this run. Cases:
 
     python benchmarks/bench_decode.py        # JSON + PNG in benchmarks/results
 
-The last table printed lists each of issue 11's speed musts with its measured ratio.
+The last table printed lists each speed target with its measured ratio.
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     panel = Panel(bars=[Bars([r["ms"] for r in rows], "ms")], categories=labels,
                   title="decode, varlen, window, softcap (bf16)",
                   ylabel="ms (lower is better)")  # fmt: skip
-    figure = Figure([[panel]], title=f"issue 11 cases, {device_name()}", panel_size=(14, 4))
+    figure = Figure([[panel]], title=f"flashlite decoding, {device_name()}", panel_size=(14, 4))
     write_results(f"decode-{device_slug()}", rows, metadata(dtype="bfloat16"), figure=figure)
     return 0
 

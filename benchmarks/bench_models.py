@@ -1,4 +1,4 @@
-"""Hugging Face Llama on flashlite's attention against SDPA: issue 15's must 3.
+"""Hugging Face Llama on flashlite's attention against SDPA: training step and generation.
 
 * Training step (forward + backward) of a Llama-style model of about 1B parameters (random init,
   bf16, sequence 4096), step time with ``"flite"`` (flashlite), ``"sdpa"`` and

@@ -1,4 +1,4 @@
-"""Ring attention on two GPUs against one: issue 13's must 5.
+"""Ring attention on two GPUs against one.
 
 B=1, H=16, D=128, bf16, causal, forward + backward, total N in {64k, 128k, 256k}.
 Efficiency = time on one GPU at N / (2 × time of the two-GPU ring at N) (1.0: perfect scaling).

@@ -5,7 +5,7 @@ least once (read x, write y; backward: read y and dy, write dx) over the median 
 device-to-device copy of the same tensor moves the same forward bytes and is the ceiling.
 ``*_fwd_bwd`` rows time forward + backward through autograd (``torch.autograd.grad`` with a
 random upstream gradient), flashlite's op against torch's: their ``vs_torch`` is torch's time over
-flashlite's, the ratio issue 14's first must asks for (printed last).
+flashlite's, the ratio its target is stated in (printed last).
 
     python benchmarks/bench_softmax.py                      # full run on the GPU (< 4 min, H200)
     python benchmarks/bench_softmax.py --quick --device cpu # tiny smoke run in the interpreter
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(f"wrote {paths['json']} ({meta['seconds']} s)")
     print_table(rows)
-    # issue 14, must 1: forward + backward >= 1.0x torch at every N, both dtypes
+    # the target: forward + backward >= 1.0x torch at every N, both dtypes
     pairs = [r for r in rows if r["op"].endswith("_fwd_bwd") and r["provider"] == "flashlite"]
     ratios = [r["vs_torch"] for r in pairs if r["vs_torch"] is not None]
     if ratios:

@@ -7,7 +7,7 @@ the slow ncu start-up and the autotuning happen once per method, not once per co
 Grid: N ∈ {4096, 16384, 32768}, D ∈ {64, 128}, H = 16, B = 1, bf16, causal and not. Three levels
 per row: issued bytes (the model), the DRAM estimate (``flashlite.traffic.dram_attention``, with
 this GPU's L2) and ncu's measured DRAM bytes, beside the compulsory bytes; the table's last
-column is estimate / measured (issue 9 asks for 0.85–1.15 at every point).
+column is estimate / measured (the model's target is 0.85–1.15 at every point).
 Writes ``benchmarks/results/traffic-<device slug>.json`` and ``.png`` and prints a table last.
 
     python benchmarks/bench_traffic.py [--seq 1024 4096] [--methods naive flashlite]

@@ -1,4 +1,4 @@
-"""Long-row softmax forward sweep (issue 14, must 2): the Gluon prefetching team kernel's
+"""Long-row softmax forward sweep: the Gluon prefetching team kernel's
 configs against the copy ceiling, ``auto`` and the team kernel, in one run on one GPU.
 
 Every config is checked against torch in fp32 (with a row of −inf, one −inf chunk and a 1e4

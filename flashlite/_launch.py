@@ -121,8 +121,7 @@ class Launcher:
         alignment)."""
         key = self._key(args, options) if self.direct else None
         if key is None:
-            kernel = self.kernel
-            return lambda grid, *a: kernel[grid](*a, **options)
+            return triton_launch(self.kernel, options)
         run = _bound.get(key)
         if run is None:
             run = _bound.put(key, self._bound_run(args, options))
@@ -233,6 +232,23 @@ class Launcher:
                    *fill(a), *constants)  # fmt: skip
 
         return run
+
+
+def triton_launch(kernel: Any, options: dict) -> Callable[..., None]:
+    """``launch(grid, *args)``: Triton's own ``kernel[grid](*args, **options)``. In the
+    interpreter numpy's floating-point warnings are off inside it: masked rows compute with −inf
+    on purpose (``exp(−inf) = 0``, ``log(0) = −inf``), and numpy would warn about each such
+    operation on every call. Only flashlite's own launches are quieted; the caller's numpy
+    settings are left as they were."""
+    if not INTERPRETED:
+        return lambda grid, *a: kernel[grid](*a, **options)
+    import numpy as np
+
+    def run(grid: Any, *a: Any) -> None:
+        with np.errstate(divide="ignore", invalid="ignore", over="ignore", under="ignore"):
+            kernel[grid](*a, **options)
+
+    return run
 
 
 #: The one Triton version whose compiled-kernel launcher :func:`_raw_launch` calls directly.
@@ -385,7 +401,7 @@ def launch_teams(kernel: Any, args: list[Any], options: dict[str, Any], n_chunks
         if not teams_fit(n_chunks, device):
             raise ValueError(f"teams of {n_chunks} programs need a CUDA device")
         n_teams = min(n_rows, 3)
-        kernel[(n_teams,)](*args, n_teams, **options)
+        triton_launch(kernel, options)((n_teams,), *args, n_teams)
         return n_teams
     options, n_teams = _cooperative_teams(kernel, args, options, n_chunks, n_rows, device)
     launcher(kernel)[(n_teams * n_chunks,)](*args, n_teams, **options)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -384,3 +385,29 @@ def test_caches_are_bounded_over_a_thousand_shapes() -> None:
         small.limit = saved
     for name, cache in _caches.caches().items():
         assert len(cache) <= cache.limit, name
+
+
+@pytest.mark.skipif(not _backend.INTERPRETED, reason="the interpreter's numpy warnings only")
+def test_interpreter_floating_point_warnings_are_off_inside_launches_only() -> None:
+    """Masked rows compute with −inf on purpose; in the interpreter numpy would warn about it on
+    every call ("divide by zero", "invalid value"). flashlite's launches quiet it, and leave the
+    caller's numpy settings as they were."""
+    import warnings
+
+    import numpy as np
+
+    before = np.geterr()
+    x = torch.randn(4, 100)
+    x[0] = -math.inf
+    x[1, :50] = -math.inf
+    q = torch.randn(1, 2, 8, 16)
+    k = torch.randn(1, 2, 4, 16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        flashlite.softmax(x)
+        flashlite.log_softmax(x)
+        flashlite.attention(q, k, k, causal=True)  # (its first four rows see no key)
+        flashlite.cross_entropy(x[2:], torch.tensor([1, 2]))
+    assert np.geterr() == before
+    with pytest.warns(RuntimeWarning):  # (numpy itself still warns the user's own code)
+        np.log(np.zeros(1))

@@ -292,15 +292,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+#: The scripts in ``benchmarks/`` (run from a clone; each needs a GPU) and what each measures:
+#: ``flashlite bench`` lists them (a test keeps this list and the folder in agreement).
+BENCHMARKS = (
+    ("bench_softmax.py", "softmax / log_softmax GB/s against torch and the copy ceiling"),
+    ("bench_attention.py", "attention forward TFLOP/s against SDPA's backends and Flex"),
+    ("bench_attention_bwd.py", "attention backward against SDPA flash and cuDNN"),
+    ("bench_decode.py", "decoding, varlen, window and softcap against SDPA and cuDNN"),
+    ("bench_cross_entropy.py", "cross-entropy and linear cross-entropy speed and memory"),
+    ("bench_overhead.py", "per-call host cost at small shapes (loop, graph, do_bench)"),
+    ("bench_models.py", "Hugging Face Llama training step and generation against SDPA"),
+    ("bench_traffic.py", "measured DRAM bytes with Nsight Compute against the model"),
+    ("bench_ring.py", "ring attention on two GPUs against one"),
+    ("profile_decode_step.py", "where one decode step of a 1.1B Llama goes (torch.profiler)"),
+    ("sweep_softmax_longrow.py", "long-row softmax kernel configs against the copy ceiling"),
+)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
-    print(
-        "Benchmarks are scripts in benchmarks/ (they need a GPU):\n"
-        "  python benchmarks/bench_softmax.py      # GB/s against torch and the copy ceiling\n"
-        "  python benchmarks/bench_attention.py    # TFLOP/s against SDPA backends and Flex\n"
-        "  python benchmarks/bench_traffic.py      # DRAM bytes with Nsight Compute\n"
-        "  python benchmarks/bench_overhead.py     # per-call cost at small shapes\n"
-        "Each writes JSON + PNG to benchmarks/results/ and prints a table last."
-    )
+    width = max(len(name) for name, _ in BENCHMARKS)
+    lines = [f"  python benchmarks/{name:<{width}}  # {what}" for name, what in BENCHMARKS]
+    print("Benchmarks are scripts in benchmarks/ of a clone (each needs a GPU):", *lines,
+          "Each writes JSON + PNG to benchmarks/results/ and prints a table last.",
+          sep="\n")  # fmt: skip
     return 0
 
 
