@@ -196,27 +196,38 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
         r["vs_torch"] = gbps / torch_row["GB/s"] if ok else None
 
 
+#: One colour per provider in every panel (a series is an op's line in its provider's colour).
+PROVIDER_COLORS = {"flashlite": "C0", "flashlite-auto": "C0", "flashlite-online": "C2",
+                   "flashlite-three_pass": "C4", "torch": "C1", "torch-compile": "C3"}  # fmt: skip
+OP_STYLES = {"softmax": "-o", "log_softmax": ":s", "softmax_bwd": "-.^", "softmax_fwd_bwd": "--v",
+             "log_softmax_fwd_bwd": "--d"}  # fmt: skip
+
+
 def figure(rows: list[dict[str, Any]], title: str) -> Figure:
-    """GB/s against N, one panel per dtype, the copy as a dashed ceiling."""
-    panels = []
+    """GB/s against N: one column per dtype, forward ops in the top row and backward ones below,
+    one colour per provider, the copy as a dashed ceiling in every panel."""
+    grid: list[list[Panel]] = [[], []]
     for dtype in sorted({r["dtype"] for r in rows}):
         series: dict[tuple[str, str], list[tuple[int, float]]] = {}
         for r in rows:
             if r["dtype"] == dtype and r["GB/s"] is not None:
                 series.setdefault((r["op"], r["provider"]), []).append((r["N"], r["GB/s"]))
-        lines = []
-        for (op, provider), pts in sorted(series.items()):
-            ns, gb = zip(*sorted(pts), strict=True)
-            if op == "copy":
-                lines.append(Line(ns, gb, "copy (ceiling)", "k--", {"lw": 1.5}))
-            else:
-                style = {"softmax": "-o", "log_softmax": ":s", "softmax_bwd": "-.^",
-                         "softmax_fwd_bwd": "--v", "log_softmax_fwd_bwd": "--d"}[op]  # fmt: skip
-                lines.append(Line(ns, gb, f"{op} {provider}", style, {"ms": 4}))
-        panels.append(
-            Panel(lines, title=dtype, xlabel="N (row length)", ylabel="GB/s", xlog=2, grid="major")
-        )
-    return Figure([panels], title=title, panel_size=(6.5, 4.5))
+        for row, (which, ops) in enumerate((("forward", ("softmax", "log_softmax")),
+                                            ("backward", ("softmax_bwd", "softmax_fwd_bwd",
+                                                          "log_softmax_fwd_bwd")))):  # fmt: skip
+            lines = []
+            for (op, provider), pts in sorted(series.items()):
+                if op != "copy" and op not in ops:
+                    continue
+                ns, gb = zip(*sorted(pts), strict=True)
+                if op == "copy":
+                    lines.append(Line(ns, gb, "copy (ceiling)", "k--", {"lw": 1.5}))
+                else:
+                    style = {"ms": 4, "color": PROVIDER_COLORS.get(provider, "C7")}
+                    lines.append(Line(ns, gb, f"{op} {provider}", OP_STYLES[op], style))
+            grid[row].append(Panel(lines, title=f"{dtype}, {which}", xlabel="N (row length)",
+                                   ylabel="GB/s", xlog=2, grid="major", legend=6))  # fmt: skip
+    return Figure(grid, title=title, panel_size=(6.5, 4.2))
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:

@@ -40,10 +40,11 @@ def ncu_version(ncu: str | None) -> str | None:
         return None
 
 
-def figure(rows: list[dict[str, Any]], title: str) -> Figure:
+def figure(rows: list[dict[str, Any]], title: str, l2_bytes: int | None = None) -> Figure:
     """One panel per (D, causal): measured (solid), DRAM estimate (dash-dot) and issued (dotted)
     bytes vs N, log-log."""
     colors = {method: f"C{i}" for i, method in enumerate(traffic.ATTENTION_METHODS)}
+    l2_mib = (l2_bytes or traffic.DEFAULT_L2_BYTES) / 2**20  # (what the DRAM estimate assumes)
     grid = []
     for d in sorted({r["head_dim"] for r in rows}):
         panels = []
@@ -55,9 +56,9 @@ def figure(rows: list[dict[str, Any]], title: str) -> Figure:
                     (r for r in panel if r["method"] == method), key=lambda r: r["seq_len"]
                 )
                 for key, ls, label in (
-                    ("measured_bytes", "-", "measured"),
-                    ("dram_bytes", "-.", "DRAM estimate"),
-                    ("model_bytes", ":", "issued"),
+                    ("measured_bytes", "-", "DRAM measured"),
+                    ("dram_bytes", "-.", f"DRAM estimate (L2 {l2_mib:.0f} MiB)"),
+                    ("model_bytes", ":", "issued (loads + stores)"),
                 ):
                     pts = [(r["seq_len"], r[key]) for r in mine if r[key]]
                     if pts:
@@ -69,12 +70,20 @@ def figure(rows: list[dict[str, Any]], title: str) -> Figure:
             if comp:
                 style = {"color": "black", "lw": 2}
                 lines.append(Line(*zip(*comp, strict=True), "compulsory", style=style))
+            below = any((r.get("measured_bytes") or r.get("dram_bytes") or 1e30)
+                        < r["compulsory_bytes"] for r in panel)  # fmt: skip
             panels.append(
                 Panel(
                     lines,
+                    notes=[
+                        "DRAM below compulsory: output writes still in L2\nwhen a kernel ends "
+                        "are not counted"
+                    ]
+                    if below
+                    else [],  # fmt: skip
                     title=f"D={d}{' causal' if causal else ''}",
                     xlabel="N",
-                    ylabel="DRAM bytes",
+                    ylabel="bytes per call (DRAM, or issued)",
                     xlog=10,
                     ylog=10,
                     grid="both",
@@ -161,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
         l2_bytes=l2_bytes,
         notes=[results[m].message for m in args.methods if results[m].message],
     )
-    title = f"attention forward DRAM traffic, {name}, B={args.batch} H={args.heads} bf16"
-    paths = write_results(f"traffic-{device_slug()}", rows, meta, figure=figure(rows, title))
+    title = f"attention forward bytes, DRAM and issued, {name}, B={args.batch} H={args.heads} bf16"
+    paths = write_results(f"traffic-{device_slug()}", rows, meta,
+                          figure=figure(rows, title, l2_bytes))  # fmt: skip
 
     def gb(x: float | None) -> str:
         return "-" if x is None else f"{x / 1e9:.3f}"

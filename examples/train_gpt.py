@@ -152,7 +152,7 @@ def train(args: argparse.Namespace, attention: str, corpus: torch.Tensor, loss_f
         losses.append(loss.item())
         if not math.isfinite(losses[-1]):
             raise RuntimeError(f"{name}: loss is {losses[-1]} at step {step}")
-        if args.log_every and step % args.log_every == 0:
+        if args.log_every and (step % args.log_every == 0 or step == args.steps - 1):
             print(f"{name:>24} step {step:4d}  loss {losses[-1]:.4f}", flush=True)
     return {"attention": attention, "loss": loss_fn, "losses": losses,
             "tokens_per_s": tokens / elapsed if elapsed else None}  # fmt: skip
@@ -181,11 +181,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", default=None, help="bfloat16 on a GPU, float32 on a CPU")
     p.add_argument("--corpus-mib", type=float, default=32.0, help="stdlib bytes to read")
-    p.add_argument("--log-every", type=int, default=50)
+    p.add_argument(
+        "--log-every",
+        type=int,
+        default=None,
+        help="print the loss every this many steps (default: ten lines a run)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the loss curves here")
     p.add_argument("--plot", type=Path, default=None, help="write a PNG of the loss curves here")
     args = p.parse_args(argv)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    if args.log_every is None:  # (a CPU run of a few steps still says how it goes)
+        args.log_every = max(1, args.steps // 10)
     if args.width % args.heads:
         p.error(f"--width {args.width} must be a multiple of --heads {args.heads}")
     corpus = load_corpus(int(args.corpus_mib * 2**20))

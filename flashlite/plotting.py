@@ -70,6 +70,7 @@ class Panel:
         xlog, ylog: log-scale base (2, 10) or None for a linear axis.
         grid: None (no grid), ``"major"`` or ``"both"`` (major and minor ticks).
         legend: legend font size, or None for no legend.
+        notes: short texts written in the lower right corner (what a reader could misread).
     """
 
     lines: Sequence[Line] = ()
@@ -83,6 +84,7 @@ class Panel:
     ylog: float | None = None
     grid: str | None = None
     legend: float | None = 7
+    notes: Sequence[str] = ()
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,9 @@ def _draw(ax: Any, panel: Panel) -> None:
         ax.grid(True, which=panel.grid, alpha=0.3)
     if panel.legend is not None and ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=panel.legend)
+    if panel.notes:
+        ax.text(0.99, 0.02, "\n".join(panel.notes), transform=ax.transAxes, ha="right",
+                va="bottom", fontsize=7, color="dimgrey")  # fmt: skip
 
 
 def _finite(v: float | None) -> bool:

@@ -153,6 +153,18 @@ def test_ring_command_reports_errors_and_bytes(capsys: pytest.CaptureFixture[str
         assert r["bytes_sent_backward"] == r["model_backward"] > 0
 
 
+def test_ring_progress_lines_go_to_stderr_unless_json_or_quiet(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from flashlite.distributed import demo
+
+    for argv, shown in (([], True), (["--json"], False), (["--quiet"], False)):
+        demo.progress(demo.build_parser().parse_args(argv))("a stage")
+        out, err = capsys.readouterr()
+        assert out == ""
+        assert ("s] a stage" in err) is shown, (argv, err)
+
+
 def test_comm_model_totals() -> None:
     fwd = comm_model(4, 1, 8, 1024, 128, 2)
     bwd = comm_model(4, 1, 8, 1024, 128, 2, backward=True)

@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -55,7 +56,22 @@ def add_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
     p.add_argument("--json", action="store_true",
                    help="print the per-rank results as JSON (default: a table)")  # fmt: skip
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress lines on stderr (default: shown unless --json)")  # fmt: skip
     return p
+
+
+def progress(args: argparse.Namespace) -> Callable[[str], None]:
+    """``step(what)``: a line ``[  12.3 s] what`` on stderr, unless ``--quiet`` or ``--json``
+    (the interpreter makes this demo take minutes on a CPU: each stage says when it starts)."""
+    start = time.perf_counter()
+    quiet = getattr(args, "quiet", False) or getattr(args, "json", False)
+
+    def step(what: str) -> None:
+        if not quiet:
+            print(f"[{time.perf_counter() - start:7.1f} s] {what}", file=sys.stderr, flush=True)
+
+    return step
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -72,10 +88,12 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
     from flashlite.distributed.ring import comm_model, count_p2p
 
     zigzag = not args.contiguous
+    step = progress(args) if rank == 0 else (lambda what: None)
     gen = torch.Generator().manual_seed(args.seed)
     heads = (args.heads, args.kv_heads, args.kv_heads, args.heads)
     q, k, v, do = (torch.randn(1, args.seq, h, args.head_dim, generator=gen) for h in heads)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    step(f"rank 0: the single-process reference, N={args.seq} (forward + backward)")
     ref = flashlite.attention(*leaves, causal=args.causal, layout="b n h d")
     ref.backward(do)
 
@@ -84,9 +102,12 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
 
     mine = [shard(t).requires_grad_() for t in (q, k, v)]
     with count_p2p() as log:
+        step(f"rank 0: ring attention forward over {world} ranks")
         out = ring_attention(*mine, causal=args.causal, zigzag=zigzag)
         n_forward = len(log)
+        step("rank 0: ring attention backward")
         out.backward(shard(do))
+    step("rank 0: done; waiting for the other ranks")
     sent = [sum(b for b, _ in log[:n_forward]), sum(b for b, _ in log[n_forward:])]
     errors = {name: (a - shard(b)).abs().max().item()
               for name, a, b in zip(("out", "dq", "dk", "dv"),
@@ -150,6 +171,10 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--seq {args.seq} must divide by {parts} for {args.nproc} ranks")
     from flashlite.distributed.ring import free_port
 
+    progress(args)(
+        f"starting {args.nproc} gloo processes (the kernels run in Triton's interpreter "
+        "on a CPU: about 4 min at the defaults on 2 cores)"
+    )
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     mp.start_processes(_spawned, args=(args.nproc, free_port(), args, queue), nprocs=args.nproc,
