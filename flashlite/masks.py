@@ -35,6 +35,9 @@ so everything that asks keeps agreeing.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -49,6 +52,8 @@ __all__ = [
     "torch_visible",
     "kernel_window",
     "window_bounds",
+    "Mask",
+    "describe",
 ]
 
 
@@ -257,6 +262,58 @@ def window_bounds(window: tuple[int, int] | None, causal: bool) -> tuple[int, in
     if left < -1 or right < -1:
         raise ValueError(f"window={tuple(window)}: each bound is >= 0, or -1 for unlimited")
     return left, 0 if causal else right
+
+
+@dataclass(frozen=True)
+class Mask:
+    """Which scores a query keeps, as the public arguments say it, normalised once
+    (:func:`describe`): the ops' schemas carry these fields as they are.
+
+    Attributes:
+        causal: bottom-right causal (then ``right`` is 0).
+        left, right: how many keys before / after its diagonal a query sees; None: unlimited.
+        softcap: scores become ``softcap·tanh(s/softcap)``; None: no cap.
+    """
+
+    causal: bool
+    left: int | None = None
+    right: int | None = None
+    softcap: float | None = None
+
+    @property
+    def window(self) -> tuple[int, int] | None:
+        """flash-attn's ``window_size`` (−1 unlimited), as the launchers take it; None when
+        neither side is bounded."""
+        if self.left is None and self.right is None:
+            return None
+        return (-1 if self.left is None else self.left, -1 if self.right is None else self.right)
+
+    @classmethod
+    def of_op(cls, causal: bool, left: int | None, right: int | None,
+              softcap: float | None) -> Mask:  # fmt: skip
+        """The mask from an op's arguments (a graph compiled when unlimited sides were −1 and
+        no cap was 0.0 may still pass those)."""
+        return cls(causal, None if left is None or left < 0 else left,
+                   None if right is None or right < 0 else right, softcap or None)  # fmt: skip
+
+
+def describe(causal: bool, window: tuple[int, int] | None = None,
+             softcap: float | None = None) -> Mask:  # fmt: skip
+    """The :class:`Mask` of a public call: ``window`` checked and aligned as
+    :func:`window_bounds` says (``causal`` sets its right side to 0), ``softcap`` checked.
+
+    Raises:
+        TypeError: ``window`` is not a pair of ints, ``softcap`` not a number.
+        ValueError: a window bound below −1, a softcap that is not finite and positive.
+    """
+    left, right = window_bounds(window, causal)
+    if softcap is not None:
+        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+            raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
+        if not 0 < softcap < math.inf:
+            raise ValueError(f"softcap must be a finite positive number or None, got {softcap}")
+        softcap = float(softcap)
+    return Mask(causal, None if left < 0 else left, None if right < 0 else right, softcap)
 
 
 def torch_visible(

@@ -105,7 +105,7 @@ def test_varlen_equals_dense_for_equal_lengths_and_compiles() -> None:
 
     views = [t.unsqueeze(0).transpose(1, 2) for t in packed]  # (1, H, total, D)
     views[0].requires_grad_()
-    args = (*views, True, 0.25, -1, 0, None, None, cu, cu, 13, 13)
+    args = (*views, True, 0.25, None, 0, None, None, cu, cu, 13, 13)
     opcheck(torch.ops.flashlite.attention_fwd.default, args)
 
 

@@ -228,3 +228,35 @@ def test_mask_gallery_example_runs_and_draws_the_ranges(capsys: pytest.CaptureFi
         assert torch.equal(drawn, seen)
     assert example.main(["--nq", "5", "--nk", "7", "--window", "2", "0"]) == 0
     assert "window=[2, 0]" in capsys.readouterr().out
+
+
+def test_describe_normalises_the_public_mask_once() -> None:
+    """``masks.describe`` turns causal, window and softcap into the :class:`Mask` the ops carry:
+    None for an unlimited side or no cap (no −1 / 0.0 sentinels), causal's right side 0."""
+    from flashlite.masks import Mask, describe
+
+    assert describe(False) == Mask(False)
+    assert describe(True) == Mask(True, None, 0, None)
+    assert describe(False, (3, -1), 2) == Mask(False, 3, None, 2.0)
+    assert describe(True, (5, 7)).right == 0
+    assert describe(False, (3, -1)).window == (3, -1)
+    assert describe(True).window == (-1, 0) and describe(False).window is None
+    # what a graph compiled with the old sentinels still passes means the same
+    assert Mask.of_op(False, -1, -1, 0.0) == Mask(False)
+    with pytest.raises(TypeError, match="softcap"):
+        describe(False, None, "big")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="softcap"):
+        describe(False, None, -1.0)
+    with pytest.raises(ValueError, match="window"):
+        describe(False, (-2, 0))
+
+
+def test_attention_op_schemas_take_optional_arguments_not_sentinels() -> None:
+    import flashlite  # noqa: F401  (registers the ops)
+
+    for name in ("attention_fwd", "attention_bwd", "attention_kvcache"):
+        schema = str(getattr(torch.ops.flashlite, name).default._schema)
+        for arg in ("window_left", "window_right", "softcap", "num_splits", "max_seqlen_q"):
+            if f" {arg}" in schema:
+                assert f"? {arg}" in schema, (name, arg, schema)
+        assert "=-1" not in schema and "=0" not in schema, schema

@@ -30,7 +30,7 @@ from flashlite.ops.attention.kvcache import (
     _kvcache_plan,
 )
 from flashlite.ops.attention.plan import _decode_splits
-from flashlite.ops.common import check_flags, check_softcap, moved_call_device
+from flashlite.ops.common import check_flags, moved_call_device
 
 
 def attention(
@@ -99,11 +99,10 @@ def attention(
     if window is None and softcap is None and seqlens_k is None and splits == 0:
         o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale)
     else:
-        left, right = masks.window_bounds(window, causal)
-        cap = check_softcap(softcap) or None  # (None: no cap, as the ops take it)
+        mask = masks.describe(causal, window, softcap)  # (normalised here, once)
         lengths = _check_seqlens(seqlens_k, qc, kc)
-        o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale, left, right, cap, lengths, None, None,
-                               0, 0, splits)  # fmt: skip
+        o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale, mask.left, mask.right, mask.softcap,
+                               lengths, None, None, None, None, splits or None)  # fmt: skip
     if layout != "b h n d":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
@@ -178,10 +177,9 @@ def attention_varlen(
         on_device = validate is True and cu_q.device.type == "cuda"  # (a CPU check costs no sync)
         if not (on_device and _check_offsets_on_device(cu_q, cu_k, *sizes)):
             _check_cu_values(cu_q, cu_k, *sizes)
-    left, right = masks.window_bounds(window, causal)
-    cap = check_softcap(softcap) or None  # (None: no cap, as the ops take it)
-    o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale, left, right, cap, None, cu_q, cu_k,
-                           int(max_seqlen_q), int(max_seqlen_k))  # fmt: skip
+    mask = masks.describe(causal, window, softcap)
+    o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale, mask.left, mask.right, mask.softcap,
+                           None, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k))  # fmt: skip
     o = o.transpose(1, 2).squeeze(0)
     return (o, lse.squeeze(0)) if return_lse else o
 
@@ -307,12 +305,11 @@ def attention_kvcache(
             raise ValueError(f"k_new and v_new must be (B, Nnew, Hkv, D) = {want}, got "
                              f"{tuple(k_new.shape)} and {tuple(v_new.shape)}")  # type: ignore[union-attr]  # fmt: skip
         _check_writable(k_cache, v_cache)
-    splits = _check_splits(num_splits) or 0
-    left, right = masks.window_bounds(window, causal)
-    cap = check_softcap(softcap) or None  # (None: no cap, as the ops take it)
+    splits = _check_splits(num_splits)
+    mask = masks.describe(causal, window, softcap)
     sm_scale = _check_scale(scale, d)
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, sm_scale,
-            left, right, cap, splits, VALIDATE_MODES[validate])  # fmt: skip
+            mask.left, mask.right, mask.softcap, splits, VALIDATE_MODES[validate])  # fmt: skip
     if key is not None and moved_call_device(q.device) is None:
         # these arguments passed every check above: next time, skip them (and the op layer:
         # CPU tensors whose kernels run on a GPU take the op's moving path every time)

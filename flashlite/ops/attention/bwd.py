@@ -19,7 +19,7 @@ from flashlite.kernels.attention import bwd as KB
 from flashlite.kernels.attention import hopper_bwd as KHB
 from flashlite.ops.attention import hopper as HP
 from flashlite.ops.attention.checks import _check_bwd_grads
-from flashlite.ops.attention.fwd import Varlen, _op_extras, _op_varlen
+from flashlite.ops.attention.fwd import Varlen, _op_varlen
 from flashlite.ops.attention.plan import (
     HOPPER_ENV,
     _descriptor_ok,
@@ -424,31 +424,32 @@ def _attention_bwd_body(
     dlse: torch.Tensor | None,
     causal: bool,
     scale: float,
-    window_left: int = -1,
-    window_right: int = -1,
+    window_left: int | None = None,
+    window_right: int | None = None,
     softcap: float | None = None,
     seqlens_k: torch.Tensor | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_q: int = 0,
-    max_seqlen_k: int = 0,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_bwd_grads(do, o, lse, dlse)
-    if (window_left == -1 and window_right == -1 and softcap is None and seqlens_k is None
+    if (window_left is None and window_right is None and softcap is None and seqlens_k is None
             and cu_seqlens_q is None):  # fmt: skip
         # a plain backward of a kind planned before: straight to its plan (as the forward)
         plan = _bwd_plans.get(_bwd_key(do, q, k, v, o, lse, dlse, causal, scale))
         if plan is not None:
             return plan(do, q, k, v, o, lse, dlse)
-    window, cap = _op_extras(window_left, window_right, softcap)
+    mask = masks.Mask.of_op(causal, window_left, window_right, softcap)
+    window, cap = mask.window, mask.softcap
     varlen = _op_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return attention_bwd(do, q, k, v, o, lse, dlse, causal, scale, window=window, softcap=cap,
                          seqlens_k=seqlens_k, varlen=varlen)  # fmt: skip
 
 
-def _attention_bwd_fake(do, q, k, v, o, lse, dlse, causal, scale, window_left=-1,  # type: ignore[no-untyped-def]
-      window_right=-1, softcap=None,
-      seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0,
-      max_seqlen_k=0):  # fmt: skip
+def _attention_bwd_fake(do, q, k, v, o, lse, dlse, causal, scale, window_left=None,  # type: ignore[no-untyped-def]
+      window_right=None, softcap=None,
+      seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+      max_seqlen_k=None):  # fmt: skip
     _check_bwd_grads(do, o, lse, dlse)
     return empty_output(q), empty_output(k), empty_output(v)

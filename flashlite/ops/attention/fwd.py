@@ -215,25 +215,29 @@ def _attention_fwd_body(
     v: torch.Tensor,
     causal: bool,
     scale: float,
-    window_left: int = -1,
-    window_right: int = -1,
+    window_left: int | None = None,
+    window_right: int | None = None,
     softcap: float | None = None,
     seqlens_k: torch.Tensor | None = None,
     cu_seqlens_q: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_q: int = 0,
-    max_seqlen_k: int = 0,
-    num_splits: int = 0,
+    max_seqlen_q: int | None = None,
+    max_seqlen_k: int | None = None,
+    num_splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # (the mask's fields as masks.describe made them: None is unlimited / no cap; num_splits
+    # None runs the plain forward kernel, n >= 1 the split-KV decode kernel)
     # a call of a kind planned before goes straight to its plan (plans exist only for tensors
     # where kernels run, so nothing needs moving)
-    if (num_splits == 0 and window_left == -1 and window_right == -1 and softcap is None
+    if (not num_splits and window_left is None and window_right is None and softcap is None
             and seqlens_k is None and cu_seqlens_q is None):  # fmt: skip
         plan = _fwd_plans.get(_fwd_key(q, k, v, causal, scale))
         if plan is not None:
             o, lse, _ = plan(q, k, v)
             return o, lse
-    window, cap = _op_extras(window_left, window_right, softcap)
+    mask = masks.Mask.of_op(causal, window_left, window_right, softcap)
+    window, cap = mask.window, mask.softcap
+    num_splits = num_splits or 0
     if num_splits > 0 and cu_seqlens_q is None:  # the decode kernel (as attention_fwd runs it)
         found = planned_decode(q, k, v, seqlens_k, causal, scale, window, cap, num_splits)
         if found is not None:
@@ -245,10 +249,10 @@ def _attention_fwd_body(
     return o, lse
 
 
-def _attention_fwd_fake(q, k, v, causal, scale, window_left=-1, window_right=-1,  # type: ignore[no-untyped-def]
+def _attention_fwd_fake(q, k, v, causal, scale, window_left=None, window_right=None,  # type: ignore[no-untyped-def]
       softcap=None, seqlens_k=None,
-      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=0, max_seqlen_k=0,
-      num_splits=0):  # fmt: skip
+      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+      num_splits=None):  # fmt: skip
     return empty_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -257,16 +261,10 @@ def _attention_fwd_fake(q, k, v, causal, scale, window_left=-1, window_right=-1,
 Varlen = tuple[torch.Tensor, torch.Tensor, int, int]
 
 
-def _op_varlen(
-    cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, max_q: int, max_k: int
-) -> Varlen | None:
-    return None if cu_q is None or cu_k is None else (cu_q, cu_k, max_q, max_k)
-
-
-def _op_extras(
-    window_left: int, window_right: int, softcap: float | None
-) -> tuple[tuple[int, int] | None, float | None]:
-    """The ops' flat mask arguments (a window of (−1, −1) means none) as the launchers take them."""
-    window = None if window_left == window_right == -1 else (window_left, window_right)
-    # (0.0 is no cap too: a graph compiled when the schema's default was 0.0 may still pass it)
-    return window, softcap if softcap else None
+def _op_varlen(cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, max_q: int | None,
+               max_k: int | None) -> Varlen | None:  # fmt: skip
+    """The ops' packed-sequence arguments as the launchers take them (the maxima come with the
+    offsets: the public call passes both)."""
+    if cu_q is None or cu_k is None:
+        return None
+    return cu_q, cu_k, int(max_q or 0), int(max_k or 0)

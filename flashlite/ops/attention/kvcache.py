@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from flashlite import _launch
+from flashlite import _launch, masks
 from flashlite._caches import Cache
 from flashlite.kernels.attention import kvcache as KKV
 from flashlite.ops._dispatch import Op
@@ -85,7 +85,8 @@ class KVCachePlan:
         self.decode = DecodePlan(
             q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
             o.transpose(1, 2), cache_seqlens.contiguous(), block_table, causal, scale,
-            (window_left, window_right), softcap or None, num_splits or None, None, None,
+            masks.Mask.of_op(causal, window_left, window_right, softcap).window, softcap or None,
+            num_splits or None, None, None,
         )  # fmt: skip
 
     def __call__(
@@ -167,14 +168,15 @@ def _kvcache(
     block_table: torch.Tensor | None,
     causal: bool,
     scale: float,
-    window_left: int,
-    window_right: int,
+    window_left: int | None,
+    window_right: int | None,
     softcap: float | None,
-    num_splits: int,
+    num_splits: int | None,
     validate: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_kvcache` after its argument checks: the value checks, the append, the
-    decode kernel (:class:`KVCachePlan`). ``num_splits`` 0 chooses; ``softcap`` None is none."""
+    decode kernel (:class:`KVCachePlan`). The mask's fields as :func:`flashlite.masks.describe`
+    made them (None: unlimited side, no cap); ``num_splits`` None chooses."""
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale,
             window_left, window_right, softcap, num_splits, validate)  # fmt: skip
     dev = moved_call_device(q.device)
