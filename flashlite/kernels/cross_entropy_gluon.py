@@ -29,10 +29,10 @@ one multiply: rows that end on a chunk boundary skip the column masks (``EVEN``)
 gradient's scale is folded into the row's constants. On the H200 that took the forward from
 0.85–0.89× to 0.90–0.92× the copy ceiling, which is where a variant of this kernel that only
 moves the data (the same copies, loads and stores, no arithmetic, no exchange) runs too
-(``benchmarks/NOTES.md``, sixteenth session): the data path, not the arithmetic or the team's
+(``benchmarks/NOTES.md``, Cross-entropy): the data path, not the arithmetic or the team's
 exchange, is what is left. Rows are dealt to the teams statically, and the teams finish up to
 8% of the kernel's time apart; teams that claim their rows from a counter finish together but
-were not reliably faster (seventeenth session).
+were not reliably faster (same notes).
 
 Plain rows only: class weights and soft caps take the Triton kernel. Same layout rules as the
 softmax kernel: 16-byte copies, so row lengths and strides in multiples of 16 bytes.
@@ -45,7 +45,7 @@ from flashlite.stats import LOG2E
 
 #: Shortest rows (logits) this kernel takes; shorter ones keep the Triton kernel. H200, bf16,
 #: forward alone, × copy: 16k 0.86 against the Triton kernel's 0.77, 32k 0.88 against 0.73;
-#: 128k 0.89; 256k 0.86 (``benchmarks/NOTES.md``, fourteenth session).
+#: 128k 0.89; 256k 0.86 (``benchmarks/NOTES.md``, Cross-entropy).
 MIN_COLS = 16384
 
 if GLUON_IMPORT_ERROR is None:

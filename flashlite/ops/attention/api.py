@@ -95,7 +95,7 @@ def attention(
         check_flags(causal=causal, return_lse=return_lse)
     splits = _decode_splits(qc, kc, _check_splits(num_splits))
     # the plain call passes five arguments: every default-valued one more is dispatcher host
-    # time on every small call (issue 8's per-call cost)
+    # time on every small call (the per-call cost docs/host-path.md measures)
     if window is None and softcap is None and seqlens_k is None and splits == 0:
         o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale)
     else:
