@@ -54,6 +54,7 @@ __all__ = [
     "window_bounds",
     "Mask",
     "describe",
+    "check_softcap",
 ]
 
 
@@ -307,13 +308,24 @@ def describe(causal: bool, window: tuple[int, int] | None = None,
         ValueError: a window bound below −1, a softcap that is not finite and positive.
     """
     left, right = window_bounds(window, causal)
-    if softcap is not None:
-        if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-            raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
-        if not 0 < softcap < math.inf:
-            raise ValueError(f"softcap must be a finite positive number or None, got {softcap}")
-        softcap = float(softcap)
-    return Mask(causal, None if left < 0 else left, None if right < 0 else right, softcap)
+    return Mask(causal, None if left < 0 else left, None if right < 0 else right,
+                check_softcap(softcap))  # fmt: skip
+
+
+def check_softcap(softcap: object) -> float | None:
+    """A soft cap (attention scores, logits) checked: None, or a finite positive float.
+
+    Raises:
+        TypeError: not a number.
+        ValueError: not finite and positive.
+    """
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
+    if not 0 < softcap < math.inf:
+        raise ValueError(f"softcap must be a finite positive number or None, got {softcap}")
+    return float(softcap)
 
 
 def torch_visible(

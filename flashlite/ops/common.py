@@ -6,13 +6,12 @@ business."""
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
-from flashlite import _backend
+from flashlite import _backend, masks
 from flashlite._caches import Cache
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -63,15 +62,9 @@ def on_compute_device(fn: F) -> F:
 
 
 def check_softcap(softcap: object) -> float:
-    """A soft cap (attention scores, logits) as the ops take it: 0.0 for None, else a finite
-    positive float."""
-    if softcap is None:
-        return 0.0
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
-        raise TypeError(f"softcap must be a float or None, got {type(softcap).__name__}")
-    if not 0 < softcap < math.inf:
-        raise ValueError(f"softcap must be a finite positive number or None, got {softcap}")
-    return float(softcap)
+    """A soft cap as cross-entropy's kernels take it: 0.0 for None, else the finite positive
+    float :func:`flashlite.masks.check_softcap` checked."""
+    return masks.check_softcap(softcap) or 0.0
 
 
 def check_flags(**flags: object) -> None:
