@@ -14,7 +14,9 @@ and calls ``SOFTMAX_FWD(*args)``. Three paths run the same body:
 * **an** ``autograd.Function`` **made from the same** ``setup_context`` **and** ``backward``, when
   such a call records autograd: the dispatcher's autograd wrapper and redispatch, skipped;
 * **the** ``torch.ops.flashlite.<name>`` **custom op** otherwise: under ``torch.compile``, FX,
-  export, fake tensors, dispatch modes, functorch transforms and tensor subclasses.
+  export, fake tensors, dispatch modes, functorch transforms and tensor subclasses, and for
+  tensors that must move first (CPU tensors in a process whose kernels run on a GPU: the op's
+  body moves them, and the copies cost more than the dispatcher does).
 
 The backward formula calls its backward op through the same object, so a second derivative goes
 to the backward op's own autograd (registered, or refused with its message). An op that writes
@@ -30,6 +32,7 @@ from typing import Any
 
 import torch
 
+from flashlite import _backend
 from flashlite.ops.common import on_compute_device
 
 _len_dispatch_stack = torch._C._len_torch_dispatch_stack
@@ -39,6 +42,10 @@ _len_dispatch_stack = torch._C._len_torch_dispatch_stack
 _C_APPLY = getattr(torch._C, "_FunctionBase", object).__dict__.get("apply")
 _functorch_active = torch._C._are_functorch_transforms_active
 _is_compiling = torch.compiler.is_compiling
+_grad_enabled = torch.is_grad_enabled
+#: Whether CPU tensors run their kernels where they are (the interpreter, working): else a
+#: call on them moves to the GPU, or raises why it cannot run (:func:`on_compute_device`).
+_RUNS_IN_PLACE = _backend.INTERPRETED and _backend.INTERPRETER_PROBLEM is None
 
 
 def plain_eager(*tensors: torch.Tensor) -> bool:
@@ -68,9 +75,10 @@ class Op:
 
     Args:
         name: the custom op's name, ``flashlite::<name>``.
-        body: the implementation on tensors of any device flashlite runs on (its annotations give
-            the op's schema). It is wrapped to run where kernels run
-            (:func:`~flashlite.ops.common.on_compute_device`) unless ``moves=False``.
+        body: the implementation (its annotations give the op's schema). With ``moves`` (the
+            default) the custom op runs it where kernels run
+            (:func:`~flashlite.ops.common.on_compute_device`), and calls whose tensors must move
+            take the custom op; the fast paths run it as it is, on tensors where kernels run.
         fake: the op's fake (meta) implementation.
         inputs: how many leading arguments are tensors the fast path looks at (never None).
         setup_context, backward: the autograd formula, as ``torch.library.register_autograd``
@@ -94,14 +102,21 @@ class Op:
         moves: bool = True,
     ) -> None:
         self.name, self.inputs = name, inputs
-        self.body = on_compute_device(body) if moves else body
-        op = torch.library.custom_op(f"flashlite::{name}", mutates_args=mutates_args)(self.body)
+        #: the body as the fast paths run it: on tensors where kernels run (calls whose tensors
+        #: must move, CPU tensors in a process that compiles its kernels, take the dispatcher,
+        #: whose body moves them: rare, and a copy costs more than the dispatcher anyway)
+        self.body = body
+        self.moves = moves
+        op = torch.library.custom_op(f"flashlite::{name}", mutates_args=mutates_args)(
+            on_compute_device(body) if moves else body
+        )
         op.register_fake(fake)
         self.function: type[torch.autograd.Function] | None = None
+        self.apply: Callable[..., Any] | None = None
         if backward is not None:
             assert setup_context is not None, "an autograd formula needs its setup_context"
             op.register_autograd(backward, setup_context=setup_context)
-            self.function = _function(name, self.body, setup_context, backward, materialize_grads)
+            self.function = _function(name, body, setup_context, backward, materialize_grads)
             self.apply = eager_apply(self.function)
         self.default = getattr(torch.ops.flashlite, name).default
         # the arguments the body writes: the dispatcher bumps their version counters (autograd's
@@ -110,16 +125,27 @@ class Op:
         self.mutated = tuple(params.index(a) for a in mutates_args)
 
     def __call__(self, *args: Any) -> Any:
-        tensors = args[: self.inputs]
-        if plain_eager(*tensors):
-            if self.function is None or not records_grad(*tensors):
-                out = self.body(*args)
-                for i in self.mutated:
-                    if i < len(args) and isinstance(args[i], torch.Tensor):
-                        torch.autograd.graph.increment_version(args[i])
-                return out
-            return self.apply(*args)
-        return self.default(*args)
+        # (written out, not through plain_eager/records_grad: this runs on every call, and each
+        # Python frame is host time a small kernel's caller pays)
+        if _is_compiling() or _len_dispatch_stack() or _functorch_active():
+            return self.default(*args)
+        if self.moves and not (args[0].is_cuda or _RUNS_IN_PLACE):
+            return self.default(*args)
+        grad = self.apply is not None and _grad_enabled()
+        record = False
+        for t in args[: self.inputs]:
+            if t is not None:
+                if type(t) is not torch.Tensor:
+                    return self.default(*args)
+                if grad and t.requires_grad:
+                    record = True
+        if record:
+            return self.apply(*args)  # type: ignore[misc]
+        out = self.body(*args)
+        for i in self.mutated:
+            if i < len(args) and isinstance(args[i], torch.Tensor):
+                torch.autograd.graph.increment_version(args[i])
+        return out
 
     def __repr__(self) -> str:
         return f"Op(flashlite::{self.name})"
