@@ -122,6 +122,26 @@ def kernels_interpreted() -> bool:
     return INTERPRETED
 
 
+def getenv(name: str) -> str | None:
+    """``os.environ.get(name)`` for switches read on every call (a plan's key holds them):
+    ``Mapping.get`` raises and catches a ``KeyError`` inside for an unset variable, the usual
+    case, which costs more host time than the rest of a small call's key. Reads the encoded
+    mapping ``os.environ`` keeps (CPython's), which ``os.environ``'s writes update too."""
+    if _RAW_ENV is None:
+        return os.environ.get(name)
+    key = _ENV_KEYS.get(name)
+    if key is None:
+        key = _ENV_KEYS[name] = os.environ.encodekey(name)  # type: ignore[attr-defined]
+    raw = _RAW_ENV.get(key)
+    return None if raw is None else os.environ.decodevalue(raw)  # type: ignore[attr-defined]
+
+
+_RAW_ENV: dict | None = getattr(os.environ, "_data", None)
+if not (isinstance(_RAW_ENV, dict) and hasattr(os.environ, "encodekey")):
+    _RAW_ENV = None
+_ENV_KEYS: dict[str, object] = {}
+
+
 #: The device types flashlite runs on: ``cuda`` (compiled Triton) and ``cpu`` (the interpreter,
 #: or the GPU when there is one).
 DEVICE_TYPES = ("cuda", "cpu")
@@ -129,7 +149,7 @@ DEVICE_TYPES = ("cuda", "cpu")
 
 def check_device(t: torch.Tensor, name: str) -> None:
     """Raise a clear error for tensors on devices flashlite cannot run on."""
-    if t.device.type not in DEVICE_TYPES:
+    if not (t.is_cuda or t.is_cpu):  # (DEVICE_TYPES, without making a device object)
         raise ValueError(
             f"{name} is on device {t.device}; flashlite runs on 'cuda' (compiled Triton) "
             "and 'cpu' (Triton interpreter, or the GPU when there is one) tensors"

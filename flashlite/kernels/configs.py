@@ -6,10 +6,11 @@ picks.
 
 from __future__ import annotations
 
-import os
 from typing import NamedTuple
 
 import triton
+
+from flashlite import _backend
 
 
 class Config(NamedTuple):
@@ -201,12 +202,12 @@ def cdiv(a: int, b: int) -> int:
 
 def pinned_text() -> str | None:
     """The raw ``$FLASHLITE_ATTENTION_CONFIG`` (part of the front-end's per-call cache key)."""
-    return os.environ.get(PIN_ENV)
+    return _backend.getenv(PIN_ENV)
 
 
 def pinned_config() -> Config | None:
     """The config pinned through the environment, if any."""
-    text = os.environ.get(PIN_ENV)
+    text = _backend.getenv(PIN_ENV)
     if not text:
         return None
     fields = [int(v) for v in text.split(",")]

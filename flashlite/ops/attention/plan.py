@@ -4,7 +4,6 @@ the decode kernel's key chunks, and the plan caches that keep those decisions pe
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -192,7 +191,7 @@ def _hopper_entry(dtype: torch.dtype, head_dim: int, n_keys: int) -> KH.HopperCo
     no config pinned and the kernel not switched off."""
     if dtype not in (torch.float16, torch.bfloat16) or C.pinned_text():
         return None
-    if os.environ.get(HOPPER_ENV, "1") == "0":
+    if _backend.getenv(HOPPER_ENV) == "0":
         return None
     config = KH.CONFIGS.get(head_dim)
     return config if config is not None and n_keys >= config.min_keys else None
