@@ -34,7 +34,7 @@ def _check(x: object, dim: object, algorithm: object) -> int:
     """Validate the public arguments; return ``dim`` as a non-negative index."""
     if type(x) is torch.Tensor and type(dim) is int and algorithm == "auto":  # the usual call
         ndim = x.dim() or 1
-        if x.dtype in DTYPES and -ndim <= dim < ndim and x.device.type in _backend.DEVICE_TYPES:
+        if x.dtype in DTYPES and -ndim <= dim < ndim and (x.is_cuda or x.is_cpu):
             return dim % ndim
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -337,6 +337,12 @@ def _check_bwd(y: torch.Tensor, dy: torch.Tensor, dim: int) -> None:
 
 
 def _softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) -> torch.Tensor:
+    # the usual call (autograd's dy laid out as y, along the last dim of a dense y), in one
+    # test that also passes every check of _check_bwd
+    if (dy.dtype == y.dtype and dy.stride() == y.stride() and dy.shape == y.shape
+            and dim == y.dim() - 1 and y.is_contiguous() and dy.get_device() == y.get_device()
+            and dy.is_cuda == y.is_cuda and y.numel()):  # fmt: skip
+        return _dense_backward(y, dy, log)
     _check_bwd(y, dy, dim)
     if dy.dtype != y.dtype:
         dy = dy.to(y.dtype)
