@@ -61,7 +61,7 @@ from flashlite.stats import LOG2E, probs_from_lse, probs_from_lse_t
 
 @triton.jit
 def _attention_bwd_preprocess_kernel(
-    O, DO, DLSE, DELTA, Q, QS,
+    O, DO, DLSE, DELTA, Q, QS, ACC,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_gb, stride_gh, stride_gm, stride_gd,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -69,9 +69,12 @@ def _attention_bwd_preprocess_kernel(
     n_heads, seq_q, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_DLSE: tl.constexpr, PRESCALE_Q: tl.constexpr, ROUND_BF16: tl.constexpr,
+    ZERO_ACC: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``: ``delta = rowsum(dO ∘ O) − dlse``, fp32; with
-    ``PRESCALE_Q`` also ``Qs`` (see the module's docstring) into ``QS``."""
+    ``PRESCALE_Q`` also ``Qs`` (see the module's docstring) into ``QS``; with ``ZERO_ACC``
+    zeros into ``ACC``, the fused Hopper backward's dense fp32 ``(B, Hq, Nq, HEAD_DIM)`` dQ
+    accumulator (its atomics add into it: zeroed here, not by a launch of its own)."""
     pid_bh = tl.program_id(1)
     b, h = pid_bh // n_heads, pid_bh % n_heads
     start_m = tl.program_id(0) * BLOCK_M
@@ -88,6 +91,10 @@ def _attention_bwd_preprocess_kernel(
     if HAS_DLSE:
         delta -= tl.load(DLSE + at, mask=rows < seq_q, other=0.0)
     tl.store(DELTA + at, delta, mask=rows < seq_q)
+    if ZERO_ACC:
+        keep = (rows < seq_q)[:, None] & (offs_d < HEAD_DIM)[None, :]
+        acc_at = ACC + at[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(acc_at, tl.zeros([BLOCK_M, BLOCK_D], tl.float32), mask=keep)
     if PRESCALE_Q:
         q_src = head_ptr(Q, b, h, stride_qb, stride_qh)
         q = load_tile(q_src, b, h, start_m, seq_q, stride_qm, stride_qd, offs_r, offs_d,

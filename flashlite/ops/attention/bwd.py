@@ -4,7 +4,6 @@ Gluon kernel or elsewhere the Triton pair (dK/dV, dQ); and its custom op
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 
@@ -102,7 +101,7 @@ def _bwd_key(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             do.shape, do.stride(), lse.shape, lse.stride(), _meta(dlse), q.dtype, k.dtype,
             v.dtype, o.dtype, do.dtype, lse.dtype, q.device,
             True if aligned else tuple(p % 16 for p in ptrs), causal, scale,
-            torch.are_deterministic_algorithms_enabled(), os.environ.get(HOPPER_ENV))  # fmt: skip
+            torch.are_deterministic_algorithms_enabled(), _backend.getenv(HOPPER_ENV))  # fmt: skip
 
 
 #: :class:`BwdPlan` per kind of plain backward (every tensor's shape, strides, dtype, device and
@@ -124,6 +123,10 @@ class BwdPlan:
         self.prep: Callable[..., None] | None = None
         #: ``main(qs, k, v, do, lse, delta, dq, dk, dv)``: the fused kernel or the Triton pair
         self.main: Callable[..., None] | None = None
+        #: the fused kernel's dQ accumulator, fp32 ``(B, Hq, Nq, D)`` (zeroed by the
+        #: preprocess), or None: decided at the first call
+        self.acc_shape: tuple[int, ...] | None = None
+        self.decided = False
 
     def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
@@ -135,19 +138,31 @@ class BwdPlan:
         # an expanded or strided dlse (autograd may hand one over) is made dense, O(N)
         dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
         delta = torch.empty(self.delta_shape, device=q.device, dtype=torch.float32)
+        if not self.decided:  # the first call: which kernels run
+            self.decided = True
+            if hopper_bwd_applies(qs, k, v, do, dk, dv):
+                self.acc_shape = (*self.delta_shape, q.shape[-1])
+        acc = None
+        if self.acc_shape is not None:
+            acc = torch.empty(self.acc_shape, device=q.device, dtype=torch.float32)
         if self.prep is None:
-            self.prep = plan_preprocess(o, do, dlse, delta, q, qs, self.scale)
-        self.prep(o, do, dlse, delta, q, qs)
+            self.prep = plan_preprocess(o, do, dlse, delta, q, qs, self.scale, acc)
+        self.prep(o, do, dlse, delta, q, qs, acc)
         lse = lse.contiguous()  # the kernels index the (B, Hq, Nq) statistics densely
         grads = (qs, k, v, do, lse, delta, dq, dk, dv)
-        if self.main is None:  # the first call: which kernels run
-            if hopper_bwd_applies(qs, k, v, do, dk, dv):  # planned and run once, if it builds
-                ran = _run_hopper_bwd(*grads, self.causal, self.scale)
+        if self.main is None:
+            if acc is not None:  # planned and run once, if it builds
+                ran = _run_hopper_bwd(*grads, acc, self.causal, self.scale)
                 if ran:
                     self.main = ran
                     return dq, dk, dv
+                # the Triton pair needs no accumulator (nor, from the next call, its zeros)
+                self.acc_shape, self.prep, acc = None, None, None
             self.main = _plan_pair(*grads, self.causal, self.scale, self.cfg)
-        self.main(*grads)
+        if acc is None:
+            self.main(*grads)
+        else:
+            self.main(*grads, acc)
         return dq, dk, dv
 
 
@@ -204,7 +219,7 @@ def hopper_bwd_applies(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: t
     in no fixed order, so there the two Triton kernels run instead."""
     if qs.dtype not in (torch.float16, torch.bfloat16) or qs.shape[-1] not in KHB.HEAD_DIMS:
         return False
-    if torch.are_deterministic_algorithms_enabled() or os.environ.get(HOPPER_ENV, "1") == "0":
+    if torch.are_deterministic_algorithms_enabled() or _backend.getenv(HOPPER_ENV) == "0":
         return False
     units = dk.stride(-1) == 1 and dv.stride(-1) == 1
     return _on_hopper(qs, KHB.available()) and _descriptor_ok(qs, k, v, do) and units
@@ -212,16 +227,17 @@ def hopper_bwd_applies(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: t
 
 def _run_hopper_bwd(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
                     lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
-                    dv: torch.Tensor, causal: bool,
+                    dv: torch.Tensor, acc: torch.Tensor, causal: bool,
                     scale: float) -> Callable[..., None] | None:  # fmt: skip
-    """Plan and launch the fused Gluon backward: its ``run`` for later calls of this kind, or
-    None (after one warning) if it fails to build here."""
+    """Plan and launch the fused Gluon backward (``acc``: its zeroed dQ accumulator): its
+    ``run`` for later calls of this kind, or None (after one warning) if it fails to build
+    here."""
     key = (qs.dtype, qs.shape[-1], causal)
     if key in _hopper_bwd_failed:
         return None
     try:
         run = HP.plan_bwd_hopper(qs, k, do, dk, dv, causal, scale)
-        run(qs, k, v, do, lse, delta, dq, dk, dv)
+        run(qs, k, v, do, lse, delta, dq, dk, dv, acc)
     except (triton.CompilationError, TypeError, ValueError, AttributeError) as err:
         _hopper_bwd_failed.add(key)
         warnings.warn(f"flashlite: the fused Hopper attention backward failed to build "
@@ -260,24 +276,29 @@ def _bwd_args(
 
 
 def plan_preprocess(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None,
-                    delta: torch.Tensor, q: torch.Tensor, qs: torch.Tensor,
-                    scale: float) -> Callable[..., None]:  # fmt: skip
-    """``run(o, do, dlse, delta, q, qs)`` for tensors of these kinds (``dlse`` dense fp32 or
-    None): :func:`bwd_preprocess` into ``delta`` (and ``qs``), its launch bound once."""
+                    delta: torch.Tensor, q: torch.Tensor, qs: torch.Tensor, scale: float,
+                    acc: torch.Tensor | None = None) -> Callable[..., None]:  # fmt: skip
+    """``run(o, do, dlse, delta, q, qs, acc=None)`` for tensors of these kinds (``dlse`` dense
+    fp32 or None): :func:`bwd_preprocess` into ``delta`` (and ``qs``), and, where ``acc`` is
+    given (the fused kernel's dense fp32 dQ accumulator), zeros into it; its launch bound
+    once."""
     b, hq, nq, d = o.shape
     bm = 64 if d <= 128 else 32
     grid = (C.cdiv(nq, bm), b * hq, 1)
     tail = (*o.stride(), *do.stride(), *q.stride(), *qs.stride(), hq, nq, scale)
     options = {"HEAD_DIM": d, "BLOCK_D": C.block_d(d), "BLOCK_M": bm,
                "HAS_DLSE": dlse is not None, "PRESCALE_Q": _prescale_q(q),
-               "ROUND_BF16": _backend.round_bf16(q.dtype), "num_warps": 4,
-               "num_stages": 1}  # fmt: skip
-    args = (o, do, dlse if dlse is not None else delta, delta, q, qs, *tail)
+               "ROUND_BF16": _backend.round_bf16(q.dtype), "ZERO_ACC": acc is not None,
+               "num_warps": 4, "num_stages": 1}  # fmt: skip
+    args = (o, do, dlse if dlse is not None else delta, delta, q, qs,
+            acc if acc is not None else delta, *tail)  # fmt: skip
     bound = _launch.launcher(KB._attention_bwd_preprocess_kernel).bind(args, options)
 
     def run(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None, delta: torch.Tensor,
-            q: torch.Tensor, qs: torch.Tensor) -> None:  # fmt: skip
-        bound(grid, o, do, dlse if dlse is not None else delta, delta, q, qs, *tail)
+            q: torch.Tensor, qs: torch.Tensor,
+            acc: torch.Tensor | None = None) -> None:  # fmt: skip
+        bound(grid, o, do, dlse if dlse is not None else delta, delta, q, qs,
+              acc if acc is not None else delta, *tail)  # fmt: skip
 
     return run
 

@@ -77,17 +77,17 @@ def plan_fwd_hopper(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float
 def plan_bwd_hopper(qs: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dk: torch.Tensor,
                     dv: torch.Tensor, causal: bool,
                     scale: float) -> Callable[..., None]:  # fmt: skip
-    """``run(qs, k, v, do, lse, delta, dq, dk, dv)`` for tensors shaped, strided and aligned as
-    these are (``v`` as ``k``, ``dq`` as ``qs``): dQ, dK, dV into ``dq``, ``dk``, ``dv``.
+    """``run(qs, k, v, do, lse, delta, dq, dk, dv, acc)`` for tensors shaped, strided and aligned
+    as these are (``v`` as ``k``, ``dq`` as ``qs``): dQ, dK, dV into ``dq``, ``dk``, ``dv``.
     ``qs``: the preprocess's ``Q·scale·log2 e`` ``(B, Hq, Nq, D)`` (it may be ``dq``'s memory:
     the kernel reads it before dQ is written); ``lse`` and ``delta``: dense fp32 ``(B, Hq, Nq)``.
-    Extra memory: dQ's fp32 accumulator, ``(B, Hq, Nq, D)``. The grid, options, descriptor
+    ``acc``: dQ's dense fp32 accumulator ``(B, Hq, Nq, D)``, zeros (the preprocess wrote them),
+    the extra memory this kernel needs. The grid, options, descriptor
     blocks and bound launch are fixed here. No checks: the caller has validated the inputs and
     that TMA can read them (16-bit, D in the kernel's ``HEAD_DIMS``, 16-byte aligned strides,
     unit last strides)."""
     b, hq, nq, d = qs.shape
     hkv, nk = k.shape[1], k.shape[2]
-    acc_shape = (b, hq, nq, d)
     grid = (triton.cdiv(nk, KHB.BLOCK_N) * b * hkv, 1, 1)
     rest = (*dk.stride()[:3], *dv.stride()[:3], hq, hkv, hq // hkv, nq, nk, scale)
     options = {"STAGES": KHB.STAGES, "GROUP_H": KHB.CAUSAL_GROUP_H if causal else 1,
@@ -97,8 +97,7 @@ def plan_bwd_hopper(qs: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dk: tor
 
     def run(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
             lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
-            dv: torch.Tensor) -> None:  # fmt: skip
-        acc = torch.zeros(acc_shape, device=qs.device, dtype=torch.float32)
+            dv: torch.Tensor, acc: torch.Tensor) -> None:  # fmt: skip
         if not bound:  # the first call binds (descriptors of these tensors as templates)
             templates = (_descriptor(qs, KHB.BLOCK_M, d), _descriptor(do, KHB.BLOCK_M, d),
                          _descriptor(k, KHB.BLOCK_N, d), _descriptor(v, KHB.BLOCK_N, d),
