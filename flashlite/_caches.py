@@ -37,10 +37,11 @@ class Cache(dict):  # type: ignore[type-arg]
         self[key] = value
         return value
 
-    def made(self, key: Hashable, make: Callable[[], V]) -> V:
-        """The entry under ``key``, made by ``make()`` and stored on first use."""
+    def made(self, key: Hashable, make: Callable[..., V], *args: Any) -> V:
+        """The entry under ``key``, made by ``make(*args)`` and stored on first use (the
+        arguments, not a closure: a lambda would be built on every call, hits included)."""
         found = self.get(key, _MISSING)
-        return self.put(key, make()) if found is _MISSING else found
+        return self.put(key, make(*args)) if found is _MISSING else found
 
     def __repr__(self) -> str:
         return f"Cache({self.name!r}, {len(self)}/{self.limit})"

@@ -60,9 +60,8 @@ def attention_decode_fwd(
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     key = _decode_key(q, k, v, seqlens_k, block_table, causal, scale, window, softcap,
                       num_splits, config, use_desc)  # fmt: skip
-    plan = _decode_plans.made(key, lambda: DecodePlan(
-        q, k, v, o, seqlens_k, block_table, causal, scale, window, softcap, num_splits, config,
-        use_desc))  # fmt: skip
+    plan = _decode_plans.made(key, DecodePlan, q, k, v, o, seqlens_k, block_table, causal,
+                              scale, window, softcap, num_splits, config, use_desc)  # fmt: skip
     return o, lse, plan(q, k, v, seqlens_k, block_table, o, lse)
 
 
@@ -151,6 +150,9 @@ class DecodePlan:
         self.grid = (C.cdiv(nq * group, config.block_m), b * hkv, splits)
         # split partials: fp32 (S·B, Hq, Nq, D) and (S·B·Hq, Nq), contiguous
         self.parts = ((splits * b, hq, nq, d), (splits * b * hq, nq)) if splits > 1 else None
+        # (as one buffer: O's partials, then the LSE's from a 16-byte aligned offset)
+        self.parts_split = -(-(splits * b * hq * nq * d) // 4) * 4
+        self.parts_size = self.parts_split + splits * b * hq * nq
         parts_stride = (hq * nq * d, nq * d, d, 1)
         self.head = (*q.stride(), *k.stride(), *v.stride(),
                      *(parts_stride if self.parts else o.stride()), hkv, nq, nk, scale, left,
@@ -182,9 +184,10 @@ class DecodePlan:
             o.zero_()
             lse.fill_(-math.inf)
             return 1
-        if self.parts is not None:
-            o_out = torch.empty(self.parts[0], dtype=torch.float32, device=o.device)
-            lse_out = torch.empty(self.parts[1], dtype=torch.float32, device=o.device)
+        if self.parts is not None:  # one allocation for both partials (the kernels read
+            # only the pointers: the strides are the plan's)
+            o_out = torch.empty(self.parts_size, dtype=torch.float32, device=o.device)
+            lse_out = o_out[self.parts_split :]
         else:
             o_out, lse_out = o, lse
         if self.use_desc:  # (descriptors hold the data pointer: built per call)

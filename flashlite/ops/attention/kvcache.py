@@ -81,7 +81,7 @@ class KVCachePlan:
         self._prepare: Any = None  # bound at the first run (its tensors specialise)
         if block_table is not None:
             block_table = block_table.contiguous()
-        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        o = torch.empty_like(q)  # (as each call makes it: strided like q, which the key pins)
         self.decode = DecodePlan(
             q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
             o.transpose(1, 2), cache_seqlens.contiguous(), block_table, causal, scale,
@@ -109,7 +109,7 @@ class KVCachePlan:
         if self.prepare:
             lengths = self._run_prepare(k_cache, v_cache, cache_seqlens, k_new, v_new,
                                         block_table)  # fmt: skip
-        o = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        o = torch.empty_like(q)  # (empty_like: less host time than a shape, dtype and device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         self.decode(q, k_cache, v_cache, lengths, block_table, o, lse)
         return o, lse
@@ -125,7 +125,7 @@ class KVCachePlan:
             record, host = _kv_record(device)[:2]
         else:
             record = host = cache_seqlens  # (stand-ins: never read)
-        lengths = torch.empty(self.bsz, dtype=torch.int32, device=device)
+        lengths = torch.empty_like(cache_seqlens)  # (dense int32 (B,), as made above)
         k_src = k_new if k_new is not None else k_cache
         v_src = v_new if v_new is not None else v_cache
         new_strides = (k_src.stride() + v_src.stride()) if k_new is not None else (0,) * 8
@@ -155,7 +155,7 @@ _TENSORS = 7
 def _kvcache_plan(args: tuple) -> KVCachePlan:
     """The :class:`KVCachePlan` of :func:`_kvcache`'s (checked) arguments, made on first use."""
     key = (*map(_meta, args[:_TENSORS]), *args[_TENSORS:])
-    return _kvcache_plans.made(key, lambda: KVCachePlan(args))
+    return _kvcache_plans.made(key, KVCachePlan, args)
 
 
 def _kvcache(

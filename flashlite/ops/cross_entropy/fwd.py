@@ -81,8 +81,8 @@ def cross_entropy_fwd_eager(
            grad.stride(), None if weight is None else weight.dtype, reduction,
            None if grad_scale is None else grad_scale.numel(), bad is None,
            _aligned(logits, target, weight, grad_scale, grad, bad), *opts)  # fmt: skip
-    run = _plans.made(key, lambda: _plan_eager(logits, target, weight, grad, grad_scale, bad,
-                                            reduction, opts))  # fmt: skip
+    run = _plans.made(key, _plan_eager, logits, target, weight, grad, grad_scale, bad,
+                      reduction, opts)  # fmt: skip
     return run(logits, target, weight, grad, grad_scale, bad)
 
 
@@ -146,7 +146,7 @@ def cross_entropy_bwd(grad: torch.Tensor, out: torch.Tensor, dloss: torch.Tensor
     skip = out.data_ptr() == grad.data_ptr()
     key = ("bwd", grad.device, grad.dtype, out.dtype, n, v, grad.stride(), out.stride(), stride_l,
            skip, _aligned(grad, out, d))  # fmt: skip
-    _plans.made(key, lambda: _plan_bwd(grad, out, d, stride_l, skip))(grad, out, d)
+    _plans.made(key, _plan_bwd, grad, out, d, stride_l, skip)(grad, out, d)
     return out
 
 
