@@ -19,12 +19,14 @@ host work (argument checks, plans, launches) and launch latency. Cases (bf16 unl
 Four numbers per provider and case, all in µs per call:
 
     do_bench  ``triton.testing.do_bench`` median (warmup=25 ms, rep=200 ms): the time per call
-    loop      wall clock of 2000 back-to-back calls and one synchronize (median of 5 repeats
+    loop      wall clock of 1000 back-to-back calls and one synchronize (median of 7 rounds,
               after 50 warm-up calls): what a host-bound caller pays
     graph     replay of a CUDA graph that captured 20 calls (do_bench median / 20)
     compile   ``torch.compile(mode="reduce-overhead", fullgraph=True)``, do_bench median
 
-do_bench, graph and compile are the median of 5 interleaved rounds (every round in the JSON).
+Every metric is the median of interleaved rounds (every round in the JSON): each round times
+every provider of every case once, so a host whose speed drifts during the run (seen: up to 1.6x
+between runs on the H200's host) moves a case's providers alike and their ratio holds.
 SDPA's backend is pinned once around each of its timings (``sdpa_kernel``), not on every call.
 do_bench flushes L2 before each call, and host work that fits under the flush is not seen: loop
 is the number that shows host cost, and the bar is on it: flashlite's loop time <= 1.5x the
@@ -70,15 +72,15 @@ from flashlite.plotting import Bars, Figure, Panel
 METRICS = ("do_bench", "loop", "graph", "compile")
 TITLES = {
     "do_bench": "do_bench median (time per call)",
-    "loop": "2000-call loop + sync (host-bound)",
+    "loop": "1000-call loop + sync (host-bound)",
     "graph": "CUDA graph of 20 calls, replayed",
     "compile": "torch.compile reduce-overhead",
 }
 MUST, AIM = 1.5, 1.1  # flashlite / baseline on the loop metric
 DECODE_SLACK_US = 25.0  # a decode step with append: at most the cuDNN kernel's time + this
-LOOP_CALLS, LOOP_REPEATS, LOOP_WARMUP = 2000, 5, 50
+LOOP_CALLS, LOOP_ROUNDS, LOOP_WARMUP = 1000, 7, 50
 #: do_bench, graph and compile are timed in this many interleaved rounds (median reported), so
-#: a drifting clock hits every provider alike; loop is a median of LOOP_REPEATS on its own.
+#: a drifting clock hits every provider alike; loop in LOOP_ROUNDS, interleaved the same way.
 ROUNDS = 5
 GRAPH_CALLS, GRAPH_WARMUP = 20, 3
 VERBOSE = False  # -v: tracebacks of skipped metrics
@@ -339,19 +341,22 @@ def check(case: Case, out: Any, what: str) -> float:
 
 
 # =============================================================================== timing
-def time_loop(fn: Callable[[], Any]) -> float:
-    """µs per call of ``LOOP_CALLS`` back-to-back calls and one synchronize (median repeat)."""
+def warm_loop(fn: Callable[[], Any]) -> Callable[[], float]:
+    """A timer of one round of :func:`time_loop`, after ``LOOP_WARMUP`` calls."""
     for _ in range(LOOP_WARMUP):
         fn()
     torch.cuda.synchronize()
-    per_call = []
-    for _ in range(LOOP_REPEATS):
-        t0 = time.perf_counter()
-        for _ in range(LOOP_CALLS):
-            fn()
-        torch.cuda.synchronize()
-        per_call.append((time.perf_counter() - t0) / LOOP_CALLS * 1e6)
-    return statistics.median(per_call)
+    return lambda: time_loop(fn)
+
+
+def time_loop(fn: Callable[[], Any]) -> float:
+    """µs per call of ``LOOP_CALLS`` back-to-back calls and one synchronize (one round)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(LOOP_CALLS):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / LOOP_CALLS * 1e6
 
 
 def capture(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
@@ -384,7 +389,7 @@ def prepare(case: Case, provider: str, metric: str, row: dict[str, Any]) -> Call
     if metric == "do_bench":
         return lambda: 1e3 * bench(lambda: fn(*args), warmup=25, rep=200)
     if metric == "loop":
-        return lambda: time_loop(lambda: fn(*args))
+        return warm_loop(lambda: fn(*args))
     if metric == "graph":
         graph, out = capture(lambda: fn(*args))
         graph.replay()
@@ -462,7 +467,7 @@ def run(metrics: tuple[str, ...], words: list[str] | None = None,
         t0 = time.perf_counter()
         timers: dict[tuple[str, str], Callable[[], float]] = {}
         times: dict[tuple[str, str], list[float]] = {}
-        for rnd in range(1 if metric == "loop" else ROUNDS):
+        for rnd in range(LOOP_ROUNDS if metric == "loop" else ROUNDS):
             for case in all_cases:
                 for provider in case.providers:
                     key, row = (case.name, provider), table.get((case.name, provider))
@@ -629,7 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         metrics={
             "do_bench": "triton.testing.do_bench median, warmup=25 ms, rep=200 ms",
             "loop": f"wall clock of {LOOP_CALLS} calls + one synchronize, median of "
-            f"{LOOP_REPEATS} after {LOOP_WARMUP} warm-up calls",
+            f"{LOOP_ROUNDS} interleaved rounds after {LOOP_WARMUP} warm-up calls",
             "graph": f"do_bench median of one replay of a CUDA graph of {GRAPH_CALLS} calls, "
             f"/ {GRAPH_CALLS}",
             "compile": "torch.compile(mode='reduce-overhead', fullgraph=True), do_bench median",
