@@ -183,7 +183,10 @@ class Launcher:
         hooks = _launch_hooks()
 
         def run(grid: tuple[int, int, int], *a: Any) -> None:
-            if _listening(hooks.launch_enter_hook) or _listening(hooks.launch_exit_hook):
+            enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+            if (enter is not None and getattr(enter, "calls", True)) or (
+                leave is not None and getattr(leave, "calls", True)
+            ):  # (_listening, written out: every launch asks)
                 compiled[grid](*a, *constants)
                 return
             stream = _current_stream(_current_device())
@@ -224,7 +227,10 @@ class Launcher:
         hooks = _launch_hooks()
 
         def run(grid: tuple[int, int, int], *a: Any) -> None:
-            if _listening(hooks.launch_enter_hook) or _listening(hooks.launch_exit_hook):
+            enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+            if (enter is not None and getattr(enter, "calls", True)) or (
+                leave is not None and getattr(leave, "calls", True)
+            ):  # (_listening, written out: every launch asks)
                 compiled[grid](*rebuilt(a), *constants)
                 return
             stream = _current_stream(_current_device())

@@ -91,17 +91,18 @@ def attention_bwd(
 def _bwd_key(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, causal: bool,
              scale: float) -> tuple:  # fmt: skip
-    """What a :class:`BwdPlan` depends on: every tensor's shape, strides and dtype, q's device,
-    each tensor's 16-byte alignment (one flag when all are aligned, the usual case), and the
-    switches that choose the kernels."""
+    """What a :class:`BwdPlan` depends on: the shapes it reads (q's and k's; v, o, do and the
+    LSE are read as k, q and q's rows are), every tensor's strides and dtype (do's are o's, which
+    :func:`_check_bwd_grads` checks), q's device, each tensor's 16-byte alignment (one flag when
+    all are aligned, the usual case), and the switches that choose the kernels."""
     ptrs = (do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
             lse.data_ptr())  # fmt: skip
     aligned = not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5]) & 15
-    return (q.shape, q.stride(), k.shape, k.stride(), v.shape, v.stride(), o.shape, o.stride(),
-            do.shape, do.stride(), lse.shape, lse.stride(), _meta(dlse), q.dtype, k.dtype,
-            v.dtype, o.dtype, do.dtype, lse.dtype, q.device,
-            True if aligned else tuple(p % 16 for p in ptrs), causal, scale,
-            torch.are_deterministic_algorithms_enabled(), _backend.getenv(HOPPER_ENV))  # fmt: skip
+    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), do.stride(),
+            lse.stride(), None if dlse is None else _meta(dlse), q.dtype, k.dtype, v.dtype,
+            o.dtype, lse.dtype, q.device, True if aligned else tuple(p % 16 for p in ptrs),
+            causal, scale, torch.are_deterministic_algorithms_enabled(),
+            _backend.getenv(HOPPER_ENV))  # fmt: skip
 
 
 #: :class:`BwdPlan` per kind of plain backward (every tensor's shape, strides, dtype, device and

@@ -165,9 +165,12 @@ _fwd_plans = Cache("attention.fwd", 1024)
 
 def _fwd_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
              scale: float) -> tuple:  # fmt: skip
-    """What a plain forward's plan depends on (:data:`_fwd_plans`)."""
+    """What a plain forward's plan depends on (:data:`_fwd_plans`): shapes, strides, dtype,
+    device, each tensor's 16-byte alignment (one flag when all are aligned, the usual case)."""
+    ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+    aligned = not (ptrs[0] | ptrs[1] | ptrs[2]) & 15
     return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
-            q.data_ptr() % 16, k.data_ptr() % 16, v.data_ptr() % 16, causal, scale)  # fmt: skip
+            True if aligned else tuple(p % 16 for p in ptrs), causal, scale)  # fmt: skip
 
 
 class _Planned:

@@ -322,10 +322,12 @@ def _decode_splits(q: torch.Tensor, k: torch.Tensor, num_splits: int | None) -> 
     GPU; ``1`` never splits."""
     if num_splits is not None:
         return 0 if num_splits == 1 else num_splits
+    if not q.is_cuda or _backend.INTERPRETED:
+        return 0
     b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     rows = nq * (hq // hkv)
-    if rows > DECODE_MAX_ROWS or q.device.type != "cuda" or _backend.kernels_interpreted():
+    if rows > DECODE_MAX_ROWS:
         return 0
     key = (q.shape, hkv, nk, q.dtype, q.device)
     found = _splits.get(key)
