@@ -20,9 +20,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from flashlite import _backend, reference
-from flashlite.kernels.configs import Config, DecodeConfig
 from flashlite.ops import attention as attention_ops
 from flashlite.ops import softmax as softmax_ops
+from flashlite.ops.attention import Config, DecodeConfig
 from flashlite.traffic import hooks
 from flashlite.traffic.model import (
     bwd_info,

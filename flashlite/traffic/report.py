@@ -343,7 +343,7 @@ def decode_rows(
     CPU with the GPU's tile and split count, or ``splits``; measured with ncu) against the
     materialising reference (counted; measured), and the compulsory bytes (Q, K and V read
     once, O and the LSE written once). Returns the rows and notes on what was not measured."""
-    from flashlite.kernels.configs import block_d, decode_config
+    from flashlite.ops.attention import decode_tiles
     from flashlite.traffic.count import count_decode
     from flashlite.traffic.model import decode_rows_per_head, decode_splits, model_flashlite_decode
 
@@ -358,13 +358,8 @@ def decode_rows(
     for j, shape in enumerate(shapes):
         if show_progress:
             _progress(j, len(shapes), f"decode Nk={shape.nk}")
-        config = decode_config(
-            decode_rows_per_head(shape),
-            False,
-            shape.batch * shape.hkv,
-            block_d(shape.head_dim),
-            shape.itemsize,
-        )
+        config = decode_tiles(decode_rows_per_head(shape), shape.batch * shape.hkv,
+                              shape.head_dim, shape.itemsize)  # fmt: skip
         bm, bn = config.block_m, config.block_n
         n_splits = splits or decode_splits(shape, bm)
         model = model_flashlite_decode(shape, bm, bn, n_splits)

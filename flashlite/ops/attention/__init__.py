@@ -21,6 +21,15 @@ traces through :func:`attention` without a graph break. They are ``custom_op`` r
 descriptors and configs on the host per call, and Inductor could only inline the CUDA case.
 """
 
+# the tile vocabulary of the plans (what flashlite.traffic reads here, never in kernels/)
+from flashlite.kernels.configs import (
+    BwdConfig,
+    Config,
+    DecodeConfig,
+    block_d,
+    keep_config,
+    smem_bytes,
+)
 from flashlite.ops.attention.api import attention, attention_kvcache, attention_varlen
 from flashlite.ops.attention.bwd import (
     attention_bwd,
@@ -41,6 +50,8 @@ from flashlite.ops.attention.plan import (
     SMALL_CONFIG,
     LaunchInfo,
     bwd_config,
+    bwd_tiles,
+    decode_tiles,
     empty_output,
     fixed_config,
     gpu_config,
@@ -54,6 +65,9 @@ __all__ = [
     "GPU_TABLES",
     "HOPPER_ENV",
     "SMALL_CONFIG",
+    "BwdConfig",
+    "Config",
+    "DecodeConfig",
     "DecodePlan",
     "KVCachePlan",
     "LaunchInfo",
@@ -63,16 +77,21 @@ __all__ = [
     "attention_fwd",
     "attention_kvcache",
     "attention_varlen",
+    "block_d",
     "bwd_config",
+    "bwd_tiles",
     "bwd_dkdv",
     "bwd_dq",
     "bwd_preprocess",
     "check_inputs",
     "combine_splits",
+    "decode_tiles",
     "empty_output",
     "fixed_config",
     "gpu_config",
     "hopper_bwd_applies",
     "hopper_config",
+    "keep_config",
+    "smem_bytes",
     "splits_for",
 ]

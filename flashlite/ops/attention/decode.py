@@ -19,6 +19,7 @@ from flashlite.ops.attention.plan import (
     _dot_flags,
     _meta,
     _prescale_q,
+    decode_tiles,
     empty_output,
 )
 from flashlite.ops.common import on_compute_device
@@ -126,8 +127,8 @@ class DecodePlan:
             return
         group = hq // hkv
         if config is None:
-            config = C.decode_config(nq * group, _backend.kernels_interpreted(), b * hkv,
-                                     C.block_d(d), q.element_size())  # fmt: skip
+            config = decode_tiles(nq * group, b * hkv, d, q.element_size(),
+                                  _backend.kernels_interpreted())  # fmt: skip
         if num_splits is None:  # (paged tiles load one after the other: two programs per SM)
             num_splits = _default_splits(q.device, b * hkv, nq * group, nk, config.block_m,
                                          2 if page_size else 1)  # fmt: skip

@@ -294,10 +294,27 @@ def _plan(
 
 def bwd_config(dev: torch.device, dtype: torch.dtype, head_dim: int, causal: bool) -> C.BwdConfig:
     """The backward's tiles and launch options: the interpreter's small tiles on CPU, else
-    :func:`flashlite.kernels.configs.bwd_config` for this GPU."""
+    :func:`bwd_tiles` for this GPU."""
     if _backend.kernels_interpreted():
         return C.CPU_BWD_CONFIG
-    return C.bwd_config(dtype.itemsize, head_dim, causal, _backend.capability(dev.index or 0))
+    return bwd_tiles(dtype.itemsize, head_dim, causal, _backend.capability(dev.index or 0))
+
+
+def bwd_tiles(elem_bytes: int, head_dim: int, causal: bool,
+              capability: tuple[int, int]) -> C.BwdConfig:  # fmt: skip
+    """The backward's config on a GPU of this compute capability, from the problem alone: what
+    the backward plan runs there (:func:`bwd_config`) and what :mod:`flashlite.traffic` counts
+    and models (the H200's, ``(9, 0)``, on any machine)."""
+    return C.bwd_config(elem_bytes, head_dim, causal, capability)
+
+
+def decode_tiles(rows: int, programs: int, head_dim: int, elem_bytes: int,
+                 interpreted: bool = False) -> C.DecodeConfig:  # fmt: skip
+    """The decode kernel's tile for ``rows`` packed query rows per KV head (``Nq·Hq/Hkv``) over
+    ``programs`` = B·Hkv of them: what :class:`~flashlite.ops.attention.DecodePlan` runs (the
+    interpreter's small tile where ``interpreted``) and what :mod:`flashlite.traffic` counts
+    and models."""
+    return C.decode_config(rows, interpreted, programs, C.block_d(head_dim), elem_bytes)
 
 
 def _dot_flags(dtype: torch.dtype) -> dict[str, object]:
@@ -332,8 +349,7 @@ def _decode_splits(q: torch.Tensor, k: torch.Tensor, num_splits: int | None) -> 
     key = (q.shape, hkv, nk, q.dtype, q.device)
     found = _splits.get(key)
     if found is None:
-        block_m = C.decode_config(rows, False, b * hkv, C.block_d(q.shape[3]),
-                                  q.element_size()).block_m  # fmt: skip
+        block_m = decode_tiles(rows, b * hkv, q.shape[3], q.element_size()).block_m
         found = _splits.put(key, _default_splits(q.device, b * hkv, rows, nk, block_m))
     return found
 

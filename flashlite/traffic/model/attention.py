@@ -9,8 +9,7 @@ import torch
 import triton
 
 from flashlite import masks
-from flashlite.kernels import configs
-from flashlite.kernels.configs import BwdConfig, Config, bwd_config
+from flashlite.ops.attention import BwdConfig, Config, block_d, bwd_tiles, smem_bytes
 from flashlite.traffic.model.common import (
     DEFAULT_L2_BYTES,
     GPUS,
@@ -202,8 +201,8 @@ def dram_flashlite_attention(
         num_warps, num_stages = cfg["num_warps"], cfg["num_stages"]
     issued = model_flashlite_attention(shape, block_m, block_n)
     device, l2 = GPUS[gpu], effective_l2(gpu, l2_bytes)
-    smem = configs.smem_bytes(Config(block_m, block_n, num_warps, num_stages),
-                              configs.block_d(shape.head_dim), shape.itemsize)  # fmt: skip
+    smem = smem_bytes(Config(block_m, block_n, num_warps, num_stages), block_d(shape.head_dim),
+                      shape.itemsize)  # fmt: skip
     b = shape.itemsize
     per_sm = max(1, min(device.smem_per_sm // max(smem, 1), 64 // num_warps))
     programs = device.sms * per_sm
@@ -290,7 +289,7 @@ def compulsory_attention_bwd(shape: AttentionShape) -> Traffic:
 
 def counted_bwd_config(shape: AttentionShape) -> BwdConfig:
     """The backward config the model and the count use: the H200's for this shape."""
-    return bwd_config(shape.itemsize, shape.head_dim, shape.causal, (9, 0))
+    return bwd_tiles(shape.itemsize, shape.head_dim, shape.causal, (9, 0))
 
 
 def model_flashlite_attention_bwd(

@@ -8,9 +8,8 @@ from typing import Any
 
 import torch
 
-from flashlite.kernels import configs
-from flashlite.kernels.configs import Config, keep_config
 from flashlite.ops import attention as attention_ops
+from flashlite.ops.attention import Config, block_d, keep_config
 from flashlite.traffic.shapes import (
     AttentionShape,
     make_inputs,
@@ -59,8 +58,7 @@ def parse_config(text: str, head_dim: int, dtype: torch.dtype) -> Config:
     if warps not in warp_counts or stages < 1:
         raise ValueError(f"config={text!r}: warps must be one of {warp_counts}, stages >= 1")
     cfg = Config(bm, bn, warps, stages)
-    block_d = configs.block_d(head_dim)
-    if not keep_config(cfg, block_d, dtype.itemsize, False):
+    if not keep_config(cfg, block_d(head_dim), dtype.itemsize, False):
         raise ValueError(
             f"config={text!r} does not fit head dim {head_dim} ({dtype}): the tiles must fit "
             "shared memory and registers (try smaller BM/BN or more warps, e.g. 64x64x4x2)"
