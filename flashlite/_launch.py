@@ -27,8 +27,6 @@ import torch
 from flashlite._backend import (
     INTERPRETED,
     TRITON_VERSION,
-    cooperative_launch_supported,
-    num_sms,
     private_api_error,
 )
 from flashlite._caches import Cache
@@ -43,36 +41,6 @@ if LAUNCH_MODE not in LAUNCH_MODES:
         f"{LAUNCH_ENV}={LAUNCH_MODE!r} is not one of {', '.join(LAUNCH_MODES)} (direct: bound "
         "launches where this Triton was tested; triton: Triton's own launch path)"
     )
-
-_resident = Cache("launch.resident", 1024)
-
-
-def resident_programs(compiled: Any, index: int) -> int:
-    """How many programs of a compiled kernel fit on CUDA device ``index`` at once (cached per
-    compiled kernel: registers and shared memory do not change)."""
-    key = (index, compiled.hash if hasattr(compiled, "hash") else id(compiled))
-    if key in _resident:
-        return _resident[key]
-    try:  # private: the compiled kernel's resource usage
-        if not hasattr(compiled, "n_regs"):  # loaded lazily
-            compiled._init_handles()
-        n_regs, meta = compiled.n_regs, compiled.metadata
-        num_warps, shared = meta.num_warps, meta.shared
-    except AttributeError as err:
-        raise private_api_error("CompiledKernel.n_regs / metadata", err) from err
-    props = torch.cuda.get_device_properties(index)
-    threads = 32 * num_warps
-    regs_per_warp = -(-max(n_regs, 1) * 32 // 256) * 256  # allocated per warp, by 256
-    per_sm = min(
-        getattr(props, "max_threads_per_multi_processor", 2048) // threads,
-        getattr(props, "regs_per_multiprocessor", 65536) // (regs_per_warp * threads // 32),
-        32,
-    )
-    if shared:  # the driver reserves 1 KB of each block's shared memory for itself (sm_80+)
-        smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
-        per_sm = min(per_sm, smem // (shared + 1024))
-    return _resident.put(key, per_sm * props.multi_processor_count)
-
 
 # ----------------------------------------------------------------------------- launching
 #: Triton versions whose compiled-kernel launch (``JITFunction.warmup`` returning a
@@ -381,78 +349,6 @@ except ImportError:  # pragma: no cover - a CPU-only torch
 
 
 _launchers = Cache("launch.launchers", 256)
-
-
-def teams_fit(n_chunks: int, device: torch.device) -> bool:
-    """Whether :func:`launch_teams` can run teams of ``n_chunks`` programs on ``device``: on a
-    GPU with cooperative launches and no more programs to a team than SMs; in the interpreter
-    only single-program teams."""
-    if device.type != "cuda":
-        return n_chunks == 1
-    return cooperative_launch_supported() and n_chunks <= num_sms(device.index or 0)
-
-
-def launch_teams(kernel: Any, args: list[Any], options: dict[str, Any], n_chunks: int,
-                 n_rows: int, device: torch.device) -> int:  # fmt: skip
-    """Launch a kernel whose programs work in teams of ``n_chunks`` that wait for each other
-    (the team softmax), over ``n_rows`` rows; its last argument is the number of
-    teams, which this picks and returns.
-
-    On a GPU every program must be resident at once, or a wait never ends: the grid is sized
-    from the compiled kernel's registers and shared memory, and launched as a cooperative grid,
-    which the driver refuses (rather than hangs) should that ever fall short. The interpreter
-    runs programs one after another, so there teams must be single programs; three of them take
-    turns over the rows."""
-    if device.type != "cuda":
-        if not teams_fit(n_chunks, device):
-            raise ValueError(f"teams of {n_chunks} programs need a CUDA device")
-        n_teams = min(n_rows, 3)
-        triton_launch(kernel, options)((n_teams,), *args, n_teams)
-        return n_teams
-    options, n_teams = _cooperative_teams(kernel, args, options, n_chunks, n_rows, device)
-    launcher(kernel)[(n_teams * n_chunks,)](*args, n_teams, **options)
-    return n_teams
-
-
-def bind_teams(kernel: Any, args: list[Any], options: dict[str, Any], n_chunks: int,
-               n_rows: int, device: torch.device) -> Callable[..., None]:  # fmt: skip
-    """:func:`launch_teams`, planned once: ``launch(*args)`` for calls whose arguments
-    specialise as ``args`` do (the same tensor dtypes and 16-byte alignment, the same value of
-    every other argument: the caller keeps it under a key that pins all that), without the
-    per-call planning and argument binding."""
-    if device.type != "cuda":
-        return lambda *a: launch_teams(kernel, list(a), options, n_chunks, n_rows, device)
-    options, n_teams = _cooperative_teams(kernel, args, options, n_chunks, n_rows, device)
-    bound = launcher(kernel).bind((*args, n_teams), options)
-    grid = (n_teams * n_chunks, 1, 1)
-    return lambda *a: bound(grid, *a, n_teams)
-
-
-def _cooperative_teams(
-    kernel: Any,
-    args: list[Any],
-    options: dict[str, Any],
-    n_chunks: int,
-    n_rows: int,
-    device: torch.device,
-) -> tuple[dict[str, Any], int]:
-    """The options of a cooperative launch, and how many teams of ``n_chunks`` programs fit on
-    ``device`` at once (at most one per row): from the compiled kernel's resources, which the
-    options and the tensors' dtypes and alignment fix, so found once per such key (a warmup
-    costs as much host time as a launch)."""
-    options = dict(options, launch_cooperative_grid=True)
-    tensors = tuple((a.dtype, a.data_ptr() % 16 == 0) for a in args if isinstance(a, torch.Tensor))
-    key = (id(kernel), device.index, n_chunks, n_rows, tuple(options.items()), tensors)
-    n_teams = _team_counts.get(key)
-    if n_teams is None:
-        compiled = kernel.warmup(*args, n_rows, grid=(1,), **options)
-        capacity = resident_programs(compiled, device.index or 0)
-        n_teams = max(1, min(n_rows, capacity // n_chunks))
-        _team_counts.put(key, n_teams)
-    return options, n_teams
-
-
-_team_counts = Cache("launch.teams", 1024)
 
 
 def launcher(kernel: Any) -> Launcher:

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 import flashlite
-from flashlite import _backend, _launch
+from flashlite import _backend, _launch, _teams
 from flashlite.kernels.common import cast
 
 # A process that imports triton before flashlite. Without CUDA flashlite turns the interpreter
@@ -293,11 +293,11 @@ def test_launch_teams_sizes_a_resident_cooperative_grid(
     # launched cooperatively, the team count passed as the last argument
     # (the team count is found once per kernel, options, rows and tensor types: a second call
     # launches without another warmup)
-    monkeypatch.setattr(_launch, "resident_programs", lambda compiled, index: capacity)
-    _launch._team_counts.clear()
+    monkeypatch.setattr(_teams, "resident_programs", lambda compiled, index: capacity)
+    _teams._team_counts.clear()
     kernel = _FakeKernel()
     for _ in range(2):
-        got = _launch.launch_teams(kernel, ["x", 7], {"BLOCK_N": 64}, 16, n_rows,
+        got = _teams.launch_teams(kernel, ["x", 7], {"BLOCK_N": 64}, 16, n_rows,
                                     torch.device("cuda", 0))  # fmt: skip
         assert got == teams
     assert kernel.warmups == [(("x", 7, n_rows), {"BLOCK_N": 64, "launch_cooperative_grid": True,
@@ -308,10 +308,10 @@ def test_launch_teams_sizes_a_resident_cooperative_grid(
 
 def test_launch_teams_in_the_interpreter_takes_single_program_teams_only() -> None:
     kernel = _FakeKernel()
-    assert _launch.launch_teams(kernel, ["x"], {}, 1, 8, torch.device("cpu")) == 3
+    assert _teams.launch_teams(kernel, ["x"], {}, 1, 8, torch.device("cpu")) == 3
     assert kernel.launches == [((3,), ("x", 3), {})] and kernel.warmups == []
     with pytest.raises(ValueError, match="teams of 4 programs need a CUDA device"):
-        _launch.launch_teams(kernel, ["x"], {}, 4, 8, torch.device("cpu"))
+        _teams.launch_teams(kernel, ["x"], {}, 4, 8, torch.device("cpu"))
 
 
 # --------------------------------------------------------------------------- launch fallback

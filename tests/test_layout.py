@@ -20,6 +20,7 @@ FLOORS = {
     "flashlite.masks": 0,
     "flashlite._backend": 0,
     "flashlite._launch": 0,
+    "flashlite._teams": 0,
     "flashlite._caches": 0,
     "flashlite.reference": 0,
     "flashlite.kernels": 1,

@@ -261,7 +261,7 @@ def _softmax_team_fwd_kernel(
     Each program holds its chunk on chip, publishes the chunk's (m, s) pair, waits until the
     whole team has published (a per-row arrival counter), merges the team's pairs and writes its
     chunk from registers: 1 read + 1 write per element, like the single-read kernel. The host
-    launches it as a cooperative grid (``_launch.launch_teams``), which the driver only starts
+    launches it as a cooperative grid (``_teams.launch_teams``), which the driver only starts
     when every program fits on the GPU at once, so the wait cannot deadlock. The interpreter
     runs programs one after another, so there it runs only with one program per row; on CPU
     ``auto`` takes the two-kernel ``split`` path instead.

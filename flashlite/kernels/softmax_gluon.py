@@ -22,7 +22,7 @@ itself is long. This kernel removes both costs:
   7–18% faster, probably because a release must first wait for the program's earlier stores.)
 
 As for the team kernel, the spin needs every program of a team resident at once: the host
-launches a cooperative grid sized from the compiled kernel (``_launch.launch_teams``).
+launches a cooperative grid sized from the compiled kernel (``_teams.launch_teams``).
 Statistics are :mod:`flashlite.stats`'s pair (``m`` the maximum, ``s = Σ 2^((x − m)·log2 e)``,
 merged as :func:`flashlite.stats.merge_partials`); Gluon cannot call ``@triton.jit`` helpers, so
 the few lines are restated here. Each copy moves 16 bytes, so rows need a length and a stride

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import torch
 
-from flashlite import _backend, _launch
+from flashlite import _backend, _teams
 from flashlite.kernels import softmax_gluon as KG
 
 Launch = Callable[..., None]
@@ -32,7 +32,7 @@ def prefetch_applies(x2: torch.Tensor, y2: torch.Tensor) -> bool:
     return (
         n_cols % vec == 0
         and cfg["n_chunks"] <= KG.MAX_CHUNKS
-        and _launch.teams_fit(cfg["n_chunks"], x2.device)
+        and _teams.teams_fit(cfg["n_chunks"], x2.device)
     )
 
 
@@ -69,7 +69,7 @@ def plan_prefetch(x2: torch.Tensor, y2: torch.Tensor, log: bool,
     opts, n_chunks, size = prefetch_plan(x2, 1, cfg)
     vec = opts["VEC"]  # lengths and strides in 16-byte vectors (prefetch_applies checked)
     rest = (n_rows, n_cols // vec, x2.stride(0) // vec, y2.stride(0) // vec, n_chunks)
-    bound = _launch.bind_teams(KG._softmax_prefetch_team_kernel,
+    bound = _teams.bind_teams(KG._softmax_prefetch_team_kernel,
                                [x2, y2, prefetch_words(size, dev), *rest], {"LOG": log, **opts},
                                n_chunks, n_rows, dev)  # fmt: skip
     return lambda x, y: bound(x, y, prefetch_words(size, dev), *rest)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flashlite import _backend, _launch
+from flashlite import _backend, _launch, _teams
 from flashlite._caches import Cache
 from flashlite.kernels import softmax as K
 from flashlite.kernels import softmax_gluon as KG
@@ -94,7 +94,7 @@ def softmax_kernel_for(
         return "prefetch"
     if K.fits_single_read(n_cols, elem_bytes):
         return "single_read"
-    if device.type == "cuda" and _launch.teams_fit(
+    if device.type == "cuda" and _teams.teams_fit(
         K.team_config(n_cols, elem_bytes)["n_chunks"], device
     ):  # the interpreter runs only single-program teams: CPU takes split
         return "team"
@@ -233,7 +233,7 @@ def _plan_team(x2: torch.Tensor, y2: torch.Tensor, flags: dict[str, bool],
     c0 = torch.zeros(n_rows, device=dev, dtype=torch.int32)
     strides = (*x2.stride(), *y2.stride())
     args = [x2, y2, m0, m0, c0, n_rows, n_cols, *strides, n_chunks]
-    bound = _launch.bind_teams(K._softmax_team_fwd_kernel, args, {**flags, **cfg}, n_chunks,
+    bound = _teams.bind_teams(K._softmax_team_fwd_kernel, args, {**flags, **cfg}, n_chunks,
                                n_rows, dev)  # fmt: skip
 
     def team(x: torch.Tensor, y: torch.Tensor) -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import torch
 
-from flashlite import _backend, _launch
+from flashlite import _backend, _launch, _teams
 from flashlite._caches import Cache
 from flashlite.kernels import cross_entropy as K
 from flashlite.kernels import cross_entropy_gluon as KG
@@ -118,7 +118,7 @@ def _plan_prefetch(logits: torch.Tensor, target: torch.Tensor, grad: torch.Tenso
             ignore_index, label_smoothing, z_loss)  # fmt: skip
     # (stand-ins for the binding, which reads only their dtypes and alignment)
     f32, i64 = torch.empty(1, device=device), torch.empty(1, device=device, dtype=torch.int64)
-    launch = _launch.bind_teams(
+    launch = _teams.bind_teams(
         KG._cross_entropy_prefetch_kernel,
         [logits, target, f32, grad, f32, f32, i64, i64, i64, f32, *rest],
         {"SMOOTH": smooth, "COUNT": count, "CHECK": check, "REDUCE": reduce,
