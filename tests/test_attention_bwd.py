@@ -139,7 +139,7 @@ def test_non_contiguous_grad_output() -> None:
 def test_descriptor_loads(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     # BwdConfig.use_desc: the loops' tiles through TMA descriptors (the interpreter runs them on
     # CPU tensors), ragged lengths and GQA, against the same fp64 rule
-    from flashlite.ops.attention import bwd as ops
+    from flashlite.ops.attention import bwd_launch as ops
 
     made: list[object] = []
 

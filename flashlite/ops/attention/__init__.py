@@ -7,7 +7,8 @@
 ``plan``        what a call runs: tile configs, descriptor or pointer loads, the Gluon kernels'
                 applicability, split-KV chunks, the plan caches
 ``fwd``         the forward launcher, the forward op's body and fake
-``bwd``         the backward launchers, the backward op's body and fake
+``bwd``         the backward: which kernels run (:class:`BwdPlan`), the op's body and fake
+``bwd_launch``  the backward's launchers: the preprocess and the Triton pair (dK/dV, dQ)
 ``autograd``    the two ops stated once (``flashlite::attention_fwd``/``_bwd``, autograd included)
 ``decode``      the decode kernel's plan and launch (GQA packing, split-KV, the exact merge)
 ``kvcache``     the KV-cache step: value checks, append, decode; ``flashlite::attention_kvcache``
@@ -31,13 +32,8 @@ from flashlite.kernels.configs import (
     smem_bytes,
 )
 from flashlite.ops.attention.api import attention, attention_kvcache, attention_varlen
-from flashlite.ops.attention.bwd import (
-    attention_bwd,
-    bwd_dkdv,
-    bwd_dq,
-    bwd_preprocess,
-    hopper_bwd_applies,
-)
+from flashlite.ops.attention.bwd import attention_bwd, hopper_bwd_applies
+from flashlite.ops.attention.bwd_launch import bwd_dkdv, bwd_dq, bwd_preprocess
 from flashlite.ops.attention.checks import check_inputs
 from flashlite.ops.attention.decode import DecodePlan, attention_decode_fwd, combine_splits
 from flashlite.ops.attention.fwd import attention_fwd
