@@ -142,18 +142,20 @@ if not (isinstance(_RAW_ENV, dict) and hasattr(os.environ, "encodekey")):
 _ENV_KEYS: dict[str, object] = {}
 
 
-#: The device types flashlite runs on: ``cuda`` (compiled Triton) and ``cpu`` (the interpreter,
-#: or the GPU when there is one).
-DEVICE_TYPES = ("cuda", "cpu")
-
-
 def check_device(t: torch.Tensor, name: str) -> None:
-    """Raise a clear error for tensors on devices flashlite cannot run on."""
-    if not (t.is_cuda or t.is_cpu):  # (DEVICE_TYPES, without making a device object)
+    """Raise a clear error for tensors on devices flashlite cannot run on: ``cuda`` (compiled
+    Triton) and ``cpu`` (the interpreter, or the GPU when there is one)."""
+    if not (t.is_cuda or t.is_cpu):  # (without making a device object: host time)
         raise ValueError(
             f"{name} is on device {t.device}; flashlite runs on 'cuda' (compiled Triton) "
             "and 'cpu' (Triton interpreter, or the GPU when there is one) tensors"
         )
+
+
+def same_device(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """``a.device == b.device`` for the devices flashlite runs on (CUDA, CPU), compared by kind
+    and index without making device objects (host time on every call's checks)."""
+    return a.is_cuda == b.is_cuda and a.is_cpu == b.is_cpu and a.get_device() == b.get_device()
 
 
 def compute_device(device: torch.device) -> torch.device:

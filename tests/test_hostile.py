@@ -140,6 +140,16 @@ def test_softmax_bwd_op_with_dy_of_another_shape_raises() -> None:
         torch.ops.flashlite.softmax_bwd(y, torch.randn(3, 5), 2, False)
 
 
+def test_softmax_bwd_body_with_dy_on_another_device_raises() -> None:
+    # the body's quick test for the usual dy compares devices by kind and index: a meta dy
+    # (index -1, as a CPU tensor's) must not pass it
+    from flashlite.ops.softmax import _softmax_backward
+
+    y = flashlite.softmax(torch.randn(3, 5), -1)
+    with pytest.raises(ValueError, match="dy must be on y's device"):
+        _softmax_backward(y, torch.empty(3, 5, device="meta"), 1, False)
+
+
 @pytest.mark.parametrize("log", [False, True], ids=["softmax", "log_softmax"])
 @pytest.mark.parametrize("dim", [-1, 0])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

@@ -340,8 +340,8 @@ def _softmax_backward(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) ->
     # the usual call (autograd's dy laid out as y, along the last dim of a dense y), in one
     # test that also passes every check of _check_bwd
     if (dy.dtype == y.dtype and dy.stride() == y.stride() and dy.shape == y.shape
-            and dim == y.dim() - 1 and y.is_contiguous() and dy.get_device() == y.get_device()
-            and dy.is_cuda == y.is_cuda and y.numel()):  # fmt: skip
+            and dim == y.dim() - 1 and y.is_contiguous() and _backend.same_device(dy, y)
+            and y.numel()):  # fmt: skip
         return _dense_backward(y, dy, log)
     _check_bwd(y, dy, dim)
     if dy.dtype != y.dtype:

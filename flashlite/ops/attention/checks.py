@@ -37,11 +37,10 @@ def _check(
 def _usual(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether 4-D ``b h n d`` views pass every check of :func:`_check_all` (one dtype and device
     flashlite runs on, shapes that agree, GQA heads, a head dim from 1 to 256)."""
-    qs, ks, dt, index, cuda, cpu = q.shape, k.shape, q.dtype, q.get_device(), q.is_cuda, q.is_cpu
-    # (devices compared by kind and index, without making device objects: host time)
-    if not (ks == v.shape and dt in DTYPES and k.dtype == dt and v.dtype == dt and (cuda or cpu)
-            and k.is_cuda == cuda and v.is_cuda == cuda and k.is_cpu == cpu and v.is_cpu == cpu
-            and k.get_device() == index and v.get_device() == index):  # fmt: skip
+    qs, ks, dt = q.shape, k.shape, q.dtype
+    if not (ks == v.shape and dt in DTYPES and k.dtype == dt and v.dtype == dt
+            and (q.is_cuda or q.is_cpu) and _backend.same_device(k, q)
+            and _backend.same_device(v, q)):  # fmt: skip
         return False
     (b, hq, _, d), (bk, hkv, _, dk) = qs, ks
     return bk == b and dk == d and 0 < d <= MAX_HEAD_DIM and hkv > 0 and hq % hkv == 0
