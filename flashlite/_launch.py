@@ -151,10 +151,7 @@ class Launcher:
         hooks = _launch_hooks()
 
         def run(grid: tuple[int, int, int], *a: Any) -> None:
-            enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
-            if (enter is not None and getattr(enter, "calls", True)) or (
-                leave is not None and getattr(leave, "calls", True)
-            ):  # (_listening, written out: every launch asks)
+            if _listening(hooks):
                 compiled[grid](*a, *constants)
                 return
             stream = _current_stream(_current_device())
@@ -195,10 +192,7 @@ class Launcher:
         hooks = _launch_hooks()
 
         def run(grid: tuple[int, int, int], *a: Any) -> None:
-            enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
-            if (enter is not None and getattr(enter, "calls", True)) or (
-                leave is not None and getattr(leave, "calls", True)
-            ):  # (_listening, written out: every launch asks)
+            if _listening(hooks):
                 compiled[grid](*rebuilt(a), *constants)
                 return
             stream = _current_stream(_current_device())
@@ -327,10 +321,14 @@ def _launch_hooks() -> Any:
     return knobs.runtime
 
 
-def _listening(hook: Any) -> bool:
-    """Whether a launch hook is set: 3.6's default is an empty ``HookChain`` (a profiler such as
-    Proton adds to it), or a user's function."""
-    return hook is not None and bool(getattr(hook, "calls", True))
+def _listening(hooks: Any) -> bool:
+    """Whether a launch enter or exit hook is set: 3.6's default is an empty ``HookChain`` (a
+    profiler such as Proton adds to it), or a user's function. (One call for both: every bound
+    launch asks.)"""
+    enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
+    return (enter is not None and bool(getattr(enter, "calls", True))) or (
+        leave is not None and bool(getattr(leave, "calls", True))
+    )
 
 
 def _current_device() -> int:

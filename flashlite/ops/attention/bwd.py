@@ -105,7 +105,7 @@ def _bwd_key(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
             lse.data_ptr())  # fmt: skip
     aligned = not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5]) & 15
     return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), do.stride(),
-            lse.stride(), None if dlse is None else _meta(dlse), q.dtype, k.dtype, v.dtype,
+            lse.stride(), _meta(dlse), q.dtype, k.dtype, v.dtype,
             o.dtype, lse.dtype, q.device, True if aligned else tuple(p % 16 for p in ptrs),
             causal, scale, torch.are_deterministic_algorithms_enabled(),
             _backend.getenv(HOPPER_ENV))  # fmt: skip
@@ -133,7 +133,6 @@ class BwdPlan:
         #: the fused kernel's dQ accumulator, fp32 ``(B, Hq, Nq, D)`` (zeroed by the
         #: preprocess), or None: decided at the first call
         self.acc_shape: tuple[int, ...] | None = None
-        self.decided = False
 
     def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
@@ -145,10 +144,8 @@ class BwdPlan:
         # an expanded or strided dlse (autograd may hand one over) is made dense, O(N)
         dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
         delta = torch.empty(self.delta_shape, device=q.device, dtype=torch.float32)
-        if not self.decided:  # the first call: which kernels run
-            self.decided = True
-            if hopper_bwd_applies(qs, k, v, do, dk, dv):
-                self.acc_shape = (*self.delta_shape, q.shape[-1])
+        if self.main is None and hopper_bwd_applies(qs, k, v, do, dk, dv):  # (first call)
+            self.acc_shape = (*self.delta_shape, q.shape[-1])
         acc = None
         if self.acc_shape is not None:
             acc = torch.empty(self.acc_shape, device=q.device, dtype=torch.float32)

@@ -149,14 +149,13 @@ class DecodePlan:
             "num_warps": config.num_warps, "num_stages": config.num_stages,
         }  # fmt: skip
         self.grid = (C.cdiv(nq * group, config.block_m), b * hkv, splits)
-        # split partials: fp32 (S·B, Hq, Nq, D) and (S·B·Hq, Nq), contiguous
-        self.parts = ((splits * b, hq, nq, d), (splits * b * hq, nq)) if splits > 1 else None
-        # (as one buffer: O's partials, then the LSE's from a 16-byte aligned offset)
+        # split partials, fp32 and contiguous, in one buffer: O's (S·B, Hq, Nq, D), then the
+        # LSE's (S·B·Hq, Nq) from a 16-byte aligned offset; None: no split, no partials
         self.parts_split = -(-(splits * b * hq * nq * d) // 4) * 4
-        self.parts_size = self.parts_split + splits * b * hq * nq
+        self.parts_size = self.parts_split + splits * b * hq * nq if splits > 1 else None
         parts_stride = (hq * nq * d, nq * d, d, 1)
         self.head = (*q.stride(), *k.stride(), *v.stride(),
-                     *(parts_stride if self.parts else o.stride()), hkv, nq, nk, scale, left,
+                     *(parts_stride if self.parts_size else o.stride()), hkv, nq, nk, scale, left,
                      right, softcap or 0.0)  # fmt: skip
         self.tail = (block_table.stride(0) if block_table is not None else 0, k.shape[0],
                      split_len)  # fmt: skip
@@ -185,7 +184,7 @@ class DecodePlan:
             o.zero_()
             lse.fill_(-math.inf)
             return 1
-        if self.parts is not None:  # one allocation for both partials (the kernels read
+        if self.parts_size is not None:  # one allocation for both partials (the kernels read
             # only the pointers: the strides are the plan's)
             o_out = torch.empty(self.parts_size, dtype=torch.float32, device=o.device)
             lse_out = o_out[self.parts_split :]
@@ -199,7 +198,7 @@ class DecodePlan:
         if self._decode is None:
             self._decode = _launch.launcher(KD._attention_decode_kernel).bind(args, self.options)
         self._decode(self.grid, *args)
-        if self.parts is not None:
+        if self.parts_size is not None:
             args = (o_out, lse_out, o, lse, *self.combine_head)
             if self._combine is None:
                 kernel = _launch.launcher(KD._split_kv_combine_kernel)
