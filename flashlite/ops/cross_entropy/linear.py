@@ -10,6 +10,7 @@ import torch
 
 from flashlite import stats
 from flashlite.ops._dispatch import Op, differentiable
+from flashlite.ops.cross_entropy.autograd import CE_BWD_INPLACE
 from flashlite.ops.cross_entropy.fwd import cross_entropy_bwd, cross_entropy_fwd
 from flashlite.ops.cross_entropy.plan import _unit_scale
 
@@ -314,7 +315,11 @@ def _forward(ctx, hidden, weight, bias, target, class_weight, grad_scale, ignore
 def _backward(ctx, dloss, _dlse):  # type: ignore[no-untyped-def]
     if ctx.reduction != "none":  # the forward's gradients, scaled where they lie
         dh, dw, db = ctx.saved_tensors
-        dh, dw, db = dh.mul_(dloss), dw.mul_(dloss), db.mul_(dloss)
+        # by the kernel that leaves them as they are when dloss is 1 (a plain loss.backward()):
+        # dW alone is V·D values, a mul_ read and wrote it all
+        CE_BWD_INPLACE(dh, dloss)
+        CE_BWD_INPLACE(dw, dloss)
+        db = db.mul_(dloss)
         return dh, dw, db.to(dw.dtype) if ctx.has_bias else None, *([None] * 10)
     hidden, weight, bias, target, class_weight = ctx.saved_tensors
     dh, dw, db = LINEAR_BWD(hidden, weight, bias, target, class_weight, dloss, *ctx.opts)
