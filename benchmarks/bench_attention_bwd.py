@@ -27,6 +27,7 @@ import torch
 from _common import bench, device_name, device_slug, metadata, write_results
 
 import flashlite
+from flashlite import masks
 from flashlite.kernels.configs import BwdConfig
 from flashlite.ops import attention as attention_ops
 from flashlite.plotting import Bars, Figure, Panel
@@ -111,7 +112,7 @@ def sweep(seqs: list[int], head_dims: list[int]) -> int:
                 q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
                                for _ in range(4))  # fmt: skip
                 scale = d**-0.5
-                o, lse, _ = attention_ops.attention_fwd(q, k, v, causal, scale)
+                o, lse, _ = attention_ops.attention_fwd(q, k, v, masks.describe(causal), scale)
                 leaves = [t.clone().requires_grad_() for t in (q, k, v)]
                 sdpa(*leaves, causal=causal, backend="flash").backward(do)
                 ref = [t.grad for t in leaves]
@@ -159,16 +160,17 @@ def _sweep_one(kind, cfg, qs, k, v, do, lse, delta, causal, scale, ref) -> dict[
     """Check one config's gradients against SDPA-flash's, then time its kernel alone."""
     tiles = cfg[:4] if kind == "dkdv" else cfg[4:8]
     out: dict[str, Any] = {"kind": kind, "tiles": list(tiles), "use_desc": cfg.use_desc}
+    mask = masks.describe(causal)
     try:
         if kind == "dkdv":
             dk, dv = torch.empty_like(k), torch.empty_like(v)
-            run = lambda: attention_ops.bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, causal,  # noqa: E731
+            run = lambda: attention_ops.bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, mask,  # noqa: E731
                                                  scale, cfg)  # fmt: skip
             run()
             err = max(_rel_err(dk, ref[1]), _rel_err(dv, ref[2]))
         else:
             dq = torch.empty_like(qs)
-            run = lambda: attention_ops.bwd_dq(qs, k, v, do, lse, delta, dq, causal, scale, cfg)  # noqa: E731
+            run = lambda: attention_ops.bwd_dq(qs, k, v, do, lse, delta, dq, mask, scale, cfg)  # noqa: E731
             run()
             err = _rel_err(dq, ref[0])
     except Exception as e:  # a config that does not compile or launch here: recorded

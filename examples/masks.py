@@ -2,9 +2,10 @@
 
 For every option (none, causal, sliding windows) it prints the (Nq, Nk) mask from
 ``flashlite.masks.torch_visible`` and, for each block of query rows, how
-``flashlite.masks.torch_key_range`` splits the key axis: ``#`` a seen pair in a tile the kernel
-runs without mask arithmetic, ``+`` a seen pair in a masked tile, ``.`` an unseen pair in a
-masked tile, and a blank for tiles the kernel skips (never loaded).
+``flashlite.masks.torch_key_range`` splits the key axis for the ``flashlite.masks.Mask`` that
+``flashlite.masks.describe`` makes of ``causal`` and ``window``: ``#`` a seen pair in a tile the
+kernel runs without mask arithmetic, ``+`` a seen pair in a masked tile, ``.`` an unseen pair in
+a masked tile, and a blank for tiles the kernel skips (never loaded).
 
     python examples/masks.py                          # the default gallery
     python examples/masks.py --nq 12 --nk 20 --window 4 0 --block-m 4 --block-n 4
@@ -27,11 +28,10 @@ def draw(
 ) -> str:
     """The picture of one mask: one line per query row (see the module docstring)."""
     seen = masks.torch_visible(nq, nk, causal, window=window)
+    mask = masks.describe(causal, window)
     lines = []
     for start in range(0, nq, block_m):
-        lo, full_lo, full_hi, hi = masks.torch_key_range(
-            start, block_m, block_n, nq, nk, causal, window
-        )
+        lo, full_lo, full_hi, hi = masks.torch_key_range(start, block_m, block_n, nq, nk, mask)
         for i in range(start, min(start + block_m, nq)):
             row = []
             for j in range(nk):

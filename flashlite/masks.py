@@ -10,9 +10,15 @@ Masks, all aligned bottom-right (flash-attn >= 2.1, ``causal_lower_right``), wit
   ``i + diag − left <= j <= i + diag + right``; ``(-1, 0)`` is causal, and ``causal=True`` sets
   ``right = 0``.
 
+A call's mask is described once: :func:`describe` checks the public ``causal``, ``window`` and
+``softcap`` and makes a :class:`Mask` (None for an unlimited side or no cap), which the ops'
+schemas carry field by field and the launchers take whole; :meth:`Mask.kernel` turns it into the
+kernels' arguments for the call's lengths, a :class:`KernelMask` (``IS_CAUSAL``, ``WINDOW``,
+``left``, ``right``, ``SOFTCAP``, ``softcap``; no mask and causal keep code paths of their own).
+
 Three questions, each a ``@triton.jit`` helper and its torch twin (same arithmetic, host ints or
-tensors); :func:`kernel_window` turns the public arguments into the helpers' ``IS_CAUSAL``,
-``WINDOW``, ``left``, ``right`` (no mask and causal keep code paths of their own):
+tensors; the range twins read a :class:`Mask`, ``torch_visible`` the public arguments, as the
+reference takes them):
 
 ===================  ======================  ===============================================
 helper               twin                    answers
@@ -36,7 +42,7 @@ so everything that asks keeps agreeing.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
@@ -50,9 +56,11 @@ __all__ = [
     "torch_key_range",
     "torch_query_range",
     "torch_visible",
-    "kernel_window",
     "window_bounds",
     "Mask",
+    "KernelMask",
+    "NO_MASK",
+    "CAUSAL",
     "describe",
     "check_softcap",
 ]
@@ -162,21 +170,6 @@ def query_range(start_n, seq_q, seq_k, left, right, BLOCK_M: tl.constexpr,
 
 
 # --------------------------------------------------------------------------- torch twins
-def kernel_window(
-    window: tuple[int, int] | None, causal: bool, seq_q: int, seq_k: int
-) -> tuple[bool, bool, int, int]:
-    """The kernels' mask arguments ``(IS_CAUSAL, WINDOW, left, right)`` for a call: no mask and
-    causal (``(-1, 0)``) keep their own code paths; any other window sets ``WINDOW`` with an
-    unlimited side (−1) turned into a bound past both lengths (``seq_q + seq_k``)."""
-    left, right = window_bounds(window, causal)
-    if left < 0 and right < 0:
-        return False, False, 0, 0
-    if left < 0 and right == 0:
-        return True, False, 0, 0
-    far = seq_q + seq_k
-    return False, True, far if left < 0 else left, far if right < 0 else right
-
-
 def _torch_window_range(
     first: int, last: int, lo_off: int, hi_off: int, n: int, block: int
 ) -> tuple[int, int, int, int]:
@@ -190,22 +183,18 @@ def _torch_window_range(
 
 
 def torch_query_range(
-    start_n: int,
-    block_m: int,
-    block_n: int,
-    seq_q: int,
-    seq_k: int,
-    causal: bool,
-    window: tuple[int, int] | None = None,
+    start_n: int, block_m: int, block_n: int, seq_q: int, seq_k: int, mask: Mask
 ) -> tuple[int, int, int, int]:
     """Host twin of :func:`query_range`: ``(lo, full_lo, full_hi, hi)`` for one key block."""
-    is_causal, has_window, left, right = kernel_window(window, causal, seq_q, seq_k)
+    km = mask.kernel(seq_q, seq_k)
     diag = seq_k - seq_q
     last_key = min(start_n + block_n, seq_k) - 1
-    if has_window:
-        return _torch_window_range(start_n, last_key, -diag - right, left - diag, seq_q, block_m)
+    if km.WINDOW:
+        return _torch_window_range(
+            start_n, last_key, -diag - km.right, km.left - diag, seq_q, block_m
+        )
     lo = full_lo = 0
-    if is_causal:
+    if km.IS_CAUSAL:
         lo = (max(start_n - diag, 0) // block_m) * block_m
         full_lo = -(-max(last_key - diag, 0) // block_m) * block_m
     full_lo = min(full_lo, seq_q)
@@ -213,22 +202,16 @@ def torch_query_range(
 
 
 def torch_key_range(
-    start_m: int,
-    block_m: int,
-    block_n: int,
-    seq_q: int,
-    seq_k: int,
-    causal: bool,
-    window: tuple[int, int] | None = None,
+    start_m: int, block_m: int, block_n: int, seq_q: int, seq_k: int, mask: Mask
 ) -> tuple[int, int, int, int]:
     """Host twin of :func:`key_range`: ``(lo, full_lo, full_hi, hi)`` for one query block."""
-    is_causal, has_window, left, right = kernel_window(window, causal, seq_q, seq_k)
+    km = mask.kernel(seq_q, seq_k)
     diag = seq_k - seq_q
-    if has_window:
+    if km.WINDOW:
         return _torch_window_range(
-            start_m, start_m + block_m - 1, diag - left, diag + right, seq_k, block_n
+            start_m, start_m + block_m - 1, diag - km.left, diag + km.right, seq_k, block_n
         )
-    if is_causal:
+    if km.IS_CAUSAL:
         first_row_sees = min(max(start_m + diag + 1, 0), seq_k)
         hi = min(max(start_m + block_m + diag, 0), seq_k)
         return 0, 0, (first_row_sees // block_n) * block_n, hi
@@ -265,10 +248,37 @@ def window_bounds(window: tuple[int, int] | None, causal: bool) -> tuple[int, in
     return left, 0 if causal else right
 
 
-@dataclass(frozen=True)
-class Mask:
+class KernelMask(NamedTuple):
+    """A :class:`Mask` as the kernels take it for one call's lengths (:meth:`Mask.kernel`): the
+    constexprs choose the code path, the values are runtime arguments (a new window size or cap
+    never recompiles).
+
+    Attributes:
+        IS_CAUSAL: the causal path (window ``(∞, 0)``).
+        WINDOW: any other window: query i sees keys ``[i + diag − left, i + diag + right]``.
+        left, right: the window's sides, an unlimited one a bound past both lengths; 0 without
+            ``WINDOW``.
+        SOFTCAP: scores become ``softcap·tanh(s/softcap)``.
+        softcap: the cap, 0.0 without ``SOFTCAP``.
+    """
+
+    IS_CAUSAL: bool
+    WINDOW: bool
+    left: int
+    right: int
+    SOFTCAP: bool
+    softcap: float
+
+    def constexprs(self) -> dict[str, bool]:
+        """The kernels' ``IS_CAUSAL``, ``WINDOW`` and ``SOFTCAP`` keyword arguments."""
+        return {"IS_CAUSAL": self.IS_CAUSAL, "WINDOW": self.WINDOW, "SOFTCAP": self.SOFTCAP}
+
+
+class Mask(NamedTuple):
     """Which scores a query keeps, as the public arguments say it, normalised once
-    (:func:`describe`): the ops' schemas carry these fields as they are.
+    (:func:`describe`): the ops' schemas carry these fields as they are, the launchers take the
+    whole, and :meth:`kernel` turns it into the kernels' arguments. (A tuple: plan keys hash
+    and compare it at C speed.)
 
     Attributes:
         causal: bottom-right causal (then ``right`` is 0).
@@ -282,20 +292,50 @@ class Mask:
     softcap: float | None = None
 
     @property
-    def window(self) -> tuple[int, int] | None:
-        """flash-attn's ``window_size`` (−1 unlimited), as the launchers take it; None when
-        neither side is bounded."""
-        if self.left is None and self.right is None:
-            return None
-        return (-1 if self.left is None else self.left, -1 if self.right is None else self.right)
+    def plain(self) -> bool:
+        """No window beyond causal's and no cap: the kernels' unmasked or causal path
+        (:attr:`is_causal` says which), the one plain calls plan once per kind of tensors."""
+        unbounded = self.causal or self.right is None or self.right == 0
+        return self.left is None and self.softcap is None and unbounded
+
+    @property
+    def is_causal(self) -> bool:
+        """The kernels' causal path: left side unlimited, right side 0 (``causal``, or the
+        window ``(-1, 0)``)."""
+        return self.left is None and (self.causal or self.right == 0)
+
+    def kernel(self, seq_q: int, seq_k: int) -> KernelMask:
+        """The kernels' mask arguments for ``seq_q`` queries against ``seq_k`` keys: no mask and
+        causal keep their own code paths; any other window sets ``WINDOW``, an unlimited side
+        becoming ``seq_q + seq_k`` (past every real row's keys)."""
+        cap = (self.softcap is not None, self.softcap or 0.0)
+        if self.is_causal:
+            return KernelMask(True, False, 0, 0, *cap)
+        if self.left is None and self.right is None:  # (and not causal: is_causal said)
+            return KernelMask(False, False, 0, 0, *cap)
+        far = seq_q + seq_k
+        right = 0 if self.causal else self.right
+        return KernelMask(False, True, far if self.left is None else self.left,
+                          far if right is None else right, *cap)  # fmt: skip
 
     @classmethod
     def of_op(cls, causal: bool, left: int | None, right: int | None,
               softcap: float | None) -> Mask:  # fmt: skip
-        """The mask from an op's arguments (a graph compiled when unlimited sides were −1 and
-        no cap was 0.0 may still pass those)."""
-        return cls(causal, None if left is None or left < 0 else left,
-                   None if right is None or right < 0 else right, softcap or None)  # fmt: skip
+        """The mask from an op's arguments, once per op body (a graph compiled when unlimited
+        sides were −1 and no cap was 0.0 may still pass those; a plain causal call passes no
+        right side)."""
+        if left is not None and left < 0:
+            left = None
+        if causal:
+            right = 0
+        elif right is not None and right < 0:
+            right = None
+        return cls(causal, left, right, softcap or None)
+
+
+#: the masks of plain calls (no window, no cap), shared: :func:`describe` returns them
+NO_MASK = Mask(False)
+CAUSAL = Mask(True, right=0)
 
 
 def describe(causal: bool, window: tuple[int, int] | None = None,
@@ -307,6 +347,8 @@ def describe(causal: bool, window: tuple[int, int] | None = None,
         TypeError: ``window`` is not a pair of ints, ``softcap`` not a number.
         ValueError: a window bound below −1, a softcap that is not finite and positive.
     """
+    if window is None and softcap is None:
+        return CAUSAL if causal else NO_MASK
     left, right = window_bounds(window, causal)
     return Mask(causal, None if left < 0 else left, None if right < 0 else right,
                 check_softcap(softcap))  # fmt: skip

@@ -14,6 +14,7 @@ from conftest import TOL, maybe_compile
 
 import flashlite
 from flashlite.kernels import configs as C
+from flashlite.masks import CAUSAL, describe
 from flashlite.reference import attention as ref_attention
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -174,7 +175,7 @@ class _WithConfig(torch.autograd.Function):
 
         q, k, v, o, lse = ctx.saved_tensors
         scale = q.shape[-1] ** -0.5
-        dq, dk, dv = attention_bwd(do, q, k, v, o, lse, dlse, True, scale, config=ctx.cfg)
+        dq, dk, dv = attention_bwd(do, q, k, v, o, lse, dlse, CAUSAL, scale, config=ctx.cfg)
         return dq, dk, dv, None
 
 
@@ -288,7 +289,8 @@ def _gpu_case(q, k, v, causal, config=None):  # noqa: ANN001, ANN202
         got = grads(lambda a, b, c: flashlite.attention(a, b, c, causal=causal), q, k, v)
     else:
         o, lse = flashlite.attention(q, k, v, causal=causal, return_lse=True)
-        got = attention_bwd(do, q, k, v, o, lse, None, causal, q.shape[-1] ** -0.5, config=config)
+        got = attention_bwd(do, q, k, v, o, lse, None, describe(causal), q.shape[-1] ** -0.5,
+                            config=config)  # fmt: skip
     for g, w, t in zip(got, want, torch_lp, strict=True):
         assert torch.isfinite(g).all()
         err = (g.float() - w).abs().max().item()
@@ -347,17 +349,18 @@ def test_fused_hopper_backward_only_takes_plain_backwards(monkeypatch: pytest.Mo
     monkeypatch.setattr(ops, "hopper_bwd_applies", lambda *a: True)
     monkeypatch.setattr(ops, "_run_hopper_bwd", lambda *a: calls.append(a) or False)
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
-    o, lse, _ = attention_fwd(q, k, v, True, 0.25)
+    o, lse, _ = attention_fwd(q, k, v, CAUSAL, 0.25)
     do = torch.randn_like(o)
     seqlens = torch.tensor([30], dtype=torch.int32)
-    for kwargs in ({"window": (8, 0)}, {"softcap": 5.0}, {"seqlens_k": seqlens},
-                   {"config": C.CPU_BWD_CONFIG}):  # fmt: skip
-        ops.attention_bwd(do, q, k, v, o, lse, None, True, 0.25, **kwargs)
+    for mask, kwargs in ((describe(True, (8, 0)), {}), (describe(True, None, 5.0), {}),
+                         (CAUSAL, {"seqlens_k": seqlens}),
+                         (CAUSAL, {"config": C.CPU_BWD_CONFIG})):  # fmt: skip
+        ops.attention_bwd(do, q, k, v, o, lse, None, mask, 0.25, **kwargs)
     assert calls == []
-    want = ops.attention_bwd(do, q, k, v, o, lse, None, True, 0.25, config=C.CPU_BWD_CONFIG)
-    got = ops.attention_bwd(do, q, k, v, o, lse, None, True, 0.25)
+    want = ops.attention_bwd(do, q, k, v, o, lse, None, CAUSAL, 0.25, config=C.CPU_BWD_CONFIG)
+    got = ops.attention_bwd(do, q, k, v, o, lse, None, CAUSAL, 0.25)
     # causal written as a window is the same plan: decided once, at the first call
-    again = ops.attention_bwd(do, q, k, v, o, lse, None, False, 0.25, window=(-1, 0))
+    again = ops.attention_bwd(do, q, k, v, o, lse, None, describe(False, (-1, 0)), 0.25)
     assert [c[-2] for c in calls] == [True]  # IS_CAUSAL reaches the launch
     for g, a, w in zip(got, again, want, strict=True):
         assert torch.equal(g, w) and torch.equal(a, w)
@@ -401,14 +404,14 @@ def test_fused_hopper_backward_that_fails_to_build_falls_back(
     monkeypatch.setattr(ops.HP, "plan_bwd_hopper", broken)
     monkeypatch.setattr(ops, "_hopper_bwd_failed", set())
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
-    o, lse, _ = attention_fwd(q, k, v, True, 0.25)
+    o, lse, _ = attention_fwd(q, k, v, CAUSAL, 0.25)
     do = torch.randn_like(o)
-    want = ops.attention_bwd(do, q, k, v, o, lse, None, True, 0.25, config=C.CPU_BWD_CONFIG)
+    want = ops.attention_bwd(do, q, k, v, o, lse, None, CAUSAL, 0.25, config=C.CPU_BWD_CONFIG)
     with pytest.warns(RuntimeWarning, match="fused Hopper attention backward failed to build"):
-        got = ops.attention_bwd(do, q, k, v, o, lse, None, True, 0.25)
+        got = ops.attention_bwd(do, q, k, v, o, lse, None, CAUSAL, 0.25)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        again = ops.attention_bwd(do, q, k, v, o, lse, None, True, 0.25)
+        again = ops.attention_bwd(do, q, k, v, o, lse, None, CAUSAL, 0.25)
     assert not [w for w in seen if "fused Hopper" in str(w.message)]  # no second warning
     for g, a, w in zip(got, again, want, strict=True):
         assert torch.equal(g, w) and torch.equal(a, w)
@@ -536,16 +539,16 @@ def test_gpu_deterministic_mode_keeps_the_triton_backward() -> None:
                for _ in range(3))  # fmt: skip
     o, lse = flashlite.attention(q, k, v, causal=True, return_lse=True)
     do = torch.randn_like(o)
-    pinned = attention_bwd(do, q, k, v, o, lse, None, True, 128**-0.5,
+    pinned = attention_bwd(do, q, k, v, o, lse, None, CAUSAL, 128**-0.5,
                            config=bwd_config(q.device, q.dtype, 128, True))  # fmt: skip
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        runs = [attention_bwd(do, q, k, v, o, lse, None, True, 128**-0.5) for _ in range(2)]
+        runs = [attention_bwd(do, q, k, v, o, lse, None, CAUSAL, 128**-0.5) for _ in range(2)]
     finally:
         torch.use_deterministic_algorithms(was)
     for a, b, p in zip(*runs, pinned, strict=True):
         assert torch.equal(a, b) and torch.equal(a, p)
-    fused = attention_bwd(do, q, k, v, o, lse, None, True, 128**-0.5)
+    fused = attention_bwd(do, q, k, v, o, lse, None, CAUSAL, 128**-0.5)
     for f, p in zip(fused, pinned, strict=True):  # the fused one is close, not equal
         assert (f.float() - p.float()).abs().max() <= 2e-2 * p.float().abs().max()

@@ -275,6 +275,7 @@ def test_packed_rows_span_row_blocks(mask: tuple) -> None:
     """G = 3 query heads per KV head and Nq = 7: 21 packed rows, so two 16-row blocks with the
     second starting inside a query position's group; every row is masked by its own position,
     with a per-batch key length, split or not."""
+    from flashlite.masks import describe
     from flashlite.ops.attention import attention_decode_fwd
 
     causal, window, softcap = mask
@@ -283,8 +284,8 @@ def test_packed_rows_span_row_blocks(mask: tuple) -> None:
     k, v = (torch.randn(2, 2, 96, 32, generator=gen) for _ in range(2))
     lens = torch.tensor([96, 23], dtype=torch.int32)
     for splits in (1, 3):
-        o, lse, used = attention_decode_fwd(q, k, v, lens, causal, 32**-0.5, window=window,
-                                            softcap=softcap, num_splits=splits)  # fmt: skip
+        o, lse, used = attention_decode_fwd(q, k, v, lens, describe(causal, window, softcap),
+                                            32**-0.5, num_splits=splits)  # fmt: skip
         assert used == splits
         for b, n in enumerate(lens.tolist()):
             want, want_lse = ref_attention(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n],

@@ -169,6 +169,7 @@ def test_gpu_varlen(dtype: torch.dtype, causal: bool) -> None:
 def test_varlen_descriptors_equal_pointer_loads_and_keep_sequences_apart(causal: bool) -> None:
     """With TMA descriptors a tile may cross into the next sequence: the masks and the zeroed
     value tail keep that sequence's rows out, even infinite values."""
+    from flashlite.masks import describe
     from flashlite.ops.attention import attention_fwd
 
     lq, lk = [5, 21, 1, 18], [9, 21, 30, 2]
@@ -179,7 +180,7 @@ def test_varlen_descriptors_equal_pointer_loads_and_keep_sequences_apart(causal:
     v[:, :, cu_k[1] : cu_k[2]] = float("inf")  # sequence 1's values: inf
     k[:, :, cu_k[3] :] = float("nan")  # sequence 3's keys: NaN
     varlen = (cu_q, cu_k, max(lq), max(lk))
-    runs = [attention_fwd(q, k, v, causal, 32**-0.5, varlen=varlen, use_desc=desc)
+    runs = [attention_fwd(q, k, v, describe(causal), 32**-0.5, varlen=varlen, use_desc=desc)
             for desc in (False, True)]  # fmt: skip
     assert runs[1][2] is not None and runs[1][2].use_desc
     for i in (0, 2):  # the sequences beside the non-finite ones

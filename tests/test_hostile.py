@@ -15,7 +15,7 @@ import torch
 from conftest import TOL
 
 import flashlite
-from flashlite.masks import torch_visible
+from flashlite.masks import CAUSAL, torch_visible
 
 # ----------------------------------------------------------------------------- statistics
 INF = math.inf
@@ -450,7 +450,7 @@ def test_kvcache_pages_that_are_not_a_multiple_of_the_key_tile(page, block_n) ->
     kp, vp, table = _pages(k, v, page)
     lens = torch.tensor([cap - 5, page + 7, 1, cap], dtype=torch.int32)
     out, _, _ = attention_decode_fwd(q.transpose(1, 2), kp.transpose(1, 2), vp.transpose(1, 2),
-                                     lens, True, KV_D**-0.5, block_table=table,
+                                     lens, CAUSAL, KV_D**-0.5, block_table=table,
                                      config=DecodeConfig(16, block_n, 4, 1))  # fmt: skip
     want = _kv_reference(q, k, v, lens)
     torch.testing.assert_close(out.transpose(1, 2).double(), want, atol=1e-5, rtol=1e-5)

@@ -9,7 +9,11 @@ import triton.language as tl
 
 from flashlite import _backend
 from flashlite.masks import (
-    kernel_window,
+    CAUSAL,
+    NO_MASK,
+    KernelMask,
+    Mask,
+    describe,
     key_range,
     query_range,
     torch_key_range,
@@ -63,12 +67,12 @@ def test_helpers_match_their_twins(nq: int, nk: int, mask: tuple) -> None:
     n_blocks = triton.cdiv(nq, bm)
     ranges = torch.empty(n_blocks, 4, dtype=torch.int32, device=dev)
     seen = torch.empty(64, 64, dtype=torch.int8, device=dev)
-    is_causal, has_window, left, right = kernel_window(window, causal, nq, nk)
-    _masks_kernel[(n_blocks,)](ranges, seen, nq, nk, left, right, BLOCK_M=bm, BLOCK_N=bn,
-                               IS_CAUSAL=is_causal, WINDOW=has_window, ROWS=64,
+    km = describe(causal, window).kernel(nq, nk)
+    _masks_kernel[(n_blocks,)](ranges, seen, nq, nk, km.left, km.right, BLOCK_M=bm, BLOCK_N=bn,
+                               IS_CAUSAL=km.IS_CAUSAL, WINDOW=km.WINDOW, ROWS=64,
                                COLS=64)  # fmt: skip
     for block in range(n_blocks):
-        want = torch_key_range(block * bm, bm, bn, nq, nk, causal, window)
+        want = torch_key_range(block * bm, bm, bn, nq, nk, describe(causal, window))
         assert tuple(ranges[block].tolist()) == want
     # (rows past Nq only exist in a ragged last block: an unlimited side is a finite bound
     # there, past every real row's keys)
@@ -80,10 +84,11 @@ def test_helpers_match_their_twins(nq: int, nk: int, mask: tuple) -> None:
 @pytest.mark.parametrize("nq,nk", [(7, 7), (10, 4), (4, 10), (1, 33), (33, 1), (50, 37)])
 def test_key_range_covers_exactly_the_visible_keys(nq: int, nk: int, mask: tuple) -> None:
     causal, window = mask
+    described = describe(causal, window)
     seen = torch_visible(nq, nk, causal, window=window)
     for bm, bn in ((1, 1), (4, 2), (16, 16), (16, 4)):
         for start in range(0, nq, bm):
-            lo, full_lo, full_hi, hi = torch_key_range(start, bm, bn, nq, nk, causal, window)
+            lo, full_lo, full_hi, hi = torch_key_range(start, bm, bn, nq, nk, described)
             block = seen[start : start + bm]
             assert lo % bn == 0 and full_lo % bn == 0 and full_hi % bn == 0
             assert 0 <= lo <= full_lo <= full_hi <= hi <= nk
@@ -125,13 +130,14 @@ def test_query_range_matches_its_twin_and_covers_exactly_the_visible_queries(
     n_blocks = triton.cdiv(nk, bn)
     out = torch.empty(n_blocks, 4, dtype=torch.int32, device=dev)
     seen_t = torch.empty(64, 64, dtype=torch.int8, device=dev)
-    is_causal, has_window, left, right = kernel_window(window, causal, nq, nk)
-    _query_range_kernel[(n_blocks,)](out, seen_t, nq, nk, left, right, BLOCK_M=bm, BLOCK_N=bn,
-                                     IS_CAUSAL=is_causal, WINDOW=has_window, ROWS=64,
-                                     COLS=64)  # fmt: skip
+    km = describe(causal, window).kernel(nq, nk)
+    _query_range_kernel[(n_blocks,)](out, seen_t, nq, nk, km.left, km.right, BLOCK_M=bm,
+                                     BLOCK_N=bn, IS_CAUSAL=km.IS_CAUSAL, WINDOW=km.WINDOW,
+                                     ROWS=64, COLS=64)  # fmt: skip
     seen = torch_visible(nq, nk, causal, window=window)
     for block in range(n_blocks):
-        lo, full_lo, full_hi, hi = torch_query_range(block * bn, bm, bn, nq, nk, causal, window)
+        lo, full_lo, full_hi, hi = torch_query_range(block * bn, bm, bn, nq, nk,
+                                                     describe(causal, window))  # fmt: skip
         assert tuple(out[block].tolist()) == (lo, full_lo, full_hi, hi)
         assert lo % bm == 0 and all(x % bm == 0 or x == nq for x in (full_lo, full_hi))
         assert 0 <= lo <= full_lo <= full_hi <= hi <= nq
@@ -233,22 +239,48 @@ def test_mask_gallery_example_runs_and_draws_the_ranges(capsys: pytest.CaptureFi
 def test_describe_normalises_the_public_mask_once() -> None:
     """``masks.describe`` turns causal, window and softcap into the :class:`Mask` the ops carry:
     None for an unlimited side or no cap (no −1 / 0.0 sentinels), causal's right side 0."""
-    from flashlite.masks import Mask, describe
-
-    assert describe(False) == Mask(False)
-    assert describe(True) == Mask(True, None, 0, None)
+    assert describe(False) == Mask(False) == NO_MASK
+    assert describe(True) == Mask(True, None, 0, None) == CAUSAL
     assert describe(False, (3, -1), 2) == Mask(False, 3, None, 2.0)
     assert describe(True, (5, 7)).right == 0
-    assert describe(False, (3, -1)).window == (3, -1)
-    assert describe(True).window == (-1, 0) and describe(False).window is None
-    # what a graph compiled with the old sentinels still passes means the same
+    assert describe(False, (-1, 0)) == Mask(False, None, 0)
+    # what a graph compiled with the old sentinels still passes means the same, and a plain
+    # causal call (no window arguments in the op) is causal's mask
     assert Mask.of_op(False, -1, -1, 0.0) == Mask(False)
+    assert Mask.of_op(True, None, None, None) == CAUSAL
+    assert Mask.of_op(True, 4, None, 2.0) == Mask(True, 4, 0, 2.0)
     with pytest.raises(TypeError, match="softcap"):
         describe(False, None, "big")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="softcap"):
         describe(False, None, -1.0)
     with pytest.raises(ValueError, match="window"):
         describe(False, (-2, 0))
+
+
+def test_mask_kernel_arguments() -> None:
+    """``Mask.kernel``: no mask and causal keep their own code paths (the window ``(-1, 0)``
+    is causal's), any other window sets ``WINDOW`` with an unlimited side a bound past both
+    lengths; the cap travels as a runtime value beside its flag."""
+    nq, nk = 10, 20
+    far = nq + nk
+    cases = [
+        (NO_MASK, (False, False, 0, 0, False, 0.0)),
+        (CAUSAL, (True, False, 0, 0, False, 0.0)),
+        (describe(False, (-1, 0)), (True, False, 0, 0, False, 0.0)),
+        (describe(True, None, 3), (True, False, 0, 0, True, 3.0)),
+        (describe(False, (-1, -1), 3.0), (False, False, 0, 0, True, 3.0)),
+        (describe(True, (5, 7)), (False, True, 5, 0, False, 0.0)),
+        (describe(False, (3, -1)), (False, True, 3, far, False, 0.0)),
+        (describe(False, (-1, 2)), (False, True, far, 2, False, 0.0)),
+        (describe(False, (0, 0), 1.5), (False, True, 0, 0, True, 1.5)),
+    ]
+    for mask, want in cases:
+        km = mask.kernel(nq, nk)
+        assert isinstance(km, KernelMask) and km == want, mask
+        # the plain paths (planned once per kind of tensors): no window but causal's, no cap
+        assert mask.plain == (not km.WINDOW and not km.SOFTCAP) and mask.is_causal == km.IS_CAUSAL
+    assert CAUSAL.kernel(nq, nk).constexprs() == {"IS_CAUSAL": True, "WINDOW": False,
+                                                  "SOFTCAP": False}  # fmt: skip
 
 
 def test_attention_op_schemas_take_optional_arguments_not_sentinels() -> None:

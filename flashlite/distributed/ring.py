@@ -28,7 +28,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from flashlite import stats
+from flashlite import masks, stats
 from flashlite.ops._dispatch import Op
 from flashlite.ops.attention import attention_bwd, attention_fwd, check_inputs
 from flashlite.ops.common import check_flags
@@ -154,19 +154,21 @@ def _wait(requests: list) -> None:
 
 
 def _blocks(rank: int, src: int, causal: bool, zigzag: bool, n: int) -> tuple | None:
-    """Which block of this step is computed: ``(q rows, kv rows, causal)`` as slices of the
-    local query shard and of the visiting key/value shard, or None when no query sees a key."""
+    """Which block of this step is computed: ``(q rows, kv rows, mask)`` as slices of the
+    local query shard and of the visiting key/value shard and its :class:`~flashlite.masks.Mask`
+    (causal or none), or None when no query sees a key."""
     everything = slice(0, n)
     if not causal:
-        return everything, everything, False
+        return everything, everything, masks.NO_MASK
     if src == rank:
-        return everything, everything, True
+        return everything, everything, masks.CAUSAL
     if not zigzag:  # contiguous shards: earlier ranks' keys are all visible, later ones none
-        return (everything, everything, False) if src < rank else None
+        return (everything, everything, masks.NO_MASK) if src < rank else None
     half = n // 2
     if src < rank:  # both local chunks come after the visitor's first chunk, before its second
-        return everything, slice(0, half), False
-    return slice(half, n), everything, False  # our second chunk comes after both of its chunks
+        return everything, slice(0, half), masks.NO_MASK
+    # our second chunk comes after both of its chunks
+    return slice(half, n), everything, masks.NO_MASK
 
 
 def _ring_forward(
@@ -189,9 +191,9 @@ def _ring_forward(
             pending = _exchange(kv, incoming, nxt, prv, group)
         block = _blocks(rank, src, causal, zigzag, n)
         if block is not None:
-            rows, cols, blk_causal = block
+            rows, cols, blk_mask = block
             o_part, lse_part, _ = attention_fwd(q[:, :, rows], kv[0][:, :, cols],
-                                                kv[1][:, :, cols], blk_causal, scale)  # fmt: skip
+                                                kv[1][:, :, cols], blk_mask, scale)  # fmt: skip
             o[:, :, rows], lse[:, :, rows] = stats.merge_attention(o[:, :, rows], lse[:, :, rows],
                                                                    o_part, lse_part)  # fmt: skip
         if pending is not None:
@@ -223,11 +225,11 @@ def _ring_backward(
         block = _blocks(rank, src, causal, zigzag, n)
         parts = None
         if block is not None:
-            rows, cols, blk_causal = block
+            rows, cols, blk_mask = block
             dq_p, dk_p, dv_p = attention_bwd(
                 do[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
                 o[:, :, rows], lse[:, :, rows], None if dlse is None else dlse[:, :, rows],
-                blk_causal, scale,
+                blk_mask, scale,
             )  # fmt: skip
             # in place, fp32 += bf16 without an fp32 copy of the partial (memory is the limit
             # on the longest sequence a ring trains)

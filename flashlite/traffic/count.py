@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flashlite import _backend, reference
+from flashlite import _backend, masks, reference
 from flashlite.ops import attention as attention_ops
 from flashlite.ops import softmax as softmax_ops
 from flashlite.ops.attention import Config, DecodeConfig
@@ -271,7 +271,7 @@ def count_attention(
     cfg, _ = counted_config(shape, gpu=gpu, config=config)
     with count_kernels() as kern, count_torch_ops() as ops:
         kern.watch(q=q, k=k, v=v)
-        attention_ops.attention_fwd(q, k, v, shape.causal, shape.head_dim**-0.5, config=cfg,
+        attention_ops.attention_fwd(q, k, v, shape.mask, shape.head_dim**-0.5, config=cfg,
                                     use_desc=bool(use_desc))  # fmt: skip
     t = kern.traffic
     if ops.traffic.total:
@@ -307,10 +307,10 @@ def attention_bwd_fn(
     do = torch.randn(o_shape, generator=gen).to(device=device, dtype=q.dtype)
     dlse = torch.randn(o_shape[:3], generator=gen).to(device) if with_lse_grad else None
     if method == "flashlite":
-        o, lse, _ = attention_ops.attention_fwd(q, k, v, shape.causal, scale)
+        o, lse, _ = attention_ops.attention_fwd(q, k, v, shape.mask, scale)
         cfg = counted_bwd_config(shape)
         return lambda: attention_ops.attention_bwd(
-            do, q, k, v, o, lse, dlse, shape.causal, scale, config=cfg
+            do, q, k, v, o, lse, dlse, shape.mask, scale, config=cfg
         )
     leaves = tuple(t.detach().clone().requires_grad_() for t in (q, k, v))
     out, ref_lse = reference.attention(*leaves, shape.causal, scale, return_lse=True)
@@ -377,7 +377,7 @@ def count_decode(
     q, k, v = make_inputs(shape, "cpu")
     lengths = torch.full((shape.batch,), shape.nk, dtype=torch.int32)
     with count_kernels() as kern, count_torch_ops() as ops:
-        attention_ops.attention_decode_fwd(q, k, v, lengths, True, shape.head_dim**-0.5,
+        attention_ops.attention_decode_fwd(q, k, v, lengths, masks.CAUSAL, shape.head_dim**-0.5,
                                            num_splits=splits, config=config)  # fmt: skip
     flash = kern.traffic
     if ops.traffic.total:

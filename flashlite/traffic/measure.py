@@ -183,14 +183,14 @@ def _attention_bwd_child(spec: dict[str, Any], report: dict[str, Any]) -> None:
 
 def _decode_call(method: str, shape: AttentionShape, device: str) -> Callable[[], Any]:
     """One decode call of ``method`` against full caches of ``Nk`` keys."""
-    from flashlite import reference
+    from flashlite import masks, reference
     from flashlite.ops.attention import attention_decode_fwd
 
     q, k, v = make_inputs(shape, device)
     if method == "naive":
         return lambda: reference.attention(q, k, v, causal=True)
     lengths = torch.full((shape.batch,), shape.nk, dtype=torch.int32, device=q.device)
-    return lambda: attention_decode_fwd(q, k, v, lengths, True, shape.head_dim**-0.5)
+    return lambda: attention_decode_fwd(q, k, v, lengths, masks.CAUSAL, shape.head_dim**-0.5)
 
 
 def _decode_child(spec: dict[str, Any], report: dict[str, Any]) -> None:

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from flashlite import masks
+
 #: Methods every traffic function accepts; the sdpa-* ones can only be measured on a GPU.
 ATTENTION_METHODS = ("naive", "flashlite", "sdpa-flash", "sdpa-cudnn")
 #: Softmax kernels of :mod:`flashlite.kernels.softmax` (``auto`` resolves to one of the last two).
@@ -50,6 +52,11 @@ class AttentionShape:
     @property
     def nk(self) -> int:
         return self.seq_q if self.seq_k is None else self.seq_k
+
+    @property
+    def mask(self) -> masks.Mask:
+        """The call's mask (causal or none), as the launchers and the torch twins take it."""
+        return masks.describe(self.causal)
 
     @property
     def itemsize(self) -> int:

@@ -47,11 +47,9 @@ def attention_bwd(
     o: torch.Tensor,
     lse: torch.Tensor,
     dlse: torch.Tensor | None,
-    causal: bool,
+    mask: masks.Mask,
     scale: float,
     *,
-    window: tuple[int, int] | None = None,
-    softcap: float | None = None,
     seqlens_k: torch.Tensor | None = None,
     varlen: Varlen | None = None,
     config: C.BwdConfig | None = None,
@@ -61,7 +59,7 @@ def attention_bwd(
     Args:
         do: ``(B, Hq, Nq, D)`` gradient of the output; q, o alike; k, v ``(B, Hkv, Nk, D)``.
         lse: the forward's fp32 ``(B, Hq, Nq)`` LSE; dlse: its gradient, or None.
-        causal, scale, window, softcap, seqlens_k, varlen: as in the forward.
+        mask, scale, seqlens_k, varlen: as in the forward.
         config: pin the kernels' tiles (the traffic tools count the GPU's on a CPU; benchmarks).
 
     Returns:
@@ -70,13 +68,10 @@ def attention_bwd(
         ``(B, Hq, Nq, D)``. A plain call (no window, soft cap, lengths, packing or pinned
         config) is planned once per kind of tensors (:class:`BwdPlan`).
     """
-    if window is not None:  # (-1, -1) and (-1, 0) are no mask and causal: their own paths
-        is_causal, has_window = masks.kernel_window(window, causal, q.shape[2], k.shape[2])[:2]
-        if not has_window:
-            window, causal = None, is_causal
-    plain = (window is None and softcap is None and seqlens_k is None and varlen is None
-             and config is None)  # fmt: skip
+    # (the window (-1, 0) is causal's plain path, as in the forward)
+    plain = mask.plain and seqlens_k is None and varlen is None and config is None
     if plain:
+        causal = mask.is_causal
         key = _bwd_key(do, q, k, v, o, lse, dlse, causal, scale)
         plan = _bwd_plans.get(key)
         if plan is not None:
@@ -90,8 +85,8 @@ def attention_bwd(
         out = plan(do, q, k, v, o, lse, dlse)
         _bwd_plans.put(key, plan)
         return out
-    return _attention_bwd_masked(do, q, k, v, o, lse, dlse, causal, scale, window, softcap,
-                                 seqlens_k, varlen, config)  # fmt: skip
+    return _attention_bwd_masked(do, q, k, v, o, lse, dlse, mask, scale, seqlens_k, varlen,
+                                 config)  # fmt: skip
 
 
 def _bwd_key(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -190,21 +185,19 @@ def _plan_pair(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Ten
 
 def _attention_bwd_masked(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
-                          causal: bool, scale: float, window: tuple[int, int] | None,
-                          softcap: float | None, seqlens_k: torch.Tensor | None,
+                          mask: masks.Mask, scale: float, seqlens_k: torch.Tensor | None,
                           varlen: Varlen | None, config: C.BwdConfig | None,
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """A backward with a window, soft cap, lengths, packing or a pinned config: the preprocess
     and the Triton pair, launched per call."""
     dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
-    is_causal = masks.kernel_window(window, causal, q.shape[2], k.shape[2])[0]
-    cfg = config or bwd_config(q.device, q.dtype, q.shape[-1], is_causal)
+    cfg = config or bwd_config(q.device, q.dtype, q.shape[-1], mask.is_causal)
     qs = dq if _prescale_q(q) else q
     delta = bwd_preprocess(o, do, lse, dlse, q, qs, scale)
     lse = lse.contiguous()
-    masking = {"window": window, "softcap": softcap, "seqlens_k": seqlens_k, "varlen": varlen}
-    bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, causal, scale, cfg, **masking)
-    bwd_dq(qs, k, v, do, lse, delta, dq, causal, scale, cfg, **masking)
+    bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, mask, scale, cfg, seqlens_k=seqlens_k,
+             varlen=varlen)  # fmt: skip
+    bwd_dq(qs, k, v, do, lse, delta, dq, mask, scale, cfg, seqlens_k=seqlens_k, varlen=varlen)
     return dq, dk, dv
 
 
@@ -278,10 +271,9 @@ def _attention_bwd_body(
         if plan is not None:
             return plan(do, q, k, v, o, lse, dlse)
     mask = masks.Mask.of_op(causal, window_left, window_right, softcap)
-    window, cap = mask.window, mask.softcap
     varlen = _op_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return attention_bwd(do, q, k, v, o, lse, dlse, causal, scale, window=window, softcap=cap,
-                         seqlens_k=seqlens_k, varlen=varlen)  # fmt: skip
+    return attention_bwd(do, q, k, v, o, lse, dlse, mask, scale, seqlens_k=seqlens_k,
+                         varlen=varlen)  # fmt: skip
 
 
 def _attention_bwd_fake(do, q, k, v, o, lse, dlse, causal, scale, window_left=None,  # type: ignore[no-untyped-def]

@@ -20,26 +20,22 @@ from flashlite.ops.attention.plan import _descriptor_ok, _dot_flags, _prescale_q
 def _bwd_args(
     q: torch.Tensor,
     k: torch.Tensor,
-    causal: bool,
-    window: tuple[int, int] | None,
-    softcap: float | None,
+    mask: masks.Mask,
     seqlens_k: torch.Tensor | None,
     varlen: Varlen | None,
     lse: torch.Tensor,
 ) -> tuple[tuple[object, ...], dict[str, object]]:
     """The backward kernels' mask arguments ``(win_left, win_right, softcap, SEQLENS_K, CU_Q,
     CU_K)`` (the last three: tensors, ``lse`` where there is none) and flags."""
-    is_causal, has_window, left, right = masks.kernel_window(window, causal, q.shape[2], k.shape[2])
+    km = mask.kernel(q.shape[2], k.shape[2])
     lengths = seqlens_k if seqlens_k is not None else lse  # (a placeholder pointer)
     cu = varlen[:2] if varlen is not None else (lse, lse)
-    return (left, right, softcap or 0.0, lengths, *cu), {
+    return (km.left, km.right, km.softcap, lengths, *cu), {
         "HAS_SEQLENS": seqlens_k is not None,
         "VARLEN": varlen is not None,
         "HEAD_DIM": q.shape[-1],
         "BLOCK_D": C.block_d(q.shape[-1]),
-        "IS_CAUSAL": is_causal,
-        "WINDOW": has_window,
-        "SOFTCAP": softcap is not None,
+        **km.constexprs(),
         "PRESCALE_Q": _prescale_q(q),
         **_dot_flags(q.dtype),
     }
@@ -94,16 +90,15 @@ def bwd_preprocess(
 
 def _dkdv_launch(
     qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
-    delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
-    cfg: C.BwdConfig, window: tuple[int, int] | None, softcap: float | None,
-    seqlens_k: torch.Tensor | None, varlen: Varlen | None,
+    delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, mask: masks.Mask, scale: float,
+    cfg: C.BwdConfig, seqlens_k: torch.Tensor | None, varlen: Varlen | None,
 ) -> tuple[tuple[int, int, int], tuple, dict]:  # fmt: skip
     """The dK/dV kernel's grid, arguments (descriptors of ``qs``, ``do`` where TMA reads them)
     and options."""
     b, hq, nq, d = qs.shape
     hkv, nk = k.shape[1], k.shape[2]
     srcs, use_desc = _tile_sources(cfg.use_desc and varlen is None, (qs, do), cfg.kv_block_m, d)
-    extra, flags = _bwd_args(qs, k, causal, window, softcap, seqlens_k, varlen, lse)
+    extra, flags = _bwd_args(qs, k, mask, seqlens_k, varlen, lse)
     rows, seqs = (varlen[3], varlen[0].shape[0] - 1) if varlen is not None else (nk, b)
     args = (srcs[0], k, v, srcs[1], lse, delta, dk, dv, *qs.stride(), *k.stride(), *v.stride(),
             *do.stride(), *dk.stride(), *dv.stride(), hq, hkv, hq // hkv, nq, nk, scale,
@@ -114,14 +109,13 @@ def _dkdv_launch(
 
 def bwd_dkdv(
     qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
-    delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, causal: bool, scale: float,
-    cfg: C.BwdConfig, *, window: tuple[int, int] | None = None, softcap: float | None = None,
-    seqlens_k: torch.Tensor | None = None, varlen: Varlen | None = None,
+    delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, mask: masks.Mask, scale: float,
+    cfg: C.BwdConfig, *, seqlens_k: torch.Tensor | None = None, varlen: Varlen | None = None,
 ) -> None:  # fmt: skip
     """The dK/dV kernel into ``dk``, ``dv``; ``qs`` as :func:`bwd_preprocess` left it (``lse``,
     ``delta`` dense ``(B, Hq, Nq)``)."""
-    grid, args, options = _dkdv_launch(qs, k, v, do, lse, delta, dk, dv, causal, scale, cfg,
-                                       window, softcap, seqlens_k, varlen)  # fmt: skip
+    grid, args, options = _dkdv_launch(qs, k, v, do, lse, delta, dk, dv, mask, scale, cfg,
+                                       seqlens_k, varlen)  # fmt: skip
     _launch.launcher(KB._attention_bwd_dkdv_kernel).bind(args, options)(grid, *args)
 
 
@@ -130,8 +124,8 @@ def plan_dkdv(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tens
               causal: bool, scale: float, cfg: C.BwdConfig) -> Callable[..., None]:  # fmt: skip
     """``run(qs, k, v, do, lse, delta, dk, dv)``: :func:`bwd_dkdv` of a plain backward for
     tensors of these kinds, its launch bound once."""
-    grid, args, options = _dkdv_launch(qs, k, v, do, lse, delta, dk, dv, causal, scale, cfg,
-                                       None, None, None, None)  # fmt: skip
+    grid, args, options = _dkdv_launch(qs, k, v, do, lse, delta, dk, dv, masks.describe(causal),
+                                       scale, cfg, None, None)  # fmt: skip
     bound = _launch.launcher(KB._attention_bwd_dkdv_kernel).bind_tensors(args, options)
     tail = args[8:-3]  # strides, sizes, scale, mask values (then three placeholder pointers)
 
@@ -158,16 +152,15 @@ def _tile_sources(
 
 def _dq_launch(
     qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
-    delta: torch.Tensor, dq: torch.Tensor, causal: bool, scale: float, cfg: C.BwdConfig,
-    window: tuple[int, int] | None, softcap: float | None, seqlens_k: torch.Tensor | None,
-    varlen: Varlen | None,
+    delta: torch.Tensor, dq: torch.Tensor, mask: masks.Mask, scale: float, cfg: C.BwdConfig,
+    seqlens_k: torch.Tensor | None, varlen: Varlen | None,
 ) -> tuple[tuple[int, int, int], tuple, dict]:  # fmt: skip
     """The dQ kernel's grid, arguments (descriptors of ``k``, ``v`` where TMA reads them) and
     options."""
     b, hq, nq, d = qs.shape
     hkv, nk = k.shape[1], k.shape[2]
     srcs, use_desc = _tile_sources(cfg.use_desc and varlen is None, (k, v), cfg.q_block_n, d)
-    extra, flags = _bwd_args(qs, k, causal, window, softcap, seqlens_k, varlen, lse)
+    extra, flags = _bwd_args(qs, k, mask, seqlens_k, varlen, lse)
     rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
     args = (qs, *srcs, do, lse, delta, dq, *qs.stride(), *k.stride(), *v.stride(), *do.stride(),
             *dq.stride(), hq, hq // hkv, nq, nk, scale, *extra)  # fmt: skip
@@ -177,14 +170,13 @@ def _dq_launch(
 
 def bwd_dq(
     qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
-    delta: torch.Tensor, dq: torch.Tensor, causal: bool, scale: float, cfg: C.BwdConfig, *,
-    window: tuple[int, int] | None = None, softcap: float | None = None,
+    delta: torch.Tensor, dq: torch.Tensor, mask: masks.Mask, scale: float, cfg: C.BwdConfig, *,
     seqlens_k: torch.Tensor | None = None, varlen: Varlen | None = None,
 ) -> None:  # fmt: skip
     """The dQ kernel into ``dq``; ``qs`` as :func:`bwd_preprocess` left it, possibly ``dq``
     itself (``lse``, ``delta`` dense ``(B, Hq, Nq)``)."""
-    grid, args, options = _dq_launch(qs, k, v, do, lse, delta, dq, causal, scale, cfg, window,
-                                     softcap, seqlens_k, varlen)  # fmt: skip
+    grid, args, options = _dq_launch(qs, k, v, do, lse, delta, dq, mask, scale, cfg, seqlens_k,
+                                     varlen)  # fmt: skip
     _launch.launcher(KB._attention_bwd_dq_kernel).bind(args, options)(grid, *args)
 
 
@@ -193,8 +185,8 @@ def plan_dq(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
             scale: float, cfg: C.BwdConfig) -> Callable[..., None]:  # fmt: skip
     """``run(qs, k, v, do, lse, delta, dq)``: :func:`bwd_dq` of a plain backward for tensors of
     these kinds, its launch bound once."""
-    grid, args, options = _dq_launch(qs, k, v, do, lse, delta, dq, causal, scale, cfg, None,
-                                     None, None, None)  # fmt: skip
+    grid, args, options = _dq_launch(qs, k, v, do, lse, delta, dq, masks.describe(causal),
+                                     scale, cfg, None, None)  # fmt: skip
     bound = _launch.launcher(KB._attention_bwd_dq_kernel).bind_tensors(args, options)
     tail = args[7:-3]  # strides, sizes, scale, mask values (then three placeholder pointers)
 

@@ -31,11 +31,9 @@ def attention_decode_fwd(
     k: torch.Tensor,
     v: torch.Tensor,
     seqlens_k: torch.Tensor | None,
-    causal: bool,
+    mask: masks.Mask,
     scale: float,
     *,
-    window: tuple[int, int] | None = None,
-    softcap: float | None = None,
     block_table: torch.Tensor | None = None,
     num_splits: int | None = None,
     config: C.DecodeConfig | None = None,
@@ -50,6 +48,9 @@ def attention_decode_fwd(
             ``block_table`` ``(B, max_pages)`` int32, a paged one ``(num_pages, Hkv, page_size,
             D)`` (both as ``b h n d`` views of the ``b n h d`` storage).
         seqlens_k: int32 ``(B,)`` keys in use per batch (clamped to ``[0, Ncap]``), or None: all.
+        mask: causal, sliding window and soft cap (:func:`flashlite.masks.describe`), aligned
+            to each batch's length.
+        scale: the softmax scale.
         num_splits: key chunks per row block (None: :func:`splits_for` this GPU; 1 on CPU).
         config: pin the tile (else :func:`flashlite.kernels.configs.decode_config`).
         use_desc: force TMA descriptor (True) or pointer (False) K/V loads (contiguous caches).
@@ -59,10 +60,9 @@ def attention_decode_fwd(
     """
     o = empty_output(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    key = _decode_key(q, k, v, seqlens_k, block_table, causal, scale, window, softcap,
-                      num_splits, config, use_desc)  # fmt: skip
-    plan = _decode_plans.made(key, DecodePlan, q, k, v, o, seqlens_k, block_table, causal,
-                              scale, window, softcap, num_splits, config, use_desc)  # fmt: skip
+    key = _decode_key(q, k, v, seqlens_k, block_table, mask, scale, num_splits, config, use_desc)
+    plan = _decode_plans.made(key, DecodePlan, q, k, v, o, seqlens_k, block_table, mask, scale,
+                              num_splits, config, use_desc)  # fmt: skip
     return o, lse, plan(q, k, v, seqlens_k, block_table, o, lse)
 
 
@@ -74,14 +74,12 @@ def _decode_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens_k: to
 
 
 def planned_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   seqlens_k: torch.Tensor | None, causal: bool, scale: float,
-                   window: tuple[int, int] | None, softcap: float | None,
+                   seqlens_k: torch.Tensor | None, mask: masks.Mask, scale: float,
                    num_splits: int) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """:func:`attention_decode_fwd`'s ``(O, LSE)`` for a call without block table or pinned
     config, when a call of its kind was planned before; else None, nothing launched (plans
     exist only for tensors where kernels run: nothing needs moving)."""
-    key = _decode_key(q, k, v, seqlens_k, None, causal, scale, window, softcap, num_splits, None,
-                      None)  # fmt: skip
+    key = _decode_key(q, k, v, seqlens_k, None, mask, scale, num_splits, None, None)
     plan = _decode_plans.get(key)
     if plan is None:
         return None
@@ -109,10 +107,8 @@ class DecodePlan:
         o: torch.Tensor,
         seqlens_k: torch.Tensor | None,
         block_table: torch.Tensor | None,
-        causal: bool,
+        mask: masks.Mask,
         scale: float,
-        window: tuple[int, int] | None,
-        softcap: float | None,
         num_splits: int | None,
         config: C.DecodeConfig | None,
         use_desc: bool | None,
@@ -139,11 +135,10 @@ class DecodePlan:
             use_desc = config.use_desc
         self.use_desc = use_desc and block_table is None and _descriptor_ok(k, v)
         self.desc_block = [1, 1, bn, C.block_d(d)]
-        is_causal, has_window, left, right = masks.kernel_window(window, causal, nq, nk)
+        km = mask.kernel(nq, nk)
         self.options = {
             "GROUP": group, "HEAD_DIM": d, "BLOCK_D": C.block_d(d), "BLOCK_M": config.block_m,
-            "BLOCK_N": bn, "IS_CAUSAL": is_causal, "WINDOW": has_window,
-            "SOFTCAP": softcap is not None, "HAS_SEQLENS": seqlens_k is not None,
+            "BLOCK_N": bn, **km.constexprs(), "HAS_SEQLENS": seqlens_k is not None,
             "PAGE_SIZE": page_size, "USE_DESC": self.use_desc,
             "PRESCALE_Q": _prescale_q(q), **_dot_flags(q.dtype),
             "num_warps": config.num_warps, "num_stages": config.num_stages,
@@ -155,8 +150,8 @@ class DecodePlan:
         self.parts_size = self.parts_split + splits * b * hq * nq if splits > 1 else None
         parts_stride = (hq * nq * d, nq * d, d, 1)
         self.head = (*q.stride(), *k.stride(), *v.stride(),
-                     *(parts_stride if self.parts_size else o.stride()), hkv, nq, nk, scale, left,
-                     right, softcap or 0.0)  # fmt: skip
+                     *(parts_stride if self.parts_size else o.stride()), hkv, nq, nk, scale,
+                     km.left, km.right, km.softcap)  # fmt: skip
         self.tail = (block_table.stride(0) if block_table is not None else 0, k.shape[0],
                      split_len)  # fmt: skip
         self.combine_head = (b * hq * nq * d, *parts_stride, *o.stride(), hq, nq, splits)

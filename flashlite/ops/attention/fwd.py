@@ -37,11 +37,9 @@ def attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    causal: bool,
+    mask: masks.Mask,
     scale: float,
     *,
-    window: tuple[int, int] | None = None,
-    softcap: float | None = None,
     seqlens_k: torch.Tensor | None = None,
     varlen: Varlen | None = None,
     num_splits: int = 0,
@@ -53,10 +51,8 @@ def attention_fwd(
 
     Args:
         q: ``(B, Hq, Nq, D)``; k, v: ``(B, Hkv, Nk, D)``; any strides, one dtype and device.
-        causal: bottom-right aligned mask (:mod:`flashlite.masks`).
+        mask: causal, sliding window and soft cap (:func:`flashlite.masks.describe`).
         scale: the softmax scale.
-        window: ``(left, right)`` sliding window, −1 unlimited (:mod:`flashlite.masks`).
-        softcap: cap the scaled scores at ``softcap·tanh(s/softcap)`` (None: no cap).
         seqlens_k: int32 ``(B,)``: batch b has only its first ``seqlens_k[b]`` keys.
         varlen: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for packed
             sequences; q, k, v are then ``(1, H, total, D)`` views.
@@ -74,17 +70,16 @@ def attention_fwd(
         kernels run on the GPU: moved there once, results moved back.
     """
     planned = (
-        num_splits <= 0 and window is None and softcap is None and seqlens_k is None
+        num_splits <= 0 and mask.plain and seqlens_k is None
         and varlen is None and config is None and use_desc is None and prescale_q is None
     )  # fmt: skip
     if planned:  # the plain call: planned once per kind of q, k, v (:data:`_fwd_plans`)
-        key = _fwd_key(q, k, v, causal, scale)
+        key = _fwd_key(q, k, v, mask.is_causal, scale)
         plan = _fwd_plans.get(key)
         if plan is not None:
             return plan(q, k, v)
     if num_splits > 0 and varlen is None:  # few rows: packed GQA, split-KV, the exact merge
-        o, lse, _ = attention_decode_fwd(q, k, v, seqlens_k, causal, scale, window=window,
-                                         softcap=softcap, num_splits=num_splits)  # fmt: skip
+        o, lse, _ = attention_decode_fwd(q, k, v, seqlens_k, mask, scale, num_splits=num_splits)
         return o, lse, None
     dev = q.device
     b, hq, nq, d = q.shape
@@ -99,20 +94,19 @@ def attention_fwd(
     small = b * hq * nq * nk * d < DESC_MIN_WORK
     if use_desc is None:
         use_desc = not small and _descriptor_ok(q, k, v, o)
-    is_causal, has_window, left, right = masks.kernel_window(window, causal, nq, nk)
-    plain = not (has_window or softcap is not None or seqlens_k is not None or varlen is not None)
+    km = mask.kernel(nq, nk)
+    plain = not (km.WINDOW or km.SOFTCAP or seqlens_k is not None or varlen is not None)
     if plain and use_desc and config is None and prescale_q is not False:
         hopper = hopper_config(q, nk)
-        run = _run_hopper(q, k, v, o, lse, is_causal, scale, hopper) if hopper else None
+        run = _run_hopper(q, k, v, o, lse, km.IS_CAUSAL, scale, hopper) if hopper else None
         if run is not None:
             info = LaunchInfo(_hopper_launch_config(hopper), d, True)
             if planned:  # (it built and ran: later calls of this kind go straight to it)
                 _fwd_plans.put(key, _Planned(run, q.shape[:3], info))
             return o, lse, info
-    config, launch = _plan(dev, q.dtype, d, is_causal, small and not use_desc, use_desc,
-                           prescale_q, config, has_window, softcap is not None,
-                           seqlens_k is not None, varlen is not None,
-                           _fixed_reference(q.dtype, softcap))  # fmt: skip
+    config, launch = _plan(dev, q.dtype, d, km.IS_CAUSAL, small and not use_desc, use_desc,
+                           prescale_q, config, km.WINDOW, km.SOFTCAP, seqlens_k is not None,
+                           varlen is not None, _fixed_reference(q.dtype, mask.softcap))  # fmt: skip
     block_d = launch["BLOCK_D"]
     if use_desc:  # block shapes are set per config (set_block_shapes), placeholders here
         bm, bn = (config.block_m, config.block_n) if config is not None else (16, 16)
@@ -122,7 +116,7 @@ def attention_fwd(
     else:
         srcs = [q, k, v, o]
     args = (*srcs, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-            hq, hq // hkv, nq, nk, scale, left, right, softcap or 0.0,
+            hq, hq // hkv, nq, nk, scale, km.left, km.right, km.softcap,
             seqlens_k if seqlens_k is not None else lse,
             *(varlen[:2] if varlen is not None else (lse, lse)))  # fmt: skip
     # packed sequences: one program row per sequence, as many query blocks as the longest has
@@ -239,15 +233,13 @@ def _attention_fwd_body(
             o, lse, _ = plan(q, k, v)
             return o, lse
     mask = masks.Mask.of_op(causal, window_left, window_right, softcap)
-    window, cap = mask.window, mask.softcap
     num_splits = num_splits or 0
     if num_splits > 0 and cu_seqlens_q is None:  # the decode kernel (as attention_fwd runs it)
-        found = planned_decode(q, k, v, seqlens_k, causal, scale, window, cap, num_splits)
+        found = planned_decode(q, k, v, seqlens_k, mask, scale, num_splits)
         if found is not None:
             return found
     varlen = _op_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    o, lse, _ = attention_fwd(q, k, v, causal, scale, window=window, softcap=cap,
-                              seqlens_k=seqlens_k, varlen=varlen,
+    o, lse, _ = attention_fwd(q, k, v, mask, scale, seqlens_k=seqlens_k, varlen=varlen,
                               num_splits=num_splits)  # fmt: skip
     return o, lse
 

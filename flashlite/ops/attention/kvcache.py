@@ -84,8 +84,8 @@ class KVCachePlan:
         o = torch.empty_like(q)  # (as each call makes it: strided like q, which the key pins)
         self.decode = DecodePlan(
             q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-            o.transpose(1, 2), cache_seqlens.contiguous(), block_table, causal, scale,
-            masks.Mask.of_op(causal, window_left, window_right, softcap).window, softcap or None,
+            o.transpose(1, 2), cache_seqlens.contiguous(), block_table,
+            masks.Mask.of_op(causal, window_left, window_right, softcap), scale,
             num_splits or None, None, None,
         )  # fmt: skip
 

@@ -139,7 +139,7 @@ def model_flashlite_attention(
     keys = 0
     for m0 in range(0, Nq, block_m):
         # the kernel's own key range: tiles [0, hi) step BLOCK_N, lanes past Nk masked
-        hi = masks.torch_key_range(m0, block_m, block_n, Nq, Nk, shape.causal)[3]
+        hi = masks.torch_key_range(m0, block_m, block_n, Nq, Nk, shape.mask)[3]
         keys += min(Nk, block_n * triton.cdiv(hi, block_n))
     bh = B * H
     t = Traffic()
@@ -322,7 +322,7 @@ def model_flashlite_attention_bwd(
         t.add("preprocess: q -> qs", rows * D * b, rows * D * b)
     q_rows = 0  # query rows the dK/dV programs of one K/V head read, over its key blocks
     for n0 in range(0, Nk, cfg.kv_block_n):
-        lo = masks.torch_query_range(n0, cfg.kv_block_m, cfg.kv_block_n, Nq, Nk, shape.causal)[0]
+        lo = masks.torch_query_range(n0, cfg.kv_block_m, cfg.kv_block_n, Nq, Nk, shape.mask)[0]
         q_rows += Nq - lo
     t.add("dk/dv: k, v", 2 * B * Hkv * Nk * D * b, 0)
     t.add("dk/dv: q, dO, lse, delta", B * Hkv * G * q_rows * (2 * D * b + 8), 0)
@@ -330,7 +330,7 @@ def model_flashlite_attention_bwd(
     keys = 0  # keys each query head's dQ programs read
     bm, bn = cfg.q_block_m, cfg.q_block_n
     for m0 in range(0, Nq, bm):
-        hi = masks.torch_key_range(m0, bm, bn, Nq, Nk, shape.causal)[3]
+        hi = masks.torch_key_range(m0, bm, bn, Nq, Nk, shape.mask)[3]
         keys += min(Nk, bn * triton.cdiv(hi, bn))
     t.add("dq: q, dO, lse, delta", rows * (2 * D * b + 8), 0)
     t.add("dq: k, v", B * H * keys * 2 * D * b, 0)

@@ -53,7 +53,7 @@ def model_flashlite_decode(
     lanes = 0
     for r0 in range(0, rows, block_m):
         lo, full_lo, full_hi, hi = masks.torch_key_range(r0 // group, block_m, block_n, Nq, Nk,
-                                                         True)  # fmt: skip
+                                                         masks.CAUSAL)  # fmt: skip
         for c in range(splits):
             c0, c1 = c * split_len, (c + 1) * split_len
             start, end = min(max(full_lo, c0), c1), min(max(hi, c0), c1)
