@@ -292,3 +292,15 @@ def test_attention_op_schemas_take_optional_arguments_not_sentinels() -> None:
             if f" {arg}" in schema:
                 assert f"? {arg}" in schema, (name, arg, schema)
         assert "=-1" not in schema and "=0" not in schema, schema
+
+
+def test_a_moved_call_keeps_its_mask() -> None:
+    # CPU tensors in a GPU process: the body's arguments are moved one by one, tuples element by
+    # element; a Mask (a named tuple) must stay a Mask, a plain tuple a tuple
+    from flashlite.ops.common import moved
+
+    mask = describe(True, (4, 0), 5.0)
+    got = moved(mask, torch.device("meta"))
+    assert type(got) is Mask and got == mask
+    pair = moved((torch.ones(2), 3), torch.device("meta"))
+    assert type(pair) is tuple and pair[0].device.type == "meta" and pair[1] == 3

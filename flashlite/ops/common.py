@@ -22,8 +22,9 @@ def moved(x: Any, device: torch.device) -> Any:
     tuple so, anything else as it is."""
     if isinstance(x, torch.Tensor):
         return x.to(device)
-    if isinstance(x, tuple):
-        return tuple(moved(v, device) for v in x)
+    if isinstance(x, tuple):  # (a named tuple, a Mask say, keeps its type)
+        items = [moved(v, device) for v in x]
+        return type(x)(*items) if hasattr(x, "_fields") else tuple(items)
     return x
 
 
