@@ -12,7 +12,9 @@ host work (argument checks, plans, launches) and launch latency. Cases (bf16 unl
                      against the cuDNN kernel over the same keys
     softmax          4 x 1024, fp32 and bf16, forward
     softmax grad     softmax and log_softmax forward + backward at 4 x 1024, 2048 x 1024 and
-                     32 x 65536 (2^21 elements), fp32 and bf16
+                     32 x 65536 (2^21 elements), fp32 and bf16; beside flashlite, ``floor``:
+                     the same kernels through a bare ``autograd.Function`` (no checks, plans
+                     made beforehand), the least any Python autograd node costs here
     cross-entropy    forward + backward at 512 x 32k and 8192 x 32k; linear cross-entropy at
                      512 x 1024 x 32k, against torch's (logits materialised)
 
@@ -67,6 +69,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashlite
 from flashlite import plotting, reference
+from flashlite.ops import softmax as S
 from flashlite.plotting import Bars, Figure, Panel
 
 METRICS = ("do_bench", "loop", "graph", "compile")
@@ -87,6 +90,10 @@ VERBOSE = False  # -v: tracebacks of skipped metrics
 #: (atol, rtol) for softmax and the absolute floor for attention, as tests/conftest.py's TOL:
 #: attention may differ from fp64 by 2x PyTorch's own low-precision error plus the floor.
 TOL = {torch.float32: (1e-5, 1e-5, 2e-5), torch.bfloat16: (8e-3, 1.6e-2, 8e-3)}
+
+
+#: providers whose outputs are checked against the fp64 reference (a wrong one is not timed)
+CHECKED = ("flashlite", "floor")
 
 
 class WrongResultError(AssertionError):
@@ -175,8 +182,38 @@ def _grads_allowed(ours_ref: tuple[torch.Tensor, ...], torch_grads: tuple[torch.
     return lambda r, i: 2 * errs[i] + floor
 
 
+def floor_function(x: torch.Tensor, dy: torch.Tensor, log: bool) -> Callable[..., torch.Tensor]:
+    """``f(x)`` through the least a Python ``autograd.Function`` can do around flashlite's own
+    softmax kernels for tensors like ``x`` and ``dy`` (dense rows): each direction allocates its
+    output and calls the launch planned here, once; no checks, no plan lookup, no op layer. What
+    flashlite's call costs above it is flashlite's; what it costs above torch, any Python
+    autograd node's."""
+    n = x.shape[-1]
+    y0, dx0 = torch.empty_like(x), torch.empty_like(x)
+    fwd = S.plan_fwd(x.detach().view(-1, n), y0.view(-1, n), log)
+    bwd = S.plan_bwd(y0.view(-1, n), dy.view(-1, n), dx0.view(-1, n), log)
+
+    class Floor(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            y = torch.empty_like(x)
+            fwd(x, y)
+            ctx.save_for_backward(y)
+            return y
+
+        @staticmethod
+        def backward(ctx: Any, dy: torch.Tensor) -> torch.Tensor:
+            (y,) = ctx.saved_tensors
+            dx = torch.empty_like(y)
+            bwd(y, dy, dx)
+            return dx
+
+    return Floor.apply
+
+
 def softmax_grad_case(name: str, m: int, n: int, dtype: torch.dtype, log: bool) -> Case:
-    """``torch.autograd.grad(f(x), x, dy)``: forward + backward, returning dx."""
+    """``torch.autograd.grad(f(x), x, dy)``: forward + backward, returning dx; ``floor`` runs
+    the same kernels through a bare ``autograd.Function`` (:func:`floor_function`)."""
     g = torch.Generator("cuda").manual_seed(1)
     x = torch.randn(m, n, device="cuda", generator=g).to(dtype).requires_grad_()
     dy = torch.randn(m, n, device="cuda", generator=g).to(dtype)
@@ -185,10 +222,12 @@ def softmax_grad_case(name: str, m: int, n: int, dtype: torch.dtype, log: bool) 
     x64 = x.detach().double().requires_grad_()
     (ref,) = torch.autograd.grad(theirs(x64, -1), x64, dy.double())
     (torch_dx,) = torch.autograd.grad(theirs(x, -1), x, dy)
+    floor = floor_function(x, dy, log)
     return Case(
         name, "softmax grad", dtype, {"M": m, "N": n, "log": log}, (x, dy),
         {"flashlite": lambda x, dy: torch.autograd.grad(ours(x), x, dy)[0],
-         "torch": lambda x, dy: torch.autograd.grad(theirs(x, -1), x, dy)[0]},
+         "torch": lambda x, dy: torch.autograd.grad(theirs(x, -1), x, dy)[0],
+         "floor": lambda x, dy: torch.autograd.grad(floor(x), x, dy)[0]},
         "torch", ref, _grads_allowed((ref,), (torch_dx,), TOL[dtype][0]),
     )  # fmt: skip
 
@@ -385,7 +424,7 @@ def prepare(case: Case, provider: str, metric: str, row: dict[str, Any]) -> Call
     """A timer giving ``metric`` of ``provider`` in µs per call; graph and compile are built
     (and flashlite's outputs from them checked) here, once."""
     fn, args = case.providers[provider], case.inputs
-    ours = provider == "flashlite"
+    ours = provider in CHECKED
     if metric == "do_bench":
         return lambda: 1e3 * bench(lambda: fn(*args), warmup=25, rep=200)
     if metric == "loop":
@@ -449,7 +488,7 @@ def run(metrics: tuple[str, ...], words: list[str] | None = None,
                     out = fn(*case.inputs)
                 torch.cuda.synchronize()
                 row["max_err"] = max_error(case, out)
-                if provider == "flashlite":
+                if provider in CHECKED:
                     check(case, out, provider)
                 table[(case.name, provider)] = row
             except WrongResultError as exc:
@@ -514,6 +553,12 @@ def run(metrics: tuple[str, ...], words: list[str] | None = None,
             r = ours["ratio_loop"]
             ours["must"] = None if r is None else r <= MUST
             ours["aim"] = None if r is None else r <= AIM
+        floor = table.get((case.name, "floor"))
+        if floor is not None:  # (the bare Function's ratios, beside flashlite's; no bar)
+            floor["baseline"], floor["must"], floor["aim"] = case.baseline, None, None
+            for metric in METRICS:
+                a, b = floor[f"{metric}_us"], base and base[f"{metric}_us"]
+                floor[f"ratio_{metric}"] = a / b if a and b else None
     return rows, failures
 
 
@@ -570,7 +615,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             + f"{err:>10}"
         )
     lines.append(
-        f"\nflashlite / baseline per metric (must <= {MUST}x, aim <= {AIM}x on loop; "
+        f"\nflashlite (and floor) / baseline per metric (must <= {MUST}x, aim <= {AIM}x on loop; "
         f"decode append: loop <= cuDNN's do_bench + {DECODE_SLACK_US:.0f} µs)"
     )
     lines.append(
@@ -579,12 +624,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         + f"{'must':>7}{'aim':>7}"
     )
     for r in rows:
-        if r["provider"] != "flashlite" or "baseline" not in r:
+        if r["provider"] not in CHECKED or "baseline" not in r:
             continue
         must = {True: "pass", False: "FAIL", None: "-"}[r["must"]]
         aim = {True: "pass", False: "miss", None: "-"}[r["aim"]]
         ratios = "".join(f"{ratio(r[f'ratio_{m}']):>12}" for m in METRICS)
-        lines.append(f"{r['case']:<34}{r['baseline']:<12}{ratios}{must:>7}{aim:>7}")
+        base = r["baseline"] if r["provider"] == "flashlite" else f"floor:{r['baseline']}"
+        lines.append(f"{r['case']:<34}{base:<12}{ratios}{must:>7}{aim:>7}")
     notes = [f"{r['case']} / {r['provider']}: {n}" for r in rows for n in r["notes"]]
     if notes:
         lines += ["\nnotes:", *(f"  {n}" for n in notes)]
