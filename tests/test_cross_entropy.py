@@ -639,6 +639,26 @@ def test_linear_cross_entropy_layouts_and_bad_input() -> None:
         flashlite.linear_cross_entropy(hidden, weight, target - 60, reduction="sum")
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_linear_cross_entropy_unit_backward_leaves_the_stored_gradients(reduction: str) -> None:
+    """A plain ``loss.backward()`` sends exactly 1: the backward hands over the gradients the
+    forward stored, untouched (its scaling kernel skips a unit gradient), and they are the fp64
+    reference's; a second loss scaled by 3 gets three times them."""
+    gen = torch.Generator().manual_seed(5)
+    hidden, weight = torch.randn(6, 16, generator=gen), torch.randn(50, 16, generator=gen) / 4
+    bias, target = torch.randn(50, generator=gen), torch.randint(0, 50, (6,), generator=gen)
+    refs = [t.double().requires_grad_() for t in (hidden, weight, bias)]
+    reference(refs[0] @ refs[1].t() + refs[2], target, reduction=reduction).backward()
+    for factor in (1.0, 3.0):
+        leaves = [t.clone().requires_grad_() for t in (hidden, weight, bias)]
+        loss = flashlite.linear_cross_entropy(leaves[0], leaves[1], target, bias=leaves[2],
+                                              reduction=reduction)  # fmt: skip
+        (loss * factor if factor != 1.0 else loss).backward()
+        for leaf, ref in zip(leaves, refs, strict=True):
+            torch.testing.assert_close(leaf.grad.double(), factor * ref.grad, atol=1e-5,
+                                       rtol=1e-5)  # fmt: skip
+
+
 @pytest.mark.parametrize("reduction", ["mean", "none"])
 def test_linear_cross_entropy_compiles_and_passes_opcheck(reduction: str) -> None:
     """``torch.compile(fullgraph=True)`` traces linear CE (its sweeps are custom ops) and gives
