@@ -74,12 +74,12 @@ def sweep(rows: list[dict]) -> None:
             q, k, v = make(b, h, n, d)
             for causal in (False, True):
                 ref = sdpa("flash", causal)(q, k, v)
+                mask = masks.describe(causal)
                 for cfg in dict.fromkeys([*K.GPU_CONFIGS, *K.HOPPER_CONFIGS.values()]):
                     bd = max(16, triton.next_power_of_2(d))
                     if not K.keep_config(cfg, bd, 2, True):
                         continue
                     try:
-                        mask = masks.describe(causal)
                         out = attention_fwd(q, k, v, mask, d**-0.5, config=cfg)[0]
                         err = check(out, ref)
                         ms = bench(lambda cfg=cfg: attention_fwd(q, k, v, mask, d**-0.5,
