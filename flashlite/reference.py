@@ -47,6 +47,7 @@ def attention(
     window: tuple[int, int] | None = None,
     softcap: float | None = None,
     seqlens_k: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Naive attention that materialises ``S = Q Kᵀ`` and ``P = softmax(S)`` (layout b h n d).
 
@@ -68,9 +69,13 @@ def attention(
         softcap: cap ``c > 0`` of Gemma 2's ``c·tanh(s/c)`` on the scaled scores.
         seqlens_k: ``(B,)`` ints: batch b has only its first ``seqlens_k[b]`` keys (the mask
             of each batch is built for that length, so causal and window align to it).
+        sinks: ``(Hq,)`` sink logits in the scaled-score space (gpt-oss): one more column of
+            each head's scores, with no value; it joins the softmax's denominator and is
+            dropped from the output (differentiable, as every other input here).
 
     Returns:
-        ``O`` ``(B, Hq, Nq, D)`` in ``q``'s dtype (and the LSE). Rows with no visible key give 0.
+        ``O`` ``(B, Hq, Nq, D)`` in ``q``'s dtype (and the LSE, the sink's column included).
+        Rows with no visible key give 0 (and with a sink, LSE = the sink).
     """
     dtype = q.dtype
     if upcast:
@@ -97,9 +102,14 @@ def attention(
     elif masked:
         seen = torch_visible(nq, nk, causal, window=window, device=q.device)
         s = torch.where(seen, s, -math.inf)
+    if sinks is not None:  # the sink's column, per query head, broadcast over batch and rows
+        sink = sinks.to(s.dtype).reshape(*([hkv, hq // hkv] if hq != hkv else [hq]), 1, 1)
+        s = torch.cat([s, sink.expand(*s.shape[:-1], 1)], dim=-1)
     p = torch.softmax(s, dim=-1)
     if masked:  # rows that see no key are all −inf: softmax gives NaN, the convention is 0
         p = p.nan_to_num(0.0)
+    if sinks is not None:  # the sink has no value: its probability leaves the output
+        p = p[..., :-1]
     o = torch.matmul(p, v).reshape(b, hq, nq, d).to(dtype)
     if not return_lse:
         return o

@@ -415,8 +415,10 @@ fn = H._attention_fwd_hopper_kernel
 names = list(fn.arg_names)
 rows = (cfg.block_m // 2, cfg.block_n, cfg.block_n, cfg.block_m // 2)
 sig = {n: mangle_type(HP._descriptor(x, r)) for n, r in zip(names[:4], rows)}
-sig.update(LSE="*fp32", n_heads="i32", group="i32", seq_q="i32", seq_k="i32", sm_scale="fp32")
-consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_CAUSAL=causal)
+sig.update(LSE="*fp32", SINKS="*fp32", n_heads="i32", group="i32", seq_q="i32", seq_k="i32",
+           sm_scale="fp32")
+consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_CAUSAL=causal,
+              HAS_SINKS=sys.argv[4] == "1")
 sig.update(dict.fromkeys(consts, "constexpr"))
 src = GluonASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()})
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
@@ -432,8 +434,12 @@ print(out.stdout + out.stderr)
 """
 
 
-@pytest.mark.parametrize("d,causal", [(128, True), (64, False)])
-def test_hopper_kernel_builds_for_sm90_without_spills_or_serialised_wgmma(d, causal, tmp_path):
+@pytest.mark.parametrize(
+    "d,causal,sinks", [(128, True, False), (64, False, False), (128, True, True)]
+)
+def test_hopper_kernel_builds_for_sm90_without_spills_or_serialised_wgmma(
+    d, causal, sinks, tmp_path
+):
     # No GPU needed: Triton compiles the Gluon kernel for sm_90a and its ptxas reports. A code
     # change that breaks the build, spills, outgrows shared memory or makes ptxas serialise the
     # async products (warning C7513/C7514: the overlap this kernel exists for) fails here.
@@ -444,7 +450,15 @@ def test_hopper_kernel_builds_for_sm90_without_spills_or_serialised_wgmma(d, cau
     import sys
 
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # a real build, not the interpreter
-    cmd = [sys.executable, "-c", _SM90_BUILD, str(d), str(int(causal)), str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-c",
+        _SM90_BUILD,
+        str(d),
+        str(int(causal)),
+        str(tmp_path),
+        str(int(sinks)),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     report = run.stdout

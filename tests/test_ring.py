@@ -19,9 +19,10 @@ import flashlite
 from flashlite.distributed import gather_sequence, ring_attention, shard_sequence
 from flashlite.distributed.ring import comm_model, count_p2p, free_port, init_for_tests
 
-# (causal, zigzag, layout, dtype, Hq, Hkv)
+# (causal, zigzag, layout, dtype, Hq, Hkv[, sinks])
 CASES = [
     (True, True, "b n h d", torch.float32, 4, 2),  # causal zigzag, GQA
+    (True, True, "b n h d", torch.float32, 4, 2, True),  # with sinks: merged once
     (False, True, "b h n d", torch.float32, 2, 2),  # not causal, the other layout
     (True, False, "b n h d", torch.float32, 2, 1),  # causal on contiguous shards, MQA
     (True, True, "b n h d", torch.bfloat16, 2, 2),
@@ -31,7 +32,7 @@ N, D = 48, 16
 
 def _case(rank: int, world: int, case: tuple) -> None:
 
-    causal, zigzag, layout, dtype, hq, hkv = case
+    causal, zigzag, layout, dtype, hq, hkv, *with_sinks = case
     seq_dim = 1 if layout == "b n h d" else 2
     gen = torch.Generator().manual_seed(hq * 10 + hkv)
 
@@ -40,18 +41,28 @@ def _case(rank: int, world: int, case: tuple) -> None:
 
     q, k, v, do = (torch.randn(shape(h), generator=gen).to(dtype) for h in (hq, hkv, hkv, hq))
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    ref, ref_lse = flashlite.attention(*leaves, causal=causal, layout=layout, return_lse=True)
+    sinks = torch.randn(hq, generator=gen) if with_sinks else None
+    ref_sinks = sinks.clone().requires_grad_() if with_sinks else None
+    ref, ref_lse = flashlite.attention(*leaves, causal=causal, layout=layout, return_lse=True,
+                                       sinks=ref_sinks)  # fmt: skip
     ref.backward(do)
 
     def shard(t: torch.Tensor) -> torch.Tensor:
         return shard_sequence(t, seq_dim, zigzag=zigzag)
 
     mine = [shard(t).requires_grad_() for t in (q, k, v)]
+    my_sinks = sinks.clone().requires_grad_() if with_sinks else None
     with count_p2p() as log:
         out, lse = ring_attention(*mine, causal=causal, layout=layout, zigzag=zigzag,
-                                  return_lse=True)  # fmt: skip
+                                  return_lse=True, sinks=my_sinks)  # fmt: skip
         n_forward = len(log)
         out.backward(shard(do))
+    if with_sinks:  # each rank holds its rows' share of the sinks' gradient: summed, the whole
+        import torch.distributed as dist
+
+        total = my_sinks.grad.clone()
+        dist.all_reduce(total)
+        torch.testing.assert_close(total, ref_sinks.grad, atol=1e-5, rtol=1e-5)
     tol = TOL[dtype]
     got = [out, *(t.grad for t in mine)]
     want = [ref, *(t.grad for t in leaves)]

@@ -1,7 +1,7 @@
 """flashlite.integrations.transformers (issue 15): real model classes from small configs (random
 weights, nothing downloaded) on flashlite's kernels against the same model under ``"sdpa"``
-(``"eager"`` for Gemma 2, which has no SDPA path): logits, loss, every gradient, a padded batch
-and greedy generation."""
+(``"eager"`` for Gemma 2 and gpt-oss, which have no SDPA path): logits, loss, every gradient, a
+padded batch and greedy generation."""
 
 from __future__ import annotations
 
@@ -27,18 +27,27 @@ def _config(family: str) -> object:
         return transformers.MistralConfig(num_key_value_heads=2, sliding_window=7, **SMALL)
     if family == "qwen2":  # GQA
         return transformers.Qwen2Config(num_key_value_heads=1, **SMALL)
+    if family == "gpt_oss":  # attention sinks, alternating sliding-window and full layers, GQA
+        small = {**SMALL, "num_hidden_layers": 4}
+        return transformers.GptOssConfig(
+            num_key_value_heads=2, head_dim=16, sliding_window=7, num_local_experts=4,
+            num_experts_per_tok=2,
+            layer_types=["sliding_attention", "full_attention"] * 2, **small,
+        )  # fmt: skip
     return transformers.Gemma2Config(  # softcap, window, alternating layers
         num_key_value_heads=2, head_dim=16, sliding_window=7, attn_logit_softcapping=20.0,
         query_pre_attn_scalar=16, **SMALL,
     )  # fmt: skip
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "gemma2"]
+FAMILIES = ["llama", "mistral", "qwen2", "gemma2", "gpt_oss"]
+#: families with no SDPA path: compared with "eager"
+EAGER = ("gemma2", "gpt_oss")
 
 
 def _pair(family: str) -> tuple[torch.nn.Module, torch.nn.Module]:
     name = register()
-    peer = "eager" if family == "gemma2" else "sdpa"
+    peer = "eager" if family in EAGER else "sdpa"
     torch.manual_seed(0)
     ours = transformers.AutoModelForCausalLM.from_config(_config(family), attn_implementation=name)
     theirs = transformers.AutoModelForCausalLM.from_config(_config(family),
@@ -72,8 +81,8 @@ def test_forward_backward_and_padding_match(family: str) -> None:
     torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
 
 
-# two families (plain, and soft caps + windows): each generation takes ~20 s of CI
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
+# three families (plain, soft caps + windows, sinks): each generation takes ~20 s of CI
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
 def test_greedy_generation_matches(family: str) -> None:
     """32 new tokens, greedy, from a left-padded batch: the KV cache grows each step and the
     decode path attends to it; the token ids equal the peer's."""
@@ -128,7 +137,7 @@ def test_gpu_realistic_width(family: str) -> None:
     wide = {**SMALL, "hidden_size": 2048, "intermediate_size": 4096, "num_attention_heads": 16,
             "vocab_size": 32000}  # fmt: skip
     name = register()
-    peer = "eager" if family == "gemma2" else "sdpa"
+    peer = "eager" if family in EAGER else "sdpa"
     models = []
     for impl in (name, peer):
         torch.manual_seed(0)
@@ -137,6 +146,8 @@ def test_gpu_realistic_width(family: str) -> None:
             setattr(cfg, key, value)
         if family == "gemma2":
             cfg.head_dim, cfg.query_pre_attn_scalar = 128, 128
+        if family == "gpt_oss":
+            cfg.head_dim = 128
         models.append(transformers.AutoModelForCausalLM.from_config(
             cfg, attn_implementation=impl).cuda())  # fmt: skip
     models[1].load_state_dict(models[0].state_dict())

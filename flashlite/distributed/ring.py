@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from flashlite import masks, stats
 from flashlite.ops._dispatch import Op
-from flashlite.ops.attention import attention_bwd, attention_fwd, check_inputs
+from flashlite.ops.attention import attention_bwd, attention_fwd, check_inputs, check_sinks
+from flashlite.ops.attention.bwd import sink_grad
 from flashlite.ops.common import check_flags
 
 #: What to pass to ``init_process_group`` so that a peer that dies cannot hang the others.
@@ -173,13 +174,18 @@ def _blocks(rank: int, src: int, causal: bool, zigzag: bool, n: int) -> tuple | 
 
 def _ring_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
-    causal: bool, scale: float, zigzag: bool,
+    causal: bool, scale: float, zigzag: bool, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(o, lse)`` of the local queries ``(B, Hq, n, D)`` against every rank's keys."""
+    """``(o, lse)`` of the local queries ``(B, Hq, n, D)`` against every rank's keys. The
+    running result starts as the merge's identity (o = 0, lse = −inf), or with ``sinks`` as the
+    sink's own state (o = 0, lse = sink): merged once, whichever shards arrive."""
     rank, size, nxt, prv = _group_info(group)
     n = q.shape[2]
     o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
+    if sinks is None:
+        lse = torch.full(q.shape[:3], -math.inf, dtype=torch.float32, device=q.device)
+    else:
+        lse = sinks.view(1, -1, 1).expand(q.shape[:3]).contiguous()
     # one contiguous message per step (point-to-point sends need contiguous tensors, and the
     # "b n h d" shards arrive here as strided "b h n d" views): one O(n) copy per call
     kv = torch.stack([k, v])
@@ -205,11 +211,16 @@ def _ring_forward(
 def _ring_backward(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     lse: torch.Tensor, dlse: torch.Tensor | None, group: dist.ProcessGroup | None, causal: bool,
-    scale: float, zigzag: bool,
+    scale: float, zigzag: bool, sinks: torch.Tensor | None = None,
+    dsinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dq, dk, dv)`` of the local shards. Each step's block gets its share of the gradient
     from the *global* ``o`` and ``lse`` (the kernels recompute ``P = e^(S − lse)``), so the
-    blocks' contributions add up to the exact gradient."""
+    blocks' contributions add up to the exact gradient. With ``sinks``, ``dsinks`` receives the
+    local rows' share of their gradient (the global LSE holds the sink)."""
+    if sinks is not None:
+        delta = (do.float() * o.float()).sum(-1)
+        sink_grad(sinks, lse, delta if dlse is None else delta - dlse.float(), dsinks)
     rank, size, nxt, prv = _group_info(group)
     n = q.shape[2]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
@@ -271,57 +282,67 @@ def _resolve(group_name: str) -> dist.ProcessGroup:
 
 def _ring_fwd_body(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, causal: bool,
-    scale: float, zigzag: bool,
+    scale: float, zigzag: bool, sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """The forward ring as an op (its collectives inside, opaque to tracing): ``(o, lse)``,
     ``o`` contiguous ``(B, Hq, n, D)``."""
-    o, lse = _ring_forward(q, k, v, _resolve(group_name), causal, scale, zigzag)
+    o, lse = _ring_forward(q, k, v, _resolve(group_name), causal, scale, zigzag, sinks)
     return o.contiguous(), lse
 
 
-def _ring_fwd_fake(q, k, v, group_name, causal, scale, zigzag):  # type: ignore[no-untyped-def]
+def _ring_fwd_fake(q, k, v, group_name, causal, scale, zigzag, sinks=None):  # type: ignore[no-untyped-def]
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _ring_bwd_body(
     do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
     lse: torch.Tensor, dlse: torch.Tensor | None, group_name: str, causal: bool, scale: float,
-    zigzag: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """The backward ring as an op: ``(dq, dk, dv)``, contiguous."""
-    grads = _ring_backward(do, q, k, v, o, lse, dlse, _resolve(group_name), causal, scale, zigzag)
-    return tuple(g.contiguous() for g in grads)  # type: ignore[return-value]
+    zigzag: bool, sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The backward ring as an op: ``(dq, dk, dv)``, contiguous, and the sinks' fp32
+    gradient (``(Hq,)``, or ``(0,)`` without sinks)."""
+    dsinks = lse.new_empty((0,) if sinks is None else sinks.shape)
+    grads = _ring_backward(do, q, k, v, o, lse, dlse, _resolve(group_name), causal, scale, zigzag,
+                           sinks, dsinks)  # fmt: skip
+    return (*(g.contiguous() for g in grads), dsinks)  # type: ignore[return-value]
 
 
-def _ring_bwd_fake(do, q, k, v, o, lse, dlse, group_name, causal, scale, zigzag):  # type: ignore[no-untyped-def]
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+def _ring_bwd_fake(do, q, k, v, o, lse, dlse, group_name, causal, scale, zigzag, sinks=None):  # type: ignore[no-untyped-def]
+    dsinks = lse.new_empty((0,) if sinks is None else sinks.shape)
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
-#: ``flashlite::ring_attention_bwd``: the backward ring, ``(dq, dk, dv)`` contiguous.
+#: ``flashlite::ring_attention_bwd``: the backward ring, ``(dq, dk, dv)`` contiguous and the
+#: sinks' gradient.
 RING_BWD = Op("ring_attention_bwd", _ring_bwd_body, fake=_ring_bwd_fake, inputs=7,
               moves=False)  # fmt: skip
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    q, k, v, group_name, causal, scale, zigzag = inputs
+    q, k, v, group_name, causal, scale, zigzag, *rest = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse)
+    sinks = rest[0] if rest else None
+    ctx.save_for_backward(q, k, v, o, lse, sinks)
     ctx.args = (group_name, causal, scale, zigzag)
+    ctx.n_args = len(inputs)
 
 
 def _backward(ctx, do, dlse):  # type: ignore[no-untyped-def]
-    q, k, v, o, lse = ctx.saved_tensors
+    q, k, v, o, lse, sinks = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv = RING_BWD(do, q, k, v, o, lse, dlse, *ctx.args)
-    return dq, dk, dv, None, None, None, None
+    dq, dk, dv, dsinks = RING_BWD(do, q, k, v, o, lse, dlse, *ctx.args, sinks)
+    tail = (None,) * (ctx.n_args - 7)
+    if sinks is not None:
+        tail = (dsinks.to(sinks.dtype),)
+    return dq, dk, dv, None, None, None, None, *tail
 
 
 #: ``flashlite::ring_attention_fwd``: the forward ring (its collectives inside, opaque to
-#: tracing), ``(o, lse)``, differentiable in q, k, v and through the LSE.
+#: tracing), ``(o, lse)``, differentiable in q, k, v, the sinks and through the LSE.
 RING_FWD = Op("ring_attention_fwd", _ring_fwd_body, fake=_ring_fwd_fake, inputs=3,
               setup_context=_setup_context, backward=_backward, materialize_grads=False,
-              moves=False)  # fmt: skip
+              moves=False, grad_inputs=(7,))  # fmt: skip
 
 
 def ring_attention(
@@ -336,6 +357,7 @@ def ring_attention(
     return_lse: bool = False,
     zigzag: bool = True,
     validate: bool = True,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact attention of this rank's query shard against the whole sequence, whose key/value
     shards travel around the ranks of ``group`` (forward and backward).
@@ -350,6 +372,10 @@ def ring_attention(
         scale, layout, return_lse: as :func:`flashlite.attention`.
         validate: check that every rank's shards have one length and one device kind (one
             small all-gather per call).
+        sinks: ``(Hq,)`` sink logits, as :func:`flashlite.attention`, the same on every rank:
+            the ring's running result starts from them, so they are merged once. Their
+            gradient on each rank is its own rows' share (as for every weight under sequence
+            parallelism: the data-parallel reduction sums the shares).
 
     Returns:
         This rank's output shard in ``q``'s layout (and the fp32 LSE ``(B, Hq, n)``).
@@ -369,7 +395,11 @@ def ring_attention(
         raise ValueError(f"zigzag shards hold two equal chunks: local length {qc.shape[2]} is odd")
     if validate and not torch.compiler.is_compiling():
         _check_shards(qc, 2, group, "q")
-    o, lse = RING_FWD(qc, kc, vc, _group_name(group), causal, sm_scale, zigzag)
+    if sinks is None:
+        o, lse = RING_FWD(qc, kc, vc, _group_name(group), causal, sm_scale, zigzag)
+    else:
+        sink = check_sinks(sinks, qc, qc.shape[1])
+        o, lse = RING_FWD(qc, kc, vc, _group_name(group), causal, sm_scale, zigzag, sink)
     if layout != "b h n d":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o

@@ -6,7 +6,8 @@
 :func:`register` adds flashlite to ``transformers.AttentionInterface`` and its mask hook to
 ``AttentionMaskInterface``. What models pass maps onto flashlite's options: causal or not, the
 scaling, a sliding window (Mistral, Gemma 2/3: ``window=(W − 1, 0)``), a soft cap (Gemma 2),
-GQA (key/value heads as they come, never repeated), a padded batch (the mask hook hands over
+GQA (key/value heads as they come, never repeated), attention sinks (gpt-oss's ``s_aux``: one
+learnable logit per head, ``sinks=``), a padded batch (the mask hook hands over
 the ``(B, Nk)`` padding mask, never an ``N × N`` one, and the real tokens run as packed
 sequences through :func:`flashlite.attention_varlen`), and generation with a KV cache (a few
 queries against the grown cache: on a GPU :func:`flashlite.attention` takes its split-KV
@@ -53,12 +54,13 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     Args:
         query: ``(B, Hq, Nq, D)``; key, value: ``(B, Hkv, Nk, D)`` (the cache included).
         attention_mask: None, or the ``(B, Nk)`` padding mask from :func:`_mask`.
-        scaling, sliding_window, softcap: the layer's; ``is_causal`` (kwargs) or the module's.
+        scaling, sliding_window, softcap: the layer's; ``is_causal`` (kwargs) or the module's;
+            ``s_aux`` (kwargs): gpt-oss's per-head sink logits, ``(Hq,)``.
 
     Returns:
         ``(out, None)``: ``out`` ``(B, Nq, Hq, D)`` (no attention weights).
     """
-    for feature in _UNSUPPORTED:  # e.g. ALiBi biases, attention sinks: refused, never dropped
+    for feature in _UNSUPPORTED:  # e.g. ALiBi biases: refused, never dropped
         if kwargs.get(feature) is not None:
             raise NotImplementedError(f"{_model_name(module)} passes {feature!r} to attention "
                                       f"({_UNSUPPORTED[feature]}), which flashlite does not "
@@ -76,7 +78,13 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
             f"{_model_name(module)}: a {attention_mask.dim()}-D attention_mask (a dense custom or "
             "float mask); flashlite takes (B, Nk) padding masks only"
         )
-    opts = {"causal": causal, "scale": scaling, "window": window, "softcap": softcap}
+    opts = {
+        "causal": causal,
+        "scale": scaling,
+        "window": window,
+        "softcap": softcap,
+        "sinks": kwargs.get("s_aux"),
+    }
     if attention_mask is None:
         out = flashlite.attention(query, key, value, **opts).transpose(1, 2)
     else:
@@ -115,7 +123,6 @@ def _unpadded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
 _UNSUPPORTED = {
     "position_bias": "an additive position bias such as ALiBi or T5's",
     "alibi": "ALiBi",
-    "s_aux": "attention sinks",
     "head_mask": "a per-head mask",
 }
 

@@ -81,6 +81,8 @@ class Op:
             take the custom op; the fast paths run it as it is, on tensors where kernels run.
         fake: the op's fake (meta) implementation.
         inputs: how many leading arguments are tensors the fast path looks at (never None).
+        grad_inputs: positions of later optional tensor arguments that may require grad (the
+            fast path looks at them too when the call passes them).
         setup_context, backward: the autograd formula, as ``torch.library.register_autograd``
             takes it; ``backward`` returns one gradient per argument.
         materialize_grads: whether ``backward`` receives zeros (True) or None for outputs that got
@@ -100,8 +102,9 @@ class Op:
         materialize_grads: bool = True,
         mutates_args: tuple[str, ...] = (),
         moves: bool = True,
+        grad_inputs: tuple[int, ...] = (),
     ) -> None:
-        self.name, self.inputs = name, inputs
+        self.name, self.inputs, self.grad_inputs = name, inputs, grad_inputs
         #: the body as the fast paths run it: on tensors where kernels run (calls whose tensors
         #: must move, CPU tensors in a process that compiles its kernels, take the dispatcher,
         #: whose body moves them: rare, and a copy costs more than the dispatcher anyway)
@@ -139,6 +142,11 @@ class Op:
                     return self.default(*args)
                 if grad and t.requires_grad:
                     record = True
+        for i in self.grad_inputs:  # (optional tensors further on: sinks)
+            if i < len(args) and args[i] is not None:
+                if type(args[i]) is not torch.Tensor:
+                    return self.default(*args)
+                record = record or (grad and args[i].requires_grad)
         if record:
             return self.apply(*args)  # type: ignore[misc]
         out = self.body(*args)

@@ -119,20 +119,21 @@ def _attention_decode_kernel(
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
-    n_kv_heads, seq_q, seq_k, sm_scale, win_left, win_right, softcap, SEQLENS_K, TABLE,
+    n_kv_heads, seq_q, seq_k, sm_scale, win_left, win_right, softcap, SEQLENS_K, TABLE, SINKS,
     stride_tb, num_pages, split_len,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SEQLENS: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr, DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_SINKS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(cdiv(Nq·GROUP, BLOCK_M), B·Hkv, S)``: packed rows ``[pid0·BLOCK_M, +BLOCK_M)`` of
     KV head ``(b, h_kv)`` against keys ``[s·split_len, (s + 1)·split_len)``.
 
     Q ``(B, Hq, Nq, D)``; K, V as :func:`kv_tile` reads them; O ``(S·B, Hq, Nq, D)`` and the
     fp32 LSE ``(S·B·Hq, Nq)``: the partials of chunk s at batch rows ``s·B + b`` (with ``S = 1``
-    the result itself, in O's dtype). Masks, softcap and ``SEQLENS_K`` as in the forward kernel.
+    the result itself, in O's dtype). Masks, softcap, ``SEQLENS_K`` and ``SINKS`` as in the
+    forward kernel; the sink's state starts chunk 0 only, so the merge counts it once.
     """
     pid_bh = tl.program_id(1)
     b = pid_bh // n_kv_heads
@@ -158,6 +159,10 @@ def _attention_decode_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if HAS_SINKS:  # chunk 0 starts from each head's sink state (sink, 1); the others from (−inf, 0)
+        sink = tl.load(SINKS + head, mask=row_ok, other=0.0) * LOG2E / exp_scale
+        m = tl.where(split == 0, sink, m)
+        s = tl.where(split == 0, 1.0, s)
 
     # The block's positions lie in [pos[0], pos[0] + BLOCK_M): key_range over that span is a
     # superset of what the rows see (the masked loops mask each row by its own position).

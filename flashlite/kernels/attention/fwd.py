@@ -112,10 +112,11 @@ def _attention_fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     n_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap, SEQLENS_K, CU_Q, CU_K,
+    SINKS,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, VARLEN: tl.constexpr, USE_DESC: tl.constexpr,
-    PRESCALE_Q: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, VARLEN: tl.constexpr, HAS_SINKS: tl.constexpr,
+    USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
     OVERLAP: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, ROUND_BF16: tl.constexpr,
     FIXED_REF: tl.constexpr = False,
@@ -130,7 +131,9 @@ def _attention_fwd_kernel(
     packed ``(1, H, total, D)`` views and sequence b is rows ``[CU_Q[b], CU_Q[b + 1])`` of Q
     (``CU_K`` of K and V); ``seq_q`` is then the packed length and the grid covers the longest
     sequence. Varlen descriptors (Q, K, V only; O is a tensor) read blocks that may cross into
-    the next sequence: the masks and a zeroed value tail keep those rows out.
+    the next sequence: the masks and a zeroed value tail keep those rows out. ``HAS_SINKS``:
+    head h's rows start from the state ``(m, s) = (SINKS[h], 1)`` (natural units) instead of
+    the identity ``(−inf, 0)``: one more logit in every row's softmax, with no value.
     Few query rows against a long KV cache run :mod:`.decode`'s kernel instead.
     """
     pid_bh = tl.program_id(1)
@@ -174,6 +177,9 @@ def _attention_fwd_kernel(
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if HAS_SINKS:  # the sink's own state, in the scores' units: the loop folds the keys into it
+        m = tl.full([BLOCK_M], 1.0, tl.float32) * (tl.load(SINKS + h) * LOG2E / exp_scale)
+        s = tl.full([BLOCK_M], 1.0, tl.float32)
 
     # the cap in the scores' units (softcap is in natural units: scores·scale)
     cap = cap_units(softcap, exp_scale, SOFTCAP)  # the cap in the scores' units
@@ -214,7 +220,8 @@ def _attention_fwd_kernel(
                         HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION,
                         LAZY_RESCALE, False, ROUND_BF16, VARLEN, FIXED_REF, p_dtype)  # fmt: skip
 
-    # Rows that saw no key (causal with Nq > Nk) have s = 0: output 0 and LSE −inf, not NaN.
+    # Rows that saw no key (causal with Nq > Nk) have s = 0: output 0 and LSE −inf, not NaN
+    # (with a sink, s >= 1: output 0 and LSE = the sink).
     inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)
     lse = finalize_lse(m, s, exp_scale)
     if VARLEN:  # the packed (Hq, total) LSE

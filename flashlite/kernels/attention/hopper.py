@@ -136,11 +136,12 @@ if GLUON_IMPORT_ERROR is None:
             _tma_load(v_desc, [b, h_kv, t * block_n, 0], v_ready.index(slot), v_bufs.index(slot))
 
     @gluon.jit
-    def _consumer(q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, empty, o_desc, LSE, b, h,
-                  pid_bh, start_m, n_tiles, full_hi, seq_q, seq_k, qk_scale, WG: gl.constexpr,
-                  IS_CAUSAL: gl.constexpr):  # fmt: skip
+    def _consumer(q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, empty, o_desc, LSE, SINKS,
+                  b, h, pid_bh, start_m, n_tiles, full_hi, seq_q, seq_k, qk_scale,
+                  WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                  HAS_SINKS: gl.constexpr):  # fmt: skip
         """One warpgroup: the online softmax of its 64-row half; writes its O rows (TMA) and
-        LSE."""
+        LSE. ``HAS_SINKS``: the rows start from the sink's state ``(SINKS[h], 1)``."""
         half: gl.constexpr = q_bufs.shape[3]
         head_dim: gl.constexpr = q_bufs.shape[4]
         block_n: gl.constexpr = k_bufs.shape[3]
@@ -164,6 +165,9 @@ if GLUON_IMPORT_ERROR is None:
         cols = gl.arange(0, block_n, layout=gl.SliceLayout(0, s_layout))
         m = gl.full([half], float("-inf"), gl.float32, layout=row_s)
         l_sum = gl.zeros([half], gl.float32, layout=row_s)
+        if HAS_SINKS:  # the sink's state in exp2 units (the scores' own, Q being prescaled)
+            m = gl.full([half], 1.0, gl.float32, layout=row_s) * (gl.load(SINKS + h) * LOG2E)
+            l_sum = gl.full([half], 1.0, gl.float32, layout=row_s)
         s_zero = gl.zeros([half, block_n], gl.float32, layout=s_layout)
         out = gl.zeros([half, head_dim], gl.float32, layout=o_layout)
         if n_tiles > 0:
@@ -210,10 +214,11 @@ if GLUON_IMPORT_ERROR is None:
         tma.store_wait(pendings=0)
 
     @gluon.jit
-    def _attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, n_heads, group, seq_q,
-                                     seq_k, sm_scale, BLOCK_M: gl.constexpr,
+    def _attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, SINKS, n_heads, group,
+                                     seq_q, seq_k, sm_scale, BLOCK_M: gl.constexpr,
                                      BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                     IS_CAUSAL: gl.constexpr):  # fmt: skip
+                                     IS_CAUSAL: gl.constexpr,
+                                     HAS_SINKS: gl.constexpr = False):  # fmt: skip
         """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``; 4 warps (the first consumer) plus the worker
         partitions. Q, K, V, O: 4-D ``(B, H, N, D)`` descriptors of ``[1, 1, rows, D]`` blocks
         (out-of-bounds rows read as zeros and are never stored). Causal is bottom-right
@@ -259,11 +264,11 @@ if GLUON_IMPORT_ERROR is None:
         # (argument tuples written out: constexprs must reach the partitions as literals)
         gl.warp_specialize([
             (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, empty, o_desc, LSE,
-                         b, h, pid_bh, start_m, n_tiles, full_hi, seq_q, seq_k, qk_scale, 0,
-                         IS_CAUSAL)),
+                         SINKS, b, h, pid_bh, start_m, n_tiles, full_hi, seq_q, seq_k, qk_scale,
+                         0, IS_CAUSAL, HAS_SINKS)),
             (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, empty, o_desc, LSE,
-                         b, h, pid_bh, start_m, n_tiles, full_hi, seq_q, seq_k, qk_scale, 1,
-                         IS_CAUSAL)),
+                         SINKS, b, h, pid_bh, start_m, n_tiles, full_hi, seq_q, seq_k, qk_scale,
+                         1, IS_CAUSAL, HAS_SINKS)),
             (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready,
                          v_ready, empty, b, h, h_kv, start_m, n_tiles)),
         ], [4, 1], [240, 24])  # fmt: skip

@@ -34,7 +34,7 @@ from flashlite.kernels.configs import (
 from flashlite.ops.attention.api import attention, attention_kvcache, attention_varlen
 from flashlite.ops.attention.bwd import attention_bwd, hopper_bwd_applies
 from flashlite.ops.attention.bwd_launch import bwd_dkdv, bwd_dq, bwd_preprocess
-from flashlite.ops.attention.checks import check_inputs
+from flashlite.ops.attention.checks import check_inputs, check_sinks
 from flashlite.ops.attention.decode import DecodePlan, attention_decode_fwd, combine_splits
 from flashlite.ops.attention.fwd import attention_fwd
 from flashlite.ops.attention.kvcache import KVCachePlan
@@ -80,6 +80,7 @@ __all__ = [
     "bwd_dq",
     "bwd_preprocess",
     "check_inputs",
+    "check_sinks",
     "combine_splits",
     "decode_tiles",
     "empty_output",

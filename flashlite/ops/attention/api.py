@@ -21,6 +21,7 @@ from flashlite.ops.attention.checks import (
     _check_seqlens,
     _check_splits,
     _check_writable,
+    check_sinks,
 )
 from flashlite.ops.attention.kvcache import (
     KVCACHE,
@@ -46,6 +47,7 @@ def attention(
     softcap: float | None = None,
     seqlens_k: torch.Tensor | None = None,
     num_splits: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention computed tile by tile (FlashAttention-2 loop order).
 
@@ -74,6 +76,13 @@ def attention(
             the query heads of a GQA group packed into one tile. 1: no split, the plain
             forward kernel. None: on a GPU, when ``Nq·Hq/Hkv`` is at most 64 (decoding), the
             split that fills the GPU (:func:`splits_for`); otherwise no split.
+        sinks: ``(Hq,)`` attention-sink logits in the scaled-score space (gpt-oss), fp32 or
+            q's dtype: one more logit in every row's softmax, with no value, so it takes
+            probability from the keys and is dropped from the output. Each row's online-softmax
+            state starts from the sink's, ``(m, s) = (sink, 1)``, instead of ``(−inf, 0)``: exact
+            (the merge is associative) and free (no extra tile). A row that sees no key gives 0
+            and LSE = its sink. Differentiable: ``dsink_h = −Σ_rows p_sink·delta``
+            (docs/attention.md).
 
     Returns:
         ``out`` in ``q``'s layout and dtype, or ``(out, lse)`` with ``lse`` fp32 ``(B, Hq, Nq)``.
@@ -87,7 +96,8 @@ def attention(
             seqlens_k that is not an int32 tensor.
         ValueError: wrong rank, mismatched batch/heads/lengths/head dims, unknown layout,
             mixed devices, a non-positive scale or softcap, a window bound below −1, a
-            seqlens_k of the wrong shape or device (or, on CPU, values outside ``[0, Nk]``).
+            seqlens_k of the wrong shape or device (or, on CPU, values outside ``[0, Nk]``),
+            sinks that are not a float ``(Hq,)`` tensor on q's device.
         NotImplementedError: head dim above 256.
     """
     sm_scale, qc, kc, vc = _check(q, k, v, layout, scale)
@@ -96,13 +106,14 @@ def attention(
     splits = _decode_splits(qc, kc, _check_splits(num_splits))
     # the plain call passes five arguments: every default-valued one more is dispatcher host
     # time on every small call (the per-call cost docs/host-path.md measures)
-    if window is None and softcap is None and seqlens_k is None and splits == 0:
+    if window is None and softcap is None and seqlens_k is None and splits == 0 and sinks is None:
         o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale)
     else:
         mask = masks.describe(causal, window, softcap)  # (normalised here, once)
         lengths = _check_seqlens(seqlens_k, qc, kc)
+        sink = check_sinks(sinks, qc, qc.shape[1])
         o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale, mask.left, mask.right, mask.softcap,
-                               lengths, None, None, None, None, splits or None)  # fmt: skip
+                               lengths, None, None, None, None, splits or None, sink)  # fmt: skip
     if layout != "b h n d":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
@@ -123,6 +134,7 @@ def attention_varlen(
     softcap: float | None = None,
     return_lse: bool = False,
     validate: bool | str = True,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed sequences of different lengths (flash-attn's varlen convention),
     without padding: sequence b is rows ``[cu_seqlens_q[b], cu_seqlens_q[b + 1])`` of q and
@@ -143,10 +155,12 @@ def attention_varlen(
             ``"sync"``: by this call, after a host sync. ``False``: no check. Skipped inside
             ``torch.compile``. The kernels clamp the offsets to the packed lengths either way,
             so bad ones give wrong rows, never reads or writes outside the tensors.
+        sinks: ``(Hq,)`` sink logits, as :func:`attention`.
 
     Returns:
-        ``out`` ``(total_q, Hq, D)`` (and the LSE). Differentiable in q, k, v (and through the
-        LSE). Sequences of length 0 give nothing; a query that sees no key gives 0, LSE −inf.
+        ``out`` ``(total_q, Hq, D)`` (and the LSE). Differentiable in q, k, v, the sinks (and
+        through the LSE). Sequences of length 0 give nothing; a query that sees no key gives 0,
+        LSE −inf (or its sink).
 
     Raises:
         TypeError: non-tensors, wrong dtypes (cu_seqlens must be int32), flags that are not
@@ -178,8 +192,10 @@ def attention_varlen(
         if not (on_device and _check_offsets_on_device(cu_q, cu_k, *sizes)):
             _check_cu_values(cu_q, cu_k, *sizes)
     mask = masks.describe(causal, window, softcap)
+    sink = check_sinks(sinks, qc, qc.shape[1])
     o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale, mask.left, mask.right, mask.softcap,
-                           None, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k))  # fmt: skip
+                           None, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), None,
+                           sink)  # fmt: skip
     o = o.transpose(1, 2).squeeze(0)
     return (o, lse.squeeze(0)) if return_lse else o
 
@@ -200,6 +216,7 @@ def attention_kvcache(
     num_splits: int | None = None,
     return_lse: bool = False,
     validate: bool | str = True,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decoding against a KV cache (layout ``b n h d``), optionally paged: the query heads of a
     GQA group share one K/V read, the keys are split across programs (flash-decoding). Forward
@@ -232,6 +249,7 @@ def attention_kvcache(
             ``False``: no check. Without a check a bad value still never reads or writes
             outside the caches: lengths are clamped to the capacity and page ids to the pool,
             so bad values give wrong results.
+        sinks: ``(Hq,)`` sink logits, as :func:`attention` (merged once, whatever the split).
 
     Returns:
         ``out`` ``(B, Nq, Hq, D)`` (and the LSE). Forward only: with grad mode on, tensors
@@ -249,7 +267,7 @@ def attention_kvcache(
     """
     tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     key = _kvcache_key(tensors, (causal, scale, window, softcap, num_splits, validate))
-    plan = _checked_kvcache.get(key) if key is not None else None
+    plan = _checked_kvcache.get(key) if key is not None and sinks is None else None
     if plan is not None and plain_eager(q, k_cache, v_cache):  # a kind of call seen before
         o, lse = plan(*tensors)
         return (o, lse) if return_lse else o
@@ -297,7 +315,7 @@ def attention_kvcache(
         raise ValueError(f"k_cache must be (B={bsz}, Ncap, Hkv, D), got {tuple(k_cache.shape)}")
     if block_table is not None:
         _check_page_size(k_cache.shape[1])
-    _check_forward_only(q, k_cache, v_cache, k_new, v_new)
+    _check_forward_only(q, k_cache, v_cache, k_new, v_new, sinks)
     n_new = 0 if k_new is None else k_new.shape[1]
     if k_new is not None:
         want = (bsz, n_new, hkv, d)
@@ -308,6 +326,12 @@ def attention_kvcache(
     splits = _check_splits(num_splits)
     mask = masks.describe(causal, window, softcap)
     sm_scale = _check_scale(scale, d)
+    if sinks is not None:
+        sink = check_sinks(sinks, q, hq)
+        o, lse = KVCACHE(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
+                         sm_scale, mask.left, mask.right, mask.softcap, splits,
+                         VALIDATE_MODES[validate], sink)  # fmt: skip
+        return (o, lse) if return_lse else o
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, sm_scale,
             mask.left, mask.right, mask.softcap, splits, VALIDATE_MODES[validate])  # fmt: skip
     if key is not None and moved_call_device(q.device) is None:

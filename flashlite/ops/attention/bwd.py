@@ -5,6 +5,7 @@ and the body of its custom op ``flashlite::attention_bwd``."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Callable
 
@@ -53,6 +54,8 @@ def attention_bwd(
     seqlens_k: torch.Tensor | None = None,
     varlen: Varlen | None = None,
     config: C.BwdConfig | None = None,
+    sinks: torch.Tensor | None = None,
+    dsinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels on ``(B, H, N, D)`` views (no autograd, no checks).
 
@@ -61,6 +64,9 @@ def attention_bwd(
         lse: the forward's fp32 ``(B, Hq, Nq)`` LSE; dlse: its gradient, or None.
         mask, scale, seqlens_k, varlen: as in the forward.
         config: pin the kernels' tiles (the traffic tools count the GPU's on a CPU; benchmarks).
+        sinks: the forward's fp32 ``(Hq,)`` sink logits, with ``dsinks``, fp32 ``(Hq,)``, that
+            receives their gradient (:func:`sink_grad`). The LSE the forward saved holds the
+            sink, so the kernels themselves need nothing more.
 
     Returns:
         ``(dq, dk, dv)``, each strided like its input. Extra memory: delta, fp32 ``(B, Hq, Nq)``;
@@ -75,18 +81,35 @@ def attention_bwd(
         key = _bwd_key(do, q, k, v, o, lse, dlse, causal, scale)
         plan = _bwd_plans.get(key)
         if plan is not None:
-            return plan(do, q, k, v, o, lse, dlse)
+            return plan(do, q, k, v, o, lse, dlse, sinks, dsinks)
     b, hq, nq, d = q.shape
     nk = k.shape[2]
     if b * hq * nq == 0 or nk == 0:
+        if sinks is not None:  # no key: every row's probability is all the sink's
+            delta = (do.float() * o.float()).sum(-1)
+            sink_grad(sinks, lse, delta if dlse is None else delta - dlse, dsinks)
         return empty_output(q).zero_(), empty_output(k).zero_(), empty_output(v).zero_()
     if plain:
         plan = BwdPlan(q, k, causal, scale)
-        out = plan(do, q, k, v, o, lse, dlse)
+        out = plan(do, q, k, v, o, lse, dlse, sinks, dsinks)
         _bwd_plans.put(key, plan)
         return out
     return _attention_bwd_masked(do, q, k, v, o, lse, dlse, mask, scale, seqlens_k, varlen,
-                                 config)  # fmt: skip
+                                 config, sinks, dsinks)  # fmt: skip
+
+
+def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
+              out: torch.Tensor | None) -> None:  # fmt: skip
+    """The sinks' gradient into ``out`` (fp32 ``(Hq,)``): ``dsink_h = −Σ p_sink·delta`` over
+    the batch and rows of head h, where ``p_sink = e^(sink_h − lse)`` is the probability the
+    softmax gave the sink and ``delta = rowsum(dO ∘ O) − dlse`` the preprocess's (``lse``,
+    ``delta``: ``(B, Hq, Nq)``). A row whose LSE is −inf (a sink of −inf that saw no key)
+    gives the sink nothing."""
+    assert out is not None, "the sinks' gradient needs its output"
+    safe = torch.where(lse == -math.inf, math.inf, lse)
+    p_sink = torch.exp(sinks.view(1, -1, 1) - safe)
+    torch.sum(p_sink * delta, dim=(0, 2), out=out)
+    out.neg_()
 
 
 def _bwd_key(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -131,6 +154,7 @@ class BwdPlan:
 
     def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
+                 sinks: torch.Tensor | None = None, dsinks: torch.Tensor | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
         dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
         # 16-bit inputs: the preprocess writes Qs (Q·scale·log2 e, as the forward rounded it)
@@ -148,6 +172,8 @@ class BwdPlan:
             self.prep = plan_preprocess(o, do, dlse, delta, q, qs, self.scale, acc)
         self.prep(o, do, dlse, delta, q, qs, acc)
         lse = lse.contiguous()  # the kernels index the (B, Hq, Nq) statistics densely
+        if sinks is not None:
+            sink_grad(sinks, lse, delta, dsinks)
         grads = (qs, k, v, do, lse, delta, dq, dk, dv)
         if self.main is None:
             if acc is not None:  # planned and run once, if it builds
@@ -187,6 +213,7 @@ def _attention_bwd_masked(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
                           o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
                           mask: masks.Mask, scale: float, seqlens_k: torch.Tensor | None,
                           varlen: Varlen | None, config: C.BwdConfig | None,
+                          sinks: torch.Tensor | None = None, dsinks: torch.Tensor | None = None,
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """A backward with a window, soft cap, lengths, packing or a pinned config: the preprocess
     and the Triton pair, launched per call."""
@@ -195,6 +222,8 @@ def _attention_bwd_masked(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     qs = dq if _prescale_q(q) else q
     delta = bwd_preprocess(o, do, lse, dlse, q, qs, scale)
     lse = lse.contiguous()
+    if sinks is not None:
+        sink_grad(sinks, lse, delta, dsinks)
     bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, mask, scale, cfg, seqlens_k=seqlens_k,
              varlen=varlen)  # fmt: skip
     bwd_dq(qs, k, v, do, lse, delta, dq, mask, scale, cfg, seqlens_k=seqlens_k, varlen=varlen)
@@ -262,23 +291,28 @@ def _attention_bwd_body(
     cu_seqlens_k: torch.Tensor | None = None,
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # (returns dq, dk, dv and the sinks' fp32 gradient: (Hq,), or (0,) without sinks)
     _check_bwd_grads(do, o, lse, dlse)
+    dsinks = lse.new_empty((0,) if sinks is None else sinks.shape)
     if (window_left is None and window_right is None and softcap is None and seqlens_k is None
-            and cu_seqlens_q is None):  # fmt: skip
+            and cu_seqlens_q is None and sinks is None):  # fmt: skip
         # a plain backward of a kind planned before: straight to its plan (as the forward)
         plan = _bwd_plans.get(_bwd_key(do, q, k, v, o, lse, dlse, causal, scale))
         if plan is not None:
-            return plan(do, q, k, v, o, lse, dlse)
+            return (*plan(do, q, k, v, o, lse, dlse), dsinks)
     mask = masks.Mask.of_op(causal, window_left, window_right, softcap)
     varlen = _op_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    return attention_bwd(do, q, k, v, o, lse, dlse, mask, scale, seqlens_k=seqlens_k,
-                         varlen=varlen)  # fmt: skip
+    grads = attention_bwd(do, q, k, v, o, lse, dlse, mask, scale, seqlens_k=seqlens_k,
+                          varlen=varlen, sinks=sinks, dsinks=dsinks)  # fmt: skip
+    return (*grads, dsinks)
 
 
 def _attention_bwd_fake(do, q, k, v, o, lse, dlse, causal, scale, window_left=None,  # type: ignore[no-untyped-def]
       window_right=None, softcap=None,
       seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-      max_seqlen_k=None):  # fmt: skip
+      max_seqlen_k=None, sinks=None):  # fmt: skip
     _check_bwd_grads(do, o, lse, dlse)
-    return empty_output(q), empty_output(k), empty_output(v)
+    dsinks = lse.new_empty((0,) if sinks is None else sinks.shape)
+    return empty_output(q), empty_output(k), empty_output(v), dsinks

@@ -153,6 +153,23 @@ def _check_seqlens(seqlens_k: object, q: torch.Tensor, k: torch.Tensor) -> torch
     return seqlens_k.contiguous()
 
 
+def check_sinks(sinks: object, q: torch.Tensor, n_heads: int) -> torch.Tensor | None:
+    """``sinks`` validated and made what the kernels read: a float ``(Hq,)`` tensor, fp32 or
+    q's dtype, on q's device, returned as a contiguous fp32 tensor (through differentiable ops,
+    so its gradient reaches the caller's tensor)."""
+    if sinks is None:
+        return None
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"sinks must be a torch.Tensor, got {type(sinks).__name__}")
+    if sinks.dtype not in (torch.float32, q.dtype):
+        raise TypeError(f"sinks must have dtype torch.float32 or q's {q.dtype}, got {sinks.dtype}")
+    if sinks.shape != (n_heads,):
+        raise ValueError(f"sinks must have shape (Hq,) = ({n_heads},), got {tuple(sinks.shape)}")
+    if sinks.device != q.device:
+        raise ValueError(f"sinks must be on q's device {q.device}, got {sinks.device}")
+    return sinks.float().contiguous()
+
+
 def _check_cu_seqlens(cu: object, name: str, q: torch.Tensor, max_seqlen: object) -> torch.Tensor:
     """``cu``'s type, shape and device checked: int32 ``(batch + 1,)`` on q's device."""
     if not isinstance(cu, torch.Tensor):
@@ -201,6 +218,7 @@ def _check_forward_only(
     v_cache: torch.Tensor,
     k_new: torch.Tensor | None,
     v_new: torch.Tensor | None,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """:func:`attention_kvcache` records no autograd graph: refuse, with grad mode on, inputs
     that require grad (a backward would otherwise fail far from the call, or gradients go
@@ -208,8 +226,8 @@ def _check_forward_only(
     if not torch.is_grad_enabled():
         return
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
-                    ("v_new", v_new)):  # fmt: skip
-        if t is not None and t.requires_grad:
+                    ("v_new", v_new), ("sinks", sinks)):  # fmt: skip
+        if isinstance(t, torch.Tensor) and t.requires_grad:
             raise ValueError(
                 f"attention_kvcache is forward-only (decoding: no gradient), but {name} requires "
                 "grad with grad mode on; call it under torch.no_grad() or torch.inference_mode(), "

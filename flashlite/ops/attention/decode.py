@@ -38,6 +38,7 @@ def attention_decode_fwd(
     num_splits: int | None = None,
     config: C.DecodeConfig | None = None,
     use_desc: bool | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The forward for few query rows against many keys (:mod:`flashlite.kernels.attention.decode`):
     the query heads of a GQA group packed into one tile, the keys split across programs and the
@@ -54,16 +55,18 @@ def attention_decode_fwd(
         num_splits: key chunks per row block (None: :func:`splits_for` this GPU; 1 on CPU).
         config: pin the tile (else :func:`flashlite.kernels.configs.decode_config`).
         use_desc: force TMA descriptor (True) or pointer (False) K/V loads (contiguous caches).
+        sinks: fp32 ``(Hq,)`` sink logits (contiguous), merged once: chunk 0 starts from them.
 
     Returns:
         ``O`` ``(B, Hq, Nq, D)`` strided like q, the fp32 LSE ``(B, Hq, Nq)``, the splits used.
     """
     o = empty_output(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    key = _decode_key(q, k, v, seqlens_k, block_table, mask, scale, num_splits, config, use_desc)
+    key = _decode_key(q, k, v, seqlens_k, block_table, mask, scale, num_splits, config, use_desc,
+                      _meta(sinks))  # fmt: skip
     plan = _decode_plans.made(key, DecodePlan, q, k, v, o, seqlens_k, block_table, mask, scale,
-                              num_splits, config, use_desc)  # fmt: skip
-    return o, lse, plan(q, k, v, seqlens_k, block_table, o, lse)
+                              num_splits, config, use_desc, sinks is not None)  # fmt: skip
+    return o, lse, plan(q, k, v, seqlens_k, block_table, o, lse, sinks)
 
 
 def _decode_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens_k: torch.Tensor | None,
@@ -75,17 +78,19 @@ def _decode_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens_k: to
 
 def planned_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    seqlens_k: torch.Tensor | None, mask: masks.Mask, scale: float,
-                   num_splits: int) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+                   num_splits: int, sinks: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
     """:func:`attention_decode_fwd`'s ``(O, LSE)`` for a call without block table or pinned
     config, when a call of its kind was planned before; else None, nothing launched (plans
     exist only for tensors where kernels run: nothing needs moving)."""
-    key = _decode_key(q, k, v, seqlens_k, None, mask, scale, num_splits, None, None)
+    key = _decode_key(q, k, v, seqlens_k, None, mask, scale, num_splits, None, None,
+                      _meta(sinks))  # fmt: skip
     plan = _decode_plans.get(key)
     if plan is None:
         return None
     o = empty_output(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    plan(q, k, v, seqlens_k, None, o, lse)
+    plan(q, k, v, seqlens_k, None, o, lse, sinks)
     return o, lse
 
 
@@ -112,6 +117,7 @@ class DecodePlan:
         num_splits: int | None,
         config: C.DecodeConfig | None,
         use_desc: bool | None,
+        sinks: bool = False,
     ) -> None:
         b, hq, nq, d = q.shape
         hkv = k.shape[1]
@@ -139,6 +145,7 @@ class DecodePlan:
         self.options = {
             "GROUP": group, "HEAD_DIM": d, "BLOCK_D": C.block_d(d), "BLOCK_M": config.block_m,
             "BLOCK_N": bn, **km.constexprs(), "HAS_SEQLENS": seqlens_k is not None,
+            "HAS_SINKS": sinks,
             "PAGE_SIZE": page_size, "USE_DESC": self.use_desc,
             "PRESCALE_Q": _prescale_q(q), **_dot_flags(q.dtype),
             "num_warps": config.num_warps, "num_stages": config.num_stages,
@@ -172,12 +179,16 @@ class DecodePlan:
         block_table: torch.Tensor | None,
         o: torch.Tensor,
         lse: torch.Tensor,
+        sinks: torch.Tensor | None = None,
     ) -> int:
         """Run on tensors of the planned kind (any view of the same memory: only their data
-        pointers are read); returns the chunks used."""
+        pointers are read; ``sinks`` given iff planned with them); returns the chunks used."""
         if self.empty:
             o.zero_()
-            lse.fill_(-math.inf)
+            if sinks is not None and o.numel():  # no key: each row's LSE is its sink's
+                lse.copy_(sinks.view(1, -1, 1).expand(lse.shape))
+            else:
+                lse.fill_(-math.inf)
             return 1
         if self.parts_size is not None:  # one allocation for both partials (the kernels read
             # only the pointers: the strides are the plan's)
@@ -189,7 +200,8 @@ class DecodePlan:
             k = TensorDescriptor(k, list(k.shape), list(k.stride()), self.desc_block)
             v = TensorDescriptor(v, list(v.shape), list(v.stride()), self.desc_block)
         args = (q, k, v, o_out, lse_out, *self.head, lse if seqlens_k is None else seqlens_k,
-                lse if block_table is None else block_table, *self.tail)  # fmt: skip
+                lse if block_table is None else block_table, lse if sinks is None else sinks,
+                *self.tail)  # fmt: skip
         if self._decode is None:
             self._decode = _launch.launcher(KD._attention_decode_kernel).bind(args, self.options)
         self._decode(self.grid, *args)

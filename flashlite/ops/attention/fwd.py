@@ -43,6 +43,7 @@ def attention_fwd(
     seqlens_k: torch.Tensor | None = None,
     varlen: Varlen | None = None,
     num_splits: int = 0,
+    sinks: torch.Tensor | None = None,
     config: C.Config | None = None,
     use_desc: bool | None = None,
     prescale_q: bool | None = None,
@@ -59,6 +60,8 @@ def attention_fwd(
         num_splits: 0 runs this forward kernel; n >= 1 runs :func:`attention_decode_fwd` (GQA
             rows packed, the keys split across n programs per row block and merged; not with
             ``varlen``).
+        sinks: fp32 ``(Hq,)`` sink logits, contiguous: every row of head h starts from the
+            state ``(sinks[h], 1)``, one more logit with no value (gpt-oss's attention sinks).
         config: pin a :class:`~flashlite.kernels.configs.Config` (else :func:`fixed_config` or
             the autotuner chooses).
         use_desc: force descriptor (True) or pointer (False) loads.
@@ -70,7 +73,7 @@ def attention_fwd(
         kernels run on the GPU: moved there once, results moved back.
     """
     planned = (
-        num_splits <= 0 and mask.plain and seqlens_k is None
+        num_splits <= 0 and mask.plain and seqlens_k is None and sinks is None
         and varlen is None and config is None and use_desc is None and prescale_q is None
     )  # fmt: skip
     if planned:  # the plain call: planned once per kind of q, k, v (:data:`_fwd_plans`)
@@ -79,7 +82,8 @@ def attention_fwd(
         if plan is not None:
             return plan(q, k, v)
     if num_splits > 0 and varlen is None:  # few rows: packed GQA, split-KV, the exact merge
-        o, lse, _ = attention_decode_fwd(q, k, v, seqlens_k, mask, scale, num_splits=num_splits)
+        o, lse, _ = attention_decode_fwd(q, k, v, seqlens_k, mask, scale, num_splits=num_splits,
+                                         sinks=sinks)  # fmt: skip
         return o, lse, None
     dev = q.device
     b, hq, nq, d = q.shape
@@ -88,7 +92,9 @@ def attention_fwd(
     lse = q.new_empty((b, hq, nq), dtype=torch.float32)
     if b * hq * nq == 0:
         return o, lse, None
-    if nk == 0:  # no key at all: every row sees nothing
+    if nk == 0:  # no key at all: every row sees nothing (but its sink)
+        if sinks is not None:
+            return o.zero_(), lse.copy_(sinks.view(1, hq, 1).expand(b, hq, nq)), None
         return o.zero_(), lse.fill_(-math.inf), None
 
     small = b * hq * nq * nk * d < DESC_MIN_WORK
@@ -98,7 +104,7 @@ def attention_fwd(
     plain = not (km.WINDOW or km.SOFTCAP or seqlens_k is not None or varlen is not None)
     if plain and use_desc and config is None and prescale_q is not False:
         hopper = hopper_config(q, nk)
-        run = _run_hopper(q, k, v, o, lse, km.IS_CAUSAL, scale, hopper) if hopper else None
+        run = _run_hopper(q, k, v, o, lse, km.IS_CAUSAL, scale, hopper, sinks) if hopper else None
         if run is not None:
             info = LaunchInfo(_hopper_launch_config(hopper), d, True)
             if planned:  # (it built and ran: later calls of this kind go straight to it)
@@ -106,7 +112,8 @@ def attention_fwd(
             return o, lse, info
     config, launch = _plan(dev, q.dtype, d, km.IS_CAUSAL, small and not use_desc, use_desc,
                            prescale_q, config, km.WINDOW, km.SOFTCAP, seqlens_k is not None,
-                           varlen is not None, _fixed_reference(q.dtype, mask.softcap))  # fmt: skip
+                           varlen is not None, _fixed_reference(q.dtype, mask.softcap, sinks),
+                           sinks is not None)  # fmt: skip
     block_d = launch["BLOCK_D"]
     if use_desc:  # block shapes are set per config (set_block_shapes), placeholders here
         bm, bn = (config.block_m, config.block_n) if config is not None else (16, 16)
@@ -118,7 +125,8 @@ def attention_fwd(
     args = (*srcs, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
             hq, hq // hkv, nq, nk, scale, km.left, km.right, km.softcap,
             seqlens_k if seqlens_k is not None else lse,
-            *(varlen[:2] if varlen is not None else (lse, lse)))  # fmt: skip
+            *(varlen[:2] if varlen is not None else (lse, lse)),
+            sinks if sinks is not None else lse)  # fmt: skip
     # packed sequences: one program row per sequence, as many query blocks as the longest has
     rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
     if config is not None:
@@ -130,12 +138,12 @@ def attention_fwd(
             return o, lse, info
         # the plan's launch takes q, k, v, o themselves where its descriptors read them
         bound = launcher.bind_tensors(args, launch)
-        tail = args[5:-3]  # strides, sizes, scale, mask values (then three placeholders)
-        bound(grid, q, k, v, o, lse, *tail, lse, lse, lse)
+        tail = args[5:-4]  # strides, sizes, scale, mask values (then four placeholders)
+        bound(grid, q, k, v, o, lse, *tail, lse, lse, lse, lse)
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                 lse: torch.Tensor) -> None:  # fmt: skip
-            bound(grid, q, k, v, o, lse, *tail, lse, lse, lse)
+            bound(grid, q, k, v, o, lse, *tail, lse, lse, lse, lse)
 
         _fwd_plans.put(key, _Planned(run, q.shape[:3], info))
         return o, lse, info
@@ -188,16 +196,16 @@ _hopper_failed: set[tuple] = set()
 
 
 def _run_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                lse: torch.Tensor, causal: bool, scale: float,
-                config: KH.HopperConfig) -> Callable[..., None] | None:  # fmt: skip
+                lse: torch.Tensor, causal: bool, scale: float, config: KH.HopperConfig,
+                sinks: torch.Tensor | None = None) -> Callable[..., None] | None:  # fmt: skip
     """Plan and launch the Gluon kernel: its ``run`` for later calls of this kind, or None
     (after one warning) if it fails to compile here."""
-    key = (q.dtype, causal, config)
+    key = (q.dtype, causal, config, sinks is not None)
     if key in _hopper_failed:
         return None
     try:
-        run = HP.plan_fwd_hopper(q, k, causal, scale, config)
-        run(q, k, v, o, lse)
+        run = HP.plan_fwd_hopper(q, k, causal, scale, config, sinks is not None)
+        run(q, k, v, o, lse, sinks)
     except (triton.CompilationError, TypeError, ValueError, AttributeError) as err:
         _hopper_failed.add(key)
         warnings.warn(f"flashlite: the Hopper attention kernel failed to build ({err!r:.300}); "
@@ -221,13 +229,14 @@ def _attention_fwd_body(
     max_seqlen_q: int | None = None,
     max_seqlen_k: int | None = None,
     num_splits: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # (the mask's fields as masks.describe made them: None is unlimited / no cap; num_splits
     # None runs the plain forward kernel, n >= 1 the split-KV decode kernel)
     # a call of a kind planned before goes straight to its plan (plans exist only for tensors
     # where kernels run, so nothing needs moving)
     if (not num_splits and window_left is None and window_right is None and softcap is None
-            and seqlens_k is None and cu_seqlens_q is None):  # fmt: skip
+            and seqlens_k is None and cu_seqlens_q is None and sinks is None):  # fmt: skip
         plan = _fwd_plans.get(_fwd_key(q, k, v, causal, scale))
         if plan is not None:
             o, lse, _ = plan(q, k, v)
@@ -235,19 +244,19 @@ def _attention_fwd_body(
     mask = masks.Mask.of_op(causal, window_left, window_right, softcap)
     num_splits = num_splits or 0
     if num_splits > 0 and cu_seqlens_q is None:  # the decode kernel (as attention_fwd runs it)
-        found = planned_decode(q, k, v, seqlens_k, mask, scale, num_splits)
+        found = planned_decode(q, k, v, seqlens_k, mask, scale, num_splits, sinks)
         if found is not None:
             return found
     varlen = _op_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, lse, _ = attention_fwd(q, k, v, mask, scale, seqlens_k=seqlens_k, varlen=varlen,
-                              num_splits=num_splits)  # fmt: skip
+                              num_splits=num_splits, sinks=sinks)  # fmt: skip
     return o, lse
 
 
 def _attention_fwd_fake(q, k, v, causal, scale, window_left=None, window_right=None,  # type: ignore[no-untyped-def]
       softcap=None, seqlens_k=None,
       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-      num_splits=None):  # fmt: skip
+      num_splits=None, sinks=None):  # fmt: skip
     return empty_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 

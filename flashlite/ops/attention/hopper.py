@@ -46,10 +46,12 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> Any:
 
 
 def plan_fwd_hopper(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float,
-                    config: KH.HopperConfig) -> Callable[..., None]:  # fmt: skip
-    """``run(q, k, v, o, lse)`` for tensors shaped, strided and aligned as ``q``, ``k`` are
-    (and ``v`` as ``k``, ``o`` as ``q``): the grid, options and bound launch fixed here.
-    Writes ``o`` ``(B, Hq, Nq, D)`` and the contiguous fp32 ``lse`` ``(B, Hq, Nq)``. No checks:
+                    config: KH.HopperConfig,
+                    sinks: bool = False) -> Callable[..., None]:  # fmt: skip
+    """``run(q, k, v, o, lse, sinks=None)`` for tensors shaped, strided and aligned as ``q``,
+    ``k`` are (and ``v`` as ``k``, ``o`` as ``q``): the grid, options and bound launch fixed
+    here. Writes ``o`` ``(B, Hq, Nq, D)`` and the contiguous fp32 ``lse`` ``(B, Hq, Nq)``;
+    with ``sinks`` every call passes the fp32 ``(Hq,)`` sink logits. No checks:
     the caller has validated the inputs and that TMA can read them (16-bit, a head dim with a
     :data:`~flashlite.kernels.attention.hopper.CONFIGS` entry, 16-byte aligned strides). The
     descriptors are the launcher's business (:meth:`~flashlite._launch.Launcher.bind_tensors`)."""
@@ -59,17 +61,18 @@ def plan_fwd_hopper(q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float
     grid = (triton.cdiv(nq, config.block_m), b * hq, 1)
     rest = (hq, hq // hkv, nq, nk, scale)
     options = {"BLOCK_M": config.block_m, "BLOCK_N": bn, "STAGES": config.stages,
-               "IS_CAUSAL": causal, "num_warps": 4}  # fmt: skip
+               "IS_CAUSAL": causal, "HAS_SINKS": sinks, "num_warps": 4}  # fmt: skip
     kernel = _launch.launcher(KH._attention_fwd_hopper_kernel)
     bound: list[Callable[..., None]] = []
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-            lse: torch.Tensor) -> None:  # fmt: skip
+            lse: torch.Tensor, sinks: torch.Tensor | None = None) -> None:  # fmt: skip
+        sink_src = lse if sinks is None else sinks  # (a placeholder without sinks: never read)
         if not bound:  # the first call binds (descriptors of these tensors as templates)
             templates = (_descriptor(q, half), _descriptor(k, bn), _descriptor(v, bn),
                          _descriptor(o, half))  # fmt: skip
-            bound.append(kernel.bind_tensors((*templates, lse, *rest), options))
-        bound[0](grid, q, k, v, o, lse, *rest)
+            bound.append(kernel.bind_tensors((*templates, lse, sink_src, *rest), options))
+        bound[0](grid, q, k, v, o, lse, sink_src, *rest)
 
     return run
 

@@ -59,7 +59,7 @@ class KVCachePlan:
     made dense per call (``B`` or ``B·max_pages`` ints, a no-op when they are dense already;
     cheaper than two more strides through every tile load of the decode kernel)."""
 
-    def __init__(self, args: tuple) -> None:
+    def __init__(self, args: tuple, sinks: bool = False) -> None:
         q, k_cache, v_cache, cache_seqlens, k_new, _, block_table = args[:_TENSORS]
         causal, scale, window_left, window_right, softcap, num_splits, validate = args[_TENSORS:]
         self.validate = validate
@@ -86,7 +86,7 @@ class KVCachePlan:
             q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
             o.transpose(1, 2), cache_seqlens.contiguous(), block_table,
             masks.Mask.of_op(causal, window_left, window_right, softcap), scale,
-            num_splits or None, None, None,
+            num_splits or None, None, None, sinks,
         )  # fmt: skip
 
     def __call__(
@@ -98,8 +98,10 @@ class KVCachePlan:
         k_new: torch.Tensor | None,
         v_new: torch.Tensor | None,
         block_table: torch.Tensor | None,
+        sinks: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run on tensors of the planned kind: ``out`` ``(B, Nq, Hq, D)``, LSE ``(B, Hq, Nq)``."""
+        """Run on tensors of the planned kind: ``out`` ``(B, Nq, Hq, D)``, LSE ``(B, Hq, Nq)``
+        (``sinks`` given iff planned with them)."""
         if self.validate == "sync":  # every value check before anything is written (a sync)
             _check_cache_values(cache_seqlens, self.n_new, self.capacity, block_table,
                                 self.slots, self.num_pages)  # fmt: skip
@@ -111,7 +113,7 @@ class KVCachePlan:
                                         block_table)  # fmt: skip
         o = torch.empty_like(q)  # (empty_like: less host time than a shape, dtype and device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
-        self.decode(q, k_cache, v_cache, lengths, block_table, o, lse)
+        self.decode(q, k_cache, v_cache, lengths, block_table, o, lse, sinks)
         return o, lse
 
     def _run_prepare(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -152,10 +154,11 @@ _kvcache_plans = Cache("attention.kvcache", 1024)
 _TENSORS = 7
 
 
-def _kvcache_plan(args: tuple) -> KVCachePlan:
-    """The :class:`KVCachePlan` of :func:`_kvcache`'s (checked) arguments, made on first use."""
-    key = (*map(_meta, args[:_TENSORS]), *args[_TENSORS:])
-    return _kvcache_plans.made(key, KVCachePlan, args)
+def _kvcache_plan(args: tuple, sinks: torch.Tensor | None = None) -> KVCachePlan:
+    """The :class:`KVCachePlan` of :func:`_kvcache`'s (checked) arguments, made on first use
+    (``sinks``: the calls' sink logits, whose kind the plan pins, or None)."""
+    key = (*map(_meta, args[:_TENSORS]), *args[_TENSORS:], _meta(sinks))
+    return _kvcache_plans.made(key, KVCachePlan, args, sinks is not None)
 
 
 def _kvcache(
@@ -173,19 +176,22 @@ def _kvcache(
     softcap: float | None,
     num_splits: int | None,
     validate: str,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_kvcache` after its argument checks: the value checks, the append, the
     decode kernel (:class:`KVCachePlan`). The mask's fields as :func:`flashlite.masks.describe`
-    made them (None: unlimited side, no cap); ``num_splits`` None chooses."""
+    made them (None: unlimited side, no cap); ``num_splits`` None chooses; ``sinks`` fp32
+    ``(Hq,)``, contiguous, or None."""
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale,
             window_left, window_right, softcap, num_splits, validate)  # fmt: skip
     dev = moved_call_device(q.device)
     if dev is not None:
-        return _kvcache_moved(args, dev)
-    return _kvcache_plan(args)(*args[:_TENSORS])
+        return _kvcache_moved(args, dev, sinks)
+    return _kvcache_plan(args, sinks)(*args[:_TENSORS], sinks)
 
 
-def _kvcache_moved(args: tuple, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _kvcache_moved(args: tuple, dev: torch.device, sinks: torch.Tensor | None = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`_kvcache` of CPU tensors in a process whose kernels run on the GPU ``dev``: the
     step runs on copies there, and the caches it wrote are copied back. A bad value the device
     check finds is raised by this call (the copy back waits for the device anyway)."""
@@ -196,7 +202,8 @@ def _kvcache_moved(args: tuple, dev: torch.device) -> tuple[torch.Tensor, torch.
     tensors = tuple(moved(t, dev) for t in args[:_TENSORS])
     k_moved, v_moved, k_new = tensors[1], tensors[2], tensors[4]
     try:
-        o, lse = _kvcache_plan((*tensors, *args[_TENSORS:]))(*tensors)
+        sinks = moved(sinks, dev)
+        o, lse = _kvcache_plan((*tensors, *args[_TENSORS:]), sinks)(*tensors, sinks)
     finally:  # what the append wrote (the good rows, when a bad one is reported)
         if k_new is not None:
             k_cache.copy_(k_moved)
@@ -207,7 +214,8 @@ def _kvcache_moved(args: tuple, dev: torch.device) -> tuple[torch.Tensor, torch.
 
 
 def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale,  # type: ignore[no-untyped-def]
-                  window_left, window_right, softcap, num_splits, validate):  # fmt: skip
+                  window_left, window_right, softcap, num_splits, validate,
+                  sinks=None):  # fmt: skip
     return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]),
                                             dtype=torch.float32)  # fmt: skip
 

@@ -233,15 +233,17 @@ def splits_for(programs: int, rows: int, nk: int, sms: int, block_m: int, per_sm
     return max(1, min(per_sm * sms // blocks, C.cdiv(nk, 256), 64))
 
 
-def _fixed_reference(dtype: torch.dtype, softcap: float | None) -> bool:
+def _fixed_reference(dtype: torch.dtype, softcap: float | None,
+                     sinks: torch.Tensor | None = None) -> bool:  # fmt: skip
     """Whether the forward drops the running maximum for a fixed reference (no row max, no
     rescale of the accumulator: softcap's time drops to about that of no cap on the H200).
 
     A soft cap c bounds every score to [−c, c], so with the reference at c − δ,
     δ = max(2c − 80, 0), each ``p = e^(x − ref)`` lies in [e^−80, e^δ]: normal in fp32 and bf16
     (8 exponent bits; fp16's 5 would overflow or flush it). c ≤ 50 keeps p ≤ e^20 ≈ 5e8, so the
-    sums stay far from overflow for any realistic V and length."""
-    return softcap is not None and softcap <= 50.0 and dtype != torch.float16
+    sums stay far from overflow for any realistic V and length. A sink is not capped (it may
+    sit far above c), so calls with sinks keep the running maximum."""
+    return softcap is not None and softcap <= 50.0 and dtype != torch.float16 and sinks is None
 
 
 def _plan(
@@ -258,11 +260,12 @@ def _plan(
     seqlens: bool = False,
     varlen: bool = False,
     fixed_ref: bool = False,
+    sinks: bool = False,
 ) -> tuple[C.Config | None, dict]:
     """The config and the kernel's keyword arguments for one kind of call, worked out once per
     kind (small problems feel every microsecond of host work)."""
     key = (dev, dtype, d, causal, small, use_desc, prescale_q, config, window, softcap, seqlens,
-           varlen, fixed_ref, C.pinned_text())  # fmt: skip
+           varlen, fixed_ref, sinks, C.pinned_text())  # fmt: skip
     plan = _plans.get(key)
     if plan is not None:
         return plan
@@ -279,6 +282,7 @@ def _plan(
         "SOFTCAP": softcap,
         "HAS_SEQLENS": seqlens,
         "VARLEN": varlen,
+        "HAS_SINKS": sinks,
         "FIXED_REF": fixed_ref,
         "USE_DESC": use_desc,
         # fold the scale into Q for 16-bit inputs (see the kernel)
