@@ -28,8 +28,8 @@ def _run(fn, q, k, v, sinks, do, dlse):  # noqa: ANN001, ANN202
 
 def _assert_close_to_fp64(fn, q, k, v, sinks, **ref_kw) -> None:  # noqa: ANN001
     """fn's outputs and gradients within 2x torch's low-precision error of fp64's (+ a floor)."""
-    do = torch.randn(q.shape, dtype=q.dtype)
-    dlse = torch.randn(q.shape[:3])
+    do = torch.randn(q.shape, dtype=q.dtype, device=q.device)
+    dlse = torch.randn(q.shape[:3], device=q.device)
 
     def ref(up: bool):  # noqa: ANN202
         return lambda q, k, v, s: reference.attention(q, k, v, upcast=up, return_lse=True,
@@ -199,6 +199,21 @@ def test_kvcache_with_sinks(paged: bool, split: int) -> None:
                                    return_lse=True)  # fmt: skip
     torch.testing.assert_close(o.transpose(1, 2).double(), ro, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(lse, rlse.float(), atol=1e-5, rtol=1e-5)
+
+
+def test_kvcache_repeat_call_reads_the_new_sinks() -> None:
+    # a second call of a kind seen before skips its checks: it must still read this call's sinks
+    q = torch.randn(2, 1, 4, 16)
+    k_cache, v_cache = (torch.randn(2, 30, 2, 16) for _ in range(2))
+    lens = torch.tensor([30, 12], dtype=torch.int32)
+    outs = []
+    for sinks in (torch.zeros(4), torch.full((4,), 3.0), torch.zeros(4)):
+        o = flashlite.attention_kvcache(q, k_cache, v_cache, cache_seqlens=lens, sinks=sinks)
+        ro = reference.attention(*(t.transpose(1, 2).double() for t in (q, k_cache, v_cache)),
+                                 True, sinks=sinks.double(), seqlens_k=lens)  # fmt: skip
+        torch.testing.assert_close(o.transpose(1, 2).double(), ro, atol=1e-5, rtol=1e-5)
+        outs.append(o)
+    assert not torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
 def test_opcheck_with_sinks() -> None:

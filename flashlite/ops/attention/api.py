@@ -266,10 +266,11 @@ def attention_kvcache(
             is written.
     """
     tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-    key = _kvcache_key(tensors, (causal, scale, window, softcap, num_splits, validate))
-    plan = _checked_kvcache.get(key) if key is not None and sinks is None else None
+    options = (causal, scale, window, softcap, num_splits, validate)
+    key = _kvcache_key((*tensors, sinks), options)
+    plan = _checked_kvcache.get(key) if key is not None else None
     if plan is not None and plain_eager(q, k_cache, v_cache):  # a kind of call seen before
-        o, lse = plan(*tensors)
+        o, lse = plan(*tensors) if sinks is None else plan(*tensors, sinks.float())
         return (o, lse) if return_lse else o
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
                     ("cache_seqlens", cache_seqlens)):  # fmt: skip
@@ -326,17 +327,12 @@ def attention_kvcache(
     splits = _check_splits(num_splits)
     mask = masks.describe(causal, window, softcap)
     sm_scale = _check_scale(scale, d)
-    if sinks is not None:
-        sink = check_sinks(sinks, q, hq)
-        o, lse = KVCACHE(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal,
-                         sm_scale, mask.left, mask.right, mask.softcap, splits,
-                         VALIDATE_MODES[validate], sink)  # fmt: skip
-        return (o, lse) if return_lse else o
+    sink = check_sinks(sinks, q, hq)  # (fp32: what the plan's key pins, whatever came in)
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, sm_scale,
             mask.left, mask.right, mask.softcap, splits, VALIDATE_MODES[validate])  # fmt: skip
     if key is not None and moved_call_device(q.device) is None:
         # these arguments passed every check above: next time, skip them (and the op layer:
         # CPU tensors whose kernels run on a GPU take the op's moving path every time)
-        _checked_kvcache.put(key, _kvcache_plan(args))
-    o, lse = KVCACHE(*args)
+        _checked_kvcache.put(key, _kvcache_plan(args, sink))
+    o, lse = KVCACHE(*args) if sink is None else KVCACHE(*args, sink)
     return (o, lse) if return_lse else o
