@@ -11,7 +11,12 @@ from flashlite import (
     reference,
     stats,
 )
-from flashlite.ops.attention import attention, attention_kvcache, attention_varlen
+from flashlite.ops.attention import (
+    attention,
+    attention_kvcache,
+    attention_shared_prefix,
+    attention_varlen,
+)
 from flashlite.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from flashlite.ops.softmax import log_softmax, softmax
 
@@ -24,6 +29,7 @@ __all__ = [
     "__version__",
     "attention",
     "attention_kvcache",
+    "attention_shared_prefix",
     "attention_varlen",
     "cross_entropy",
     "distributed",

@@ -54,6 +54,7 @@ PUBLIC = {
     "attention": flashlite.attention,
     "attention_varlen": flashlite.attention_varlen,
     "attention_kvcache": flashlite.attention_kvcache,
+    "attention_shared_prefix": flashlite.attention_shared_prefix,
     "cross_entropy": flashlite.cross_entropy,
     "linear_cross_entropy": flashlite.linear_cross_entropy,
     "distributed.ring_attention": flashlite.distributed.ring_attention,

@@ -51,6 +51,10 @@ def test_train_gpt_flashlite_loss_matches_torch(tmp_path: Path) -> None:
     assert fused[-1] < fused[0]
 
 
+def test_shared_prefix_decodes_like_copies_of_the_prompt() -> None:
+    assert _load("shared_prefix").main(["--steps", "2"]) == 0
+
+
 def test_hf_generate_matches_sdpa() -> None:
     pytest.importorskip("transformers")
     assert _load("hf_generate").main(["--new-tokens", "8"]) == 0

@@ -12,6 +12,7 @@
 ``autograd``    the two ops stated once (``flashlite::attention_fwd``/``_bwd``, autograd included)
 ``decode``      the decode kernel's plan and launch (GQA packing, split-KV, the exact merge)
 ``kvcache``     the KV-cache step: value checks, append, decode; ``flashlite::attention_kvcache``
+``shared_prefix``  cascade decoding over one shared prefix: prefix pass, suffix pass, merge
 ==============  ==================================================================================
 
 The kernels live in :mod:`flashlite.kernels.attention` and their tile tables in
@@ -54,6 +55,7 @@ from flashlite.ops.attention.plan import (
     hopper_config,
     splits_for,
 )
+from flashlite.ops.attention.shared_prefix import attention_shared_prefix
 
 __all__ = [
     "DECODE_MAX_ROWS",
@@ -72,6 +74,7 @@ __all__ = [
     "attention_decode_fwd",
     "attention_fwd",
     "attention_kvcache",
+    "attention_shared_prefix",
     "attention_varlen",
     "block_d",
     "bwd_config",
