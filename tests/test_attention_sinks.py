@@ -231,6 +231,29 @@ def test_opcheck_with_sinks() -> None:
              sinks.detach()))  # fmt: skip
 
 
+def test_kvcache_op_with_sinks_passes_opcheck_and_compiles() -> None:
+    from torch.library import opcheck
+
+    q = torch.randn(2, 1, 4, 16)
+    k_cache, v_cache = (torch.randn(2, 40, 2, 16) for _ in range(2))
+    new = [torch.randn(2, 1, 2, 16) for _ in range(2)]
+    lens = torch.tensor([7, 30], dtype=torch.int32)
+    sinks = torch.randn(4)
+    args = (q, k_cache.clone(), v_cache.clone(), lens, *new, None, True, 0.25, None, 0, None, 2,
+            "device", sinks)  # fmt: skip
+    opcheck(torch.ops.flashlite.attention_kvcache.default, args)
+
+    def step(q, kc, vc, kn, vn, s):  # noqa: ANN001, ANN202
+        return flashlite.attention_kvcache(q, kc, vc, cache_seqlens=lens, k_new=kn, v_new=vn,
+                                           sinks=s)  # fmt: skip
+
+    caches = [(k_cache.clone(), v_cache.clone()) for _ in range(2)]
+    eager = step(q, *caches[0], *new, sinks)
+    compiled = torch.compile(step, fullgraph=True)(q, *caches[1], *new, sinks)
+    torch.testing.assert_close(compiled, eager, atol=1e-6, rtol=0)
+    assert torch.equal(caches[0][0], caches[1][0])
+
+
 def test_bad_sinks_raise_and_write_nothing() -> None:
     q = torch.randn(1, 2, 4, 16)
     with pytest.raises(TypeError, match="sinks must be a torch.Tensor"):
