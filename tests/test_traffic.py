@@ -693,3 +693,89 @@ def test_cross_entropy_traffic_cli(capsys: pytest.CaptureFixture) -> None:
     rows = json.loads(capsys.readouterr().out)
     assert [r["method"] for r in rows] == ["flashlite-ce", "torch-ce"]
     assert rows[0]["model_bytes"] == rows[0]["counted_bytes"]
+
+
+# --------------------------------------------------------------------------- shared prefix
+def _shared_prefix_shape(dtype: torch.dtype, hkv: int = 2) -> AttentionShape:
+    # B=3 requests of Hq=4 heads decode one token each against suffix caches of L=24 keys
+    return AttentionShape(3, 4, 1, 16, seq_k=24, kv_heads=hkv, dtype=dtype, causal=True)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("splits", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+def test_shared_prefix_counted_equals_model(dtype: torch.dtype, splits: int) -> None:
+    # both passes' decode kernels (+ combines), the copy of q, the merge, byte for byte; the
+    # prefix read once (one row block: B·Nq·G = 6 rows), against B times over copies
+    n_prefix = 40
+    shape = _shared_prefix_shape(dtype)
+    shared, copies = traffic.count_shared_prefix(shape, n_prefix, splits)
+    suffix_tiles, prefix_tiles = traffic.shared_prefix_tiles(shape, interpreted=True)
+    assert shared.info["suffix_tiles"] == tuple(suffix_tiles[:2])
+    model = traffic.model_flashlite_shared_prefix(
+        shape, n_prefix, suffix_tiles=shared.info["suffix_tiles"],
+        prefix_tiles=shared.info["prefix_tiles"], suffix_splits=splits, prefix_splits=splits,
+    )  # fmt: skip
+    alt = traffic.model_kvcache_prefix_copies(shape, n_prefix, *suffix_tiles[:2], splits)
+    assert (shared.read, shared.write) == (model.read, model.write)
+    assert (copies.read, copies.write) == (alt.read, alt.write)
+    assert model.info["prefix_splits"] == splits  # (40 keys: two chunks of 16-key tiles)
+    once = n_prefix * shape.hkv * shape.head_dim * shape.itemsize  # (40 = 16 + 16 + 8 lanes)
+    for x in ("k", "v"):
+        assert shared.parts[f"@prefix_{x}"] == model.parts[f"prefix {x}"] == [once, 0]
+        assert shared.parts[f"@{x}_cache"] == model.parts[f"suffix {x}"]
+        assert alt.parts[f"prefix {x}"] == [shape.batch * once, 0]
+    q_bytes = shape.batch * shape.heads * shape.head_dim * shape.itemsize
+    assert shared.parts["torch ops"] == model.parts["q copy"] == [q_bytes, q_bytes]
+
+
+@pytest.mark.interpreter
+def test_shared_prefix_without_gqa_copies_no_q() -> None:
+    # Hq = Hkv: q's (Hq, B, Nq, D) order is a view of (1, Hkv, B·Nq, D), so no copy is made
+    shape = _shared_prefix_shape(torch.float16, hkv=4)
+    shared, _ = traffic.count_shared_prefix(shape, 17, 1)
+    model = traffic.model_flashlite_shared_prefix(shape, 17, suffix_tiles=(16, 16),
+                                                  prefix_tiles=(16, 16), suffix_splits=1,
+                                                  prefix_splits=1)  # fmt: skip
+    assert (shared.read, shared.write) == (model.read, model.write)
+    assert "torch ops" not in shared.parts and model.parts["q copy"] == [0, 0]
+
+
+def test_shared_prefix_model_at_a_gpu_shape() -> None:
+    # B=64, Np=32k, L=1k, Hq=32, Hkv=8, D=128, bf16 on the H200's tiles and split counts: the
+    # prefix pass's 256 rows per KV head are 4 row blocks of 64, each reading the prefix once
+    shape = AttentionShape(64, 32, 1, 128, seq_k=1024, kv_heads=8, causal=True)
+    suffix, prefix = traffic.shared_prefix_tiles(shape)
+    splits = traffic.shared_prefix_splits(shape, 32768, suffix.block_m)
+    model = traffic.model_flashlite_shared_prefix(
+        shape, 32768, suffix_tiles=suffix[:2], prefix_tiles=prefix[:2], suffix_splits=splits[0],
+        prefix_splits=splits[1],
+    )  # fmt: skip
+    alt = traffic.model_kvcache_prefix_copies(shape, 32768, *suffix[:2], 1)
+    once = 32768 * 8 * 128 * 2
+    assert prefix.block_m == 64 and model.info["prefix_row_blocks"] == 4
+    assert model.parts["prefix k"] == [4 * once, 0] and alt.parts["prefix k"] == [64 * once, 0]
+    assert alt.total > 10 * model.total
+    # causal Nq = 2 without new keys: the op's exact torch path, left out of the model
+    two = AttentionShape(64, 32, 2, 128, seq_k=1024, kv_heads=8, causal=True)
+    with pytest.raises(ValueError, match="exact torch path"):
+        traffic.model_flashlite_shared_prefix(two, 32768, suffix_tiles=(16, 64),
+                                              prefix_tiles=(64, 64), suffix_splits=1,
+                                              prefix_splits=1)  # fmt: skip
+
+
+@pytest.mark.interpreter
+def test_shared_prefix_rows_and_cli(capsys: pytest.CaptureFixture) -> None:
+    from flashlite import cli
+
+    argv = ["traffic", "--shared-prefix", "40", "--seq", "24", "--batch", "3", "--heads", "4",
+            "--kv-heads", "2", "--head-dim", "16", "--quiet"]  # fmt: skip
+    assert cli.main([*argv, "--count", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [r["method"] for r in rows] == ["flashlite-shared-prefix", "kvcache-prefix-copies"]
+    assert all(r["model_bytes"] == r["counted_bytes"] for r in rows)
+    assert rows[1]["prefix_vs_shared"] == 3 and rows[1]["vs_shared"] > 1
+    assert cli.main(argv) == 0  # (model only: the GPU's tiles)
+    assert "prefix ratio" in capsys.readouterr().out
+    assert cli.main([*argv, "--decode-q", "2"]) == 2
+    assert "exact torch path" in capsys.readouterr().err

@@ -164,6 +164,26 @@ def _cmd_softmax_traffic(args: argparse.Namespace) -> int:
     return _measure_status(args, rows)
 
 
+def _cmd_shared_prefix_traffic(args: argparse.Namespace) -> int:
+    from flashlite.traffic import format_shared_prefix_table, shared_prefix_rows
+
+    # the suffix caches' lengths are --seq; decoding is causal (as --decode)
+    shapes = [replace(_shape_from(args, n), seq_q=args.decode_q, seq_k=n, causal=True)
+              for n in args.seq]  # fmt: skip
+    try:  # (a shape the model leaves out fails before any counting)
+        rows, notes = shared_prefix_rows(shapes, args.shared_prefix, count=args.count,
+                                         gpu=args.gpu, show_progress=not args.quiet)  # fmt: skip
+    except ValueError as err:
+        print(f"flashlite traffic: error: {err}", file=sys.stderr)
+        return 2
+    if args.measure:
+        notes.append("--measure does not cover --shared-prefix: model and count only")
+    for note in dict.fromkeys(notes):
+        print(f"note: {note}", file=sys.stderr)
+    _emit(args, rows, [format_shared_prefix_table(rows)])
+    return _measure_status(args, rows)
+
+
 def _measure_status(args: argparse.Namespace, rows: Sequence[dict[str, Any]]) -> int:
     """2 when --measure was the whole job and measured nothing (no GPU or ncu), else 0."""
     nothing = all(r.get("measured_bytes") is None for r in rows)
@@ -183,6 +203,8 @@ def cmd_traffic(args: argparse.Namespace) -> int:
                                   weight=args.ce_weight)  # fmt: skip
         _emit(args, rows, [format_softmax_table(rows)])
         return 0
+    if args.shared_prefix is not None:
+        return _cmd_shared_prefix_traffic(args)
     if args.decode:
         from flashlite.traffic import decode_rows
 

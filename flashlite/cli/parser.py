@@ -82,6 +82,8 @@ _TRAFFIC_EXAMPLES = """\
 examples:
   flashlite traffic --seq 1024 4096 --head-dim 64                   model only, instant
   flashlite traffic --seq 64 128 256 --causal --count --plot traffic.png
+  flashlite traffic --shared-prefix 32768 --seq 1024 --batch 64 --heads 32 --kv-heads 8 \\
+      --head-dim 128 --dtype bfloat16                  the shared step vs prefix copies
   flashlite traffic --seq 4096 16384 --heads 16 --head-dim 128 --dtype bfloat16 --measure"""
 
 _BENCH = """\
@@ -369,7 +371,24 @@ def build_parser() -> argparse.ArgumentParser:
         "flashlite's split-KV path (model; --count counts it) against the materialising "
         "reference (counted)",
     )
-    _option(t, "--decode-q", type=_COUNT, default=1, help="queries per sequence (with --decode)")
+    _option(
+        t,
+        "--decode-q",
+        type=_COUNT,
+        default=1,
+        help="queries per sequence (with --decode or --shared-prefix)",
+    )
+    _option(
+        t,
+        "--shared-prefix",
+        type=_COUNT,
+        default=None,
+        metavar="NP",
+        help="show shared-prefix decoding's bytes: --batch requests share a prefix of NP keys, "
+        "each with a full cache of --seq keys of its own; one attention_shared_prefix step "
+        "against attention_kvcache over per-request copies of the prefix, with the prefix's "
+        "bytes (model; --count counts both, with the interpreter's tiles) (default: off)",
+    )
     _option(
         t,
         "--ce",

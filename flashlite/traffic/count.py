@@ -30,6 +30,7 @@ from flashlite.traffic.model import (
     counted_config,
     flashlite_config,
     resolve_softmax_algorithm,
+    shared_prefix_tiles,
 )
 from flashlite.traffic.shapes import ATTENTION_METHODS, AttentionShape, Traffic, make_inputs
 
@@ -385,6 +386,60 @@ def count_decode(
     with count_torch_ops() as naive:
         reference.attention(q, k, v, causal=True)
     return flash, naive.traffic
+
+
+def count_shared_prefix(
+    shape: AttentionShape, n_prefix: int, splits: int
+) -> tuple[Traffic, Traffic]:
+    """Counted bytes of one shared-prefix decoding step on CPU tensors: ``(shared, copies)``.
+
+    ``shape`` gives B, Hq, Hkv, Nq, D, the dtype and the mask; ``L = shape.nk`` keys fill each
+    request's contiguous suffix cache. shared runs :func:`flashlite.attention_shared_prefix` over
+    a prefix of ``n_prefix`` keys; copies runs :func:`flashlite.attention_kvcache` over caches of
+    ``n_prefix + L`` keys holding a copy of the prefix (made before counting). Both with
+    ``num_splits=splits`` (the CPU would pick 1), no new keys, no window, ``validate=False``;
+    kernels counted in the interpreter, torch ops (shared's copy of q) as ``"torch ops"``.
+    ``parts["@prefix_k"]`` and the like: the bytes that touched each input (shared only).
+
+    The op takes no tile config: both count with the interpreter's decode tiles, which ``info``
+    names (:func:`~flashlite.traffic.model.shared_prefix_tiles` with ``interpreted=True``); the
+    model agrees evaluated with those tiles and ``splits``, not with the GPU's.
+    """
+    import flashlite
+
+    B, Hq, Hkv, Nq, L, D = (shape.batch, shape.heads, shape.hkv, shape.seq_q, shape.nk,
+                            shape.head_dim)  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+
+    def rand(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=gen).to(shape.dtype)
+
+    q = rand(B, Nq, Hq, D)
+    prefix_k, prefix_v = rand(n_prefix, Hkv, D), rand(n_prefix, Hkv, D)
+    k_cache, v_cache = rand(B, L, Hkv, D), rand(B, L, Hkv, D)
+    lengths = torch.full((B,), L, dtype=torch.int32)
+    options: dict[str, Any] = {"causal": shape.causal, "num_splits": splits, "validate": False}
+    suffix_tiles, prefix_tiles = shared_prefix_tiles(shape, interpreted=True)
+    info = {"suffix_tiles": tuple(suffix_tiles[:2]), "prefix_tiles": tuple(prefix_tiles[:2]),
+            "splits": splits}  # fmt: skip
+    with count_kernels() as kern, count_torch_ops() as ops:
+        kern.watch(prefix_k=prefix_k, prefix_v=prefix_v, k_cache=k_cache, v_cache=v_cache)
+        flashlite.attention_shared_prefix(q, prefix_k, prefix_v, k_cache, v_cache,
+                                          cache_seqlens=lengths, **options)  # fmt: skip
+    shared = kern.traffic
+    if ops.traffic.total:
+        shared.add("torch ops", ops.traffic.read, ops.traffic.write)
+    shared.info = info
+    k_whole, v_whole = (torch.cat([p.expand(B, -1, -1, -1), c], 1)
+                        for p, c in ((prefix_k, k_cache), (prefix_v, v_cache)))  # fmt: skip
+    whole_lengths = lengths + n_prefix
+    with count_kernels() as kern, count_torch_ops() as ops:
+        flashlite.attention_kvcache(q, k_whole, v_whole, cache_seqlens=whole_lengths, **options)
+    copies = kern.traffic
+    if ops.traffic.total:
+        copies.add("torch ops", ops.traffic.read, ops.traffic.write)
+    copies.info = {"tiles": info["suffix_tiles"], "splits": splits}
+    return shared, copies
 
 
 def count_cross_entropy(

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -388,6 +389,116 @@ def decode_rows(
     if show_progress:
         _progress(len(shapes), len(shapes), "decode")
     return rows, notes
+
+
+def shared_prefix_rows(
+    shapes: Sequence[AttentionShape],
+    n_prefix: int,
+    *,
+    count: bool = False,
+    splits: int | None = None,
+    gpu: str = "h200",
+    show_progress: bool = True,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """Two rows per shape for shared-prefix decoding (``shape``: B requests of Nq queries, a
+    full suffix cache of ``L = shape.nk`` keys each, causal, no window): one
+    :func:`flashlite.attention_shared_prefix` step over a prefix of ``n_prefix`` keys and
+    :func:`flashlite.attention_kvcache` over per-request copies of it (``Np + L`` keys each),
+    with the bytes of the prefix's K and V that each reads and the ratios to the shared step.
+
+    The model uses the ``gpu`` table's decode tiles and the split counts each pass picks on
+    its SMs (or ``splits`` for every pass). With ``count`` both run on the CPU
+    (:func:`~flashlite.traffic.count.count_shared_prefix`) with the interpreter's tiles, as
+    the op takes no tile config, and ``num_splits = splits or 1``; the model is then evaluated
+    with those same tiles and splits, so the two columns compare like for like. Returns the
+    rows and notes."""
+    from flashlite.traffic.count import count_shared_prefix
+    from flashlite.traffic.model import (
+        decode_splits,
+        model_flashlite_shared_prefix,
+        model_kvcache_prefix_copies,
+        shared_prefix_splits,
+        shared_prefix_tiles,
+    )
+
+    sms = GPUS[gpu].sms
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+    for j, shape in enumerate(shapes):
+        if show_progress:
+            _progress(j, len(shapes), f"shared prefix L={shape.nk}")
+        suffix_cfg, prefix_cfg = shared_prefix_tiles(shape, interpreted=count)
+        bm, bn = suffix_cfg.block_m, suffix_cfg.block_n
+        if count or splits:
+            s_splits = p_splits = c_splits = splits or 1
+        else:
+            s_splits, p_splits = shared_prefix_splits(shape, n_prefix, bm, sms)
+            c_splits = decode_splits(replace(shape, seq_k=n_prefix + shape.nk), bm, sms)
+        prefix_tiles = (prefix_cfg.block_m, prefix_cfg.block_n)
+        shared = model_flashlite_shared_prefix(
+            shape, n_prefix, suffix_tiles=(bm, bn), prefix_tiles=prefix_tiles,
+            suffix_splits=s_splits, prefix_splits=p_splits,
+        )  # fmt: skip
+        copies = model_kvcache_prefix_copies(shape, n_prefix, bm, bn, c_splits)
+        counted: tuple[Traffic | None, Traffic | None] = (None, None)
+        if count:
+            counted = count_shared_prefix(shape, n_prefix, s_splits)
+        info = shared.info
+        configs = (
+            f"suffix {info['suffix_config']} S={info['suffix_splits']}; "
+            f"prefix {info['prefix_config']} S={info['prefix_splits']}",
+            f"{copies.info['config']} S={copies.info['splits']}",
+        )
+        shared_prefix = shared.parts["prefix k"][0] + shared.parts["prefix v"][0]
+        for method, m, c, config in zip(("flashlite-shared-prefix", "kvcache-prefix-copies"),
+                                        (shared, copies), counted, configs,
+                                        strict=True):  # fmt: skip
+            prefix_bytes = m.parts["prefix k"][0] + m.parts["prefix v"][0]
+            rows.append(
+                {
+                    "method": method,
+                    "prefix_len": n_prefix,
+                    "seq_len": shape.nk,
+                    **byte_fields(model=m, counted=c),
+                    "prefix_bytes": prefix_bytes,
+                    "prefix_vs_shared": prefix_bytes / shared_prefix,
+                    "vs_shared": m.total / shared.total,
+                    "config": config,
+                    "tiles": "interpreter" if count else gpu,
+                    "shape": shape.to_json(),
+                }
+            )
+        if info["prefix_row_blocks"] > 1:
+            prefix_rows = shape.batch * shape.heads * shape.seq_q // shape.hkv
+            notes.append(
+                f"L={shape.nk}: the prefix pass's {prefix_rows} rows per KV head take "
+                f"{info['prefix_row_blocks']} row blocks, each reading the prefix (issued "
+                "bytes; L2 may serve the repeats)"
+            )
+    if show_progress:
+        _progress(len(shapes), len(shapes), "shared prefix")
+    if count:
+        notes.append(
+            "counted in Triton's interpreter with its decode tiles and num_splits="
+            f"{splits or 1} for every pass; the model is evaluated with the same (without "
+            f"--count: the {gpu} table's tiles and split counts)"
+        )
+    return rows, notes
+
+
+def format_shared_prefix_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The shared-prefix table: one line per (method, suffix length)."""
+    return _table(rows, [
+        ("method", -24, lambda r: r["method"]),
+        ("config", -36, lambda r: r["config"]),
+        ("Np", 8, lambda r: str(r["prefix_len"])),
+        ("L", 7, lambda r: str(r["seq_len"])),
+        ("model MB", 12, lambda r: _mb(r["model_bytes"])),
+        ("counted MB", 13, lambda r: _mb(r["counted_bytes"])),
+        ("prefix MB", 12, lambda r: _mb(r["prefix_bytes"])),
+        ("prefix ratio", 14, lambda r: _ratio(r["prefix_vs_shared"])),
+        ("total ratio", 13, lambda r: _ratio(r["vs_shared"])),
+    ])  # fmt: skip
 
 
 def cross_entropy_rows(

@@ -53,6 +53,7 @@ from flashlite.ops.attention.plan import (
     fixed_config,
     gpu_config,
     hopper_config,
+    prefix_splits,
     splits_for,
 )
 from flashlite.ops.attention.shared_prefix import attention_shared_prefix
@@ -93,5 +94,6 @@ __all__ = [
     "hopper_config",
     "keep_config",
     "smem_bytes",
+    "prefix_splits",
     "splits_for",
 ]

@@ -31,7 +31,7 @@ from flashlite.ops.attention.api import attention, attention_kvcache
 from flashlite.ops.attention.checks import DTYPES, _check_scale, _check_splits, check_sinks
 from flashlite.ops.attention.decode import attention_decode_fwd
 from flashlite.ops.attention.kvcache import _kvcache_key
-from flashlite.ops.attention.plan import decode_tiles, splits_for
+from flashlite.ops.attention.plan import prefix_splits
 from flashlite.ops.common import check_flags, moved_call_device, on_compute_device
 
 Pair = tuple[torch.Tensor, torch.Tensor]
@@ -257,17 +257,13 @@ def _spans(n_prefix: int, nq: int, n_new: int, capacity: int,
 
 
 def _prefix_splits(q: torch.Tensor, prefix_k: torch.Tensor, bulk: tuple[int, int]) -> int:
-    """Key chunks of the prefix pass: two programs per SM on a GPU (at Np = 32k, 256 rows per
-    KV head, 8 chunks ran 0.100 ms on the H200 in a CUDA graph, one per SM's 4 chunks 0.119
-    ms); 1 in the interpreter."""
+    """Key chunks of the prefix pass: :func:`prefix_splits` on a GPU, 1 in the interpreter."""
     if not q.is_cuda or _backend.kernels_interpreted():
         return 1
     bsz, nq, hq, d = q.shape
     hkv = prefix_k.shape[1]
-    rows = bsz * nq * hq // hkv
-    block_m = decode_tiles(rows, hkv, d, q.element_size()).block_m
-    return splits_for(hkv, rows, bulk[1] - bulk[0], _backend.num_sms(q.device.index or 0),
-                      block_m, per_sm=2)  # fmt: skip
+    return prefix_splits(bsz * nq * hq // hkv, hkv, bulk[1] - bulk[0], d, q.element_size(),
+                         _backend.num_sms(q.device.index or 0))  # fmt: skip
 
 
 def _edge_pass(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,

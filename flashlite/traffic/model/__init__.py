@@ -46,6 +46,12 @@ from flashlite.traffic.model.decode import (
     decode_splits,
     model_flashlite_decode,
 )
+from flashlite.traffic.model.shared_prefix import (
+    model_flashlite_shared_prefix,
+    model_kvcache_prefix_copies,
+    shared_prefix_splits,
+    shared_prefix_tiles,
+)
 from flashlite.traffic.model.softmax import (
     compulsory_softmax,
     dram_softmax,
@@ -85,6 +91,10 @@ __all__ = [
     "decode_rows_per_head",
     "decode_splits",
     "model_flashlite_decode",
+    "shared_prefix_tiles",
+    "shared_prefix_splits",
+    "model_flashlite_shared_prefix",
+    "model_kvcache_prefix_copies",
     "model_cross_entropy",
     "compulsory_cross_entropy",
 ]

@@ -26,8 +26,41 @@ def decode_splits(shape: AttentionShape, block_m: int, sms: int = 132) -> int:
     return splits_for(shape.batch * shape.hkv, rows, shape.nk, sms, block_m)
 
 
+def decode_lanes(
+    shape: AttentionShape,
+    block_m: int,
+    block_n: int,
+    splits: int,
+    mask: masks.Mask = masks.CAUSAL,
+    keys: tuple[int, int] | None = None,
+) -> int:
+    """``Σ lanes`` of :func:`model_flashlite_decode`: the key lanes the decode kernel loads for
+    one KV head of one batch, over its row blocks and chunks, counting only keys in ``keys``
+    ``[k0, k1)`` (None: all ``Nk``; a slice of the cache, such as a prefix copied into it)."""
+    Nq, Nk = shape.seq_q, shape.nk
+    group, rows = shape.heads // shape.hkv, decode_rows_per_head(shape)
+    k0, k1 = (0, Nk) if keys is None else keys
+    split_len, splits = key_chunks(Nk, block_n, splits)  # the decode plan's own split
+    lanes = 0
+    for r0 in range(0, rows, block_m):
+        # (the kernel visits [lo, hi): a window's left-edge tiles, the full ones, the last ones)
+        lo, _, _, hi = masks.torch_key_range(r0 // group, block_m, block_n, Nq, Nk, mask)
+        for c in range(splits):
+            c0, c1 = c * split_len, (c + 1) * split_len
+            start, end = min(max(lo, c0), c1), min(max(hi, c0), c1)
+            lanes += sum(max(0, min(j + block_n, Nk, k1) - max(j, k0))
+                         for j in range(start, end, block_n))  # fmt: skip
+    return lanes
+
+
 def model_flashlite_decode(
-    shape: AttentionShape, block_m: int, block_n: int, splits: int
+    shape: AttentionShape,
+    block_m: int,
+    block_n: int,
+    splits: int,
+    *,
+    mask: masks.Mask = masks.CAUSAL,
+    lengths: bool = True,
 ) -> Traffic:
     """Bytes the decode kernel issues (:func:`flashlite.attention_kvcache` without new tokens: a
     full contiguous cache of ``Nk`` keys per batch).
@@ -42,25 +75,21 @@ def model_flashlite_decode(
         read  = programs·4 + S·B·Hq·Nq·D·b + 2·B·Hkv·D·b·Σ lanes  [+ B·Hq·Nq·S·(4·D + 4)]
         write = B·Hq·Nq·(D·b + 4)                                  [or S·B·Hq·Nq·(4·D + 4) + that]
 
-    ``Σ lanes`` runs over row blocks and chunks; a row block's key range is that of the query
-    positions its rows may hold (``BLOCK_M`` of them from its first row's position).
+    ``Σ lanes`` (:func:`decode_lanes`) runs over row blocks and chunks; a row block's key range
+    is that of the query positions its rows may hold (``BLOCK_M`` of them from its first row's
+    position) under ``mask`` (causal, as :func:`~flashlite.attention_kvcache` decodes by
+    default; a window's too). ``lengths=False``: a call without ``seqlens_k``, whose programs
+    read no length.
     """
     b = shape.itemsize
     B, Hq, Hkv = shape.batch, shape.heads, shape.hkv
     Nq, Nk, D = shape.seq_q, shape.nk, shape.head_dim
-    group, rows = Hq // Hkv, decode_rows_per_head(shape)
-    split_len, splits = key_chunks(Nk, block_n, splits)  # the decode plan's own split
-    lanes = 0
-    for r0 in range(0, rows, block_m):
-        lo, full_lo, full_hi, hi = masks.torch_key_range(r0 // group, block_m, block_n, Nq, Nk,
-                                                         masks.CAUSAL)  # fmt: skip
-        for c in range(splits):
-            c0, c1 = c * split_len, (c + 1) * split_len
-            start, end = min(max(full_lo, c0), c1), min(max(hi, c0), c1)
-            lanes += sum(min(block_n, Nk - j) for j in range(start, end, block_n))
-    programs = triton.cdiv(rows, block_m) * B * Hkv * splits
+    lanes = decode_lanes(shape, block_m, block_n, splits, mask)
+    splits = key_chunks(Nk, block_n, splits)[1]  # the decode plan's own split
+    programs = triton.cdiv(decode_rows_per_head(shape), block_m) * B * Hkv * splits
     t = Traffic()
-    t.add("lengths", programs * 4, 0)
+    if lengths:
+        t.add("lengths", programs * 4, 0)
     t.add("q", splits * B * Hq * Nq * D * b, 0)
     t.add("k", B * Hkv * lanes * D * b, 0)
     t.add("v", B * Hkv * lanes * D * b, 0)
