@@ -18,9 +18,9 @@ Three independent ways to get the bytes a call moves between DRAM (HBM) and the 
 
 :mod:`~flashlite.traffic.shapes` holds what they share (:class:`AttentionShape`,
 :class:`Traffic`), and :mod:`~flashlite.traffic.report` the rows, table and plot of the
-``flashlite traffic`` command. Counted equals the model exactly for flashlite kernels; measured
-differs from both (L2 reuse of K/V across query blocks, caches, ECC, prefetch):
-``docs/hbm-traffic.md`` explains.
+``flashlite traffic`` command (:mod:`~flashlite.traffic.report_decode` its decoding rows).
+Counted equals the model exactly for flashlite kernels; measured differs from both (L2 reuse
+of K/V across query blocks, caches, ECC, prefetch): ``docs/hbm-traffic.md`` explains.
 """
 
 from flashlite.traffic.count import (
@@ -76,14 +76,16 @@ from flashlite.traffic.report import (
     SOFTMAX_SHOWN,
     backward_rows,
     cross_entropy_rows,
-    decode_rows,
-    format_shared_prefix_table,
     format_softmax_table,
     format_table,
     plot_traffic,
-    shared_prefix_rows,
     softmax_rows,
     traffic_rows,
+)
+from flashlite.traffic.report_decode import (
+    decode_rows,
+    format_shared_prefix_table,
+    shared_prefix_rows,
 )
 from flashlite.traffic.shapes import (
     ATTENTION_METHODS,
