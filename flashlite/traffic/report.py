@@ -40,7 +40,7 @@ from flashlite.traffic.shapes import (
 _MB = 1e6
 
 
-def _progress(done: int, total: int, label: str = "") -> None:
+def progress_bar(done: int, total: int, label: str = "") -> None:
     """A one-line progress bar on stderr (redrawn in place)."""
     width = 24
     filled = int(width * done / max(total, 1))
@@ -49,7 +49,8 @@ def _progress(done: int, total: int, label: str = "") -> None:
     sys.stderr.flush()
 
 
-def _mb(x: int | float | None) -> str:
+def format_mb(x: int | float | None) -> str:
+    """Bytes as MB with three decimals (``-`` for a missing value)."""
     return "-" if x is None else f"{x / _MB:.3f}"
 
 
@@ -82,12 +83,12 @@ def traffic_rows(
     if measure:
         for i, method in enumerate(methods):
             if show_progress:
-                _progress(i, len(methods), f"measuring {method}")
+                progress_bar(i, len(methods), f"measuring {method}")
             measured[method] = measure_attention(method, shapes)
             if measured[method].message:
                 notes.append(measured[method].message)
         if show_progress:
-            _progress(len(methods), len(methods), "measured")
+            progress_bar(len(methods), len(methods), "measured")
     rows: list[dict[str, Any]] = []
     total = len(methods) * len(shapes)
     for i, method in enumerate(methods):
@@ -95,7 +96,7 @@ def traffic_rows(
             counted = None
             if count:
                 if show_progress:
-                    _progress(i * len(shapes) + j, total, f"counting {method} N={shape.seq_q}")
+                    progress_bar(i * len(shapes) + j, total, f"counting {method} N={shape.seq_q}")
                 counted = count_attention(method, shape, gpu=gpu, config=pinned.get(shape.head_dim))
             config: dict[str, Any] = {}
             if method == "flashlite":
@@ -130,7 +131,7 @@ def traffic_rows(
                 }
             )
     if count and show_progress:
-        _progress(total, total, "counted")
+        progress_bar(total, total, "counted")
     if measure:
         for shape in shapes:
             note = l2_note(shape)
@@ -139,7 +140,8 @@ def traffic_rows(
     return rows, notes
 
 
-def _ratio(x: float | None) -> str:
+def format_ratio(x: float | None) -> str:
+    """A ratio as ``1.23x`` (``-`` for a missing value)."""
     return "-" if x is None else f"{x:.2f}x"
 
 
@@ -147,7 +149,7 @@ def _ratio(x: float | None) -> str:
 Column = tuple[str, int, Callable[[dict[str, Any]], str]]
 
 
-def _table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> str:
+def text_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> str:
     """A fixed-width text table with a rule under the header."""
 
     def line(cells: Sequence[str]) -> str:
@@ -160,15 +162,15 @@ def _table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> str:
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """The traffic table: one line per (method, sequence length)."""
-    return _table(rows, [
+    return text_table(rows, [
         ("method", -18, lambda r: r["method"]),
         ("config", -20, lambda r: r.get("config") or "-"),
         ("seq", 7, lambda r: str(r["seq_len"])),
-        ("model MB", 12, lambda r: _mb(r["model_bytes"])),
-        ("counted MB", 13, lambda r: _mb(r["counted_bytes"])),
-        ("DRAM est MB", 14, lambda r: _mb(r.get("dram_bytes"))),
-        ("measured MB", 14, lambda r: _mb(r["measured_bytes"])),
-        ("vs compulsory", 15, lambda r: _ratio(r["vs_compulsory"])),
+        ("model MB", 12, lambda r: format_mb(r["model_bytes"])),
+        ("counted MB", 13, lambda r: format_mb(r["counted_bytes"])),
+        ("DRAM est MB", 14, lambda r: format_mb(r.get("dram_bytes"))),
+        ("measured MB", 14, lambda r: format_mb(r["measured_bytes"])),
+        ("vs compulsory", 15, lambda r: format_ratio(r["vs_compulsory"])),
     ])  # fmt: skip
 
 
@@ -273,13 +275,13 @@ def softmax_rows(
 
 def format_softmax_table(rows: Sequence[dict[str, Any]]) -> str:
     """The softmax traffic table: one line per algorithm."""
-    return _table(rows, [
+    return text_table(rows, [
         ("method", -24, lambda r: r["method"]),
-        ("issued MB", 11, lambda r: _mb(r["model_bytes"])),
-        ("counted MB", 12, lambda r: _mb(r["counted_bytes"])),
-        ("DRAM est MB", 13, lambda r: _mb(r["dram_bytes"])),
-        ("measured MB", 13, lambda r: _mb(r["measured_bytes"])),
-        ("vs compulsory", 15, lambda r: _ratio(r["vs_compulsory"])),
+        ("issued MB", 11, lambda r: format_mb(r["model_bytes"])),
+        ("counted MB", 12, lambda r: format_mb(r["counted_bytes"])),
+        ("DRAM est MB", 13, lambda r: format_mb(r["dram_bytes"])),
+        ("measured MB", 13, lambda r: format_mb(r["measured_bytes"])),
+        ("vs compulsory", 15, lambda r: format_ratio(r["vs_compulsory"])),
     ])  # fmt: skip
 
 
@@ -304,7 +306,7 @@ def backward_rows(
     rows: list[dict[str, Any]] = []
     for j, shape in enumerate(shapes):
         if show_progress:
-            _progress(j, len(shapes), f"backward N={shape.seq_q}")
+            progress_bar(j, len(shapes), f"backward N={shape.seq_q}")
         model = model_flashlite_attention_bwd(shape)
         dram = dram_flashlite_attention_bwd(shape)
         flash = naive = None
@@ -327,7 +329,7 @@ def backward_rows(
                 }
             )
     if show_progress:
-        _progress(len(shapes), len(shapes), "backward")
+        progress_bar(len(shapes), len(shapes), "backward")
     return rows, notes
 
 

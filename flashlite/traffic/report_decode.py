@@ -10,7 +10,7 @@ from typing import Any
 
 from flashlite.traffic.measure import Measurement, measure_attention
 from flashlite.traffic.model import GPUS, compulsory_attention
-from flashlite.traffic.report import _mb, _progress, _ratio, _table
+from flashlite.traffic.report import format_mb, format_ratio, progress_bar, text_table
 from flashlite.traffic.shapes import AttentionShape, Traffic, byte_fields
 
 
@@ -40,7 +40,7 @@ def decode_rows(
     rows: list[dict[str, Any]] = []
     for j, shape in enumerate(shapes):
         if show_progress:
-            _progress(j, len(shapes), f"decode Nk={shape.nk}")
+            progress_bar(j, len(shapes), f"decode Nk={shape.nk}")
         config = decode_tiles(decode_rows_per_head(shape), shape.batch * shape.hkv,
                               shape.head_dim, shape.itemsize)  # fmt: skip
         bm, bn = config.block_m, config.block_n
@@ -69,7 +69,7 @@ def decode_rows(
                 }
             )
     if show_progress:
-        _progress(len(shapes), len(shapes), "decode")
+        progress_bar(len(shapes), len(shapes), "decode")
     return rows, notes
 
 
@@ -108,7 +108,7 @@ def shared_prefix_rows(
     notes: list[str] = []
     for j, shape in enumerate(shapes):
         if show_progress:
-            _progress(j, len(shapes), f"shared prefix L={shape.nk}")
+            progress_bar(j, len(shapes), f"shared prefix L={shape.nk}")
         suffix_cfg, prefix_cfg = shared_prefix_tiles(shape, interpreted=count)
         bm, bn = suffix_cfg.block_m, suffix_cfg.block_n
         if count or splits:
@@ -158,7 +158,7 @@ def shared_prefix_rows(
                 "bytes; L2 may serve the repeats)"
             )
     if show_progress:
-        _progress(len(shapes), len(shapes), "shared prefix")
+        progress_bar(len(shapes), len(shapes), "shared prefix")
     if count:
         notes.append(
             "counted in Triton's interpreter with its decode tiles and num_splits="
@@ -170,14 +170,14 @@ def shared_prefix_rows(
 
 def format_shared_prefix_table(rows: Sequence[dict[str, Any]]) -> str:
     """The shared-prefix table: one line per (method, suffix length)."""
-    return _table(rows, [
+    return text_table(rows, [
         ("method", -24, lambda r: r["method"]),
         ("config", -36, lambda r: r["config"]),
         ("Np", 8, lambda r: str(r["prefix_len"])),
         ("L", 7, lambda r: str(r["seq_len"])),
-        ("model MB", 12, lambda r: _mb(r["model_bytes"])),
-        ("counted MB", 13, lambda r: _mb(r["counted_bytes"])),
-        ("prefix MB", 12, lambda r: _mb(r["prefix_bytes"])),
-        ("prefix ratio", 14, lambda r: _ratio(r["prefix_vs_shared"])),
-        ("total ratio", 13, lambda r: _ratio(r["vs_shared"])),
+        ("model MB", 12, lambda r: format_mb(r["model_bytes"])),
+        ("counted MB", 13, lambda r: format_mb(r["counted_bytes"])),
+        ("prefix MB", 12, lambda r: format_mb(r["prefix_bytes"])),
+        ("prefix ratio", 14, lambda r: format_ratio(r["prefix_vs_shared"])),
+        ("total ratio", 13, lambda r: format_ratio(r["vs_shared"])),
     ])  # fmt: skip
