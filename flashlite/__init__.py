@@ -7,15 +7,20 @@ from typing import Any
 
 from flashlite import (
     _backend,  # noqa: F401  (chooses compiled vs interpreted Triton first)
+    gallery,
     masks,
+    mods,
     reference,
     stats,
 )
+from flashlite.block_mask import BlockMask
 from flashlite.ops.attention import (
     attention,
     attention_kvcache,
     attention_shared_prefix,
     attention_varlen,
+    create_block_mask,
+    flex_attention,
 )
 from flashlite.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from flashlite.ops.softmax import log_softmax, softmax
@@ -27,15 +32,20 @@ except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
 
 __all__ = [
     "__version__",
+    "BlockMask",
     "attention",
     "attention_kvcache",
     "attention_shared_prefix",
     "attention_varlen",
+    "create_block_mask",
     "cross_entropy",
     "distributed",
+    "flex_attention",
+    "gallery",
     "linear_cross_entropy",
     "log_softmax",
     "masks",
+    "mods",
     "nn",
     "reference",
     "softmax",

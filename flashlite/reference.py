@@ -1,7 +1,8 @@
 """Plain torch baselines: every test and every traffic comparison is held against these.
 
 Nothing here imports the rest of flashlite but :mod:`flashlite.masks`, the one definition of
-which keys a query sees.
+which keys a query sees, and :mod:`flashlite.mods`, whose torch twins apply your own masks and
+score functions.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 import torch
 
 from flashlite.masks import torch_visible
+from flashlite.mods import MaskMod, ScoreMod, torch_mask, torch_score
 
 #: ``backend=`` names of :func:`sdpa` and the torch backend each one pins.
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")
@@ -48,6 +50,8 @@ def attention(
     softcap: float | None = None,
     seqlens_k: torch.Tensor | None = None,
     sinks: torch.Tensor | None = None,
+    mask_mod: MaskMod | None = None,
+    score_mod: ScoreMod | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Naive attention that materialises ``S = Q Kᵀ`` and ``P = softmax(S)`` (layout b h n d).
 
@@ -72,6 +76,9 @@ def attention(
         sinks: ``(Hq,)`` sink logits in the scaled-score space (gpt-oss): one more column of
             each head's scores, with no value; it joins the softmax's denominator and is
             dropped from the output (differentiable, as every other input here).
+        mask_mod, score_mod: your own mask and score function (:mod:`flashlite.mods`), their
+            torch twins applied to the ``(B, Hq, Nq, Nk)`` scores: the score function after the
+            cap, then the mask.
 
     Returns:
         ``O`` ``(B, Hq, Nq, D)`` in ``q``'s dtype (and the LSE, the sink's column included).
@@ -92,7 +99,14 @@ def attention(
     s = s * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    masked = causal or window is not None or seqlens_k is not None
+    if score_mod is not None or mask_mod is not None:  # the twins see (B, Hq, Nq, Nk)
+        s4 = s.reshape(b, hq, nq, nk)
+        if score_mod is not None:
+            s4 = torch_score(score_mod, s4)
+        if mask_mod is not None:
+            s4 = torch.where(torch_mask(mask_mod, b, hq, nq, nk, q.device), s4, -math.inf)
+        s = s4.reshape(s.shape)
+    masked = causal or window is not None or seqlens_k is not None or mask_mod is not None
     if seqlens_k is not None:  # one (Nq, Nk) mask per batch, broadcast over the heads
         seen = torch.zeros(b, nq, nk, dtype=torch.bool, device=q.device)
         for i, n in enumerate(seqlens_k.tolist()):

@@ -18,6 +18,9 @@ PACKAGE = ROOT / "flashlite"
 FLOORS = {
     "flashlite.stats": 0,
     "flashlite.masks": 0,
+    "flashlite.mods": 0,
+    "flashlite.gallery": 0,
+    "flashlite.block_mask": 0,
     "flashlite._backend": 0,
     "flashlite._launch": 0,
     "flashlite._teams": 0,

@@ -13,6 +13,8 @@
 ``decode``      the decode kernel's plan and launch (GQA packing, split-KV, the exact merge)
 ``kvcache``     the KV-cache step: value checks, append, decode; ``flashlite::attention_kvcache``
 ``shared_prefix``  cascade decoding over one shared prefix: prefix pass, suffix pass, merge
+``flex``        your own masks and score functions: :func:`create_block_mask` (the tile
+                classifier), :func:`flex_attention` and their ops ``flashlite::flex_attention_*``
 ==============  ==================================================================================
 
 The kernels live in :mod:`flashlite.kernels.attention` and their tile tables in
@@ -37,6 +39,7 @@ from flashlite.ops.attention.bwd import attention_bwd, hopper_bwd_applies
 from flashlite.ops.attention.bwd_launch import bwd_dkdv, bwd_dq, bwd_preprocess
 from flashlite.ops.attention.checks import check_inputs, check_sinks
 from flashlite.ops.attention.decode import DecodePlan, attention_decode_fwd, combine_splits
+from flashlite.ops.attention.flex import create_block_mask, dense_block_mask, flex_attention
 from flashlite.ops.attention.fwd import attention_fwd
 from flashlite.ops.attention.kvcache import KVCachePlan
 from flashlite.ops.attention.plan import (
@@ -86,9 +89,12 @@ __all__ = [
     "check_inputs",
     "check_sinks",
     "combine_splits",
+    "create_block_mask",
+    "dense_block_mask",
     "decode_tiles",
     "empty_output",
     "fixed_config",
+    "flex_attention",
     "gpu_config",
     "hopper_bwd_applies",
     "hopper_config",

@@ -1,0 +1,225 @@
+"""A gallery of mask and score functions (attention-gym's favourites), each a ``@triton.jit``
+function with its torch twin and, for scores, its derivative. Each maker returns a
+:class:`~flashlite.mods.MaskMod` or :class:`~flashlite.mods.ScoreMod` ready for
+:func:`flashlite.create_block_mask` and :func:`flashlite.flex_attention` (and for torch's own
+``create_block_mask`` and ``flex_attention``: calling one runs its twin).
+
+Positions are top-left aligned as in FlexAttention (``q_idx >= kv_idx`` is causal); flashlite's
+built-in ``causal=True`` is bottom-right aligned, the same when ``Nq == Nk``.
+
+=====================  =====================================================================
+maker                  keeps / adds
+=====================  =====================================================================
+``causal()``           ``q_idx >= kv_idx``
+``sliding_window(w)``  causal, and ``q_idx − kv_idx <= w`` (``window=(w, 0)`` built in)
+``prefix_lm(n)``       keys below ``n`` for everyone, causal after
+``document(ids)``      ``ids[b, q_idx] == ids[b, kv_idx]`` (packed sequences)
+``document_causal``    document and causal
+``alibi(slopes)``      ``score + slopes[h]·(kv_idx − q_idx)``
+``tanh_softcap(c)``    ``c·tanh(score / c)``
+``relative_bias(t)``   ``score + t[h, clamp(kv_idx − q_idx, ±R) + R]``, ``t`` ``(H, 2R + 1)``
+=====================  =====================================================================
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from flashlite.mods import MaskMod, ScoreMod, mask_mod, score_mod
+
+__all__ = [
+    "causal",
+    "sliding_window",
+    "prefix_lm",
+    "document",
+    "document_causal",
+    "alibi",
+    "alibi_slopes",
+    "tanh_softcap",
+    "relative_bias",
+]
+
+
+# --------------------------------------------------------------------------- masks
+@triton.jit
+def _causal(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx
+
+
+@triton.jit
+def _sliding_window(b, h, q_idx, kv_idx, window):
+    return (q_idx >= kv_idx) & (q_idx - kv_idx <= window)
+
+
+@triton.jit
+def _prefix_lm(b, h, q_idx, kv_idx, prefix):
+    return (kv_idx < prefix) | (q_idx >= kv_idx)
+
+
+@triton.jit
+def _document(b, h, q_idx, kv_idx, ids, stride_b):
+    row = ids + b * stride_b
+    return tl.load(row + q_idx) == tl.load(row + kv_idx)
+
+
+def _document_t(b, h, q_idx, kv_idx, ids, stride_b):  # type: ignore[no-untyped-def]
+    flat = ids.reshape(-1)
+    return flat[b * stride_b + q_idx] == flat[b * stride_b + kv_idx]
+
+
+@triton.jit
+def _document_causal(b, h, q_idx, kv_idx, ids, stride_b):
+    return _document(b, h, q_idx, kv_idx, ids, stride_b) & (q_idx >= kv_idx)
+
+
+def _document_causal_t(b, h, q_idx, kv_idx, ids, stride_b):  # type: ignore[no-untyped-def]
+    return _document_t(b, h, q_idx, kv_idx, ids, stride_b) & (q_idx >= kv_idx)
+
+
+def causal() -> MaskMod:
+    """Causal, top-left aligned: query ``i`` sees keys ``j <= i``."""
+    return mask_mod(_causal, name="flashlite.gallery.causal")
+
+
+def sliding_window(window: int) -> MaskMod:
+    """Causal within ``window`` keys back: ``i − window <= j <= i`` (built-in
+    ``window=(window, 0)``)."""
+    if isinstance(window, bool) or not isinstance(window, int) or window < 0:
+        raise ValueError(f"window must be an int >= 0, got {window!r}")
+    return mask_mod(_sliding_window, window, name="flashlite.gallery.sliding_window")
+
+
+def prefix_lm(prefix: int) -> MaskMod:
+    """Prefix-LM: every query sees the first ``prefix`` keys (bidirectional), then causal."""
+    if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
+        raise ValueError(f"prefix must be an int >= 0, got {prefix!r}")
+    return mask_mod(_prefix_lm, prefix, name="flashlite.gallery.prefix_lm")
+
+
+def _doc_ids(ids: torch.Tensor) -> tuple[torch.Tensor, int]:
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dtype == torch.bool:
+        raise TypeError(f"ids must be an integer tensor (B, N) or (N,), got "
+                        f"{getattr(ids, 'dtype', type(ids).__name__)}")  # fmt: skip
+    if ids.dim() not in (1, 2):
+        raise ValueError(f"ids must be (B, N) or (N,), got shape {tuple(ids.shape)}")
+    ids = ids.contiguous()
+    return ids, (ids.shape[1] if ids.dim() == 2 else 0)
+
+
+def document(ids: torch.Tensor) -> MaskMod:
+    """Packed sequences: a query sees the keys of its own document. ``ids`` ``(B, N)`` (or
+    ``(N,)`` for every batch): the document of each token, for self-attention (``Nq = Nk = N``)."""
+    ids, stride = _doc_ids(ids)
+    return mask_mod(_document, ids, stride, torch_fn=_document_t, name="flashlite.gallery.document")
+
+
+def document_causal(ids: torch.Tensor) -> MaskMod:
+    """:func:`document` and causal: packed causal language modelling."""
+    ids, stride = _doc_ids(ids)
+    return mask_mod(_document_causal, ids, stride, torch_fn=_document_causal_t,
+                    name="flashlite.gallery.document_causal")  # fmt: skip
+
+
+# --------------------------------------------------------------------------- scores
+@triton.jit
+def _alibi(score, b, h, q_idx, kv_idx, slopes):
+    return score + tl.load(slopes + h) * (kv_idx - q_idx).to(tl.float32)
+
+
+@triton.jit
+def _alibi_grad(score, b, h, q_idx, kv_idx, slopes):
+    return score * 0.0 + 1.0
+
+
+def _alibi_t(score, b, h, q_idx, kv_idx, slopes):  # type: ignore[no-untyped-def]
+    return score + slopes[h] * (kv_idx - q_idx).to(score.dtype)
+
+
+def alibi_slopes(heads: int) -> torch.Tensor:
+    """ALiBi's slopes for ``heads`` heads: ``2^(−8(i+1)/H)`` for a power of two, and the
+    paper's interleaving otherwise (fp32 ``(H,)``)."""
+
+    def powers(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    p = 2 ** int(math.floor(math.log2(heads)))
+    slopes = powers(p) + (powers(2 * p)[0::2][: heads - p] if heads > p else [])
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi(slopes: torch.Tensor) -> ScoreMod:
+    """ALiBi: ``score + slopes[h]·(kv_idx − q_idx)`` (``slopes`` fp32 ``(H,)``, e.g.
+    :func:`alibi_slopes`); a linear penalty on distance, paired with a causal mask."""
+    if not isinstance(slopes, torch.Tensor) or slopes.dim() != 1:
+        raise ValueError(
+            f"slopes must be a 1-D tensor (H,), got {getattr(slopes, 'shape', slopes)}"
+        )
+    slopes = slopes.float().contiguous()
+    return score_mod(_alibi, slopes, grad=_alibi_grad, torch_fn=_alibi_t,
+                     name="flashlite.gallery.alibi")  # fmt: skip
+
+
+@triton.jit
+def _tanh(x):
+    # tanh from one exp2, odd-symmetric, ±1 (not NaN) for large |x|
+    a = tl.abs(x)
+    e = tl.exp2(a * (-2.0 * 1.4426950408889634))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _softcap(score, b, h, q_idx, kv_idx, cap):
+    return cap * _tanh(score / cap)
+
+
+@triton.jit
+def _softcap_grad(score, b, h, q_idx, kv_idx, cap):
+    t = _tanh(score / cap)
+    return 1.0 - t * t
+
+
+def _softcap_t(score, b, h, q_idx, kv_idx, cap):  # type: ignore[no-untyped-def]
+    return cap * torch.tanh(score / cap)
+
+
+def tanh_softcap(cap: float) -> ScoreMod:
+    """Gemma 2's soft cap ``cap·tanh(score / cap)`` (built in as ``softcap=cap``)."""
+    if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf:
+        raise ValueError(f"cap must be a finite positive number, got {cap!r}")
+    return score_mod(_softcap, float(cap), grad=_softcap_grad, torch_fn=_softcap_t,
+                     name="flashlite.gallery.tanh_softcap")  # fmt: skip
+
+
+@triton.jit
+def _relative(score, b, h, q_idx, kv_idx, table, reach, stride_h):
+    rel = tl.minimum(tl.maximum(kv_idx - q_idx, -reach), reach) + reach
+    return score + tl.load(table + h * stride_h + rel)
+
+
+@triton.jit
+def _relative_grad(score, b, h, q_idx, kv_idx, table, reach, stride_h):
+    return score * 0.0 + 1.0
+
+
+def _relative_t(score, b, h, q_idx, kv_idx, table, reach, stride_h):  # type: ignore[no-untyped-def]
+    rel = (kv_idx - q_idx).clamp(-reach, reach) + reach
+    return score + table.reshape(-1)[h * stride_h + rel].to(score.dtype)
+
+
+def relative_bias(table: torch.Tensor) -> ScoreMod:
+    """A learned relative-position bias (T5-style, unbucketed): ``score + table[h, r]`` with
+    ``r = clamp(kv_idx − q_idx, −R, R) + R`` for ``table`` fp32 ``(H, 2R + 1)``. The table gets
+    no gradient here."""
+    if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[1] % 2 != 1:
+        raise ValueError("table must be a 2-D tensor (H, 2R + 1) with an odd second size, got "
+                         f"{getattr(table, 'shape', table)}")  # fmt: skip
+    table = table.float().contiguous()
+    reach = (table.shape[1] - 1) // 2
+    return score_mod(_relative, table, reach, table.shape[1], grad=_relative_grad,
+                     torch_fn=_relative_t, name="flashlite.gallery.relative_bias")  # fmt: skip

@@ -1,0 +1,302 @@
+"""Attention with your own mask and score functions over block tables (FlexAttention's model).
+
+The loops are the dense kernels' (:mod:`.fwd`, :mod:`.bwd`): the same (m, s) pair from
+:mod:`flashlite.stats`, the same tile helpers from :mod:`.common`. What changes is *which* tiles
+a program visits and what happens to a tile's scores:
+
+- a program reads its row of the block tables (:mod:`flashlite.block_mask`) and visits the
+  **full** tiles listed there, then the **partial** ones; empty tiles are never named, so their
+  K and V are never loaded;
+- scores are ``q·kᵀ·scale`` in natural units (what a score function expects), then
+  ``score_mod`` (every visited tile), then ``mask_mod`` (partial tiles only; full tiles skip it
+  and need no bounds check: the classifier never calls a tile crossing ``Nk`` full).
+
+A table block of ``TBM × TBN`` may be walked in smaller kernel tiles (``BLOCK_M`` divides
+``TBM``, ``BLOCK_N`` divides ``TBN``): a program of ``BLOCK_M`` rows reads table row
+``start_m // TBM`` and steps each listed block in ``TBN / BLOCK_N`` tiles.
+
+The backward (FlashAttention-2, as :mod:`.bwd`): ``delta`` from the dense preprocess kernel,
+``_flex_bwd_dkdv_kernel`` per key block walking the ``q_*`` tables over its GQA group's heads,
+and ``_flex_bwd_dq_kernel`` per query block walking the ``kv_*`` tables. A score function's
+derivative multiplies ``dS``: with ``x = scale·q·k`` and ``y = score_mod(x)`` the softmax's
+``dL/dy = P ∘ (dP − delta)``, so ``dL/dx = dL/dy · score_mod'(x)``.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from flashlite.kernels.attention.common import accumulate, head_ptr, load_tile, store_tile, update
+from flashlite.kernels.common import cast
+from flashlite.mods import apply_mask, apply_score, score_grad
+from flashlite.stats import LOG2E, finalize_lse, probs_from_lse, probs_from_lse_t
+
+
+@triton.jit
+def _mod_scores(x, b, h, q_idx, kv_idx, in_range, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
+                MASK_MOD: tl.constexpr, N_MASK_BUF: tl.constexpr, SCORE_MOD: tl.constexpr,
+                N_SCORE_BUF: tl.constexpr, HAS_SCORE: tl.constexpr,
+                MASKED: tl.constexpr):  # fmt: skip
+    """Natural-unit scores ``x`` after ``score_mod`` and (``MASKED``) ``mask_mod``: pairs a
+    query does not see, or past the keys (``in_range`` false), become −inf. ``q_idx`` and
+    ``kv_idx`` broadcast against each other (either way round: the dK/dV loop is keys-major)."""
+    y = x
+    if HAS_SCORE:
+        y = apply_score(SCORE_MOD, x, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3, N_SCORE_BUF)
+    if MASKED:
+        seen = apply_mask(MASK_MOD, b, h, q_idx, kv_idx, MB0, MB1, MB2, MB3, N_MASK_BUF)
+        y = tl.where(seen & in_range, y, float("-inf"))
+    return y
+
+
+@triton.jit
+def _flex_fwd_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_tb, stride_th, stride_tm, stride_ib, stride_ih,
+    stride_im,
+    n_heads, group, seq_q, seq_k, sm_scale,
+    MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
+    MASK_MOD: tl.constexpr, N_MASK_BUF: tl.constexpr, SCORE_MOD: tl.constexpr,
+    N_SCORE_BUF: tl.constexpr, HAS_SCORE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TBM: tl.constexpr, TBN: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``. Writes O ``(B, Hq, Nq, D)`` and the natural-log LSE
+    ``(B·Hq, Nq)`` (−inf, with output 0, for a row that sees no key). The tables are
+    ``(B, Hq, nQ[, nK])`` views (stride 0 where the mask ignores batch or head)."""
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_heads
+    h = pid_bh % n_heads
+    h_kv = h // group
+    start_m = tl.program_id(0) * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    q_src = head_ptr(Q, b, h, stride_qb, stride_qh)
+    k_src = head_ptr(K, b, h_kv, stride_kb, stride_kh)
+    v_src = head_ptr(V, b, h_kv, stride_vb, stride_vh)
+    q = load_tile(q_src, b, h, start_m, seq_q, stride_qm, stride_qd, tl.arange(0, BLOCK_M),
+                  offs_d, HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    # rows past seq_q (a ragged last block) are computed and dropped: the mods see them clamped
+    q_idx = tl.minimum(offs_m, seq_q - 1)[:, None]
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+    trow = b * stride_tb + h * stride_th + (start_m // TBM) * stride_tm
+    irow = b.to(tl.int64) * stride_ib + h * stride_ih + (start_m // TBM) * stride_im
+    # full tiles first (no mask), then partial ones (mask); the same code with MASKED set
+    for part in tl.static_range(2):
+        if part == 0:
+            n_blocks = tl.load(FULL_NUM + trow)
+            idx_row = FULL_IDX + irow
+        else:
+            n_blocks = tl.load(KV_NUM + trow)
+            idx_row = KV_IDX + irow
+        for i in range(0, n_blocks):
+            block_n = tl.load(idx_row + i) * TBN
+            for sub in tl.static_range(TBN // BLOCK_N):
+                start_n = block_n + sub * BLOCK_N
+                k = load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, offs_n, offs_d,
+                              HEAD_DIM, BLOCK_D, False, part == 1)  # fmt: skip
+                if DOT_FP32:
+                    k = k.to(tl.float32)
+                x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
+                cols = start_n + offs_n
+                kv_idx = tl.minimum(cols, seq_k - 1)[None, :]
+                x = _mod_scores(x, b, h, q_idx, kv_idx, (cols < seq_k)[None, :], MB0, MB1, MB2,
+                                MB3, SB0, SB1, SB2, SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD,
+                                N_SCORE_BUF, HAS_SCORE, part == 1)  # fmt: skip
+                m, s, alpha, p, moved = update(m, s, x, LOG2E, False)
+                acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, 0, seq_k,
+                                 stride_vn, stride_vd, offs_n, offs_d, part == 1, HEAD_DIM,
+                                 BLOCK_D, False, DOT_FP32, DOT_PRECISION, ROUND_BF16,
+                                 False)  # fmt: skip
+    inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)
+    lse = finalize_lse(m, s, LOG2E)
+    tl.store(LSE + pid_bh.to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
+    o = cast(acc * inv_s[:, None], O.dtype.element_ty, ROUND_BF16)
+    store_tile(head_ptr(O, b, h, stride_ob, stride_oh), o, offs_m, seq_q, stride_om, stride_od,
+               offs_d, HEAD_DIM)  # fmt: skip
+
+
+@triton.jit
+def _flex_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, LSE, DELTA,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_tb, stride_th, stride_tn, stride_ib, stride_ih,
+    stride_in,
+    n_heads_kv, group, seq_q, seq_k, sm_scale,
+    MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
+    MASK_MOD: tl.constexpr, N_MASK_BUF: tl.constexpr, SCORE_MOD: tl.constexpr,
+    SCORE_GRAD: tl.constexpr, N_SCORE_BUF: tl.constexpr, HAS_SCORE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TBM: tl.constexpr, TBN: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(cdiv(Nk, BLOCK_N), B·Hkv)``: dK and dV of ``BLOCK_N`` keys of one K/V head, summed
+    over its group's query heads and the query blocks the ``q_*`` tables list for them, in
+    registers (no atomics). Keys-major: ``Sᵀ = K·Qᵀ``."""
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_heads_kv
+    h_kv = pid_bh % n_heads_kv
+    start_n = tl.program_id(0) * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_r = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    keys = tl.arange(0, BLOCK_N)
+    k = load_tile(head_ptr(K, b, h_kv, stride_kb, stride_kh), b, h_kv, start_n, seq_k, stride_kn,
+                  stride_kd, keys, offs_d, HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
+    v = load_tile(head_ptr(V, b, h_kv, stride_vb, stride_vh), b, h_kv, start_n, seq_k, stride_vn,
+                  stride_vd, keys, offs_d, HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    kv_idx = tl.minimum(offs_n, seq_k - 1)[:, None]
+    in_range = (offs_n < seq_k)[:, None]
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    for g in range(0, group):
+        h = h_kv * group + g
+        q_src = head_ptr(Q, b, h, stride_qb, stride_qh)
+        g_src = head_ptr(DO, b, h, stride_gb, stride_gh)
+        bh_rows = (b * n_heads_kv * group + h).to(tl.int64) * seq_q
+        trow = b * stride_tb + h * stride_th + (start_n // TBN) * stride_tn
+        irow = b.to(tl.int64) * stride_ib + h * stride_ih + (start_n // TBN) * stride_in
+        for part in tl.static_range(2):
+            if part == 0:
+                n_blocks = tl.load(FULL_NUM + trow)
+                idx_row = FULL_IDX + irow
+            else:
+                n_blocks = tl.load(Q_NUM + trow)
+                idx_row = Q_IDX + irow
+            for i in range(0, n_blocks):
+                block_m = tl.load(idx_row + i) * TBM
+                for sub in tl.static_range(TBM // BLOCK_M):
+                    start_m = block_m + sub * BLOCK_M
+                    rows = start_m + offs_r
+                    q = load_tile(q_src, b, h, start_m, seq_q, stride_qm, stride_qd, offs_r,
+                                  offs_d, HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
+                    do = load_tile(g_src, b, h, start_m, seq_q, stride_gm, stride_gd, offs_r,
+                                   offs_d, HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
+                    if DOT_FP32:
+                        q = q.to(tl.float32)
+                        do = do.to(tl.float32)
+                    # rows past seq_q: LSE +inf makes their probabilities 0
+                    lse = tl.load(LSE + bh_rows + rows, mask=rows < seq_q, other=float("inf"))
+                    delta = tl.load(DELTA + bh_rows + rows, mask=rows < seq_q, other=0.0)
+                    xt = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * sm_scale
+                    q_idx = tl.minimum(rows, seq_q - 1)[None, :]
+                    yt = _mod_scores(xt, b, h, q_idx, kv_idx, in_range, MB0, MB1, MB2, MB3, SB0,
+                                     SB1, SB2, SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF,
+                                     HAS_SCORE, part == 1)  # fmt: skip
+                    pt = probs_from_lse_t(yt, lse, LOG2E)
+                    pt_in = cast(pt, do.dtype, ROUND_BF16)
+                    dv = tl.dot(pt_in, do, dv, input_precision=DOT_PRECISION)
+                    dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+                    dst = pt * (dpt - delta[None, :])
+                    if HAS_SCORE:
+                        dst = dst * score_grad(SCORE_GRAD, xt, b, h, q_idx, kv_idx, SB0, SB1,
+                                               SB2, SB3, N_SCORE_BUF)  # fmt: skip
+                    dk = tl.dot(cast(dst, q.dtype, ROUND_BF16), q, dk,
+                                input_precision=DOT_PRECISION)  # fmt: skip
+    dk = cast(dk * sm_scale, DK.dtype.element_ty, ROUND_BF16)
+    store_tile(head_ptr(DK, b, h_kv, stride_dkb, stride_dkh), dk, offs_n, seq_k, stride_dkn,
+               stride_dkd, offs_d, HEAD_DIM)  # fmt: skip
+    dv = cast(dv, DV.dtype.element_ty, ROUND_BF16)
+    store_tile(head_ptr(DV, b, h_kv, stride_dvb, stride_dvh), dv, offs_n, seq_k, stride_dvn,
+               stride_dvd, offs_d, HEAD_DIM)  # fmt: skip
+
+
+@triton.jit
+def _flex_bwd_dq_kernel(
+    Q, K, V, DO, DQ, LSE, DELTA,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_gb, stride_gh, stride_gm, stride_gd,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_tb, stride_th, stride_tm, stride_ib, stride_ih,
+    stride_im,
+    n_heads, group, seq_q, seq_k, sm_scale,
+    MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
+    MASK_MOD: tl.constexpr, N_MASK_BUF: tl.constexpr, SCORE_MOD: tl.constexpr,
+    SCORE_GRAD: tl.constexpr, N_SCORE_BUF: tl.constexpr, HAS_SCORE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    TBM: tl.constexpr, TBN: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+):  # fmt: skip
+    """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``: dQ of ``BLOCK_M`` rows, over the key tiles the
+    forward visited (the ``kv_*`` tables), recomputing P from the saved LSE."""
+    pid_bh = tl.program_id(1)
+    b = pid_bh // n_heads
+    h = pid_bh % n_heads
+    h_kv = h // group
+    start_m = tl.program_id(0) * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    k_src = head_ptr(K, b, h_kv, stride_kb, stride_kh)
+    v_src = head_ptr(V, b, h_kv, stride_vb, stride_vh)
+    own = tl.arange(0, BLOCK_M)
+    q = load_tile(head_ptr(Q, b, h, stride_qb, stride_qh), b, h, start_m, seq_q, stride_qm,
+                  stride_qd, own, offs_d, HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
+    do = load_tile(head_ptr(DO, b, h, stride_gb, stride_gh), b, h, start_m, seq_q, stride_gm,
+                   stride_gd, own, offs_d, HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
+    if DOT_FP32:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    rows_ok = offs_m < seq_q
+    lse = tl.load(LSE + pid_bh.to(tl.int64) * seq_q + offs_m, mask=rows_ok, other=float("inf"))
+    delta = tl.load(DELTA + pid_bh.to(tl.int64) * seq_q + offs_m, mask=rows_ok, other=0.0)
+    q_idx = tl.minimum(offs_m, seq_q - 1)[:, None]
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    trow = b * stride_tb + h * stride_th + (start_m // TBM) * stride_tm
+    irow = b.to(tl.int64) * stride_ib + h * stride_ih + (start_m // TBM) * stride_im
+    for part in tl.static_range(2):
+        if part == 0:
+            n_blocks = tl.load(FULL_NUM + trow)
+            idx_row = FULL_IDX + irow
+        else:
+            n_blocks = tl.load(KV_NUM + trow)
+            idx_row = KV_IDX + irow
+        for i in range(0, n_blocks):
+            block_n = tl.load(idx_row + i) * TBN
+            for sub in tl.static_range(TBN // BLOCK_N):
+                start_n = block_n + sub * BLOCK_N
+                k = load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, offs_n, offs_d,
+                              HEAD_DIM, BLOCK_D, False, part == 1)  # fmt: skip
+                v = load_tile(v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_n, offs_d,
+                              HEAD_DIM, BLOCK_D, False, part == 1)  # fmt: skip
+                if DOT_FP32:
+                    k = k.to(tl.float32)
+                    v = v.to(tl.float32)
+                x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
+                cols = start_n + offs_n
+                kv_idx = tl.minimum(cols, seq_k - 1)[None, :]
+                y = _mod_scores(x, b, h, q_idx, kv_idx, (cols < seq_k)[None, :], MB0, MB1, MB2,
+                                MB3, SB0, SB1, SB2, SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD,
+                                N_SCORE_BUF, HAS_SCORE, part == 1)  # fmt: skip
+                p = probs_from_lse(y, lse, LOG2E)
+                dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+                ds = p * (dp - delta[:, None])
+                if HAS_SCORE:
+                    ds = ds * score_grad(SCORE_GRAD, x, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3,
+                                         N_SCORE_BUF)  # fmt: skip
+                dq = tl.dot(cast(ds, k.dtype, ROUND_BF16), k, dq, input_precision=DOT_PRECISION)
+    dq = cast(dq * sm_scale, DQ.dtype.element_ty, ROUND_BF16)
+    store_tile(head_ptr(DQ, b, h, stride_dqb, stride_dqh), dq, offs_m, seq_q, stride_dqm,
+               stride_dqd, offs_d, HEAD_DIM)  # fmt: skip

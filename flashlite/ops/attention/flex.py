@@ -1,0 +1,357 @@
+"""Your own masks and score functions: :func:`create_block_mask` and :func:`flex_attention`, named
+and shaped as ``torch.nn.attention.flex_attention``'s, on :mod:`flashlite.kernels.attention.flex`.
+
+The ops ``flashlite::flex_attention_fwd``/``_bwd`` carry a mod as its registered name
+(:func:`flashlite.mods.registered`), its tensor buffers and its numbers, so that
+``torch.compile(fullgraph=True)`` traces a call like any other custom op, and the block tables
+as tensors: a new sequence length is new table shapes, never a new kernel.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl  # noqa: F401  (the jit mask below runs with it in scope)
+
+from flashlite import _backend
+from flashlite import block_mask as BM
+from flashlite import mods as M
+from flashlite._caches import Cache
+from flashlite.kernels.attention import block_mask as KB
+from flashlite.kernels.attention import flex as KF
+from flashlite.kernels.attention.bwd import _attention_bwd_preprocess_kernel
+from flashlite.ops._dispatch import Op
+from flashlite.ops.attention.checks import check_inputs
+
+__all__ = ["create_block_mask", "flex_attention", "dense_block_mask"]
+
+
+# --------------------------------------------------------------------------- block masks
+def _check_block_size(block_size: object) -> tuple[int, int]:
+    pair = (block_size, block_size) if isinstance(block_size, int) else block_size
+    ok = (isinstance(pair, (tuple, list)) and len(pair) == 2
+          and all(isinstance(x, int) and not isinstance(x, bool) and x >= 16 and x & (x - 1) == 0
+                  for x in pair))  # fmt: skip
+    if not ok:
+        raise ValueError(f"BLOCK_SIZE must be a power of two >= 16 or a pair of them, got "
+                         f"{block_size!r}")  # fmt: skip
+    return int(pair[0]), int(pair[1])
+
+
+def _check_len(n: object, name: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+    return n
+
+
+def create_block_mask(mask_mod: Any, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
+                      device: torch.device | str | None = None,
+                      BLOCK_SIZE: int | tuple[int, int] = 128) -> BM.BlockMask:  # fmt: skip
+    """Classify every tile of the score matrix as empty, full or partial for ``mask_mod``
+    (torch's ``create_block_mask``, evaluated by a kernel on the device: one mask evaluation
+    per (query, key) pair, no host sync).
+
+    Args:
+        mask_mod: a :class:`~flashlite.mods.MaskMod` (:mod:`flashlite.gallery`,
+            :func:`flashlite.mods.mask_mod`) or a bare ``@triton.jit`` mask.
+        B, H: batch and heads the mask depends on; None: it does not (one table, broadcast).
+        Q_LEN, KV_LEN: the sequence lengths.
+        device: where the tables live (default: the current CUDA device, else CPU).
+        BLOCK_SIZE: the tile, ``bm`` or ``(bm, bn)``, powers of two >= 16.
+
+    Returns:
+        A :class:`~flashlite.block_mask.BlockMask`.
+
+    Raises:
+        TypeError: ``mask_mod`` is not a jit mask (or has the wrong arity).
+        ValueError: bad lengths or block size, a buffer on another device.
+    """
+    mod = M.as_mask_mod(mask_mod)
+    b = 1 if B is None else _check_len(B, "B")
+    h = 1 if H is None else _check_len(H, "H")
+    nq, nk = _check_len(Q_LEN, "Q_LEN"), _check_len(KV_LEN, "KV_LEN")
+    bm, bn = _check_block_size(BLOCK_SIZE)
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    _check_buffers_on(mod, device, "mask_mod")
+    nqb, nkb = BM.cdiv(nq, bm), BM.cdiv(nk, bn)
+    if device.type == "cpu" and not _backend.INTERPRETED:  # no kernel runs here: the twin
+        classes = BM.torch_classify(mod, b, h, nq, nk, (bm, bn), device)
+    else:
+        classes = torch.empty((b, h, nqb, nkb), dtype=torch.int8, device=device)
+        bufs, n_buf = M.kernel_buffers(mod)
+        KB._classify_tiles_kernel[(nqb, b * h)](
+            classes, h, nq, nk, nkb, *bufs, MASK_MOD=mod.fn, N_BUF=n_buf, BLOCK_M=bm, BLOCK_N=bn
+        )
+    return BM.BlockMask.from_classes(classes, (nq, nk), (bm, bn), mod)
+
+
+def _check_buffers_on(mod: M.MaskMod | M.ScoreMod, device: torch.device, what: str) -> None:
+    for i, t in enumerate(mod.buffers):
+        if isinstance(t, torch.Tensor) and not _on(t, device):
+            raise ValueError(f"{what}'s buffer {i} is on {t.device}, the call on {device}")
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and device.index in (None, t.device.index)
+
+
+_DENSE: Cache = Cache("flex_dense_tables", 32)
+
+
+def dense_block_mask(
+    nq: int, nk: int, block: tuple[int, int], device: torch.device
+) -> BM.BlockMask:
+    """The tables of no mask: every tile full but a ragged last key tile (partial, bounds only).
+    Built once per shape and device."""
+    key = (nq, nk, block, device)
+    found = _DENSE.get(key)
+    if found is None:
+        nqb, nkb = BM.cdiv(nq, block[0]), BM.cdiv(nk, block[1])
+        classes = torch.full((1, 1, nqb, nkb), BM.FULL, dtype=torch.int8, device=device)
+        if nk % block[1]:
+            classes[..., -1] = BM.PARTIAL
+        found = _DENSE.put(key, BM.BlockMask.from_classes(classes, (nq, nk), block, _EVERYTHING))
+    return found
+
+
+@triton.jit
+def _everything(b, h, q_idx, kv_idx):
+    return (q_idx >= 0) & (kv_idx >= 0)
+
+
+_EVERYTHING = M.mask_mod(_everything, name="flashlite.flex.everything")
+
+
+# --------------------------------------------------------------------------- the ops
+def _spec(mod: M.MaskMod | M.ScoreMod | None) -> tuple[str, list[torch.Tensor], list[float]]:
+    """A mod as an op's arguments: ``name:kinds`` (``t`` tensor, ``i`` int, ``f`` float per
+    buffer), its tensors and its numbers."""
+    if mod is None:
+        return "", [], []
+    kinds = "".join("t" if isinstance(x, torch.Tensor) else "i" if isinstance(x, int) else "f"
+                    for x in mod.buffers)  # fmt: skip
+    nums = [float(x) for x in mod.buffers if not isinstance(x, torch.Tensor)]
+    return f"{mod.name}:{kinds}", mod.tensors(), nums
+
+
+def _unspec(spec: str, tensors: list[torch.Tensor], nums: list[float]) -> tuple[Any, list, int]:
+    """``(registered functions, the kernels' four buffer slots, how many)`` of a spec."""
+    if not spec:
+        return None, [0] * M.MAX_BUFFERS, 0
+    name, kinds = spec.rsplit(":", 1)
+    it_t, it_n = iter(tensors), iter(nums)
+    bufs: list[Any] = []
+    for kind in kinds:
+        if kind == "t":
+            bufs.append(next(it_t))
+        else:
+            x = next(it_n)
+            bufs.append(int(x) if kind == "i" else x)
+    return M.registered(name), bufs + [0] * (M.MAX_BUFFERS - len(bufs)), len(bufs)
+
+
+def _options(q: torch.Tensor, tbm: int, tbn: int, bwd: bool) -> dict[str, Any]:
+    """Kernel tiles (dividing the table's) and numerics."""
+    d = q.shape[-1]
+    if _backend.INTERPRETED:
+        bm, bn, warps, stages = tbm, tbn, 4, 1
+    elif bwd:
+        bm, bn, warps, stages = min(tbm, 64), min(tbn, 64), 4, 2
+    else:
+        bm, bn = min(tbm, 128), min(tbn, 64)
+        warps, stages = (8 if d > 64 else 4), 3
+    return {
+        "HEAD_DIM": d, "BLOCK_D": max(16, triton.next_power_of_2(d)), "BLOCK_M": bm,
+        "BLOCK_N": bn, "TBM": tbm, "TBN": tbn, "DOT_FP32": _backend.dot_upcast(q.dtype),
+        "DOT_PRECISION": "tf32x3" if q.dtype == torch.float32 else "tf32",
+        "ROUND_BF16": _backend.round_bf16(q.dtype), "num_warps": warps, "num_stages": stages,
+    }  # fmt: skip
+
+
+def _table_args(num: torch.Tensor, idx: torch.Tensor, b: int, h: int) -> tuple[Any, ...]:
+    """Strides of ``(B|1, H|1, n)`` counts and ``(B|1, H|1, n, m)`` indices as ``(B, H, …)``
+    (0 along a broadcast dimension)."""
+    num = num.expand(b, h, num.shape[2])
+    idx = idx.expand(b, h, *idx.shape[2:])
+    return num.stride(0), num.stride(1), num.stride(2), idx.stride(0), idx.stride(1), idx.stride(2)
+
+
+def _fwd_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num: torch.Tensor,
+              kv_idx: torch.Tensor, full_num: torch.Tensor, full_idx: torch.Tensor,
+              q_num: torch.Tensor, q_idx: torch.Tensor, full_q_num: torch.Tensor,
+              full_q_idx: torch.Tensor, tbm: int, tbn: int, mask_spec: str,
+              mask_tensors: list[torch.Tensor], mask_nums: list[float], score_spec: str,
+              score_tensors: list[torch.Tensor], score_nums: list[float],
+              scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    o = torch.empty_like(q)
+    lse = q.new_empty((b, hq, nq), dtype=torch.float32)
+    if o.numel() == 0:
+        return o, lse.fill_(-math.inf)
+    (mfn, *_), mbufs, n_mbuf = _unspec(mask_spec, mask_tensors, mask_nums)
+    sfns, sbufs, n_sbuf = _unspec(score_spec, score_tensors, score_nums)
+    opts = _options(q, tbm, tbn, bwd=False)
+    grid = (triton.cdiv(nq, opts["BLOCK_M"]), b * hq)
+    KF._flex_fwd_kernel[grid](
+        q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
+        kv_num, kv_idx, full_num, full_idx, *_table_args(kv_num, kv_idx, b, hq),
+        hq, hq // hkv, nq, nk, scale, *mbufs, *sbufs,
+        MASK_MOD=mfn, N_MASK_BUF=n_mbuf, SCORE_MOD=sfns[0] if sfns else mfn,
+        N_SCORE_BUF=n_sbuf, HAS_SCORE=sfns is not None, **opts,
+    )  # fmt: skip
+    return o, lse
+
+
+def _fwd_fake(q, k, v, *args):  # type: ignore[no-untyped-def]
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+
+def _bwd_body(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
+              kv_num: torch.Tensor, kv_idx: torch.Tensor, full_num: torch.Tensor,
+              full_idx: torch.Tensor, q_num: torch.Tensor, q_idx: torch.Tensor,
+              full_q_num: torch.Tensor, full_q_idx: torch.Tensor, tbm: int, tbn: int,
+              mask_spec: str, mask_tensors: list[torch.Tensor], mask_nums: list[float],
+              score_spec: str, score_tensors: list[torch.Tensor], score_nums: list[float],
+              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    b, hq, nq, d = q.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if dq.numel() == 0 or dk.numel() == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    (mfn, *_), mbufs, n_mbuf = _unspec(mask_spec, mask_tensors, mask_nums)
+    sfns, sbufs, n_sbuf = _unspec(score_spec, score_tensors, score_nums)
+    if sfns is not None and sfns[2] is None:
+        raise NotImplementedError(
+            f"score_mod {score_spec.rsplit(':', 1)[0]} has no derivative: make it with "
+            "flashlite.mods.score_mod(fn, ..., grad=...) to differentiate through it"
+        )
+    opts = _options(q, tbm, tbn, bwd=True)
+    dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
+    delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
+    pre_m = 64 if not _backend.INTERPRETED else 16
+    _attention_bwd_preprocess_kernel[(triton.cdiv(nq, pre_m), b * hq)](
+        o, do, dlse if dlse is not None else delta, delta, q, q, q, *o.stride(), *do.stride(),
+        *q.stride(), *q.stride(), hq, nq, scale, HEAD_DIM=d, BLOCK_D=opts["BLOCK_D"],
+        BLOCK_M=pre_m, HAS_DLSE=dlse is not None, PRESCALE_Q=False, ROUND_BF16=False,
+    )  # fmt: skip
+    mods = {"MASK_MOD": mfn, "N_MASK_BUF": n_mbuf, "SCORE_MOD": sfns[0] if sfns else mfn,
+            "SCORE_GRAD": sfns[2] if sfns else mfn, "N_SCORE_BUF": n_sbuf,
+            "HAS_SCORE": sfns is not None}  # fmt: skip
+    KF._flex_bwd_dkdv_kernel[(triton.cdiv(nk, opts["BLOCK_N"]), b * hkv)](
+        q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+        *dk.stride(), *dv.stride(), q_num, q_idx, full_q_num, full_q_idx,
+        *_table_args(q_num, q_idx, b, hq), hkv, hq // hkv, nq, nk, scale, *mbufs, *sbufs,
+        **mods, **opts,
+    )  # fmt: skip
+    KF._flex_bwd_dq_kernel[(triton.cdiv(nq, opts["BLOCK_M"]), b * hq)](
+        q, k, v, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+        *dq.stride(), kv_num, kv_idx, full_num, full_idx, *_table_args(kv_num, kv_idx, b, hq),
+        hq, hq // hkv, nq, nk, scale, *mbufs, *sbufs, **mods, **opts,
+    )  # fmt: skip
+    return dq, dk, dv
+
+
+def _bwd_fake(do, q, k, v, *args):  # type: ignore[no-untyped-def]
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+FLEX_BWD = Op("flex_attention_bwd", _bwd_body, fake=_bwd_fake, inputs=7, moves=False)
+
+
+def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
+    q, k, v, *tables = inputs[:11]
+    o, lse = output
+    ctx.save_for_backward(q, k, v, o, lse, *tables)
+    ctx.rest = inputs[11:]
+
+
+def _backward(ctx, grad_o, grad_lse):  # type: ignore[no-untyped-def]
+    q, k, v, o, lse, *tables = ctx.saved_tensors
+    if grad_o is None:
+        grad_o = torch.zeros_like(o)
+    dq, dk, dv = FLEX_BWD(grad_o.contiguous() if grad_o.stride(-1) != 1 else grad_o, q, k, v, o,
+                          lse, grad_lse, *tables, *ctx.rest)  # fmt: skip
+    # (the custom op's autograd wants a list of Nones for a list of tensors, the eager
+    # Function one None per argument: needs_input_grad has the matching structure)
+    rest = [[None] * len(f) if isinstance(f, (list, tuple)) else None
+            for f in ctx.needs_input_grad[3:]]  # fmt: skip
+    return dq, dk, dv, *rest
+
+
+FLEX_FWD = Op("flex_attention_fwd", _fwd_body, fake=_fwd_fake, inputs=3,
+              setup_context=_setup_context, backward=_backward, materialize_grads=False,
+              moves=False)  # fmt: skip
+
+
+# --------------------------------------------------------------------------- public
+def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   score_mod: Any = None, block_mask: Any = None, scale: float | None = None,
+                   enable_gqa: bool = False, return_lse: bool = False, *,
+                   layout: str = "b h n d") -> Any:  # fmt: skip
+    """Attention with your own mask and score function (``torch.nn.attention.flex_attention``'s
+    signature), differentiable in query, key and value.
+
+    Args:
+        query: ``(B, Hq, Nq, D)``; key, value: ``(B, Hkv, Nk, D)`` (``layout="b n h d"``: heads
+            second to last). fp16, bf16 or fp32; GQA when ``Hkv`` divides ``Hq``.
+        score_mod: a :class:`~flashlite.mods.ScoreMod` (or a bare jit score function, forward
+            only): rewrites each scaled score ``q·k·scale`` before the softmax.
+        block_mask: a :class:`~flashlite.block_mask.BlockMask` from :func:`create_block_mask`,
+            or torch's ``BlockMask`` built from a flashlite ``MaskMod``; None: no mask.
+        scale: the softmax scale (default ``1/sqrt(D)``).
+        enable_gqa: accepted for torch's signature; GQA works either way.
+        return_lse: also return the natural-log LSE ``(B, Hq, Nq)`` fp32 (differentiable).
+        layout: ``"b h n d"`` (torch's) or ``"b n h d"``.
+
+    Returns:
+        The output like ``query`` (and the LSE). A row that sees no key gives 0 (LSE −inf).
+
+    Raises:
+        TypeError, ValueError: bad tensors, mods or block masks, each naming the argument.
+    """
+    scale, q, k, v = check_inputs(query, key, value, layout, scale)
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
+    bm = _block_mask_for(block_mask, q, k)
+    smod = None if score_mod is None else M.as_score_mod(score_mod)
+    if smod is not None:
+        _check_buffers_on(smod, q.device, "score_mod")
+    _check_buffers_on(bm.mask_mod, q.device, "block_mask's mask_mod")
+    b, hq = q.shape[:2]
+    tb, th = bm.kv_num_blocks.shape[:2]
+    if tb not in (1, b) or th not in (1, hq):
+        raise ValueError(f"block_mask was built for B={tb}, H={th}; the call has B={b}, H={hq} "
+                         "(build it with these, or None to broadcast)")  # fmt: skip
+    o, lse = FLEX_FWD(q, k, v, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
+                      bm.full_kv_indices, bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks,
+                      bm.full_q_indices, *bm.BLOCK_SIZE, *_spec(bm.mask_mod), *_spec(smod),
+                      scale)  # fmt: skip
+    if layout == "b n h d":
+        o = o.transpose(1, 2)
+    return (o, lse) if return_lse else o
+
+
+def _block_mask_for(block_mask: Any, q: torch.Tensor, k: torch.Tensor) -> BM.BlockMask:
+    nq, nk = q.shape[2], k.shape[2]
+    if block_mask is None:
+        return dense_block_mask(nq, nk, (128, 128) if not _backend.INTERPRETED else (32, 32),
+                                q.device)  # fmt: skip
+    if not isinstance(block_mask, BM.BlockMask):
+        if type(block_mask).__name__ != "BlockMask" or not hasattr(block_mask, "kv_indices"):
+            raise TypeError(f"block_mask must be a flashlite or torch BlockMask, got "
+                            f"{type(block_mask).__name__}")  # fmt: skip
+        block_mask = BM.BlockMask.from_torch(block_mask)
+    if tuple(block_mask.seq_lengths) != (nq, nk):
+        raise ValueError(f"block_mask was built for (Q_LEN, KV_LEN) = {block_mask.seq_lengths}, "
+                         f"the call has ({nq}, {nk})")  # fmt: skip
+    if not _backend.same_device(block_mask.kv_indices, q):
+        raise ValueError(f"block_mask's tables are on {block_mask.kv_indices.device}, the call "
+                         f"on {q.device} (BlockMask.to(device))")  # fmt: skip
+    return block_mask

@@ -1,0 +1,340 @@
+"""Your own masks and score functions: the gallery forward and backward against the fp64
+reference, the tile classifier against its twin, torch's BlockMask, compile, opcheck and bad
+input. (GPU tests at the end: torch's flex_attention on the same mods, long sequences.)"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+from conftest import TOL, maybe_compile
+
+import flashlite
+from flashlite import block_mask as BM
+from flashlite import gallery, mods, reference
+
+N, D, BLOCK = 72, 32, 32  # a ragged last tile both ways, several tiles per row
+
+
+def _ids(b: int, n: int, docs: int = 4) -> torch.Tensor:
+    return torch.sort(torch.randint(0, docs, (b, n)), dim=1).values.to(torch.int32)
+
+
+def _gallery(h: int, b: int) -> dict[str, tuple[mods.MaskMod | None, mods.ScoreMod | None]]:
+    ids = _ids(b, N)
+    return {
+        "causal": (gallery.causal(), None),
+        "sliding_window": (gallery.sliding_window(20), None),
+        "prefix_lm": (gallery.prefix_lm(10), None),
+        "document": (gallery.document(ids), None),
+        "document_causal": (gallery.document_causal(ids), None),
+        "alibi": (gallery.causal(), gallery.alibi(gallery.alibi_slopes(h))),
+        "tanh_softcap": (None, gallery.tanh_softcap(3.0)),
+        "relative_bias": (gallery.causal(), gallery.relative_bias(torch.randn(h, 9))),
+    }
+
+
+GALLERY = list(_gallery(4, 2))
+
+
+def _block_mask(mm: mods.MaskMod | None, b: int, h: int | None = None) -> BM.BlockMask | None:
+    if mm is None:
+        return None
+    batch = b if mm.name.startswith("flashlite.gallery.document") else None
+    return flashlite.create_block_mask(mm, batch, h, N, N, device="cpu", BLOCK_SIZE=BLOCK)
+
+
+def _grads(out: tuple[torch.Tensor, torch.Tensor], leaves: list[torch.Tensor],
+           go: torch.Tensor, gl: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    o, lse = out
+    return torch.autograd.grad((o * go).sum() + (lse * gl).sum(), leaves)
+
+
+@pytest.mark.parametrize("name", GALLERY)
+def test_gallery_forward_backward_fp32(name: str) -> None:
+    """Each gallery mod, GQA, through the output and the LSE, against fp64."""
+    b, hq, hkv = 2, 4, 2
+    mm, sm = _gallery(hq, b)[name]
+    q = torch.randn(b, hq, N, D, requires_grad=True)
+    k, v = (torch.randn(b, hkv, N, D, requires_grad=True) for _ in range(2))
+    out = flashlite.flex_attention(q, k, v, score_mod=sm, block_mask=_block_mask(mm, b),
+                                   return_lse=True)  # fmt: skip
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference.attention(*exact, mask_mod=mm, score_mod=sm, return_lse=True)
+    go, gl = torch.randn_like(out[0]), torch.randn_like(out[1])
+    got = _grads(out, [q, k, v], go, gl)
+    want = _grads((ref[0], ref[1].double()), exact, go.double(), gl.double())
+    torch.testing.assert_close(out[0].double(), ref[0], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1].double(), ref[1].double(), atol=2e-5, rtol=1e-5)
+    for a, w in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), w, atol=3e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", ["document_causal", "alibi"])
+def test_low_precision_within_twice_torchs_error(name: str, dtype: torch.dtype) -> None:
+    """16-bit inputs (bf16 through the interpreter's fp32 dots): the error against fp64 is at
+    most 2x that of the same math in torch at the input precision, plus the table's floor."""
+    b, h = 1, 2
+    mm, sm = _gallery(h, b)[name]
+    q, k, v = (torch.randn(b, h, N, D, dtype=dtype, requires_grad=True) for _ in range(3))
+    o = flashlite.flex_attention(q, k, v, score_mod=sm, block_mask=_block_mask(mm, b))
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    exact = reference.attention(*leaves, mask_mod=mm, score_mod=sm)
+    low = reference.attention(q, k, v, mask_mod=mm, score_mod=sm)
+    go = torch.randn_like(o)
+    got = torch.autograd.grad(o, (q, k, v), go)
+    want = torch.autograd.grad(exact, leaves, go.double())
+    torch_low = torch.autograd.grad(low, (q, k, v), go)
+    floor = TOL[dtype].floor
+    assert (o.double() - exact).abs().max() <= 2 * (low.double() - exact).abs().max() + floor
+    for a, w, t in zip(got, want, torch_low, strict=True):
+        assert (a.double() - w).abs().max() <= 2 * (t.double() - w).abs().max() + 4 * floor
+
+
+@pytest.mark.filterwarnings("ignore:Input #")  # gradcheck prefers fp64, which no kernel takes
+def test_gradcheck_fp32_document_alibi() -> None:
+    gen = torch.Generator().manual_seed(0)
+    n = 40
+    ids = torch.tensor([0] * 13 + [1] * 20 + [2] * 7, dtype=torch.int32)
+    bm = flashlite.create_block_mask(gallery.document_causal(ids), None, None, n, n,
+                                     device="cpu", BLOCK_SIZE=16)  # fmt: skip
+    sm = gallery.alibi(gallery.alibi_slopes(2))
+    q, k, v = (torch.randn(1, 2, n, 8, generator=gen).requires_grad_() for _ in range(3))
+
+    def fn(q, k, v):  # noqa: ANN001, ANN202
+        return flashlite.flex_attention(q, k, v, score_mod=sm, block_mask=bm, return_lse=True)
+
+    assert torch.autograd.gradcheck(fn, (q, k, v), eps=1e-3, atol=2e-3, rtol=1e-2, fast_mode=True)
+
+
+@pytest.mark.parametrize("name", ["causal", "sliding_window", "prefix_lm", "document",
+                                  "document_causal"])  # fmt: skip
+@pytest.mark.parametrize("block", [(16, 16), (32, 16), (16, 64)])
+def test_classifier_matches_its_twin(name: str, block: tuple[int, int]) -> None:
+    mm = _gallery(2, 2)[name][0]
+    b = 2 if name.startswith("document") else 1
+    got = flashlite.create_block_mask(mm, b, 3, N, N - 5, device="cpu", BLOCK_SIZE=block)
+    want = BM.torch_classify(mm, b, 3, N, N - 5, block)
+    assert torch.equal(got.classes(), want)
+    assert got.shape == (b, 3, N, N - 5) and block == got.BLOCK_SIZE
+
+
+def test_tables_list_each_class_in_order() -> None:
+    classes = torch.tensor([[[[2, 0, 1, 2], [0, 0, 0, 0], [1, 1, 2, 0]]]], dtype=torch.int8)
+    bm = BM.BlockMask.from_classes(classes, (48, 64), (16, 16), gallery.causal())
+    assert bm.full_kv_num_blocks.tolist() == [[[2, 0, 1]]]
+    assert bm.full_kv_indices[0, 0, 0, :2].tolist() == [0, 3]
+    assert bm.kv_num_blocks.tolist() == [[[1, 0, 2]]]
+    assert bm.kv_indices[0, 0, 2, :2].tolist() == [0, 1]
+    assert bm.q_num_blocks.tolist() == [[[1, 1, 1, 0]]]
+    assert bm.full_q_indices[0, 0, 3, :1].tolist() == [0]
+    assert torch.equal(bm.classes(), classes)
+    assert bm.sparsity() == pytest.approx(6 / 12)
+
+
+def test_empty_tiles_are_never_read() -> None:
+    """Keys in empty tiles are never loaded: NaN there does not reach the output."""
+    ids = torch.tensor([0] * 32 + [1] * 32, dtype=torch.int32)
+    bm = flashlite.create_block_mask(gallery.document(ids), None, None, 64, 64, device="cpu",
+                                     BLOCK_SIZE=32)  # fmt: skip
+    assert bm.classes().flatten().tolist() == [2, 0, 0, 2]
+    q, k, v = (torch.randn(1, 1, 64, 16) for _ in range(3))
+    k[:, :, 32:], v[:, :, 32:] = math.nan, math.nan  # document 1's keys
+    o = flashlite.flex_attention(q, k, v, block_mask=bm)
+    assert torch.isfinite(o[:, :, :32]).all()
+    ref = reference.attention(q[:, :, :32].double(), k[:, :, :32].double(), v[:, :, :32].double())
+    torch.testing.assert_close(o[:, :, :32].double(), ref, atol=2e-5, rtol=1e-5)
+
+
+def test_row_with_no_key_gives_zero_and_minus_inf() -> None:
+    @triton.jit
+    def odd_rows_see_nothing(b, h, q_idx, kv_idx):
+        return (q_idx % 2 == 0) & (kv_idx <= q_idx)
+
+    mm = mods.mask_mod(odd_rows_see_nothing)
+    bm = flashlite.create_block_mask(mm, None, None, 40, 40, device="cpu", BLOCK_SIZE=16)
+    q, k, v = (torch.randn(1, 2, 40, 16, requires_grad=True) for _ in range(3))
+    o, lse = flashlite.flex_attention(q, k, v, block_mask=bm, return_lse=True)
+    assert (o[:, :, 1::2] == 0).all() and (lse[:, :, 1::2] == -math.inf).all()
+    ro = reference.attention(q.double(), k.double(), v.double(), mask_mod=mm)
+    torch.testing.assert_close(o.double(), ro, atol=2e-5, rtol=1e-5)
+    (o.sum() + lse[:, :, ::2].sum()).backward()
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
+
+
+def test_hand_written_causal_and_window_match_the_built_ins() -> None:
+    """A mask written by hand gives the built-in paths' results (bit for bit is a GPU test:
+    the two kernels order their arithmetic differently)."""
+    q, k, v = (torch.randn(1, 2, N, D) for _ in range(3))
+    for mm, kw in ((gallery.causal(), {"causal": True}),
+                   (gallery.sliding_window(17), {"causal": True, "window": (17, 0)})):  # fmt: skip
+        o = flashlite.flex_attention(q, k, v, block_mask=_block_mask(mm, 1))
+        torch.testing.assert_close(o, flashlite.attention(q, k, v, **kw), atol=2e-6, rtol=1e-5)
+
+
+def test_no_block_mask_is_dense_attention_and_layouts_agree() -> None:
+    q = torch.randn(2, 3, 50, 4, D)[:, :, :, 1]  # non-contiguous (B, N, H, D): b n h d
+    k, v = (torch.randn(2, 45, 1, D) for _ in range(2))
+    o = flashlite.flex_attention(q, k, v, layout="b n h d")
+    want = flashlite.attention(q, k, v, layout="b n h d")
+    assert o.shape == q.shape
+    torch.testing.assert_close(o, want, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("torch_block", [16, 32, 64])
+def test_torch_block_mask_gives_identical_results(torch_block: int) -> None:
+    """torch's own create_block_mask on the same mod (it calls the twin), re-tiled to
+    flashlite's 32: the same output, bit for bit."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create
+
+    b, h = 2, 2
+    mm = gallery.document_causal(_ids(b, N))
+    ours = flashlite.create_block_mask(mm, b, None, N, N, device="cpu", BLOCK_SIZE=BLOCK)
+    theirs = torch_create(mm, b, None, N, N, device="cpu", BLOCK_SIZE=torch_block)
+    converted = BM.BlockMask.from_torch(theirs, block_size=(BLOCK, BLOCK))
+    assert converted.mask_mod is mm
+    # converted tables may call more tiles partial (torch never calls a tile with ragged rows
+    # full; a coarser torch block's pieces stay partial), never fewer
+    assert ((converted.classes() == ours.classes()) | (converted.classes() == BM.PARTIAL)).all()
+    q, k, v = (torch.randn(b, h, N, D) for _ in range(3))
+    a = flashlite.flex_attention(q, k, v, block_mask=ours)
+    assert torch.equal(a, flashlite.flex_attention(q, k, v, block_mask=converted))
+    if torch_block == BLOCK:  # handed over as it is
+        assert torch.equal(a, flashlite.flex_attention(q, k, v, block_mask=theirs))
+
+
+def test_compiled_matches_eager_without_recompiling_per_length() -> None:
+    """fullgraph compile; new lengths are new table shapes, not new graphs (dynamic shapes)."""
+    sm = gallery.alibi(gallery.alibi_slopes(2))
+
+    def step(q, k, v, bm):  # noqa: ANN001, ANN202
+        return flashlite.flex_attention(q, k, v, score_mod=sm, block_mask=bm)
+
+    compiled = maybe_compile(step, True)
+    for n in (40, 56, 72):
+        bm = flashlite.create_block_mask(gallery.causal(), None, None, n, n, device="cpu",
+                                         BLOCK_SIZE=16)  # fmt: skip
+        q, k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for _ in range(3))
+        o = compiled(q, k, v, bm)
+        o.sum().backward()
+        grads = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        e = step(q, k, v, bm)
+        e.sum().backward()
+        assert torch.equal(o, e)
+        for g, t in zip(grads, (q, k, v), strict=True):
+            assert torch.equal(g, t.grad)
+
+
+def test_opcheck() -> None:
+    from torch.library import opcheck
+
+    from flashlite.ops.attention.flex import _spec
+
+    mm, sm = gallery.document_causal(_ids(1, 40)), gallery.tanh_softcap(4.0)
+    bm = flashlite.create_block_mask(mm, 1, None, 40, 40, device="cpu", BLOCK_SIZE=16)
+    q = torch.randn(1, 2, 40, 16, requires_grad=True)
+    k, v = (torch.randn(1, 1, 40, 16, requires_grad=True) for _ in range(2))
+    tables = [getattr(bm, t) for t in BM._TABLES]
+    args = (q, k, v, *tables, *bm.BLOCK_SIZE, *_spec(mm), *_spec(sm), 0.25)
+    opcheck(torch.ops.flashlite.flex_attention_fwd.default, args)
+    o, lse = torch.ops.flashlite.flex_attention_fwd.default(*args)
+    opcheck(torch.ops.flashlite.flex_attention_bwd.default,
+            (torch.randn_like(o), q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(),
+             torch.randn_like(lse), *args[3:]))  # fmt: skip
+
+
+# --------------------------------------------------------------------------- bad input
+@triton.jit
+def _three_args(b, h, q_idx):
+    return q_idx >= 0
+
+
+@triton.jit
+def _needs_table(score, b, h, q_idx, kv_idx, table):
+    return score + tl.load(table + h)
+
+
+def test_bad_mods_raise_clear_errors() -> None:
+    with pytest.raises(TypeError, match="mask_mod must be a @triton.jit function"):
+        flashlite.create_block_mask(lambda b, h, q, k: q >= k, None, None, 8, 8, device="cpu")
+    with pytest.raises(TypeError, match="takes 3 arguments.*must take 4"):
+        mods.mask_mod(_three_args)
+    with pytest.raises(TypeError, match="takes 6 arguments; with 0 buffers it must take 5"):
+        mods.score_mod(_needs_table)
+    with pytest.raises(TypeError, match="buffer 0 must be a tensor, int or float"):
+        mods.score_mod(_needs_table, "table")
+    with pytest.raises(ValueError, match="at most 4"):
+        mods.mask_mod(_three_args, 1, 2, 3, 4, 5)
+    q = torch.randn(1, 2, 16, 16, requires_grad=True)
+    sm = mods.score_mod(_needs_table, torch.zeros(2))  # no derivative: forward only
+    o = flashlite.flex_attention(q, q, q, score_mod=sm)
+    with pytest.raises(NotImplementedError, match="has no derivative"):
+        o.sum().backward()
+
+
+def test_bad_block_masks_raise_clear_errors() -> None:
+    q = torch.randn(2, 2, 40, 16)
+    bm = flashlite.create_block_mask(gallery.causal(), None, None, 48, 48, device="cpu",
+                                     BLOCK_SIZE=16)  # fmt: skip
+    with pytest.raises(ValueError, match=r"built for \(Q_LEN, KV_LEN\) = \(48, 48\)"):
+        flashlite.flex_attention(q, q, q, block_mask=bm)
+    bm3 = flashlite.create_block_mask(gallery.causal(), 3, None, 40, 40, device="cpu",
+                                      BLOCK_SIZE=16)  # fmt: skip
+    with pytest.raises(ValueError, match="built for B=3"):
+        flashlite.flex_attention(q, q, q, block_mask=bm3)
+    with pytest.raises(TypeError, match="block_mask must be a flashlite or torch BlockMask"):
+        flashlite.flex_attention(q, q, q, block_mask=torch.ones(1))
+    for bad in (24, 8, (16, 48), "128"):
+        with pytest.raises(ValueError, match="BLOCK_SIZE must be a power of two"):
+            flashlite.create_block_mask(gallery.causal(), None, None, 40, 40, BLOCK_SIZE=bad)
+    with pytest.raises(ValueError, match="Q_LEN must be an int >= 1"):
+        flashlite.create_block_mask(gallery.causal(), None, None, 0, 40)
+    with pytest.raises(ValueError, match="must divide one another"):
+        from torch.nn.attention.flex_attention import create_block_mask as torch_create
+
+        theirs = torch_create(gallery.causal(), None, None, 40, 40, device="cpu", BLOCK_SIZE=48)
+        BM.BlockMask.from_torch(theirs, block_size=(32, 32))
+    with pytest.raises(TypeError, match="built from a plain Python mask"):
+        theirs = torch_create(lambda b, h, q, k: q >= k, None, None, 40, 40, device="cpu")
+        flashlite.flex_attention(q, q, q, block_mask=theirs)
+    with pytest.raises(ValueError, match="ids must be"):
+        gallery.document(torch.zeros(2, 3, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="window must be an int"):
+        gallery.sliding_window(-1)
+
+
+# --------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GALLERY)
+def test_gpu_gallery_against_torch_flex(name: str) -> None:
+    """Long sequences on the GPU, bf16, against fp64 and against torch's compiled
+    flex_attention on the same mods (its twins): within 2x torch's own error."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    b, h, n, d = 2, 4, 1000, 64
+    gen = _gallery(h, b)
+    mm, sm = gen[name]
+    if mm is not None and mm.buffers:  # rebuild with ids for this length, on the GPU
+        ids = _ids(b, n).cuda()
+        mm = (gallery.document if name == "document" else gallery.document_causal)(ids)
+    if sm is not None and sm.buffers and isinstance(sm.buffers[0], torch.Tensor):
+        sm = mods.ScoreMod(sm.fn, sm.grad_fn, sm.torch_fn,
+                           (sm.buffers[0].cuda(), *sm.buffers[1:]), sm.name)  # fmt: skip
+    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))  # fmt: skip
+    bm = None if mm is None else flashlite.create_block_mask(mm, b, None, n, n, device="cuda")
+    tbm = None if mm is None else torch_create(mm, b, None, n, n, device="cuda")
+    o = flashlite.flex_attention(q, k, v, score_mod=sm, block_mask=bm)
+    theirs = torch.compile(torch_flex)(q, k, v, score_mod=sm, block_mask=tbm)
+    exact = reference.attention(q.double(), k.double(), v.double(), mask_mod=mm, score_mod=sm)
+    floor = TOL[torch.bfloat16].floor
+    assert (o.double() - exact).abs().max() <= 2 * (theirs.double() - exact).abs().max() + floor
