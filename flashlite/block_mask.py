@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from flashlite.mods import MaskMod, as_mask_mod, torch_mask
+from flashlite.mods import MaskMod, as_mask_mod, torch_indices
 
 __all__ = ["EMPTY", "PARTIAL", "FULL", "BlockMask", "tables", "torch_classify", "cdiv"]
 
@@ -53,21 +53,27 @@ def tables(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def torch_classify(mod: MaskMod, b: int, h: int, nq: int, nk: int, block: tuple[int, int],
                    device: torch.device | str | None = None) -> torch.Tensor:  # fmt: skip
     """Twin of the classifier kernel: int8 classes ``(B, H, cdiv(Nq, bm), cdiv(Nk, bn))`` from
-    the mask over every pair (rows past ``Nq`` ignored; tiles crossing ``Nk`` never full)."""
+    the mask over every pair (rows past ``Nq`` ignored; tiles crossing ``Nk`` never full),
+    evaluated a band of query blocks at a time (bounded memory at long lengths)."""
     bm, bn = block
     nqb, nkb = cdiv(nq, bm), cdiv(nk, bn)
-    seen = torch.zeros(b, h, nqb * bm, nkb * bn, dtype=torch.bool, device=device)
-    seen[:, :, :nq, :nk] = torch_mask(mod, b, h, nq, nk, device)
-    valid = torch.zeros(nqb * bm, nkb * bn, dtype=torch.bool, device=device)
-    valid[:nq, :] = True
-    tiles = seen.view(b, h, nqb, bm, nkb, bn)
-    n_seen = tiles.sum((3, 5))
-    rows = valid.view(nqb, bm, nkb, bn)[:, :, 0, 0].sum(1)  # rows in range per query block
+    out = torch.empty(b, h, nqb, nkb, dtype=torch.int8, device=device)
+    band = max(1, (1 << 24) // max(1, b * h * bm * nkb * bn))  # query blocks per band
     ragged_k = torch.zeros(nkb, dtype=torch.bool, device=device)
     ragged_k[-1] = nk % bn != 0
-    full = (n_seen == rows.view(-1, 1) * bn) & ~ragged_k
-    cls = torch.where(n_seen > 0, PARTIAL, EMPTY)
-    return torch.where(full, FULL, cls).to(torch.int8)
+    for r0 in range(0, nqb, band):
+        r1 = min(nqb, r0 + band)
+        q0, q1 = r0 * bm, min(nq, r1 * bm)
+        idx = torch_indices(b, h, q1 - q0, nk, device)
+        seen = torch.zeros(b, h, (r1 - r0) * bm, nkb * bn, dtype=torch.bool, device=device)
+        got = mod(idx[0], idx[1], idx[2] + q0, idx[3])
+        seen[:, :, : q1 - q0, :nk] = torch.as_tensor(got, device=device).to(torch.bool)
+        n_seen = seen.view(b, h, r1 - r0, bm, nkb, bn).sum((3, 5))
+        rows = torch.tensor([min(bm, nq - r * bm) for r in range(r0, r1)], device=device)
+        full = (n_seen == rows.view(-1, 1) * bn) & ~ragged_k
+        cls = torch.where(n_seen > 0, PARTIAL, EMPTY)
+        out[:, :, r0:r1] = torch.where(full, FULL, cls)
+    return out
 
 
 @dataclass(frozen=True, eq=False)

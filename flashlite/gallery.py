@@ -24,6 +24,7 @@ maker                  keeps / adds
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
@@ -37,6 +38,7 @@ __all__ = [
     "prefix_lm",
     "document",
     "document_causal",
+    "random_documents",
     "alibi",
     "alibi_slopes",
     "tanh_softcap",
@@ -45,6 +47,16 @@ __all__ = [
 
 
 # --------------------------------------------------------------------------- masks
+# (what each mod loads per tile, for the traffic model: its buffers' loads, as issued)
+def _nothing(bm: int, bn: int) -> int:
+    return 0
+
+
+def _id_reads(ids: torch.Tensor) -> Callable[[int, int], int]:
+    # one id per query row and one per key column of the tile
+    return lambda bm, bn: (bm + bn) * ids.element_size()
+
+
 @triton.jit
 def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
@@ -82,7 +94,7 @@ def _document_causal_t(b, h, q_idx, kv_idx, ids, stride_b):  # type: ignore[no-u
 
 def causal() -> MaskMod:
     """Causal, top-left aligned: query ``i`` sees keys ``j <= i``."""
-    return mask_mod(_causal, name="flashlite.gallery.causal")
+    return mask_mod(_causal, name="flashlite.gallery.causal", tile_reads=_nothing)
 
 
 def sliding_window(window: int) -> MaskMod:
@@ -90,14 +102,15 @@ def sliding_window(window: int) -> MaskMod:
     ``window=(window, 0)``)."""
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be an int >= 0, got {window!r}")
-    return mask_mod(_sliding_window, window, name="flashlite.gallery.sliding_window")
+    return mask_mod(_sliding_window, window, name="flashlite.gallery.sliding_window",
+                    tile_reads=_nothing)  # fmt: skip
 
 
 def prefix_lm(prefix: int) -> MaskMod:
     """Prefix-LM: every query sees the first ``prefix`` keys (bidirectional), then causal."""
     if isinstance(prefix, bool) or not isinstance(prefix, int) or prefix < 0:
         raise ValueError(f"prefix must be an int >= 0, got {prefix!r}")
-    return mask_mod(_prefix_lm, prefix, name="flashlite.gallery.prefix_lm")
+    return mask_mod(_prefix_lm, prefix, name="flashlite.gallery.prefix_lm", tile_reads=_nothing)
 
 
 def _doc_ids(ids: torch.Tensor) -> tuple[torch.Tensor, int]:
@@ -110,18 +123,36 @@ def _doc_ids(ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return ids, (ids.shape[1] if ids.dim() == 2 else 0)
 
 
+def random_documents(batch: int, n: int, docs: int, seed: int = 0) -> torch.Tensor:
+    """Document ids ``(batch, n)`` int32 for ``docs`` documents of random lengths per sequence
+    (every document at least one token): packed sequences for :func:`document`."""
+    if not 1 <= docs <= n:
+        raise ValueError(f"docs must be in [1, n={n}], got {docs}")
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.empty(batch, n, dtype=torch.int32)
+    for b in range(batch):
+        # docs − 1 distinct cut points in [1, n): each document gets at least one token
+        cuts = torch.randperm(n - 1, generator=gen)[: docs - 1] + 1
+        starts = torch.zeros(n, dtype=torch.int32)
+        starts[cuts] = 1
+        ids[b] = torch.cumsum(starts, 0, dtype=torch.int32)
+    return ids
+
+
 def document(ids: torch.Tensor) -> MaskMod:
     """Packed sequences: a query sees the keys of its own document. ``ids`` ``(B, N)`` (or
     ``(N,)`` for every batch): the document of each token, for self-attention (``Nq = Nk = N``)."""
     ids, stride = _doc_ids(ids)
-    return mask_mod(_document, ids, stride, torch_fn=_document_t, name="flashlite.gallery.document")
+    return mask_mod(_document, ids, stride, torch_fn=_document_t, name="flashlite.gallery.document",
+                    tile_reads=_id_reads(ids))  # fmt: skip
 
 
 def document_causal(ids: torch.Tensor) -> MaskMod:
     """:func:`document` and causal: packed causal language modelling."""
     ids, stride = _doc_ids(ids)
-    return mask_mod(_document_causal, ids, stride, torch_fn=_document_causal_t,
-                    name="flashlite.gallery.document_causal")  # fmt: skip
+    name = "flashlite.gallery.document_causal"
+    return mask_mod(_document_causal, ids, stride, torch_fn=_document_causal_t, name=name,
+                    tile_reads=_id_reads(ids))  # fmt: skip
 
 
 # --------------------------------------------------------------------------- scores
@@ -161,7 +192,7 @@ def alibi(slopes: torch.Tensor) -> ScoreMod:
         )
     slopes = slopes.float().contiguous()
     return score_mod(_alibi, slopes, grad=_alibi_grad, torch_fn=_alibi_t,
-                     name="flashlite.gallery.alibi")  # fmt: skip
+                     name="flashlite.gallery.alibi", tile_reads=lambda bm, bn: 4)  # fmt: skip
 
 
 @triton.jit
@@ -193,7 +224,7 @@ def tanh_softcap(cap: float) -> ScoreMod:
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf:
         raise ValueError(f"cap must be a finite positive number, got {cap!r}")
     return score_mod(_softcap, float(cap), grad=_softcap_grad, torch_fn=_softcap_t,
-                     name="flashlite.gallery.tanh_softcap")  # fmt: skip
+                     name="flashlite.gallery.tanh_softcap", tile_reads=_nothing)  # fmt: skip
 
 
 @triton.jit
@@ -222,4 +253,5 @@ def relative_bias(table: torch.Tensor) -> ScoreMod:
     table = table.float().contiguous()
     reach = (table.shape[1] - 1) // 2
     return score_mod(_relative, table, reach, table.shape[1], grad=_relative_grad,
-                     torch_fn=_relative_t, name="flashlite.gallery.relative_bias")  # fmt: skip
+                     torch_fn=_relative_t, name="flashlite.gallery.relative_bias",
+                     tile_reads=lambda bm, bn: 4 * bm * bn)  # fmt: skip

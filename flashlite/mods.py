@@ -62,6 +62,8 @@ __all__ = [
 MAX_BUFFERS = 4
 
 Buffer = torch.Tensor | int | float
+#: Bytes one call of a mod on a ``(bm, bn)`` tile loads from its buffers (for the traffic model)
+TileReads = Callable[[int, int], int]
 
 
 def _is_jit(fn: object) -> bool:
@@ -150,11 +152,12 @@ class MaskMod:
     Calling it runs the twin with the buffers appended (what torch's ``create_block_mask``
     calls). Make one with :func:`mask_mod`."""
 
-    __slots__ = ("fn", "torch_fn", "buffers", "name")
+    __slots__ = ("fn", "torch_fn", "buffers", "name", "tile_reads")
 
     def __init__(self, fn: Any, torch_fn: Callable[..., Any], buffers: tuple[Buffer, ...],
-                 name: str) -> None:  # fmt: skip
+                 name: str, tile_reads: TileReads | None = None) -> None:  # fmt: skip
         self.fn, self.torch_fn, self.buffers, self.name = fn, torch_fn, buffers, name
+        self.tile_reads = tile_reads
 
     def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return self.torch_fn(b, h, q_idx, kv_idx, *self.buffers)
@@ -173,12 +176,13 @@ class ScoreMod:
     buffers. Calling it runs the twin (what torch's ``flex_attention`` calls). Make one with
     :func:`score_mod`."""
 
-    __slots__ = ("fn", "grad_fn", "torch_fn", "buffers", "name")
+    __slots__ = ("fn", "grad_fn", "torch_fn", "buffers", "name", "tile_reads")
 
     def __init__(self, fn: Any, grad_fn: Any, torch_fn: Callable[..., Any],
-                 buffers: tuple[Buffer, ...], name: str) -> None:  # fmt: skip
+                 buffers: tuple[Buffer, ...], name: str,
+                 tile_reads: TileReads | None = None) -> None:  # fmt: skip
         self.fn, self.grad_fn, self.torch_fn = fn, grad_fn, torch_fn
-        self.buffers, self.name = buffers, name
+        self.buffers, self.name, self.tile_reads = buffers, name, tile_reads
 
     def __call__(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return self.torch_fn(score, b, h, q_idx, kv_idx, *self.buffers)
@@ -192,7 +196,7 @@ class ScoreMod:
 
 
 def mask_mod(fn: Any, *buffers: Buffer, torch_fn: Callable[..., Any] | None = None,
-             name: str | None = None) -> MaskMod:  # fmt: skip
+             name: str | None = None, tile_reads: TileReads | None = None) -> MaskMod:  # fmt: skip
     """A mask function with its twin and buffers.
 
     Args:
@@ -200,6 +204,8 @@ def mask_mod(fn: Any, *buffers: Buffer, torch_fn: Callable[..., Any] | None = No
         *buffers: tensors or numbers ``fn`` reads, after the indices.
         torch_fn: the twin on torch tensors (default: ``fn``'s own Python body).
         name: the name ops find it by (default: ``module.qualname`` of ``fn``).
+        tile_reads: bytes ``fn`` loads from its buffers per ``(bm, bn)`` tile, for
+            ``flashlite traffic`` (None: not modelled).
 
     Raises:
         TypeError: ``fn`` is not a jit function or takes the wrong number of arguments; a
@@ -211,12 +217,12 @@ def mask_mod(fn: Any, *buffers: Buffer, torch_fn: Callable[..., Any] | None = No
     twin = torch_fn if torch_fn is not None else _python_fn(fn)
     name = name or _name_of(fn)
     _register(name, (fn, twin))
-    return MaskMod(fn, twin, buffers, name)
+    return MaskMod(fn, twin, buffers, name, tile_reads)
 
 
 def score_mod(fn: Any, *buffers: Buffer, grad: Any = None,
-              torch_fn: Callable[..., Any] | None = None,
-              name: str | None = None) -> ScoreMod:  # fmt: skip
+              torch_fn: Callable[..., Any] | None = None, name: str | None = None,
+              tile_reads: TileReads | None = None) -> ScoreMod:  # fmt: skip
     """A score function with its derivative, twin and buffers.
 
     Args:
@@ -227,6 +233,7 @@ def score_mod(fn: Any, *buffers: Buffer, grad: Any = None,
             backward refuses).
         torch_fn: the twin on torch tensors (default: ``fn``'s own Python body).
         name: the name ops find it by (default: ``module.qualname`` of ``fn``).
+        tile_reads: as :func:`mask_mod`'s (per tile ``fn`` runs on).
 
     Raises:
         TypeError, ValueError: as :func:`mask_mod`, for ``fn`` and ``grad``.
@@ -238,7 +245,7 @@ def score_mod(fn: Any, *buffers: Buffer, grad: Any = None,
     twin = torch_fn if torch_fn is not None else _python_fn(fn)
     name = name or _name_of(fn)
     _register(name, (fn, twin, grad))
-    return ScoreMod(fn, grad, twin, buffers, name)
+    return ScoreMod(fn, grad, twin, buffers, name, tile_reads)
 
 
 def as_mask_mod(mod: object) -> MaskMod:

@@ -338,3 +338,36 @@ def test_gpu_gallery_against_torch_flex(name: str) -> None:
     exact = reference.attention(q.double(), k.double(), v.double(), mask_mod=mm, score_mod=sm)
     floor = TOL[torch.bfloat16].floor
     assert (o.double() - exact).abs().max() <= 2 * (theirs.double() - exact).abs().max() + floor
+
+
+# --------------------------------------------------------------------------- traffic
+@pytest.mark.parametrize("name", ["causal", "document_causal", "alibi", "relative_bias"])
+def test_traffic_model_equals_count(name: str) -> None:
+    """The tables' model of the forward's bytes equals the interpreter's count, mods' buffer
+    reads included; empty tiles save K/V bytes against the dense tables."""
+    from flashlite.traffic import AttentionShape, count_flex_attention, model_flex_attention
+    from flashlite.traffic.count_sparse import dense_block_mask_for
+
+    shape = AttentionShape(2, 4, N, D, kv_heads=2, dtype=torch.float16)
+    mm, sm = _gallery(4, 2)[name]
+    bm = _block_mask(mm, 2)
+    model, counted = model_flex_attention(shape, bm, sm), count_flex_attention(shape, bm, sm)
+    assert (model.read, model.write) == (counted.read, counted.write)
+    assert model.info["mods_modelled"] and model.info["empty"] > 0
+    dense = model_flex_attention(shape, dense_block_mask_for(shape, (BLOCK, BLOCK)))
+    assert dense.parts["k"][0] > model.parts["k"][0]
+
+
+def test_traffic_cli_mask_counts(capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    from flashlite.cli import main
+
+    code = main(["traffic", "--mask", "document_causal", "--seq", "200", "--count", "--json",
+                 "--quiet"])  # fmt: skip
+    rows = json.loads(capsys.readouterr().out)
+    assert code == 0 and [r["method"] for r in rows] == ["flex-document_causal", "flex-dense",
+                                                          "naive"]  # fmt: skip
+    for r in rows[:2]:
+        assert r["model_bytes"] == r["counted_bytes"]
+    assert rows[0]["model_bytes"] < rows[1]["model_bytes"] < rows[2]["model_bytes"]

@@ -184,6 +184,24 @@ def _cmd_shared_prefix_traffic(args: argparse.Namespace) -> int:
     return _measure_status(args, rows)
 
 
+def _cmd_block_sparse_traffic(args: argparse.Namespace) -> int:
+    from flashlite.traffic import block_sparse_rows, format_block_sparse_table
+
+    shapes = [replace(_shape_from(args, n), seq_k=None, causal=False) for n in args.seq]
+    try:
+        rows, notes = block_sparse_rows(shapes, args.mask, docs=args.docs, count=args.count,
+                                        show_progress=not args.quiet)  # fmt: skip
+    except ValueError as err:
+        print(f"flashlite traffic: error: {err}", file=sys.stderr)
+        return 2
+    if args.measure:
+        notes.append("--measure does not cover --mask yet: model and count only")
+    for note in dict.fromkeys(notes):
+        print(f"note: {note}", file=sys.stderr)
+    _emit(args, rows, [format_block_sparse_table(rows)])
+    return _measure_status(args, rows)
+
+
 def _measure_status(args: argparse.Namespace, rows: Sequence[dict[str, Any]]) -> int:
     """2 when --measure was the whole job and measured nothing (no GPU or ncu), else 0."""
     nothing = all(r.get("measured_bytes") is None for r in rows)
@@ -205,6 +223,8 @@ def cmd_traffic(args: argparse.Namespace) -> int:
         return 0
     if args.shared_prefix is not None:
         return _cmd_shared_prefix_traffic(args)
+    if args.mask is not None:
+        return _cmd_block_sparse_traffic(args)
     if args.decode:
         from flashlite.traffic import decode_rows
 

@@ -84,6 +84,7 @@ examples:
   flashlite traffic --seq 64 128 256 --causal --count --plot traffic.png
   flashlite traffic --shared-prefix 32768 --seq 1024 --batch 64 --heads 32 --kv-heads 8 \\
       --head-dim 128 --dtype bfloat16                  the shared step vs prefix copies
+  flashlite traffic --mask document_causal --docs 8 --seq 8192 32768 --head-dim 128
   flashlite traffic --seq 4096 16384 --heads 16 --head-dim 128 --dtype bfloat16 --measure"""
 
 _BENCH = """\
@@ -389,6 +390,17 @@ def build_parser() -> argparse.ArgumentParser:
         "against attention_kvcache over per-request copies of the prefix, with the prefix's "
         "bytes (model; --count counts both, with the interpreter's tiles) (default: off)",
     )
+    _option(
+        t,
+        "--mask",
+        choices=["causal", "sliding_window", "prefix_lm", "document", "document_causal"],
+        default=None,
+        help="show block-sparse attention's bytes: flex_attention with this gallery mask "
+        "(window N/8, prefix N/4, --docs random documents per sequence; 128x128 tables) against "
+        "the same kernel over every tile and the naive reference (model; --count counts the "
+        "two flex rows) (default: off)",
+    )
+    _option(t, "--docs", type=_COUNT, default=8, help="documents per sequence (with --mask)")
     _option(
         t,
         "--ce",

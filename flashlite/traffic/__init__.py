@@ -18,7 +18,8 @@ Three independent ways to get the bytes a call moves between DRAM (HBM) and the 
 
 :mod:`~flashlite.traffic.shapes` holds what they share (:class:`AttentionShape`,
 :class:`Traffic`), and :mod:`~flashlite.traffic.report` the rows, table and plot of the
-``flashlite traffic`` command (:mod:`~flashlite.traffic.report_decode` its decoding rows).
+``flashlite traffic`` command (:mod:`~flashlite.traffic.report_decode` its decoding rows,
+:mod:`~flashlite.traffic.report_sparse` its block-sparse rows).
 Counted equals the model exactly for flashlite kernels; measured differs from both (L2 reuse
 of K/V across query blocks, caches, ECC, prefetch): ``docs/hbm-traffic.md`` explains.
 """
@@ -36,6 +37,7 @@ from flashlite.traffic.count import (
     count_torch_ops,
     tensor_bytes,
 )
+from flashlite.traffic.count_sparse import count_flex_attention
 from flashlite.traffic.measure import (
     KernelMetrics,
     Measurement,
@@ -65,6 +67,7 @@ from flashlite.traffic.model import (
     model_flashlite_attention_bwd,
     model_flashlite_decode,
     model_flashlite_shared_prefix,
+    model_flex_attention,
     model_kvcache_prefix_copies,
     model_naive_attention,
     model_softmax,
@@ -87,6 +90,8 @@ from flashlite.traffic.report_decode import (
     format_shared_prefix_table,
     shared_prefix_rows,
 )
+from flashlite.traffic.report_sparse import MASKS as MASKS
+from flashlite.traffic.report_sparse import block_sparse_rows, format_block_sparse_table
 from flashlite.traffic.shapes import (
     ATTENTION_METHODS,
     SOFTMAX_ALGORITHMS,
@@ -99,6 +104,10 @@ from flashlite.traffic.shapes import byte_fields as byte_fields
 
 __all__ = [
     "ATTENTION_METHODS",
+    "block_sparse_rows",
+    "count_flex_attention",
+    "format_block_sparse_table",
+    "model_flex_attention",
     "SOFTMAX_ALGORITHMS",
     "SOFTMAX_GPU_ALGORITHMS",
     "AttentionShape",
