@@ -55,6 +55,8 @@ PUBLIC = {
     "attention_varlen": flashlite.attention_varlen,
     "attention_kvcache": flashlite.attention_kvcache,
     "attention_shared_prefix": flashlite.attention_shared_prefix,
+    "flex_attention": flashlite.flex_attention,
+    "create_block_mask": flashlite.create_block_mask,
     "cross_entropy": flashlite.cross_entropy,
     "linear_cross_entropy": flashlite.linear_cross_entropy,
     "distributed.ring_attention": flashlite.distributed.ring_attention,

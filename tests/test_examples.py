@@ -72,3 +72,10 @@ def test_train_gpt_llama_through_transformers(tmp_path: Path) -> None:
     assert train_gpt.main(argv) == 0
     runs = {r["attention"]: r["losses"] for r in json.loads(out.read_text())["runs"]}
     assert max(abs(a - b) for a, b in zip(runs["flashlite"], runs["sdpa"], strict=True)) < 1e-4
+
+
+def test_flex_masks_draws_the_gallery_and_checks_the_kernels(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "gallery.png"
+    assert _load("flex_masks").main(["--out", str(out)]) == 0
+    assert out.stat().st_size > 0

@@ -343,6 +343,7 @@ BENCHMARKS = (
     ("bench_decode.py", "decoding, varlen, window and softcap against SDPA and cuDNN"),
     ("bench_shared_prefix.py", "shared-prefix decoding against kvcache over prefix copies"),
     ("bench_sinks.py", "attention with and without sinks, forward, backward and decode"),
+    ("bench_mods.py", "mask and score functions against FlexAttention and the built-ins"),
     ("bench_cross_entropy.py", "cross-entropy and linear cross-entropy speed and memory"),
     ("bench_overhead.py", "per-call host cost at small shapes (loop, graph, do_bench)"),
     ("bench_models.py", "Hugging Face Llama training step and generation against SDPA"),

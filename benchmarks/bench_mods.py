@@ -1,0 +1,388 @@
+"""Your own masks and score functions on the GPU: flashlite.flex_attention against torch's
+compiled flex_attention on the same block mask, and against flashlite's built-in kernels.
+
+Points (bf16, D 128, H 16, B 1):
+
+    document     document-causal masks of 8 random-length documents per sequence,
+                 N ∈ {8k, 32k, 64k}: flashlite, torch.compile(flex_attention) with torch's
+                 block mask of the same mod, and flashlite's dense causal kernel, forward and
+                 forward + backward, in TFLOP/s of useful work (4·D per visible pair forward,
+                 3.5× that for forward + backward). Bars: ≥ 1.3× Flex, ≥ 0.9× dense causal.
+    scores       causal N 16k: ALiBi and a relative-bias table as score functions against the
+                 same call without one. Bar: ≤ 1.10×.
+    built-ins    causal and a 1024-key sliding window written as mask functions against
+                 flashlite.attention's causal and window paths (N 16k). Bar: ≤ 1.03×; whether
+                 the outputs agree bit for bit is reported.
+    lengths      one mod over 20 sequence lengths: Triton compilations of flashlite's kernels
+                 and graphs Dynamo compiles for Flex.
+    block mask   create_block_mask at 64k, flashlite's against torch's.
+
+Every timed result is checked first: flashlite against Flex (both bf16) and against an fp64
+reference on the last 128 query rows. Times are medians of interleaved rounds of
+``triton.testing.do_bench`` medians. Writes ``benchmarks/results/mods-<device>.{json,png}``
+and prints a table last.
+
+    python benchmarks/bench_mods.py [--rounds 3] [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import torch
+from _common import bench, device_name, device_slug, metadata, write_results
+
+import flashlite
+from flashlite import gallery
+from flashlite.plotting import Bars, Figure, Panel
+
+H, D = 16, 128
+DTYPE = torch.bfloat16
+
+
+def useful_pairs(bm: flashlite.BlockMask) -> int:
+    """Visible (query, key) pairs of a document mask, from the twin over bands of rows."""
+    mod, (nq, nk) = bm.mask_mod, bm.seq_lengths
+    total, band = 0, 2048
+    for r0 in range(0, nq, band):
+        q_idx = torch.arange(r0, min(nq, r0 + band), device="cuda").view(1, 1, -1, 1)
+        kv = torch.arange(nk, device="cuda").view(1, 1, 1, -1)
+        zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device="cuda")
+        total += int(mod(zero, zero, q_idx, kv).sum())
+    return total
+
+
+def rows_reference(q, k, v, mm, sm, rows: int = 128):  # noqa: ANN001, ANN201
+    """fp64 attention of the last ``rows`` queries (twins, dense over their keys)."""
+    n = q.shape[2]
+    q0 = n - rows
+    qs = q[:, :, q0:].double()
+    s = qs @ k.double().transpose(-1, -2) * D**-0.5
+    b, h = (
+        torch.zeros(1, 1, 1, 1, dtype=torch.long, device="cuda"),
+        torch.arange(q.shape[1], device="cuda").view(1, -1, 1, 1),
+    )
+    q_idx = torch.arange(q0, n, device="cuda").view(1, 1, -1, 1)
+    kv = torch.arange(k.shape[2], device="cuda").view(1, 1, 1, -1)
+    if sm is not None:
+        s = sm(s, b, h, q_idx, kv)
+    if mm is not None:
+        s = torch.where(mm(b, h, q_idx, kv), s, float("-inf"))
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v.double()
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1)).item()
+
+
+def timed(fns: dict, rounds: int) -> dict[str, float]:
+    """Interleaved rounds of do_bench medians; the median per name."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def fwd_bwd(call, leaves, do):  # noqa: ANN001, ANN201
+    def run() -> None:
+        call(*leaves).backward(do)
+
+    return run
+
+
+def document_points(rows: list[dict], rounds: int, lengths: list[int]) -> None:
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    flex = torch.compile(torch_flex)
+    for n in lengths:
+        gen = torch.Generator(device="cuda").manual_seed(n)
+        q, k, v, do = (
+            torch.randn(1, H, n, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(4)
+        )
+        mm = gallery.document_causal(gallery.random_documents(1, n, 8, seed=n).cuda())
+        bm = flashlite.create_block_mask(mm, 1, None, n, n, device="cuda")
+        tbm = torch_create(mm, 1, None, n, n, device="cuda")
+        pairs = useful_pairs(bm)
+        ours = flashlite.flex_attention(q, k, v, block_mask=bm)
+        theirs = flex(q, k, v, block_mask=tbm)
+        errs = {
+            "vs_flex": _err(ours, theirs),
+            "vs_fp64": _err(ours[:, :, -128:], rows_reference(q, k, v, mm, None)),
+        }
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        calls = {
+            "flashlite": lambda a, b, c: flashlite.flex_attention(a, b, c, block_mask=bm),
+            "flex": lambda a, b, c: flex(a, b, c, block_mask=tbm),
+            "dense causal": lambda a, b, c: flashlite.attention(a, b, c, causal=True),
+        }
+        for kind in ("fwd", "fwd+bwd"):
+            if kind == "fwd":
+                fns = {name: (lambda c=c: c(q, k, v)) for name, c in calls.items()}
+            else:
+                fns = {name: fwd_bwd(c, leaves, do) for name, c in calls.items()}
+            ms = timed(fns, rounds)
+            flops = 4 * D * H * (3.5 if kind == "fwd+bwd" else 1.0)
+            dense_pairs = n * (n + 1) // 2
+            tflops = {
+                name: flops * (dense_pairs if name == "dense causal" else pairs) / t / 1e9
+                for name, t in ms.items()
+            }
+            row = {
+                "group": "document",
+                "point": f"doc-causal N{n // 1024}k {kind}",
+                "n": n,
+                "kind": kind,
+                "ms": ms,
+                "tflops": tflops,
+                "useful_pairs": pairs,
+                "sparsity": bm.sparsity(),
+                "vs_flex": ms["flex"] / ms["flashlite"],
+                "vs_dense_tflops": tflops["flashlite"] / tflops["dense causal"],
+                "max_rel_err": errs,
+            }
+            rows.append(row)
+            print(
+                f"{row['point']:26s} flashlite {ms['flashlite']:.3f} ms, flex {ms['flex']:.3f}, "
+                f"dense {ms['dense causal']:.3f}; x flex {row['vs_flex']:.2f}, TFLOP/s x dense "
+                f"{row['vs_dense_tflops']:.2f}; err {max(errs.values()):.1e}",
+                flush=True,
+            )
+
+
+def ratio_points(rows: list[dict], rounds: int) -> None:
+    n = 16384
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v, do = (
+        torch.randn(1, H, n, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(4)
+    )
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    causal = gallery.causal()
+    bm = flashlite.create_block_mask(causal, None, None, n, n, device="cuda")
+    scores = {
+        "alibi": gallery.alibi(gallery.alibi_slopes(H).cuda()),
+        "relative bias": gallery.relative_bias(torch.randn(H, 257, device="cuda")),
+    }
+    for name, sm in scores.items():
+        ours = flashlite.flex_attention(q, k, v, score_mod=sm, block_mask=bm)
+        errs = {"vs_fp64": _err(ours[:, :, -128:], rows_reference(q, k, v, causal, sm))}
+        calls = {
+            "with": lambda a, b, c, sm=sm: flashlite.flex_attention(
+                a, b, c, score_mod=sm, block_mask=bm
+            ),
+            "without": lambda a, b, c: flashlite.flex_attention(a, b, c, block_mask=bm),
+        }
+        _ratio_rows(
+            rows, "scores", f"{name} N16k", calls, q, k, v, leaves, do, rounds, errs, bar=1.10
+        )
+    window = 1024
+    for name, mm, kw in (
+        ("causal", causal, {"causal": True}),
+        (
+            f"window {window}",
+            gallery.sliding_window(window),
+            {"causal": True, "window": (window, 0)},
+        ),
+    ):
+        mbm = flashlite.create_block_mask(mm, None, None, n, n, device="cuda")
+        ours = flashlite.flex_attention(q, k, v, block_mask=mbm)
+        builtin = flashlite.attention(q, k, v, **kw)
+        errs = {"vs_builtin": _err(ours, builtin)}
+        calls = {
+            "with": lambda a, b, c, m=mbm: flashlite.flex_attention(a, b, c, block_mask=m),
+            "without": lambda a, b, c, kw=kw: flashlite.attention(a, b, c, **kw),
+        }
+        made = _ratio_rows(
+            rows,
+            "built-ins",
+            f"{name} as a mod N16k",
+            calls,
+            q,
+            k,
+            v,
+            leaves,
+            do,
+            rounds,
+            errs,
+            bar=1.03,
+        )
+        for r in made:
+            r["bitwise"] = bool(torch.equal(ours, builtin))
+
+
+def _ratio_rows(rows, group, label, calls, q, k, v, leaves, do, rounds, errs, bar):  # noqa: ANN001, ANN202
+    made = []
+    for kind in ("fwd", "fwd+bwd"):
+        if kind == "fwd":
+            fns = {name: (lambda c=c: c(q, k, v)) for name, c in calls.items()}
+        else:
+            fns = {name: fwd_bwd(c, leaves, do) for name, c in calls.items()}
+        ms = timed(fns, rounds)
+        row = {
+            "group": group,
+            "point": f"{label} {kind}",
+            "kind": kind,
+            "ms": ms,
+            "ratio": ms["with"] / ms["without"],
+            "bar": bar,
+            "max_rel_err": errs,
+        }
+        rows.append(row)
+        made.append(row)
+        print(
+            f"{row['point']:34s} {ms['with']:.3f} ms / {ms['without']:.3f} ms = "
+            f"{row['ratio']:.3f}x (bar {bar}); err {max(errs.values()):.1e}",
+            flush=True,
+        )
+    return made
+
+
+def _compiled_kernels() -> int:
+    from flashlite.kernels.attention import block_mask as KB
+    from flashlite.kernels.attention import flex as KF
+
+    fns = (
+        KF._flex_fwd_kernel,
+        KF._flex_bwd_dkdv_kernel,
+        KF._flex_bwd_dq_kernel,
+        KB._classify_tiles_kernel,
+    )
+    return sum(len(c[0]) for f in fns for c in getattr(f, "device_caches", {}).values())
+
+
+def lengths_point(rows: list[dict]) -> None:
+    from torch._dynamo.utils import counters
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    flex = torch.compile(torch_flex)
+    lengths = [1000 + 97 * i for i in range(20)]
+    causal = gallery.causal()
+    first = _compiled_kernels()
+    graphs0 = counters["stats"]["unique_graphs"]
+    for n in lengths:
+        q, k, v = (
+            torch.randn(1, H, n, D, device="cuda", dtype=DTYPE, requires_grad=True)
+            for _ in range(3)
+        )
+        bm = flashlite.create_block_mask(causal, None, None, n, n, device="cuda")
+        flashlite.flex_attention(q, k, v, block_mask=bm).sum().backward()
+        tbm = torch_create(causal, None, None, n, n, device="cuda")
+        flex(q, k, v, block_mask=tbm).sum().backward()
+    torch.cuda.synchronize()
+    row = {
+        "group": "lengths",
+        "point": "20 lengths, one mod",
+        "lengths": lengths,
+        "flashlite_triton_compiles": _compiled_kernels() - first,
+        "flex_dynamo_graphs": counters["stats"]["unique_graphs"] - graphs0,
+    }
+    rows.append(row)
+    print(
+        f"20 lengths: flashlite compiled {row['flashlite_triton_compiles']} Triton kernels, "
+        f"Flex compiled {row['flex_dynamo_graphs']} graphs",
+        flush=True,
+    )
+
+
+def block_mask_point(rows: list[dict], n: int) -> None:
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create
+
+    mm = gallery.document_causal(gallery.random_documents(1, n, 8).cuda())
+    times: dict[str, list[float]] = {"flashlite": [], "flex": []}
+    for _ in range(3):
+        for name, make in (("flashlite", flashlite.create_block_mask), ("flex", torch_create)):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            make(mm, 1, None, n, n, device="cuda")
+            torch.cuda.synchronize()
+            times[name].append(1e3 * (time.perf_counter() - t0))
+    ms = {name: statistics.median(t[1:]) for name, t in times.items()}  # (the first compiles)
+    rows.append(
+        {
+            "group": "block mask",
+            "point": f"create_block_mask N{n // 1024}k",
+            "ms": ms,
+            "ratio": ms["flex"] / ms["flashlite"],
+            "rounds": times,
+        }
+    )
+    print(
+        f"create_block_mask N{n}: flashlite {ms['flashlite']:.2f} ms, flex {ms['flex']:.2f} ms",
+        flush=True,
+    )
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="8k only, one round")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_mods needs a CUDA device")
+        return 1
+    rounds = 1 if args.quick else args.rounds
+    lengths = [8192] if args.quick else [8192, 32768, 65536]
+    rows: list[dict] = []
+    document_points(rows, rounds, lengths)
+    ratio_points(rows, rounds)
+    lengths_point(rows)
+    block_mask_point(rows, lengths[-1])
+    docs = [r for r in rows if r["group"] == "document"]
+    ratios = [r for r in rows if r["group"] in ("scores", "built-ins")]
+    panels = [
+        Panel(
+            bars=[
+                Bars([r["tflops"][m] for r in docs], m)
+                for m in ("flashlite", "flex", "dense causal")
+            ],
+            categories=[r["point"] for r in docs],
+            ylabel="TFLOP/s (useful)",
+            title="document-causal, 8 documents",
+        ),
+        Panel(
+            bars=[Bars([r["ratio"] for r in ratios], "with ÷ without")],
+            categories=[r["point"] for r in ratios],
+            hlines=[(1.10, "1.10"), (1.03, "1.03")],
+            title="score functions and built-ins as mods (time ratio)",
+        ),
+    ]
+    fig = Figure(
+        [panels], title=f"mask and score functions on {device_name()}", panel_size=(9, 4.5)
+    )
+    meta = metadata(dtype="bfloat16", heads=H, head_dim=D, command=" ".join(sys.argv))
+    paths = write_results(f"mods-{device_slug()}", rows, meta, figure=fig)
+    bad = [r["point"] for r in rows if max(r.get("max_rel_err", {"": 0}).values()) > 2e-2]
+    print(f"\n{'point':34s} {'result':>40s}")
+    for r in docs:
+        print(
+            f"{r['point']:34s} x flex {r['vs_flex']:5.2f} (bar 1.3), TFLOP/s x dense causal "
+            f"{r['vs_dense_tflops']:4.2f} (bar 0.9)"
+        )
+    for r in ratios:
+        extra = f", bitwise {r['bitwise']}" if "bitwise" in r else ""
+        print(f"{r['point']:34s} {r['ratio']:5.3f}x (bar {r['bar']}){extra}")
+    for r in rows:
+        if r["group"] == "lengths":
+            print(
+                f"{r['point']:34s} flashlite compiles {r['flashlite_triton_compiles']}, "
+                f"Flex graphs {r['flex_dynamo_graphs']}"
+            )
+        if r["group"] == "block mask":
+            print(
+                f"{r['point']:34s} flashlite {r['ms']['flashlite']:.2f} ms, Flex "
+                f"{r['ms']['flex']:.2f} ms ({r['ratio']:.1f}x)"
+            )
+    print("wrote", paths["json"])
+    if bad:
+        print("WRONG RESULTS:", bad)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
