@@ -37,6 +37,7 @@ from _common import bench, device_name, device_slug, metadata, write_results
 
 import flashlite
 from flashlite import gallery
+from flashlite.ops.attention import compiled_variants
 from flashlite.plotting import Bars, Figure, Panel
 
 H, D = 16, 128
@@ -94,6 +95,16 @@ def fwd_bwd(call, leaves, do):  # noqa: ANN001, ANN201
     return run
 
 
+def timed_kinds(calls: dict, q, k, v, leaves, do, rounds: int):  # noqa: ANN001, ANN201
+    """``(kind, median ms per call name)`` for the forward, then forward + backward."""
+    for kind in ("fwd", "fwd+bwd"):
+        if kind == "fwd":
+            fns = {name: (lambda c=c: c(q, k, v)) for name, c in calls.items()}
+        else:
+            fns = {name: fwd_bwd(c, leaves, do) for name, c in calls.items()}
+        yield kind, timed(fns, rounds)
+
+
 def document_points(rows: list[dict], rounds: int, lengths: list[int]) -> None:
     from torch.nn.attention.flex_attention import create_block_mask as torch_create
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
@@ -120,12 +131,7 @@ def document_points(rows: list[dict], rounds: int, lengths: list[int]) -> None:
             "flex": lambda a, b, c: flex(a, b, c, block_mask=tbm),
             "dense causal": lambda a, b, c: flashlite.attention(a, b, c, causal=True),
         }
-        for kind in ("fwd", "fwd+bwd"):
-            if kind == "fwd":
-                fns = {name: (lambda c=c: c(q, k, v)) for name, c in calls.items()}
-            else:
-                fns = {name: fwd_bwd(c, leaves, do) for name, c in calls.items()}
-            ms = timed(fns, rounds)
+        for kind, ms in timed_kinds(calls, q, k, v, leaves, do, rounds):
             flops = 4 * D * H * (3.5 if kind == "fwd+bwd" else 1.0)
             dense_pairs = n * (n + 1) // 2
             tflops = {
@@ -216,12 +222,7 @@ def ratio_points(rows: list[dict], rounds: int) -> None:
 
 def _ratio_rows(rows, group, label, calls, q, k, v, leaves, do, rounds, errs, bar):  # noqa: ANN001, ANN202
     made = []
-    for kind in ("fwd", "fwd+bwd"):
-        if kind == "fwd":
-            fns = {name: (lambda c=c: c(q, k, v)) for name, c in calls.items()}
-        else:
-            fns = {name: fwd_bwd(c, leaves, do) for name, c in calls.items()}
-        ms = timed(fns, rounds)
+    for kind, ms in timed_kinds(calls, q, k, v, leaves, do, rounds):
         row = {
             "group": group,
             "point": f"{label} {kind}",
@@ -241,19 +242,6 @@ def _ratio_rows(rows, group, label, calls, q, k, v, leaves, do, rounds, errs, ba
     return made
 
 
-def _compiled_kernels() -> int:
-    from flashlite.kernels.attention import block_mask as KB
-    from flashlite.kernels.attention import flex as KF
-
-    fns = (
-        KF._flex_fwd_kernel,
-        KF._flex_bwd_dkdv_kernel,
-        KF._flex_bwd_dq_kernel,
-        KB._classify_tiles_kernel,
-    )
-    return sum(len(c[0]) for f in fns for c in getattr(f, "device_caches", {}).values())
-
-
 def lengths_point(rows: list[dict]) -> None:
     from torch._dynamo.utils import counters
     from torch.nn.attention.flex_attention import create_block_mask as torch_create
@@ -262,7 +250,7 @@ def lengths_point(rows: list[dict]) -> None:
     flex = torch.compile(torch_flex)
     lengths = [1000 + 97 * i for i in range(20)]
     causal = gallery.causal()
-    first = _compiled_kernels()
+    first = compiled_variants()
     graphs0 = counters["stats"]["unique_graphs"]
     for n in lengths:
         q, k, v = (
@@ -278,7 +266,7 @@ def lengths_point(rows: list[dict]) -> None:
         "group": "lengths",
         "point": "20 lengths, one mod",
         "lengths": lengths,
-        "flashlite_triton_compiles": _compiled_kernels() - first,
+        "flashlite_triton_compiles": compiled_variants() - first,
         "flex_dynamo_graphs": counters["stats"]["unique_graphs"] - graphs0,
     }
     rows.append(row)

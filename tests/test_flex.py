@@ -288,6 +288,10 @@ def test_bad_block_masks_raise_clear_errors() -> None:
                                       BLOCK_SIZE=16)  # fmt: skip
     with pytest.raises(ValueError, match="built for B=3"):
         flashlite.flex_attention(q, q, q, block_mask=bm3)
+    cls = bm3.classes()[:1]
+    wrong = BM.BlockMask.from_classes(cls, (40, 40), (32, 32), gallery.causal())  # 16's tables
+    with pytest.raises(ValueError, match=r"block_mask.kv_num_blocks is \(1, 1, 3\)"):
+        flashlite.flex_attention(q, q, q, block_mask=wrong)
     with pytest.raises(TypeError, match="block_mask must be a flashlite or torch BlockMask"):
         flashlite.flex_attention(q, q, q, block_mask=torch.ones(1))
     for bad in (24, 8, (16, 48), "128"):
@@ -312,32 +316,60 @@ def test_bad_block_masks_raise_clear_errors() -> None:
 # --------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", GALLERY)
-def test_gpu_gallery_against_torch_flex(name: str) -> None:
-    """Long sequences on the GPU, bf16, against fp64 and against torch's compiled
-    flex_attention on the same mods (its twins): within 2x torch's own error."""
+def test_gpu_gallery_against_fp64_and_torch_flex(name: str) -> None:
+    """Long sequences on the GPU, bf16, forward and backward: flashlite's error against fp64 is
+    within 2x that of torch's compiled flex_attention on the same mods (their twins)."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     from torch.nn.attention.flex_attention import create_block_mask as torch_create
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
     b, h, n, d = 2, 4, 1000, 64
-    gen = _gallery(h, b)
-    mm, sm = gen[name]
-    if mm is not None and mm.buffers:  # rebuild with ids for this length, on the GPU
-        ids = _ids(b, n).cuda()
-        mm = (gallery.document if name == "document" else gallery.document_causal)(ids)
-    if sm is not None and sm.buffers and isinstance(sm.buffers[0], torch.Tensor):
+    mm, sm = _gallery(h, b)[name]
+    if mm is not None and mm.buffers:  # ids for this length, on the GPU
+        make = gallery.document if name == "document" else gallery.document_causal
+        mm = make(gallery.random_documents(b, n, 8).cuda())
+    if sm is not None and isinstance(sm.buffers[0], torch.Tensor):
         sm = mods.ScoreMod(sm.fn, sm.grad_fn, sm.torch_fn,
                            (sm.buffers[0].cuda(), *sm.buffers[1:]), sm.name)  # fmt: skip
-    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))  # fmt: skip
-    bm = None if mm is None else flashlite.create_block_mask(mm, b, None, n, n, device="cuda")
-    tbm = None if mm is None else torch_create(mm, b, None, n, n, device="cuda")
-    o = flashlite.flex_attention(q, k, v, score_mod=sm, block_mask=bm)
-    theirs = torch.compile(torch_flex)(q, k, v, score_mod=sm, block_mask=tbm)
-    exact = reference.attention(q.double(), k.double(), v.double(), mask_mod=mm, score_mod=sm)
+    base = [torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    do = torch.randn_like(base[0])
+    per_batch = b if mm is not None and mm.name.startswith("flashlite.gallery.document") else None
+    bm = None if mm is None else flashlite.create_block_mask(mm, per_batch, None, n, n)
+    tbm = None if mm is None else torch_create(mm, per_batch, None, n, n, device="cuda")
+    ours = [t.clone().requires_grad_() for t in base]
+    theirs = [t.clone().requires_grad_() for t in base]
+    exact = [t.double().requires_grad_() for t in base]
+    o = flashlite.flex_attention(*ours, score_mod=sm, block_mask=bm)
+    t_o = torch.compile(torch_flex)(*theirs, score_mod=sm, block_mask=tbm)
+    e_o = reference.attention(*exact, mask_mod=mm, score_mod=sm)
+    for out in (o, t_o, e_o):
+        out.backward(do.to(out.dtype))
     floor = TOL[torch.bfloat16].floor
-    assert (o.double() - exact).abs().max() <= 2 * (theirs.double() - exact).abs().max() + floor
+    assert (o.double() - e_o).abs().max() <= 2 * (t_o.double() - e_o).abs().max() + floor
+    for a, t, e in zip(ours, theirs, exact, strict=True):
+        err, flex_err = (
+            (a.grad.double() - e.grad).abs().max(),
+            (t.grad.double() - e.grad).abs().max(),
+        )
+        assert err <= 2 * flex_err + 4 * floor
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="flex_attention runs its own kernel, whose arithmetic "
+                   "(natural-unit scores, no prescaled Q, no lazy rescale) differs from the "
+                   "built-in paths' in the last bits; bit-for-bit needs the mods folded into "
+                   "the built-in kernels")  # fmt: skip
+def test_gpu_hand_written_causal_and_window_match_the_built_ins_bit_for_bit() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    n = 2048
+    q, k, v = (torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    window = {"causal": True, "window": (256, 0)}
+    for mm, kw in ((gallery.causal(), {"causal": True}), (gallery.sliding_window(256), window)):
+        bm = flashlite.create_block_mask(mm, None, None, n, n)
+        assert torch.equal(flashlite.flex_attention(q, k, v, block_mask=bm),
+                           flashlite.attention(q, k, v, **kw))  # fmt: skip
 
 
 # --------------------------------------------------------------------------- traffic
@@ -371,3 +403,23 @@ def test_traffic_cli_mask_counts(capsys: pytest.CaptureFixture[str]) -> None:
     for r in rows[:2]:
         assert r["model_bytes"] == r["counted_bytes"]
     assert rows[0]["model_bytes"] < rows[1]["model_bytes"] < rows[2]["model_bytes"]
+
+
+def test_dram_estimate_reads_visited_keys_once() -> None:
+    from flashlite.traffic import AttentionShape
+    from flashlite.traffic.model import dram_flex_attention
+
+    shape = AttentionShape(1, 2, 64, 16, dtype=torch.float16)
+    ids = torch.tensor([0] * 32 + [1] * 32, dtype=torch.int32)
+    bm = flashlite.create_block_mask(gallery.document_causal(ids), None, None, 64, 64,
+                                     device="cpu", BLOCK_SIZE=16)  # fmt: skip
+    t = dram_flex_attention(shape, bm)
+    assert t.parts["k"][0] == t.parts["v"][0] == 2 * 64 * 16 * 2  # every key once per head
+
+    @triton.jit
+    def first_half_only(b, h, q_idx, kv_idx):
+        return kv_idx < 32
+
+    half = flashlite.create_block_mask(mods.mask_mod(first_half_only), None, None, 64, 64,
+                                       device="cpu", BLOCK_SIZE=16)  # fmt: skip
+    assert dram_flex_attention(shape, half).parts["k"][0] == 2 * 32 * 16 * 2  # never-seen keys

@@ -49,7 +49,12 @@ def block_sparse_rows(
     table's own), like for like. Returns the rows and notes."""
     import flashlite
     from flashlite.traffic.count_sparse import count_flex_attention, dense_block_mask_for
-    from flashlite.traffic.model import model_flex_attention, model_naive_attention
+    from flashlite.traffic.model import (
+        dram_flex_attention,
+        dram_naive_attention,
+        model_flex_attention,
+        model_naive_attention,
+    )
 
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
@@ -67,21 +72,26 @@ def block_sparse_rows(
         dense_bm = dense_block_mask_for(shape, block)
         flex = model_flex_attention(shape, bm, kernel_block=tiles)
         dense = model_flex_attention(shape, dense_bm, kernel_block=tiles)
-        naive = model_naive_attention(replace(shape, causal=mask != "document"))
+        naive_shape = replace(shape, causal=mask != "document")
+        naive = model_naive_attention(naive_shape)
+        drams = (dram_flex_attention(shape, bm), dram_flex_attention(shape, dense_bm),
+                 dram_naive_attention(naive_shape))  # fmt: skip
         counted: tuple[Traffic | None, Traffic | None] = (None, None)
         if count:
             counted = (count_flex_attention(shape, bm), count_flex_attention(shape, dense_bm))
         info = flex.info
-        for method, m, c in (("flex-" + mask, flex, counted[0]), ("flex-dense", dense, counted[1]),
-                             ("naive", naive, None)):  # fmt: skip
+        methods = ("flex-" + mask, "flex-dense", "naive")
+        for method, m, c, dram in zip(methods, (flex, dense, naive), (*counted, None), drams,
+                                      strict=True):  # fmt: skip
             rows.append({
-                "method": method, "seq_len": shape.seq_q, **byte_fields(model=m, counted=c),
+                "method": method, "seq_len": shape.seq_q,
+                **byte_fields(model=m, counted=c, dram=dram),
                 "vs_flex": m.total / flex.total,
                 "tiles": _tiles(m) if method != "naive" else "-",
                 "kernel_tiles": f"{tiles[0]}x{tiles[1]}", "shape": shape.to_json(),
             })  # fmt: skip
         saved = dense.parts["k"][0] + dense.parts["v"][0] - flex.parts["k"][0] - flex.parts["v"][0]
-        notes.append(f"N={shape.seq_q}: empty tiles save {saved / 2**20:.3f} MB of K/V reads "
+        notes.append(f"N={shape.seq_q}: empty tiles save {format_mb(saved)} MB of issued K/V reads "
                      f"({info['empty']} of {info['full'] + info['partial'] + info['empty']} "
                      f"tiles of {block[0]}x{block[1]})")  # fmt: skip
     if show_progress:
@@ -104,5 +114,6 @@ def format_block_sparse_table(rows: Sequence[dict[str, Any]]) -> str:
         ("full/partial/empty", 26, lambda r: r["tiles"]),
         ("model MB", 12, lambda r: format_mb(r["model_bytes"])),
         ("counted MB", 13, lambda r: format_mb(r["counted_bytes"])),
+        ("DRAM est MB", 14, lambda r: format_mb(r["dram_bytes"])),
         ("vs flex", 9, lambda r: format_ratio(r["vs_flex"])),
     ])  # fmt: skip

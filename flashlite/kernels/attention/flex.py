@@ -51,6 +51,49 @@ def _mod_scores(x, b, h, q_idx, kv_idx, in_range, MB0, MB1, MB2, MB3, SB0, SB1, 
 
 
 @triton.jit
+def _table_row(b, h, block, stride_tb, stride_th, stride_tr, stride_ib, stride_ih, stride_ir):
+    """Offsets of a program's row in the count tables and in the index tables (64-bit)."""
+    trow = b * stride_tb + h * stride_th + block * stride_tr
+    irow = b.to(tl.int64) * stride_ib + h * stride_ih + block * stride_ir
+    return trow, irow
+
+
+@triton.jit
+def _listed(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, trow, irow, PART: tl.constexpr):
+    """``(how many, where their indices start)`` of the row's full (``PART`` 0) or partial
+    (``PART`` 1) blocks."""
+    if PART == 0:
+        n_blocks = tl.load(FULL_NUM + trow)
+        idx_row = FULL_IDX + irow
+    else:
+        n_blocks = tl.load(PART_NUM + trow)
+        idx_row = PART_IDX + irow
+    return n_blocks, idx_row
+
+
+@triton.jit
+def _scored_tile(q, k_src, b, h, h_kv, start_n, q_idx, offs_n, offs_d, seq_k, sm_scale,
+                 stride_kn, stride_kd, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
+                 MASK_MOD: tl.constexpr, N_MASK_BUF: tl.constexpr, SCORE_MOD: tl.constexpr,
+                 N_SCORE_BUF: tl.constexpr, HAS_SCORE: tl.constexpr, MASKED: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):  # fmt: skip
+    """The key tile at ``start_n`` (``k``), its natural-unit scores ``x = q·kᵀ·scale`` and the
+    scores the softmax takes, ``y`` (:func:`_mod_scores`), and the tile's key positions."""
+    k = load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, offs_n, offs_d, HEAD_DIM,
+                  BLOCK_D, False, MASKED)  # fmt: skip
+    if DOT_FP32:
+        k = k.to(tl.float32)
+    x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
+    cols = start_n + offs_n
+    kv_idx = tl.minimum(cols, seq_k - 1)[None, :]
+    y = _mod_scores(x, b, h, q_idx, kv_idx, (cols < seq_k)[None, :], MB0, MB1, MB2, MB3, SB0, SB1,
+                    SB2, SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF, HAS_SCORE,
+                    MASKED)  # fmt: skip
+    return k, x, y, kv_idx
+
+
+@triton.jit
 def _flex_fwd_kernel(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -91,31 +134,22 @@ def _flex_fwd_kernel(
     s = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    trow = b * stride_tb + h * stride_th + (start_m // TBM) * stride_tm
-    irow = b.to(tl.int64) * stride_ib + h * stride_ih + (start_m // TBM) * stride_im
+    trow, irow = _table_row(b, h, start_m // TBM, stride_tb, stride_th, stride_tm, stride_ib,
+                            stride_ih, stride_im)  # fmt: skip
     # full tiles first (no mask), then partial ones (mask); the same code with MASKED set
     for part in tl.static_range(2):
-        if part == 0:
-            n_blocks = tl.load(FULL_NUM + trow)
-            idx_row = FULL_IDX + irow
-        else:
-            n_blocks = tl.load(KV_NUM + trow)
-            idx_row = KV_IDX + irow
+        n_blocks, idx_row = _listed(FULL_NUM, FULL_IDX, KV_NUM, KV_IDX, trow, irow, part)
         for i in range(0, n_blocks):
             block_n = tl.load(idx_row + i) * TBN
             for sub in tl.static_range(TBN // BLOCK_N):
                 start_n = block_n + sub * BLOCK_N
-                k = load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, offs_n, offs_d,
-                              HEAD_DIM, BLOCK_D, False, part == 1)  # fmt: skip
-                if DOT_FP32:
-                    k = k.to(tl.float32)
-                x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
-                cols = start_n + offs_n
-                kv_idx = tl.minimum(cols, seq_k - 1)[None, :]
-                x = _mod_scores(x, b, h, q_idx, kv_idx, (cols < seq_k)[None, :], MB0, MB1, MB2,
-                                MB3, SB0, SB1, SB2, SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD,
-                                N_SCORE_BUF, HAS_SCORE, part == 1)  # fmt: skip
-                m, s, alpha, p, moved = update(m, s, x, LOG2E, False)
+                _k, _x, y, _kv = _scored_tile(q, k_src, b, h, h_kv, start_n, q_idx, offs_n, offs_d,
+                                              seq_k, sm_scale, stride_kn, stride_kd, MB0, MB1,
+                                              MB2, MB3, SB0, SB1, SB2, SB3, MASK_MOD, N_MASK_BUF,
+                                              SCORE_MOD, N_SCORE_BUF, HAS_SCORE, part == 1,
+                                              HEAD_DIM, BLOCK_D, DOT_FP32,
+                                              DOT_PRECISION)  # fmt: skip
+                m, s, alpha, p, moved = update(m, s, y, LOG2E, False)
                 acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, 0, seq_k,
                                  stride_vn, stride_vd, offs_n, offs_d, part == 1, HEAD_DIM,
                                  BLOCK_D, False, DOT_FP32, DOT_PRECISION, ROUND_BF16,
@@ -174,15 +208,10 @@ def _flex_bwd_dkdv_kernel(
         q_src = head_ptr(Q, b, h, stride_qb, stride_qh)
         g_src = head_ptr(DO, b, h, stride_gb, stride_gh)
         bh_rows = (b * n_heads_kv * group + h).to(tl.int64) * seq_q
-        trow = b * stride_tb + h * stride_th + (start_n // TBN) * stride_tn
-        irow = b.to(tl.int64) * stride_ib + h * stride_ih + (start_n // TBN) * stride_in
+        trow, irow = _table_row(b, h, start_n // TBN, stride_tb, stride_th, stride_tn,
+                                stride_ib, stride_ih, stride_in)  # fmt: skip
         for part in tl.static_range(2):
-            if part == 0:
-                n_blocks = tl.load(FULL_NUM + trow)
-                idx_row = FULL_IDX + irow
-            else:
-                n_blocks = tl.load(Q_NUM + trow)
-                idx_row = Q_IDX + irow
+            n_blocks, idx_row = _listed(FULL_NUM, FULL_IDX, Q_NUM, Q_IDX, trow, irow, part)
             for i in range(0, n_blocks):
                 block_m = tl.load(idx_row + i) * TBM
                 for sub in tl.static_range(TBM // BLOCK_M):
@@ -264,32 +293,24 @@ def _flex_bwd_dq_kernel(
     delta = tl.load(DELTA + pid_bh.to(tl.int64) * seq_q + offs_m, mask=rows_ok, other=0.0)
     q_idx = tl.minimum(offs_m, seq_q - 1)[:, None]
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    trow = b * stride_tb + h * stride_th + (start_m // TBM) * stride_tm
-    irow = b.to(tl.int64) * stride_ib + h * stride_ih + (start_m // TBM) * stride_im
+    trow, irow = _table_row(b, h, start_m // TBM, stride_tb, stride_th, stride_tm, stride_ib,
+                            stride_ih, stride_im)  # fmt: skip
     for part in tl.static_range(2):
-        if part == 0:
-            n_blocks = tl.load(FULL_NUM + trow)
-            idx_row = FULL_IDX + irow
-        else:
-            n_blocks = tl.load(KV_NUM + trow)
-            idx_row = KV_IDX + irow
+        n_blocks, idx_row = _listed(FULL_NUM, FULL_IDX, KV_NUM, KV_IDX, trow, irow, part)
         for i in range(0, n_blocks):
             block_n = tl.load(idx_row + i) * TBN
             for sub in tl.static_range(TBN // BLOCK_N):
                 start_n = block_n + sub * BLOCK_N
-                k = load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, offs_n, offs_d,
-                              HEAD_DIM, BLOCK_D, False, part == 1)  # fmt: skip
+                k, x, y, kv_idx = _scored_tile(q, k_src, b, h, h_kv, start_n, q_idx, offs_n,
+                                               offs_d, seq_k, sm_scale, stride_kn, stride_kd, MB0,
+                                               MB1, MB2, MB3, SB0, SB1, SB2, SB3, MASK_MOD,
+                                               N_MASK_BUF, SCORE_MOD, N_SCORE_BUF, HAS_SCORE,
+                                               part == 1, HEAD_DIM, BLOCK_D, DOT_FP32,
+                                               DOT_PRECISION)  # fmt: skip
                 v = load_tile(v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_n, offs_d,
                               HEAD_DIM, BLOCK_D, False, part == 1)  # fmt: skip
                 if DOT_FP32:
-                    k = k.to(tl.float32)
                     v = v.to(tl.float32)
-                x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
-                cols = start_n + offs_n
-                kv_idx = tl.minimum(cols, seq_k - 1)[None, :]
-                y = _mod_scores(x, b, h, q_idx, kv_idx, (cols < seq_k)[None, :], MB0, MB1, MB2,
-                                MB3, SB0, SB1, SB2, SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD,
-                                N_SCORE_BUF, HAS_SCORE, part == 1)  # fmt: skip
                 p = probs_from_lse(y, lse, LOG2E)
                 dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
                 ds = p * (dp - delta[:, None])

@@ -39,7 +39,12 @@ from flashlite.ops.attention.bwd import attention_bwd, hopper_bwd_applies
 from flashlite.ops.attention.bwd_launch import bwd_dkdv, bwd_dq, bwd_preprocess
 from flashlite.ops.attention.checks import check_inputs, check_sinks
 from flashlite.ops.attention.decode import DecodePlan, attention_decode_fwd, combine_splits
-from flashlite.ops.attention.flex import create_block_mask, dense_block_mask, flex_attention
+from flashlite.ops.attention.flex import (
+    compiled_variants,
+    create_block_mask,
+    dense_block_mask,
+    flex_attention,
+)
 from flashlite.ops.attention.fwd import attention_fwd
 from flashlite.ops.attention.kvcache import KVCachePlan
 from flashlite.ops.attention.plan import (
@@ -89,6 +94,7 @@ __all__ = [
     "check_inputs",
     "check_sinks",
     "combine_splits",
+    "compiled_variants",
     "create_block_mask",
     "dense_block_mask",
     "decode_tiles",

@@ -26,7 +26,7 @@ from flashlite.kernels.attention.bwd import _attention_bwd_preprocess_kernel
 from flashlite.ops._dispatch import Op
 from flashlite.ops.attention.checks import check_inputs
 
-__all__ = ["create_block_mask", "flex_attention", "dense_block_mask"]
+__all__ = ["create_block_mask", "flex_attention", "dense_block_mask", "compiled_variants"]
 
 
 # --------------------------------------------------------------------------- block masks
@@ -296,6 +296,16 @@ FLEX_FWD = Op("flex_attention_fwd", _fwd_body, fake=_fwd_fake, inputs=3,
               moves=False)  # fmt: skip
 
 
+def compiled_variants() -> int:
+    """How many compiled variants of the flex and classifier kernels this process holds (what
+    a loop over sequence lengths should not grow; 0 in the interpreter, which compiles
+    nothing)."""
+    kernels = (KF._flex_fwd_kernel, KF._flex_bwd_dkdv_kernel, KF._flex_bwd_dq_kernel,
+               KB._classify_tiles_kernel)  # fmt: skip
+    caches = (getattr(k, "device_caches", {}) for k in kernels)
+    return sum(len(entry[0]) for cache in caches for entry in cache.values())
+
+
 # --------------------------------------------------------------------------- public
 def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                    score_mod: Any = None, block_mask: Any = None, scale: float | None = None,
@@ -344,6 +354,25 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return (o, lse) if return_lse else o
 
 
+def _check_tables(bm: BM.BlockMask) -> None:
+    """A BlockMask's tables agree with its lengths and tile (one made by hand may not)."""
+    bq, bk = _check_block_size(tuple(bm.BLOCK_SIZE))
+    nq, nk = bm.seq_lengths
+    nqb, nkb = BM.cdiv(nq, bq), BM.cdiv(nk, bk)
+    lead = tuple(bm.kv_num_blocks.shape[:2])
+    want = {"kv_num_blocks": (*lead, nqb), "kv_indices": (*lead, nqb, nkb),
+            "full_kv_num_blocks": (*lead, nqb), "full_kv_indices": (*lead, nqb, nkb),
+            "q_num_blocks": (*lead, nkb), "q_indices": (*lead, nkb, nqb),
+            "full_q_num_blocks": (*lead, nkb), "full_q_indices": (*lead, nkb, nqb)}  # fmt: skip
+    for name, shape in want.items():
+        t = getattr(bm, name)
+        if tuple(t.shape) != shape or t.dtype != torch.int32:
+            raise ValueError(
+                f"block_mask.{name} is {tuple(t.shape)} {t.dtype}; for (Q_LEN, KV_LEN) = "
+                f"{(nq, nk)} and BLOCK_SIZE {(bq, bk)} it must be {shape} torch.int32"
+            )
+
+
 def _block_mask_for(block_mask: Any, q: torch.Tensor, k: torch.Tensor) -> BM.BlockMask:
     nq, nk = q.shape[2], k.shape[2]
     if block_mask is None:
@@ -354,6 +383,7 @@ def _block_mask_for(block_mask: Any, q: torch.Tensor, k: torch.Tensor) -> BM.Blo
             raise TypeError(f"block_mask must be a flashlite or torch BlockMask, got "
                             f"{type(block_mask).__name__}")  # fmt: skip
         block_mask = BM.BlockMask.from_torch(block_mask)
+    _check_tables(block_mask)
     if tuple(block_mask.seq_lengths) != (nq, nk):
         raise ValueError(f"block_mask was built for (Q_LEN, KV_LEN) = {block_mask.seq_lengths}, "
                          f"the call has ({nq}, {nk})")  # fmt: skip

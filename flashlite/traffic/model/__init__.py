@@ -24,7 +24,7 @@ from flashlite.traffic.model.attention import (
     model_flashlite_attention_bwd,
     model_naive_attention,
 )
-from flashlite.traffic.model.block_sparse import model_flex_attention
+from flashlite.traffic.model.block_sparse import dram_flex_attention, model_flex_attention
 from flashlite.traffic.model.common import (
     DEFAULT_L2_BYTES,
     GPUS,
@@ -63,6 +63,7 @@ from flashlite.traffic.model.softmax import (
 __all__ = [
     "Gpu",
     "model_flex_attention",
+    "dram_flex_attention",
     "GPUS",
     "DEFAULT_L2_BYTES",
     "attention_dims",
