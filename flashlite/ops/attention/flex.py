@@ -333,6 +333,12 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         TypeError, ValueError: bad tensors, mods or block masks, each naming the argument.
     """
     scale, q, k, v = check_inputs(query, key, value, layout, scale)
+    if not (q.is_cuda or _backend.INTERPRETED):  # (no moving copies here: say so instead)
+        raise ValueError(
+            "flex_attention runs its kernels where the tensors are: CUDA tensors, or CPU "
+            "tensors with Triton's interpreter (TRITON_INTERPRET=1); move query, key and value "
+            "(and the block mask, and the mods' buffers) to the GPU"
+        )
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
     bm = _block_mask_for(block_mask, q, k)
