@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from flashlite.mods import MaskMod, as_mask_mod, torch_indices
+from flashlite.mods import MaskMod, _is_jit, as_mask_mod, torch_indices
 
 __all__ = ["EMPTY", "PARTIAL", "FULL", "BlockMask", "tables", "torch_classify", "cdiv"]
 
@@ -115,13 +115,7 @@ class BlockMask:
 
     def classes(self) -> torch.Tensor:
         """The int8 classes ``(B, H, nQ, nK)``, from the ``kv_*`` tables."""
-        nk = self.kv_indices.shape[-1]
-        out = torch.zeros(self.kv_indices.shape, dtype=torch.int8, device=self.kv_indices.device)
-        for num, idx, value in ((self.kv_num_blocks, self.kv_indices, PARTIAL),
-                                (self.full_kv_num_blocks, self.full_kv_indices, FULL)):  # fmt: skip
-            listed = torch.arange(nk, device=idx.device) < num.unsqueeze(-1)
-            out.scatter_add_(-1, idx.long(), (listed * value).to(torch.int8))
-        return out
+        return _classes_of(self)
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -154,20 +148,17 @@ class BlockMask:
             ValueError: block sizes that do not divide one another.
         """
         mod = mask_mod if mask_mod is not None else getattr(block_mask, "mask_mod", None)
-        if not isinstance(mod, MaskMod):
-            from flashlite.mods import _is_jit
-
-            if not _is_jit(mod):
-                raise TypeError(
-                    "block_mask is torch's BlockMask built from a plain Python mask; build it "
-                    "from a flashlite.mods.MaskMod (which torch calls as its twin), or pass "
-                    "mask_mod= (the jit function the kernels evaluate on partial tiles)"
-                )
+        if not isinstance(mod, MaskMod) and not _is_jit(mod):
+            raise TypeError(
+                "block_mask is torch's BlockMask built from a plain Python mask; build it "
+                "from a flashlite.mods.MaskMod (which torch calls as its twin), or pass "
+                "mask_mod= (the jit function the kernels evaluate on partial tiles)"
+            )
         mod = as_mask_mod(mod)
         nq, nk = (int(n) for n in block_mask.seq_lengths)
         tbm, tbn = (int(s) for s in block_mask.BLOCK_SIZE)
         bm, bn = block_size if block_size is not None else (tbm, tbn)
-        classes = _classes_of_torch(block_mask)
+        classes = _classes_of(block_mask)
         classes = _retile(classes, tbm, bm, nq, dim=2)
         classes = _retile(classes, tbn, bn, nk, dim=3)
         if nk % bn:  # a tile crossing Nk is never full (the full path has no bounds check)
@@ -180,8 +171,9 @@ _TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices
            "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")  # fmt: skip
 
 
-def _classes_of_torch(block_mask: Any) -> torch.Tensor:
-    """Int8 classes from torch's ``kv_*`` tables (no full tables: every listed block partial)."""
+def _classes_of(block_mask: Any) -> torch.Tensor:
+    """Int8 classes from a block mask's ``kv_*`` tables, flashlite's or torch's (whose full
+    tables may be None: then every listed block is partial)."""
     idx = block_mask.kv_indices
     out = torch.zeros(idx.shape, dtype=torch.int8, device=idx.device)
     pairs = [(block_mask.kv_num_blocks, idx, PARTIAL)]

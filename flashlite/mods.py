@@ -26,14 +26,14 @@ same object can be handed to torch's own ``create_block_mask`` and ``flex_attent
 compiled graphs find a mod's functions by its name (:func:`registered`): a mod registers itself
 when it is made.
 
-The kernels call a mod through :func:`apply_mask`, :func:`apply_score` and :func:`score_grad`,
-which take up to :data:`MAX_BUFFERS` buffers.
+The kernels call a mod through :func:`apply_mask` and :func:`apply_score` (a score function's
+derivative too: it takes the same arguments), which pass up to :data:`MAX_BUFFERS` buffers.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -51,7 +51,6 @@ __all__ = [
     "registered",
     "apply_mask",
     "apply_score",
-    "score_grad",
     "kernel_buffers",
     "torch_indices",
     "torch_mask",
@@ -120,17 +119,14 @@ def _check_fn(fn: object, what: str, indices: int, n_buffers: int) -> None:
         )
 
 
+#: name -> (fn, torch_fn) or (fn, torch_fn, grad_fn); a redefined function (a notebook cell
+#: run again) replaces the old one under its name
 _REGISTRY: dict[str, tuple[Any, ...]] = {}
 
 
 def _name_of(fn: Any) -> str:
     py = _python_fn(fn)
     return f"{py.__module__}.{py.__qualname__}"
-
-
-def _register(name: str, entry: tuple[Any, ...]) -> None:
-    # (a redefined function, a notebook cell run again, replaces the old one under its name)
-    _REGISTRY[name] = entry
 
 
 def registered(name: str) -> tuple[Any, ...]:
@@ -147,10 +143,9 @@ def registered(name: str) -> tuple[Any, ...]:
     return entry
 
 
-class MaskMod:
-    """A mask function: ``fn`` (``@triton.jit``), its torch twin ``torch_fn`` and its buffers.
-    Calling it runs the twin with the buffers appended (what torch's ``create_block_mask``
-    calls). Make one with :func:`mask_mod`."""
+class _Mod:
+    """What mask and score functions share: the jit function, its twin, its buffers, the name
+    ops find it by, and (for the traffic model) what one tile of it loads."""
 
     __slots__ = ("fn", "torch_fn", "buffers", "name", "tile_reads")
 
@@ -159,40 +154,41 @@ class MaskMod:
         self.fn, self.torch_fn, self.buffers, self.name = fn, torch_fn, buffers, name
         self.tile_reads = tile_reads
 
-    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
-        return self.torch_fn(b, h, q_idx, kv_idx, *self.buffers)
-
     def tensors(self) -> list[torch.Tensor]:
         """The tensor buffers, in order (a custom op's tensor list)."""
         return [x for x in self.buffers if isinstance(x, torch.Tensor)]
 
     def __repr__(self) -> str:
-        return f"MaskMod({self.name}, {len(self.buffers)} buffers)"
+        return f"{type(self).__name__}({self.name}, {len(self.buffers)} buffers)"
 
 
-class ScoreMod:
+class MaskMod(_Mod):
+    """A mask function: ``fn`` (``@triton.jit``), its torch twin ``torch_fn`` and its buffers.
+    Calling it runs the twin with the buffers appended (what torch's ``create_block_mask``
+    calls). Make one with :func:`mask_mod`."""
+
+    __slots__ = ()
+
+    def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
+        return self.torch_fn(b, h, q_idx, kv_idx, *self.buffers)
+
+
+class ScoreMod(_Mod):
     """A score function: ``fn`` (``@triton.jit``), its derivative with respect to the score
     ``grad_fn`` (``@triton.jit``; None: forward only), its torch twin ``torch_fn`` and its
     buffers. Calling it runs the twin (what torch's ``flex_attention`` calls). Make one with
     :func:`score_mod`."""
 
-    __slots__ = ("fn", "grad_fn", "torch_fn", "buffers", "name", "tile_reads")
+    __slots__ = ("grad_fn",)
 
     def __init__(self, fn: Any, grad_fn: Any, torch_fn: Callable[..., Any],
                  buffers: tuple[Buffer, ...], name: str,
                  tile_reads: TileReads | None = None) -> None:  # fmt: skip
-        self.fn, self.grad_fn, self.torch_fn = fn, grad_fn, torch_fn
-        self.buffers, self.name, self.tile_reads = buffers, name, tile_reads
+        super().__init__(fn, torch_fn, buffers, name, tile_reads)
+        self.grad_fn = grad_fn
 
     def __call__(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return self.torch_fn(score, b, h, q_idx, kv_idx, *self.buffers)
-
-    def tensors(self) -> list[torch.Tensor]:
-        """The tensor buffers, in order (a custom op's tensor list)."""
-        return [x for x in self.buffers if isinstance(x, torch.Tensor)]
-
-    def __repr__(self) -> str:
-        return f"ScoreMod({self.name}, {len(self.buffers)} buffers)"
 
 
 def mask_mod(fn: Any, *buffers: Buffer, torch_fn: Callable[..., Any] | None = None,
@@ -216,7 +212,7 @@ def mask_mod(fn: Any, *buffers: Buffer, torch_fn: Callable[..., Any] | None = No
     _check_fn(fn, "mask_mod", 4, len(buffers))
     twin = torch_fn if torch_fn is not None else _python_fn(fn)
     name = name or _name_of(fn)
-    _register(name, (fn, twin))
+    _REGISTRY[name] = (fn, twin)
     return MaskMod(fn, twin, buffers, name, tile_reads)
 
 
@@ -244,7 +240,7 @@ def score_mod(fn: Any, *buffers: Buffer, grad: Any = None,
         _check_fn(grad, "score_mod's grad", 5, len(buffers))
     twin = torch_fn if torch_fn is not None else _python_fn(fn)
     name = name or _name_of(fn)
-    _register(name, (fn, twin, grad))
+    _REGISTRY[name] = (fn, twin, grad)
     return ScoreMod(fn, grad, twin, buffers, name, tile_reads)
 
 
@@ -300,17 +296,9 @@ def apply_score(MOD: tl.constexpr, score, b, h, q_idx, kv_idx, B0, B1, B2, B3,
     return r
 
 
-@triton.jit
-def score_grad(GRAD: tl.constexpr, score, b, h, q_idx, kv_idx, B0, B1, B2, B3,
-               N_BUF: tl.constexpr):  # fmt: skip
-    """``d score_mod / d score`` at ``score``: the derivative's jit function, applied."""
-    return apply_score(GRAD, score, b, h, q_idx, kv_idx, B0, B1, B2, B3, N_BUF)
-
-
-def kernel_buffers(mod: MaskMod | ScoreMod | None) -> tuple[list[Buffer], int]:
+def kernel_buffers(buffers: Sequence[Buffer]) -> tuple[list[Buffer], int]:
     """A mod's buffers as the kernels' four slots (unused ones 0) and how many are used."""
-    bufs = list(mod.buffers) if mod is not None else []
-    return bufs + [0] * (MAX_BUFFERS - len(bufs)), len(bufs)
+    return [*buffers] + [0] * (MAX_BUFFERS - len(buffers)), len(buffers)
 
 
 # --------------------------------------------------------------------------- torch twins

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from flashlite.kernels.attention.common import accumulate, head_ptr, load_tile, store_tile, update
 from flashlite.kernels.common import cast
-from flashlite.mods import apply_mask, apply_score, score_grad
+from flashlite.mods import apply_mask, apply_score
 from flashlite.stats import LOG2E, finalize_lse, probs_from_lse, probs_from_lse_t
 
 
@@ -238,7 +238,7 @@ def _flex_bwd_dkdv_kernel(
                     dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
                     dst = pt * (dpt - delta[None, :])
                     if HAS_SCORE:
-                        dst = dst * score_grad(SCORE_GRAD, xt, b, h, q_idx, kv_idx, SB0, SB1,
+                        dst = dst * apply_score(SCORE_GRAD, xt, b, h, q_idx, kv_idx, SB0, SB1,
                                                SB2, SB3, N_SCORE_BUF)  # fmt: skip
                     dk = tl.dot(cast(dst, q.dtype, ROUND_BF16), q, dk,
                                 input_precision=DOT_PRECISION)  # fmt: skip
@@ -315,7 +315,7 @@ def _flex_bwd_dq_kernel(
                 dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
                 ds = p * (dp - delta[:, None])
                 if HAS_SCORE:
-                    ds = ds * score_grad(SCORE_GRAD, x, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3,
+                    ds = ds * apply_score(SCORE_GRAD, x, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3,
                                          N_SCORE_BUF)  # fmt: skip
                 dq = tl.dot(cast(ds, k.dtype, ROUND_BF16), k, dq, input_precision=DOT_PRECISION)
     dq = cast(dq * sm_scale, DQ.dtype.element_ty, ROUND_BF16)

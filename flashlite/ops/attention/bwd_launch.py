@@ -43,17 +43,20 @@ def _bwd_args(
 
 def plan_preprocess(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None,
                     delta: torch.Tensor, q: torch.Tensor, qs: torch.Tensor, scale: float,
-                    acc: torch.Tensor | None = None) -> Callable[..., None]:  # fmt: skip
+                    acc: torch.Tensor | None = None, prescale_q: bool | None = None,
+                    ) -> Callable[..., None]:  # fmt: skip
     """``run(o, do, dlse, delta, q, qs, acc=None)`` for tensors of these kinds (``dlse`` dense
     fp32 or None): :func:`bwd_preprocess` into ``delta`` (and ``qs``), and, where ``acc`` is
     given (the fused kernel's dense fp32 dQ accumulator), zeros into it; its launch bound
-    once."""
+    once. ``prescale_q``: write ``qs`` (default: for 16-bit inputs, as the forward prescaled
+    them; False: delta only)."""
     b, hq, nq, d = o.shape
     bm = 64 if d <= 128 else 32
     grid = (C.cdiv(nq, bm), b * hq, 1)
     tail = (*o.stride(), *do.stride(), *q.stride(), *qs.stride(), hq, nq, scale)
     options = {"HEAD_DIM": d, "BLOCK_D": C.block_d(d), "BLOCK_M": bm,
-               "HAS_DLSE": dlse is not None, "PRESCALE_Q": _prescale_q(q),
+               "HAS_DLSE": dlse is not None,
+               "PRESCALE_Q": _prescale_q(q) if prescale_q is None else prescale_q,
                "ROUND_BF16": _backend.round_bf16(q.dtype), "ZERO_ACC": acc is not None,
                "num_warps": 4, "num_stages": 1}  # fmt: skip
     args = (o, do, dlse if dlse is not None else delta, delta, q, qs,
@@ -77,14 +80,18 @@ def bwd_preprocess(
     q: torch.Tensor,
     qs: torch.Tensor,
     scale: float,
+    *,
+    prescale_q: bool | None = None,
 ) -> torch.Tensor:
     """``delta = rowsum(dO ∘ O) − dlse``: fp32 ``(B, Hq, Nq)`` from ``(B, Hq, Nq, D)`` O, dO;
     for 16-bit inputs also ``qs = Q·scale·log2 e`` rounded as the forward rounded it (``qs`` is
-    ``q`` itself for fp32, and not written)."""
+    ``q`` itself for fp32, and not written; ``prescale_q=False``: never written, delta only)."""
     # an expanded or strided dlse (autograd may hand one over) is made dense here, O(N)
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
     delta = torch.empty(o.shape[:3], device=o.device, dtype=torch.float32)
-    plan_preprocess(o, do, dlse, delta, q, qs, scale)(o, do, dlse, delta, q, qs)
+    plan_preprocess(o, do, dlse, delta, q, qs, scale, prescale_q=prescale_q)(
+        o, do, dlse, delta, q, qs
+    )
     return delta
 
 

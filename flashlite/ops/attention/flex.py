@@ -22,8 +22,8 @@ from flashlite import mods as M
 from flashlite._caches import Cache
 from flashlite.kernels.attention import block_mask as KB
 from flashlite.kernels.attention import flex as KF
-from flashlite.kernels.attention.bwd import _attention_bwd_preprocess_kernel
 from flashlite.ops._dispatch import Op
+from flashlite.ops.attention.bwd_launch import bwd_preprocess
 from flashlite.ops.attention.checks import check_inputs
 
 __all__ = ["create_block_mask", "flex_attention", "dense_block_mask", "compiled_variants"]
@@ -85,7 +85,7 @@ def create_block_mask(mask_mod: Any, B: int | None, H: int | None, Q_LEN: int, K
         classes = BM.torch_classify(mod, b, h, nq, nk, (bm, bn), device)
     else:
         classes = torch.empty((b, h, nqb, nkb), dtype=torch.int8, device=device)
-        bufs, n_buf = M.kernel_buffers(mod)
+        bufs, n_buf = M.kernel_buffers(mod.buffers)
         KB._classify_tiles_kernel[(nqb, b * h)](
             classes, h, nq, nk, nkb, *bufs, MASK_MOD=mod.fn, N_BUF=n_buf, BLOCK_M=bm, BLOCK_N=bn
         )
@@ -114,15 +114,15 @@ def dense_block_mask(
 ) -> BM.BlockMask:
     """The tables of no mask: every tile full but a ragged last key tile (partial, bounds only).
     Built once per shape and device."""
-    key = (nq, nk, block, device)
-    found = _DENSE.get(key)
-    if found is None:
-        nqb, nkb = BM.cdiv(nq, block[0]), BM.cdiv(nk, block[1])
-        classes = torch.full((1, 1, nqb, nkb), BM.FULL, dtype=torch.int8, device=device)
-        if nk % block[1]:
-            classes[..., -1] = BM.PARTIAL
-        found = _DENSE.put(key, BM.BlockMask.from_classes(classes, (nq, nk), block, _EVERYTHING))
-    return found
+    return _DENSE.made((nq, nk, block, device), _dense_tables, nq, nk, block, device)
+
+
+def _dense_tables(nq: int, nk: int, block: tuple[int, int], device: torch.device) -> BM.BlockMask:
+    classes = torch.full((1, 1, BM.cdiv(nq, block[0]), BM.cdiv(nk, block[1])), BM.FULL,
+                         dtype=torch.int8, device=device)  # fmt: skip
+    if nk % block[1]:
+        classes[..., -1] = BM.PARTIAL
+    return BM.BlockMask.from_classes(classes, (nq, nk), block, _EVERYTHING)
 
 
 @triton.jit
@@ -148,7 +148,7 @@ def _spec(mod: M.MaskMod | M.ScoreMod | None) -> tuple[str, list[torch.Tensor], 
 def _unspec(spec: str, tensors: list[torch.Tensor], nums: list[float]) -> tuple[Any, list, int]:
     """``(registered functions, the kernels' four buffer slots, how many)`` of a spec."""
     if not spec:
-        return None, [0] * M.MAX_BUFFERS, 0
+        return None, *M.kernel_buffers(())
     name, kinds = spec.rsplit(":", 1)
     it_t, it_n = iter(tensors), iter(nums)
     bufs: list[Any] = []
@@ -158,7 +158,26 @@ def _unspec(spec: str, tensors: list[torch.Tensor], nums: list[float]) -> tuple[
         else:
             x = next(it_n)
             bufs.append(int(x) if kind == "i" else x)
-    return M.registered(name), bufs + [0] * (M.MAX_BUFFERS - len(bufs)), len(bufs)
+    return M.registered(name), *M.kernel_buffers(bufs)
+
+
+def _mod_args(mask: tuple[str, list[torch.Tensor], list[float]],
+              score: tuple[str, list[torch.Tensor], list[float]],
+              grad: bool) -> tuple[list[Any], dict[str, Any]]:  # fmt: skip
+    """The kernels' eight buffer slots and their mod constexprs (``SCORE_GRAD`` with ``grad``;
+    an absent score function's slots hold the mask, never called)."""
+    (mfn, *_), mbufs, n_mbuf = _unspec(*mask)
+    sfns, sbufs, n_sbuf = _unspec(*score)
+    if grad and sfns is not None and sfns[2] is None:
+        raise NotImplementedError(
+            f"score_mod {score[0].rsplit(':', 1)[0]} has no derivative: make it with "
+            "flashlite.mods.score_mod(fn, ..., grad=...) to differentiate through it"
+        )
+    consts = {"MASK_MOD": mfn, "N_MASK_BUF": n_mbuf, "SCORE_MOD": sfns[0] if sfns else mfn,
+              "N_SCORE_BUF": n_sbuf, "HAS_SCORE": sfns is not None}  # fmt: skip
+    if grad:
+        consts["SCORE_GRAD"] = sfns[2] if sfns else mfn
+    return [*mbufs, *sbufs], consts
 
 
 def _options(q: torch.Tensor, tbm: int, tbn: int, bwd: bool) -> dict[str, Any]:
@@ -200,16 +219,14 @@ def _fwd_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num: torch.T
     lse = q.new_empty((b, hq, nq), dtype=torch.float32)
     if o.numel() == 0:
         return o, lse.fill_(-math.inf)
-    (mfn, *_), mbufs, n_mbuf = _unspec(mask_spec, mask_tensors, mask_nums)
-    sfns, sbufs, n_sbuf = _unspec(score_spec, score_tensors, score_nums)
+    bufs, mods = _mod_args((mask_spec, mask_tensors, mask_nums),
+                           (score_spec, score_tensors, score_nums), grad=False)  # fmt: skip
     opts = _options(q, tbm, tbn, bwd=False)
     grid = (triton.cdiv(nq, opts["BLOCK_M"]), b * hq)
     KF._flex_fwd_kernel[grid](
         q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
         kv_num, kv_idx, full_num, full_idx, *_table_args(kv_num, kv_idx, b, hq),
-        hq, hq // hkv, nq, nk, scale, *mbufs, *sbufs,
-        MASK_MOD=mfn, N_MASK_BUF=n_mbuf, SCORE_MOD=sfns[0] if sfns else mfn,
-        N_SCORE_BUF=n_sbuf, HAS_SCORE=sfns is not None, **opts,
+        hq, hq // hkv, nq, nk, scale, *bufs, **mods, **opts,
     )  # fmt: skip
     return o, lse
 
@@ -231,35 +248,19 @@ def _bwd_body(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if dq.numel() == 0 or dk.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    (mfn, *_), mbufs, n_mbuf = _unspec(mask_spec, mask_tensors, mask_nums)
-    sfns, sbufs, n_sbuf = _unspec(score_spec, score_tensors, score_nums)
-    if sfns is not None and sfns[2] is None:
-        raise NotImplementedError(
-            f"score_mod {score_spec.rsplit(':', 1)[0]} has no derivative: make it with "
-            "flashlite.mods.score_mod(fn, ..., grad=...) to differentiate through it"
-        )
+    bufs, mods = _mod_args((mask_spec, mask_tensors, mask_nums),
+                           (score_spec, score_tensors, score_nums), grad=True)  # fmt: skip
     opts = _options(q, tbm, tbn, bwd=True)
-    dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
-    delta = torch.empty((b, hq, nq), device=q.device, dtype=torch.float32)
-    pre_m = 64 if not _backend.INTERPRETED else 16
-    _attention_bwd_preprocess_kernel[(triton.cdiv(nq, pre_m), b * hq)](
-        o, do, dlse if dlse is not None else delta, delta, q, q, q, *o.stride(), *do.stride(),
-        *q.stride(), *q.stride(), hq, nq, scale, HEAD_DIM=d, BLOCK_D=opts["BLOCK_D"],
-        BLOCK_M=pre_m, HAS_DLSE=dlse is not None, PRESCALE_Q=False, ROUND_BF16=False,
-    )  # fmt: skip
-    mods = {"MASK_MOD": mfn, "N_MASK_BUF": n_mbuf, "SCORE_MOD": sfns[0] if sfns else mfn,
-            "SCORE_GRAD": sfns[2] if sfns else mfn, "N_SCORE_BUF": n_sbuf,
-            "HAS_SCORE": sfns is not None}  # fmt: skip
+    delta = bwd_preprocess(o, do, lse, dlse, q, q, scale, prescale_q=False)
     KF._flex_bwd_dkdv_kernel[(triton.cdiv(nk, opts["BLOCK_N"]), b * hkv)](
         q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
         *dk.stride(), *dv.stride(), q_num, q_idx, full_q_num, full_q_idx,
-        *_table_args(q_num, q_idx, b, hq), hkv, hq // hkv, nq, nk, scale, *mbufs, *sbufs,
-        **mods, **opts,
+        *_table_args(q_num, q_idx, b, hq), hkv, hq // hkv, nq, nk, scale, *bufs, **mods, **opts,
     )  # fmt: skip
     KF._flex_bwd_dq_kernel[(triton.cdiv(nq, opts["BLOCK_M"]), b * hq)](
         q, k, v, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
         *dq.stride(), kv_num, kv_idx, full_num, full_idx, *_table_args(kv_num, kv_idx, b, hq),
-        hq, hq // hkv, nq, nk, scale, *mbufs, *sbufs, **mods, **opts,
+        hq, hq // hkv, nq, nk, scale, *bufs, **mods, **opts,
     )  # fmt: skip
     return dq, dk, dv
 
@@ -282,8 +283,8 @@ def _backward(ctx, grad_o, grad_lse):  # type: ignore[no-untyped-def]
     q, k, v, o, lse, *tables = ctx.saved_tensors
     if grad_o is None:
         grad_o = torch.zeros_like(o)
-    dq, dk, dv = FLEX_BWD(grad_o.contiguous() if grad_o.stride(-1) != 1 else grad_o, q, k, v, o,
-                          lse, grad_lse, *tables, *ctx.rest)  # fmt: skip
+    # (the kernels read dO through its strides: no copy)
+    dq, dk, dv = FLEX_BWD(grad_o, q, k, v, o, lse, grad_lse, *tables, *ctx.rest)
     # (the custom op's autograd wants a list of Nones for a list of tensors, the eager
     # Function one None per argument: needs_input_grad has the matching structure)
     rest = [[None] * len(f) if isinstance(f, (list, tuple)) else None
