@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from flashlite.kernels.common import tanh
 from flashlite.mods import MaskMod, ScoreMod, mask_mod, score_mod
 
 __all__ = [
@@ -196,22 +197,13 @@ def alibi(slopes: torch.Tensor) -> ScoreMod:
 
 
 @triton.jit
-def _tanh(x):
-    # tanh from one exp2, odd-symmetric, ±1 (not NaN) for large |x|
-    a = tl.abs(x)
-    e = tl.exp2(a * (-2.0 * 1.4426950408889634))
-    t = (1.0 - e) / (1.0 + e)
-    return tl.where(x < 0, -t, t)
-
-
-@triton.jit
 def _softcap(score, b, h, q_idx, kv_idx, cap):
-    return cap * _tanh(score / cap)
+    return cap * tanh(score / cap, False)
 
 
 @triton.jit
 def _softcap_grad(score, b, h, q_idx, kv_idx, cap):
-    t = _tanh(score / cap)
+    t = tanh(score / cap, False)
     return 1.0 - t * t
 
 
