@@ -377,8 +377,8 @@ def test_gpu_hand_written_causal_and_window_match_the_built_ins_bit_for_bit() ->
 def test_traffic_model_equals_count(name: str) -> None:
     """The tables' model of the forward's bytes equals the interpreter's count, mods' buffer
     reads included; empty tiles save K/V bytes against the dense tables."""
+    from flashlite.ops.attention import dense_block_mask
     from flashlite.traffic import AttentionShape, count_flex_attention, model_flex_attention
-    from flashlite.traffic.count_sparse import dense_block_mask_for
 
     shape = AttentionShape(2, 4, N, D, kv_heads=2, dtype=torch.float16)
     mm, sm = _gallery(4, 2)[name]
@@ -386,7 +386,8 @@ def test_traffic_model_equals_count(name: str) -> None:
     model, counted = model_flex_attention(shape, bm, sm), count_flex_attention(shape, bm, sm)
     assert (model.read, model.write) == (counted.read, counted.write)
     assert model.info["mods_modelled"] and model.info["empty"] > 0
-    dense = model_flex_attention(shape, dense_block_mask_for(shape, (BLOCK, BLOCK)))
+    dense_bm = dense_block_mask(N, N, (BLOCK, BLOCK), torch.device("cpu"))
+    dense = model_flex_attention(shape, dense_bm)
     assert dense.parts["k"][0] > model.parts["k"][0]
 
 

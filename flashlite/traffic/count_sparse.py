@@ -4,8 +4,6 @@ to hold against :func:`flashlite.traffic.model.block_sparse.model_flex_attention
 
 from __future__ import annotations
 
-import torch
-
 from flashlite.block_mask import BlockMask
 from flashlite.mods import ScoreMod
 from flashlite.traffic.count import count_kernels, count_torch_ops
@@ -30,10 +28,3 @@ def count_flex_attention(
     if ops.traffic.total:
         t.add("torch ops", ops.traffic.read, ops.traffic.write)
     return t
-
-
-def dense_block_mask_for(shape: AttentionShape, block: tuple[int, int]) -> BlockMask:
-    """The tables of no mask for ``shape`` (every tile visited): the dense baseline."""
-    from flashlite.ops.attention import dense_block_mask
-
-    return dense_block_mask(shape.seq_q, shape.nk, block, torch.device("cpu"))

@@ -47,8 +47,11 @@ def block_sparse_rows(
     uses ``block`` tables and the GPU kernel's ``kernel_block``; with ``count`` both flex rows
     are also counted on CPU, and the model is evaluated with the interpreter's tiles (the
     table's own), like for like. Returns the rows and notes."""
+    import torch
+
     import flashlite
-    from flashlite.traffic.count_sparse import count_flex_attention, dense_block_mask_for
+    from flashlite.ops.attention import dense_block_mask
+    from flashlite.traffic.count_sparse import count_flex_attention
     from flashlite.traffic.model import (
         dram_flex_attention,
         dram_naive_attention,
@@ -69,7 +72,7 @@ def block_sparse_rows(
         bm = flashlite.create_block_mask(mm, shape.batch if per_batch else None, None,
                                          shape.seq_q, shape.nk, device="cpu",
                                          BLOCK_SIZE=block)  # fmt: skip
-        dense_bm = dense_block_mask_for(shape, block)
+        dense_bm = dense_block_mask(shape.seq_q, shape.nk, block, torch.device("cpu"))
         flex = model_flex_attention(shape, bm, kernel_block=tiles)
         dense = model_flex_attention(shape, dense_bm, kernel_block=tiles)
         naive_shape = replace(shape, causal=mask != "document")

@@ -23,6 +23,14 @@ from flashlite.mods import MaskMod, ScoreMod
 from flashlite.traffic.shapes import AttentionShape, Traffic
 
 
+def _tiles(shape: AttentionShape, block_mask: BlockMask) -> tuple[torch.Tensor, torch.Tensor]:
+    """The classes as ``(B, H, nQ, nK)`` and the keys each key block holds below ``Nk``."""
+    classes = block_mask.classes().expand(shape.batch, shape.heads, -1, -1)
+    tbn, nk = block_mask.BLOCK_SIZE[1], shape.nk
+    keys = [min(tbn, nk - j * tbn) for j in range(classes.shape[-1])]
+    return classes, torch.tensor(keys, dtype=torch.int64)
+
+
 def _tile_reads(mod: MaskMod | ScoreMod | None, bm: int, bn: int) -> int | None:
     if mod is None:
         return 0
@@ -45,12 +53,9 @@ def model_flex_attention(
     tbm, tbn = block_mask.BLOCK_SIZE
     bm, bn = kernel_block or (tbm, tbn)
     e, D = shape.itemsize, shape.head_dim
-    B, H, Nq, Nk = shape.batch, shape.heads, shape.seq_q, shape.nk
-    classes = block_mask.classes().expand(B, H, -1, -1)
-    nkb = classes.shape[-1]
-    # keys each table block holds below Nk, and their sub-tiles
-    block_keys = torch.tensor([min(tbn, Nk - j * tbn) for j in range(nkb)], dtype=torch.int64)
-    subs = tbn // bn
+    B, H, Nq = shape.batch, shape.heads, shape.seq_q
+    classes, block_keys = _tiles(shape, block_mask)
+    subs = tbn // bn  # kernel tiles per table block
     full, part = (classes == FULL).long(), (classes == PARTIAL).long()
     mask_tile = _tile_reads(block_mask.mask_mod, bm, bn)
     score_tile = _tile_reads(score_mod, bm, bn)
@@ -89,13 +94,10 @@ def dram_flex_attention(shape: AttentionShape, block_mask: BlockMask) -> Traffic
     the H200): Q, O and the LSE once, the tables once, and K and V once per key block that at
     least one tile of its (batch, KV head) lists. Keys no query sees are never read at all."""
     e, D = shape.itemsize, shape.head_dim
-    B, H, Hkv, Nq, Nk = shape.batch, shape.heads, shape.hkv, shape.seq_q, shape.nk
-    tbn = block_mask.BLOCK_SIZE[1]
-    classes = block_mask.classes().expand(B, H, -1, -1)
+    B, H, Hkv, Nq = shape.batch, shape.heads, shape.hkv, shape.seq_q
+    classes, block_keys = _tiles(shape, block_mask)
     visited = (classes != 0).any(2)  # (B, H, nK): some query block lists the key block
-    visited = visited.view(B, Hkv, H // Hkv, -1).any(2)  # a GQA group reads its KV head once
-    nkb = visited.shape[-1]
-    block_keys = torch.tensor([min(tbn, Nk - j * tbn) for j in range(nkb)], dtype=torch.int64)
+    visited = visited.reshape(B, Hkv, H // Hkv, -1).any(2)  # a GQA group reads its KV head once
     keys = int((visited.long() * block_keys).sum())
     tables = sum(getattr(block_mask, n).numel() * 4 for n in ("kv_num_blocks", "kv_indices",
                                                             "full_kv_num_blocks",
