@@ -8,7 +8,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -164,42 +164,41 @@ def _cmd_softmax_traffic(args: argparse.Namespace) -> int:
     return _measure_status(args, rows)
 
 
+def _unmeasured_rows(args: argparse.Namespace, option: str, make: Callable[[], Any],
+                     fmt: Callable[[Any], str]) -> int:  # fmt: skip
+    """A traffic table that ``--measure`` does not cover (``option``): the rows ``make()``
+    returns (a ValueError from it is the command's error), its notes on stderr, the table."""
+    try:  # (a shape the model leaves out fails before any counting)
+        rows, notes = make()
+    except ValueError as err:
+        print(f"flashlite traffic: error: {err}", file=sys.stderr)
+        return 2
+    if args.measure:
+        notes.append(f"--measure does not cover {option}: model and count only")
+    for note in dict.fromkeys(notes):
+        print(f"note: {note}", file=sys.stderr)
+    _emit(args, rows, [fmt(rows)])
+    return _measure_status(args, rows)
+
+
 def _cmd_shared_prefix_traffic(args: argparse.Namespace) -> int:
     from flashlite.traffic import format_shared_prefix_table, shared_prefix_rows
 
     # the suffix caches' lengths are --seq; decoding is causal (as --decode)
     shapes = [replace(_shape_from(args, n), seq_q=args.decode_q, seq_k=n, causal=True)
               for n in args.seq]  # fmt: skip
-    try:  # (a shape the model leaves out fails before any counting)
-        rows, notes = shared_prefix_rows(shapes, args.shared_prefix, count=args.count,
-                                         gpu=args.gpu, show_progress=not args.quiet)  # fmt: skip
-    except ValueError as err:
-        print(f"flashlite traffic: error: {err}", file=sys.stderr)
-        return 2
-    if args.measure:
-        notes.append("--measure does not cover --shared-prefix: model and count only")
-    for note in dict.fromkeys(notes):
-        print(f"note: {note}", file=sys.stderr)
-    _emit(args, rows, [format_shared_prefix_table(rows)])
-    return _measure_status(args, rows)
+    return _unmeasured_rows(args, "--shared-prefix", lambda: shared_prefix_rows(
+        shapes, args.shared_prefix, count=args.count, gpu=args.gpu,
+        show_progress=not args.quiet), format_shared_prefix_table)  # fmt: skip
 
 
 def _cmd_block_sparse_traffic(args: argparse.Namespace) -> int:
     from flashlite.traffic import block_sparse_rows, format_block_sparse_table
 
     shapes = [replace(_shape_from(args, n), seq_k=None, causal=False) for n in args.seq]
-    try:
-        rows, notes = block_sparse_rows(shapes, args.mask, docs=args.docs, count=args.count,
-                                        show_progress=not args.quiet)  # fmt: skip
-    except ValueError as err:
-        print(f"flashlite traffic: error: {err}", file=sys.stderr)
-        return 2
-    if args.measure:
-        notes.append("--measure does not cover --mask yet: model and count only")
-    for note in dict.fromkeys(notes):
-        print(f"note: {note}", file=sys.stderr)
-    _emit(args, rows, [format_block_sparse_table(rows)])
-    return _measure_status(args, rows)
+    return _unmeasured_rows(args, "--mask", lambda: block_sparse_rows(
+        shapes, args.mask, docs=args.docs, count=args.count,
+        show_progress=not args.quiet), format_block_sparse_table)  # fmt: skip
 
 
 def _measure_status(args: argparse.Namespace, rows: Sequence[dict[str, Any]]) -> int:
