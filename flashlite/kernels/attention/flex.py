@@ -163,6 +163,44 @@ def _flex_fwd_kernel(
 
 
 @triton.jit
+def _dkdv_step(dk, dv, k, v, q_src, g_src, LSE, DELTA, bh_rows, b, h, start_m, offs_r, offs_d,
+               kv_idx, in_range, seq_q, sm_scale, stride_qm, stride_qd, stride_gm, stride_gd,
+               MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, MASK_MOD: tl.constexpr,
+               N_MASK_BUF: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
+               N_SCORE_BUF: tl.constexpr, HAS_SCORE: tl.constexpr, MASKED: tl.constexpr,
+               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
+               DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
+    """Add the query rows ``[start_m, start_m + BLOCK_M)`` of head ``h`` into ``(dk, dv)``,
+    keys-major: ``Pᵀ`` from the saved LSE, ``dV += Pᵀ·dO``, ``dSᵀ = Pᵀ ∘ (dPᵀ − delta)``
+    (times the score function's derivative), ``dK += dSᵀ·Q``."""
+    rows = start_m + offs_r
+    q = load_tile(q_src, b, h, start_m, seq_q, stride_qm, stride_qd, offs_r, offs_d, HEAD_DIM,
+                  BLOCK_D, False, True)  # fmt: skip
+    do = load_tile(g_src, b, h, start_m, seq_q, stride_gm, stride_gd, offs_r, offs_d, HEAD_DIM,
+                   BLOCK_D, False, True)  # fmt: skip
+    if DOT_FP32:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    # rows past seq_q: LSE +inf makes their probabilities 0
+    lse = tl.load(LSE + bh_rows + rows, mask=rows < seq_q, other=float("inf"))
+    delta = tl.load(DELTA + bh_rows + rows, mask=rows < seq_q, other=0.0)
+    xt = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * sm_scale
+    q_idx = tl.minimum(rows, seq_q - 1)[None, :]
+    yt = _mod_scores(xt, b, h, q_idx, kv_idx, in_range, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
+                     MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF, HAS_SCORE,
+                     MASKED)  # fmt: skip
+    pt = probs_from_lse_t(yt, lse, LOG2E)
+    dv = tl.dot(cast(pt, do.dtype, ROUND_BF16), do, dv, input_precision=DOT_PRECISION)
+    dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+    dst = pt * (dpt - delta[None, :])
+    if HAS_SCORE:
+        dst = dst * apply_score(SCORE_GRAD, xt, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3,
+                                N_SCORE_BUF)  # fmt: skip
+    dk = tl.dot(cast(dst, q.dtype, ROUND_BF16), q, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
 def _flex_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, DELTA,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -215,33 +253,13 @@ def _flex_bwd_dkdv_kernel(
             for i in range(0, n_blocks):
                 block_m = tl.load(idx_row + i) * TBM
                 for sub in tl.static_range(TBM // BLOCK_M):
-                    start_m = block_m + sub * BLOCK_M
-                    rows = start_m + offs_r
-                    q = load_tile(q_src, b, h, start_m, seq_q, stride_qm, stride_qd, offs_r,
-                                  offs_d, HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
-                    do = load_tile(g_src, b, h, start_m, seq_q, stride_gm, stride_gd, offs_r,
-                                   offs_d, HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
-                    if DOT_FP32:
-                        q = q.to(tl.float32)
-                        do = do.to(tl.float32)
-                    # rows past seq_q: LSE +inf makes their probabilities 0
-                    lse = tl.load(LSE + bh_rows + rows, mask=rows < seq_q, other=float("inf"))
-                    delta = tl.load(DELTA + bh_rows + rows, mask=rows < seq_q, other=0.0)
-                    xt = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * sm_scale
-                    q_idx = tl.minimum(rows, seq_q - 1)[None, :]
-                    yt = _mod_scores(xt, b, h, q_idx, kv_idx, in_range, MB0, MB1, MB2, MB3, SB0,
-                                     SB1, SB2, SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF,
-                                     HAS_SCORE, part == 1)  # fmt: skip
-                    pt = probs_from_lse_t(yt, lse, LOG2E)
-                    pt_in = cast(pt, do.dtype, ROUND_BF16)
-                    dv = tl.dot(pt_in, do, dv, input_precision=DOT_PRECISION)
-                    dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-                    dst = pt * (dpt - delta[None, :])
-                    if HAS_SCORE:
-                        dst = dst * apply_score(SCORE_GRAD, xt, b, h, q_idx, kv_idx, SB0, SB1,
-                                               SB2, SB3, N_SCORE_BUF)  # fmt: skip
-                    dk = tl.dot(cast(dst, q.dtype, ROUND_BF16), q, dk,
-                                input_precision=DOT_PRECISION)  # fmt: skip
+                    dk, dv = _dkdv_step(dk, dv, k, v, q_src, g_src, LSE, DELTA, bh_rows, b, h,
+                                        block_m + sub * BLOCK_M, offs_r, offs_d, kv_idx,
+                                        in_range, seq_q, sm_scale, stride_qm, stride_qd,
+                                        stride_gm, stride_gd, MB0, MB1, MB2, MB3, SB0, SB1, SB2,
+                                        SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD, SCORE_GRAD,
+                                        N_SCORE_BUF, HAS_SCORE, part == 1, HEAD_DIM, BLOCK_D,
+                                        DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
     dk = cast(dk * sm_scale, DK.dtype.element_ty, ROUND_BF16)
     store_tile(head_ptr(DK, b, h_kv, stride_dkb, stride_dkh), dk, offs_n, seq_k, stride_dkn,
                stride_dkd, offs_d, HEAD_DIM)  # fmt: skip
