@@ -37,6 +37,7 @@ from _common import bench, device_name, device_slug, metadata, write_results
 
 import flashlite
 from flashlite import gallery
+from flashlite.mods import torch_indices
 from flashlite.ops.attention import compiled_variants
 from flashlite.plotting import Bars, Figure, Panel
 
@@ -45,29 +46,21 @@ DTYPE = torch.bfloat16
 
 
 def useful_pairs(bm: flashlite.BlockMask) -> int:
-    """Visible (query, key) pairs of a document mask, from the twin over bands of rows."""
+    """Visible (query, key) pairs of a mask, from its twin over bands of rows."""
     mod, (nq, nk) = bm.mask_mod, bm.seq_lengths
     total, band = 0, 2048
     for r0 in range(0, nq, band):
-        q_idx = torch.arange(r0, min(nq, r0 + band), device="cuda").view(1, 1, -1, 1)
-        kv = torch.arange(nk, device="cuda").view(1, 1, 1, -1)
-        zero = torch.zeros(1, 1, 1, 1, dtype=torch.long, device="cuda")
-        total += int(mod(zero, zero, q_idx, kv).sum())
+        b, h, q_idx, kv = torch_indices(1, 1, min(band, nq - r0), nk, "cuda")
+        total += int(mod(b, h, q_idx + r0, kv).sum())
     return total
 
 
 def rows_reference(q, k, v, mm, sm, rows: int = 128):  # noqa: ANN001, ANN201
     """fp64 attention of the last ``rows`` queries (twins, dense over their keys)."""
-    n = q.shape[2]
-    q0 = n - rows
-    qs = q[:, :, q0:].double()
-    s = qs @ k.double().transpose(-1, -2) * D**-0.5
-    b, h = (
-        torch.zeros(1, 1, 1, 1, dtype=torch.long, device="cuda"),
-        torch.arange(q.shape[1], device="cuda").view(1, -1, 1, 1),
-    )
-    q_idx = torch.arange(q0, n, device="cuda").view(1, 1, -1, 1)
-    kv = torch.arange(k.shape[2], device="cuda").view(1, 1, 1, -1)
+    q0 = q.shape[2] - rows
+    s = q[:, :, q0:].double() @ k.double().transpose(-1, -2) * D**-0.5
+    b, h, q_idx, kv = torch_indices(1, q.shape[1], rows, k.shape[2], "cuda")
+    q_idx = q_idx + q0
     if sm is not None:
         s = sm(s, b, h, q_idx, kv)
     if mm is not None:
