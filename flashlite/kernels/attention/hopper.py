@@ -19,10 +19,18 @@ of one (batch, head) and runs three partitions:
   and only then is the new ``P`` written over the registers the product read.
 
 The statistics are :mod:`flashlite.stats`'s pair: ``(m, s)`` with ``m`` the running maximum
-and ``s = Σ 2^(x − m)``, the same update as :func:`flashlite.stats.online_update` (Gluon cannot
-call ``@triton.jit`` helpers, so :func:`_online_update` restates its three lines). Q is scaled
-by ``scale·log2 e`` and rounded to the input dtype once, as the Triton kernel's ``PRESCALE_Q``
-does, so the backward's recomputed scores match the LSE saved here.
+and ``s = Σ 2^(x − m)``, the same update as :func:`flashlite.stats.online_update` (the stats
+helpers build their tiles with Triton layouts, so :func:`_online_update` restates their three
+lines). Q is scaled by ``scale·log2 e`` and rounded to the input dtype once, as the Triton
+kernel's ``PRESCALE_Q`` does, so the backward's recomputed scores match the LSE saved here.
+
+The same kernel serves :func:`flashlite.flex_attention` (``LISTED``): the producer and the
+consumers walk the key blocks a query block's row of the block tables lists, full blocks
+first, and the consumers pass the scores through the call's ``score_mod`` and, on partial
+tiles only, its ``mask_mod``. Those are ``@triton.jit`` functions of elementwise tile code,
+and a Gluon kernel calls them unchanged: their tiles take the wgmma layout of the scores. A
+causal mask function visits the built-in causal path's tiles in its order with its
+arithmetic, so the two agree bit for bit.
 
 Runs only on a CUDA sm_90 device with Triton's Gluon (3.6 measured); :func:`available` says
 whether this process can use it. The interpreter cannot run Gluon, so CPU tests cover the
@@ -33,6 +41,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from flashlite.mods import apply_mask, apply_score
 from flashlite.stats import LN2, LOG2E
 
 try:  # Gluon is experimental: absent or different in some Triton versions
@@ -105,9 +114,36 @@ if GLUON_IMPORT_ERROR is None:
         return p, alpha, m_new, l_sum * alpha + gl.sum(p, axis=1)
 
     @gluon.jit
-    def _fold(s, m, l_sum, start_n, full_hi, rows, cols, seq_q, seq_k, IS_CAUSAL: gl.constexpr):
-        """:func:`_online_update`, masked only on tiles at or past ``full_hi``."""
-        if start_n >= full_hi:
+    def _fold(s, m, l_sum, t, n_full, start_n, full_row, part_row, rows, cols, b, h,
+              seq_q, seq_k, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, IS_CAUSAL: gl.constexpr,
+              LISTED: gl.constexpr, MASK_MOD: gl.constexpr, N_MASK_BUF: gl.constexpr,
+              SCORE_MOD: gl.constexpr, N_SCORE_BUF: gl.constexpr, HAS_SCORE: gl.constexpr,
+              SUB: gl.constexpr):  # fmt: skip
+        """:func:`_online_update` of tile ``t``; the first ``n_full`` tiles are seen whole, later
+        ones masked. Without ``LISTED`` the tile's keys start at ``start_n`` and the mask is
+        ``seq_k`` and the causal diagonal. ``LISTED`` (tiles from block tables): the first key
+        is read from the tables (:func:`_tile_start`) only where a mod needs it — reading it
+        ahead for every tile measured slower — and ``mask_mod`` masks; a score function sees
+        the scores first, in natural units (``s·ln 2``: Q carries ``log2 e``)."""
+        if LISTED:
+            block_n: gl.constexpr = s.shape[1]
+            if HAS_SCORE:
+                first = _tile_start(t, n_full, full_row, part_row, block_n, True, SUB)
+                q_idx = gl.expand_dims(gl.minimum(rows, seq_q - 1), 1)
+                kv_idx = gl.expand_dims(gl.minimum(first + cols, seq_k - 1), 0)
+                s = apply_score(SCORE_MOD, s * LN2, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3,
+                                N_SCORE_BUF) * LOG2E  # fmt: skip
+            if t >= n_full:
+                first = _tile_start(t, n_full, full_row, part_row, block_n, True, SUB)
+                q_idx = gl.expand_dims(gl.minimum(rows, seq_q - 1), 1)
+                keys = gl.expand_dims(first + cols, 0)
+                # (clamped: a mod may gather by key)
+                seen = apply_mask(MASK_MOD, b, h, q_idx, gl.minimum(keys, seq_k - 1), MB0, MB1,
+                                  MB2, MB3, N_MASK_BUF)  # fmt: skip
+                s = gl.where(seen & (keys < seq_k), s, float("-inf"))
+            p, alpha, m, l_sum = _online_update(s, m, l_sum, start_n, rows, cols, seq_q, seq_k,
+                                                False, IS_CAUSAL)  # fmt: skip
+        elif t >= n_full:
             p, alpha, m, l_sum = _online_update(s, m, l_sum, start_n, rows, cols, seq_q, seq_k,
                                                 True, IS_CAUSAL)  # fmt: skip
         else:
@@ -116,10 +152,27 @@ if GLUON_IMPORT_ERROR is None:
         return p, alpha, m, l_sum
 
     @gluon.jit
+    def _tile_start(t, n_full, full_row, part_row, block_n: gl.constexpr, LISTED: gl.constexpr,
+                    SUB: gl.constexpr):  # fmt: skip
+        """The first key of tile ``t``: ``t·block_n``, or (``LISTED``) in the ``t / SUB``-th
+        block the tables list (full blocks first; a listed block is ``SUB`` tiles)."""
+        if LISTED:
+            i = t // SUB
+            if t < n_full:
+                block = gl.load(full_row + i)
+            else:
+                block = gl.load(part_row + (i - n_full // SUB))
+            start = (block * SUB + t % SUB) * block_n
+        else:
+            start = t * block_n
+        return start
+
+    @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready,
-                  empty, b, h, h_kv, start_m, n_tiles):  # fmt: skip
-        """The load warp: both halves of Q, then K and V tile by tile into the ring, each slot
-        reused once both consumers have released the tile before."""
+                  empty, b, h, h_kv, start_m, n_tiles, n_full, full_row, part_row,
+                  LISTED: gl.constexpr, SUB: gl.constexpr):  # fmt: skip
+        """The load warp: both halves of Q, then K and V tile by tile (:func:`_tile_start`)
+        into the ring, each slot reused once both consumers have released the tile before."""
         half: gl.constexpr = q_bufs.shape[3]
         block_n: gl.constexpr = k_bufs.shape[3]
         stages: gl.constexpr = k_bufs.shape[0]
@@ -130,18 +183,23 @@ if GLUON_IMPORT_ERROR is None:
             slot = t % stages
             if t >= stages:
                 mbarrier.wait(empty.index(slot), ((t // stages) - 1) & 1)
+            start_n = _tile_start(t, n_full, full_row, part_row, block_n, LISTED, SUB)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            _tma_load(k_desc, [b, h_kv, t * block_n, 0], k_ready.index(slot), k_bufs.index(slot))
+            _tma_load(k_desc, [b, h_kv, start_n, 0], k_ready.index(slot), k_bufs.index(slot))
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            _tma_load(v_desc, [b, h_kv, t * block_n, 0], v_ready.index(slot), v_bufs.index(slot))
+            _tma_load(v_desc, [b, h_kv, start_n, 0], v_ready.index(slot), v_bufs.index(slot))
 
     @gluon.jit
     def _consumer(q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, empty, o_desc, LSE, SINKS,
-                  b, h, pid_bh, start_m, n_tiles, full_hi, seq_q, seq_k, qk_scale,
-                  WG: gl.constexpr, IS_CAUSAL: gl.constexpr,
-                  HAS_SINKS: gl.constexpr):  # fmt: skip
-        """One warpgroup: the online softmax of its 64-row half; writes its O rows (TMA) and
-        LSE. ``HAS_SINKS``: the rows start from the sink's state ``(SINKS[h], 1)``."""
+                  b, h, pid_bh, start_m, n_tiles, n_full, full_row, part_row, seq_q, seq_k,
+                  qk_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, WG: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr, HAS_SINKS: gl.constexpr, LISTED: gl.constexpr,
+                  MASK_MOD: gl.constexpr, N_MASK_BUF: gl.constexpr, SCORE_MOD: gl.constexpr,
+                  N_SCORE_BUF: gl.constexpr, HAS_SCORE: gl.constexpr,
+                  SUB: gl.constexpr):  # fmt: skip
+        """One warpgroup: the online softmax of its 64-row half (:func:`_fold` per tile);
+        writes its O rows (TMA) and LSE. ``HAS_SINKS``: the rows start from the sink's state
+        ``(SINKS[h], 1)``."""
         half: gl.constexpr = q_bufs.shape[3]
         head_dim: gl.constexpr = q_bufs.shape[4]
         block_n: gl.constexpr = k_bufs.shape[3]
@@ -175,8 +233,10 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.wait(k_ready.index(0), 0)
             s = warpgroup_mma_wait(0, deps=[warpgroup_mma(q, k0, s_zero, use_acc=False,
                                                           is_async=True)])  # fmt: skip
-            p, alpha, m, l_sum = _fold(s, m, l_sum, 0, full_hi, rows, cols, seq_q, seq_k,
-                                       IS_CAUSAL)  # fmt: skip
+            p, alpha, m, l_sum = _fold(s, m, l_sum, 0, n_full, 0, full_row, part_row,
+                                       rows, cols, b, h, seq_q, seq_k, MB0, MB1, MB2, MB3, SB0,
+                                       SB1, SB2, SB3, IS_CAUSAL, LISTED, MASK_MOD, N_MASK_BUF,
+                                       SCORE_MOD, N_SCORE_BUF, HAS_SCORE, SUB)  # fmt: skip
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = out
             for j in range(0, n_tiles - 1):
@@ -190,8 +250,11 @@ if GLUON_IMPORT_ERROR is None:
                 acc_tok = warpgroup_mma(p_op, vt, acc, is_async=True)
                 # tile j+1's scores are ready (p·v may still run): its softmax overlaps p·v
                 s = warpgroup_mma_wait(1, deps=[s_tok])
-                p, alpha, m, l_sum = _fold(s, m, l_sum, (j + 1) * block_n, full_hi, rows, cols,
-                                           seq_q, seq_k, IS_CAUSAL)  # fmt: skip
+                p, alpha, m, l_sum = _fold(s, m, l_sum, j + 1, n_full, (j + 1) * block_n,
+                                           full_row, part_row, rows, cols, b, h, seq_q, seq_k,
+                                           MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, IS_CAUSAL,
+                                           LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF,
+                                           HAS_SCORE, SUB)  # fmt: skip
                 acc = warpgroup_mma_wait(0, deps=[acc_tok])
                 mbarrier.arrive(empty.index(slot), count=1)  # this warpgroup is done with tile j
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -215,14 +278,30 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _attention_fwd_hopper_kernel(q_desc, k_desc, v_desc, o_desc, LSE, SINKS, n_heads, group,
-                                     seq_q, seq_k, sm_scale, BLOCK_M: gl.constexpr,
-                                     BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                                     IS_CAUSAL: gl.constexpr,
-                                     HAS_SINKS: gl.constexpr = False):  # fmt: skip
+                                     seq_q, seq_k, sm_scale, KV_NUM, KV_IDX, FULL_NUM, FULL_IDX,
+                                     stride_tb, stride_th, stride_tm, stride_ib, stride_ih,
+                                     stride_im, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
+                                     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                                     STAGES: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                                     HAS_SINKS: gl.constexpr = False,
+                                     LISTED: gl.constexpr = False,
+                                     MASK_MOD: gl.constexpr = None,
+                                     N_MASK_BUF: gl.constexpr = 0,
+                                     SCORE_MOD: gl.constexpr = None,
+                                     N_SCORE_BUF: gl.constexpr = 0,
+                                     HAS_SCORE: gl.constexpr = False,
+                                     SUB: gl.constexpr = 1):  # fmt: skip
         """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``; 4 warps (the first consumer) plus the worker
         partitions. Q, K, V, O: 4-D ``(B, H, N, D)`` descriptors of ``[1, 1, rows, D]`` blocks
         (out-of-bounds rows read as zeros and are never stored). Causal is bottom-right
-        aligned; the last query blocks, which see the most keys, start first."""
+        aligned; the last query blocks, which see the most keys, start first.
+
+        ``LISTED``: the key tiles are the ones a program's row of the block tables lists
+        (:mod:`flashlite.block_mask`, blocks of ``BLOCK_M`` rows and ``SUB`` tiles of keys),
+        full ones first, and
+        ``mask_mod`` / ``score_mod`` (:mod:`flashlite.mods`, buffers ``MB*`` / ``SB*``) shape
+        the scores, as :mod:`.flex`'s Triton kernel does; otherwise the table arguments are
+        placeholders, never read."""
         half: gl.constexpr = BLOCK_M // 2
         head_dim: gl.constexpr = q_desc.block_type.shape[3]
         qk_scale = sm_scale * LOG2E  # in fp32, as the Triton kernels and the backward take it
@@ -232,18 +311,28 @@ if GLUON_IMPORT_ERROR is None:
         h = pid_bh % n_heads
         h_kv = h // group  # GQA: the group's query heads share one K/V head, no copies
         pid_m = gl.program_id(0)
-        if IS_CAUSAL:
+        if IS_CAUSAL or LISTED:
             pid_m = gl.cdiv(seq_q, BLOCK_M) - 1 - pid_m
         start_m = pid_m * BLOCK_M
-        # key tiles [0, full_hi) are seen whole by every row; [full_hi, hi) are masked
-        if IS_CAUSAL:
-            diag = seq_k - seq_q
-            hi = gl.minimum(gl.maximum(start_m + BLOCK_M + diag, 0), seq_k)
-            full_hi = (gl.minimum(gl.maximum(start_m + diag + 1, 0), seq_k) // BLOCK_N) * BLOCK_N
+        if LISTED:  # this row of the tables: its full blocks, then its partial ones
+            trow = b * stride_tb + h * stride_th + pid_m * stride_tm
+            irow = b.to(gl.int64) * stride_ib + h * stride_ih + pid_m * stride_im
+            n_full = gl.load(FULL_NUM + trow) * SUB
+            n_tiles = n_full + gl.load(KV_NUM + trow) * SUB
+            full_row = FULL_IDX + irow
+            part_row = KV_IDX + irow
         else:
-            hi = seq_k
-            full_hi = (seq_k // BLOCK_N) * BLOCK_N
-        n_tiles = gl.cdiv(hi, BLOCK_N)
+            # key tiles [0, n_full) are seen whole by every row; [n_full, n_tiles) are masked
+            if IS_CAUSAL:
+                diag = seq_k - seq_q
+                hi = gl.minimum(gl.maximum(start_m + BLOCK_M + diag, 0), seq_k)
+                n_full = gl.minimum(gl.maximum(start_m + diag + 1, 0), seq_k) // BLOCK_N
+            else:
+                hi = seq_k
+                n_full = seq_k // BLOCK_N
+            n_tiles = gl.cdiv(hi, BLOCK_N)
+            full_row = KV_IDX
+            part_row = KV_IDX
 
         q_bufs = gl.allocate_shared_memory(dtype, [2, 1, 1, half, head_dim], q_desc.layout)
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, head_dim],
@@ -264,13 +353,18 @@ if GLUON_IMPORT_ERROR is None:
         # (argument tuples written out: constexprs must reach the partitions as literals)
         gl.warp_specialize([
             (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, empty, o_desc, LSE,
-                         SINKS, b, h, pid_bh, start_m, n_tiles, full_hi, seq_q, seq_k, qk_scale,
-                         0, IS_CAUSAL, HAS_SINKS)),
+                         SINKS, b, h, pid_bh, start_m, n_tiles, n_full, full_row, part_row,
+                         seq_q, seq_k, qk_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, 0,
+                         IS_CAUSAL, HAS_SINKS, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD,
+                         N_SCORE_BUF, HAS_SCORE, SUB)),
             (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, empty, o_desc, LSE,
-                         SINKS, b, h, pid_bh, start_m, n_tiles, full_hi, seq_q, seq_k, qk_scale,
-                         1, IS_CAUSAL, HAS_SINKS)),
+                         SINKS, b, h, pid_bh, start_m, n_tiles, n_full, full_row, part_row,
+                         seq_q, seq_k, qk_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, 1,
+                         IS_CAUSAL, HAS_SINKS, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD,
+                         N_SCORE_BUF, HAS_SCORE, SUB)),
             (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready,
-                         v_ready, empty, b, h, h_kv, start_m, n_tiles)),
+                         v_ready, empty, b, h, h_kv, start_m, n_tiles, n_full, full_row,
+                         part_row, LISTED, SUB)),
         ], [4, 1], [240, 24])  # fmt: skip
 
 

@@ -10,6 +10,7 @@ as tensors: a new sequence length is new table shapes, never a new kernel.
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import torch
@@ -22,9 +23,12 @@ from flashlite import mods as M
 from flashlite._caches import Cache
 from flashlite.kernels.attention import block_mask as KB
 from flashlite.kernels.attention import flex as KF
+from flashlite.kernels.attention import hopper as KH
 from flashlite.ops._dispatch import Op
+from flashlite.ops.attention import hopper as HP
 from flashlite.ops.attention.bwd_launch import bwd_preprocess
 from flashlite.ops.attention.checks import check_inputs
+from flashlite.ops.attention.plan import _descriptor_ok, hopper_config
 
 __all__ = ["create_block_mask", "flex_attention", "dense_block_mask", "compiled_variants"]
 
@@ -221,14 +225,74 @@ def _fwd_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num: torch.T
         return o, lse.fill_(-math.inf)
     bufs, mods = _mod_args((mask_spec, mask_tensors, mask_nums),
                            (score_spec, score_tensors, score_nums), grad=False)  # fmt: skip
+    tables = (kv_num, kv_idx, full_num, full_idx)
+    strides = _table_args(kv_num, kv_idx, b, hq)
+    if _run_hopper(q, k, v, o, lse, tables, strides, tbm, tbn, scale, bufs, mods):
+        return o, lse
     opts = _options(q, tbm, tbn, bwd=False)
     grid = (triton.cdiv(nq, opts["BLOCK_M"]), b * hq)
-    KF._flex_fwd_kernel[grid](
+    _launch(KF._flex_fwd_kernel, grid, (
         q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        kv_num, kv_idx, full_num, full_idx, *_table_args(kv_num, kv_idx, b, hq),
-        hq, hq // hkv, nq, nk, scale, *bufs, **mods, **opts,
-    )  # fmt: skip
+        *tables, *strides, hq, hq // hkv, nq, nk, scale, *bufs), mods, opts)  # fmt: skip
     return o, lse
+
+
+#: (kernel, mods, head dim, dtype) launched with one stage: see :func:`_launch`.
+_one_stage: set[tuple[Any, ...]] = set()
+
+
+def _launch(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], mods: dict[str, Any],
+            opts: dict[str, Any]) -> None:  # fmt: skip
+    """Launch a Triton flex kernel. Triton's software pipeliner stages a loop's loads in shared
+    memory, a mod's gathers too (a bias table read per score): those can outgrow it. Then
+    the kernel runs (this time and for later calls of the mod) with one stage, unpipelined."""
+    key = (kernel, *mods.values(), opts["HEAD_DIM"], args[0].dtype)
+    if key in _one_stage:
+        opts = {**opts, "num_stages": 1}
+    try:
+        kernel[grid](*args, **mods, **opts)
+    except triton.runtime.errors.OutOfResources:
+        if opts["num_stages"] == 1:
+            raise
+        _one_stage.add(key)
+        kernel[grid](*args, **mods, **{**opts, "num_stages": 1})
+
+
+_hopper_failed: set[tuple[Any, ...]] = set()
+
+#: The Gluon kernel's tiles with a score function, per head dim, where they differ from the
+#: plain forward's (:func:`~flashlite.ops.attention.plan.hopper_config`).
+SCORE_CONFIGS: dict[int, KH.HopperConfig] = {}
+
+
+def _hopper_config(q: torch.Tensor, n_keys: int, has_score: bool) -> KH.HopperConfig | None:
+    config = hopper_config(q, n_keys)
+    if config is not None and has_score:
+        config = SCORE_CONFIGS.get(q.shape[-1], config)
+    return config
+
+
+def _run_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                lse: torch.Tensor, tables: tuple[torch.Tensor, ...], strides: tuple[int, ...],
+                tbm: int, tbn: int, scale: float, bufs: list[Any],
+                mods: dict[str, Any]) -> bool:  # fmt: skip
+    """Run the forward on the Gluon (Hopper) kernel where it applies: a compiled sm_90 device,
+    16-bit inputs TMA can read, a head dim with a measured config whose tiles are the tables'
+    blocks. False (after one warning if it failed to build) means: run the Triton kernel."""
+    config = _hopper_config(q, k.shape[2], mods["HAS_SCORE"])
+    if config is None or tbm != config.block_m or tbn % config.block_n:
+        return False
+    key = (q.dtype, q.shape[-1], mods["MASK_MOD"], mods["SCORE_MOD"], mods["HAS_SCORE"])
+    if key in _hopper_failed or not _descriptor_ok(q, k, v, o):
+        return False
+    try:
+        HP.flex_fwd_hopper(q, k, v, o, lse, tables, strides, tbn, scale, config, bufs, mods)
+    except (triton.CompilationError, TypeError, ValueError, AttributeError) as err:
+        _hopper_failed.add(key)
+        warnings.warn(f"flashlite: the Hopper flex kernel failed to build ({err!r:.300}); the "
+                      "Triton kernel runs instead", RuntimeWarning, stacklevel=2)  # fmt: skip
+        return False
+    return True
 
 
 def _fwd_fake(q, k, v, *args):  # type: ignore[no-untyped-def]
@@ -252,16 +316,15 @@ def _bwd_body(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                            (score_spec, score_tensors, score_nums), grad=True)  # fmt: skip
     opts = _options(q, tbm, tbn, bwd=True)
     delta = bwd_preprocess(o, do, lse, dlse, q, q, scale, prescale_q=False)
-    KF._flex_bwd_dkdv_kernel[(triton.cdiv(nk, opts["BLOCK_N"]), b * hkv)](
+    _launch(KF._flex_bwd_dkdv_kernel, (triton.cdiv(nk, opts["BLOCK_N"]), b * hkv), (
         q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
         *dk.stride(), *dv.stride(), q_num, q_idx, full_q_num, full_q_idx,
-        *_table_args(q_num, q_idx, b, hq), hkv, hq // hkv, nq, nk, scale, *bufs, **mods, **opts,
-    )  # fmt: skip
-    KF._flex_bwd_dq_kernel[(triton.cdiv(nq, opts["BLOCK_M"]), b * hq)](
+        *_table_args(q_num, q_idx, b, hq), hkv, hq // hkv, nq, nk, scale, *bufs), mods,
+        opts)  # fmt: skip
+    _launch(KF._flex_bwd_dq_kernel, (triton.cdiv(nq, opts["BLOCK_M"]), b * hq), (
         q, k, v, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
         *dq.stride(), kv_num, kv_idx, full_num, full_idx, *_table_args(kv_num, kv_idx, b, hq),
-        hq, hq // hkv, nq, nk, scale, *bufs, **mods, **opts,
-    )  # fmt: skip
+        hq, hq // hkv, nq, nk, scale, *bufs), mods, opts)  # fmt: skip
     return dq, dk, dv
 
 
@@ -300,9 +363,12 @@ FLEX_FWD = Op("flex_attention_fwd", _fwd_body, fake=_fwd_fake, inputs=3,
 def compiled_variants() -> int:
     """How many compiled variants of the flex and classifier kernels this process holds (what
     a loop over sequence lengths should not grow; 0 in the interpreter, which compiles
-    nothing)."""
-    kernels = (KF._flex_fwd_kernel, KF._flex_bwd_dkdv_kernel, KF._flex_bwd_dq_kernel,
-               KB._classify_tiles_kernel)  # fmt: skip
+    nothing). With Gluon, the Hopper forward's variants count too (the plain forward's
+    among them)."""
+    kernels = [KF._flex_fwd_kernel, KF._flex_bwd_dkdv_kernel, KF._flex_bwd_dq_kernel,
+               KB._classify_tiles_kernel]  # fmt: skip
+    if KH.available():
+        kernels.append(KH._attention_fwd_hopper_kernel)
     caches = (getattr(k, "device_caches", {}) for k in kernels)
     return sum(len(entry[0]) for cache in caches for entry in cache.values())
 
