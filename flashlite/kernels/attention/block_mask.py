@@ -11,7 +11,7 @@ import triton.language as tl
 from flashlite.mods import apply_mask
 
 
-@triton.jit
+@triton.jit(do_not_specialize=("seq_q", "seq_k", "n_kb", "B0", "B1", "B2", "B3"))
 def _classify_tiles_kernel(
     CLS, n_heads, seq_q, seq_k, n_kb,
     B0, B1, B2, B3,

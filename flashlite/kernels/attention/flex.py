@@ -93,7 +93,17 @@ def _scored_tile(q, k_src, b, h, h_kv, start_n, q_idx, offs_n, offs_d, seq_k, sm
     return k, x, y, kv_idx
 
 
-@triton.jit
+#: Arguments that change with the sequence length (the lengths, the tables' strides, a mod's
+#: numbers such as a document-id row stride) are not specialised on (multiple of 16 or not,
+#: equal to 1 or not): a loop over lengths compiles no new variants.
+_MOD_ARGS = ("MB0", "MB1", "MB2", "MB3", "SB0", "SB1", "SB2", "SB3")
+_BY_QUERY_BLOCK = ("seq_q", "seq_k", "stride_tb", "stride_th", "stride_tm", "stride_ib",
+                   "stride_ih", "stride_im", *_MOD_ARGS)  # fmt: skip
+_BY_KEY_BLOCK = ("seq_q", "seq_k", "stride_tb", "stride_th", "stride_tn", "stride_ib",
+                 "stride_ih", "stride_in", *_MOD_ARGS)  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_BY_QUERY_BLOCK)
 def _flex_fwd_kernel(
     Q, K, V, O, LSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -200,7 +210,7 @@ def _dkdv_step(dk, dv, k, v, q_src, g_src, LSE, DELTA, bh_rows, b, h, start_m, o
     return dk, dv
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BY_KEY_BLOCK)
 def _flex_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, DELTA,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -268,7 +278,7 @@ def _flex_bwd_dkdv_kernel(
                stride_dvd, offs_d, HEAD_DIM)  # fmt: skip
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_BY_QUERY_BLOCK)
 def _flex_bwd_dq_kernel(
     Q, K, V, DO, DQ, LSE, DELTA,
     stride_qb, stride_qh, stride_qm, stride_qd,
