@@ -159,7 +159,9 @@ def document_causal(ids: torch.Tensor) -> MaskMod:
 # --------------------------------------------------------------------------- scores
 @triton.jit
 def _alibi(score, b, h, q_idx, kv_idx, slopes):
-    return score + tl.load(slopes + h) * (kv_idx - q_idx).to(tl.float32)
+    # converted before subtracting: a column and a row of conversions, not one per score (an
+    # integer-to-float conversion issues at a quarter of the FMA rate); exact below 2^24
+    return score + tl.load(slopes + h) * (kv_idx.to(tl.float32) - q_idx.to(tl.float32))
 
 
 @triton.jit
@@ -207,14 +209,31 @@ def _softcap_grad(score, b, h, q_idx, kv_idx, cap):
     return 1.0 - t * t
 
 
+@triton.jit
+def _softcap_approx(score, b, h, q_idx, kv_idx, cap):
+    return cap * tanh(score / cap, True)
+
+
+@triton.jit
+def _softcap_approx_grad(score, b, h, q_idx, kv_idx, cap):
+    t = tanh(score / cap, True)
+    return 1.0 - t * t
+
+
 def _softcap_t(score, b, h, q_idx, kv_idx, cap):  # type: ignore[no-untyped-def]
     return cap * torch.tanh(score / cap)
 
 
-def tanh_softcap(cap: float) -> ScoreMod:
-    """Gemma 2's soft cap ``cap·tanh(score / cap)`` (built in as ``softcap=cap``)."""
+def tanh_softcap(cap: float, approx: bool = False) -> ScoreMod:
+    """Gemma 2's soft cap ``cap·tanh(score / cap)`` (built in as ``softcap=cap``). ``approx``:
+    the GPU's hardware ``tanh`` (what the built-in uses for 16-bit inputs, whose own rounding
+    is coarser; 2–3× cheaper); otherwise exact to fp32."""
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf:
         raise ValueError(f"cap must be a finite positive number, got {cap!r}")
+    if approx:
+        return score_mod(_softcap_approx, float(cap), grad=_softcap_approx_grad,
+                         torch_fn=_softcap_t, name="flashlite.gallery.tanh_softcap_approx",
+                         tile_reads=_nothing)  # fmt: skip
     return score_mod(_softcap, float(cap), grad=_softcap_grad, torch_fn=_softcap_t,
                      name="flashlite.gallery.tanh_softcap", tile_reads=_nothing)  # fmt: skip
 
