@@ -324,7 +324,7 @@ def test_gpu_gallery_against_fp64_and_torch_flex(name: str) -> None:
     from torch.nn.attention.flex_attention import create_block_mask as torch_create
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
-    b, h, n, d = 2, 4, 1000, 64
+    b, h, n, d = 2, 4, 1000, 128  # (D 128 forwards run the Gluon kernel on the H200)
     mm, sm = _gallery(h, b)[name]
     if mm is not None and mm.buffers:  # ids for this length, on the GPU
         make = gallery.document if name == "document" else gallery.document_causal
@@ -341,7 +341,14 @@ def test_gpu_gallery_against_fp64_and_torch_flex(name: str) -> None:
     theirs = [t.clone().requires_grad_() for t in base]
     exact = [t.double().requires_grad_() for t in base]
     o = flashlite.flex_attention(*ours, score_mod=sm, block_mask=bm)
-    t_o = torch.compile(torch_flex)(*theirs, score_mod=sm, block_mask=tbm)
+    torch._dynamo.reset()  # (a graph cached by an earlier test's mods made Dynamo trip)
+    try:
+        t_o = torch.compile(torch_flex)(*theirs, score_mod=sm, block_mask=tbm)
+    except torch._inductor.exc.InductorError as err:  # its kernel staged the bias table
+        if "out of resource" not in str(err):
+            raise
+        t_o = torch.compile(torch_flex)(*theirs, score_mod=sm, block_mask=tbm,
+                                        kernel_options={"num_stages": 1})  # fmt: skip
     e_o = reference.attention(*exact, mask_mod=mm, score_mod=sm)
     for out in (o, t_o, e_o):
         out.backward(do.to(out.dtype))
@@ -356,20 +363,29 @@ def test_gpu_gallery_against_fp64_and_torch_flex(name: str) -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="flex_attention runs its own kernel, whose arithmetic "
-                   "(natural-unit scores, no prescaled Q, no lazy rescale) differs from the "
-                   "built-in paths' in the last bits; bit-for-bit needs the mods folded into "
-                   "the built-in kernels")  # fmt: skip
-def test_gpu_hand_written_causal_and_window_match_the_built_ins_bit_for_bit() -> None:
+def test_gpu_hand_written_causal_matches_the_built_in_bit_for_bit() -> None:
+    """On the H200 both run the Gluon kernel over the same tiles in the same order: the
+    built-in's causal arithmetic and a listed mask function give the same bits."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs the Hopper (sm_90) kernel")
+    for n in (2048, 3000):  # (3000: a ragged last tile)
+        q, k, v = (torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        bm = flashlite.create_block_mask(gallery.causal(), None, None, n, n)
+        assert torch.equal(flashlite.flex_attention(q, k, v, block_mask=bm),
+                           flashlite.attention(q, k, v, causal=True))  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=True, reason="the built-in window runs the Triton kernel, whose "
+                   "tiles and order differ from the listed Gluon kernel's")  # fmt: skip
+def test_gpu_hand_written_window_matches_the_built_in_bit_for_bit() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     n = 2048
     q, k, v = (torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    window = {"causal": True, "window": (256, 0)}
-    for mm, kw in ((gallery.causal(), {"causal": True}), (gallery.sliding_window(256), window)):
-        bm = flashlite.create_block_mask(mm, None, None, n, n)
-        assert torch.equal(flashlite.flex_attention(q, k, v, block_mask=bm),
-                           flashlite.attention(q, k, v, **kw))  # fmt: skip
+    bm = flashlite.create_block_mask(gallery.sliding_window(256), None, None, n, n)
+    assert torch.equal(flashlite.flex_attention(q, k, v, block_mask=bm),
+                       flashlite.attention(q, k, v, causal=True, window=(256, 0)))  # fmt: skip
 
 
 # --------------------------------------------------------------------------- traffic
