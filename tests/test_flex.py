@@ -234,14 +234,14 @@ def test_compiled_matches_eager_without_recompiling_per_length() -> None:
 def test_opcheck() -> None:
     from torch.library import opcheck
 
-    from flashlite.ops.attention.flex import _spec
+    from flashlite.ops.attention.mod_args import spec_mod
 
     mm, sm = gallery.document_causal(_ids(1, 40)), gallery.tanh_softcap(4.0)
     bm = flashlite.create_block_mask(mm, 1, None, 40, 40, device="cpu", BLOCK_SIZE=16)
     q = torch.randn(1, 2, 40, 16, requires_grad=True)
     k, v = (torch.randn(1, 1, 40, 16, requires_grad=True) for _ in range(2))
     tables = [getattr(bm, t) for t in BM._TABLES]
-    args = (q, k, v, *tables, *bm.BLOCK_SIZE, *_spec(mm), *_spec(sm), 0.25)
+    args = (q, k, v, *tables, *bm.BLOCK_SIZE, *spec_mod(mm), *spec_mod(sm), 0.25)
     opcheck(torch.ops.flashlite.flex_attention_fwd.default, args)
     o, lse = torch.ops.flashlite.flex_attention_fwd.default(*args)
     opcheck(torch.ops.flashlite.flex_attention_bwd.default,
@@ -311,6 +311,101 @@ def test_bad_block_masks_raise_clear_errors() -> None:
         gallery.document(torch.zeros(2, 3, 4, dtype=torch.int32))
     with pytest.raises(ValueError, match="window must be an int"):
         gallery.sliding_window(-1)
+
+
+# --------------------------------------------------------------------------- KV-cache decoding
+def _kvcache_reference(q, kc, vc, lens, mm, causal=True, window=None):  # noqa: ANN001, ANN202
+    """fp64 decode step over caches that already hold the new keys: query i of Nq sits at
+    position ``lens[b] − Nq + i`` (lens: lengths after the append)."""
+    bsz, nq, hq, d = q.shape
+    group = hq // kc.shape[2]
+    out = torch.zeros(bsz, nq, hq, d, dtype=torch.float64)
+    for b in range(bsz):
+        n = int(lens[b])
+        qpos, kpos = torch.arange(n - nq, n)[:, None], torch.arange(n)[None]
+        for h in range(hq):
+            s = q[b, :, h].double() @ kc[b, :n, h // group].double().T * d**-0.5
+            seen = mm(torch.tensor(b), torch.tensor(h), qpos, kpos)
+            if causal:
+                seen = seen & (kpos <= qpos)
+            if window is not None:
+                seen = seen & (kpos >= qpos - window)
+            p = torch.softmax(s.masked_fill(~seen, -math.inf), -1).nan_to_num(0.0)
+            out[b, :, h] = p @ vc[b, :n, h // group].double()
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("paged,splits", [(False, 1), (False, 3), (True, 2)])
+def test_kvcache_decode_with_a_mask_function(dtype: torch.dtype, paged: bool, splits: int) -> None:
+    """Document-causal decoding with GQA, an append and split keys, contiguous or paged: the
+    mask function sees each query's position in its sequence and its query head."""
+    gen = torch.Generator().manual_seed(3)
+    bsz, cap, hq, hkv, d, nq = 2, 96, 4, 2, 32, 3
+    kc, vc = (torch.randn(bsz, cap, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    q = torch.randn(bsz, nq, hq, d, generator=gen).to(dtype)
+    kn, vn = (torch.randn(bsz, nq, hkv, d, generator=gen).to(dtype) for _ in range(2))
+    lens = torch.tensor([40, 70], dtype=torch.int32)
+    mm = gallery.document_causal(gallery.random_documents(bsz, cap, 3, seed=1))
+    table = None
+    k_arg, v_arg = kc.clone(), vc.clone()
+    if paged:  # pages of 16 keys, shuffled
+        per, page = cap // 16, 16
+        table = torch.randperm(bsz * per, generator=gen).view(bsz, per).to(torch.int32)
+        k_arg = torch.empty(bsz * per, page, hkv, d, dtype=dtype)
+        v_arg = torch.empty_like(k_arg)
+        for b in range(bsz):
+            for j in range(per):
+                k_arg[table[b, j]] = kc[b, j * page : (j + 1) * page]
+                v_arg[table[b, j]] = vc[b, j * page : (j + 1) * page]
+    o, lse = flashlite.attention_kvcache(q, k_arg, v_arg, cache_seqlens=lens, k_new=kn,
+                                         v_new=vn, block_table=table, mask_mod=mm,
+                                         num_splits=splits, return_lse=True)  # fmt: skip
+    for b, n in enumerate(lens.tolist()):  # the reference's caches hold the new keys too
+        kc[b, n : n + nq], vc[b, n : n + nq] = kn[b], vn[b]
+    ref = _kvcache_reference(q, kc, vc, lens + nq, mm)
+    tol = TOL[dtype]
+    torch.testing.assert_close(o.double(), ref, atol=tol.atol, rtol=tol.rtol)
+    assert torch.isfinite(lse).all()
+
+
+def test_kvcache_window_as_a_mask_function_matches_the_built_in() -> None:
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 2, 4, 32, generator=gen)
+    kc, vc = (torch.randn(2, 80, 2, 32, generator=gen) for _ in range(2))
+    lens = torch.tensor([77, 30], dtype=torch.int32)
+    ours = flashlite.attention_kvcache(q, kc, vc, cache_seqlens=lens,
+                                       mask_mod=gallery.sliding_window(20))  # fmt: skip
+    builtin = flashlite.attention_kvcache(q, kc, vc, cache_seqlens=lens, window=(20, 0))
+    torch.testing.assert_close(ours, builtin, atol=1e-6, rtol=1e-6)
+
+
+def test_kvcache_rows_with_no_key_and_bad_mask_functions() -> None:
+    @triton.jit
+    def nothing(b, h, q_idx, kv_idx):
+        return q_idx < 0
+
+    q = torch.randn(1, 1, 2, 16)
+    kc, vc = (torch.randn(1, 40, 1, 16) for _ in range(2))
+    lens = torch.tensor([33], dtype=torch.int32)
+    o, lse = flashlite.attention_kvcache(q, kc, vc, cache_seqlens=lens, num_splits=2,
+                                         mask_mod=mods.mask_mod(nothing),
+                                         return_lse=True)  # fmt: skip
+    assert (o == 0).all() and (lse == -math.inf).all()
+    with pytest.raises(TypeError, match="mask_mod"):
+        flashlite.attention_kvcache(q, kc, vc, cache_seqlens=lens, mask_mod=lambda *a: True)
+
+
+def test_kvcache_with_a_mask_function_compiles_fullgraph() -> None:
+    q = torch.randn(2, 1, 4, 16)
+    kc, vc = (torch.randn(2, 40, 2, 16) for _ in range(2))
+    lens = torch.tensor([33, 12], dtype=torch.int32)
+    mm = gallery.document_causal(gallery.random_documents(2, 40, 3, seed=1))
+
+    def step(q, kc, vc, lens):  # noqa: ANN001, ANN202
+        return flashlite.attention_kvcache(q, kc, vc, cache_seqlens=lens, mask_mod=mm)
+
+    assert torch.equal(torch.compile(step, fullgraph=True)(q, kc, vc, lens), step(q, kc, vc, lens))
 
 
 # --------------------------------------------------------------------------- GPU

@@ -40,6 +40,7 @@ from flashlite.kernels.attention.common import (
 )
 from flashlite.kernels.common import cast
 from flashlite.masks import key_range
+from flashlite.mods import apply_mask
 from flashlite.stats import LOG2E, finalize_lse, merge_partials, rescale
 
 
@@ -84,23 +85,32 @@ def kv_tile(X, TABLE, b, h_kv, start_n, offs_n, offs_d, seq_k, stride_b, stride_
 
 
 @triton.jit
-def _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, lo, hi, pos, offs_n, offs_d, seq_q,
-                   seq_k, left, right, cap, exp_scale, stride_kb, stride_kh, stride_kn,
+def _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, head, lo, hi, pos, offs_n, offs_d,
+                   seq_q, seq_k, left, right, cap, exp_scale, stride_kb, stride_kh, stride_kn,
                    stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_tb, num_pages,
-                   MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-                   SOFTCAP: tl.constexpr, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
-                   DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   ROUND_BF16: tl.constexpr):  # fmt: skip
+                   MB0, MB1, MB2, MB3, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+                   USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   ROUND_BF16: tl.constexpr, MASK_MOD: tl.constexpr,
+                   N_MASK_BUF: tl.constexpr):  # fmt: skip
     """Fold key tiles ``[lo, hi)`` into ``(acc, m, s)``: the forward's loop body, with rows at
     query positions ``pos`` (packed rows of several heads share positions) and K/V tiles from
-    :func:`kv_tile`."""
+    :func:`kv_tile`. A ``MASK_MOD`` (:mod:`flashlite.mods`) masks every tile, called with each
+    row's query head ``head`` and its position in the sequence, ``seq_k − seq_q + pos``."""
     for start_n in tl.range(lo, hi, BLOCK_N):
         k = kv_tile(K, TABLE, b, h_kv, start_n, offs_n, offs_d, seq_k, stride_kb, stride_kh,
                     stride_kn, stride_kd, stride_tb, num_pages, MASKED, PAGE_SIZE, HEAD_DIM,
                     BLOCK_D, BLOCK_N, USE_DESC)  # fmt: skip
         qk = score_tile(q, k, start_n, pos, offs_n, seq_q, seq_k, left, right, cap, MASKED,
                         IS_CAUSAL, WINDOW, SOFTCAP, DOT_FP32, DOT_PRECISION)  # fmt: skip
+        if MASK_MOD is not None:
+            keys = start_n + offs_n
+            q_idx = (seq_k - seq_q + tl.minimum(pos, seq_q - 1))[:, None]
+            seen = apply_mask(MASK_MOD, b, head[:, None], q_idx,
+                              tl.minimum(keys, seq_k - 1)[None, :], MB0, MB1, MB2, MB3,
+                              N_MASK_BUF)  # fmt: skip
+            qk = tl.where(seen & (keys < seq_k)[None, :], qk, float("-inf"))
         m, s, alpha, p, _moved = update(m, s, qk, exp_scale, False)
         v = kv_tile(V, TABLE, b, h_kv, start_n, offs_n, offs_d, seq_k, stride_vb, stride_vh,
                     stride_vn, stride_vd, stride_tb, num_pages, MASKED, PAGE_SIZE, HEAD_DIM,
@@ -120,12 +130,13 @@ def _attention_decode_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     n_kv_heads, seq_q, seq_k, sm_scale, win_left, win_right, softcap, SEQLENS_K, TABLE, SINKS,
-    stride_tb, num_pages, split_len,
+    stride_tb, num_pages, split_len, MB0, MB1, MB2, MB3,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_SINKS: tl.constexpr,
     PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+    MASK_MOD: tl.constexpr = None, N_MASK_BUF: tl.constexpr = 0,
 ):  # fmt: skip
     """Grid ``(cdiv(Nq·GROUP, BLOCK_M), B·Hkv, S)``: packed rows ``[pid0·BLOCK_M, +BLOCK_M)`` of
     KV head ``(b, h_kv)`` against keys ``[s·split_len, (s + 1)·split_len)``.
@@ -134,6 +145,7 @@ def _attention_decode_kernel(
     fp32 LSE ``(S·B·Hq, Nq)``: the partials of chunk s at batch rows ``s·B + b`` (with ``S = 1``
     the result itself, in O's dtype). Masks, softcap, ``SEQLENS_K`` and ``SINKS`` as in the
     forward kernel; the sink's state starts chunk 0 only, so the merge counts it once.
+    ``MASK_MOD``: a mask function with its buffers in ``MB0``–``MB3`` (:func:`_decode_attend`).
     """
     pid_bh = tl.program_id(1)
     b = pid_bh // n_kv_heads
@@ -177,26 +189,28 @@ def _attention_decode_kernel(
     full_hi = tl.minimum(tl.maximum(full_hi, c0), c1)
     hi = tl.minimum(tl.maximum(hi, c0), c1)
     if WINDOW:  # the window's left edge (without one, lo = full_lo)
-        acc, m, s = _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, lo, full_lo, pos, offs_n,
-                                   offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale,
-                                   stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
-                                   stride_vh, stride_vn, stride_vd, stride_tb, num_pages, True,
-                                   IS_CAUSAL, WINDOW, SOFTCAP, PAGE_SIZE, HEAD_DIM, BLOCK_D,
-                                   BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION,
-                                   ROUND_BF16)  # fmt: skip
-    acc, m, s = _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, full_lo, full_hi, pos,
+        acc, m, s = _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, head, lo, full_lo, pos,
+                                   offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap,
+                                   exp_scale, stride_kb, stride_kh, stride_kn, stride_kd,
+                                   stride_vb, stride_vh, stride_vn, stride_vd, stride_tb,
+                                   num_pages, MB0, MB1, MB2, MB3, True, IS_CAUSAL, WINDOW,
+                                   SOFTCAP, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC,
+                                   DOT_FP32, DOT_PRECISION, ROUND_BF16, MASK_MOD,
+                                   N_MASK_BUF)  # fmt: skip
+    acc, m, s = _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, head, full_lo, full_hi,
+                               pos, offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap,
+                               exp_scale, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
+                               stride_vh, stride_vn, stride_vd, stride_tb, num_pages, MB0, MB1,
+                               MB2, MB3, False, IS_CAUSAL, WINDOW, SOFTCAP, PAGE_SIZE, HEAD_DIM,
+                               BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16,
+                               MASK_MOD, N_MASK_BUF)  # fmt: skip
+    acc, m, s = _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, head, full_hi, hi, pos,
                                offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap,
                                exp_scale, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
-                               stride_vh, stride_vn, stride_vd, stride_tb, num_pages, False,
-                               IS_CAUSAL, WINDOW, SOFTCAP, PAGE_SIZE, HEAD_DIM, BLOCK_D,
-                               BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION,
-                               ROUND_BF16)  # fmt: skip
-    acc, m, s = _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, full_hi, hi, pos, offs_n,
-                               offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale,
-                               stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
-                               stride_vn, stride_vd, stride_tb, num_pages, True, IS_CAUSAL,
-                               WINDOW, SOFTCAP, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC,
-                               DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
+                               stride_vh, stride_vn, stride_vd, stride_tb, num_pages, MB0, MB1,
+                               MB2, MB3, True, IS_CAUSAL, WINDOW, SOFTCAP, PAGE_SIZE, HEAD_DIM,
+                               BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16,
+                               MASK_MOD, N_MASK_BUF)  # fmt: skip
 
     # rows that saw no key (a chunk past the sequence, causal with Nq > Nk): 0 and LSE −inf
     inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)

@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from flashlite import _backend, masks
+from flashlite import _backend, masks, mods
 from flashlite.ops._dispatch import plain_eager
 from flashlite.ops.attention.autograd import ATTENTION_FWD
 from flashlite.ops.attention.checks import (
@@ -30,6 +32,7 @@ from flashlite.ops.attention.kvcache import (
     _kvcache_key,
     _kvcache_plan,
 )
+from flashlite.ops.attention.mod_args import check_buffers_on, spec_mod
 from flashlite.ops.attention.plan import _decode_splits
 from flashlite.ops.common import check_flags, moved_call_device
 
@@ -217,6 +220,7 @@ def attention_kvcache(
     return_lse: bool = False,
     validate: bool | str = True,
     sinks: torch.Tensor | None = None,
+    mask_mod: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decoding against a KV cache (layout ``b n h d``), optionally paged: the query heads of a
     GQA group share one K/V read, the keys are split across programs (flash-decoding). Forward
@@ -250,6 +254,12 @@ def attention_kvcache(
             outside the caches: lengths are clamped to the capacity and page ids to the pool,
             so bad values give wrong results.
         sinks: ``(Hq,)`` sink logits, as :func:`attention` (merged once, whatever the split).
+        mask_mod: a mask function (:func:`flashlite.mods.mask_mod`, e.g. from
+            :mod:`flashlite.gallery`) that narrows what ``causal`` and ``window`` let each
+            query see. It is called with ``q_idx`` the query's position in its sequence,
+            ``cache_seqlens[b] + Nnew − Nq + i`` (the key index it would have), ``kv_idx`` the
+            key's, and ``h`` the query head; its tensor buffers on q's device. Every key tile is
+            evaluated (decoding has no block tables).
 
     Returns:
         ``out`` ``(B, Nq, Hq, D)`` (and the LSE). Forward only: with grad mode on, tensors
@@ -266,8 +276,8 @@ def attention_kvcache(
             is written.
     """
     tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-    options = (causal, scale, window, softcap, num_splits, validate)
-    key = _kvcache_key((*tensors, sinks), options)
+    options = (causal, scale, window, softcap, num_splits, validate, mask_mod)
+    key = _kvcache_key((*tensors, sinks), options)  # (None with a mask function: checked each call)
     plan = _checked_kvcache.get(key) if key is not None else None
     if plan is not None and plain_eager(q, k_cache, v_cache):  # a kind of call seen before
         o, lse = plan(*tensors) if sinks is None else plan(*tensors, sinks.float())
@@ -330,9 +340,14 @@ def attention_kvcache(
     sink = check_sinks(sinks, q, hq)  # (fp32: what the plan's key pins, whatever came in)
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, sm_scale,
             mask.left, mask.right, mask.softcap, splits, VALIDATE_MODES[validate])  # fmt: skip
+    if mask_mod is not None:
+        mm = mods.as_mask_mod(mask_mod)
+        check_buffers_on(mm, q.device, "mask_mod")
+        o, lse = KVCACHE(*args, sink, *spec_mod(mm))
+        return (o, lse) if return_lse else o
     if key is not None and moved_call_device(q.device) is None:
         # these arguments passed every check above: next time, skip them (and the op layer:
         # CPU tensors whose kernels run on a GPU take the op's moving path every time)
         _checked_kvcache.put(key, _kvcache_plan(args, sink))
-    o, lse = KVCACHE(*args) if sink is None else KVCACHE(*args, sink)
+    o, lse = KVCACHE(*args, sink, "", [], [])
     return (o, lse) if return_lse else o

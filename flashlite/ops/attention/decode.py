@@ -5,6 +5,8 @@ kind of call (:class:`DecodePlan`)."""
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
@@ -102,6 +104,8 @@ class DecodePlan:
 
     The caller's key pins what the plan read (:func:`_meta` of every tensor, every option).
     ``o`` and ``lse`` must be fresh allocations strided like the ones it was made with.
+    ``mask_fn``: a mask function's ``@triton.jit`` function and how many buffers it takes
+    (:mod:`flashlite.mods`); each call then passes the four buffer slots.
     """
 
     def __init__(
@@ -118,6 +122,7 @@ class DecodePlan:
         config: C.DecodeConfig | None,
         use_desc: bool | None,
         sinks: bool = False,
+        mask_fn: tuple[Any, int] | None = None,
     ) -> None:
         b, hq, nq, d = q.shape
         hkv = k.shape[1]
@@ -150,6 +155,8 @@ class DecodePlan:
             "PRESCALE_Q": _prescale_q(q), **_dot_flags(q.dtype),
             "num_warps": config.num_warps, "num_stages": config.num_stages,
         }  # fmt: skip
+        if mask_fn is not None:
+            self.options.update(MASK_MOD=mask_fn[0], N_MASK_BUF=mask_fn[1])
         self.grid = (C.cdiv(nq * group, config.block_m), b * hkv, splits)
         # split partials, fp32 and contiguous, in one buffer: O's (S·B, Hq, Nq, D), then the
         # LSE's (S·B·Hq, Nq) from a 16-byte aligned offset; None: no split, no partials
@@ -161,6 +168,7 @@ class DecodePlan:
                      km.left, km.right, km.softcap)  # fmt: skip
         self.tail = (block_table.stride(0) if block_table is not None else 0, k.shape[0],
                      split_len)  # fmt: skip
+        self.no_mask_buffers = (0, 0, 0, 0)
         self.combine_head = (b * hq * nq * d, *parts_stride, *o.stride(), hq, nq, splits)
         self.combine_options = {
             "HEAD_DIM": d, "BLOCK_D": C.block_d(d),
@@ -180,9 +188,11 @@ class DecodePlan:
         o: torch.Tensor,
         lse: torch.Tensor,
         sinks: torch.Tensor | None = None,
+        mask_buffers: Sequence[Any] | None = None,
     ) -> int:
         """Run on tensors of the planned kind (any view of the same memory: only their data
-        pointers are read; ``sinks`` given iff planned with them); returns the chunks used."""
+        pointers are read; ``sinks`` given iff planned with them, ``mask_buffers``, the mask
+        function's four slots, iff planned with one); returns the chunks used."""
         if self.empty:
             o.zero_()
             if sinks is not None and o.numel():  # no key: each row's LSE is its sink's
@@ -199,9 +209,10 @@ class DecodePlan:
         if self.use_desc:  # (descriptors hold the data pointer: built per call)
             k = TensorDescriptor(k, list(k.shape), list(k.stride()), self.desc_block)
             v = TensorDescriptor(v, list(v.shape), list(v.stride()), self.desc_block)
+        mods = self.no_mask_buffers if mask_buffers is None else mask_buffers
         args = (q, k, v, o_out, lse_out, *self.head, lse if seqlens_k is None else seqlens_k,
                 lse if block_table is None else block_table, lse if sinks is None else sinks,
-                *self.tail)  # fmt: skip
+                *self.tail, *mods)  # fmt: skip
         if self._decode is None:
             self._decode = _launch.launcher(KD._attention_decode_kernel).bind(args, self.options)
         self._decode(self.grid, *args)

@@ -28,6 +28,7 @@ from flashlite.ops._dispatch import Op
 from flashlite.ops.attention import hopper as HP
 from flashlite.ops.attention.bwd_launch import bwd_preprocess
 from flashlite.ops.attention.checks import check_inputs
+from flashlite.ops.attention.mod_args import check_buffers_on, spec_mod, unspec_mod
 from flashlite.ops.attention.plan import _descriptor_ok, hopper_config
 
 __all__ = ["create_block_mask", "flex_attention", "dense_block_mask", "compiled_variants"]
@@ -81,7 +82,7 @@ def create_block_mask(mask_mod: Any, B: int | None, H: int | None, Q_LEN: int, K
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
-    _check_buffers_on(mod, device, "mask_mod")
+    check_buffers_on(mod, device, "mask_mod")
     nqb, nkb = BM.cdiv(nq, bm), BM.cdiv(nk, bn)
     # On CPU the twin stands in when no kernel runs here, and for long sequences, where it is
     # the same classification (tested equal) without the interpreter's Python per program.
@@ -98,16 +99,6 @@ def create_block_mask(mask_mod: Any, B: int | None, H: int | None, Q_LEN: int, K
 
 #: mask evaluations past which a CPU classification takes the torch twin
 _TWIN_PAIRS = 1 << 22
-
-
-def _check_buffers_on(mod: M.MaskMod | M.ScoreMod, device: torch.device, what: str) -> None:
-    for i, t in enumerate(mod.buffers):
-        if isinstance(t, torch.Tensor) and not _on(t, device):
-            raise ValueError(f"{what}'s buffer {i} is on {t.device}, the call on {device}")
-
-
-def _on(t: torch.Tensor, device: torch.device) -> bool:
-    return t.device.type == device.type and device.index in (None, t.device.index)
 
 
 _DENSE: Cache = Cache("flex_dense_tables", 32)
@@ -138,40 +129,13 @@ _EVERYTHING = M.mask_mod(_everything, name="flashlite.flex.everything", tile_rea
 
 
 # --------------------------------------------------------------------------- the ops
-def _spec(mod: M.MaskMod | M.ScoreMod | None) -> tuple[str, list[torch.Tensor], list[float]]:
-    """A mod as an op's arguments: ``name:kinds`` (``t`` tensor, ``i`` int, ``f`` float per
-    buffer), its tensors and its numbers."""
-    if mod is None:
-        return "", [], []
-    kinds = "".join("t" if isinstance(x, torch.Tensor) else "i" if isinstance(x, int) else "f"
-                    for x in mod.buffers)  # fmt: skip
-    nums = [float(x) for x in mod.buffers if not isinstance(x, torch.Tensor)]
-    return f"{mod.name}:{kinds}", mod.tensors(), nums
-
-
-def _unspec(spec: str, tensors: list[torch.Tensor], nums: list[float]) -> tuple[Any, list, int]:
-    """``(registered functions, the kernels' four buffer slots, how many)`` of a spec."""
-    if not spec:
-        return None, *M.kernel_buffers(())
-    name, kinds = spec.rsplit(":", 1)
-    it_t, it_n = iter(tensors), iter(nums)
-    bufs: list[Any] = []
-    for kind in kinds:
-        if kind == "t":
-            bufs.append(next(it_t))
-        else:
-            x = next(it_n)
-            bufs.append(int(x) if kind == "i" else x)
-    return M.registered(name), *M.kernel_buffers(bufs)
-
-
 def _mod_args(mask: tuple[str, list[torch.Tensor], list[float]],
               score: tuple[str, list[torch.Tensor], list[float]],
               grad: bool) -> tuple[list[Any], dict[str, Any]]:  # fmt: skip
     """The kernels' eight buffer slots and their mod constexprs (``SCORE_GRAD`` with ``grad``;
     an absent score function's slots hold the mask, never called)."""
-    (mfn, *_), mbufs, n_mbuf = _unspec(*mask)
-    sfns, sbufs, n_sbuf = _unspec(*score)
+    (mfn, *_), mbufs, n_mbuf = unspec_mod(*mask)
+    sfns, sbufs, n_sbuf = unspec_mod(*score)
     if grad and sfns is not None and sfns[2] is None:
         raise NotImplementedError(
             f"score_mod {score[0].rsplit(':', 1)[0]} has no derivative: make it with "
@@ -411,8 +375,8 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     bm = _block_mask_for(block_mask, q, k)
     smod = None if score_mod is None else M.as_score_mod(score_mod)
     if smod is not None:
-        _check_buffers_on(smod, q.device, "score_mod")
-    _check_buffers_on(bm.mask_mod, q.device, "block_mask's mask_mod")
+        check_buffers_on(smod, q.device, "score_mod")
+    check_buffers_on(bm.mask_mod, q.device, "block_mask's mask_mod")
     b, hq = q.shape[:2]
     tb, th = bm.kv_num_blocks.shape[:2]
     if tb not in (1, b) or th not in (1, hq):
@@ -420,7 +384,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          "(build it with these, or None to broadcast)")  # fmt: skip
     o, lse = FLEX_FWD(q, k, v, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
                       bm.full_kv_indices, bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks,
-                      bm.full_q_indices, *bm.BLOCK_SIZE, *_spec(bm.mask_mod), *_spec(smod),
+                      bm.full_q_indices, *bm.BLOCK_SIZE, *spec_mod(bm.mask_mod), *spec_mod(smod),
                       scale)  # fmt: skip
     if layout == "b n h d":
         o = o.transpose(1, 2)

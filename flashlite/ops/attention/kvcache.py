@@ -14,6 +14,7 @@ from flashlite.kernels.attention import kvcache as KKV
 from flashlite.ops._dispatch import Op
 from flashlite.ops.attention.checks import _check_cache_values, _kv_record, _report_kv_problems
 from flashlite.ops.attention.decode import DecodePlan
+from flashlite.ops.attention.mod_args import unspec_mod
 from flashlite.ops.attention.plan import _meta
 from flashlite.ops.common import moved, moved_call_device
 
@@ -59,7 +60,7 @@ class KVCachePlan:
     made dense per call (``B`` or ``B·max_pages`` ints, a no-op when they are dense already;
     cheaper than two more strides through every tile load of the decode kernel)."""
 
-    def __init__(self, args: tuple, sinks: bool = False) -> None:
+    def __init__(self, args: tuple, sinks: bool = False, mask: MaskArgs | None = None) -> None:
         q, k_cache, v_cache, cache_seqlens, k_new, _, block_table = args[:_TENSORS]
         causal, scale, window_left, window_right, softcap, num_splits, validate = args[_TENSORS:]
         self.validate = validate
@@ -86,7 +87,7 @@ class KVCachePlan:
             q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
             o.transpose(1, 2), cache_seqlens.contiguous(), block_table,
             masks.Mask.of_op(causal, window_left, window_right, softcap), scale,
-            num_splits or None, None, None, sinks,
+            num_splits or None, None, None, sinks, _mask_fn(mask),
         )  # fmt: skip
 
     def __call__(
@@ -99,9 +100,10 @@ class KVCachePlan:
         v_new: torch.Tensor | None,
         block_table: torch.Tensor | None,
         sinks: torch.Tensor | None = None,
+        mask: MaskArgs | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run on tensors of the planned kind: ``out`` ``(B, Nq, Hq, D)``, LSE ``(B, Hq, Nq)``
-        (``sinks`` given iff planned with them)."""
+        (``sinks`` and ``mask`` given iff planned with them)."""
         if self.validate == "sync":  # every value check before anything is written (a sync)
             _check_cache_values(cache_seqlens, self.n_new, self.capacity, block_table,
                                 self.slots, self.num_pages)  # fmt: skip
@@ -113,7 +115,8 @@ class KVCachePlan:
                                         block_table)  # fmt: skip
         o = torch.empty_like(q)  # (empty_like: less host time than a shape, dtype and device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
-        self.decode(q, k_cache, v_cache, lengths, block_table, o, lse, sinks)
+        bufs = unspec_mod(*mask)[1] if mask is not None else None
+        self.decode(q, k_cache, v_cache, lengths, block_table, o, lse, sinks, bufs)
         return o, lse
 
     def _run_prepare(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -154,11 +157,27 @@ _kvcache_plans = Cache("attention.kvcache", 1024)
 _TENSORS = 7
 
 
-def _kvcache_plan(args: tuple, sinks: torch.Tensor | None = None) -> KVCachePlan:
+#: A mask function as the op carries it: ``(spec, tensors, numbers)``
+#: (:func:`flashlite.ops.attention.flex.spec_mod`).
+MaskArgs = tuple[str, list[torch.Tensor], list[float]]
+
+
+def _mask_fn(mask: MaskArgs | None) -> tuple[Any, int] | None:
+    """The mask function's ``(@triton.jit function, buffer count)``, or None."""
+    if mask is None:
+        return None
+    fns, _, n_buf = unspec_mod(*mask)
+    return fns[0], n_buf
+
+
+def _kvcache_plan(args: tuple, sinks: torch.Tensor | None = None,
+                  mask: MaskArgs | None = None) -> KVCachePlan:  # fmt: skip
     """The :class:`KVCachePlan` of :func:`_kvcache`'s (checked) arguments, made on first use
-    (``sinks``: the calls' sink logits, whose kind the plan pins, or None)."""
-    key = (*map(_meta, args[:_TENSORS]), *args[_TENSORS:], _meta(sinks))
-    return _kvcache_plans.made(key, KVCachePlan, args, sinks is not None)
+    (``sinks``: the calls' sink logits, whose kind the plan pins, or None; ``mask``: a mask
+    function, whose name, buffers' kinds and numbers it pins)."""
+    key = (*map(_meta, args[:_TENSORS]), *args[_TENSORS:], _meta(sinks),
+           None if mask is None else (mask[0], *map(_meta, mask[1]), *mask[2]))  # fmt: skip
+    return _kvcache_plans.made(key, KVCachePlan, args, sinks is not None, mask)
 
 
 def _kvcache(
@@ -176,22 +195,28 @@ def _kvcache(
     softcap: float | None,
     num_splits: int | None,
     validate: str,
-    sinks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None,
+    mask_spec: str,
+    mask_tensors: list[torch.Tensor],
+    mask_nums: list[float],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_kvcache` after its argument checks: the value checks, the append, the
     decode kernel (:class:`KVCachePlan`). The mask's fields as :func:`flashlite.masks.describe`
     made them (None: unlimited side, no cap); ``num_splits`` None chooses; ``sinks`` fp32
-    ``(Hq,)``, contiguous, or None."""
+    ``(Hq,)``, contiguous, or None; a mask function as ``mask_spec`` (empty: none), its
+    tensors and its numbers (:func:`~flashlite.ops.attention.mod_args.spec_mod`; the op's
+    schema takes no list defaults, so every call passes all three)."""
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale,
             window_left, window_right, softcap, num_splits, validate)  # fmt: skip
+    mask = (mask_spec, list(mask_tensors), list(mask_nums)) if mask_spec else None
     dev = moved_call_device(q.device)
     if dev is not None:
-        return _kvcache_moved(args, dev, sinks)
-    return _kvcache_plan(args, sinks)(*args[:_TENSORS], sinks)
+        return _kvcache_moved(args, dev, sinks, mask)
+    return _kvcache_plan(args, sinks, mask)(*args[:_TENSORS], sinks, mask)
 
 
 def _kvcache_moved(args: tuple, dev: torch.device, sinks: torch.Tensor | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                   mask: MaskArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`_kvcache` of CPU tensors in a process whose kernels run on the GPU ``dev``: the
     step runs on copies there, and the caches it wrote are copied back. A bad value the device
     check finds is raised by this call (the copy back waits for the device anyway)."""
@@ -203,7 +228,9 @@ def _kvcache_moved(args: tuple, dev: torch.device, sinks: torch.Tensor | None = 
     k_moved, v_moved, k_new = tensors[1], tensors[2], tensors[4]
     try:
         sinks = moved(sinks, dev)
-        o, lse = _kvcache_plan((*tensors, *args[_TENSORS:]), sinks)(*tensors, sinks)
+        if mask is not None:
+            mask = (mask[0], [moved(t, dev) for t in mask[1]], mask[2])
+        o, lse = _kvcache_plan((*tensors, *args[_TENSORS:]), sinks, mask)(*tensors, sinks, mask)
     finally:  # what the append wrote (the good rows, when a bad one is reported)
         if k_new is not None:
             k_cache.copy_(k_moved)
@@ -214,8 +241,8 @@ def _kvcache_moved(args: tuple, dev: torch.device, sinks: torch.Tensor | None = 
 
 
 def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale,  # type: ignore[no-untyped-def]
-                  window_left, window_right, softcap, num_splits, validate,
-                  sinks=None):  # fmt: skip
+                  window_left, window_right, softcap, num_splits, validate, sinks=None,
+                  mask_spec="", mask_tensors=(), mask_nums=()):  # fmt: skip
     return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]),
                                             dtype=torch.float32)  # fmt: skip
 

@@ -1,0 +1,52 @@
+"""Mask and score functions as custom ops carry them: a name and the kinds of its buffers as one
+string, its tensors and its numbers (:func:`spec_mod`), and back (:func:`unspec_mod`). A
+registered name (:func:`flashlite.mods.registered`) is what lets ``torch.compile`` trace a call
+with a mod: the op's arguments are a string, a tensor list and a float list."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flashlite import mods as M
+
+
+def spec_mod(mod: M.MaskMod | M.ScoreMod | None) -> tuple[str, list[torch.Tensor], list[float]]:
+    """A mod as an op's arguments: ``name:kinds`` (``t`` tensor, ``i`` int, ``f`` float per
+    buffer), its tensors and its numbers (``("", [], [])`` for None)."""
+    if mod is None:
+        return "", [], []
+    kinds = "".join("t" if isinstance(x, torch.Tensor) else "i" if isinstance(x, int) else "f"
+                    for x in mod.buffers)  # fmt: skip
+    nums = [float(x) for x in mod.buffers if not isinstance(x, torch.Tensor)]
+    return f"{mod.name}:{kinds}", mod.tensors(), nums
+
+
+def unspec_mod(spec: str, tensors: list[torch.Tensor],
+               nums: list[float]) -> tuple[Any, list[Any], int]:  # fmt: skip
+    """``(registered functions, the kernels' four buffer slots, how many)`` of a spec
+    (``None`` functions for an empty spec)."""
+    if not spec:
+        return None, *M.kernel_buffers(())
+    name, kinds = spec.rsplit(":", 1)
+    it_t, it_n = iter(tensors), iter(nums)
+    bufs: list[Any] = []
+    for kind in kinds:
+        if kind == "t":
+            bufs.append(next(it_t))
+        else:
+            x = next(it_n)
+            bufs.append(int(x) if kind == "i" else x)
+    return M.registered(name), *M.kernel_buffers(bufs)
+
+
+def check_buffers_on(mod: M.MaskMod | M.ScoreMod, device: torch.device, what: str) -> None:
+    """ValueError unless each tensor buffer of ``mod`` (the argument ``what``) is on ``device``."""
+    for i, t in enumerate(mod.buffers):
+        if isinstance(t, torch.Tensor) and not _on(t, device):
+            raise ValueError(f"{what}'s buffer {i} is on {t.device}, the call on {device}")
+
+
+def _on(t: torch.Tensor, device: torch.device) -> bool:
+    return t.device.type == device.type and device.index in (None, t.device.index)
