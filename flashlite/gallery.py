@@ -199,25 +199,30 @@ def alibi(slopes: torch.Tensor) -> ScoreMod:
 
 
 @triton.jit
+def _capped(score, cap, FAST: tl.constexpr):
+    """``(cap·tanh(score / cap), its derivative)``; ``FAST``: the hardware tanh."""
+    t = tanh(score / cap, FAST)
+    return cap * t, 1.0 - t * t
+
+
+@triton.jit
 def _softcap(score, b, h, q_idx, kv_idx, cap):
-    return cap * tanh(score / cap, False)
+    return _capped(score, cap, False)[0]
 
 
 @triton.jit
 def _softcap_grad(score, b, h, q_idx, kv_idx, cap):
-    t = tanh(score / cap, False)
-    return 1.0 - t * t
+    return _capped(score, cap, False)[1]
 
 
 @triton.jit
 def _softcap_approx(score, b, h, q_idx, kv_idx, cap):
-    return cap * tanh(score / cap, True)
+    return _capped(score, cap, True)[0]
 
 
 @triton.jit
 def _softcap_approx_grad(score, b, h, q_idx, kv_idx, cap):
-    t = tanh(score / cap, True)
-    return 1.0 - t * t
+    return _capped(score, cap, True)[1]
 
 
 def _softcap_t(score, b, h, q_idx, kv_idx, cap):  # type: ignore[no-untyped-def]

@@ -10,7 +10,6 @@ as tensors: a new sequence length is new table shapes, never a new kernel.
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import torch
@@ -247,16 +246,14 @@ def _run_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tens
     if config is None or tbm != config.block_m or tbn % config.block_n:
         return False
     key = (q.dtype, q.shape[-1], mods["MASK_MOD"], mods["SCORE_MOD"], mods["HAS_SCORE"])
-    if key in _hopper_failed or not _descriptor_ok(q, k, v, o):
+    if not _descriptor_ok(q, k, v, o):
         return False
-    try:
+
+    def build() -> bool:
         HP.flex_fwd_hopper(q, k, v, o, lse, tables, strides, tbn, scale, config, bufs, mods)
-    except (triton.CompilationError, TypeError, ValueError, AttributeError) as err:
-        _hopper_failed.add(key)
-        warnings.warn(f"flashlite: the Hopper flex kernel failed to build ({err!r:.300}); the "
-                      "Triton kernel runs instead", RuntimeWarning, stacklevel=2)  # fmt: skip
-        return False
-    return True
+        return True
+
+    return HP.first_build(_hopper_failed, key, "flex", build, stacklevel=3) is not None
 
 
 def _fwd_fake(q, k, v, *args):  # type: ignore[no-untyped-def]

@@ -4,11 +4,9 @@ its custom op ``flashlite::attention_fwd``."""
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 
 import torch
-import triton
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashlite import _launch, masks
@@ -201,17 +199,13 @@ def _run_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tens
     """Plan and launch the Gluon kernel: its ``run`` for later calls of this kind, or None
     (after one warning) if it fails to compile here."""
     key = (q.dtype, causal, config, sinks is not None)
-    if key in _hopper_failed:
-        return None
-    try:
+
+    def build() -> Callable[..., None]:
         run = HP.plan_fwd_hopper(q, k, causal, scale, config, sinks is not None)
         run(q, k, v, o, lse, sinks)
-    except (triton.CompilationError, TypeError, ValueError, AttributeError) as err:
-        _hopper_failed.add(key)
-        warnings.warn(f"flashlite: the Hopper attention kernel failed to build ({err!r:.300}); "
-                      "the Triton kernel runs instead", RuntimeWarning, stacklevel=3)  # fmt: skip
-        return None
-    return run
+        return run
+
+    return HP.first_build(_hopper_failed, key, "attention", build, stacklevel=4)
 
 
 def _attention_fwd_body(

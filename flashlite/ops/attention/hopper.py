@@ -6,6 +6,7 @@ says Gluon is there."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -23,6 +24,26 @@ except Exception:  # noqa: BLE001
     TensorDescriptor = None
 
 _layouts = Cache("hopper.layouts", 64)
+
+#: What a Gluon kernel that this Triton cannot build raises (its Gluon API differs).
+BUILD_ERRORS = (triton.CompilationError, TypeError, ValueError, AttributeError)
+
+
+def first_build(failed: set[Any], key: Any, what: str, build: Callable[[], Any],
+                stacklevel: int = 3) -> Any:  # fmt: skip
+    """``build()`` (it builds and launches a Gluon kernel) unless it failed before for ``key``:
+    on a build error, ``key`` joins ``failed``, one warning names ``what``, and None comes
+    back: the caller runs its Triton kernel instead."""
+    if key in failed:
+        return None
+    try:
+        return build()
+    except BUILD_ERRORS as err:
+        failed.add(key)
+        warnings.warn(f"flashlite: the Hopper {what} kernel failed to build ({err!r:.300}); "
+                      "the Triton kernel runs instead", RuntimeWarning,
+                      stacklevel=stacklevel)  # fmt: skip
+        return None
 
 
 def shared_layout(block: tuple[int, ...], dtype: torch.dtype) -> object:
