@@ -23,14 +23,17 @@ reference on the last 128 query rows. Times are medians of interleaved rounds of
 and prints a table last.
 
     python benchmarks/bench_mods.py [--rounds 3] [--quick]
+    python benchmarks/bench_mods.py --replot benchmarks/results/<file>.json   # PNG only
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 from _common import bench, device_name, device_slug, metadata, write_results
@@ -39,7 +42,7 @@ import flashlite
 from flashlite import gallery
 from flashlite.mods import torch_indices
 from flashlite.ops.attention import compiled_variants
-from flashlite.plotting import Bars, Figure, Panel
+from flashlite.plotting import Bars, Figure, Panel, save
 
 H, D = 16, 128
 DTYPE = torch.bfloat16
@@ -298,11 +301,49 @@ def block_mask_point(rows: list[dict], n: int) -> None:
     )
 
 
-def main() -> int:
+def _short(point: str) -> str:
+    """A tick label: ``doc-causal N32k fwd+bwd`` → ``32k f+b``, ``alibi N16k fwd`` → ``alibi f``."""
+    words = point.replace("fwd+bwd", "f+b").replace("fwd", "f").split()
+    words = [w for w in words if w not in ("doc-causal", "N16k", "as", "a", "mod")]
+    return " ".join(w[1:] if w.startswith("N") and w[1:2].isdigit() else w for w in words)
+
+
+def figure(rows: list[dict], device: str) -> Figure:
+    """Document-causal TFLOP/s per engine, and the time ratios of score functions and of the
+    built-ins written as mods (f: forward, f+b: forward + backward)."""
+    docs = [r for r in rows if r["group"] == "document"]
+    ratios = [r for r in rows if r["group"] in ("scores", "built-ins")]
+    panels = [
+        Panel(
+            bars=[
+                Bars([r["tflops"][m] for r in docs], m)
+                for m in ("flashlite", "flex", "dense causal")
+            ],
+            categories=[_short(r["point"]) for r in docs],
+            ylabel="TFLOP/s (useful)",
+            title="document-causal, 8 documents (f: forward, f+b: + backward)",
+        ),
+        Panel(
+            bars=[Bars([r["ratio"] for r in ratios], "with ÷ without")],
+            categories=[_short(r["point"]) for r in ratios],
+            hlines=[(1.10, "1.10"), (1.03, "1.03")],
+            title="score functions; built-ins as mods ÷ built-ins (N 16k, time)",
+        ),
+    ]
+    return Figure([panels], title=f"mask and score functions on {device}", panel_size=(9, 4.5))
+
+
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="8k only, one round")
-    args = ap.parse_args()
+    ap.add_argument("--replot", metavar="JSON", help="redraw a results JSON's PNG, run nothing")
+    args = ap.parse_args(argv)
+    if args.replot:
+        path = Path(args.replot)
+        data = json.loads(path.read_text())
+        save(figure(data["rows"], data["meta"]["device"]), path.with_suffix(".png"))
+        return 0
     if not torch.cuda.is_available():
         print("bench_mods needs a CUDA device")
         return 1
@@ -315,26 +356,7 @@ def main() -> int:
     block_mask_point(rows, lengths[-1])
     docs = [r for r in rows if r["group"] == "document"]
     ratios = [r for r in rows if r["group"] in ("scores", "built-ins")]
-    panels = [
-        Panel(
-            bars=[
-                Bars([r["tflops"][m] for r in docs], m)
-                for m in ("flashlite", "flex", "dense causal")
-            ],
-            categories=[r["point"] for r in docs],
-            ylabel="TFLOP/s (useful)",
-            title="document-causal, 8 documents",
-        ),
-        Panel(
-            bars=[Bars([r["ratio"] for r in ratios], "with ÷ without")],
-            categories=[r["point"] for r in ratios],
-            hlines=[(1.10, "1.10"), (1.03, "1.03")],
-            title="score functions and built-ins as mods (time ratio)",
-        ),
-    ]
-    fig = Figure(
-        [panels], title=f"mask and score functions on {device_name()}", panel_size=(9, 4.5)
-    )
+    fig = figure(rows, device_name())
     meta = metadata(dtype="bfloat16", heads=H, head_dim=D, command=" ".join(sys.argv))
     paths = write_results(f"mods-{device_slug()}", rows, meta, figure=fig)
     bad = [r["point"] for r in rows if max(r.get("max_rel_err", {"": 0}).values()) > 2e-2]

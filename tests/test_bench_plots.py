@@ -33,3 +33,13 @@ def test_cross_entropy_results_replot(tmp_path: Path) -> None:
     assert _bench("bench_cross_entropy").main(["--replot", str(copy)]) == 0  # type: ignore[attr-defined]
     png = copy.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_mods_results_replot(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    src = ROOT / "benchmarks" / "results" / "mods-nvidia-h200.json"
+    copy = tmp_path / src.name
+    shutil.copy(src, copy)
+    assert _bench("bench_mods").main(["--replot", str(copy)]) == 0  # type: ignore[attr-defined]
+    png = copy.with_suffix(".png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
