@@ -134,6 +134,14 @@ def flex_attention(causal: bool, nq: int, nk: int) -> Callable[..., torch.Tensor
 
 
 # =============================================================================== writing
+def replot(path: str | Path, figure: Callable[[list[dict[str, Any]], str], Any]) -> Path:
+    """Redraw the PNG beside a results JSON (``figure(rows, device)``), running nothing: what a
+    bench's ``--replot`` does."""
+    path = Path(path)
+    data = json.loads(path.read_text())
+    return plotting.save(figure(data["rows"], data["meta"]["device"]), path.with_suffix(".png"))
+
+
 def write_results(
     stem: str,
     rows: Sequence[dict[str, Any]],

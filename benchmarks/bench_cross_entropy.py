@@ -21,18 +21,16 @@ Every provider is checked against torch (loss and gradient) before it is timed.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import bench, device_name, device_slug, metadata, write_results
+from _common import bench, device_name, device_slug, metadata, replot, write_results
 
 import flashlite
-from flashlite.plotting import Bars, Figure, Panel, save
+from flashlite.plotting import Bars, Figure, Panel
 
 SHAPES = [(8192, 32768), (8192, 131072), (4096, 262144)]
 BF16 = torch.bfloat16
@@ -234,9 +232,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replot", metavar="JSON", help="redraw the PNG of a results JSON")
     args = parser.parse_args(argv)
     if args.replot:
-        path = Path(args.replot)
-        data = json.loads(path.read_text())
-        save(figure(data["rows"], data["meta"]["device"]), path.with_suffix(".png"))
+        replot(args.replot, figure)
         return 0
     if not torch.cuda.is_available():
         print("bench_cross_entropy needs a CUDA GPU")

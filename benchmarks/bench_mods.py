@@ -29,20 +29,18 @@ and prints a table last.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
-from _common import bench, device_name, device_slug, metadata, write_results
+from _common import bench, device_name, device_slug, metadata, replot, write_results
 
 import flashlite
 from flashlite import gallery
 from flashlite.mods import torch_indices
 from flashlite.ops.attention import compiled_variants
-from flashlite.plotting import Bars, Figure, Panel, save
+from flashlite.plotting import Bars, Figure, Panel
 
 H, D = 16, 128
 DTYPE = torch.bfloat16
@@ -340,9 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replot", metavar="JSON", help="redraw a results JSON's PNG, run nothing")
     args = ap.parse_args(argv)
     if args.replot:
-        path = Path(args.replot)
-        data = json.loads(path.read_text())
-        save(figure(data["rows"], data["meta"]["device"]), path.with_suffix(".png"))
+        replot(args.replot, figure)
         return 0
     if not torch.cuda.is_available():
         print("bench_mods needs a CUDA device")

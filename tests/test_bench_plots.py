@@ -25,21 +25,18 @@ def _bench(name: str) -> object:
     return module
 
 
-def test_cross_entropy_results_replot(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "bench,results",
+    [
+        ("bench_cross_entropy", "cross-entropy-nvidia-h200.json"),
+        ("bench_mods", "mods-nvidia-h200.json"),
+    ],
+)
+def test_results_replot(bench: str, results: str, tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    src = ROOT / "benchmarks" / "results" / "cross-entropy-nvidia-h200.json"
+    src = ROOT / "benchmarks" / "results" / results
     copy = tmp_path / src.name
     shutil.copy(src, copy)
-    assert _bench("bench_cross_entropy").main(["--replot", str(copy)]) == 0  # type: ignore[attr-defined]
-    png = copy.with_suffix(".png")
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
-
-
-def test_mods_results_replot(tmp_path: Path) -> None:
-    pytest.importorskip("matplotlib")
-    src = ROOT / "benchmarks" / "results" / "mods-nvidia-h200.json"
-    copy = tmp_path / src.name
-    shutil.copy(src, copy)
-    assert _bench("bench_mods").main(["--replot", str(copy)]) == 0  # type: ignore[attr-defined]
+    assert _bench(bench).main(["--replot", str(copy)]) == 0  # type: ignore[attr-defined]
     png = copy.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
