@@ -427,7 +427,7 @@ if sys.argv[5] == "1":  # block tables and a causal mask function (flex_attentio
     sig.update({n: ("*i32" if n.isupper() else "i32") for n in tables})
     sig.update(dict.fromkeys(buffers, "i32"))
     consts.update(LISTED=True, MASK_MOD=mask.fn, N_MASK_BUF=0, SCORE_MOD=mask.fn,
-                  N_SCORE_BUF=0, HAS_SCORE=False, SUB=1)
+                  N_SCORE_BUF=0, HAS_SCORE=False)
 elif sys.argv[5] == "2":  # a document-causal mask and ALiBi
     from flashlite import gallery
     mask = gallery.document_causal(torch.zeros(1, 256, dtype=torch.int32))
@@ -435,11 +435,11 @@ elif sys.argv[5] == "2":  # a document-causal mask and ALiBi
     sig.update({n: ("*i32" if n.isupper() else "i32") for n in tables})
     sig.update(dict(zip(buffers, ["*i32", "i32", "i32", "i32", "*fp32", "i32", "i32", "i32"])))
     consts.update(LISTED=True, MASK_MOD=mask.fn, N_MASK_BUF=2, SCORE_MOD=score.fn,
-                  N_SCORE_BUF=1, HAS_SCORE=True, SUB=1)
+                  N_SCORE_BUF=1, HAS_SCORE=True)
 else:  # the plain forward: placeholders (plan_fwd_hopper's zeros)
     sig.update(dict.fromkeys(tables + buffers, "i32"))
     consts.update(LISTED=False, MASK_MOD=None, N_MASK_BUF=0, SCORE_MOD=None, N_SCORE_BUF=0,
-                  HAS_SCORE=False, SUB=1)
+                  HAS_SCORE=False)
 sig.update(dict.fromkeys(consts, "constexpr"))
 src = GluonASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()})
 k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})

@@ -117,8 +117,8 @@ if GLUON_IMPORT_ERROR is None:
     def _fold(s, m, l_sum, t, n_full, start_n, full_row, part_row, rows, cols, b, h,
               seq_q, seq_k, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, IS_CAUSAL: gl.constexpr,
               LISTED: gl.constexpr, MASK_MOD: gl.constexpr, N_MASK_BUF: gl.constexpr,
-              SCORE_MOD: gl.constexpr, N_SCORE_BUF: gl.constexpr, HAS_SCORE: gl.constexpr,
-              SUB: gl.constexpr):  # fmt: skip
+              SCORE_MOD: gl.constexpr, N_SCORE_BUF: gl.constexpr,
+              HAS_SCORE: gl.constexpr):  # fmt: skip
         """:func:`_online_update` of tile ``t``; the first ``n_full`` tiles are seen whole, later
         ones masked. Without ``LISTED`` the tile's keys start at ``start_n`` and the mask is
         ``seq_k`` and the causal diagonal. ``LISTED`` (tiles from block tables): the first key
@@ -128,13 +128,13 @@ if GLUON_IMPORT_ERROR is None:
         if LISTED:
             block_n: gl.constexpr = s.shape[1]
             if HAS_SCORE:
-                first = _tile_start(t, n_full, full_row, part_row, block_n, True, SUB)
+                first = _tile_start(t, n_full, full_row, part_row, block_n, True)
                 q_idx = gl.expand_dims(gl.minimum(rows, seq_q - 1), 1)
                 kv_idx = gl.expand_dims(gl.minimum(first + cols, seq_k - 1), 0)
                 s = apply_score(SCORE_MOD, s * LN2, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3,
                                 N_SCORE_BUF) * LOG2E  # fmt: skip
             if t >= n_full:
-                first = _tile_start(t, n_full, full_row, part_row, block_n, True, SUB)
+                first = _tile_start(t, n_full, full_row, part_row, block_n, True)
                 q_idx = gl.expand_dims(gl.minimum(rows, seq_q - 1), 1)
                 keys = gl.expand_dims(first + cols, 0)
                 # (clamped: a mod may gather by key)
@@ -152,17 +152,16 @@ if GLUON_IMPORT_ERROR is None:
         return p, alpha, m, l_sum
 
     @gluon.jit
-    def _tile_start(t, n_full, full_row, part_row, block_n: gl.constexpr, LISTED: gl.constexpr,
-                    SUB: gl.constexpr):  # fmt: skip
-        """The first key of tile ``t``: ``t·block_n``, or (``LISTED``) in the ``t / SUB``-th
-        block the tables list (full blocks first; a listed block is ``SUB`` tiles)."""
+    def _tile_start(t, n_full, full_row, part_row, block_n: gl.constexpr,
+                    LISTED: gl.constexpr):  # fmt: skip
+        """The first key of tile ``t``: ``t·block_n``, or (``LISTED``) of the ``t``-th block the
+        tables list, full blocks first."""
         if LISTED:
-            i = t // SUB
             if t < n_full:
-                block = gl.load(full_row + i)
+                block = gl.load(full_row + t)
             else:
-                block = gl.load(part_row + (i - n_full // SUB))
-            start = (block * SUB + t % SUB) * block_n
+                block = gl.load(part_row + (t - n_full))
+            start = block * block_n
         else:
             start = t * block_n
         return start
@@ -170,7 +169,7 @@ if GLUON_IMPORT_ERROR is None:
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready,
                   empty, b, h, h_kv, start_m, n_tiles, n_full, full_row, part_row,
-                  LISTED: gl.constexpr, SUB: gl.constexpr):  # fmt: skip
+                  LISTED: gl.constexpr):  # fmt: skip
         """The load warp: both halves of Q, then K and V tile by tile (:func:`_tile_start`)
         into the ring, each slot reused once both consumers have released the tile before."""
         half: gl.constexpr = q_bufs.shape[3]
@@ -183,7 +182,7 @@ if GLUON_IMPORT_ERROR is None:
             slot = t % stages
             if t >= stages:
                 mbarrier.wait(empty.index(slot), ((t // stages) - 1) & 1)
-            start_n = _tile_start(t, n_full, full_row, part_row, block_n, LISTED, SUB)
+            start_n = _tile_start(t, n_full, full_row, part_row, block_n, LISTED)
             mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
             _tma_load(k_desc, [b, h_kv, start_n, 0], k_ready.index(slot), k_bufs.index(slot))
             mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
@@ -195,8 +194,7 @@ if GLUON_IMPORT_ERROR is None:
                   qk_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, WG: gl.constexpr,
                   IS_CAUSAL: gl.constexpr, HAS_SINKS: gl.constexpr, LISTED: gl.constexpr,
                   MASK_MOD: gl.constexpr, N_MASK_BUF: gl.constexpr, SCORE_MOD: gl.constexpr,
-                  N_SCORE_BUF: gl.constexpr, HAS_SCORE: gl.constexpr,
-                  SUB: gl.constexpr):  # fmt: skip
+                  N_SCORE_BUF: gl.constexpr, HAS_SCORE: gl.constexpr):  # fmt: skip
         """One warpgroup: the online softmax of its 64-row half (:func:`_fold` per tile);
         writes its O rows (TMA) and LSE. ``HAS_SINKS``: the rows start from the sink's state
         ``(SINKS[h], 1)``."""
@@ -236,7 +234,7 @@ if GLUON_IMPORT_ERROR is None:
             p, alpha, m, l_sum = _fold(s, m, l_sum, 0, n_full, 0, full_row, part_row,
                                        rows, cols, b, h, seq_q, seq_k, MB0, MB1, MB2, MB3, SB0,
                                        SB1, SB2, SB3, IS_CAUSAL, LISTED, MASK_MOD, N_MASK_BUF,
-                                       SCORE_MOD, N_SCORE_BUF, HAS_SCORE, SUB)  # fmt: skip
+                                       SCORE_MOD, N_SCORE_BUF, HAS_SCORE)  # fmt: skip
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = out
             for j in range(0, n_tiles - 1):
@@ -254,7 +252,7 @@ if GLUON_IMPORT_ERROR is None:
                                            full_row, part_row, rows, cols, b, h, seq_q, seq_k,
                                            MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, IS_CAUSAL,
                                            LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF,
-                                           HAS_SCORE, SUB)  # fmt: skip
+                                           HAS_SCORE)  # fmt: skip
                 acc = warpgroup_mma_wait(0, deps=[acc_tok])
                 mbarrier.arrive(empty.index(slot), count=1)  # this warpgroup is done with tile j
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -289,16 +287,14 @@ if GLUON_IMPORT_ERROR is None:
                                      N_MASK_BUF: gl.constexpr = 0,
                                      SCORE_MOD: gl.constexpr = None,
                                      N_SCORE_BUF: gl.constexpr = 0,
-                                     HAS_SCORE: gl.constexpr = False,
-                                     SUB: gl.constexpr = 1):  # fmt: skip
+                                     HAS_SCORE: gl.constexpr = False):  # fmt: skip
         """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``; 4 warps (the first consumer) plus the worker
         partitions. Q, K, V, O: 4-D ``(B, H, N, D)`` descriptors of ``[1, 1, rows, D]`` blocks
         (out-of-bounds rows read as zeros and are never stored). Causal is bottom-right
         aligned; the last query blocks, which see the most keys, start first.
 
         ``LISTED``: the key tiles are the ones a program's row of the block tables lists
-        (:mod:`flashlite.block_mask`, blocks of ``BLOCK_M`` rows and ``SUB`` tiles of keys),
-        full ones first, and
+        (:mod:`flashlite.block_mask`, blocks of ``BLOCK_M × BLOCK_N``), full ones first, and
         ``mask_mod`` / ``score_mod`` (:mod:`flashlite.mods`, buffers ``MB*`` / ``SB*``) shape
         the scores, as :mod:`.flex`'s Triton kernel does; otherwise the table arguments are
         placeholders, never read."""
@@ -317,8 +313,8 @@ if GLUON_IMPORT_ERROR is None:
         if LISTED:  # this row of the tables: its full blocks, then its partial ones
             trow = b * stride_tb + h * stride_th + pid_m * stride_tm
             irow = b.to(gl.int64) * stride_ib + h * stride_ih + pid_m * stride_im
-            n_full = gl.load(FULL_NUM + trow) * SUB
-            n_tiles = n_full + gl.load(KV_NUM + trow) * SUB
+            n_full = gl.load(FULL_NUM + trow)
+            n_tiles = n_full + gl.load(KV_NUM + trow)
             full_row = FULL_IDX + irow
             part_row = KV_IDX + irow
         else:
@@ -356,15 +352,15 @@ if GLUON_IMPORT_ERROR is None:
                          SINKS, b, h, pid_bh, start_m, n_tiles, n_full, full_row, part_row,
                          seq_q, seq_k, qk_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, 0,
                          IS_CAUSAL, HAS_SINKS, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD,
-                         N_SCORE_BUF, HAS_SCORE, SUB)),
+                         N_SCORE_BUF, HAS_SCORE)),
             (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, empty, o_desc, LSE,
                          SINKS, b, h, pid_bh, start_m, n_tiles, n_full, full_row, part_row,
                          seq_q, seq_k, qk_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, 1,
                          IS_CAUSAL, HAS_SINKS, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD,
-                         N_SCORE_BUF, HAS_SCORE, SUB)),
+                         N_SCORE_BUF, HAS_SCORE)),
             (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready,
                          v_ready, empty, b, h, h_kv, start_m, n_tiles, n_full, full_row,
-                         part_row, LISTED, SUB)),
+                         part_row, LISTED)),
         ], [4, 1], [240, 24])  # fmt: skip
 
 

@@ -223,17 +223,6 @@ def _launch(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], mods: dic
 
 _hopper_failed: set[tuple[Any, ...]] = set()
 
-#: The Gluon kernel's tiles with a score function, per head dim, where they differ from the
-#: plain forward's (:func:`~flashlite.ops.attention.plan.hopper_config`).
-SCORE_CONFIGS: dict[int, KH.HopperConfig] = {}
-
-
-def _hopper_config(q: torch.Tensor, n_keys: int, has_score: bool) -> KH.HopperConfig | None:
-    config = hopper_config(q, n_keys)
-    if config is not None and has_score:
-        config = SCORE_CONFIGS.get(q.shape[-1], config)
-    return config
-
 
 def _run_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                 lse: torch.Tensor, tables: tuple[torch.Tensor, ...], strides: tuple[int, ...],
@@ -242,15 +231,15 @@ def _run_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tens
     """Run the forward on the Gluon (Hopper) kernel where it applies: a compiled sm_90 device,
     16-bit inputs TMA can read, a head dim with a measured config whose tiles are the tables'
     blocks. False (after one warning if it failed to build) means: run the Triton kernel."""
-    config = _hopper_config(q, k.shape[2], mods["HAS_SCORE"])
-    if config is None or tbm != config.block_m or tbn % config.block_n:
+    config = hopper_config(q, k.shape[2])
+    if config is None or (tbm, tbn) != (config.block_m, config.block_n):
         return False
     key = (q.dtype, q.shape[-1], mods["MASK_MOD"], mods["SCORE_MOD"], mods["HAS_SCORE"])
     if not _descriptor_ok(q, k, v, o):
         return False
 
     def build() -> bool:
-        HP.flex_fwd_hopper(q, k, v, o, lse, tables, strides, tbn, scale, config, bufs, mods)
+        HP.flex_fwd_hopper(q, k, v, o, lse, tables, strides, scale, config, bufs, mods)
         return True
 
     return HP.first_build(_hopper_failed, key, "flex", build, stacklevel=3) is not None

@@ -139,16 +139,14 @@ def plan_bwd_hopper(qs: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dk: tor
 
 def flex_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                     lse: torch.Tensor, tables: tuple[torch.Tensor, ...],
-                    table_strides: tuple[int, ...], table_block_n: int, scale: float,
-                    config: KH.HopperConfig, mod_args: list[Any],
-                    mods: dict[str, Any]) -> None:  # fmt: skip
+                    table_strides: tuple[int, ...], scale: float, config: KH.HopperConfig,
+                    mod_args: list[Any], mods: dict[str, Any]) -> None:  # fmt: skip
     """The Gluon forward over block tables (``LISTED``): ``o`` and ``lse`` as
     :func:`plan_fwd_hopper`'s, visiting the key blocks ``tables`` = ``(kv_num, kv_idx, full_num,
     full_idx)`` list for each query block, with ``mask_mod``/``score_mod`` as the Triton flex
     kernel takes them (``mod_args``: the eight buffer slots; ``mods``: their constexprs). The
-    tables' blocks are ``config.block_m`` queries by ``table_block_n`` keys, a multiple of
-    ``config.block_n``. No checks: the caller has validated everything and that TMA can read
-    the tensors."""
+    tables' blocks are ``config``'s tiles. No checks: the caller has validated everything and
+    that TMA can read the tensors."""
     b, hq, nq, _ = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     half, bn = config.block_m // 2, config.block_n
@@ -157,5 +155,5 @@ def flex_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.
         _descriptor(q, half), _descriptor(k, bn), _descriptor(v, bn), _descriptor(o, half), lse,
         lse, hq, hq // hkv, nq, nk, scale, *tables, *table_strides, *mod_args,
         BLOCK_M=config.block_m, BLOCK_N=bn, STAGES=config.stages, IS_CAUSAL=False, LISTED=True,
-        SUB=table_block_n // bn, num_warps=4, **mods,
+        num_warps=4, **mods,
     )  # fmt: skip
