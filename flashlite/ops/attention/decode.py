@@ -166,9 +166,9 @@ class DecodePlan:
         self.head = (*q.stride(), *k.stride(), *v.stride(),
                      *(parts_stride if self.parts_size else o.stride()), hkv, nq, nk, scale,
                      km.left, km.right, km.softcap)  # fmt: skip
+        # the mask function's four buffer slots: zeros here without one, else each call's
         self.tail = (block_table.stride(0) if block_table is not None else 0, k.shape[0],
-                     split_len)  # fmt: skip
-        self.no_mask_buffers = (0, 0, 0, 0)
+                     split_len, *((0,) * 4 if mask_fn is None else ()))  # fmt: skip
         self.combine_head = (b * hq * nq * d, *parts_stride, *o.stride(), hq, nq, splits)
         self.combine_options = {
             "HEAD_DIM": d, "BLOCK_D": C.block_d(d),
@@ -209,10 +209,9 @@ class DecodePlan:
         if self.use_desc:  # (descriptors hold the data pointer: built per call)
             k = TensorDescriptor(k, list(k.shape), list(k.stride()), self.desc_block)
             v = TensorDescriptor(v, list(v.shape), list(v.stride()), self.desc_block)
-        mods = self.no_mask_buffers if mask_buffers is None else mask_buffers
         args = (q, k, v, o_out, lse_out, *self.head, lse if seqlens_k is None else seqlens_k,
                 lse if block_table is None else block_table, lse if sinks is None else sinks,
-                *self.tail, *mods)  # fmt: skip
+                *self.tail, *(mask_buffers or ()))  # fmt: skip
         if self._decode is None:
             self._decode = _launch.launcher(KD._attention_decode_kernel).bind(args, self.options)
         self._decode(self.grid, *args)

@@ -158,7 +158,7 @@ _TENSORS = 7
 
 
 #: A mask function as the op carries it: ``(spec, tensors, numbers)``
-#: (:func:`flashlite.ops.attention.flex.spec_mod`).
+#: (:func:`flashlite.ops.attention.mod_args.spec_mod`).
 MaskArgs = tuple[str, list[torch.Tensor], list[float]]
 
 
