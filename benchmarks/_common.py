@@ -134,6 +134,12 @@ def flex_attention(causal: bool, nq: int, nk: int) -> Callable[..., torch.Tensor
 
 
 # =============================================================================== writing
+def max_rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``max |a − b| / max(max |b|, 1)`` in fp64: a checked variant's error against its
+    reference (``b``)."""
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1)).item()
+
+
 def replot(path: str | Path, figure: Callable[[list[dict[str, Any]], str], Any]) -> Path:
     """Redraw the PNG beside a results JSON (``figure(rows, device)``), running nothing: what a
     bench's ``--replot`` does."""

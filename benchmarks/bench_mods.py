@@ -34,7 +34,7 @@ import sys
 import time
 
 import torch
-from _common import bench, device_name, device_slug, metadata, replot, write_results
+from _common import bench, device_name, device_slug, max_rel_err, metadata, replot, write_results
 
 import flashlite
 from flashlite import gallery
@@ -67,10 +67,6 @@ def rows_reference(q, k, v, mm, sm, rows: int = 128):  # noqa: ANN001, ANN201
     if mm is not None:
         s = torch.where(mm(b, h, q_idx, kv), s, float("-inf"))
     return torch.softmax(s, -1).nan_to_num(0.0) @ v.double()
-
-
-def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1)).item()
 
 
 def timed(fns: dict, rounds: int) -> dict[str, float]:
@@ -116,8 +112,8 @@ def document_points(rows: list[dict], rounds: int, lengths: list[int]) -> None:
         ours = flashlite.flex_attention(q, k, v, block_mask=bm)
         theirs = flex(q, k, v, block_mask=tbm)
         errs = {
-            "vs_flex": _err(ours, theirs),
-            "vs_fp64": _err(ours[:, :, -128:], rows_reference(q, k, v, mm, None)),
+            "vs_flex": max_rel_err(ours, theirs),
+            "vs_fp64": max_rel_err(ours[:, :, -128:], rows_reference(q, k, v, mm, None)),
         }
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         calls = {
@@ -169,7 +165,7 @@ def ratio_points(rows: list[dict], rounds: int) -> None:
     }
     for name, sm in scores.items():
         ours = flashlite.flex_attention(q, k, v, score_mod=sm, block_mask=bm)
-        errs = {"vs_fp64": _err(ours[:, :, -128:], rows_reference(q, k, v, causal, sm))}
+        errs = {"vs_fp64": max_rel_err(ours[:, :, -128:], rows_reference(q, k, v, causal, sm))}
         calls = {
             "with": lambda a, b, c, sm=sm: flashlite.flex_attention(
                 a, b, c, score_mod=sm, block_mask=bm
@@ -191,7 +187,7 @@ def ratio_points(rows: list[dict], rounds: int) -> None:
         mbm = flashlite.create_block_mask(mm, None, None, n, n, device="cuda")
         ours = flashlite.flex_attention(q, k, v, block_mask=mbm)
         builtin = flashlite.attention(q, k, v, **kw)
-        errs = {"vs_builtin": _err(ours, builtin)}
+        errs = {"vs_builtin": max_rel_err(ours, builtin)}
         calls = {
             "with": lambda a, b, c, m=mbm: flashlite.flex_attention(a, b, c, block_mask=m),
             "without": lambda a, b, c, kw=kw: flashlite.attention(a, b, c, **kw),

@@ -26,7 +26,7 @@ import statistics
 import sys
 
 import torch
-from _common import bench, device_name, device_slug, metadata, write_results
+from _common import bench, device_name, device_slug, max_rel_err, metadata, write_results
 
 import flashlite
 from flashlite.plotting import Bars, Figure, Panel
@@ -41,10 +41,6 @@ def merged(o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor,
     sink = sinks.float().view(1, heads, 1).expand_as(lse)
     total = torch.logaddexp(lse, sink)
     return (o.float() * torch.exp(lse - total).unsqueeze(-1)).to(o.dtype), total
-
-
-def _err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1)).item()
 
 
 def attention_points(rows: list[dict], rounds: int) -> None:
@@ -85,9 +81,9 @@ def check_attention(q, k, v, do, sinks, causal) -> dict:  # noqa: ANN001
     o0, lse0 = flashlite.attention(*ref[:3], causal=causal, return_lse=True)
     ro, rlse = merged(o0, lse0, ref[3], heads)
     ro.backward(do)
-    errs = {"out": _err(o, ro), "lse": _err(lse, rlse)}
+    errs = {"out": max_rel_err(o, ro), "lse": max_rel_err(lse, rlse)}
     for name, a, b in zip(("dq", "dk", "dv", "dsinks"), leaves, ref, strict=True):
-        errs[name] = _err(a.grad, b.grad)
+        errs[name] = max_rel_err(a.grad, b.grad)
     return errs
 
 
@@ -104,7 +100,7 @@ def decode_points(rows: list[dict], rounds: int) -> None:
         o0, lse0 = flashlite.attention_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
                                                return_lse=True)  # fmt: skip
         ro, rlse = merged(o0.transpose(1, 2), lse0, sinks, 32)
-        errs = {"out": _err(o.transpose(1, 2), ro), "lse": _err(lse, rlse)}
+        errs = {"out": max_rel_err(o.transpose(1, 2), ro), "lse": max_rel_err(lse, rlse)}
 
         def step(with_sinks: bool) -> None:
             flashlite.attention_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
