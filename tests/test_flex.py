@@ -396,6 +396,21 @@ def test_kvcache_rows_with_no_key_and_bad_mask_functions() -> None:
         flashlite.attention_kvcache(q, kc, vc, cache_seqlens=lens, mask_mod=lambda *a: True)
 
 
+def test_kvcache_op_with_a_mask_function_passes_opcheck() -> None:
+    from torch.library import opcheck
+
+    from flashlite.ops.attention.mod_args import spec_mod
+
+    q = torch.randn(2, 1, 4, 16)
+    kc, vc = (torch.randn(2, 40, 2, 16) for _ in range(2))
+    new = [torch.randn(2, 1, 2, 16) for _ in range(2)]
+    lens = torch.tensor([7, 30], dtype=torch.int32)
+    mm = gallery.document_causal(gallery.random_documents(2, 40, 3, seed=1))
+    args = (q, kc, vc, lens, *new, None, True, 0.25, None, 0, None, 2, "device", None,
+            *spec_mod(mm))  # fmt: skip
+    opcheck(torch.ops.flashlite.attention_kvcache.default, args)
+
+
 def test_kvcache_with_a_mask_function_compiles_fullgraph() -> None:
     q = torch.randn(2, 1, 4, 16)
     kc, vc = (torch.randn(2, 40, 2, 16) for _ in range(2))
