@@ -436,7 +436,19 @@ descs = [HP._descriptor(x, H.BLOCK_M, d), HP._descriptor(x, H.BLOCK_M, d),
          HP._descriptor(acc, H.BLOCK_M, d // 2)]
 sig = {n: mangle_type(t) for n, t in zip(names[:5], descs)}
 sig.update(LSE="*fp32", DELTA="*fp32", DK="*bf16", DV="*bf16", sm_scale="fp32")
-consts = dict(STAGES=H.STAGES, GROUP_H=H.CAUSAL_GROUP_H, IS_CAUSAL=causal)
+consts = dict(STAGES=H.STAGES, GROUP_H=H.CAUSAL_GROUP_H, IS_CAUSAL=causal, LISTED=False,
+              MASK_MOD=None, N_MASK_BUF=0, SCORE_MOD=None, SCORE_GRAD=None, N_SCORE_BUF=0,
+              HAS_SCORE=False)
+if sys.argv[4] == "1":  # block tables, a document-causal mask and ALiBi (flex_attention's call)
+    from flashlite import gallery
+    mask = gallery.document_causal(torch.zeros(1, 256, dtype=torch.int32))
+    score = gallery.alibi(gallery.alibi_slopes(4))
+    tables = names[names.index("FULL_NUM"):names.index("MB0")]
+    buffers = names[names.index("MB0"):names.index("SB3") + 1]
+    sig.update({n: ("*i32" if n.isupper() else "i32") for n in tables})
+    sig.update(dict(zip(buffers, ["*i32", "i32", "i32", "i32", "*fp32", "i32", "i32", "i32"])))
+    consts.update(LISTED=True, MASK_MOD=mask.fn, N_MASK_BUF=2, SCORE_MOD=score.fn,
+                  SCORE_GRAD=score.grad_fn, N_SCORE_BUF=1, HAS_SCORE=True)
 sig.update({n: "i32" for n in names if n not in sig and n not in consts})
 sig.update(dict.fromkeys(consts, "constexpr"))
 src = GluonASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()})
@@ -452,11 +464,13 @@ print(out.stdout + out.stderr)
 """
 
 
-def test_fused_hopper_backward_builds_for_sm90(tmp_path) -> None:  # noqa: ANN001
+@pytest.mark.parametrize("listed", [False, True], ids=["plain", "flex"])
+def test_fused_hopper_backward_builds_for_sm90(listed: bool, tmp_path) -> None:  # noqa: ANN001
     # No GPU needed: Triton compiles the Gluon kernel for sm_90a and its ptxas reports. A code
     # change that breaks the build, outgrows shared memory or makes ptxas serialise the async
     # products (warnings C7513/C7514) fails here. (Its few spilled scalars depend on the Triton
-    # version's compiler: 80 bytes with the 3.6 the H200 runs.)
+    # version's compiler: 80 bytes with the 3.6 the H200 runs.) ``listed``: flex_attention's
+    # variant over block tables, with a document-causal mask and ALiBi.
     import os
     import subprocess
     import sys
@@ -466,7 +480,8 @@ def test_fused_hopper_backward_builds_for_sm90(tmp_path) -> None:  # noqa: ANN00
     if not KHB.available():
         pytest.skip("this Triton has no usable Gluon")
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # a real build, not the interpreter
-    cmd = [sys.executable, "-c", _SM90_BWD_BUILD, "128", "1", str(tmp_path)]
+    cmd = [sys.executable, "-c", _SM90_BWD_BUILD, "128", str(int(not listed)), str(tmp_path),
+           str(int(listed))]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     report = run.stdout

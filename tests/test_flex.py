@@ -473,6 +473,66 @@ def test_gpu_gallery_against_fp64_and_torch_flex(name: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["document_causal", "alibi", "relative_bias", "tanh_softcap"])
+def test_gpu_flex_backward_on_the_fused_hopper_kernel(name: str, monkeypatch) -> None:  # noqa: ANN001
+    """GQA, heads second to last, ragged lengths and an LSE gradient through the fused Gluon
+    backward over the tables: its error against fp64 is within 2x that of the Triton flex
+    kernels (deterministic algorithms select them) on the same call."""
+    from flashlite.kernels.attention import hopper_bwd as KHB
+    from flashlite.ops.attention import hopper as HP
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs the Hopper (sm_90) kernel")
+    if not KHB.available():
+        pytest.skip("this Triton has no usable Gluon")
+    b, hq, hkv, n, d = 2, 8, 2, 1500, 128
+    mm, sm = _gallery(hq, b)[name]
+    if mm is not None and mm.buffers:
+        mm = gallery.document_causal(gallery.random_documents(b, n, 5).cuda())
+    if sm is not None and isinstance(sm.buffers[0], torch.Tensor):
+        sm = mods.ScoreMod(sm.fn, sm.grad_fn, sm.torch_fn,
+                           (sm.buffers[0].cuda(), *sm.buffers[1:]), sm.name)  # fmt: skip
+    per_batch = b if name == "document_causal" else None
+    bm = None if mm is None else flashlite.create_block_mask(mm, per_batch, None, n, n)
+    base = [torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv)]
+    go, gl = torch.randn_like(base[0]), torch.randn(b, hq, n, device="cuda")
+    calls = []
+    real = HP.flex_bwd_hopper
+    monkeypatch.setattr(HP, "flex_bwd_hopper", lambda *a, **k: calls.append(1) or real(*a, **k))
+
+    def grads(leaves: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        o, lse = flashlite.flex_attention(*leaves, score_mod=sm, block_mask=bm, return_lse=True,
+                                          layout="b n h d")  # fmt: skip
+        return torch.autograd.grad((o * go).sum() + (lse * gl).sum(), leaves)
+
+    fused = grads([t.clone().requires_grad_() for t in base])
+    assert calls, "the fused Hopper backward did not run"
+    with _deterministic():
+        triton_grads = grads([t.clone().requires_grad_() for t in base])
+    assert len(calls) == 1  # (deterministic algorithms: the Triton kernels ran)
+    exact = [t.transpose(1, 2).double().requires_grad_() for t in base]
+    o, lse = reference.attention(*exact, mask_mod=mm, score_mod=sm, return_lse=True)
+    want = torch.autograd.grad((o * go.transpose(1, 2).double()).sum()
+                               + (lse.double() * gl.double()).sum(), exact)  # fmt: skip
+    floor = TOL[torch.bfloat16].floor
+    for ours, theirs, e in zip(fused, triton_grads, want, strict=True):
+        err = (ours.transpose(1, 2).double() - e).abs().max()
+        triton_err = (theirs.transpose(1, 2).double() - e).abs().max()
+        assert err <= 2 * triton_err + 4 * floor, (err, triton_err)
+
+
+class _deterministic:
+    """``torch.use_deterministic_algorithms(True)`` inside a ``with`` block."""
+
+    def __enter__(self) -> None:
+        self.was = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.use_deterministic_algorithms(self.was)
+
+
+@pytest.mark.gpu
 def test_gpu_hand_written_causal_matches_the_built_in_bit_for_bit() -> None:
     """On the H200 both run the Gluon kernel over the same tiles in the same order: the
     built-in's causal arithmetic and a listed mask function give the same bits."""

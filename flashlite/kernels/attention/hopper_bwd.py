@@ -43,6 +43,7 @@ or packed sequences (those take the Triton kernels).
 from __future__ import annotations
 
 from flashlite.kernels.attention.hopper import GLUON_IMPORT_ERROR
+from flashlite.mods import apply_mask, apply_score
 from flashlite.stats import LN2, LOG2E
 
 if GLUON_IMPORT_ERROR is None:
@@ -104,44 +105,88 @@ def available() -> bool:
 if GLUON_BWD_ERROR is None:
 
     @gluon.jit
+    def _table_row(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, b, h, kb, stride_tb, stride_th,
+                   stride_tn, stride_ib, stride_ih, stride_in):  # fmt: skip
+        """Key block ``kb``'s row of the ``q_*`` tables for query head ``h``: how many full query
+        blocks and where their indices start, then the same of the partial ones."""
+        trow = b * stride_tb + h * stride_th + kb * stride_tn
+        irow = b.to(gl.int64) * stride_ib + h * stride_ih + kb * stride_in
+        n_full = gl.load(FULL_NUM + trow)
+        n_part = gl.load(PART_NUM + trow)
+        return n_full, FULL_IDX + irow, n_part, PART_IDX + irow
+
+    @gluon.jit
+    def _listed_start(j, idx_row, block_m: gl.constexpr):
+        """The first query row of step ``j`` over a table row's blocks: a table block is two
+        steps (``2·block_m`` queries)."""
+        return gl.load(idx_row + j // 2) * (2 * block_m) + (j % 2) * block_m
+
+    @gluon.jit
     def _producer(qs_desc, do_desc, k_desc, v_desc, LSE, DELTA, qs_bufs, do_bufs, lse_bufs,
                   delta_bufs, k_buf, v_buf, kv_ready, q_ready, do_ready, empty, b, h_kv, n_heads,
-                  group, seq_q, start_n, lo, n_qblocks, n_steps):  # fmt: skip
+                  group, seq_q, start_n, lo, n_qblocks, FULL_NUM, FULL_IDX, Q_NUM, Q_IDX,
+                  stride_tb, stride_th, stride_tn, stride_ib, stride_ih, stride_in,
+                  LISTED: gl.constexpr):  # fmt: skip
         """The load warp: K and V once, then step by step into the ring: Qs and dO (TMA), and
         their rows' statistics (through registers: LSE in exp2 units, +inf for rows past Nq or
-        that saw no key, so that their P is 0; delta)."""
+        that saw no key, so that their P is 0; delta). The steps are the consumers': per head
+        of the group, the query blocks from the last down, or (``LISTED``) the blocks the
+        tables list, full ones first."""
         block_m: gl.constexpr = qs_bufs.shape[3]
+        block_n: gl.constexpr = k_buf.shape[2]
         stages: gl.constexpr = qs_bufs.shape[0]
         stat_l: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
         offs = gl.arange(0, block_m, layout=stat_l)
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         _tma_load(k_desc, [b, h_kv, start_n, 0], kv_ready, k_buf)
         _tma_load(v_desc, [b, h_kv, start_n, 0], kv_ready, v_buf)
-        for t in range(n_steps):
-            slot = t % stages
-            if t >= stages:
-                mbarrier.wait(empty.index(slot), ((t // stages) - 1) & 1)
-            h = h_kv * group + t // n_qblocks
-            start_m = lo + (n_qblocks - 1 - t % n_qblocks) * block_m  # the consumers' order
-            rows = start_m + offs
-            at = (b * n_heads + h).to(gl.int64) * seq_q + rows
-            lse = gl.load(LSE + at, mask=rows < seq_q, other=float("-inf"))
-            lse_bufs.index(slot).store(gl.where(lse == float("-inf"), float("inf"), lse * LOG2E))
-            delta_bufs.index(slot).store(gl.load(DELTA + at, mask=rows < seq_q, other=0.0))
-            mbarrier.expect(q_ready.index(slot), qs_desc.block_type.nbytes)
-            _tma_load(qs_desc, [b, h, start_m, 0], q_ready.index(slot), qs_bufs.index(slot))
-            mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
-            _tma_load(do_desc, [b, h, start_m, 0], do_ready.index(slot), do_bufs.index(slot))
+        t = 0
+        for g in range(group):
+            h = h_kv * group + g
+            if LISTED:
+                n_full, full_row, n_part, part_row = _table_row(
+                    FULL_NUM, FULL_IDX, Q_NUM, Q_IDX, b, h, start_n // block_n, stride_tb,
+                    stride_th, stride_tn, stride_ib, stride_ih, stride_in)  # fmt: skip
+                n_here = 2 * (n_full + n_part)
+            else:
+                n_here = n_qblocks
+            for j in range(n_here):
+                slot = t % stages
+                if t >= stages:
+                    mbarrier.wait(empty.index(slot), ((t // stages) - 1) & 1)
+                if LISTED:
+                    if j < 2 * n_full:
+                        start_m = _listed_start(j, full_row, block_m)
+                    else:
+                        start_m = _listed_start(j - 2 * n_full, part_row, block_m)
+                else:
+                    start_m = lo + (n_qblocks - 1 - j) * block_m  # the consumers' order
+                rows = start_m + offs
+                at = (b * n_heads + h).to(gl.int64) * seq_q + rows
+                lse = gl.load(LSE + at, mask=rows < seq_q, other=float("-inf"))
+                lse_bufs.index(slot).store(gl.where(lse == float("-inf"), float("inf"),
+                                                    lse * LOG2E))  # fmt: skip
+                delta_bufs.index(slot).store(gl.load(DELTA + at, mask=rows < seq_q, other=0.0))
+                mbarrier.expect(q_ready.index(slot), qs_desc.block_type.nbytes)
+                _tma_load(qs_desc, [b, h, start_m, 0], q_ready.index(slot), qs_bufs.index(slot))
+                mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
+                _tma_load(do_desc, [b, h, start_m, 0], do_ready.index(slot), do_bufs.index(slot))
+                t += 1
 
     @gluon.jit
     def _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs, delta_bufs, k_mine, v_mine,
               k_cols, ds_bufs, dq_buf, q_ready, do_ready, empty, ds_ready, ds_free, dq_desc, b,
-              keys, diag, seq_k, sm_scale, WG: gl.constexpr, MASKED: gl.constexpr,
-              IS_CAUSAL: gl.constexpr):  # fmt: skip
+              keys, diag, seq_q, seq_k, sm_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
+              WG: gl.constexpr, MASKED: gl.constexpr, IS_CAUSAL: gl.constexpr,
+              LISTED: gl.constexpr, MASK_MOD: gl.constexpr, N_MASK_BUF: gl.constexpr,
+              SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr, N_SCORE_BUF: gl.constexpr,
+              HAS_SCORE: gl.constexpr):  # fmt: skip
         """The ``t``-th step of one consumer warpgroup, the query tile at ``start_m`` of head
         ``h``: dK and dV updated and returned, this warpgroup's columns of dQ added to the
         accumulator. ``MASKED``: the tile holds the causal diagonal (causal) or keys past Nk
-        (not causal: the last key block)."""
+        (not causal: the last key block), or (``LISTED``) is a partial block: ``mask_mod``
+        and the keys past Nk mask it. ``HAS_SCORE``: the scores pass through ``score_mod``
+        (natural units), and ``dS`` is multiplied by its derivative ``SCORE_GRAD``."""
         block_m: gl.constexpr = qs_bufs.shape[3]
         head_dim: gl.constexpr = qs_bufs.shape[4]
         stages: gl.constexpr = qs_bufs.shape[0]
@@ -168,16 +213,30 @@ if GLUON_BWD_ERROR is None:
         # hand back Sᵀ − LSE and dPᵀ − delta, and no row vector stays in registers
         mbarrier.wait(q_ready.index(slot), phase)
         lse2 = lse_bufs.index(slot).load(stat_l)
-        st_tok = warpgroup_mma(k_mine, qs.permute((1, 0)), s_zero - gl.expand_dims(lse2, 0),
-                               is_async=True)  # fmt: skip
+        if HAS_SCORE:  # the raw scores: score_mod comes before the LSE is subtracted
+            st_tok = warpgroup_mma(k_mine, qs.permute((1, 0)), s_zero, is_async=True)
+        else:
+            st_tok = warpgroup_mma(k_mine, qs.permute((1, 0)), s_zero - gl.expand_dims(lse2, 0),
+                                   is_async=True)  # fmt: skip
         mbarrier.wait(do_ready.index(slot), phase)
         delta = delta_bufs.index(slot).load(stat_l)
         dpt_tok = warpgroup_mma(v_mine, do.permute((1, 0)), s_zero - gl.expand_dims(delta, 0),
                                 is_async=True)  # fmt: skip
         st = warpgroup_mma_wait(1, deps=[st_tok])
+        if LISTED:  # the mods' indices, clamped (a mod may gather by them)
+            rows = start_m + gl.arange(0, block_m, layout=stat_l)
+            q_idx = gl.expand_dims(gl.minimum(rows, seq_q - 1), 0)
+            kv_idx = gl.expand_dims(gl.minimum(keys, seq_k - 1), 1)
+        if HAS_SCORE:  # Qs carries scale·log2 e: natural units are st·ln 2
+            xt = st * LN2
+            st = apply_score(SCORE_MOD, xt, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3,
+                             N_SCORE_BUF) * LOG2E - gl.expand_dims(lse2, 0)  # fmt: skip
         pt = gl.exp2(st)
         if MASKED:
-            if IS_CAUSAL:  # keys past a row's last visible one (bottom-right aligned)
+            if LISTED:
+                seen = apply_mask(MASK_MOD, b, h, q_idx, kv_idx, MB0, MB1, MB2, MB3, N_MASK_BUF)
+                seen = seen & gl.expand_dims(keys < seq_k, 1)
+            elif IS_CAUSAL:  # keys past a row's last visible one (bottom-right aligned)
                 rows = start_m + gl.arange(0, block_m, layout=stat_l)
                 seen = gl.expand_dims(keys, 1) <= gl.expand_dims(rows, 0) + diag
             else:  # keys past Nk: TMA reads their rows as zeros, so S = 0 and P = 2^(−LSE),
@@ -187,6 +246,9 @@ if GLUON_BWD_ERROR is None:
         pt16 = pt.to(dtype)
         dv_tok = warpgroup_mma(gl.convert_layout(pt16, a_layout), do, dv, is_async=True)
         dpt = warpgroup_mma_wait(1, deps=[dpt_tok])
+        if HAS_SCORE:
+            dpt = dpt * apply_score(SCORE_GRAD, xt, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3,
+                                    N_SCORE_BUF)  # fmt: skip
         dst16 = (pt * dpt).to(dtype)
         # share this warpgroup's half of dSᵀ; the buffer's previous use (two steps back) must
         # be finished by both warpgroups
@@ -218,8 +280,12 @@ if GLUON_BWD_ERROR is None:
     def _consumer(qs_bufs, do_bufs, lse_bufs, delta_bufs, k_buf, v_buf, ds_bufs, dq_bufs,
                   kv_ready, q_ready, do_ready, empty, ds_ready, ds_free, dq_desc, DK, DV,
                   stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, b, h_kv,
-                  group, start_n, lo, n_masked, n_qblocks, seq_q, seq_k, sm_scale,
-                  WG: gl.constexpr, IS_CAUSAL: gl.constexpr):  # fmt: skip
+                  group, start_n, lo, n_masked, n_qblocks, seq_q, seq_k, sm_scale, FULL_NUM,
+                  FULL_IDX, Q_NUM, Q_IDX, stride_tb, stride_th, stride_tn, stride_ib, stride_ih,
+                  stride_in, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, WG: gl.constexpr,
+                  IS_CAUSAL: gl.constexpr, LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
+                  N_MASK_BUF: gl.constexpr, SCORE_MOD: gl.constexpr, SCORE_GRAD: gl.constexpr,
+                  N_SCORE_BUF: gl.constexpr, HAS_SCORE: gl.constexpr):  # fmt: skip
         """One warpgroup: dK and dV of its 64 keys, and its 64 columns of each step's dQ."""
         block_m: gl.constexpr = qs_bufs.shape[3]
         head_dim: gl.constexpr = qs_bufs.shape[4]
@@ -244,23 +310,50 @@ if GLUON_BWD_ERROR is None:
         t = 0  # steps so far: the ring's and the dS buffers' phases follow it
         for g in range(group):
             h = h_kv * group + g
-            # query blocks from the last down (programs of one head then reduce into the same
-            # dQ rows at about the same time); the masked ones (the diagonal's, or every one of
-            # a key block that runs past Nk) come last
-            for j in range(0, n_qblocks - n_masked):
-                start_m = lo + (n_qblocks - 1 - j) * block_m
-                dk, dv = _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs, delta_bufs,
-                               k_mine, v_mine, k_cols, ds_bufs, dq_buf, q_ready, do_ready, empty,
-                               ds_ready, ds_free, dq_desc, b, keys, diag, seq_k, sm_scale, WG,
-                               False, IS_CAUSAL)  # fmt: skip
-                t += 1
-            for j in range(n_qblocks - n_masked, n_qblocks):
-                start_m = lo + (n_qblocks - 1 - j) * block_m
-                dk, dv = _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs, delta_bufs,
-                               k_mine, v_mine, k_cols, ds_bufs, dq_buf, q_ready, do_ready, empty,
-                               ds_ready, ds_free, dq_desc, b, keys, diag, seq_k, sm_scale, WG,
-                               True, IS_CAUSAL)  # fmt: skip
-                t += 1
+            if LISTED:  # the blocks this key block's table row lists: full ones, then partial
+                n_full, full_row, n_part, part_row = _table_row(
+                    FULL_NUM, FULL_IDX, Q_NUM, Q_IDX, b, h, start_n // (2 * half), stride_tb,
+                    stride_th, stride_tn, stride_ib, stride_ih, stride_in)  # fmt: skip
+                for j in range(0, 2 * n_full):
+                    start_m = _listed_start(j, full_row, block_m)
+                    dk, dv = _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs, delta_bufs,
+                                   k_mine, v_mine, k_cols, ds_bufs, dq_buf, q_ready, do_ready,
+                                   empty, ds_ready, ds_free, dq_desc, b, keys, diag, seq_q,
+                                   seq_k, sm_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, WG,
+                                   False, IS_CAUSAL, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD,
+                                   SCORE_GRAD, N_SCORE_BUF, HAS_SCORE)  # fmt: skip
+                    t += 1
+                for j in range(0, 2 * n_part):
+                    start_m = _listed_start(j, part_row, block_m)
+                    dk, dv = _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs, delta_bufs,
+                                   k_mine, v_mine, k_cols, ds_bufs, dq_buf, q_ready, do_ready,
+                                   empty, ds_ready, ds_free, dq_desc, b, keys, diag, seq_q,
+                                   seq_k, sm_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, WG,
+                                   True, IS_CAUSAL, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD,
+                                   SCORE_GRAD, N_SCORE_BUF, HAS_SCORE)  # fmt: skip
+                    t += 1
+            else:
+                # query blocks from the last down (programs of one head then reduce into the
+                # same dQ rows at about the same time); the masked ones (the diagonal's, or
+                # every one of a key block that runs past Nk) come last
+                for j in range(0, n_qblocks - n_masked):
+                    start_m = lo + (n_qblocks - 1 - j) * block_m
+                    dk, dv = _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs, delta_bufs,
+                                   k_mine, v_mine, k_cols, ds_bufs, dq_buf, q_ready, do_ready,
+                                   empty, ds_ready, ds_free, dq_desc, b, keys, diag, seq_q,
+                                   seq_k, sm_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, WG,
+                                   False, IS_CAUSAL, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD,
+                                   SCORE_GRAD, N_SCORE_BUF, HAS_SCORE)  # fmt: skip
+                    t += 1
+                for j in range(n_qblocks - n_masked, n_qblocks):
+                    start_m = lo + (n_qblocks - 1 - j) * block_m
+                    dk, dv = _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs, delta_bufs,
+                                   k_mine, v_mine, k_cols, ds_bufs, dq_buf, q_ready, do_ready,
+                                   empty, ds_ready, ds_free, dq_desc, b, keys, diag, seq_q,
+                                   seq_k, sm_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, WG,
+                                   True, IS_CAUSAL, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD,
+                                   SCORE_GRAD, N_SCORE_BUF, HAS_SCORE)  # fmt: skip
+                    t += 1
         tma.store_wait(pendings=0)
 
         # dK is summed against Qs = Q·scale·log2 e: divide the log2 e out. Keys past Nk are
@@ -279,13 +372,29 @@ if GLUON_BWD_ERROR is None:
     def _attention_bwd_hopper_kernel(qs_desc, do_desc, k_desc, v_desc, dq_desc, LSE, DELTA, DK,
                                      DV, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh,
                                      stride_vn, n_heads, kv_heads, group, seq_q, seq_k,
-                                     sm_scale, STAGES: gl.constexpr, GROUP_H: gl.constexpr,
-                                     IS_CAUSAL: gl.constexpr):  # fmt: skip
+                                     sm_scale, FULL_NUM, FULL_IDX, Q_NUM, Q_IDX, stride_tb,
+                                     stride_th, stride_tn, stride_ib, stride_ih, stride_in, MB0,
+                                     MB1, MB2, MB3, SB0, SB1, SB2, SB3, STAGES: gl.constexpr,
+                                     GROUP_H: gl.constexpr, IS_CAUSAL: gl.constexpr,
+                                     LISTED: gl.constexpr = False,
+                                     MASK_MOD: gl.constexpr = None,
+                                     N_MASK_BUF: gl.constexpr = 0,
+                                     SCORE_MOD: gl.constexpr = None,
+                                     SCORE_GRAD: gl.constexpr = None,
+                                     N_SCORE_BUF: gl.constexpr = 0,
+                                     HAS_SCORE: gl.constexpr = False):  # fmt: skip
         """Grid ``(cdiv(Nk, 128), B·Hkv)``; 4 warps (the first consumer) plus the worker
         partitions. Qs, dO: ``[1, 1, 64, D]`` blocks; K, V: ``[1, 1, 128, D]``; dQ's fp32
         accumulator: ``[1, 1, 64, D/2]``. dK and dV (strided like K and V, with a unit last
         stride) are written by pointer. Causal is bottom-right aligned; the first key blocks,
-        seen by the most queries, start first."""
+        seen by the most queries, start first.
+
+        ``LISTED`` (:func:`flashlite.flex_attention`): the query blocks are the ones a key
+        block's row of the ``q_*`` block tables lists for each head of the group
+        (:mod:`flashlite.block_mask`, blocks of 128 × 128: two steps each), full ones first,
+        and ``mask_mod`` / ``score_mod`` with its derivative ``SCORE_GRAD``
+        (:mod:`flashlite.mods`, buffers ``MB*`` / ``SB*``) shape the scores as the forward's;
+        otherwise the table arguments are placeholders, never read."""
         block_m: gl.constexpr = qs_desc.block_type.shape[2]
         block_n: gl.constexpr = k_desc.block_type.shape[2]
         head_dim: gl.constexpr = qs_desc.block_type.shape[3]
@@ -314,7 +423,6 @@ if GLUON_BWD_ERROR is None:
         n_masked = gl.minimum((full_lo - lo) // block_m, n_qblocks)
         if not IS_CAUSAL:  # the last key block, past Nk: every step masks the missing keys
             n_masked = gl.where(start_n + block_n > seq_k, n_qblocks, 0)
-        n_steps = n_qblocks * group
 
         qs_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, block_m, head_dim],
                                             qs_desc.layout)  # fmt: skip
@@ -344,18 +452,27 @@ if GLUON_BWD_ERROR is None:
             mbarrier.init(ds_ready.index(i), count=2)
             mbarrier.init(ds_free.index(i), count=2)
 
+        # (argument tuples written out: constexprs must reach the partitions as literals)
         gl.warp_specialize([
             (_consumer, (qs_bufs, do_bufs, lse_bufs, delta_bufs, k_buf, v_buf, ds_bufs, dq_bufs,
                          kv_ready, q_ready, do_ready, empty, ds_ready, ds_free, dq_desc, DK, DV,
                          stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, b,
                          h_kv, group, start_n, lo, n_masked, n_qblocks, seq_q, seq_k, sm_scale,
-                         0, IS_CAUSAL)),
+                         FULL_NUM, FULL_IDX, Q_NUM, Q_IDX, stride_tb, stride_th, stride_tn,
+                         stride_ib, stride_ih, stride_in, MB0, MB1, MB2, MB3, SB0, SB1, SB2,
+                         SB3, 0, IS_CAUSAL, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD,
+                         SCORE_GRAD, N_SCORE_BUF, HAS_SCORE)),
             (_consumer, (qs_bufs, do_bufs, lse_bufs, delta_bufs, k_buf, v_buf, ds_bufs, dq_bufs,
                          kv_ready, q_ready, do_ready, empty, ds_ready, ds_free, dq_desc, DK, DV,
                          stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, b,
                          h_kv, group, start_n, lo, n_masked, n_qblocks, seq_q, seq_k, sm_scale,
-                         1, IS_CAUSAL)),
+                         FULL_NUM, FULL_IDX, Q_NUM, Q_IDX, stride_tb, stride_th, stride_tn,
+                         stride_ib, stride_ih, stride_in, MB0, MB1, MB2, MB3, SB0, SB1, SB2,
+                         SB3, 1, IS_CAUSAL, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD,
+                         SCORE_GRAD, N_SCORE_BUF, HAS_SCORE)),
             (_producer, (qs_desc, do_desc, k_desc, v_desc, LSE, DELTA, qs_bufs, do_bufs,
                          lse_bufs, delta_bufs, k_buf, v_buf, kv_ready, q_ready, do_ready, empty,
-                         b, h_kv, n_heads, group, seq_q, start_n, lo, n_qblocks, n_steps)),
+                         b, h_kv, n_heads, group, seq_q, start_n, lo, n_qblocks, FULL_NUM,
+                         FULL_IDX, Q_NUM, Q_IDX, stride_tb, stride_th, stride_tn, stride_ib,
+                         stride_ih, stride_in, LISTED)),
         ], [4, 1], [240, 24])  # fmt: skip

@@ -23,9 +23,11 @@ from flashlite._caches import Cache
 from flashlite.kernels.attention import block_mask as KB
 from flashlite.kernels.attention import flex as KF
 from flashlite.kernels.attention import hopper as KH
+from flashlite.kernels.attention import hopper_bwd as KHB
 from flashlite.ops._dispatch import Op
 from flashlite.ops.attention import hopper as HP
-from flashlite.ops.attention.bwd_launch import bwd_preprocess
+from flashlite.ops.attention.bwd import hopper_bwd_applies
+from flashlite.ops.attention.bwd_launch import bwd_preprocess, plan_preprocess
 from flashlite.ops.attention.checks import check_inputs
 from flashlite.ops.attention.mod_args import check_buffers_on, spec_mod, unspec_mod
 from flashlite.ops.attention.plan import _descriptor_ok, hopper_config
@@ -264,6 +266,10 @@ def _bwd_body(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         return dq.zero_(), dk.zero_(), dv.zero_()
     bufs, mods = _mod_args((mask_spec, mask_tensors, mask_nums),
                            (score_spec, score_tensors, score_nums), grad=True)  # fmt: skip
+    q_tables = (q_num, q_idx, full_q_num, full_q_idx)
+    if _run_hopper_bwd(do, q, k, v, o, lse, dlse, dq, dk, dv, q_tables, tbm, tbn, scale, bufs,
+                       mods):  # fmt: skip
+        return dq, dk, dv
     opts = _options(q, tbm, tbn, bwd=True)
     delta = bwd_preprocess(o, do, lse, dlse, q, q, scale, prescale_q=False)
     _launch(KF._flex_bwd_dkdv_kernel, (triton.cdiv(nk, opts["BLOCK_N"]), b * hkv), (
@@ -276,6 +282,40 @@ def _bwd_body(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         *dq.stride(), kv_num, kv_idx, full_num, full_idx, *_table_args(kv_num, kv_idx, b, hq),
         hq, hq // hkv, nq, nk, scale, *bufs), mods, opts)  # fmt: skip
     return dq, dk, dv
+
+
+_hopper_bwd_failed: set[tuple[Any, ...]] = set()
+
+
+def _run_hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
+                    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                    tables: tuple[torch.Tensor, ...], tbm: int, tbn: int, scale: float,
+                    bufs: list[Any], mods: dict[str, Any]) -> bool:  # fmt: skip
+    """Run the backward on the fused Gluon kernel where it applies (as the dense backward's,
+    :func:`~flashlite.ops.attention.bwd.hopper_bwd_applies`, with tables of its 128 × 128
+    tiles): the preprocess writes delta, ``Qs`` into ``dq``'s memory and zeros into dQ's fp32
+    accumulator, then one kernel adds every gradient. False (after one warning if it failed to
+    build) means: run the Triton kernels (they overwrite ``dq``)."""
+    if (tbm, tbn) != (2 * KHB.BLOCK_M, KHB.BLOCK_N) or q.dtype not in (torch.float16,
+                                                                       torch.bfloat16):
+        return False
+    if not hopper_bwd_applies(q, k, v, do, dk, dv) or not _descriptor_ok(dq):
+        return False
+    key = (q.dtype, q.shape[-1], *mods.values())
+    b, hq = q.shape[:2]
+
+    def build() -> bool:
+        acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+        delta = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+        dense_dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
+        plan_preprocess(o, do, dense_dlse, delta, q, dq, scale, acc, prescale_q=True)(
+            o, do, dense_dlse, delta, q, dq, acc)
+        HP.flex_bwd_hopper(dq, k, v, do, lse, delta, dq, dk, dv, acc, tables,
+                           _table_args(tables[0], tables[1], b, hq), scale, bufs, mods)
+        return True
+
+    return HP.first_build(_hopper_bwd_failed, key, "flex backward", build, stacklevel=3) is not None
 
 
 def _bwd_fake(do, q, k, v, *args):  # type: ignore[no-untyped-def]
@@ -313,12 +353,14 @@ FLEX_FWD = Op("flex_attention_fwd", _fwd_body, fake=_fwd_fake, inputs=3,
 def compiled_variants() -> int:
     """How many compiled variants of the flex and classifier kernels this process holds (what
     a loop over sequence lengths should not grow; 0 in the interpreter, which compiles
-    nothing). With Gluon, the Hopper forward's variants count too (the plain forward's
+    nothing). With Gluon, the Hopper kernels' variants count too (the plain attention's
     among them)."""
     kernels = [KF._flex_fwd_kernel, KF._flex_bwd_dkdv_kernel, KF._flex_bwd_dq_kernel,
                KB._classify_tiles_kernel]  # fmt: skip
     if KH.available():
         kernels.append(KH._attention_fwd_hopper_kernel)
+    if KHB.available():
+        kernels.append(KHB._attention_bwd_hopper_kernel)
     caches = (getattr(k, "device_caches", {}) for k in kernels)
     return sum(len(entry[0]) for cache in caches for entry in cache.values())
 

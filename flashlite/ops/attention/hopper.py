@@ -66,7 +66,7 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> Any:
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block, layout)
 
 
-#: The forward kernel's block-table and mod arguments when it runs without tables (never read).
+#: The kernels' block-table and mod arguments when they run without tables (never read).
 _NO_TABLES = (0,) * 18
 
 
@@ -117,7 +117,8 @@ def plan_bwd_hopper(qs: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dk: tor
     b, hq, nq, d = qs.shape
     hkv, nk = k.shape[1], k.shape[2]
     grid = (triton.cdiv(nk, KHB.BLOCK_N) * b * hkv, 1, 1)
-    rest = (*dk.stride()[:3], *dv.stride()[:3], hq, hkv, hq // hkv, nq, nk, scale)
+    rest = (*dk.stride()[:3], *dv.stride()[:3], hq, hkv, hq // hkv, nq, nk, scale,
+            *_NO_TABLES)
     options = {"STAGES": KHB.STAGES, "GROUP_H": KHB.CAUSAL_GROUP_H if causal else 1,
                "IS_CAUSAL": causal, "num_warps": 4}  # fmt: skip
     kernel = _launch.launcher(KHB._attention_bwd_hopper_kernel)
@@ -157,3 +158,29 @@ def flex_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.
         BLOCK_M=config.block_m, BLOCK_N=bn, STAGES=config.stages, IS_CAUSAL=False, LISTED=True,
         num_warps=4, **mods,
     )  # fmt: skip
+
+
+def flex_bwd_hopper(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                    lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+                    dv: torch.Tensor, acc: torch.Tensor, tables: tuple[torch.Tensor, ...],
+                    table_strides: tuple[int, ...], scale: float, mod_args: list[Any],
+                    mods: dict[str, Any]) -> None:  # fmt: skip
+    """The fused Gluon backward over block tables (``LISTED``): the gradients as
+    :func:`plan_bwd_hopper`'s ``run`` writes them, each key block walking the query blocks
+    ``tables`` = ``(q_num, q_idx, full_q_num, full_q_idx)`` list for it, with
+    ``mask_mod``/``score_mod`` (and ``SCORE_GRAD``) as the Triton flex kernels take them. The
+    tables' blocks are 128 × 128. No checks: the caller has validated everything and that TMA
+    can read the tensors."""
+    b, hq, nq, d = qs.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    q_num, q_idx, full_num, full_idx = tables
+    grid = (triton.cdiv(nk, KHB.BLOCK_N) * b * hkv, 1, 1)
+    KHB._attention_bwd_hopper_kernel[grid](
+        _descriptor(qs, KHB.BLOCK_M, d), _descriptor(do, KHB.BLOCK_M, d),
+        _descriptor(k, KHB.BLOCK_N, d), _descriptor(v, KHB.BLOCK_N, d),
+        _descriptor(acc, KHB.BLOCK_M, d // 2), lse, delta, dk, dv, *dk.stride()[:3],
+        *dv.stride()[:3], hq, hkv, hq // hkv, nq, nk, scale, full_num, full_idx, q_num, q_idx,
+        *table_strides, *mod_args, STAGES=KHB.STAGES, GROUP_H=KHB.CAUSAL_GROUP_H,
+        IS_CAUSAL=False, LISTED=True, num_warps=4, **mods,
+    )  # fmt: skip
+    dq.copy_(acc)
