@@ -507,7 +507,7 @@ def test_gpu_flex_backward_on_the_fused_hopper_kernel(name: str, monkeypatch) ->
 
     fused = grads([t.clone().requires_grad_() for t in base])
     assert calls, "the fused Hopper backward did not run"
-    with _deterministic():
+    with _Deterministic():
         triton_grads = grads([t.clone().requires_grad_() for t in base])
     assert len(calls) == 1  # (deterministic algorithms: the Triton kernels ran)
     exact = [t.transpose(1, 2).double().requires_grad_() for t in base]
@@ -521,7 +521,7 @@ def test_gpu_flex_backward_on_the_fused_hopper_kernel(name: str, monkeypatch) ->
         assert err <= 2 * triton_err + 4 * floor, (err, triton_err)
 
 
-class _deterministic:
+class _Deterministic:
     """``torch.use_deterministic_algorithms(True)`` inside a ``with`` block."""
 
     def __enter__(self) -> None:

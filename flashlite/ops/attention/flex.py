@@ -297,8 +297,7 @@ def _run_hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     tiles): the preprocess writes delta, ``Qs`` into ``dq``'s memory and zeros into dQ's fp32
     accumulator, then one kernel adds every gradient. False (after one warning if it failed to
     build) means: run the Triton kernels (they overwrite ``dq``)."""
-    if (tbm, tbn) != (2 * KHB.BLOCK_M, KHB.BLOCK_N) or q.dtype not in (torch.float16,
-                                                                       torch.bfloat16):
+    if (tbm, tbn) != (2 * KHB.BLOCK_M, KHB.BLOCK_N):
         return False
     if not hopper_bwd_applies(q, k, v, do, dk, dv) or not _descriptor_ok(dq):
         return False
@@ -309,10 +308,11 @@ def _run_hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
         acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
         delta = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         dense_dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
-        plan_preprocess(o, do, dense_dlse, delta, q, dq, scale, acc, prescale_q=True)(
-            o, do, dense_dlse, delta, q, dq, acc)
-        HP.flex_bwd_hopper(dq, k, v, do, lse, delta, dq, dk, dv, acc, tables,
-                           _table_args(tables[0], tables[1], b, hq), scale, bufs, mods)
+        prep = plan_preprocess(o, do, dense_dlse, delta, q, dq, scale, acc, prescale_q=True)
+        prep(o, do, dense_dlse, delta, q, dq, acc)
+        strides = _table_args(tables[0], tables[1], b, hq)
+        HP.flex_bwd_hopper(dq, k, v, do, lse, delta, dq, dk, dv, acc, tables, strides, scale,
+                           bufs, mods)  # fmt: skip
         return True
 
     return HP.first_build(_hopper_bwd_failed, key, "flex backward", build, stacklevel=3) is not None

@@ -117,8 +117,7 @@ def plan_bwd_hopper(qs: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dk: tor
     b, hq, nq, d = qs.shape
     hkv, nk = k.shape[1], k.shape[2]
     grid = (triton.cdiv(nk, KHB.BLOCK_N) * b * hkv, 1, 1)
-    rest = (*dk.stride()[:3], *dv.stride()[:3], hq, hkv, hq // hkv, nq, nk, scale,
-            *_NO_TABLES)
+    rest = (*dk.stride()[:3], *dv.stride()[:3], hq, hkv, hq // hkv, nq, nk, scale, *_NO_TABLES)
     options = {"STAGES": KHB.STAGES, "GROUP_H": KHB.CAUSAL_GROUP_H if causal else 1,
                "IS_CAUSAL": causal, "num_warps": 4}  # fmt: skip
     kernel = _launch.launcher(KHB._attention_bwd_hopper_kernel)
