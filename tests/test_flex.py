@@ -533,6 +533,42 @@ class _Deterministic:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+@pytest.mark.parametrize("nq", [1, 4])
+def test_gpu_kvcache_decode_with_a_mask_function(paged: bool, nq: int) -> None:
+    """The decode kernel with a document-causal mask function on the GPU (bf16, GQA 32/8,
+    D 128, an append, the default split), against the fp64 reference."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    gen = torch.Generator().manual_seed(5)
+    bsz, cap, hq, hkv, d, page = 3, 4096, 32, 8, 128, 256
+    kc, vc = (torch.randn(bsz, cap, hkv, d, generator=gen).bfloat16() for _ in range(2))
+    q = torch.randn(bsz, nq, hq, d, generator=gen).bfloat16()
+    kn, vn = (torch.randn(bsz, nq, hkv, d, generator=gen).bfloat16() for _ in range(2))
+    lens = torch.tensor([100, 2500, 4000], dtype=torch.int32)
+    ids = gallery.random_documents(bsz, cap, 6, seed=2)
+    table, k_arg, v_arg = None, kc, vc
+    if paged:  # pages of 256 keys, shuffled
+        per = cap // page
+        table = torch.randperm(bsz * per, generator=gen).view(bsz, per).to(torch.int32)
+        k_arg = torch.empty(bsz * per, page, hkv, d, dtype=torch.bfloat16)
+        v_arg = torch.empty_like(k_arg)
+        for b in range(bsz):
+            for j in range(per):
+                k_arg[table[b, j]] = kc[b, j * page : (j + 1) * page]
+                v_arg[table[b, j]] = vc[b, j * page : (j + 1) * page]
+    cuda = [t.cuda() if t is not None else None for t in (q, k_arg, v_arg, lens, kn, vn, table)]
+    o = flashlite.attention_kvcache(*cuda[:3], cache_seqlens=cuda[3], k_new=cuda[4],
+                                    v_new=cuda[5], block_table=cuda[6],
+                                    mask_mod=gallery.document_causal(ids.cuda()))  # fmt: skip
+    for b, n in enumerate(lens.tolist()):
+        kc[b, n : n + nq], vc[b, n : n + nq] = kn[b], vn[b]
+    ref = _kvcache_reference(q, kc, vc, lens + nq, gallery.document_causal(ids))
+    tol = TOL[torch.bfloat16]
+    torch.testing.assert_close(o.cpu().double(), ref, atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.gpu
 def test_gpu_hand_written_causal_matches_the_built_in_bit_for_bit() -> None:
     """On the H200 both run the Gluon kernel over the same tiles in the same order: the
     built-in's causal arithmetic and a listed mask function give the same bits."""
