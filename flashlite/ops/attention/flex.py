@@ -10,6 +10,7 @@ as tensors: a new sequence length is new table shapes, never a new kernel.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from flashlite.kernels.attention import hopper_bwd as KHB
 from flashlite.ops._dispatch import Op
 from flashlite.ops.attention import hopper as HP
 from flashlite.ops.attention.bwd import hopper_bwd_applies
-from flashlite.ops.attention.bwd_launch import bwd_preprocess, plan_preprocess
+from flashlite.ops.attention.bwd_launch import bwd_preprocess
 from flashlite.ops.attention.checks import check_inputs
 from flashlite.ops.attention.mod_args import check_buffers_on, spec_mod, unspec_mod
 from flashlite.ops.attention.plan import _descriptor_ok, hopper_config
@@ -305,13 +306,9 @@ def _run_hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     b, hq = q.shape[:2]
 
     def build() -> bool:
-        acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-        delta = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         dense_dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
-        prep = plan_preprocess(o, do, dense_dlse, delta, q, dq, scale, acc, prescale_q=True)
-        prep(o, do, dense_dlse, delta, q, dq, acc)
         strides = _table_args(tables[0], tables[1], b, hq)
-        HP.flex_bwd_hopper(dq, k, v, do, lse, delta, dq, dk, dv, acc, tables, strides, scale,
+        HP.flex_bwd_hopper(q, k, v, o, do, lse, dense_dlse, dq, dk, dv, tables, strides, scale,
                            bufs, mods)  # fmt: skip
         return True
 
@@ -419,8 +416,15 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return (o, lse) if return_lse else o
 
 
+#: Block masks whose tables :func:`_check_tables` accepted: a BlockMask is frozen, so its
+#: tables' shapes and dtypes cannot change after (a call with one checks it once).
+_checked: weakref.WeakSet[BM.BlockMask] = weakref.WeakSet()
+
+
 def _check_tables(bm: BM.BlockMask) -> None:
     """A BlockMask's tables agree with its lengths and tile (one made by hand may not)."""
+    if bm in _checked:
+        return
     bq, bk = _check_block_size(tuple(bm.BLOCK_SIZE))
     nq, nk = bm.seq_lengths
     nqb, nkb = BM.cdiv(nq, bq), BM.cdiv(nk, bk)
@@ -436,6 +440,7 @@ def _check_tables(bm: BM.BlockMask) -> None:
                 f"block_mask.{name} is {tuple(t.shape)} {t.dtype}; for (Q_LEN, KV_LEN) = "
                 f"{(nq, nk)} and BLOCK_SIZE {(bq, bk)} it must be {shape} torch.int32"
             )
+    _checked.add(bm)
 
 
 def _block_mask_for(block_mask: Any, q: torch.Tensor, k: torch.Tensor) -> BM.BlockMask:

@@ -17,6 +17,7 @@ from flashlite import _launch
 from flashlite._caches import Cache
 from flashlite.kernels.attention import hopper as KH
 from flashlite.kernels.attention import hopper_bwd as KHB
+from flashlite.ops.attention.bwd_launch import plan_preprocess
 
 try:  # Gluon's host descriptor (where Gluon is absent, nothing here runs)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -137,6 +138,49 @@ def plan_bwd_hopper(qs: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dk: tor
     return run
 
 
+#: Bound launches of the flex kernels (:func:`flex_fwd_hopper`, :func:`flex_bwd_hopper`) and
+#: the backward's preprocess plans, by what they pin (:func:`_flex_key`).
+_flex_runs = Cache("hopper.flex_runs", 256)
+
+#: ``(argument position, rows, cols)`` of the arguments a flex kernel reads through descriptors.
+Blocks = tuple[tuple[int, int, int], ...]
+
+
+def _flex_key(kernel: Any, args: tuple[Any, ...], blocks: Blocks,
+              options: dict[str, Any]) -> tuple[Any, ...]:  # fmt: skip
+    """What a bound launch of ``kernel`` with ``args`` pins: every tensor's dtype, device and
+    16-byte alignment, every int's class (:func:`flashlite._launch._int_class`), the options
+    (the mods among them), and the shape and strides of the tensors read through descriptors
+    (``blocks``: ``(position, rows, cols)``)."""
+    key: list[Any] = [id(kernel), *options.items()]
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append((a.dtype, a.device, a.data_ptr() % 16 == 0))
+        elif type(a) is int:
+            key.append(_launch._int_class(a))
+        else:
+            key.append(type(a))
+    for i, _, _ in blocks:
+        key.append((args[i].shape, args[i].stride()))
+    return tuple(key)
+
+
+def _flex_launch(kernel: Any, grid: tuple[int, int, int], args: tuple[Any, ...],
+                 blocks: Blocks, options: dict[str, Any]) -> None:  # fmt: skip
+    """``kernel[grid](*args, **options)`` with the tensors at ``blocks``' positions read through
+    TMA descriptors of ``[1, 1, rows, cols]`` blocks: bound once per :func:`_flex_key` (made
+    from descriptors of these tensors), so that a call builds no descriptor object and binds
+    no argument (Triton's own launch of a Gluon kernel took about 100 µs of host time)."""
+    key = _flex_key(kernel, args, blocks, options)
+    run = _flex_runs.get(key)
+    if run is None:
+        templates = list(args)
+        for i, rows, cols in blocks:
+            templates[i] = _descriptor(args[i], rows, cols)
+        run = _flex_runs.put(key, _launch.launcher(kernel).bind_tensors(tuple(templates), options))
+    run(grid, *args)
+
+
 def flex_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
                     lse: torch.Tensor, tables: tuple[torch.Tensor, ...],
                     table_strides: tuple[int, ...], scale: float, config: KH.HopperConfig,
@@ -147,39 +191,50 @@ def flex_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.
     kernel takes them (``mod_args``: the eight buffer slots; ``mods``: their constexprs). The
     tables' blocks are ``config``'s tiles. No checks: the caller has validated everything and
     that TMA can read the tensors."""
-    b, hq, nq, _ = q.shape
+    b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     half, bn = config.block_m // 2, config.block_n
     grid = (triton.cdiv(nq, config.block_m), b * hq, 1)
-    KH._attention_fwd_hopper_kernel[grid](
-        _descriptor(q, half), _descriptor(k, bn), _descriptor(v, bn), _descriptor(o, half), lse,
-        lse, hq, hq // hkv, nq, nk, scale, *tables, *table_strides, *mod_args,
-        BLOCK_M=config.block_m, BLOCK_N=bn, STAGES=config.stages, IS_CAUSAL=False, LISTED=True,
-        num_warps=4, **mods,
-    )  # fmt: skip
+    args = (q, k, v, o, lse, lse, hq, hq // hkv, nq, nk, scale, *tables, *table_strides,
+            *mod_args)  # fmt: skip
+    options = {"BLOCK_M": config.block_m, "BLOCK_N": bn, "STAGES": config.stages,
+               "IS_CAUSAL": False, "LISTED": True, "num_warps": 4, **mods}  # fmt: skip
+    blocks = ((0, half, d), (1, bn, d), (2, bn, d), (3, half, d))
+    _flex_launch(KH._attention_fwd_hopper_kernel, grid, args, blocks, options)
 
 
-def flex_bwd_hopper(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-                    lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
-                    dv: torch.Tensor, acc: torch.Tensor, tables: tuple[torch.Tensor, ...],
-                    table_strides: tuple[int, ...], scale: float, mod_args: list[Any],
-                    mods: dict[str, Any]) -> None:  # fmt: skip
-    """The fused Gluon backward over block tables (``LISTED``): the gradients as
-    :func:`plan_bwd_hopper`'s ``run`` writes them, each key block walking the query blocks
-    ``tables`` = ``(q_num, q_idx, full_q_num, full_q_idx)`` list for it, with
-    ``mask_mod``/``score_mod`` (and ``SCORE_GRAD``) as the Triton flex kernels take them. The
-    tables' blocks are 128 × 128. No checks: the caller has validated everything and that TMA
-    can read the tensors."""
-    b, hq, nq, d = qs.shape
+def flex_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                    do: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
+                    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                    tables: tuple[torch.Tensor, ...], table_strides: tuple[int, ...],
+                    scale: float, mod_args: list[Any], mods: dict[str, Any]) -> None:  # fmt: skip
+    """The fused Gluon backward over block tables (``LISTED``): dQ, dK, dV into ``dq``, ``dk``,
+    ``dv``, each key block walking the query blocks ``tables`` = ``(q_num, q_idx, full_q_num,
+    full_q_idx)`` list for it, with ``mask_mod``/``score_mod`` (and ``SCORE_GRAD``) as the
+    Triton flex kernels take them. The preprocess writes delta, ``Qs`` into ``dq``'s memory
+    and zeros into dQ's fp32 accumulator first (``dlse``: dense fp32 or None). The tables'
+    blocks are 128 × 128. No checks: the caller has validated everything and that TMA can
+    read the tensors."""
+    b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
+    acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+    delta = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    prep_key = ("prep", o.dtype, o.device, o.shape, o.stride(), do.stride(), q.stride(),
+                dq.stride(), scale, dlse is None,
+                *(t.data_ptr() % 16 == 0 for t in (o, do, q, dq)))  # fmt: skip
+    prep = _flex_runs.get(prep_key)
+    if prep is None:
+        prep = _flex_runs.put(prep_key, plan_preprocess(o, do, dlse, delta, q, dq, scale, acc,
+                                                        prescale_q=True))  # fmt: skip
+    prep(o, do, dlse, delta, q, dq, acc)
     q_num, q_idx, full_num, full_idx = tables
     grid = (triton.cdiv(nk, KHB.BLOCK_N) * b * hkv, 1, 1)
-    KHB._attention_bwd_hopper_kernel[grid](
-        _descriptor(qs, KHB.BLOCK_M, d), _descriptor(do, KHB.BLOCK_M, d),
-        _descriptor(k, KHB.BLOCK_N, d), _descriptor(v, KHB.BLOCK_N, d),
-        _descriptor(acc, KHB.BLOCK_M, d // 2), lse, delta, dk, dv, *dk.stride()[:3],
-        *dv.stride()[:3], hq, hkv, hq // hkv, nq, nk, scale, full_num, full_idx, q_num, q_idx,
-        *table_strides, *mod_args, STAGES=KHB.STAGES, GROUP_H=KHB.CAUSAL_GROUP_H,
-        IS_CAUSAL=False, LISTED=True, num_warps=4, **mods,
-    )  # fmt: skip
-    dq.copy_(acc)
+    args = (dq, do, k, v, acc, lse, delta, dk, dv, *dk.stride()[:3], *dv.stride()[:3], hq, hkv,
+            hq // hkv, nq, nk, scale, full_num, full_idx, q_num, q_idx, *table_strides,
+            *mod_args)  # fmt: skip
+    options = {"STAGES": KHB.STAGES, "GROUP_H": KHB.CAUSAL_GROUP_H, "IS_CAUSAL": False,
+               "LISTED": True, "num_warps": 4, **mods}  # fmt: skip
+    blocks = ((0, KHB.BLOCK_M, d), (1, KHB.BLOCK_M, d), (2, KHB.BLOCK_N, d),
+              (3, KHB.BLOCK_N, d), (4, KHB.BLOCK_M, d // 2))  # fmt: skip
+    _flex_launch(KHB._attention_bwd_hopper_kernel, grid, args, blocks, options)
+    dq.copy_(acc)  # the kernel added scale·dS·K: only the rounding is left
