@@ -170,10 +170,11 @@ def _options(q: torch.Tensor, tbm: int, tbn: int, bwd: bool) -> dict[str, Any]:
 
 def _table_args(num: torch.Tensor, idx: torch.Tensor, b: int, h: int) -> tuple[Any, ...]:
     """Strides of ``(B|1, H|1, n)`` counts and ``(B|1, H|1, n, m)`` indices as ``(B, H, …)``
-    (0 along a broadcast dimension)."""
-    num = num.expand(b, h, num.shape[2])
-    idx = idx.expand(b, h, *idx.shape[2:])
-    return num.stride(0), num.stride(1), num.stride(2), idx.stride(0), idx.stride(1), idx.stride(2)
+    views take them: 0 along a broadcast (size 1) dimension, as ``expand`` would give."""
+    ns, is_ = num.stride(), idx.stride()
+    one_b, one_h = num.shape[0] == 1, num.shape[1] == 1
+    return (0 if one_b else ns[0], 0 if one_h else ns[1], ns[2], 0 if one_b else is_[0],
+            0 if one_h else is_[1], is_[2])  # fmt: skip
 
 
 def _fwd_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num: torch.Tensor,

@@ -152,10 +152,11 @@ def _flex_key(kernel: Any, args: tuple[Any, ...], blocks: Blocks,
     16-byte alignment, every int's class (:func:`flashlite._launch._int_class`), the options
     (the mods among them), and the shape and strides of the tensors read through descriptors
     (``blocks``: ``(position, rows, cols)``)."""
-    key: list[Any] = [id(kernel), *options.items()]
-    for a in args:
+    first = args[blocks[0][0]]
+    key: list[Any] = [id(kernel), first.device, *options.items()]
+    for a in args:  # (one device: the front-end checked every tensor is on the call's)
         if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.device, a.data_ptr() % 16 == 0))
+            key.append((a.dtype, a.data_ptr() % 16 == 0))
         elif type(a) is int:
             key.append(_launch._int_class(a))
         else:
