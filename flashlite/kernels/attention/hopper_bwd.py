@@ -35,9 +35,17 @@ large scores (a very negative LSE) it overflows 16 bits, and ``inf·0`` in ``dS�
 Qs is the backward preprocess's ``Q·scale·log2 e`` (:mod:`flashlite.kernels.attention.bwd`),
 so the scores are the forward's bit for bit and ``P = 2^(Sᵀ − LSE·log2 e)``.
 
-Runs only on a CUDA sm_90 device with Triton's Gluon (3.6 measured). Plain attention only:
-causal (bottom-right aligned) or not, GQA, any lengths; no window, soft cap, per-batch lengths
-or packed sequences (those take the Triton kernels).
+The same kernel serves :func:`flashlite.flex_attention`'s backward (``LISTED``): a key block
+walks the query blocks its row of the ``q_*`` block tables lists for each head of the group
+(two 64-row steps per 128-row table block), full ones first, then partial ones, where
+``mask_mod`` zeroes ``Pᵀ``. A score function sees the natural-unit scores ``Sᵀ·ln 2`` before
+the LSE is subtracted (the products then start from 0, not −LSE), and its derivative multiplies
+``dPᵀ − delta``.
+
+Runs only on a CUDA sm_90 device with Triton's Gluon (3.6 measured). Dense attention: causal
+(bottom-right aligned) or not, GQA, any lengths; no window, soft cap, per-batch lengths or
+packed sequences (those take the Triton kernels); or block tables with mask and score
+functions.
 """
 
 from __future__ import annotations
