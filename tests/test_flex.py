@@ -313,6 +313,18 @@ def test_bad_block_masks_raise_clear_errors() -> None:
         gallery.sliding_window(-1)
 
 
+@pytest.mark.parametrize("lead", [(1, 1), (2, 1), (1, 4), (2, 4)])
+def test_table_strides_are_the_broadcast_views(lead: tuple[int, int]) -> None:
+    """The kernels' table strides are those of the tables expanded to the call's (B, H): 0 along
+    a dimension the mask ignores."""
+    from flashlite.ops.attention.flex import _table_args
+
+    num = torch.zeros(*lead, 5, dtype=torch.int32)
+    idx = torch.zeros(*lead, 5, 7, dtype=torch.int32)
+    want = (*num.expand(2, 4, 5).stride(), *idx.expand(2, 4, 5, 7).stride()[:3])
+    assert _table_args(num, idx, 2, 4) == want
+
+
 # --------------------------------------------------------------------------- KV-cache decoding
 def _kvcache_reference(q, kc, vc, lens, mm, causal=True, window=None):  # noqa: ANN001, ANN202
     """fp64 decode step over caches that already hold the new keys: query i of Nq sits at
