@@ -325,6 +325,49 @@ def test_table_strides_are_the_broadcast_views(lead: tuple[int, int]) -> None:
     assert _table_args(num, idx, 2, 4) == want
 
 
+def test_hopper_build_failures_fall_back_to_the_triton_kernels(monkeypatch) -> None:  # noqa: ANN001
+    """Where the Gluon kernels would run but fail to build, one warning per direction and the
+    Triton kernels' results (the dispatch, on CPU: the Gluon launches themselves are broken)."""
+    import warnings
+
+    from flashlite.kernels.attention import hopper as KH
+    from flashlite.ops.attention import flex
+
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(i))
+               for i in range(3))  # fmt: skip
+    bm = flashlite.create_block_mask(gallery.causal(), None, None, 40, 40, device="cpu",
+                                     BLOCK_SIZE=128)  # fmt: skip
+    go = torch.randn_like(q)
+
+    def run() -> tuple[torch.Tensor, ...]:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o = flashlite.flex_attention(*leaves, block_mask=bm)
+        return (o.detach(), *torch.autograd.grad(o, leaves, go))
+
+    want = run()
+
+    def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AttributeError("module 'triton.experimental.gluon.language' has no attribute")
+
+    monkeypatch.setattr(flex, "hopper_config", lambda *a: KH.HopperConfig(128, 128, 3))
+    monkeypatch.setattr(flex, "hopper_bwd_applies", lambda *a: True)
+    monkeypatch.setattr(flex, "_descriptor_ok", lambda *a: True)
+    monkeypatch.setattr(flex.HP, "flex_fwd_hopper", broken)
+    monkeypatch.setattr(flex.HP, "flex_bwd_hopper", broken)
+    monkeypatch.setattr(flex, "_hopper_failed", set())
+    monkeypatch.setattr(flex, "_hopper_bwd_failed", set())
+    with pytest.warns(RuntimeWarning) as caught:
+        got = run()
+    said = sorted(str(w.message).split(" kernel failed")[0] for w in caught)
+    assert said == ["flashlite: the Hopper flex", "flashlite: the Hopper flex backward"], said
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        again = run()
+    assert not [w for w in seen if "Hopper" in str(w.message)]  # no second warning
+    for g, a, w in zip(got, again, want, strict=True):
+        assert torch.equal(g, w) and torch.equal(a, w)
+
+
 # --------------------------------------------------------------------------- KV-cache decoding
 def _kvcache_reference(q, kc, vc, lens, mm, causal=True, window=None):  # noqa: ANN001, ANN202
     """fp64 decode step over caches that already hold the new keys: query i of Nq sits at

@@ -6,11 +6,9 @@ and the body of its custom op ``flashlite::attention_bwd``."""
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Callable
 
 import torch
-import triton
 
 from flashlite import _backend, masks
 from flashlite._caches import Cache
@@ -259,18 +257,13 @@ def _run_hopper_bwd(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torc
     ``run`` for later calls of this kind, or None (after one warning) if it fails to build
     here."""
     key = (qs.dtype, qs.shape[-1], causal)
-    if key in _hopper_bwd_failed:
-        return None
-    try:
+
+    def build() -> Callable[..., None]:
         run = HP.plan_bwd_hopper(qs, k, do, dk, dv, causal, scale)
         run(qs, k, v, do, lse, delta, dq, dk, dv, acc)
-    except (triton.CompilationError, TypeError, ValueError, AttributeError) as err:
-        _hopper_bwd_failed.add(key)
-        warnings.warn(f"flashlite: the fused Hopper attention backward failed to build "
-                      f"({err!r:.300}); the Triton kernels run instead", RuntimeWarning,
-                      stacklevel=3)  # fmt: skip
-        return None
-    return run
+        return run
+
+    return HP.first_build(_hopper_bwd_failed, key, "fused attention backward", build, stacklevel=4)
 
 
 def _attention_bwd_body(
