@@ -220,8 +220,9 @@ def flex_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.
     hkv, nk = k.shape[1], k.shape[2]
     acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
     delta = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
+    # (what the preprocess plan binds: strides, the scale, and each pointer's alignment)
     prep_key = ("prep", o.dtype, o.device, o.shape, o.stride(), do.stride(), q.stride(),
-                dq.stride(), scale, dlse is None,
+                dq.stride(), scale, dlse is None or dlse.data_ptr() % 16 == 0, dlse is None,
                 *(t.data_ptr() % 16 == 0 for t in (o, do, q, dq)))  # fmt: skip
     prep = _flex_runs.get(prep_key)
     if prep is None:
