@@ -368,6 +368,46 @@ def test_hopper_build_failures_fall_back_to_the_triton_kernels(monkeypatch) -> N
         assert torch.equal(g, w) and torch.equal(a, w)
 
 
+def test_fused_backward_receives_what_its_kernel_reads(monkeypatch) -> None:  # noqa: ANN001
+    """The host side of the fused Hopper backward on CPU, with the Gluon launch replaced by a
+    stand-in: it gets ``Qs = Q·scale·log2 e`` (as the forward rounded it) in dQ's memory, delta,
+    a zeroed accumulator, the ``q_*`` tables with their strides and the mods; what it writes is
+    what the call returns, and an LSE gradient reaches delta."""
+    from flashlite.ops.attention import flex
+
+    gen = torch.Generator().manual_seed(4)
+    b, h, n, d = 2, 2, 40, 16
+    q, k, v = (torch.randn(b, h, n, d, generator=gen).half() for _ in range(3))
+    go, gl = torch.randn(b, h, n, d, generator=gen).half(), torch.randn(b, h, n, generator=gen)
+    mm = gallery.document_causal(gallery.random_documents(b, n, 3, seed=2))
+    bm = flashlite.create_block_mask(mm, b, None, n, n, device="cpu", BLOCK_SIZE=128)
+    scale = d**-0.5
+    seen = {}
+
+    def stand_in(qs, k_, v_, do, lse, delta, dq, dk, dv, acc, tables, strides, scale_, bufs,
+                 mods):  # noqa: ANN001, ANN202  # fmt: skip
+        seen.update(qs_is_dq=qs is dq, acc_zero=bool((acc == 0).all()), mods=mods)
+        seen.update(qs=qs.clone(), delta=delta, tables=tables, strides=strides)
+        dq.fill_(1.0), dk.fill_(2.0), dv.fill_(3.0)
+
+    monkeypatch.setattr(flex, "hopper_bwd_applies", lambda *a: True)
+    monkeypatch.setattr(flex, "_descriptor_ok", lambda *a: True)
+    monkeypatch.setattr(flex.HP, "flex_bwd_hopper", stand_in)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    o, lse = flashlite.flex_attention(*leaves, block_mask=bm, return_lse=True)
+    dq, dk, dv = torch.autograd.grad((o * go).sum() + (lse * gl).sum(), leaves)
+    assert (dq == 1).all() and (dk == 2).all() and (dv == 3).all()
+    assert seen["qs_is_dq"] and seen["acc_zero"]
+    qs = (q.float() * (scale * math.log2(math.e))).half()  # (as the forward rounded it)
+    torch.testing.assert_close(seen["qs"], qs, atol=0, rtol=0)
+    want_delta = (o.detach().float() * go.float()).sum(-1) - gl
+    torch.testing.assert_close(seen["delta"], want_delta, atol=2e-3, rtol=2e-3)
+    assert all(a is w for a, w in zip(seen["tables"], (bm.q_num_blocks, bm.q_indices,
+               bm.full_q_num_blocks, bm.full_q_indices), strict=True))  # fmt: skip
+    assert seen["strides"] == flex._table_args(bm.q_num_blocks, bm.q_indices, b, h)
+    assert seen["mods"]["MASK_MOD"] is mm.fn and not seen["mods"]["HAS_SCORE"]
+
+
 # --------------------------------------------------------------------------- KV-cache decoding
 def _kvcache_reference(q, kc, vc, lens, mm, causal=True, window=None):  # noqa: ANN001, ANN202
     """fp64 decode step over caches that already hold the new keys: query i of Nq sits at

@@ -13,8 +13,10 @@
 ``decode``      the decode kernel's plan and launch (GQA packing, split-KV, the exact merge)
 ``kvcache``     the KV-cache step: value checks, append, decode; ``flashlite::attention_kvcache``
 ``shared_prefix``  cascade decoding over one shared prefix: prefix pass, suffix pass, merge
-``flex``        your own masks and score functions: :func:`create_block_mask` (the tile
-                classifier), :func:`flex_attention` and their ops ``flashlite::flex_attention_*``
+``block_mask``  block masks for flex: :func:`create_block_mask` (the tile classifier), the
+                tables of no mask, the checks a call's block mask passes
+``flex``        your own masks and score functions: :func:`flex_attention` and its ops
+                ``flashlite::flex_attention_*`` (Triton, or the Hopper kernels, over tables)
 ==============  ==================================================================================
 
 The kernels live in :mod:`flashlite.kernels.attention` and their tile tables in
@@ -35,16 +37,12 @@ from flashlite.kernels.configs import (
     smem_bytes,
 )
 from flashlite.ops.attention.api import attention, attention_kvcache, attention_varlen
+from flashlite.ops.attention.block_mask import create_block_mask, dense_block_mask
 from flashlite.ops.attention.bwd import attention_bwd, hopper_bwd_applies
 from flashlite.ops.attention.bwd_launch import bwd_dkdv, bwd_dq, bwd_preprocess
 from flashlite.ops.attention.checks import check_inputs, check_sinks
 from flashlite.ops.attention.decode import DecodePlan, attention_decode_fwd, combine_splits
-from flashlite.ops.attention.flex import (
-    compiled_variants,
-    create_block_mask,
-    dense_block_mask,
-    flex_attention,
-)
+from flashlite.ops.attention.flex import compiled_variants, flex_attention
 from flashlite.ops.attention.fwd import attention_fwd
 from flashlite.ops.attention.kvcache import KVCachePlan
 from flashlite.ops.attention.plan import (

@@ -1,5 +1,7 @@
-"""Your own masks and score functions: :func:`create_block_mask` and :func:`flex_attention`, named
-and shaped as ``torch.nn.attention.flex_attention``'s, on :mod:`flashlite.kernels.attention.flex`.
+"""Your own masks and score functions: :func:`flex_attention`, named and shaped as
+``torch.nn.attention.flex_attention``'s, on :mod:`flashlite.kernels.attention.flex` (and the
+Hopper kernels on an sm_90 device), over the tables of
+:func:`~flashlite.ops.attention.block_mask.create_block_mask`.
 
 The ops ``flashlite::flex_attention_fwd``/``_bwd`` carry a mod as its registered name
 (:func:`flashlite.mods.registered`), its tensor buffers and its numbers, so that
@@ -10,15 +12,12 @@ as tensors: a new sequence length is new table shapes, never a new kernel.
 from __future__ import annotations
 
 import math
-import weakref
 from typing import Any
 
 import torch
 import triton
-import triton.language as tl  # noqa: F401  (the jit mask below runs with it in scope)
 
 from flashlite import _backend
-from flashlite import block_mask as BM
 from flashlite import mods as M
 from flashlite._caches import Cache
 from flashlite.kernels.attention import block_mask as KB
@@ -27,107 +26,14 @@ from flashlite.kernels.attention import hopper as KH
 from flashlite.kernels.attention import hopper_bwd as KHB
 from flashlite.ops._dispatch import Op
 from flashlite.ops.attention import hopper as HP
+from flashlite.ops.attention.block_mask import block_mask_for
 from flashlite.ops.attention.bwd import hopper_bwd_applies
-from flashlite.ops.attention.bwd_launch import bwd_preprocess
+from flashlite.ops.attention.bwd_launch import bwd_preprocess, plan_preprocess
 from flashlite.ops.attention.checks import check_inputs
 from flashlite.ops.attention.mod_args import check_buffers_on, spec_mod, unspec_mod
 from flashlite.ops.attention.plan import _descriptor_ok, hopper_config
 
-__all__ = ["create_block_mask", "flex_attention", "dense_block_mask", "compiled_variants"]
-
-
-# --------------------------------------------------------------------------- block masks
-def _check_block_size(block_size: object) -> tuple[int, int]:
-    pair = (block_size, block_size) if isinstance(block_size, int) else block_size
-    ok = (isinstance(pair, (tuple, list)) and len(pair) == 2
-          and all(isinstance(x, int) and not isinstance(x, bool) and x >= 16 and x & (x - 1) == 0
-                  for x in pair))  # fmt: skip
-    if not ok:
-        raise ValueError(f"BLOCK_SIZE must be a power of two >= 16 or a pair of them, got "
-                         f"{block_size!r}")  # fmt: skip
-    return int(pair[0]), int(pair[1])
-
-
-def _check_len(n: object, name: str) -> int:
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"{name} must be an int >= 1, got {n!r}")
-    return n
-
-
-def create_block_mask(mask_mod: Any, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
-                      device: torch.device | str | None = None,
-                      BLOCK_SIZE: int | tuple[int, int] = 128) -> BM.BlockMask:  # fmt: skip
-    """Classify every tile of the score matrix as empty, full or partial for ``mask_mod``
-    (torch's ``create_block_mask``, evaluated by a kernel on the device: one mask evaluation
-    per (query, key) pair, no host sync).
-
-    Args:
-        mask_mod: a :class:`~flashlite.mods.MaskMod` (:mod:`flashlite.gallery`,
-            :func:`flashlite.mods.mask_mod`) or a bare ``@triton.jit`` mask.
-        B, H: batch and heads the mask depends on; None: it does not (one table, broadcast).
-        Q_LEN, KV_LEN: the sequence lengths.
-        device: where the tables live (default: the current CUDA device, else CPU).
-        BLOCK_SIZE: the tile, ``bm`` or ``(bm, bn)``, powers of two >= 16.
-
-    Returns:
-        A :class:`~flashlite.block_mask.BlockMask`.
-
-    Raises:
-        TypeError: ``mask_mod`` is not a jit mask (or has the wrong arity).
-        ValueError: bad lengths or block size, a buffer on another device.
-    """
-    mod = M.as_mask_mod(mask_mod)
-    b = 1 if B is None else _check_len(B, "B")
-    h = 1 if H is None else _check_len(H, "H")
-    nq, nk = _check_len(Q_LEN, "Q_LEN"), _check_len(KV_LEN, "KV_LEN")
-    bm, bn = _check_block_size(BLOCK_SIZE)
-    if device is None:
-        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
-    check_buffers_on(mod, device, "mask_mod")
-    nqb, nkb = BM.cdiv(nq, bm), BM.cdiv(nk, bn)
-    # On CPU the twin stands in when no kernel runs here, and for long sequences, where it is
-    # the same classification (tested equal) without the interpreter's Python per program.
-    if device.type == "cpu" and (not _backend.INTERPRETED or b * h * nq * nk > _TWIN_PAIRS):
-        classes = BM.torch_classify(mod, b, h, nq, nk, (bm, bn), device)
-    else:
-        classes = torch.empty((b, h, nqb, nkb), dtype=torch.int8, device=device)
-        bufs, n_buf = M.kernel_buffers(mod.buffers)
-        KB._classify_tiles_kernel[(nqb, b * h)](
-            classes, h, nq, nk, nkb, *bufs, MASK_MOD=mod.fn, N_BUF=n_buf, BLOCK_M=bm, BLOCK_N=bn
-        )
-    return BM.BlockMask.from_classes(classes, (nq, nk), (bm, bn), mod)
-
-
-#: mask evaluations past which a CPU classification takes the torch twin
-_TWIN_PAIRS = 1 << 22
-
-
-_DENSE: Cache = Cache("flex_dense_tables", 32)
-
-
-def dense_block_mask(
-    nq: int, nk: int, block: tuple[int, int], device: torch.device
-) -> BM.BlockMask:
-    """The tables of no mask: every tile full but a ragged last key tile (partial, bounds only).
-    Built once per shape and device."""
-    return _DENSE.made((nq, nk, block, device), _dense_tables, nq, nk, block, device)
-
-
-def _dense_tables(nq: int, nk: int, block: tuple[int, int], device: torch.device) -> BM.BlockMask:
-    classes = torch.full((1, 1, BM.cdiv(nq, block[0]), BM.cdiv(nk, block[1])), BM.FULL,
-                         dtype=torch.int8, device=device)  # fmt: skip
-    if nk % block[1]:
-        classes[..., -1] = BM.PARTIAL
-    return BM.BlockMask.from_classes(classes, (nq, nk), block, _EVERYTHING)
-
-
-@triton.jit
-def _everything(b, h, q_idx, kv_idx):
-    return (q_idx >= 0) & (kv_idx >= 0)
-
-
-_EVERYTHING = M.mask_mod(_everything, name="flashlite.flex.everything", tile_reads=lambda bm, bn: 0)
+__all__ = ["flex_attention", "compiled_variants"]
 
 
 # --------------------------------------------------------------------------- the ops
@@ -307,13 +213,35 @@ def _run_hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     b, hq = q.shape[:2]
 
     def build() -> bool:
+        acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
+        delta = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
         dense_dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
+        _preprocess(o, do, dense_dlse, delta, q, dq, acc, scale)
         strides = _table_args(tables[0], tables[1], b, hq)
-        HP.flex_bwd_hopper(q, k, v, o, do, lse, dense_dlse, dq, dk, dv, tables, strides, scale,
+        HP.flex_bwd_hopper(dq, k, v, do, lse, delta, dq, dk, dv, acc, tables, strides, scale,
                            bufs, mods)  # fmt: skip
         return True
 
     return HP.first_build(_hopper_bwd_failed, key, "flex backward", build, stacklevel=3) is not None
+
+
+#: The fused backward's preprocess plans (:func:`_preprocess`).
+_preps: Cache = Cache("flex.preprocess", 64)
+
+
+def _preprocess(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None,
+                delta: torch.Tensor, q: torch.Tensor, qs: torch.Tensor, acc: torch.Tensor,
+                scale: float) -> None:  # fmt: skip
+    """The fused backward's preprocess (delta; ``Qs`` into ``qs``; zeros into ``acc``), its plan
+    kept per what it binds: the strides, the scale and each pointer's alignment."""
+    key = (o.dtype, o.device, o.shape, o.stride(), do.stride(), q.stride(), qs.stride(), scale,
+           dlse is None, dlse is None or dlse.data_ptr() % 16 == 0,
+           *(t.data_ptr() % 16 == 0 for t in (o, do, q, qs)))  # fmt: skip
+    run = _preps.get(key)
+    if run is None:
+        run = _preps.put(key, plan_preprocess(o, do, dlse, delta, q, qs, scale, acc,
+                                              prescale_q=True))  # fmt: skip
+    run(o, do, dlse, delta, q, qs, acc)
 
 
 def _bwd_fake(do, q, k, v, *args):  # type: ignore[no-untyped-def]
@@ -398,7 +326,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         )
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
-    bm = _block_mask_for(block_mask, q, k)
+    bm = block_mask_for(block_mask, q, k)
     smod = None if score_mod is None else M.as_score_mod(score_mod)
     if smod is not None:
         check_buffers_on(smod, q.device, "score_mod")
@@ -415,50 +343,3 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if layout == "b n h d":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
-
-
-#: Block masks whose tables :func:`_check_tables` accepted: a BlockMask is frozen, so its
-#: tables' shapes and dtypes cannot change after (a call with one checks it once).
-_checked: weakref.WeakSet[BM.BlockMask] = weakref.WeakSet()
-
-
-def _check_tables(bm: BM.BlockMask) -> None:
-    """A BlockMask's tables agree with its lengths and tile (one made by hand may not)."""
-    if bm in _checked:
-        return
-    bq, bk = _check_block_size(tuple(bm.BLOCK_SIZE))
-    nq, nk = bm.seq_lengths
-    nqb, nkb = BM.cdiv(nq, bq), BM.cdiv(nk, bk)
-    lead = tuple(bm.kv_num_blocks.shape[:2])
-    want = {"kv_num_blocks": (*lead, nqb), "kv_indices": (*lead, nqb, nkb),
-            "full_kv_num_blocks": (*lead, nqb), "full_kv_indices": (*lead, nqb, nkb),
-            "q_num_blocks": (*lead, nkb), "q_indices": (*lead, nkb, nqb),
-            "full_q_num_blocks": (*lead, nkb), "full_q_indices": (*lead, nkb, nqb)}  # fmt: skip
-    for name, shape in want.items():
-        t = getattr(bm, name)
-        if tuple(t.shape) != shape or t.dtype != torch.int32:
-            raise ValueError(
-                f"block_mask.{name} is {tuple(t.shape)} {t.dtype}; for (Q_LEN, KV_LEN) = "
-                f"{(nq, nk)} and BLOCK_SIZE {(bq, bk)} it must be {shape} torch.int32"
-            )
-    _checked.add(bm)
-
-
-def _block_mask_for(block_mask: Any, q: torch.Tensor, k: torch.Tensor) -> BM.BlockMask:
-    nq, nk = q.shape[2], k.shape[2]
-    if block_mask is None:
-        return dense_block_mask(nq, nk, (128, 128) if not _backend.INTERPRETED else (32, 32),
-                                q.device)  # fmt: skip
-    if not isinstance(block_mask, BM.BlockMask):
-        if type(block_mask).__name__ != "BlockMask" or not hasattr(block_mask, "kv_indices"):
-            raise TypeError(f"block_mask must be a flashlite or torch BlockMask, got "
-                            f"{type(block_mask).__name__}")  # fmt: skip
-        block_mask = BM.BlockMask.from_torch(block_mask)
-    _check_tables(block_mask)
-    if tuple(block_mask.seq_lengths) != (nq, nk):
-        raise ValueError(f"block_mask was built for (Q_LEN, KV_LEN) = {block_mask.seq_lengths}, "
-                         f"the call has ({nq}, {nk})")  # fmt: skip
-    if not _backend.same_device(block_mask.kv_indices, q):
-        raise ValueError(f"block_mask's tables are on {block_mask.kv_indices.device}, the call "
-                         f"on {q.device} (BlockMask.to(device))")  # fmt: skip
-    return block_mask

@@ -17,7 +17,6 @@ from flashlite import _launch
 from flashlite._caches import Cache
 from flashlite.kernels.attention import hopper as KH
 from flashlite.kernels.attention import hopper_bwd as KHB
-from flashlite.ops.attention.bwd_launch import plan_preprocess
 
 try:  # Gluon's host descriptor (where Gluon is absent, nothing here runs)
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -138,8 +137,8 @@ def plan_bwd_hopper(qs: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dk: tor
     return run
 
 
-#: Bound launches of the flex kernels (:func:`flex_fwd_hopper`, :func:`flex_bwd_hopper`) and
-#: the backward's preprocess plans, by what they pin (:func:`_flex_key`).
+#: Bound launches of the flex kernels (:func:`flex_fwd_hopper`, :func:`flex_bwd_hopper`), by
+#: what they pin (:func:`_flex_key`).
 _flex_runs = Cache("hopper.flex_runs", 256)
 
 #: ``(argument position, rows, cols)`` of the arguments a flex kernel reads through descriptors.
@@ -204,34 +203,23 @@ def flex_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.
     _flex_launch(KH._attention_fwd_hopper_kernel, grid, args, blocks, options)
 
 
-def flex_bwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                    do: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
-                    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                    tables: tuple[torch.Tensor, ...], table_strides: tuple[int, ...],
-                    scale: float, mod_args: list[Any], mods: dict[str, Any]) -> None:  # fmt: skip
+def flex_bwd_hopper(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                    lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+                    dv: torch.Tensor, acc: torch.Tensor, tables: tuple[torch.Tensor, ...],
+                    table_strides: tuple[int, ...], scale: float, mod_args: list[Any],
+                    mods: dict[str, Any]) -> None:  # fmt: skip
     """The fused Gluon backward over block tables (``LISTED``): dQ, dK, dV into ``dq``, ``dk``,
-    ``dv``, each key block walking the query blocks ``tables`` = ``(q_num, q_idx, full_q_num,
-    full_q_idx)`` list for it, with ``mask_mod``/``score_mod`` (and ``SCORE_GRAD``) as the
-    Triton flex kernels take them. The preprocess writes delta, ``Qs`` into ``dq``'s memory
-    and zeros into dQ's fp32 accumulator first (``dlse``: dense fp32 or None). The tables'
-    blocks are 128 × 128. No checks: the caller has validated everything and that TMA can
-    read the tensors."""
-    b, hq, nq, d = q.shape
+    ``dv`` as :func:`plan_bwd_hopper`'s ``run`` writes them (``qs``, ``lse``, ``delta`` and the
+    zeroed accumulator ``acc`` from the preprocess), each key block walking the query blocks
+    ``tables`` = ``(q_num, q_idx, full_q_num, full_q_idx)`` list for it, with
+    ``mask_mod``/``score_mod`` (and ``SCORE_GRAD``) as the Triton flex kernels take them. The
+    tables' blocks are 128 × 128. No checks: the caller has validated everything and that TMA
+    can read the tensors."""
+    b, hq, nq, d = qs.shape
     hkv, nk = k.shape[1], k.shape[2]
-    acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-    delta = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-    # (what the preprocess plan binds: strides, the scale, and each pointer's alignment)
-    prep_key = ("prep", o.dtype, o.device, o.shape, o.stride(), do.stride(), q.stride(),
-                dq.stride(), scale, dlse is None or dlse.data_ptr() % 16 == 0, dlse is None,
-                *(t.data_ptr() % 16 == 0 for t in (o, do, q, dq)))  # fmt: skip
-    prep = _flex_runs.get(prep_key)
-    if prep is None:
-        prep = _flex_runs.put(prep_key, plan_preprocess(o, do, dlse, delta, q, dq, scale, acc,
-                                                        prescale_q=True))  # fmt: skip
-    prep(o, do, dlse, delta, q, dq, acc)
     q_num, q_idx, full_num, full_idx = tables
     grid = (triton.cdiv(nk, KHB.BLOCK_N) * b * hkv, 1, 1)
-    args = (dq, do, k, v, acc, lse, delta, dk, dv, *dk.stride()[:3], *dv.stride()[:3], hq, hkv,
+    args = (qs, do, k, v, acc, lse, delta, dk, dv, *dk.stride()[:3], *dv.stride()[:3], hq, hkv,
             hq // hkv, nq, nk, scale, full_num, full_idx, q_num, q_idx, *table_strides,
             *mod_args)  # fmt: skip
     options = {"STAGES": KHB.STAGES, "GROUP_H": KHB.CAUSAL_GROUP_H, "IS_CAUSAL": False,

@@ -1,0 +1,165 @@
+"""Block masks for :func:`~flashlite.ops.attention.flex.flex_attention`: :func:`create_block_mask`
+(torch's call, a classifier kernel on the device), the tables of no mask
+(:func:`dense_block_mask`), and the checks a call's block mask passes
+(:func:`block_mask_for`). The tables themselves are :mod:`flashlite.block_mask`'s."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl  # noqa: F401  (the jit mask below runs with it in scope)
+
+from flashlite import _backend
+from flashlite import block_mask as BM
+from flashlite import mods as M
+from flashlite._caches import Cache
+from flashlite.kernels.attention import block_mask as KB
+from flashlite.ops.attention.mod_args import check_buffers_on
+
+__all__ = ["create_block_mask", "dense_block_mask", "block_mask_for"]
+
+
+def _check_block_size(block_size: object) -> tuple[int, int]:
+    pair = (block_size, block_size) if isinstance(block_size, int) else block_size
+    ok = (isinstance(pair, (tuple, list)) and len(pair) == 2
+          and all(isinstance(x, int) and not isinstance(x, bool) and x >= 16 and x & (x - 1) == 0
+                  for x in pair))  # fmt: skip
+    if not ok:
+        raise ValueError(f"BLOCK_SIZE must be a power of two >= 16 or a pair of them, got "
+                         f"{block_size!r}")  # fmt: skip
+    return int(pair[0]), int(pair[1])
+
+
+def _check_len(n: object, name: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+    return n
+
+
+def create_block_mask(mask_mod: Any, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
+                      device: torch.device | str | None = None,
+                      BLOCK_SIZE: int | tuple[int, int] = 128) -> BM.BlockMask:  # fmt: skip
+    """Classify every tile of the score matrix as empty, full or partial for ``mask_mod``
+    (torch's ``create_block_mask``, evaluated by a kernel on the device: one mask evaluation
+    per (query, key) pair, no host sync).
+
+    Args:
+        mask_mod: a :class:`~flashlite.mods.MaskMod` (:mod:`flashlite.gallery`,
+            :func:`flashlite.mods.mask_mod`) or a bare ``@triton.jit`` mask.
+        B, H: batch and heads the mask depends on; None: it does not (one table, broadcast).
+        Q_LEN, KV_LEN: the sequence lengths.
+        device: where the tables live (default: the current CUDA device, else CPU).
+        BLOCK_SIZE: the tile, ``bm`` or ``(bm, bn)``, powers of two >= 16.
+
+    Returns:
+        A :class:`~flashlite.block_mask.BlockMask`.
+
+    Raises:
+        TypeError: ``mask_mod`` is not a jit mask (or has the wrong arity).
+        ValueError: bad lengths or block size, a buffer on another device.
+    """
+    mod = M.as_mask_mod(mask_mod)
+    b = 1 if B is None else _check_len(B, "B")
+    h = 1 if H is None else _check_len(H, "H")
+    nq, nk = _check_len(Q_LEN, "Q_LEN"), _check_len(KV_LEN, "KV_LEN")
+    bm, bn = _check_block_size(BLOCK_SIZE)
+    if device is None:
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    check_buffers_on(mod, device, "mask_mod")
+    nqb, nkb = BM.cdiv(nq, bm), BM.cdiv(nk, bn)
+    # On CPU the twin stands in when no kernel runs here, and for long sequences, where it is
+    # the same classification (tested equal) without the interpreter's Python per program.
+    if device.type == "cpu" and (not _backend.INTERPRETED or b * h * nq * nk > _TWIN_PAIRS):
+        classes = BM.torch_classify(mod, b, h, nq, nk, (bm, bn), device)
+    else:
+        classes = torch.empty((b, h, nqb, nkb), dtype=torch.int8, device=device)
+        bufs, n_buf = M.kernel_buffers(mod.buffers)
+        KB._classify_tiles_kernel[(nqb, b * h)](
+            classes, h, nq, nk, nkb, *bufs, MASK_MOD=mod.fn, N_BUF=n_buf, BLOCK_M=bm, BLOCK_N=bn
+        )
+    return BM.BlockMask.from_classes(classes, (nq, nk), (bm, bn), mod)
+
+
+#: mask evaluations past which a CPU classification takes the torch twin
+_TWIN_PAIRS = 1 << 22
+
+
+_DENSE: Cache = Cache("flex_dense_tables", 32)
+
+
+def dense_block_mask(
+    nq: int, nk: int, block: tuple[int, int], device: torch.device
+) -> BM.BlockMask:
+    """The tables of no mask: every tile full but a ragged last key tile (partial, bounds only).
+    Built once per shape and device."""
+    return _DENSE.made((nq, nk, block, device), _dense_tables, nq, nk, block, device)
+
+
+def _dense_tables(nq: int, nk: int, block: tuple[int, int], device: torch.device) -> BM.BlockMask:
+    classes = torch.full((1, 1, BM.cdiv(nq, block[0]), BM.cdiv(nk, block[1])), BM.FULL,
+                         dtype=torch.int8, device=device)  # fmt: skip
+    if nk % block[1]:
+        classes[..., -1] = BM.PARTIAL
+    return BM.BlockMask.from_classes(classes, (nq, nk), block, _EVERYTHING)
+
+
+@triton.jit
+def _everything(b, h, q_idx, kv_idx):
+    return (q_idx >= 0) & (kv_idx >= 0)
+
+
+_EVERYTHING = M.mask_mod(_everything, name="flashlite.flex.everything", tile_reads=lambda bm, bn: 0)
+
+
+#: Block masks whose tables :func:`_check_tables` accepted: a BlockMask is frozen, so its
+#: tables' shapes and dtypes cannot change after (a call with one checks it once).
+_checked: weakref.WeakSet[BM.BlockMask] = weakref.WeakSet()
+
+
+def _check_tables(bm: BM.BlockMask) -> None:
+    """A BlockMask's tables agree with its lengths and tile (one made by hand may not)."""
+    if bm in _checked:
+        return
+    bq, bk = _check_block_size(tuple(bm.BLOCK_SIZE))
+    nq, nk = bm.seq_lengths
+    nqb, nkb = BM.cdiv(nq, bq), BM.cdiv(nk, bk)
+    lead = tuple(bm.kv_num_blocks.shape[:2])
+    want = {"kv_num_blocks": (*lead, nqb), "kv_indices": (*lead, nqb, nkb),
+            "full_kv_num_blocks": (*lead, nqb), "full_kv_indices": (*lead, nqb, nkb),
+            "q_num_blocks": (*lead, nkb), "q_indices": (*lead, nkb, nqb),
+            "full_q_num_blocks": (*lead, nkb), "full_q_indices": (*lead, nkb, nqb)}  # fmt: skip
+    for name, shape in want.items():
+        t = getattr(bm, name)
+        if tuple(t.shape) != shape or t.dtype != torch.int32:
+            raise ValueError(
+                f"block_mask.{name} is {tuple(t.shape)} {t.dtype}; for (Q_LEN, KV_LEN) = "
+                f"{(nq, nk)} and BLOCK_SIZE {(bq, bk)} it must be {shape} torch.int32"
+            )
+    _checked.add(bm)
+
+
+def block_mask_for(block_mask: Any, q: torch.Tensor, k: torch.Tensor) -> BM.BlockMask:
+    """The tables a :func:`~flashlite.ops.attention.flex.flex_attention` call runs over: the
+    dense tables for None, flashlite's own from torch's ``BlockMask``, checked against the
+    call's lengths and device."""
+    nq, nk = q.shape[2], k.shape[2]
+    if block_mask is None:
+        return dense_block_mask(nq, nk, (128, 128) if not _backend.INTERPRETED else (32, 32),
+                                q.device)  # fmt: skip
+    if not isinstance(block_mask, BM.BlockMask):
+        if type(block_mask).__name__ != "BlockMask" or not hasattr(block_mask, "kv_indices"):
+            raise TypeError(f"block_mask must be a flashlite or torch BlockMask, got "
+                            f"{type(block_mask).__name__}")  # fmt: skip
+        block_mask = BM.BlockMask.from_torch(block_mask)
+    _check_tables(block_mask)
+    if tuple(block_mask.seq_lengths) != (nq, nk):
+        raise ValueError(f"block_mask was built for (Q_LEN, KV_LEN) = {block_mask.seq_lengths}, "
+                         f"the call has ({nq}, {nk})")  # fmt: skip
+    if not _backend.same_device(block_mask.kv_indices, q):
+        raise ValueError(f"block_mask's tables are on {block_mask.kv_indices.device}, the call "
+                         f"on {q.device} (BlockMask.to(device))")  # fmt: skip
+    return block_mask
