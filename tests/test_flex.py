@@ -358,7 +358,9 @@ def test_hopper_build_failures_fall_back_to_the_triton_kernels(monkeypatch) -> N
     monkeypatch.setattr(flex, "_hopper_bwd_failed", set())
     with pytest.warns(RuntimeWarning) as caught:
         got = run()
-    said = sorted(str(w.message).split(" kernel failed")[0] for w in caught)
+    said = sorted(
+        str(w.message).split(" kernel failed")[0] for w in caught if "Hopper" in str(w.message)
+    )  # (not an old interpreter's numpy warnings)
     assert said == ["flashlite: the Hopper flex", "flashlite: the Hopper flex backward"], said
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
