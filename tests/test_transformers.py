@@ -81,21 +81,21 @@ def test_forward_backward_and_padding_match(family: str) -> None:
     torch.testing.assert_close(got[real], want[real], atol=1e-4, rtol=1e-4)
 
 
-# three families (plain, soft caps + windows, sinks): each generation takes ~20 s of CI
+# three families (plain, soft caps + windows, sinks): each generation takes ~10 s of CI
 @pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
 def test_greedy_generation_matches(family: str) -> None:
-    """32 new tokens, greedy, from a left-padded batch: the KV cache grows each step and the
-    decode path attends to it; the token ids equal the peer's."""
+    """16 new tokens, greedy, from a left-padded batch: the KV cache grows each step past the
+    windows (7 keys) and the decode path attends to it; the token ids equal the peer's."""
     ours, theirs = _pair(family)
     gen = torch.Generator().manual_seed(2)
     ids = torch.randint(1, 96, (2, 6), generator=gen)
     mask = torch.ones_like(ids)
     mask[1, :2] = 0
     ids = ids.masked_fill(mask == 0, 0)
-    kw = {"attention_mask": mask, "max_new_tokens": 32, "do_sample": False, "pad_token_id": 0}
+    kw = {"attention_mask": mask, "max_new_tokens": 16, "do_sample": False, "pad_token_id": 0}
     with torch.no_grad():
         got, want = (m.generate(ids, **kw) for m in (ours, theirs))
-    assert got.shape == (2, 38) and torch.equal(got, want)
+    assert got.shape == (2, 22) and torch.equal(got, want)
 
 
 def test_unsupported_features_raise() -> None:
