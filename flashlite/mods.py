@@ -129,6 +129,12 @@ def _name_of(fn: Any) -> str:
     return f"{py.__module__}.{py.__qualname__}"
 
 
+def registered_as(name: str) -> tuple[Any, ...] | None:
+    """:func:`registered`'s entry, or None (what a plan's key holds: a name registered again
+    is another entry)."""
+    return _REGISTRY.get(name)
+
+
 def registered(name: str) -> tuple[Any, ...]:
     """The functions registered under ``name``: ``(fn, torch_fn)`` for a mask,
     ``(fn, torch_fn, grad_fn)`` for a score function (how a custom op finds a mod again).
@@ -147,16 +153,31 @@ class _Mod:
     """What mask and score functions share: the jit function, its twin, its buffers, the name
     ops find it by, and (for the traffic model) what one tile of it loads."""
 
-    __slots__ = ("fn", "torch_fn", "buffers", "name", "tile_reads")
+    __slots__ = ("fn", "torch_fn", "buffers", "name", "tile_reads", "_op_args")
 
     def __init__(self, fn: Any, torch_fn: Callable[..., Any], buffers: tuple[Buffer, ...],
                  name: str, tile_reads: TileReads | None = None) -> None:  # fmt: skip
         self.fn, self.torch_fn, self.buffers, self.name = fn, torch_fn, buffers, name
         self.tile_reads = tile_reads
+        self._op_args: tuple[str, list[torch.Tensor], list[float]] | None = None
 
     def tensors(self) -> list[torch.Tensor]:
         """The tensor buffers, in order (a custom op's tensor list)."""
         return [x for x in self.buffers if isinstance(x, torch.Tensor)]
+
+    def op_args(self) -> tuple[str, list[torch.Tensor], list[float]]:
+        """The mod as a custom op's arguments: ``name:kinds`` (``t`` tensor, ``i`` int, ``f``
+        float per buffer), its tensors and its numbers. Made once: a mod's buffers are fixed
+        (callers must not modify the lists)."""
+        if self._op_args is not None:
+            return self._op_args
+        kinds = "".join("t" if isinstance(x, torch.Tensor) else "i" if isinstance(x, int)
+                        else "f" for x in self.buffers)  # fmt: skip
+        nums = [float(x) for x in self.buffers if not isinstance(x, torch.Tensor)]
+        made = (f"{self.name}:{kinds}", self.tensors(), nums)
+        if not torch.compiler.is_compiling():  # (kept by eager calls; a trace stays pure)
+            self._op_args = made
+        return made
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.name}, {len(self.buffers)} buffers)"

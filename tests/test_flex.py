@@ -317,12 +317,12 @@ def test_bad_block_masks_raise_clear_errors() -> None:
 def test_table_strides_are_the_broadcast_views(lead: tuple[int, int]) -> None:
     """The kernels' table strides are those of the tables expanded to the call's (B, H): 0 along
     a dimension the mask ignores."""
-    from flashlite.ops.attention.flex import _table_args
+    from flashlite.ops.attention.flex_plan import table_args
 
     num = torch.zeros(*lead, 5, dtype=torch.int32)
     idx = torch.zeros(*lead, 5, 7, dtype=torch.int32)
     want = (*num.expand(2, 4, 5).stride(), *idx.expand(2, 4, 5, 7).stride()[:3])
-    assert _table_args(num, idx, 2, 4) == want
+    assert table_args(num, idx) == want
 
 
 def test_hopper_build_failures_fall_back_to_the_triton_kernels(monkeypatch) -> None:  # noqa: ANN001
@@ -330,8 +330,9 @@ def test_hopper_build_failures_fall_back_to_the_triton_kernels(monkeypatch) -> N
     Triton kernels' results (the dispatch, on CPU: the Gluon launches themselves are broken)."""
     import warnings
 
+    from flashlite import _caches
     from flashlite.kernels.attention import hopper as KH
-    from flashlite.ops.attention import flex
+    from flashlite.ops.attention import flex_plan as FP
 
     q, k, v = (torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(i))
                for i in range(3))  # fmt: skip
@@ -349,13 +350,14 @@ def test_hopper_build_failures_fall_back_to_the_triton_kernels(monkeypatch) -> N
     def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise AttributeError("module 'triton.experimental.gluon.language' has no attribute")
 
-    monkeypatch.setattr(flex, "hopper_config", lambda *a: KH.HopperConfig(128, 128, 3))
-    monkeypatch.setattr(flex, "hopper_bwd_applies", lambda *a: True)
-    monkeypatch.setattr(flex, "_descriptor_ok", lambda *a: True)
-    monkeypatch.setattr(flex.HP, "flex_fwd_hopper", broken)
-    monkeypatch.setattr(flex.HP, "flex_bwd_hopper", broken)
-    monkeypatch.setattr(flex, "_hopper_failed", set())
-    monkeypatch.setattr(flex, "_hopper_bwd_failed", set())
+    _caches.clear()  # (the reference calls planned the Triton kernels)
+    monkeypatch.setattr(FP, "hopper_config", lambda *a: KH.HopperConfig(128, 128, 3))
+    monkeypatch.setattr(FP, "hopper_bwd_applies", lambda *a: True)
+    monkeypatch.setattr(FP, "_descriptor_ok", lambda *a: True)
+    monkeypatch.setattr(FP.HP, "plan_flex_fwd", broken)
+    monkeypatch.setattr(FP.HP, "plan_flex_bwd", broken)
+    monkeypatch.setattr(FP, "hopper_failed", set())
+    monkeypatch.setattr(FP, "hopper_bwd_failed", set())
     with pytest.warns(RuntimeWarning) as caught:
         got = run()
     said = sorted(
@@ -375,7 +377,7 @@ def test_fused_backward_receives_what_its_kernel_reads(monkeypatch) -> None:  # 
     stand-in: it gets ``Qs = Q·scale·log2 e`` (as the forward rounded it) in dQ's memory, delta,
     a zeroed accumulator, the ``q_*`` tables with their strides and the mods; what it writes is
     what the call returns, and an LSE gradient reaches delta."""
-    from flashlite.ops.attention import flex
+    from flashlite.ops.attention import flex_plan as FP
 
     gen = torch.Generator().manual_seed(4)
     b, h, n, d = 2, 2, 40, 16
@@ -391,10 +393,11 @@ def test_fused_backward_receives_what_its_kernel_reads(monkeypatch) -> None:  # 
         seen.update(qs_is_dq=qs is dq, acc_zero=bool((acc == 0).all()), mods=mods)
         seen.update(qs=qs.clone(), delta=delta, tables=tables, strides=strides)
         dq.fill_(1.0), dk.fill_(2.0), dv.fill_(3.0)
+        return lambda *a: None  # (the plan's launch for later calls: none here)
 
-    monkeypatch.setattr(flex, "hopper_bwd_applies", lambda *a: True)
-    monkeypatch.setattr(flex, "_descriptor_ok", lambda *a: True)
-    monkeypatch.setattr(flex.HP, "flex_bwd_hopper", stand_in)
+    monkeypatch.setattr(FP, "hopper_bwd_applies", lambda *a: True)
+    monkeypatch.setattr(FP, "_descriptor_ok", lambda *a: True)
+    monkeypatch.setattr(FP.HP, "plan_flex_bwd", stand_in)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     o, lse = flashlite.flex_attention(*leaves, block_mask=bm, return_lse=True)
     dq, dk, dv = torch.autograd.grad((o * go).sum() + (lse * gl).sum(), leaves)
@@ -406,7 +409,7 @@ def test_fused_backward_receives_what_its_kernel_reads(monkeypatch) -> None:  # 
     torch.testing.assert_close(seen["delta"], want_delta, atol=2e-3, rtol=2e-3)
     assert all(a is w for a, w in zip(seen["tables"], (bm.q_num_blocks, bm.q_indices,
                bm.full_q_num_blocks, bm.full_q_indices), strict=True))  # fmt: skip
-    assert seen["strides"] == flex._table_args(bm.q_num_blocks, bm.q_indices, b, h)
+    assert seen["strides"] == FP.table_args(bm.q_num_blocks, bm.q_indices)
     assert seen["mods"]["MASK_MOD"] is mm.fn and not seen["mods"]["HAS_SCORE"]
 
 
@@ -594,8 +597,8 @@ def test_gpu_flex_backward_on_the_fused_hopper_kernel(name: str, monkeypatch) ->
     base = [torch.randn(b, n, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv)]
     go, gl = torch.randn_like(base[0]), torch.randn(b, hq, n, device="cuda")
     calls = []
-    real = HP.flex_bwd_hopper
-    monkeypatch.setattr(HP, "flex_bwd_hopper", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = HP.plan_flex_bwd
+    monkeypatch.setattr(HP, "plan_flex_bwd", lambda *a, **k: calls.append(1) or real(*a, **k))
 
     def grads(leaves: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         o, lse = flashlite.flex_attention(*leaves, score_mod=sm, block_mask=bm, return_lse=True,

@@ -3,6 +3,7 @@
 Hopper kernels on an sm_90 device), over the tables of
 :func:`~flashlite.ops.attention.block_mask.create_block_mask`.
 
+What a call runs is planned once per kind of call (:mod:`~flashlite.ops.attention.flex_plan`).
 The ops ``flashlite::flex_attention_fwd``/``_bwd`` carry a mod as its registered name
 (:func:`flashlite.mods.registered`), its tensor buffers and its numbers, so that
 ``torch.compile(fullgraph=True)`` traces a call like any other custom op, and the block tables
@@ -15,74 +16,23 @@ import math
 from typing import Any
 
 import torch
-import triton
 
 from flashlite import _backend
 from flashlite import mods as M
-from flashlite._caches import Cache
 from flashlite.kernels.attention import block_mask as KB
 from flashlite.kernels.attention import flex as KF
 from flashlite.kernels.attention import hopper as KH
 from flashlite.kernels.attention import hopper_bwd as KHB
 from flashlite.ops._dispatch import Op
-from flashlite.ops.attention import hopper as HP
+from flashlite.ops.attention import flex_plan as FP
 from flashlite.ops.attention.block_mask import block_mask_for
-from flashlite.ops.attention.bwd import hopper_bwd_applies
-from flashlite.ops.attention.bwd_launch import bwd_preprocess, plan_preprocess
 from flashlite.ops.attention.checks import check_inputs
-from flashlite.ops.attention.mod_args import check_buffers_on, spec_mod, unspec_mod
-from flashlite.ops.attention.plan import _descriptor_ok, hopper_config
+from flashlite.ops.attention.mod_args import check_buffers_on, spec_mod
 
 __all__ = ["flex_attention", "compiled_variants"]
 
 
 # --------------------------------------------------------------------------- the ops
-def _mod_args(mask: tuple[str, list[torch.Tensor], list[float]],
-              score: tuple[str, list[torch.Tensor], list[float]],
-              grad: bool) -> tuple[list[Any], dict[str, Any]]:  # fmt: skip
-    """The kernels' eight buffer slots and their mod constexprs (``SCORE_GRAD`` with ``grad``;
-    an absent score function's slots hold the mask, never called)."""
-    (mfn, *_), mbufs, n_mbuf = unspec_mod(*mask)
-    sfns, sbufs, n_sbuf = unspec_mod(*score)
-    if grad and sfns is not None and sfns[2] is None:
-        raise NotImplementedError(
-            f"score_mod {score[0].rsplit(':', 1)[0]} has no derivative: make it with "
-            "flashlite.mods.score_mod(fn, ..., grad=...) to differentiate through it"
-        )
-    consts = {"MASK_MOD": mfn, "N_MASK_BUF": n_mbuf, "SCORE_MOD": sfns[0] if sfns else mfn,
-              "N_SCORE_BUF": n_sbuf, "HAS_SCORE": sfns is not None}  # fmt: skip
-    if grad:
-        consts["SCORE_GRAD"] = sfns[2] if sfns else mfn
-    return [*mbufs, *sbufs], consts
-
-
-def _options(q: torch.Tensor, tbm: int, tbn: int, bwd: bool) -> dict[str, Any]:
-    """Kernel tiles (dividing the table's) and numerics."""
-    d = q.shape[-1]
-    if _backend.INTERPRETED:
-        bm, bn, warps, stages = tbm, tbn, 4, 1
-    elif bwd:
-        bm, bn, warps, stages = min(tbm, 64), min(tbn, 64), 4, 2
-    else:
-        bm, bn = min(tbm, 128), min(tbn, 64)
-        warps, stages = (8 if d > 64 else 4), 3
-    return {
-        "HEAD_DIM": d, "BLOCK_D": max(16, triton.next_power_of_2(d)), "BLOCK_M": bm,
-        "BLOCK_N": bn, "TBM": tbm, "TBN": tbn, "DOT_FP32": _backend.dot_upcast(q.dtype),
-        "DOT_PRECISION": "tf32x3" if q.dtype == torch.float32 else "tf32",
-        "ROUND_BF16": _backend.round_bf16(q.dtype), "num_warps": warps, "num_stages": stages,
-    }  # fmt: skip
-
-
-def _table_args(num: torch.Tensor, idx: torch.Tensor, b: int, h: int) -> tuple[Any, ...]:
-    """Strides of ``(B|1, H|1, n)`` counts and ``(B|1, H|1, n, m)`` indices as ``(B, H, …)``
-    views take them: 0 along a broadcast (size 1) dimension, as ``expand`` would give."""
-    ns, is_ = num.stride(), idx.stride()
-    one_b, one_h = num.shape[0] == 1, num.shape[1] == 1
-    return (0 if one_b else ns[0], 0 if one_h else ns[1], ns[2], 0 if one_b else is_[0],
-            0 if one_h else is_[1], is_[2])  # fmt: skip
-
-
 def _fwd_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num: torch.Tensor,
               kv_idx: torch.Tensor, full_num: torch.Tensor, full_idx: torch.Tensor,
               q_num: torch.Tensor, q_idx: torch.Tensor, full_q_num: torch.Tensor,
@@ -90,69 +40,16 @@ def _fwd_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num: torch.T
               mask_tensors: list[torch.Tensor], mask_nums: list[float], score_spec: str,
               score_tensors: list[torch.Tensor], score_nums: list[float],
               scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    b, hq, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
-    o = torch.empty_like(q)
-    lse = q.new_empty((b, hq, nq), dtype=torch.float32)
-    if o.numel() == 0:
-        return o, lse.fill_(-math.inf)
-    bufs, mods = _mod_args((mask_spec, mask_tensors, mask_nums),
-                           (score_spec, score_tensors, score_nums), grad=False)  # fmt: skip
     tables = (kv_num, kv_idx, full_num, full_idx)
-    strides = _table_args(kv_num, kv_idx, b, hq)
-    if _run_hopper(q, k, v, o, lse, tables, strides, tbm, tbn, scale, bufs, mods):
-        return o, lse
-    opts = _options(q, tbm, tbn, bwd=False)
-    grid = (triton.cdiv(nq, opts["BLOCK_M"]), b * hq)
-    _launch(KF._flex_fwd_kernel, grid, (
-        q, k, v, o, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-        *tables, *strides, hq, hq // hkv, nq, nk, scale, *bufs), mods, opts)  # fmt: skip
-    return o, lse
-
-
-#: (kernel, mods, head dim, dtype) launched with one stage: see :func:`_launch`.
-_one_stage: set[tuple[Any, ...]] = set()
-
-
-def _launch(kernel: Any, grid: tuple[int, ...], args: tuple[Any, ...], mods: dict[str, Any],
-            opts: dict[str, Any]) -> None:  # fmt: skip
-    """Launch a Triton flex kernel. Triton's software pipeliner stages a loop's loads in shared
-    memory, a mod's gathers too (a bias table read per score): those can outgrow it. Then
-    the kernel runs (this time and for later calls of the mod) with one stage, unpipelined."""
-    key = (kernel, *mods.values(), opts["HEAD_DIM"], args[0].dtype)
-    if key in _one_stage:
-        opts = {**opts, "num_stages": 1}
-    try:
-        kernel[grid](*args, **mods, **opts)
-    except triton.runtime.errors.OutOfResources:
-        if opts["num_stages"] == 1:
-            raise
-        _one_stage.add(key)
-        kernel[grid](*args, **mods, **{**opts, "num_stages": 1})
-
-
-_hopper_failed: set[tuple[Any, ...]] = set()
-
-
-def _run_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                lse: torch.Tensor, tables: tuple[torch.Tensor, ...], strides: tuple[int, ...],
-                tbm: int, tbn: int, scale: float, bufs: list[Any],
-                mods: dict[str, Any]) -> bool:  # fmt: skip
-    """Run the forward on the Gluon (Hopper) kernel where it applies: a compiled sm_90 device,
-    16-bit inputs TMA can read, a head dim with a measured config whose tiles are the tables'
-    blocks. False (after one warning if it failed to build) means: run the Triton kernel."""
-    config = hopper_config(q, k.shape[2])
-    if config is None or (tbm, tbn) != (config.block_m, config.block_n):
-        return False
-    key = (q.dtype, q.shape[-1], mods["MASK_MOD"], mods["SCORE_MOD"], mods["HAS_SCORE"])
-    if not _descriptor_ok(q, k, v, o):
-        return False
-
-    def build() -> bool:
-        HP.flex_fwd_hopper(q, k, v, o, lse, tables, strides, scale, config, bufs, mods)
-        return True
-
-    return HP.first_build(_hopper_failed, key, "flex", build, stacklevel=3) is not None
+    mask, score = (mask_spec, mask_tensors, mask_nums), (score_spec, score_tensors, score_nums)
+    if q.numel() == 0:
+        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+        return torch.empty_like(q), lse.fill_(-math.inf)
+    key = tuple(FP.call_key(q, k, v, tables, mask, score, tbm, tbn, scale))
+    plan = FP.fwd_plans.get(key)
+    if plan is None:
+        plan = FP.fwd_plans.put(key, FP.FwdPlan(q, k, tables, mask, score, tbm, tbn, scale))
+    return plan(q, k, v, tables, [*mask_tensors, *score_tensors])
 
 
 def _fwd_fake(q, k, v, *args):  # type: ignore[no-untyped-def]
@@ -167,81 +64,21 @@ def _bwd_body(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
               mask_spec: str, mask_tensors: list[torch.Tensor], mask_nums: list[float],
               score_spec: str, score_tensors: list[torch.Tensor], score_nums: list[float],
               scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    b, hq, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if dq.numel() == 0 or dk.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
-    bufs, mods = _mod_args((mask_spec, mask_tensors, mask_nums),
-                           (score_spec, score_tensors, score_nums), grad=True)  # fmt: skip
+    if q.numel() == 0 or k.numel() == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    kv_tables = (kv_num, kv_idx, full_num, full_idx)
     q_tables = (q_num, q_idx, full_q_num, full_q_idx)
-    if _run_hopper_bwd(do, q, k, v, o, lse, dlse, dq, dk, dv, q_tables, tbm, tbn, scale, bufs,
-                       mods):  # fmt: skip
-        return dq, dk, dv
-    opts = _options(q, tbm, tbn, bwd=True)
-    delta = bwd_preprocess(o, do, lse, dlse, q, q, scale, prescale_q=False)
-    _launch(KF._flex_bwd_dkdv_kernel, (triton.cdiv(nk, opts["BLOCK_N"]), b * hkv), (
-        q, k, v, do, dk, dv, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-        *dk.stride(), *dv.stride(), q_num, q_idx, full_q_num, full_q_idx,
-        *_table_args(q_num, q_idx, b, hq), hkv, hq // hkv, nq, nk, scale, *bufs), mods,
-        opts)  # fmt: skip
-    _launch(KF._flex_bwd_dq_kernel, (triton.cdiv(nq, opts["BLOCK_M"]), b * hq), (
-        q, k, v, do, dq, lse, delta, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-        *dq.stride(), kv_num, kv_idx, full_num, full_idx, *_table_args(kv_num, kv_idx, b, hq),
-        hq, hq // hkv, nq, nk, scale, *bufs), mods, opts)  # fmt: skip
-    return dq, dk, dv
-
-
-_hopper_bwd_failed: set[tuple[Any, ...]] = set()
-
-
-def _run_hopper_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                    o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
-                    dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                    tables: tuple[torch.Tensor, ...], tbm: int, tbn: int, scale: float,
-                    bufs: list[Any], mods: dict[str, Any]) -> bool:  # fmt: skip
-    """Run the backward on the fused Gluon kernel where it applies (as the dense backward's,
-    :func:`~flashlite.ops.attention.bwd.hopper_bwd_applies`, with tables of its 128 × 128
-    tiles): the preprocess writes delta, ``Qs`` into ``dq``'s memory and zeros into dQ's fp32
-    accumulator, then one kernel adds every gradient. False (after one warning if it failed to
-    build) means: run the Triton kernels (they overwrite ``dq``)."""
-    if (tbm, tbn) != (2 * KHB.BLOCK_M, KHB.BLOCK_N):
-        return False
-    if not hopper_bwd_applies(q, k, v, do, dk, dv) or not _descriptor_ok(dq):
-        return False
-    key = (q.dtype, q.shape[-1], *mods.values())
-    b, hq = q.shape[:2]
-
-    def build() -> bool:
-        acc = torch.empty(q.shape, device=q.device, dtype=torch.float32)
-        delta = torch.empty(q.shape[:3], device=q.device, dtype=torch.float32)
-        dense_dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
-        _preprocess(o, do, dense_dlse, delta, q, dq, acc, scale)
-        strides = _table_args(tables[0], tables[1], b, hq)
-        HP.flex_bwd_hopper(dq, k, v, do, lse, delta, dq, dk, dv, acc, tables, strides, scale,
-                           bufs, mods)  # fmt: skip
-        return True
-
-    return HP.first_build(_hopper_bwd_failed, key, "flex backward", build, stacklevel=3) is not None
-
-
-#: The fused backward's preprocess plans (:func:`_preprocess`).
-_preps: Cache = Cache("flex.preprocess", 64)
-
-
-def _preprocess(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None,
-                delta: torch.Tensor, q: torch.Tensor, qs: torch.Tensor, acc: torch.Tensor,
-                scale: float) -> None:  # fmt: skip
-    """The fused backward's preprocess (delta; ``Qs`` into ``qs``; zeros into ``acc``), its plan
-    kept per what it binds: the strides, the scale and each pointer's alignment."""
-    key = (o.dtype, o.device, o.shape, o.stride(), do.stride(), q.stride(), qs.stride(), scale,
-           dlse is None, dlse is None or dlse.data_ptr() % 16 == 0,
-           *(t.data_ptr() % 16 == 0 for t in (o, do, q, qs)))  # fmt: skip
-    run = _preps.get(key)
-    if run is None:
-        run = _preps.put(key, plan_preprocess(o, do, dlse, delta, q, qs, scale, acc,
-                                              prescale_q=True))  # fmt: skip
-    run(o, do, dlse, delta, q, qs, acc)
+    mask, score = (mask_spec, mask_tensors, mask_nums), (score_spec, score_tensors, score_nums)
+    key = FP.call_key(q, k, v, (*kv_tables, *q_tables), mask, score, tbm, tbn, scale,
+                      (do, o, lse, dlse))  # fmt: skip
+    key += (do.stride(), o.stride(), lse.stride(), dlse is None,
+            torch.are_deterministic_algorithms_enabled())  # fmt: skip
+    key = tuple(key)
+    plan = FP.bwd_plans.get(key)
+    if plan is None:
+        plan = FP.bwd_plans.put(key, FP.BwdPlan(q, k, q_tables, kv_tables, mask, score, tbm, tbn,
+                                                scale))  # fmt: skip
+    return plan(do, q, k, v, o, lse, dlse, q_tables, kv_tables, [*mask_tensors, *score_tensors])
 
 
 def _bwd_fake(do, q, k, v, *args):  # type: ignore[no-untyped-def]

@@ -137,94 +137,75 @@ def plan_bwd_hopper(qs: torch.Tensor, k: torch.Tensor, do: torch.Tensor, dk: tor
     return run
 
 
-#: Bound launches of the flex kernels (:func:`flex_fwd_hopper`, :func:`flex_bwd_hopper`), by
-#: what they pin (:func:`_flex_key`).
-_flex_runs = Cache("hopper.flex_runs", 256)
-
-#: ``(argument position, rows, cols)`` of the arguments a flex kernel reads through descriptors.
-Blocks = tuple[tuple[int, int, int], ...]
-
-
-def _flex_key(kernel: Any, args: tuple[Any, ...], blocks: Blocks,
-              options: dict[str, Any]) -> tuple[Any, ...]:  # fmt: skip
-    """What a bound launch of ``kernel`` with ``args`` pins: every tensor's dtype, device and
-    16-byte alignment, every int's class (:func:`flashlite._launch._int_class`), the options
-    (the mods among them), and the shape and strides of the tensors read through descriptors
-    (``blocks``: ``(position, rows, cols)``)."""
-    first = args[blocks[0][0]]
-    key: list[Any] = [id(kernel), first.device, *options.items()]
-    for a in args:  # (one device: the front-end checked every tensor is on the call's)
-        if isinstance(a, torch.Tensor):
-            key.append((a.dtype, a.data_ptr() % 16 == 0))
-        elif type(a) is int:
-            key.append(_launch._int_class(a))
-        else:
-            key.append(type(a))
-    for i, _, _ in blocks:
-        key.append((args[i].shape, args[i].stride()))
-    return tuple(key)
-
-
-def _flex_launch(kernel: Any, grid: tuple[int, int, int], args: tuple[Any, ...],
-                 blocks: Blocks, options: dict[str, Any]) -> None:  # fmt: skip
-    """``kernel[grid](*args, **options)`` with the tensors at ``blocks``' positions read through
-    TMA descriptors of ``[1, 1, rows, cols]`` blocks: bound once per :func:`_flex_key` (made
-    from descriptors of these tensors), so that a call builds no descriptor object and binds
-    no argument (Triton's own launch of a Gluon kernel took about 100 µs of host time)."""
-    key = _flex_key(kernel, args, blocks, options)
-    run = _flex_runs.get(key)
-    if run is None:
-        templates = list(args)
-        for i, rows, cols in blocks:
-            templates[i] = _descriptor(args[i], rows, cols)
-        run = _flex_runs.put(key, _launch.launcher(kernel).bind_tensors(tuple(templates), options))
-    run(grid, *args)
-
-
-def flex_fwd_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                    lse: torch.Tensor, tables: tuple[torch.Tensor, ...],
-                    table_strides: tuple[int, ...], scale: float, config: KH.HopperConfig,
-                    mod_args: list[Any], mods: dict[str, Any]) -> None:  # fmt: skip
-    """The Gluon forward over block tables (``LISTED``): ``o`` and ``lse`` as
-    :func:`plan_fwd_hopper`'s, visiting the key blocks ``tables`` = ``(kv_num, kv_idx, full_num,
-    full_idx)`` list for each query block, with ``mask_mod``/``score_mod`` as the Triton flex
-    kernel takes them (``mod_args``: the eight buffer slots; ``mods``: their constexprs). The
-    tables' blocks are ``config``'s tiles. No checks: the caller has validated everything and
-    that TMA can read the tensors."""
+def plan_flex_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                  lse: torch.Tensor, tables: tuple[torch.Tensor, ...],
+                  table_strides: tuple[int, ...], scale: float, config: KH.HopperConfig,
+                  mod_args: list[Any], mods: dict[str, Any]) -> Callable[..., None]:  # fmt: skip
+    """The Gluon forward over block tables (``LISTED``), launched once for these tensors, and
+    ``run(q, k, v, o, lse, tables, mod_args)`` for later calls of their kind (the caller's
+    plan key pins shapes, strides, dtypes, alignment and the mods). It writes ``o`` and
+    ``lse`` as :func:`plan_fwd_hopper`'s, visiting the key blocks ``tables`` = ``(kv_num,
+    kv_idx, full_num, full_idx)`` list for each query block, with ``mask_mod``/``score_mod`` as
+    the Triton flex kernel takes them (``mod_args``: the eight buffer slots; ``mods``: their
+    constexprs). The tables' blocks are ``config``'s tiles. No checks: the caller has validated
+    everything and that TMA can read the tensors."""
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     half, bn = config.block_m // 2, config.block_n
     grid = (triton.cdiv(nq, config.block_m), b * hq, 1)
-    args = (q, k, v, o, lse, lse, hq, hq // hkv, nq, nk, scale, *tables, *table_strides,
-            *mod_args)  # fmt: skip
+    sizes = (hq, hq // hkv, nq, nk, scale)
     options = {"BLOCK_M": config.block_m, "BLOCK_N": bn, "STAGES": config.stages,
                "IS_CAUSAL": False, "LISTED": True, "num_warps": 4, **mods}  # fmt: skip
-    blocks = ((0, half, d), (1, bn, d), (2, bn, d), (3, half, d))
-    _flex_launch(KH._attention_fwd_hopper_kernel, grid, args, blocks, options)
+    templates = (_descriptor(q, half), _descriptor(k, bn), _descriptor(v, bn),
+                 _descriptor(o, half))  # fmt: skip
+    kernel = _launch.launcher(KH._attention_fwd_hopper_kernel)
+    bound = kernel.bind_tensors((*templates, lse, lse, *sizes, *tables, *table_strides,
+                                 *mod_args), options)  # fmt: skip
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+            lse: torch.Tensor, tables: tuple[torch.Tensor, ...],
+            mod_args: list[Any]) -> None:  # fmt: skip
+        bound(grid, q, k, v, o, lse, lse, *sizes, *tables, *table_strides, *mod_args)
+
+    run(q, k, v, o, lse, tables, mod_args)
+    return run
 
 
-def flex_bwd_hopper(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-                    lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
-                    dv: torch.Tensor, acc: torch.Tensor, tables: tuple[torch.Tensor, ...],
-                    table_strides: tuple[int, ...], scale: float, mod_args: list[Any],
-                    mods: dict[str, Any]) -> None:  # fmt: skip
-    """The fused Gluon backward over block tables (``LISTED``): dQ, dK, dV into ``dq``, ``dk``,
-    ``dv`` as :func:`plan_bwd_hopper`'s ``run`` writes them (``qs``, ``lse``, ``delta`` and the
-    zeroed accumulator ``acc`` from the preprocess), each key block walking the query blocks
-    ``tables`` = ``(q_num, q_idx, full_q_num, full_q_idx)`` list for it, with
-    ``mask_mod``/``score_mod`` (and ``SCORE_GRAD``) as the Triton flex kernels take them. The
-    tables' blocks are 128 × 128. No checks: the caller has validated everything and that TMA
-    can read the tensors."""
+def plan_flex_bwd(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                  lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+                  dv: torch.Tensor, acc: torch.Tensor, tables: tuple[torch.Tensor, ...],
+                  table_strides: tuple[int, ...], scale: float, mod_args: list[Any],
+                  mods: dict[str, Any]) -> Callable[..., None]:  # fmt: skip
+    """The fused Gluon backward over block tables (``LISTED``), launched once for these
+    tensors, and ``run(qs, k, v, do, lse, delta, dq, dk, dv, acc, tables, mod_args)`` for later
+    calls of their kind. dQ, dK, dV go into ``dq``, ``dk``, ``dv`` as :func:`plan_bwd_hopper`'s
+    ``run`` writes them (``qs``, ``lse``, ``delta`` and the zeroed accumulator ``acc`` from the
+    preprocess), each key block walking the query blocks ``tables`` = ``(q_num, q_idx,
+    full_q_num, full_q_idx)`` list for it, with ``mask_mod``/``score_mod`` (and ``SCORE_GRAD``)
+    as the Triton flex kernels take them. The tables' blocks are 128 × 128. No checks: the
+    caller has validated everything and that TMA can read the tensors."""
     b, hq, nq, d = qs.shape
     hkv, nk = k.shape[1], k.shape[2]
-    q_num, q_idx, full_num, full_idx = tables
     grid = (triton.cdiv(nk, KHB.BLOCK_N) * b * hkv, 1, 1)
-    args = (qs, do, k, v, acc, lse, delta, dk, dv, *dk.stride()[:3], *dv.stride()[:3], hq, hkv,
-            hq // hkv, nq, nk, scale, full_num, full_idx, q_num, q_idx, *table_strides,
-            *mod_args)  # fmt: skip
+    q_num, q_idx, full_num, full_idx = tables
+    sizes = (*dk.stride()[:3], *dv.stride()[:3], hq, hkv, hq // hkv, nq, nk, scale)
     options = {"STAGES": KHB.STAGES, "GROUP_H": KHB.CAUSAL_GROUP_H, "IS_CAUSAL": False,
                "LISTED": True, "num_warps": 4, **mods}  # fmt: skip
-    blocks = ((0, KHB.BLOCK_M, d), (1, KHB.BLOCK_M, d), (2, KHB.BLOCK_N, d),
-              (3, KHB.BLOCK_N, d), (4, KHB.BLOCK_M, d // 2))  # fmt: skip
-    _flex_launch(KHB._attention_bwd_hopper_kernel, grid, args, blocks, options)
-    dq.copy_(acc)  # the kernel added scale·dS·K: only the rounding is left
+    templates = (_descriptor(qs, KHB.BLOCK_M, d), _descriptor(do, KHB.BLOCK_M, d),
+                 _descriptor(k, KHB.BLOCK_N, d), _descriptor(v, KHB.BLOCK_N, d),
+                 _descriptor(acc, KHB.BLOCK_M, d // 2))  # fmt: skip
+    bound = _launch.launcher(KHB._attention_bwd_hopper_kernel).bind_tensors(
+        (*templates, lse, delta, dk, dv, *sizes, full_num, full_idx, q_num, q_idx,
+         *table_strides, *mod_args), options)  # fmt: skip
+
+    def run(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+            lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
+            dv: torch.Tensor, acc: torch.Tensor, tables: tuple[torch.Tensor, ...],
+            mod_args: list[Any]) -> None:  # fmt: skip
+        q_num, q_idx, full_num, full_idx = tables
+        bound(grid, qs, do, k, v, acc, lse, delta, dk, dv, *sizes, full_num, full_idx, q_num,
+              q_idx, *table_strides, *mod_args)  # fmt: skip
+        dq.copy_(acc)  # the kernel added scale·dS·K: only the rounding is left
+
+    run(qs, k, v, do, lse, delta, dq, dk, dv, acc, tables, mod_args)
+    return run

@@ -15,12 +15,12 @@ from flashlite import mods as M
 def spec_mod(mod: M.MaskMod | M.ScoreMod | None) -> tuple[str, list[torch.Tensor], list[float]]:
     """A mod as an op's arguments: ``name:kinds`` (``t`` tensor, ``i`` int, ``f`` float per
     buffer), its tensors and its numbers (``("", [], [])`` for None)."""
-    if mod is None:
-        return "", [], []
-    kinds = "".join("t" if isinstance(x, torch.Tensor) else "i" if isinstance(x, int) else "f"
-                    for x in mod.buffers)  # fmt: skip
-    nums = [float(x) for x in mod.buffers if not isinstance(x, torch.Tensor)]
-    return f"{mod.name}:{kinds}", mod.tensors(), nums
+    return ("", [], []) if mod is None else mod.op_args()
+
+
+def spec_entry(spec: str) -> tuple[Any, ...] | None:
+    """The registry entry a spec names (None for an empty spec or an unknown name)."""
+    return M.registered_as(spec.rpartition(":")[0]) if spec else None
 
 
 def unspec_mod(spec: str, tensors: list[torch.Tensor],

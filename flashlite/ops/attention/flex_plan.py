@@ -1,0 +1,349 @@
+"""What a :func:`~flashlite.ops.attention.flex.flex_attention` call runs, planned once per kind of
+call (:class:`FwdPlan`, :class:`BwdPlan`): the kernels (the Hopper ones where they apply, else
+Triton's), their options, the block tables' strides, the mods' buffer slots and the bound
+launches. A kind is everything a plan pins (:func:`call_key`); a later call of the kind
+allocates its outputs and launches, nothing more (the host path's cost, docs/host-path.md)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+
+from flashlite import _backend, _launch
+from flashlite._caches import Cache
+from flashlite.kernels import configs as C
+from flashlite.kernels.attention import flex as KF
+from flashlite.kernels.attention import hopper_bwd as KHB
+from flashlite.ops.attention import hopper as HP
+from flashlite.ops.attention.bwd import hopper_bwd_applies
+from flashlite.ops.attention.bwd_launch import plan_preprocess
+from flashlite.ops.attention.mod_args import spec_entry, unspec_mod
+from flashlite.ops.attention.plan import HOPPER_ENV, _descriptor_ok, hopper_config
+
+#: A mod as the ops carry it: ``(spec, tensors, numbers)`` (:func:`~.mod_args.spec_mod`).
+ModArgs = tuple[str, list[torch.Tensor], list[float]]
+
+#: dQ, dK, dV.
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+#: :class:`FwdPlan` and :class:`BwdPlan` per kind of call (:func:`call_key`).
+fwd_plans = Cache("flex.fwd", 256)
+bwd_plans = Cache("flex.bwd", 256)
+
+
+def call_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             tables: tuple[torch.Tensor, ...], mask: ModArgs, score: ModArgs, tbm: int, tbn: int,
+             scale: float, more: tuple[torch.Tensor | None, ...] = ()) -> list[Any]:  # fmt: skip
+    """What a plan depends on: q's, k's and v's shapes and strides, the dtype and device, the
+    tables' shapes and strides, each mod's spec (its name and buffer kinds), registry entry
+    and numbers, its tensors' dtypes, the scale, the switches that choose kernels, and every
+    tensor's 16-byte alignment (one flag when all are aligned, the usual case), ``more``'s
+    tensors' too (None where absent). The caller appends what else its plan pins."""
+    key: list[Any] = [q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
+                      tbm, tbn, scale, _backend.getenv(HOPPER_ENV), C.pinned_text()]  # fmt: skip
+    ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr()
+    for t in tables:
+        ptrs |= t.data_ptr()
+        key.append(t.shape)
+        key.append(t.stride())
+    for spec, tensors, nums in (mask, score):
+        key.append(spec)
+        key.append(spec_entry(spec))
+        key.extend(nums)
+        for t in tensors:
+            ptrs |= t.data_ptr()
+            key.append(t.dtype)
+    for t in more:
+        if t is not None:
+            ptrs |= t.data_ptr()
+    if ptrs & 15:  # (rare: then each pointer's own)
+        every = (q, k, v, *tables, *mask[1], *score[1], *(t for t in more if t is not None))
+        key.append(tuple(t.data_ptr() % 16 for t in every))
+    return key
+
+
+def mod_args(mask: ModArgs, score: ModArgs, grad: bool) -> tuple[list[Any], dict[str, Any]]:
+    """The kernels' eight buffer slots and their mod constexprs (``SCORE_GRAD`` with ``grad``;
+    an absent score function's slots hold the mask, never called)."""
+    (mfn, *_), mbufs, n_mbuf = unspec_mod(*mask)
+    sfns, sbufs, n_sbuf = unspec_mod(*score)
+    if grad and sfns is not None and sfns[2] is None:
+        raise NotImplementedError(
+            f"score_mod {score[0].rsplit(':', 1)[0]} has no derivative: make it with "
+            "flashlite.mods.score_mod(fn, ..., grad=...) to differentiate through it"
+        )
+    consts = {"MASK_MOD": mfn, "N_MASK_BUF": n_mbuf, "SCORE_MOD": sfns[0] if sfns else mfn,
+              "N_SCORE_BUF": n_sbuf, "HAS_SCORE": sfns is not None}  # fmt: skip
+    if grad:
+        consts["SCORE_GRAD"] = sfns[2] if sfns else mfn
+    return [*mbufs, *sbufs], consts
+
+
+class _Slots:
+    """The eight buffer slots of one kind of call: its numbers fixed (the key pins them), the
+    places its tensors go (mask's, then the score function's, as :func:`mod_args` lays
+    them)."""
+
+    def __init__(self, bufs: list[Any]) -> None:
+        self.template = [None if isinstance(x, torch.Tensor) else x for x in bufs]
+        self.places = [i for i, x in enumerate(bufs) if isinstance(x, torch.Tensor)]
+
+    def __call__(self, tensors: list[torch.Tensor]) -> list[Any]:
+        bufs = self.template.copy()
+        for i, t in zip(self.places, tensors):  # noqa: B905  (the key pins the count)
+            bufs[i] = t
+        return bufs
+
+
+def table_args(num: torch.Tensor, idx: torch.Tensor) -> tuple[int, ...]:
+    """Strides of ``(B|1, H|1, n)`` counts and ``(B|1, H|1, n, m)`` indices as ``(B, H, …)``
+    views take them: 0 along a broadcast (size 1) dimension, as ``expand`` would give."""
+    ns, is_ = num.stride(), idx.stride()
+    one_b, one_h = num.shape[0] == 1, num.shape[1] == 1
+    return (0 if one_b else ns[0], 0 if one_h else ns[1], ns[2], 0 if one_b else is_[0],
+            0 if one_h else is_[1], is_[2])  # fmt: skip
+
+
+def _options(q: torch.Tensor, tbm: int, tbn: int, bwd: bool) -> dict[str, Any]:
+    """The Triton kernels' tiles (dividing the table's) and numerics."""
+    d = q.shape[-1]
+    if _backend.INTERPRETED:
+        bm, bn, warps, stages = tbm, tbn, 4, 1
+    elif bwd:
+        bm, bn, warps, stages = min(tbm, 64), min(tbn, 64), 4, 2
+    else:
+        bm, bn = min(tbm, 128), min(tbn, 64)
+        warps, stages = (8 if d > 64 else 4), 3
+    return {
+        "HEAD_DIM": d, "BLOCK_D": max(16, triton.next_power_of_2(d)), "BLOCK_M": bm,
+        "BLOCK_N": bn, "TBM": tbm, "TBN": tbn, "DOT_FP32": _backend.dot_upcast(q.dtype),
+        "DOT_PRECISION": "tf32x3" if q.dtype == torch.float32 else "tf32",
+        "ROUND_BF16": _backend.round_bf16(q.dtype), "num_warps": warps, "num_stages": stages,
+    }  # fmt: skip
+
+
+#: (kernel, mods, head dim, dtype) launched with one stage: see :func:`_bind_triton`.
+_one_stage: set[tuple[Any, ...]] = set()
+
+
+def _bind_triton(kernel: Any, grid: tuple[int, int, int], args: tuple[Any, ...],
+                 mods: dict[str, Any], opts: dict[str, Any]) -> Callable[..., None]:  # fmt: skip
+    """Launch a Triton flex kernel once and return its bound launch for later calls of the
+    kind. Triton's software pipeliner stages a loop's loads in shared memory, a mod's gathers
+    too (a bias table read per score): those can outgrow it. Then the kernel runs (this time
+    and for later calls of the mod) with one stage, unpipelined."""
+    key = (kernel, *mods.values(), opts["HEAD_DIM"], args[0].dtype)
+    if key in _one_stage:
+        opts = {**opts, "num_stages": 1}
+    launcher = _launch.launcher(kernel)
+    try:
+        bound = launcher.bind(args, {**mods, **opts})
+        bound(grid, *args)
+    except triton.runtime.errors.OutOfResources:
+        if opts["num_stages"] == 1:
+            raise
+        _one_stage.add(key)
+        bound = launcher.bind(args, {**mods, **opts, "num_stages": 1})
+        bound(grid, *args)
+    return bound
+
+
+# --------------------------------------------------------------------------- forward
+#: Variants whose first Hopper launch failed to build (the Triton kernel runs them).
+hopper_failed: set[tuple[Any, ...]] = set()
+
+
+class FwdPlan:
+    """A flex forward for one kind of call: ``(o, lse)`` from q, k, v, the ``kv_*`` tables and
+    the mods' tensors. Its first call chooses the kernel and binds its launch."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, tables: tuple[torch.Tensor, ...],
+                 mask: ModArgs, score: ModArgs, tbm: int, tbn: int,
+                 scale: float) -> None:  # fmt: skip
+        b, hq, nq, _ = q.shape
+        self.lse_shape = (b, hq, nq)
+        self.tbm, self.tbn, self.scale = tbm, tbn, scale
+        self.bufs, self.mods = mod_args(mask, score, grad=False)
+        self.slots = _Slots(self.bufs)
+        self.strides = table_args(tables[0], tables[1])
+        #: ``run(q, k, v, o, lse, tables, bufs)``, bound by the first call
+        self.run: Callable[..., None] | None = None
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 tables: tuple[torch.Tensor, ...],
+                 tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        o = torch.empty_like(q)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        bufs = self.slots(tensors)
+        if self.run is None:
+            self.run = self._first(q, k, v, o, lse, tables, bufs)
+        else:
+            self.run(q, k, v, o, lse, tables, bufs)
+        return o, lse
+
+    def _first(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+               lse: torch.Tensor, tables: tuple[torch.Tensor, ...],
+               bufs: list[Any]) -> Callable[..., None]:  # fmt: skip
+        """Launch this call; the launch later calls repeat. The Gluon (Hopper) kernel where it
+        applies: a compiled sm_90 device, 16-bit inputs TMA can read, a head dim with a
+        measured config whose tiles are the tables' blocks; else (or after one warning if it
+        failed to build) the Triton kernel."""
+        config = hopper_config(q, k.shape[2])
+        if (config is not None and (self.tbm, self.tbn) == (config.block_m, config.block_n)
+                and _descriptor_ok(q, k, v, o)):  # fmt: skip
+            key = (q.dtype, q.shape[-1], *self.mods.values())
+
+            def build() -> Callable[..., None]:
+                return HP.plan_flex_fwd(q, k, v, o, lse, tables, self.strides, self.scale,
+                                        config, bufs, self.mods)  # fmt: skip
+
+            run = HP.first_build(hopper_failed, key, "flex", build, stacklevel=6)
+            if run is not None:
+                return run
+        b, hq, nq, _ = q.shape
+        hkv, nk = k.shape[1], k.shape[2]
+        opts = _options(q, self.tbm, self.tbn, bwd=False)
+        grid = (triton.cdiv(nq, opts["BLOCK_M"]), b * hq, 1)
+        mid = (*q.stride(), *k.stride(), *v.stride(), *o.stride())
+        tail = (*self.strides, hq, hq // hkv, nq, nk, self.scale)
+        args = (q, k, v, o, lse, *mid, *tables, *tail, *bufs)
+        bound = _bind_triton(KF._flex_fwd_kernel, grid, args, self.mods, opts)
+
+        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                lse: torch.Tensor, tables: tuple[torch.Tensor, ...],
+                bufs: list[Any]) -> None:  # fmt: skip
+            bound(grid, q, k, v, o, lse, *mid, *tables, *tail, *bufs)
+
+        return run
+
+
+# --------------------------------------------------------------------------- backward
+hopper_bwd_failed: set[tuple[Any, ...]] = set()
+
+
+class BwdPlan:
+    """A flex backward for one kind of call: ``(dq, dk, dv)`` from dO, q, k, v, O, the LSE
+    (and its gradient), the ``q_*`` and ``kv_*`` tables and the mods' tensors. Its first call
+    chooses the kernels (the fused Hopper one, or the Triton pair) and binds their launches."""
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor, q_tables: tuple[torch.Tensor, ...],
+                 kv_tables: tuple[torch.Tensor, ...], mask: ModArgs, score: ModArgs, tbm: int,
+                 tbn: int, scale: float) -> None:  # fmt: skip
+        b, hq, nq, d = q.shape
+        self.delta_shape, self.acc_shape = (b, hq, nq), (b, hq, nq, d)
+        self.tbm, self.tbn, self.scale = tbm, tbn, scale
+        self.bufs, self.mods = mod_args(mask, score, grad=True)
+        self.slots = _Slots(self.bufs)
+        self.q_strides = table_args(q_tables[0], q_tables[1])
+        self.kv_strides = table_args(kv_tables[0], kv_tables[1])
+        #: ``run(do, q, k, v, o, lse, dlse, dq, dk, dv, q_tables, kv_tables, bufs)``
+        self.run: Callable[..., None] | None = None
+
+    def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
+                 q_tables: tuple[torch.Tensor, ...], kv_tables: tuple[torch.Tensor, ...],
+                 tensors: list[torch.Tensor]) -> Grads:  # fmt: skip
+        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+        # an expanded or strided dlse (autograd may hand one over) is made dense, O(N)
+        dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
+        args = (do, q, k, v, o, lse, dlse, dq, dk, dv, q_tables, kv_tables, self.slots(tensors))
+        if self.run is None:
+            self.run = self._first(*args)
+        else:
+            self.run(*args)
+        return dq, dk, dv
+
+    def _first(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor,
+               dk: torch.Tensor, dv: torch.Tensor, q_tables: tuple[torch.Tensor, ...],
+               kv_tables: tuple[torch.Tensor, ...],
+               bufs: list[Any]) -> Callable[..., None]:  # fmt: skip
+        """Launch this call; the launches later calls repeat. The fused Gluon kernel where it
+        applies (as the dense backward's, :func:`~flashlite.ops.attention.bwd.
+        hopper_bwd_applies`, with tables of its 128 × 128 tiles): the preprocess writes delta,
+        ``Qs`` into ``dq``'s memory and zeros into dQ's fp32 accumulator, then one kernel adds
+        every gradient. Else (or after one warning if it failed to build) the preprocess and
+        the two Triton kernels (they overwrite ``dq``)."""
+        fused = (self.tbm, self.tbn) == (2 * KHB.BLOCK_M, KHB.BLOCK_N)
+        if fused and hopper_bwd_applies(q, k, v, do, dk, dv) and _descriptor_ok(dq):
+            run = self._first_fused(do, q, k, v, o, lse, dlse, dq, dk, dv, q_tables, bufs)
+            if run is not None:
+                return run
+        return self._first_triton(do, q, k, v, o, lse, dlse, dq, dk, dv, q_tables, kv_tables,
+                                  bufs)  # fmt: skip
+
+    def _first_fused(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                     dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
+                     dv: torch.Tensor, q_tables: tuple[torch.Tensor, ...],
+                     bufs: list[Any]) -> Callable[..., None] | None:  # fmt: skip
+        key = (q.dtype, q.shape[-1], *self.mods.values())
+        acc = torch.empty(self.acc_shape, device=q.device, dtype=torch.float32)
+        delta = torch.empty(self.delta_shape, device=q.device, dtype=torch.float32)
+        prep = plan_preprocess(o, do, dlse, delta, q, dq, self.scale, acc, prescale_q=True)
+        prep(o, do, dlse, delta, q, dq, acc)
+
+        def build() -> Callable[..., None]:
+            return HP.plan_flex_bwd(dq, k, v, do, lse, delta, dq, dk, dv, acc, q_tables,
+                                    self.q_strides, self.scale, bufs, self.mods)  # fmt: skip
+
+        main = HP.first_build(hopper_bwd_failed, key, "flex backward", build, stacklevel=7)
+        if main is None:
+            return None
+        acc_shape, delta_shape = self.acc_shape, self.delta_shape
+
+        def run(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
+                dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                q_tables: tuple[torch.Tensor, ...], kv_tables: tuple[torch.Tensor, ...],
+                bufs: list[Any]) -> None:  # fmt: skip
+            acc = torch.empty(acc_shape, device=q.device, dtype=torch.float32)
+            delta = torch.empty(delta_shape, device=q.device, dtype=torch.float32)
+            prep(o, do, dlse, delta, q, dq, acc)
+            main(dq, k, v, do, lse, delta, dq, dk, dv, acc, q_tables, bufs)
+
+        return run
+
+    def _first_triton(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                      v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
+                      dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
+                      dv: torch.Tensor, q_tables: tuple[torch.Tensor, ...],
+                      kv_tables: tuple[torch.Tensor, ...],
+                      bufs: list[Any]) -> Callable[..., None]:  # fmt: skip
+        b, hq, nq, _ = q.shape
+        hkv, nk = k.shape[1], k.shape[2]
+        opts = _options(q, self.tbm, self.tbn, bwd=True)
+        delta_shape = self.delta_shape
+        delta = torch.empty(delta_shape, device=q.device, dtype=torch.float32)
+        prep = plan_preprocess(o, do, dlse, delta, q, q, self.scale, prescale_q=False)
+        prep(o, do, dlse, delta, q, q)
+        sizes = (hq, hq // hkv, nq, nk, self.scale)
+        dkdv_mid = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
+                    *dv.stride())  # fmt: skip
+        dkdv_tail = (*self.q_strides, hkv, *sizes[1:])
+        dkdv_grid = (triton.cdiv(nk, opts["BLOCK_N"]), b * hkv, 1)
+        dkdv = _bind_triton(KF._flex_bwd_dkdv_kernel, dkdv_grid, (
+            q, k, v, do, dk, dv, lse, delta, *dkdv_mid, *q_tables, *dkdv_tail, *bufs),
+            self.mods, opts)  # fmt: skip
+        dq_mid = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride())
+        dq_tail = (*self.kv_strides, *sizes)
+        dq_grid = (triton.cdiv(nq, opts["BLOCK_M"]), b * hq, 1)
+        dq_run = _bind_triton(KF._flex_bwd_dq_kernel, dq_grid, (
+            q, k, v, do, dq, lse, delta, *dq_mid, *kv_tables, *dq_tail, *bufs), self.mods,
+            opts)  # fmt: skip
+
+        def run(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
+                dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
+                q_tables: tuple[torch.Tensor, ...], kv_tables: tuple[torch.Tensor, ...],
+                bufs: list[Any]) -> None:  # fmt: skip
+            delta = torch.empty(delta_shape, device=q.device, dtype=torch.float32)
+            prep(o, do, dlse, delta, q, q)
+            dkdv(dkdv_grid, q, k, v, do, dk, dv, lse, delta, *dkdv_mid, *q_tables, *dkdv_tail,
+                 *bufs)  # fmt: skip
+            dq_run(dq_grid, q, k, v, do, dq, lse, delta, *dq_mid, *kv_tables, *dq_tail, *bufs)
+
+        return run
