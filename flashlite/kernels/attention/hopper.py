@@ -97,20 +97,23 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _online_update(s, m, l_sum, start_n, rows, cols, seq_q, seq_k, MASK: gl.constexpr,
-                       IS_CAUSAL: gl.constexpr):  # fmt: skip
-        """Fold the ``[R, BLOCK_N]`` score tile ``s`` (exp2 units) into ``(m, l_sum)``:
-        ``(p, alpha, m, l_sum)`` as :func:`flashlite.stats.online_update`. ``MASK``: keys past
-        ``seq_k`` (and, causal, past each row's diagonal) get −inf first."""
+                       IS_CAUSAL: gl.constexpr, UNITS: gl.constexpr = 1.0):  # fmt: skip
+        """Fold the ``[R, BLOCK_N]`` score tile ``s`` (``s·UNITS`` in exp2 units: ``UNITS`` is
+        1, or ``log2 e`` for a score function's natural units) into ``(m, l_sum)`` (exp2
+        units): ``(p, alpha, m, l_sum)`` as :func:`flashlite.stats.online_update`. ``MASK``:
+        keys past ``seq_k`` (and, causal, past each row's diagonal) get −inf first."""
         if MASK:
             key = gl.expand_dims(start_n + cols, 0)
             seen = key < seq_k
             if IS_CAUSAL:  # bottom-right aligned, as flashlite.masks.visible
                 seen = seen & (key <= gl.expand_dims(rows, 1) + (seq_k - seq_q))
             s = gl.where(seen, s, float("-inf"))
-        m_new = gl.maximum(m, gl.max(s, axis=1))
+        # (the units are applied to the row maxima and inside exp2's argument, one fused
+        # multiply-add a score: never a pass of their own)
+        m_new = gl.maximum(m, gl.max(s, axis=1) * UNITS)
         ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing stays empty
         alpha = gl.exp2(m - ref)
-        p = gl.exp2(s - gl.expand_dims(ref, 1))
+        p = gl.exp2(s * UNITS - gl.expand_dims(ref, 1))
         return p, alpha, m_new, l_sum * alpha + gl.sum(p, axis=1)
 
     @gluon.jit
@@ -124,7 +127,8 @@ if GLUON_IMPORT_ERROR is None:
         ``seq_k`` and the causal diagonal. ``LISTED`` (tiles from block tables): the first key
         is read from the tables (:func:`_tile_start`) only where a mod needs it — reading it
         ahead for every tile measured slower — and ``mask_mod`` masks; a score function sees
-        the scores first, in natural units (``s·ln 2``: Q carries ``log2 e``)."""
+        the scores first, in natural units (``s·ln 2``: Q carries ``log2 e``), and its
+        result stays in them (:func:`_online_update` takes the units)."""
         if LISTED:
             block_n: gl.constexpr = s.shape[1]
             if HAS_SCORE:
@@ -132,7 +136,7 @@ if GLUON_IMPORT_ERROR is None:
                 q_idx = gl.expand_dims(gl.minimum(rows, seq_q - 1), 1)
                 kv_idx = gl.expand_dims(gl.minimum(first + cols, seq_k - 1), 0)
                 s = apply_score(SCORE_MOD, s * LN2, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3,
-                                N_SCORE_BUF) * LOG2E  # fmt: skip
+                                N_SCORE_BUF)  # fmt: skip
             if t >= n_full:
                 first = _tile_start(t, n_full, full_row, part_row, block_n, True)
                 q_idx = gl.expand_dims(gl.minimum(rows, seq_q - 1), 1)
@@ -141,8 +145,9 @@ if GLUON_IMPORT_ERROR is None:
                 seen = apply_mask(MASK_MOD, b, h, q_idx, gl.minimum(keys, seq_k - 1), MB0, MB1,
                                   MB2, MB3, N_MASK_BUF)  # fmt: skip
                 s = gl.where(seen & (keys < seq_k), s, float("-inf"))
+            units: gl.constexpr = LOG2E if HAS_SCORE else 1.0
             p, alpha, m, l_sum = _online_update(s, m, l_sum, start_n, rows, cols, seq_q, seq_k,
-                                                False, IS_CAUSAL)  # fmt: skip
+                                                False, IS_CAUSAL, units)  # fmt: skip
         elif t >= n_full:
             p, alpha, m, l_sum = _online_update(s, m, l_sum, start_n, rows, cols, seq_q, seq_k,
                                                 True, IS_CAUSAL)  # fmt: skip
