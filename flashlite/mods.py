@@ -61,10 +61,8 @@ __all__ = [
 MAX_BUFFERS = 4
 
 Buffer = torch.Tensor | int | float
-#: Bytes one call of a mod on a ``(bm, bn)`` tile loads from its buffers (for the traffic
-#: model): ``reads(bm, bn)``, or ``reads(bm, bn, rows, keys)`` where they depend on the tile's
-#: place (``rows``, ``keys``: its first and last query row and key, clamped to the lengths)
-TileReads = Callable[..., int]
+#: Bytes one call of a mod on a ``(bm, bn)`` tile loads from its buffers (for the traffic model)
+TileReads = Callable[[int, int], int]
 
 
 def _is_jit(fn: object) -> bool:
@@ -224,7 +222,7 @@ def mask_mod(fn: Any, *buffers: Buffer, torch_fn: Callable[..., Any] | None = No
         torch_fn: the twin on torch tensors (default: ``fn``'s own Python body).
         name: the name ops find it by (default: ``module.qualname`` of ``fn``).
         tile_reads: bytes ``fn`` loads from its buffers per ``(bm, bn)`` tile, for
-            ``flashlite traffic`` (None: not modelled; :data:`TileReads`).
+            ``flashlite traffic`` (None: not modelled).
 
     Raises:
         TypeError: ``fn`` is not a jit function or takes the wrong number of arguments; a

@@ -10,15 +10,11 @@ LSE once. Empty tiles appear in no table: their K and V are never read, the byte
     write = Σ_programs rows·(D·b + 4)
 
 ``rows`` are the program's rows below ``Nq`` and ``keys`` the keys its listed tiles hold below
-``Nk``. A mod's buffer reads are modelled when it says what one tile costs (the gallery's do),
-by its size or, for reads that depend on the tile's place (the relative bias reads one entry
-for a tile wholly past its reach), by its rows and keys; the model reports
-``mods_modelled=False`` otherwise.
+``Nk``. A mod's buffer reads are modelled when it says what one tile costs (the gallery's do);
+the model reports ``mods_modelled=False`` otherwise.
 """
 
 from __future__ import annotations
-
-import inspect
 
 import torch
 
@@ -39,35 +35,7 @@ def _tile_reads(mod: MaskMod | ScoreMod | None, bm: int, bn: int) -> int | None:
     if mod is None:
         return 0
     reads = getattr(mod, "tile_reads", None)
-    if reads is None:
-        return None
-    return 0 if _placed(reads) else reads(bm, bn)
-
-
-def _placed(reads: object) -> bool:
-    """Whether a mod's ``tile_reads`` depends on where the tile is (four parameters)."""
-    try:
-        return len(inspect.signature(reads).parameters) == 4  # type: ignore[arg-type]
-    except (TypeError, ValueError):
-        return False
-
-
-def _placed_row(mod: MaskMod | ScoreMod | None, m0: int, bm: int, bn: int, tbn: int,
-                n_blocks: int, nq: int, nk: int) -> torch.Tensor | None:  # fmt: skip
-    """Bytes a placed ``tile_reads`` (:data:`flashlite.mods.TileReads`) gives the kernel tiles
-    of the query rows from ``m0``, summed per table key block ``(nK,)``; None for a mod whose
-    reads do not depend on the place. Indices are clamped as the kernels clamp them."""
-    reads = getattr(mod, "tile_reads", None)
-    if reads is None or not _placed(reads):
-        return None
-    rows = (m0, min(m0 + bm, nq) - 1)
-    per_block = []
-    for j in range(n_blocks):
-        total = 0
-        for k0 in range(j * tbn, min((j + 1) * tbn, nk), bn):
-            total += reads(bm, bn, rows, (k0, min(k0 + bn, nk) - 1))
-        per_block.append(total)
-    return torch.tensor(per_block, dtype=torch.int64)
+    return None if reads is None else reads(bm, bn)
 
 
 def model_flex_attention(
@@ -104,15 +72,12 @@ def model_flex_attention(
             mod_bytes += (
                 int(p.sum()) * subs * mask_tile + int(f.sum() + p.sum()) * subs * score_tile
             )
-            placed = _placed_row(score_mod, m0, bm, bn, tbn, f.shape[-1], Nq, shape.nk)
-            if placed is not None:
-                mod_bytes += int(((f + p) * placed).sum())
     progs = cdiv(Nq, bm)
     t.add("q", B * H * q_rows * D * e, 0)
     t.add("tables", B * H * progs * 8 + listed * 4, 0)
     t.add("k", keys * D * e, 0)
     t.add("v", keys * D * e, 0)
-    if mask_tile is not None and score_tile is not None and mod_bytes:
+    if mask_tile is not None and score_tile is not None and (mask_tile or score_tile):
         t.add("mods", mod_bytes, 0)
     t.add("o", 0, B * H * Nq * D * e)
     t.add("lse", 0, B * H * Nq * 4)
