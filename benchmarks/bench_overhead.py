@@ -15,6 +15,9 @@ host work (argument checks, plans, launches) and launch latency. Cases (bf16 unl
                      32 x 65536 (2^21 elements), fp32 and bf16; beside flashlite, ``floor``:
                      the same kernels through a bare ``autograd.Function`` (no checks, plans
                      made beforehand), the least any Python autograd node costs here
+    flex             flex_attention with a document-causal mask (4 documents) at B=1 H=8 N=1k
+                     D=64, forward and forward + backward, against torch.compile'd
+                     flex_attention over torch's block mask of the same mod
     cross-entropy    forward + backward at 512 x 32k and 8192 x 32k; linear cross-entropy at
                      512 x 1024 x 32k, against torch's (logits materialised)
 
@@ -255,6 +258,45 @@ def attention_grad_case(name: str, b: int, h: int, n: int, d: int) -> Case:
     )  # fmt: skip
 
 
+def flex_case(name: str, b: int, h: int, n: int, d: int, grad: bool) -> Case:
+    """Document-causal attention (4 documents) through ``flashlite.flex_attention`` and torch's
+    ``torch.compile(flex_attention)``, each over its own block mask of the same mod, made
+    beforehand; the forward, or (``grad``) forward + backward."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as torch_flex
+
+    from flashlite import gallery
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                   for _ in range(4))  # fmt: skip
+    mm = gallery.document_causal(gallery.random_documents(b, n, 4, seed=1).cuda())
+    ours_bm = flashlite.create_block_mask(mm, b, None, n, n)
+    theirs_bm = torch_block_mask(mm, b, None, n, n, device="cuda")
+    cflex = torch.compile(torch_flex)
+    ours = lambda q, k, v: flashlite.flex_attention(q, k, v, block_mask=ours_bm)  # noqa: E731
+    theirs = lambda q, k, v: cflex(q, k, v, block_mask=theirs_bm)  # noqa: E731
+    qkv64 = [t.double().requires_grad_(grad) for t in (q, k, v)]
+    out64 = reference.attention(*qkv64, mask_mod=mm)
+    dims = {"B": b, "Hq": h, "Hkv": h, "Nq": n, "Nk": n, "D": d, "mask": "document_causal"}
+    # the allowed error: twice PyTorch's own low-precision error (naive attention in bf16,
+    # the tests' rule) plus the floor
+    if not grad:
+        err = (reference.attention(q, k, v, mask_mod=mm).double() - out64).abs().max().item()
+        return Case(name, "flex", torch.bfloat16, dims, (q, k, v),
+                    {"flashlite": ours, "torch-flex": theirs}, "torch-flex", out64.detach(),
+                    lambda r, i: torch.full_like(r, 2 * err + TOL[torch.bfloat16][2]))  # fmt: skip
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    ref = torch.autograd.grad(out64, qkv64, do.double())
+    naive = torch.autograd.grad(reference.attention(q, k, v, mask_mod=mm), (q, k, v), do)
+    return Case(
+        name, "flex grad", torch.bfloat16, dims, (q, k, v, do),
+        {"flashlite": lambda q, k, v, do: torch.autograd.grad(ours(q, k, v), (q, k, v), do),
+         "torch-flex": lambda q, k, v, do: torch.autograd.grad(theirs(q, k, v), (q, k, v), do)},
+        "torch-flex", tuple(ref), _grads_allowed(tuple(ref), naive, TOL[torch.bfloat16][2]),
+    )  # fmt: skip
+
+
 def cross_entropy_case(name: str, n: int, v: int) -> Case:
     """Mean cross-entropy of bf16 logits, forward + backward (the logits' gradient)."""
     g = torch.Generator("cuda").manual_seed(3)
@@ -333,6 +375,8 @@ def cases() -> list[Case]:
         attention_case("attn N=128 causal", 1, 8, 8, 128, 128, 64, True),
         attention_grad_case("attn grad N=128 causal", 1, 8, 128, 64),
         attention_grad_case("attn grad 16x6x512 causal", 16, 6, 512, 64),
+        flex_case("flex N=1k doc-causal", 1, 8, 1024, 64, False),
+        flex_case("flex grad N=1k doc-causal", 1, 8, 1024, 64, True),
         attention_case("decode Nk=512 GQA", 8, 32, 8, 1, 512, 128, False),
         *(
             decode_append_case(
