@@ -130,6 +130,18 @@ if GLUON_BWD_ERROR is None:
         return gl.load(idx_row + j // 2) * (2 * block_m) + (j % 2) * block_m
 
     @gluon.jit
+    def _query_start(j, first, idx_row, lo, n_qblocks, block_m: gl.constexpr,
+                     LISTED: gl.constexpr):  # fmt: skip
+        """The first query row of the consumers' step ``j``: ``LISTED``, of step ``j − first``
+        over the table row ``idx_row`` (:func:`_listed_start`); else of the ``j``-th query
+        block from the last (of ``n_qblocks`` from ``lo``)."""
+        if LISTED:
+            start = _listed_start(j - first, idx_row, block_m)
+        else:
+            start = lo + (n_qblocks - 1 - j) * block_m
+        return start
+
+    @gluon.jit
     def _producer(qs_desc, do_desc, k_desc, v_desc, LSE, DELTA, qs_bufs, do_bufs, lse_bufs,
                   delta_bufs, k_buf, v_buf, kv_ready, q_ready, do_ready, empty, b, h_kv, n_heads,
                   group, seq_q, start_n, lo, n_qblocks, FULL_NUM, FULL_IDX, Q_NUM, Q_IDX,
@@ -318,50 +330,39 @@ if GLUON_BWD_ERROR is None:
         t = 0  # steps so far: the ring's and the dS buffers' phases follow it
         for g in range(group):
             h = h_kv * group + g
-            if LISTED:  # the blocks this key block's table row lists: full ones, then partial
+            # the unmasked steps, then the masked ones: LISTED, the blocks this key block's
+            # table row lists (full ones, then partial); else the query blocks from the last
+            # down (programs of one head then reduce into the same dQ rows at about the same
+            # time), the masked ones (the diagonal's, or every one of a key block that runs
+            # past Nk) last
+            if LISTED:
                 n_full, full_row, n_part, part_row = _table_row(
                     FULL_NUM, FULL_IDX, Q_NUM, Q_IDX, b, h, start_n // (2 * half), stride_tb,
                     stride_th, stride_tn, stride_ib, stride_ih, stride_in)  # fmt: skip
-                for j in range(0, 2 * n_full):
-                    start_m = _listed_start(j, full_row, block_m)
-                    dk, dv = _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs, delta_bufs,
-                                   k_mine, v_mine, k_cols, ds_bufs, dq_buf, q_ready, do_ready,
-                                   empty, ds_ready, ds_free, dq_desc, b, keys, diag, seq_q,
-                                   seq_k, sm_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, WG,
-                                   False, IS_CAUSAL, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD,
-                                   SCORE_GRAD, N_SCORE_BUF, HAS_SCORE)  # fmt: skip
-                    t += 1
-                for j in range(0, 2 * n_part):
-                    start_m = _listed_start(j, part_row, block_m)
-                    dk, dv = _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs, delta_bufs,
-                                   k_mine, v_mine, k_cols, ds_bufs, dq_buf, q_ready, do_ready,
-                                   empty, ds_ready, ds_free, dq_desc, b, keys, diag, seq_q,
-                                   seq_k, sm_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, WG,
-                                   True, IS_CAUSAL, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD,
-                                   SCORE_GRAD, N_SCORE_BUF, HAS_SCORE)  # fmt: skip
-                    t += 1
+                n_whole = 2 * n_full
+                n_all = n_whole + 2 * n_part
             else:
-                # query blocks from the last down (programs of one head then reduce into the
-                # same dQ rows at about the same time); the masked ones (the diagonal's, or
-                # every one of a key block that runs past Nk) come last
-                for j in range(0, n_qblocks - n_masked):
-                    start_m = lo + (n_qblocks - 1 - j) * block_m
-                    dk, dv = _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs, delta_bufs,
-                                   k_mine, v_mine, k_cols, ds_bufs, dq_buf, q_ready, do_ready,
-                                   empty, ds_ready, ds_free, dq_desc, b, keys, diag, seq_q,
-                                   seq_k, sm_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, WG,
-                                   False, IS_CAUSAL, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD,
-                                   SCORE_GRAD, N_SCORE_BUF, HAS_SCORE)  # fmt: skip
-                    t += 1
-                for j in range(n_qblocks - n_masked, n_qblocks):
-                    start_m = lo + (n_qblocks - 1 - j) * block_m
-                    dk, dv = _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs, delta_bufs,
-                                   k_mine, v_mine, k_cols, ds_bufs, dq_buf, q_ready, do_ready,
-                                   empty, ds_ready, ds_free, dq_desc, b, keys, diag, seq_q,
-                                   seq_k, sm_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, WG,
-                                   True, IS_CAUSAL, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD,
-                                   SCORE_GRAD, N_SCORE_BUF, HAS_SCORE)  # fmt: skip
-                    t += 1
+                full_row, part_row = Q_IDX, Q_IDX  # (placeholders, never read)
+                n_whole = n_qblocks - n_masked
+                n_all = n_qblocks
+            for j in range(0, n_whole):
+                start_m = _query_start(j, 0, full_row, lo, n_qblocks, block_m, LISTED)
+                dk, dv = _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs, delta_bufs,
+                               k_mine, v_mine, k_cols, ds_bufs, dq_buf, q_ready, do_ready, empty,
+                               ds_ready, ds_free, dq_desc, b, keys, diag, seq_q, seq_k,
+                               sm_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, WG, False,
+                               IS_CAUSAL, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD, SCORE_GRAD,
+                               N_SCORE_BUF, HAS_SCORE)  # fmt: skip
+                t += 1
+            for j in range(n_whole, n_all):
+                start_m = _query_start(j, n_whole, part_row, lo, n_qblocks, block_m, LISTED)
+                dk, dv = _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs, delta_bufs,
+                               k_mine, v_mine, k_cols, ds_bufs, dq_buf, q_ready, do_ready, empty,
+                               ds_ready, ds_free, dq_desc, b, keys, diag, seq_q, seq_k,
+                               sm_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, WG, True,
+                               IS_CAUSAL, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD, SCORE_GRAD,
+                               N_SCORE_BUF, HAS_SCORE)  # fmt: skip
+                t += 1
         tma.store_wait(pendings=0)
 
         # dK is summed against Qs = Q·scale·log2 e: divide the log2 e out. Keys past Nk are
