@@ -7,7 +7,7 @@ allocates its outputs and launches, nothing more (the host path's cost, docs/hos
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -224,6 +224,26 @@ class FwdPlan:
 hopper_bwd_failed: set[tuple[Any, ...]] = set()
 
 
+class BwdCall(NamedTuple):
+    """One backward call's tensors as its plan's launches take them: the inputs, the gradients
+    allocated for it (``dq``, ``dk``, ``dv``), the tables and the mods' buffer slots."""
+
+    do: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    lse: torch.Tensor
+    #: the LSE's gradient, dense fp32, or None
+    dlse: torch.Tensor | None
+    dq: torch.Tensor
+    dk: torch.Tensor
+    dv: torch.Tensor
+    q_tables: tuple[torch.Tensor, ...]
+    kv_tables: tuple[torch.Tensor, ...]
+    bufs: list[Any]
+
+
 class BwdPlan:
     """A flex backward for one kind of call: ``(dq, dk, dv)`` from dO, q, k, v, O, the LSE
     (and its gradient), the ``q_*`` and ``kv_*`` tables and the mods' tensors. Its first call
@@ -239,8 +259,8 @@ class BwdPlan:
         self.slots = _Slots(self.bufs)
         self.q_strides = table_args(q_tables[0], q_tables[1])
         self.kv_strides = table_args(kv_tables[0], kv_tables[1])
-        #: ``run(do, q, k, v, o, lse, dlse, dq, dk, dv, q_tables, kv_tables, bufs)``
-        self.run: Callable[..., None] | None = None
+        #: ``run(call)`` (:class:`BwdCall`), bound by the first call
+        self.run: Callable[[BwdCall], None] | None = None
 
     def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
@@ -249,18 +269,15 @@ class BwdPlan:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         # an expanded or strided dlse (autograd may hand one over) is made dense, O(N)
         dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
-        args = (do, q, k, v, o, lse, dlse, dq, dk, dv, q_tables, kv_tables, self.slots(tensors))
+        call = BwdCall(do, q, k, v, o, lse, dlse, dq, dk, dv, q_tables, kv_tables,
+                       self.slots(tensors))  # fmt: skip
         if self.run is None:
-            self.run = self._first(*args)
+            self.run = self._first(call)
         else:
-            self.run(*args)
+            self.run(call)
         return dq, dk, dv
 
-    def _first(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, dq: torch.Tensor,
-               dk: torch.Tensor, dv: torch.Tensor, q_tables: tuple[torch.Tensor, ...],
-               kv_tables: tuple[torch.Tensor, ...],
-               bufs: list[Any]) -> Callable[..., None]:  # fmt: skip
+    def _first(self, c: BwdCall) -> Callable[[BwdCall], None]:
         """Launch this call; the launches later calls repeat. The fused Gluon kernel where it
         applies (as the dense backward's, :func:`~flashlite.ops.attention.bwd.
         hopper_bwd_applies`, with tables of its 128 × 128 tiles): the preprocess writes delta,
@@ -268,82 +285,67 @@ class BwdPlan:
         every gradient. Else (or after one warning if it failed to build) the preprocess and
         the two Triton kernels (they overwrite ``dq``)."""
         fused = (self.tbm, self.tbn) == (2 * KHB.BLOCK_M, KHB.BLOCK_N)
-        if fused and hopper_bwd_applies(q, k, v, do, dk, dv) and _descriptor_ok(dq):
-            run = self._first_fused(do, q, k, v, o, lse, dlse, dq, dk, dv, q_tables, bufs)
+        if fused and hopper_bwd_applies(c.q, c.k, c.v, c.do, c.dk, c.dv) and _descriptor_ok(c.dq):
+            run = self._first_fused(c)
             if run is not None:
                 return run
-        return self._first_triton(do, q, k, v, o, lse, dlse, dq, dk, dv, q_tables, kv_tables,
-                                  bufs)  # fmt: skip
+        return self._first_triton(c)
 
-    def _first_fused(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                     dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
-                     dv: torch.Tensor, q_tables: tuple[torch.Tensor, ...],
-                     bufs: list[Any]) -> Callable[..., None] | None:  # fmt: skip
-        key = (q.dtype, q.shape[-1], *self.mods.values())
-        acc = torch.empty(self.acc_shape, device=q.device, dtype=torch.float32)
-        delta = torch.empty(self.delta_shape, device=q.device, dtype=torch.float32)
-        prep = plan_preprocess(o, do, dlse, delta, q, dq, self.scale, acc, prescale_q=True)
-        prep(o, do, dlse, delta, q, dq, acc)
+    def _first_fused(self, c: BwdCall) -> Callable[[BwdCall], None] | None:
+        key = (c.q.dtype, c.q.shape[-1], *self.mods.values())
+        acc = torch.empty(self.acc_shape, device=c.q.device, dtype=torch.float32)
+        delta = torch.empty(self.delta_shape, device=c.q.device, dtype=torch.float32)
+        prep = plan_preprocess(c.o, c.do, c.dlse, delta, c.q, c.dq, self.scale, acc,
+                               prescale_q=True)  # fmt: skip
+        prep(c.o, c.do, c.dlse, delta, c.q, c.dq, acc)
 
         def build() -> Callable[..., None]:
-            return HP.plan_flex_bwd(dq, k, v, do, lse, delta, dq, dk, dv, acc, q_tables,
-                                    self.q_strides, self.scale, bufs, self.mods)  # fmt: skip
+            return HP.plan_flex_bwd(c.dq, c.k, c.v, c.do, c.lse, delta, c.dq, c.dk, c.dv, acc,
+                                    c.q_tables, self.q_strides, self.scale, c.bufs,
+                                    self.mods)  # fmt: skip
 
         main = HP.first_build(hopper_bwd_failed, key, "flex backward", build, stacklevel=7)
         if main is None:
             return None
         acc_shape, delta_shape = self.acc_shape, self.delta_shape
 
-        def run(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
-                dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                q_tables: tuple[torch.Tensor, ...], kv_tables: tuple[torch.Tensor, ...],
-                bufs: list[Any]) -> None:  # fmt: skip
-            acc = torch.empty(acc_shape, device=q.device, dtype=torch.float32)
-            delta = torch.empty(delta_shape, device=q.device, dtype=torch.float32)
-            prep(o, do, dlse, delta, q, dq, acc)
-            main(dq, k, v, do, lse, delta, dq, dk, dv, acc, q_tables, bufs)
+        def run(c: BwdCall) -> None:
+            acc = torch.empty(acc_shape, device=c.q.device, dtype=torch.float32)
+            delta = torch.empty(delta_shape, device=c.q.device, dtype=torch.float32)
+            prep(c.o, c.do, c.dlse, delta, c.q, c.dq, acc)
+            main(c.dq, c.k, c.v, c.do, c.lse, delta, c.dq, c.dk, c.dv, acc, c.q_tables, c.bufs)
 
         return run
 
-    def _first_triton(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                      v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor,
-                      dlse: torch.Tensor | None, dq: torch.Tensor, dk: torch.Tensor,
-                      dv: torch.Tensor, q_tables: tuple[torch.Tensor, ...],
-                      kv_tables: tuple[torch.Tensor, ...],
-                      bufs: list[Any]) -> Callable[..., None]:  # fmt: skip
-        b, hq, nq, _ = q.shape
-        hkv, nk = k.shape[1], k.shape[2]
-        opts = _options(q, self.tbm, self.tbn, bwd=True)
+    def _first_triton(self, c: BwdCall) -> Callable[[BwdCall], None]:
+        b, hq, nq, _ = c.q.shape
+        hkv, nk = c.k.shape[1], c.k.shape[2]
+        opts = _options(c.q, self.tbm, self.tbn, bwd=True)
         delta_shape = self.delta_shape
-        delta = torch.empty(delta_shape, device=q.device, dtype=torch.float32)
-        prep = plan_preprocess(o, do, dlse, delta, q, q, self.scale, prescale_q=False)
-        prep(o, do, dlse, delta, q, q)
+        delta = torch.empty(delta_shape, device=c.q.device, dtype=torch.float32)
+        prep = plan_preprocess(c.o, c.do, c.dlse, delta, c.q, c.q, self.scale, prescale_q=False)
+        prep(c.o, c.do, c.dlse, delta, c.q, c.q)
         sizes = (hq, hq // hkv, nq, nk, self.scale)
-        dkdv_mid = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dk.stride(),
-                    *dv.stride())  # fmt: skip
+        strides = (*c.q.stride(), *c.k.stride(), *c.v.stride(), *c.do.stride())
+        dkdv_mid = (*strides, *c.dk.stride(), *c.dv.stride())
         dkdv_tail = (*self.q_strides, hkv, *sizes[1:])
         dkdv_grid = (triton.cdiv(nk, opts["BLOCK_N"]), b * hkv, 1)
         dkdv = _bind_triton(KF._flex_bwd_dkdv_kernel, dkdv_grid, (
-            q, k, v, do, dk, dv, lse, delta, *dkdv_mid, *q_tables, *dkdv_tail, *bufs),
-            self.mods, opts)  # fmt: skip
-        dq_mid = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *dq.stride())
+            c.q, c.k, c.v, c.do, c.dk, c.dv, c.lse, delta, *dkdv_mid, *c.q_tables, *dkdv_tail,
+            *c.bufs), self.mods, opts)  # fmt: skip
+        dq_mid = (*strides, *c.dq.stride())
         dq_tail = (*self.kv_strides, *sizes)
         dq_grid = (triton.cdiv(nq, opts["BLOCK_M"]), b * hq, 1)
         dq_run = _bind_triton(KF._flex_bwd_dq_kernel, dq_grid, (
-            q, k, v, do, dq, lse, delta, *dq_mid, *kv_tables, *dq_tail, *bufs), self.mods,
-            opts)  # fmt: skip
+            c.q, c.k, c.v, c.do, c.dq, c.lse, delta, *dq_mid, *c.kv_tables, *dq_tail, *c.bufs),
+            self.mods, opts)  # fmt: skip
 
-        def run(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
-                dq: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-                q_tables: tuple[torch.Tensor, ...], kv_tables: tuple[torch.Tensor, ...],
-                bufs: list[Any]) -> None:  # fmt: skip
-            delta = torch.empty(delta_shape, device=q.device, dtype=torch.float32)
-            prep(o, do, dlse, delta, q, q)
-            dkdv(dkdv_grid, q, k, v, do, dk, dv, lse, delta, *dkdv_mid, *q_tables, *dkdv_tail,
-                 *bufs)  # fmt: skip
-            dq_run(dq_grid, q, k, v, do, dq, lse, delta, *dq_mid, *kv_tables, *dq_tail, *bufs)
+        def run(c: BwdCall) -> None:
+            delta = torch.empty(delta_shape, device=c.q.device, dtype=torch.float32)
+            prep(c.o, c.do, c.dlse, delta, c.q, c.q)
+            dkdv(dkdv_grid, c.q, c.k, c.v, c.do, c.dk, c.dv, c.lse, delta, *dkdv_mid,
+                 *c.q_tables, *dkdv_tail, *c.bufs)  # fmt: skip
+            dq_run(dq_grid, c.q, c.k, c.v, c.do, c.dq, c.lse, delta, *dq_mid, *c.kv_tables,
+                   *dq_tail, *c.bufs)  # fmt: skip
 
         return run
