@@ -345,24 +345,20 @@ if GLUON_BWD_ERROR is None:
                 full_row, part_row = Q_IDX, Q_IDX  # (placeholders, never read)
                 n_whole = n_qblocks - n_masked
                 n_all = n_qblocks
-            for j in range(0, n_whole):
-                start_m = _query_start(j, 0, full_row, lo, n_qblocks, block_m, LISTED)
-                dk, dv = _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs, delta_bufs,
-                               k_mine, v_mine, k_cols, ds_bufs, dq_buf, q_ready, do_ready, empty,
-                               ds_ready, ds_free, dq_desc, b, keys, diag, seq_q, seq_k,
-                               sm_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, WG, False,
-                               IS_CAUSAL, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD, SCORE_GRAD,
-                               N_SCORE_BUF, HAS_SCORE)  # fmt: skip
-                t += 1
-            for j in range(n_whole, n_all):
-                start_m = _query_start(j, n_whole, part_row, lo, n_qblocks, block_m, LISTED)
-                dk, dv = _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs, delta_bufs,
-                               k_mine, v_mine, k_cols, ds_bufs, dq_buf, q_ready, do_ready, empty,
-                               ds_ready, ds_free, dq_desc, b, keys, diag, seq_q, seq_k,
-                               sm_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, WG, True,
-                               IS_CAUSAL, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD, SCORE_GRAD,
-                               N_SCORE_BUF, HAS_SCORE)  # fmt: skip
-                t += 1
+            for phase in gl.static_range(2):  # the unmasked steps, then the masked ones
+                if phase == 0:
+                    j0, j1, idx_row = 0, n_whole, full_row
+                else:
+                    j0, j1, idx_row = n_whole, n_all, part_row
+                for j in range(j0, j1):
+                    start_m = _query_start(j, j0, idx_row, lo, n_qblocks, block_m, LISTED)
+                    dk, dv = _step(t, start_m, h, dk, dv, qs_bufs, do_bufs, lse_bufs, delta_bufs,
+                                   k_mine, v_mine, k_cols, ds_bufs, dq_buf, q_ready, do_ready,
+                                   empty, ds_ready, ds_free, dq_desc, b, keys, diag, seq_q,
+                                   seq_k, sm_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, WG,
+                                   phase == 1, IS_CAUSAL, LISTED, MASK_MOD, N_MASK_BUF,
+                                   SCORE_MOD, SCORE_GRAD, N_SCORE_BUF, HAS_SCORE)  # fmt: skip
+                    t += 1
         tma.store_wait(pendings=0)
 
         # dK is summed against Qs = Q·scale·log2 e: divide the log2 e out. Keys past Nk are
