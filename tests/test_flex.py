@@ -313,6 +313,39 @@ def test_bad_block_masks_raise_clear_errors() -> None:
         gallery.sliding_window(-1)
 
 
+def test_plans_follow_a_name_registered_again_and_serve_later_calls() -> None:
+    """A call of a planned kind makes no new plan; a score function registered again under its
+    name (a notebook cell run again) gets its own plan, never the old function's."""
+    from flashlite.ops.attention import flex_plan as FP
+
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(1, 2, 40, 16, generator=gen) for _ in range(3))
+    bm = flashlite.create_block_mask(gallery.causal(), None, None, 40, 40, device="cpu",
+                                     BLOCK_SIZE=32)  # fmt: skip
+
+    @triton.jit
+    def bias(score, b, h, q_idx, kv_idx):
+        return score + 1.0
+
+    first = mods.score_mod(bias, name="tests.flex.redefined")
+    out1 = flashlite.flex_attention(q, k, v, score_mod=first, block_mask=bm)
+    planned = len(FP.fwd_plans)
+    again = flashlite.flex_attention(q.clone(), k.clone(), v.clone(), score_mod=first,
+                                     block_mask=bm)  # fmt: skip
+    assert len(FP.fwd_plans) == planned and torch.equal(again, out1)
+
+    @triton.jit
+    def bias2(score, b, h, q_idx, kv_idx):
+        return score + (kv_idx == 0) * 4.0  # favours the first key
+
+    second = mods.score_mod(bias2, name="tests.flex.redefined")
+    out2 = flashlite.flex_attention(q, k, v, score_mod=second, block_mask=bm)
+    want = reference.attention(*(t.double() for t in (q, k, v)), mask_mod=gallery.causal(),
+                               score_mod=second)  # fmt: skip
+    torch.testing.assert_close(out2.double(), want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(out2, out1)
+
+
 @pytest.mark.parametrize("lead", [(1, 1), (2, 1), (1, 4), (2, 4)])
 def test_table_strides_are_the_broadcast_views(lead: tuple[int, int]) -> None:
     """The kernels' table strides are those of the tables expanded to the call's (B, H): 0 along
