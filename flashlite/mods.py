@@ -142,7 +142,7 @@ def registered(name: str) -> tuple[Any, ...]:
     Raises:
         ValueError: nothing is registered under ``name``.
     """
-    entry = _REGISTRY.get(name)
+    entry = registered_as(name)
     if entry is None:
         raise ValueError(f"no mask or score function is registered as {name!r}; make it with "
                          "flashlite.mods.mask_mod / score_mod first")  # fmt: skip

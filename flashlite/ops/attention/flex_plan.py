@@ -20,7 +20,7 @@ from flashlite.kernels.attention import hopper_bwd as KHB
 from flashlite.ops.attention import hopper as HP
 from flashlite.ops.attention.bwd import hopper_bwd_applies
 from flashlite.ops.attention.bwd_launch import plan_preprocess
-from flashlite.ops.attention.mod_args import spec_entry, unspec_mod
+from flashlite.ops.attention.mod_args import spec_entry, split_spec, unspec_mod
 from flashlite.ops.attention.plan import HOPPER_ENV, _descriptor_ok, hopper_config
 
 #: A mod as the ops carry it: ``(spec, tensors, numbers)`` (:func:`~.mod_args.spec_mod`).
@@ -72,7 +72,7 @@ def mod_args(mask: ModArgs, score: ModArgs, grad: bool) -> tuple[list[Any], dict
     sfns, sbufs, n_sbuf = unspec_mod(*score)
     if grad and sfns is not None and sfns[2] is None:
         raise NotImplementedError(
-            f"score_mod {score[0].rsplit(':', 1)[0]} has no derivative: make it with "
+            f"score_mod {split_spec(score[0])[0]} has no derivative: make it with "
             "flashlite.mods.score_mod(fn, ..., grad=...) to differentiate through it"
         )
     consts = {"MASK_MOD": mfn, "N_MASK_BUF": n_mbuf, "SCORE_MOD": sfns[0] if sfns else mfn,
@@ -166,8 +166,8 @@ class FwdPlan:
         b, hq, nq, _ = q.shape
         self.lse_shape = (b, hq, nq)
         self.tbm, self.tbn, self.scale = tbm, tbn, scale
-        self.bufs, self.mods = mod_args(mask, score, grad=False)
-        self.slots = _Slots(self.bufs)
+        bufs, self.mods = mod_args(mask, score, grad=False)
+        self.slots = _Slots(bufs)
         self.strides = table_args(tables[0], tables[1])
         #: ``run(q, k, v, o, lse, tables, bufs)``, bound by the first call
         self.run: Callable[..., None] | None = None
@@ -255,8 +255,8 @@ class BwdPlan:
         b, hq, nq, d = q.shape
         self.delta_shape, self.acc_shape = (b, hq, nq), (b, hq, nq, d)
         self.tbm, self.tbn, self.scale = tbm, tbn, scale
-        self.bufs, self.mods = mod_args(mask, score, grad=True)
-        self.slots = _Slots(self.bufs)
+        bufs, self.mods = mod_args(mask, score, grad=True)
+        self.slots = _Slots(bufs)
         self.q_strides = table_args(q_tables[0], q_tables[1])
         self.kv_strides = table_args(kv_tables[0], kv_tables[1])
         #: ``run(call)`` (:class:`BwdCall`), bound by the first call

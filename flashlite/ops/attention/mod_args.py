@@ -18,9 +18,15 @@ def spec_mod(mod: M.MaskMod | M.ScoreMod | None) -> tuple[str, list[torch.Tensor
     return ("", [], []) if mod is None else mod.op_args()
 
 
+def split_spec(spec: str) -> tuple[str, str]:
+    """A spec's ``(name, kinds)``: the name may hold colons, the kinds never do."""
+    name, _, kinds = spec.rpartition(":")
+    return name, kinds
+
+
 def spec_entry(spec: str) -> tuple[Any, ...] | None:
     """The registry entry a spec names (None for an empty spec or an unknown name)."""
-    return M.registered_as(spec.rpartition(":")[0]) if spec else None
+    return M.registered_as(split_spec(spec)[0]) if spec else None
 
 
 def unspec_mod(spec: str, tensors: list[torch.Tensor],
@@ -29,7 +35,7 @@ def unspec_mod(spec: str, tensors: list[torch.Tensor],
     (``None`` functions for an empty spec)."""
     if not spec:
         return None, *M.kernel_buffers(())
-    name, kinds = spec.rsplit(":", 1)
+    name, kinds = split_spec(spec)
     it_t, it_n = iter(tensors), iter(nums)
     bufs: list[Any] = []
     for kind in kinds:
