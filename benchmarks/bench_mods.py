@@ -16,13 +16,17 @@ Points (bf16, D 128, H 16, B 1):
     lengths      one mod over 20 sequence lengths: Triton compilations of flashlite's kernels
                  and graphs Dynamo compiles for Flex.
     block mask   create_block_mask at 64k, flashlite's against torch's.
+    varlen       (``--only varlen``) 8 random-length documents packed into N ∈ {8k, 32k}:
+                 attention_varlen with a causal mask function (and with ALiBi too), against
+                 attention_varlen(causal=True) and flex_attention's document-causal tables
+                 over the packed sequence. Writes ``mods-varlen-<device>.{json,png}``.
 
 Every timed result is checked first: flashlite against Flex (both bf16) and against an fp64
 reference on the last 128 query rows. Times are medians of interleaved rounds of
 ``triton.testing.do_bench`` medians. Writes ``benchmarks/results/mods-<device>.{json,png}``
 and prints a table last.
 
-    python benchmarks/bench_mods.py [--rounds 3] [--quick]
+    python benchmarks/bench_mods.py [--rounds 3] [--quick] [--only varlen]
     python benchmarks/bench_mods.py --replot benchmarks/results/<file>.json   # PNG only
 """
 
@@ -295,6 +299,78 @@ def block_mask_point(rows: list[dict], n: int) -> None:
     )
 
 
+def varlen_points(rows: list[dict], rounds: int, lengths: list[int]) -> None:
+    for n in lengths:
+        ids = gallery.random_documents(1, n, 8, seed=n)[0]
+        lens = torch.bincount(ids.long()).tolist()
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        cu, longest = cu.cuda(), max(lens)
+        gen = torch.Generator(device="cuda").manual_seed(n)
+        q, k, v, do = (
+            torch.randn(n, H, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(4)
+        )
+        causal = flashlite.create_block_mask(gallery.causal(), None, None, longest, longest,
+                                             device="cuda")  # fmt: skip
+        docs = flashlite.create_block_mask(gallery.document_causal(ids[None].cuda()), 1, None, n,
+                                           n, device="cuda")  # fmt: skip
+        alibi = gallery.alibi(gallery.alibi_slopes(H).cuda())
+
+        def packed(fn):  # noqa: ANN001, ANN202  (flex over the (1, H, N, D) view)
+            return lambda a, b, c: fn(*(t.transpose(0, 1)[None] for t in (a, b, c)))[0].transpose(
+                0, 1
+            )
+
+        calls = {
+            "varlen, causal mod": lambda a, b, c: flashlite.attention_varlen(
+                a, b, c, cu, cu, longest, longest, block_mask=causal
+            ),
+            "varlen, causal mod + ALiBi": lambda a, b, c: flashlite.attention_varlen(
+                a, b, c, cu, cu, longest, longest, block_mask=causal, score_mod=alibi
+            ),
+            "varlen causal=True": lambda a, b, c: flashlite.attention_varlen(
+                a, b, c, cu, cu, longest, longest, causal=True
+            ),
+            "flex, document-causal": packed(
+                lambda a, b, c: flashlite.flex_attention(a, b, c, block_mask=docs)
+            ),
+        }
+        ref = calls["varlen causal=True"](q, k, v)
+        errs = {name: max_rel_err(fn(q, k, v), ref) for name, fn in calls.items()}
+        errs.pop("varlen, causal mod + ALiBi")  # (another function)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        for kind, ms in timed_kinds(calls, q, k, v, leaves, do, rounds):
+            row = {
+                "group": "varlen",
+                "point": f"varlen N{n // 1024}k {kind}",
+                "n": n,
+                "kind": kind,
+                "lengths": lens,
+                "ms": ms,
+                "vs_builtin": {m: ms[m] / ms["varlen causal=True"] for m in ms},
+                "max_rel_err": errs,
+            }
+            rows.append(row)
+            print(
+                f"{row['point']:22s} "
+                + ", ".join(f"{m} {t:.3f} ms" for m, t in ms.items())
+                + f"; err vs built-in {max(errs.values()):.1e}",
+                flush=True,
+            )
+
+
+def varlen_figure(rows: list[dict], device: str) -> Figure:
+    """Milliseconds per engine for the packed documents."""
+    pts = [r for r in rows if r["group"] == "varlen"]
+    names = list(pts[0]["ms"])
+    panel = Panel(
+        bars=[Bars([r["ms"][m] for r in pts], m) for m in names],
+        categories=[r["point"].replace("varlen ", "") for r in pts],
+        ylabel="ms",
+        title="8 documents packed, bf16, H 16, D 128",
+    )
+    return Figure([[panel]], title=f"varlen with mask functions on {device}", panel_size=(9, 4.5))
+
+
 def _short(point: str) -> str:
     """A tick label: ``doc-causal N32k fwd+bwd`` → ``32k f+b``, ``alibi N16k fwd`` → ``alibi f``."""
     words = point.replace("fwd+bwd", "f+b").replace("fwd", "f").split()
@@ -331,10 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="8k only, one round")
+    ap.add_argument("--only", choices=["varlen"], help="run only this group (own results file)")
     ap.add_argument("--replot", metavar="JSON", help="redraw a results JSON's PNG, run nothing")
     args = ap.parse_args(argv)
     if args.replot:
-        replot(args.replot, figure)
+        replot(args.replot, varlen_figure if "mods-varlen" in args.replot else figure)
         return 0
     if not torch.cuda.is_available():
         print("bench_mods needs a CUDA device")
@@ -342,6 +419,19 @@ def main(argv: list[str] | None = None) -> int:
     rounds = 1 if args.quick else args.rounds
     lengths = [8192] if args.quick else [8192, 32768, 65536]
     rows: list[dict] = []
+    if args.only == "varlen":
+        varlen_points(rows, rounds, lengths[:2])
+        meta = metadata(dtype="bfloat16", heads=H, head_dim=D, command=" ".join(sys.argv))
+        paths = write_results(f"mods-varlen-{device_slug()}", rows, meta,
+                              figure=varlen_figure(rows, device_name()))  # fmt: skip
+        for r in rows:
+            print(f"{r['point']:22s} " + ", ".join(f"{m} {x:.2f}x" for m, x in
+                                                    r["vs_builtin"].items()))  # fmt: skip
+        print("wrote", paths["json"])
+        bad = [r["point"] for r in rows if max(r["max_rel_err"].values()) > 2e-2]
+        if bad:
+            print("WRONG RESULTS:", bad)
+        return 1 if bad else 0
     document_points(rows, rounds, lengths)
     ratio_points(rows, rounds)
     lengths_point(rows)

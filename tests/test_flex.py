@@ -249,6 +249,195 @@ def test_opcheck() -> None:
              torch.randn_like(lse), *args[3:]))  # fmt: skip
 
 
+# --------------------------------------------------------------------------- varlen
+@triton.jit
+def _prefix_per_sequence(b, h, q_idx, kv_idx, prefix):
+    return (kv_idx < tl.load(prefix + b)) | (q_idx >= kv_idx)
+
+
+def _prefix_per_sequence_t(b, h, q_idx, kv_idx, prefix):  # type: ignore[no-untyped-def]
+    return (kv_idx < prefix[b]) | (q_idx >= kv_idx)
+
+
+def _packed(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
+def _varlen_reference(q, k, v, cu_q, cu_k, mm, sm):  # noqa: ANN001, ANN202
+    """fp64 attention of each packed sequence on its own, the mods seeing it as batch b and
+    positions from its start: ``(o (total_q, Hq, D), lse (Hq, total_q))``."""
+    hq, hkv, d = q.shape[1], k.shape[1], q.shape[2]
+    outs, lses = [], []
+    for b in range(cu_q.shape[0] - 1):
+        qs = q[cu_q[b] : cu_q[b + 1]].transpose(0, 1)
+        ks, vs = (t[cu_k[b] : cu_k[b + 1]].transpose(0, 1).repeat_interleave(hq // hkv, 0)
+                  for t in (k, v))  # fmt: skip
+        s = qs @ ks.transpose(-1, -2) * d**-0.5
+        dev = q.device
+        idx = (torch.tensor(b, device=dev), torch.arange(hq, device=dev)[:, None, None],
+               torch.arange(qs.shape[1], device=dev)[None, :, None],
+               torch.arange(ks.shape[1], device=dev)[None, None, :])  # fmt: skip
+        if sm is not None:
+            s = sm(s, *idx).to(q.dtype)  # (a bias table's fp32 promotes 16-bit scores)
+        if mm is not None:
+            s = torch.where(mm(*idx), s, float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - lse[..., None]).nan_to_num(0.0)  # rows with no key: 0, LSE -inf
+        outs.append((p @ vs).transpose(0, 1))
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def _varlen_case(name: str, hq: int, lq: list[int], lk: list[int]):  # noqa: ANN202
+    """(mask, score, per-sequence block mask?) of a varlen case."""
+    prefix = torch.tensor([2, 0, 7, 1, 3], dtype=torch.int32)[: len(lq)]
+    return {
+        "causal+alibi": (gallery.causal(), gallery.alibi(gallery.alibi_slopes(hq)), False),
+        "prefix per sequence": (mods.mask_mod(_prefix_per_sequence, prefix,
+                                              torch_fn=_prefix_per_sequence_t,
+                                              name="tests.prefix_per_sequence"), None, True),
+        "softcap, no mask": (None, gallery.tanh_softcap(2.0), False),
+        "window+relative bias": (gallery.sliding_window(9),
+                                 gallery.relative_bias(torch.randn(hq, 7)), False),
+    }[name]  # fmt: skip
+
+
+# sequences of 0, 1, a ragged tile and several tiles; keys shorter and longer than queries
+VARLEN_Q, VARLEN_K = [23, 1, 0, 40, 9], [23, 5, 3, 31, 17]
+
+
+@pytest.mark.parametrize("name", ["causal+alibi", "prefix per sequence", "softcap, no mask",
+                                  "window+relative bias"])  # fmt: skip
+def test_varlen_with_mods_fp32(name: str) -> None:
+    """attention_varlen with a score function and block tables, GQA, forward, backward and
+    the LSE, against fp64 per sequence (the mods see sequence b as batch b)."""
+    hq, hkv, d = 4, 2, 16
+    lq, lk = VARLEN_Q, VARLEN_K
+    mm, sm, per_sequence = _varlen_case(name, hq, lq, lk)
+    cu_q, cu_k = _packed(lq), _packed(lk)
+    bm = None
+    if mm is not None:
+        bm = flashlite.create_block_mask(mm, len(lq) if per_sequence else None, None, max(lq),
+                                         max(lk), device="cpu", BLOCK_SIZE=16)  # fmt: skip
+    q = torch.randn(sum(lq), hq, d, requires_grad=True)
+    k, v = (torch.randn(sum(lk), hkv, d, requires_grad=True) for _ in range(2))
+    out = flashlite.attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), score_mod=sm,
+                                     block_mask=bm, return_lse=True)  # fmt: skip
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = _varlen_reference(*exact, cu_q, cu_k, mm, sm)
+    go, gl = torch.randn_like(out[0]), torch.randn_like(out[1])
+    gl[~torch.isfinite(ref[1])] = 0.0  # (rows with no key: their LSE is -inf either way)
+    got = _grads(out, [q, k, v], go, gl)
+    want = _grads((ref[0], torch.where(torch.isfinite(ref[1]), ref[1], 0.0)), exact,
+                  go.double(), gl.double())  # fmt: skip
+    torch.testing.assert_close(out[0].double(), ref[0], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1].double(), ref[1], atol=2e-5, rtol=1e-5)
+    for a, w in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), w, atol=3e-5, rtol=1e-5)
+
+
+def test_varlen_with_mods_equals_flex_per_sequence_and_longer_max_seqlen() -> None:
+    """Each packed sequence gives what flex_attention gives it alone (fp16: the same tiles),
+    also when max_seqlen overstates the longest sequence (more tables, programs that leave)."""
+    hq, d = 2, 16
+    lq = [30, 7, 18]
+    cu = _packed(lq)
+    mm, sm = gallery.causal(), gallery.alibi(gallery.alibi_slopes(hq))
+    q, k, v = (torch.randn(sum(lq), hq, d, dtype=torch.float16) for _ in range(3))
+    for max_len in (30, 50):
+        bm = flashlite.create_block_mask(mm, None, None, max_len, max_len, device="cpu",
+                                         BLOCK_SIZE=16)  # fmt: skip
+        got = flashlite.attention_varlen(q, k, v, cu, cu, max_len, max_len, score_mod=sm,
+                                         block_mask=bm)  # fmt: skip
+        for b, n in enumerate(lq):
+            rows = slice(int(cu[b]), int(cu[b + 1]))
+            one = [t[rows].transpose(0, 1)[None] for t in (q, k, v)]
+            alone = flashlite.flex_attention(*one, score_mod=sm, block_mask=flashlite.
+                                             create_block_mask(mm, None, None, n, n, device="cpu",
+                                                               BLOCK_SIZE=16))  # fmt: skip
+            torch.testing.assert_close(got[rows], alone[0].transpose(0, 1), atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_varlen_with_mods_low_precision(dtype: torch.dtype) -> None:
+    """16-bit varlen with a mask and a score function: within 2x torch's own error."""
+    hq, d = 2, 16
+    lq = [20, 33, 1]
+    cu = _packed(lq)
+    mm, sm = gallery.causal(), gallery.alibi(gallery.alibi_slopes(hq))
+    bm = flashlite.create_block_mask(mm, None, None, 33, 33, device="cpu", BLOCK_SIZE=16)
+    q, k, v = (torch.randn(sum(lq), hq, d, dtype=dtype, requires_grad=True) for _ in range(3))
+    o = flashlite.attention_varlen(q, k, v, cu, cu, 33, 33, score_mod=sm, block_mask=bm)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    exact = _varlen_reference(*leaves, cu, cu, mm, sm)[0]
+    low = _varlen_reference(q, k, v, cu, cu, mm, sm)[0]
+    go = torch.randn_like(o)
+    got = torch.autograd.grad(o, (q, k, v), go)
+    want = torch.autograd.grad(exact, leaves, go.double())
+    torch_low = torch.autograd.grad(low, (q, k, v), go)
+    floor = TOL[dtype].floor
+    assert (o.double() - exact).abs().max() <= 2 * (low.double() - exact).abs().max() + floor
+    for a, w, t in zip(got, want, torch_low, strict=True):
+        assert (a.double() - w).abs().max() <= 2 * (t.double() - w).abs().max() + 4 * floor
+
+
+def test_varlen_with_mods_compiles_fullgraph_and_passes_opcheck() -> None:
+    """The varlen offsets reach the flex ops as tensors: fullgraph compile equals eager, and
+    the ops' schema, fake and autograd hold with them (opcheck)."""
+    from torch.library import opcheck
+
+    from flashlite.ops.attention.mod_args import spec_mod
+
+    hq, d = 2, 16
+    lq = [12, 21, 4]
+    cu = _packed(lq)
+    sm = gallery.alibi(gallery.alibi_slopes(hq))
+    bm = flashlite.create_block_mask(gallery.causal(), None, None, 21, 21, device="cpu",
+                                     BLOCK_SIZE=16)  # fmt: skip
+
+    def step(q, k, v, cu):  # noqa: ANN001, ANN202
+        return flashlite.attention_varlen(q, k, v, cu, cu, 21, 21, score_mod=sm, block_mask=bm)
+
+    q, k, v = (torch.randn(sum(lq), hq, d, requires_grad=True) for _ in range(3))
+    o = maybe_compile(step, True)(q, k, v, cu)
+    o.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    e = step(q, k, v, cu)
+    e.sum().backward()
+    assert torch.equal(o, e)
+    for g, t in zip(grads, (q, k, v), strict=True):
+        assert torch.equal(g, t.grad)
+
+    qc, kc, vc = (t.detach().unsqueeze(0).transpose(1, 2).requires_grad_() for t in (q, k, v))
+    tables = [getattr(bm, t) for t in BM._TABLES]
+    args = (qc, kc, vc, *tables, *bm.BLOCK_SIZE, *spec_mod(bm.mask_mod), *spec_mod(sm),
+            d**-0.5, cu, cu)  # fmt: skip
+    opcheck(torch.ops.flashlite.flex_attention_fwd.default, args)
+    o, lse = torch.ops.flashlite.flex_attention_fwd.default(*args)
+    opcheck(torch.ops.flashlite.flex_attention_bwd.default,
+            (torch.randn_like(o), qc.detach(), kc.detach(), vc.detach(), o.detach(),
+             lse.detach(), torch.randn_like(lse), *args[3:]))  # fmt: skip
+
+
+def test_varlen_with_mods_bad_input() -> None:
+    hq, d = 2, 16
+    cu = _packed([10, 6])
+    q, k, v = (torch.randn(16, hq, d) for _ in range(3))
+    sm = gallery.alibi(gallery.alibi_slopes(hq))
+    for kw, words in (({"causal": True}, "without causal"), ({"window": (4, 0)}, "window"),
+                      ({"softcap": 5.0}, "softcap")):  # fmt: skip
+        with pytest.raises(ValueError, match=words):
+            flashlite.attention_varlen(q, k, v, cu, cu, 10, 10, score_mod=sm, **kw)
+    bm = flashlite.create_block_mask(gallery.causal(), None, None, 16, 16, device="cpu")
+    with pytest.raises(ValueError, match="Q_LEN, KV_LEN"):
+        flashlite.attention_varlen(q, k, v, cu, cu, 10, 10, block_mask=bm)
+    bm = flashlite.create_block_mask(gallery.causal(), 3, None, 10, 10, device="cpu")
+    with pytest.raises(ValueError, match="B=3"):
+        flashlite.attention_varlen(q, k, v, cu, cu, 10, 10, block_mask=bm)
+
+
 # --------------------------------------------------------------------------- bad input
 @triton.jit
 def _three_args(b, h, q_idx):
@@ -699,6 +888,45 @@ def test_gpu_kvcache_decode_with_a_mask_function(paged: bool, nq: int) -> None:
     ref = _kvcache_reference(q, kc, vc, lens + nq, gallery.document_causal(ids))
     tol = TOL[torch.bfloat16]
     torch.testing.assert_close(o.cpu().double(), ref, atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_gpu_varlen_with_mods(dtype: torch.dtype) -> None:
+    """Packed sequences with causal + ALiBi and with a per-sequence prefix mask, GQA 8/2,
+    D 128, through the output and the LSE: within 2x torch's own 16-bit error of fp64."""
+    hq, hkv, d = 8, 2, 128
+    lq = [700, 1, 513, 0, 1500, 77]
+    lk = [700, 9, 513, 5, 1500, 300]
+    cu_q, cu_k = _packed(lq).cuda(), _packed(lk).cuda()
+    prefix = torch.tensor([5, 0, 100, 1, 700, 30], dtype=torch.int32, device="cuda")
+    cases = {
+        "causal+alibi": (gallery.causal(), gallery.alibi(gallery.alibi_slopes(hq).cuda()), None),
+        "prefix per sequence": (mods.mask_mod(_prefix_per_sequence, prefix,
+                                              torch_fn=_prefix_per_sequence_t,
+                                              name="tests.prefix_per_sequence"), None, len(lq)),
+    }  # fmt: skip
+    for mm, sm, batch in cases.values():
+        bm = flashlite.create_block_mask(mm, batch, None, max(lq), max(lk), device="cuda")
+        q = torch.randn(sum(lq), hq, d, device="cuda", dtype=dtype, requires_grad=True)
+        k, v = (torch.randn(sum(lk), hkv, d, device="cuda", dtype=dtype, requires_grad=True)
+                for _ in range(2))  # fmt: skip
+        o, lse = flashlite.attention_varlen(q, k, v, cu_q, cu_k, max(lq), max(lk), score_mod=sm,
+                                            block_mask=bm, return_lse=True)  # fmt: skip
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        exact, exact_lse = _varlen_reference(*leaves, cu_q, cu_k, mm, sm)
+        low = _varlen_reference(q, k, v, cu_q, cu_k, mm, sm)[0]
+        go = torch.randn_like(o)
+        got = torch.autograd.grad(o, (q, k, v), go)
+        want = torch.autograd.grad(exact, leaves, go.double())
+        torch_low = torch.autograd.grad(low, (q, k, v), go)
+        floor = TOL[dtype].floor
+        assert (o.double() - exact).abs().max() <= 2 * (low.double() - exact).abs().max() + floor
+        seen = torch.isfinite(exact_lse)
+        assert torch.equal(torch.isfinite(lse), seen)
+        assert (lse.double() - exact_lse)[seen].abs().max() <= 1e-3
+        for a, w, t in zip(got, want, torch_low, strict=True):
+            assert (a.double() - w).abs().max() <= 2 * (t.double() - w).abs().max() + 4 * floor
 
 
 @pytest.mark.gpu

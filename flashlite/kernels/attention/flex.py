@@ -27,7 +27,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashlite.kernels.attention.common import accumulate, head_ptr, load_tile, store_tile, update
+from flashlite.kernels.attention.common import (
+    accumulate,
+    load_tile,
+    seq_ptr,
+    sequence,
+    store_tile,
+    update,
+)
 from flashlite.kernels.common import cast
 from flashlite.mods import apply_mask, apply_score
 from flashlite.stats import LOG2E, finalize_lse, probs_from_lse, probs_from_lse_t
@@ -36,17 +43,21 @@ from flashlite.stats import LOG2E, finalize_lse, probs_from_lse, probs_from_lse_
 @triton.jit
 def _mod_scores(x, b, h, q_idx, kv_idx, in_range, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
                 MASK_MOD: tl.constexpr, N_MASK_BUF: tl.constexpr, SCORE_MOD: tl.constexpr,
-                N_SCORE_BUF: tl.constexpr, HAS_SCORE: tl.constexpr,
-                MASKED: tl.constexpr):  # fmt: skip
+                N_SCORE_BUF: tl.constexpr, HAS_SCORE: tl.constexpr, MASKED: tl.constexpr,
+                BOUNDED: tl.constexpr = False):  # fmt: skip
     """Natural-unit scores ``x`` after ``score_mod`` and (``MASKED``) ``mask_mod``: pairs a
-    query does not see, or past the keys (``in_range`` false), become −inf. ``q_idx`` and
-    ``kv_idx`` broadcast against each other (either way round: the dK/dV loop is keys-major)."""
+    query does not see, or past the keys (``in_range`` false), become −inf. ``BOUNDED``
+    without ``MASKED``: the keys' bounds only (varlen's full tiles, listed for the longest
+    sequence). ``q_idx`` and ``kv_idx`` broadcast against each other (either way round: the
+    dK/dV loop is keys-major)."""
     y = x
     if HAS_SCORE:
         y = apply_score(SCORE_MOD, x, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3, N_SCORE_BUF)
     if MASKED:
         seen = apply_mask(MASK_MOD, b, h, q_idx, kv_idx, MB0, MB1, MB2, MB3, N_MASK_BUF)
         y = tl.where(seen & in_range, y, float("-inf"))
+    elif BOUNDED:
+        y = tl.where(in_range, y, float("-inf"))
     return y
 
 
@@ -72,16 +83,28 @@ def _listed(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, trow, irow, PART: tl.constex
 
 
 @triton.jit
+def _lse_row(pid_bh, h, q0, q_mem, VARLEN: tl.constexpr):
+    """Offset of a program's first row in the LSE (and delta): ``(B·Hq, Nq)``, or for varlen
+    the packed ``(Hq, total)`` at the sequence's first row ``q0``."""
+    if VARLEN:
+        row = h.to(tl.int64) * q_mem + q0
+    else:
+        row = pid_bh.to(tl.int64) * q_mem
+    return row
+
+
+@triton.jit
 def _scored_tile(q, k_src, b, h, h_kv, start_n, q_idx, offs_n, offs_d, seq_k, sm_scale,
                  stride_kn, stride_kd, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
                  MASK_MOD: tl.constexpr, N_MASK_BUF: tl.constexpr, SCORE_MOD: tl.constexpr,
                  N_SCORE_BUF: tl.constexpr, HAS_SCORE: tl.constexpr, MASKED: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):  # fmt: skip
+                 BOUNDED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                 DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
     """The key tile at ``start_n`` (``k``), its natural-unit scores ``x = q·kᵀ·scale`` and the
-    scores the softmax takes, ``y`` (:func:`_mod_scores`), and the tile's key positions."""
+    scores the softmax takes, ``y`` (:func:`_mod_scores`; ``BOUNDED``: keys past ``seq_k``
+    masked on full tiles too), and the tile's key positions."""
     k = load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, offs_n, offs_d, HEAD_DIM,
-                  BLOCK_D, False, MASKED)  # fmt: skip
+                  BLOCK_D, False, MASKED | BOUNDED)  # fmt: skip
     if DOT_FP32:
         k = k.to(tl.float32)
     x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
@@ -89,7 +112,7 @@ def _scored_tile(q, k_src, b, h, h_kv, start_n, q_idx, offs_n, offs_d, seq_k, sm
     kv_idx = tl.minimum(cols, seq_k - 1)[None, :]
     y = _mod_scores(x, b, h, q_idx, kv_idx, (cols < seq_k)[None, :], MB0, MB1, MB2, MB3, SB0, SB1,
                     SB2, SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF, HAS_SCORE,
-                    MASKED)  # fmt: skip
+                    MASKED, BOUNDED)  # fmt: skip
     return k, x, y, kv_idx
 
 
@@ -103,6 +126,28 @@ _BY_KEY_BLOCK = ("seq_q", "seq_k", "stride_tb", "stride_th", "stride_tn", "strid
                  "stride_ih", "stride_in", *_MOD_ARGS)  # fmt: skip
 
 
+@triton.jit
+def _fold_tile(m, s, acc, q, k_src, v_src, b, h, h_kv, start_n, q_idx, offs_n, offs_d, seq_k,
+               sm_scale, stride_kn, stride_kd, stride_vn, stride_vd, MB0, MB1, MB2, MB3, SB0,
+               SB1, SB2, SB3, MASK_MOD: tl.constexpr, N_MASK_BUF: tl.constexpr,
+               SCORE_MOD: tl.constexpr, N_SCORE_BUF: tl.constexpr, HAS_SCORE: tl.constexpr,
+               MASKED: tl.constexpr, BOUNDED: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+               ROUND_BF16: tl.constexpr):  # fmt: skip
+    """The forward's step: the key tile at ``start_n`` scored (:func:`_scored_tile`), folded
+    into ``(m, s)`` and ``acc += p·v``."""
+    _k, _x, y, _kv = _scored_tile(q, k_src, b, h, h_kv, start_n, q_idx, offs_n, offs_d, seq_k,
+                                  sm_scale, stride_kn, stride_kd, MB0, MB1, MB2, MB3, SB0, SB1,
+                                  SB2, SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF,
+                                  HAS_SCORE, MASKED, BOUNDED, HEAD_DIM, BLOCK_D, DOT_FP32,
+                                  DOT_PRECISION)  # fmt: skip
+    m, s, alpha, p, moved = update(m, s, y, LOG2E, False)
+    acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, 0, seq_k, stride_vn,
+                     stride_vd, offs_n, offs_d, MASKED | BOUNDED, HEAD_DIM, BLOCK_D, False,
+                     DOT_FP32, DOT_PRECISION, ROUND_BF16, False)  # fmt: skip
+    return m, s, acc
+
+
 @triton.jit(do_not_specialize=_BY_QUERY_BLOCK)
 def _flex_fwd_kernel(
     Q, K, V, O, LSE,
@@ -112,28 +157,38 @@ def _flex_fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_tb, stride_th, stride_tm, stride_ib, stride_ih,
     stride_im,
-    n_heads, group, seq_q, seq_k, sm_scale,
+    n_heads, group, seq_q, seq_k, sm_scale, CU_Q, CU_K,
     MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
     MASK_MOD: tl.constexpr, N_MASK_BUF: tl.constexpr, SCORE_MOD: tl.constexpr,
     N_SCORE_BUF: tl.constexpr, HAS_SCORE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TBM: tl.constexpr, TBN: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+    VARLEN: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``. Writes O ``(B, Hq, Nq, D)`` and the natural-log LSE
     ``(B·Hq, Nq)`` (−inf, with output 0, for a row that sees no key). The tables are
-    ``(B, Hq, nQ[, nK])`` views (stride 0 where the mask ignores batch or head)."""
+    ``(B, Hq, nQ[, nK])`` views (stride 0 where the mask ignores batch or head).
+
+    ``VARLEN``: Q, K, V, O are packed ``(1, H, total, D)`` and "batch" ``b`` of the grid, the
+    tables and the mods is sequence ``b``: rows ``[CU_Q[b], CU_Q[b + 1])`` of Q (``CU_K`` of K
+    and V), positions counted from its start; the grid and the tables cover the longest
+    sequence, and every tile is bounds-checked against this one's lengths."""
     pid_bh = tl.program_id(1)
     b = pid_bh // n_heads
     h = pid_bh % n_heads
     h_kv = h // group
+    q_mem = seq_q  # rows of Q, O and the LSE in memory per head
+    q0, seq_q, k0, seq_k = sequence(b, seq_q, seq_k, CU_Q, CU_Q, CU_K, False, VARLEN)
     start_m = tl.program_id(0) * BLOCK_M
+    if VARLEN and start_m >= seq_q:  # the grid covers the longest sequence
+        return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q_src = head_ptr(Q, b, h, stride_qb, stride_qh)
-    k_src = head_ptr(K, b, h_kv, stride_kb, stride_kh)
-    v_src = head_ptr(V, b, h_kv, stride_vb, stride_vh)
+    q_src = seq_ptr(Q, b, h, q0, stride_qb, stride_qh, stride_qm, VARLEN)
+    k_src = seq_ptr(K, b, h_kv, k0, stride_kb, stride_kh, stride_kn, VARLEN)
+    v_src = seq_ptr(V, b, h_kv, k0, stride_vb, stride_vh, stride_vn, VARLEN)
     q = load_tile(q_src, b, h, start_m, seq_q, stride_qm, stride_qd, tl.arange(0, BLOCK_M),
                   offs_d, HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
     if DOT_FP32:
@@ -153,23 +208,29 @@ def _flex_fwd_kernel(
             block_n = tl.load(idx_row + i) * TBN
             for sub in tl.static_range(TBN // BLOCK_N):
                 start_n = block_n + sub * BLOCK_N
-                _k, _x, y, _kv = _scored_tile(q, k_src, b, h, h_kv, start_n, q_idx, offs_n, offs_d,
-                                              seq_k, sm_scale, stride_kn, stride_kd, MB0, MB1,
-                                              MB2, MB3, SB0, SB1, SB2, SB3, MASK_MOD, N_MASK_BUF,
-                                              SCORE_MOD, N_SCORE_BUF, HAS_SCORE, part == 1,
-                                              HEAD_DIM, BLOCK_D, DOT_FP32,
-                                              DOT_PRECISION)  # fmt: skip
-                m, s, alpha, p, moved = update(m, s, y, LOG2E, False)
-                acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, 0, seq_k,
-                                 stride_vn, stride_vd, offs_n, offs_d, part == 1, HEAD_DIM,
-                                 BLOCK_D, False, DOT_FP32, DOT_PRECISION, ROUND_BF16,
-                                 False)  # fmt: skip
+                if VARLEN:  # (the tables list tiles of the longest sequence)
+                    if start_n < seq_k:
+                        m, s, acc = _fold_tile(m, s, acc, q, k_src, v_src, b, h, h_kv, start_n,
+                                               q_idx, offs_n, offs_d, seq_k, sm_scale, stride_kn,
+                                               stride_kd, stride_vn, stride_vd, MB0, MB1, MB2,
+                                               MB3, SB0, SB1, SB2, SB3, MASK_MOD, N_MASK_BUF,
+                                               SCORE_MOD, N_SCORE_BUF, HAS_SCORE, part == 1,
+                                               True, HEAD_DIM, BLOCK_D, DOT_FP32, DOT_PRECISION,
+                                               ROUND_BF16)  # fmt: skip
+                else:
+                    m, s, acc = _fold_tile(m, s, acc, q, k_src, v_src, b, h, h_kv, start_n, q_idx,
+                                           offs_n, offs_d, seq_k, sm_scale, stride_kn, stride_kd,
+                                           stride_vn, stride_vd, MB0, MB1, MB2, MB3, SB0, SB1,
+                                           SB2, SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD,
+                                           N_SCORE_BUF, HAS_SCORE, part == 1, False, HEAD_DIM,
+                                           BLOCK_D, DOT_FP32, DOT_PRECISION,
+                                           ROUND_BF16)  # fmt: skip
     inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)
     lse = finalize_lse(m, s, LOG2E)
-    tl.store(LSE + pid_bh.to(tl.int64) * seq_q + offs_m, lse, mask=offs_m < seq_q)
+    tl.store(LSE + _lse_row(pid_bh, h, q0, q_mem, VARLEN) + offs_m, lse, mask=offs_m < seq_q)
     o = cast(acc * inv_s[:, None], O.dtype.element_ty, ROUND_BF16)
-    store_tile(head_ptr(O, b, h, stride_ob, stride_oh), o, offs_m, seq_q, stride_om, stride_od,
-               offs_d, HEAD_DIM)  # fmt: skip
+    store_tile(seq_ptr(O, b, h, q0, stride_ob, stride_oh, stride_om, VARLEN), o, offs_m, seq_q,
+               stride_om, stride_od, offs_d, HEAD_DIM)  # fmt: skip
 
 
 @triton.jit
@@ -221,29 +282,37 @@ def _flex_bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     Q_NUM, Q_IDX, FULL_NUM, FULL_IDX, stride_tb, stride_th, stride_tn, stride_ib, stride_ih,
     stride_in,
-    n_heads_kv, group, seq_q, seq_k, sm_scale,
+    n_heads_kv, group, seq_q, seq_k, sm_scale, CU_Q, CU_K,
     MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
     MASK_MOD: tl.constexpr, N_MASK_BUF: tl.constexpr, SCORE_MOD: tl.constexpr,
     SCORE_GRAD: tl.constexpr, N_SCORE_BUF: tl.constexpr, HAS_SCORE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TBM: tl.constexpr, TBN: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+    VARLEN: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(cdiv(Nk, BLOCK_N), B·Hkv)``: dK and dV of ``BLOCK_N`` keys of one K/V head, summed
     over its group's query heads and the query blocks the ``q_*`` tables list for them, in
-    registers (no atomics). Keys-major: ``Sᵀ = K·Qᵀ``."""
+    registers (no atomics). Keys-major: ``Sᵀ = K·Qᵀ``. ``VARLEN`` as the forward's. (Keys
+    past the sequence need no bounds on full tiles: their rows of dK and dV are not stored.)"""
     pid_bh = tl.program_id(1)
     b = pid_bh // n_heads_kv
     h_kv = pid_bh % n_heads_kv
+    q_mem = seq_q
+    q0, seq_q, k0, seq_k = sequence(b, seq_q, seq_k, CU_Q, CU_Q, CU_K, False, VARLEN)
     start_n = tl.program_id(0) * BLOCK_N
+    if VARLEN and start_n >= seq_k:
+        return
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     keys = tl.arange(0, BLOCK_N)
-    k = load_tile(head_ptr(K, b, h_kv, stride_kb, stride_kh), b, h_kv, start_n, seq_k, stride_kn,
-                  stride_kd, keys, offs_d, HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
-    v = load_tile(head_ptr(V, b, h_kv, stride_vb, stride_vh), b, h_kv, start_n, seq_k, stride_vn,
-                  stride_vd, keys, offs_d, HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
+    k = load_tile(seq_ptr(K, b, h_kv, k0, stride_kb, stride_kh, stride_kn, VARLEN), b, h_kv,
+                  start_n, seq_k, stride_kn, stride_kd, keys, offs_d, HEAD_DIM, BLOCK_D, False,
+                  True)  # fmt: skip
+    v = load_tile(seq_ptr(V, b, h_kv, k0, stride_vb, stride_vh, stride_vn, VARLEN), b, h_kv,
+                  start_n, seq_k, stride_vn, stride_vd, keys, offs_d, HEAD_DIM, BLOCK_D, False,
+                  True)  # fmt: skip
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -253,9 +322,9 @@ def _flex_bwd_dkdv_kernel(
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     for g in range(0, group):
         h = h_kv * group + g
-        q_src = head_ptr(Q, b, h, stride_qb, stride_qh)
-        g_src = head_ptr(DO, b, h, stride_gb, stride_gh)
-        bh_rows = (b * n_heads_kv * group + h).to(tl.int64) * seq_q
+        q_src = seq_ptr(Q, b, h, q0, stride_qb, stride_qh, stride_qm, VARLEN)
+        g_src = seq_ptr(DO, b, h, q0, stride_gb, stride_gh, stride_gm, VARLEN)
+        bh_rows = _lse_row(b * n_heads_kv * group + h, h, q0, q_mem, VARLEN)
         trow, irow = _table_row(b, h, start_n // TBN, stride_tb, stride_th, stride_tn,
                                 stride_ib, stride_ih, stride_in)  # fmt: skip
         for part in tl.static_range(2):
@@ -263,19 +332,58 @@ def _flex_bwd_dkdv_kernel(
             for i in range(0, n_blocks):
                 block_m = tl.load(idx_row + i) * TBM
                 for sub in tl.static_range(TBM // BLOCK_M):
-                    dk, dv = _dkdv_step(dk, dv, k, v, q_src, g_src, LSE, DELTA, bh_rows, b, h,
-                                        block_m + sub * BLOCK_M, offs_r, offs_d, kv_idx,
-                                        in_range, seq_q, sm_scale, stride_qm, stride_qd,
-                                        stride_gm, stride_gd, MB0, MB1, MB2, MB3, SB0, SB1, SB2,
-                                        SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD, SCORE_GRAD,
-                                        N_SCORE_BUF, HAS_SCORE, part == 1, HEAD_DIM, BLOCK_D,
-                                        DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
+                    start_m = block_m + sub * BLOCK_M
+                    if VARLEN:  # (the tables list tiles of the longest sequence)
+                        if start_m < seq_q:
+                            dk, dv = _dkdv_step(dk, dv, k, v, q_src, g_src, LSE, DELTA, bh_rows,
+                                                b, h, start_m, offs_r, offs_d, kv_idx, in_range,
+                                                seq_q, sm_scale, stride_qm, stride_qd, stride_gm,
+                                                stride_gd, MB0, MB1, MB2, MB3, SB0, SB1, SB2,
+                                                SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD, SCORE_GRAD,
+                                                N_SCORE_BUF, HAS_SCORE, part == 1, HEAD_DIM,
+                                                BLOCK_D, DOT_FP32, DOT_PRECISION,
+                                                ROUND_BF16)  # fmt: skip
+                    else:
+                        dk, dv = _dkdv_step(dk, dv, k, v, q_src, g_src, LSE, DELTA, bh_rows, b,
+                                            h, start_m, offs_r, offs_d, kv_idx, in_range, seq_q,
+                                            sm_scale, stride_qm, stride_qd, stride_gm, stride_gd,
+                                            MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, MASK_MOD,
+                                            N_MASK_BUF, SCORE_MOD, SCORE_GRAD, N_SCORE_BUF,
+                                            HAS_SCORE, part == 1, HEAD_DIM, BLOCK_D, DOT_FP32,
+                                            DOT_PRECISION, ROUND_BF16)  # fmt: skip
     dk = cast(dk * sm_scale, DK.dtype.element_ty, ROUND_BF16)
-    store_tile(head_ptr(DK, b, h_kv, stride_dkb, stride_dkh), dk, offs_n, seq_k, stride_dkn,
-               stride_dkd, offs_d, HEAD_DIM)  # fmt: skip
+    store_tile(seq_ptr(DK, b, h_kv, k0, stride_dkb, stride_dkh, stride_dkn, VARLEN), dk, offs_n,
+               seq_k, stride_dkn, stride_dkd, offs_d, HEAD_DIM)  # fmt: skip
     dv = cast(dv, DV.dtype.element_ty, ROUND_BF16)
-    store_tile(head_ptr(DV, b, h_kv, stride_dvb, stride_dvh), dv, offs_n, seq_k, stride_dvn,
-               stride_dvd, offs_d, HEAD_DIM)  # fmt: skip
+    store_tile(seq_ptr(DV, b, h_kv, k0, stride_dvb, stride_dvh, stride_dvn, VARLEN), dv, offs_n,
+               seq_k, stride_dvn, stride_dvd, offs_d, HEAD_DIM)  # fmt: skip
+
+
+@triton.jit
+def _dq_step(dq, q, do, lse, delta, k_src, v_src, b, h, h_kv, start_n, q_idx, offs_n, offs_d,
+             seq_k, sm_scale, stride_kn, stride_kd, stride_vn, stride_vd, MB0, MB1, MB2, MB3,
+             SB0, SB1, SB2, SB3, MASK_MOD: tl.constexpr, N_MASK_BUF: tl.constexpr,
+             SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, N_SCORE_BUF: tl.constexpr,
+             HAS_SCORE: tl.constexpr, MASKED: tl.constexpr, BOUNDED: tl.constexpr,
+             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
+             DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
+    """Add the key tile at ``start_n`` into ``dq``: P from the saved LSE, ``dS = P ∘ (dP −
+    delta)`` (times the score function's derivative), ``dQ += dS·K``."""
+    k, x, y, kv_idx = _scored_tile(q, k_src, b, h, h_kv, start_n, q_idx, offs_n, offs_d, seq_k,
+                                   sm_scale, stride_kn, stride_kd, MB0, MB1, MB2, MB3, SB0, SB1,
+                                   SB2, SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF,
+                                   HAS_SCORE, MASKED, BOUNDED, HEAD_DIM, BLOCK_D, DOT_FP32,
+                                   DOT_PRECISION)  # fmt: skip
+    v = load_tile(v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_n, offs_d, HEAD_DIM,
+                  BLOCK_D, False, MASKED | BOUNDED)  # fmt: skip
+    if DOT_FP32:
+        v = v.to(tl.float32)
+    p = probs_from_lse(y, lse, LOG2E)
+    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+    ds = p * (dp - delta[:, None])
+    if HAS_SCORE:
+        ds = ds * apply_score(SCORE_GRAD, x, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3, N_SCORE_BUF)
+    return tl.dot(cast(ds, k.dtype, ROUND_BF16), k, dq, input_precision=DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=_BY_QUERY_BLOCK)
@@ -288,37 +396,46 @@ def _flex_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     KV_NUM, KV_IDX, FULL_NUM, FULL_IDX, stride_tb, stride_th, stride_tm, stride_ib, stride_ih,
     stride_im,
-    n_heads, group, seq_q, seq_k, sm_scale,
+    n_heads, group, seq_q, seq_k, sm_scale, CU_Q, CU_K,
     MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
     MASK_MOD: tl.constexpr, N_MASK_BUF: tl.constexpr, SCORE_MOD: tl.constexpr,
     SCORE_GRAD: tl.constexpr, N_SCORE_BUF: tl.constexpr, HAS_SCORE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TBM: tl.constexpr, TBN: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+    VARLEN: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``: dQ of ``BLOCK_M`` rows, over the key tiles the
-    forward visited (the ``kv_*`` tables), recomputing P from the saved LSE."""
+    forward visited (the ``kv_*`` tables), recomputing P from the saved LSE. ``VARLEN`` as the
+    forward's."""
     pid_bh = tl.program_id(1)
     b = pid_bh // n_heads
     h = pid_bh % n_heads
     h_kv = h // group
+    q_mem = seq_q
+    q0, seq_q, k0, seq_k = sequence(b, seq_q, seq_k, CU_Q, CU_Q, CU_K, False, VARLEN)
     start_m = tl.program_id(0) * BLOCK_M
+    if VARLEN and start_m >= seq_q:
+        return
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    k_src = head_ptr(K, b, h_kv, stride_kb, stride_kh)
-    v_src = head_ptr(V, b, h_kv, stride_vb, stride_vh)
+    k_src = seq_ptr(K, b, h_kv, k0, stride_kb, stride_kh, stride_kn, VARLEN)
+    v_src = seq_ptr(V, b, h_kv, k0, stride_vb, stride_vh, stride_vn, VARLEN)
     own = tl.arange(0, BLOCK_M)
-    q = load_tile(head_ptr(Q, b, h, stride_qb, stride_qh), b, h, start_m, seq_q, stride_qm,
-                  stride_qd, own, offs_d, HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
-    do = load_tile(head_ptr(DO, b, h, stride_gb, stride_gh), b, h, start_m, seq_q, stride_gm,
-                   stride_gd, own, offs_d, HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
+    q = load_tile(seq_ptr(Q, b, h, q0, stride_qb, stride_qh, stride_qm, VARLEN), b, h, start_m,
+                  seq_q, stride_qm, stride_qd, own, offs_d, HEAD_DIM, BLOCK_D, False,
+                  True)  # fmt: skip
+    do = load_tile(seq_ptr(DO, b, h, q0, stride_gb, stride_gh, stride_gm, VARLEN), b, h, start_m,
+                   seq_q, stride_gm, stride_gd, own, offs_d, HEAD_DIM, BLOCK_D, False,
+                   True)  # fmt: skip
     if DOT_FP32:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     rows_ok = offs_m < seq_q
-    lse = tl.load(LSE + pid_bh.to(tl.int64) * seq_q + offs_m, mask=rows_ok, other=float("inf"))
-    delta = tl.load(DELTA + pid_bh.to(tl.int64) * seq_q + offs_m, mask=rows_ok, other=0.0)
+    row0 = _lse_row(pid_bh, h, q0, q_mem, VARLEN)
+    lse = tl.load(LSE + row0 + offs_m, mask=rows_ok, other=float("inf"))
+    delta = tl.load(DELTA + row0 + offs_m, mask=rows_ok, other=0.0)
     q_idx = tl.minimum(offs_m, seq_q - 1)[:, None]
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     trow, irow = _table_row(b, h, start_m // TBM, stride_tb, stride_th, stride_tm, stride_ib,
@@ -329,23 +446,21 @@ def _flex_bwd_dq_kernel(
             block_n = tl.load(idx_row + i) * TBN
             for sub in tl.static_range(TBN // BLOCK_N):
                 start_n = block_n + sub * BLOCK_N
-                k, x, y, kv_idx = _scored_tile(q, k_src, b, h, h_kv, start_n, q_idx, offs_n,
-                                               offs_d, seq_k, sm_scale, stride_kn, stride_kd, MB0,
-                                               MB1, MB2, MB3, SB0, SB1, SB2, SB3, MASK_MOD,
-                                               N_MASK_BUF, SCORE_MOD, N_SCORE_BUF, HAS_SCORE,
-                                               part == 1, HEAD_DIM, BLOCK_D, DOT_FP32,
-                                               DOT_PRECISION)  # fmt: skip
-                v = load_tile(v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_n, offs_d,
-                              HEAD_DIM, BLOCK_D, False, part == 1)  # fmt: skip
-                if DOT_FP32:
-                    v = v.to(tl.float32)
-                p = probs_from_lse(y, lse, LOG2E)
-                dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-                ds = p * (dp - delta[:, None])
-                if HAS_SCORE:
-                    ds = ds * apply_score(SCORE_GRAD, x, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3,
-                                         N_SCORE_BUF)  # fmt: skip
-                dq = tl.dot(cast(ds, k.dtype, ROUND_BF16), k, dq, input_precision=DOT_PRECISION)
+                if VARLEN:  # (the tables list tiles of the longest sequence)
+                    if start_n < seq_k:
+                        dq = _dq_step(dq, q, do, lse, delta, k_src, v_src, b, h, h_kv, start_n,
+                                      q_idx, offs_n, offs_d, seq_k, sm_scale, stride_kn,
+                                      stride_kd, stride_vn, stride_vd, MB0, MB1, MB2, MB3, SB0,
+                                      SB1, SB2, SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD, SCORE_GRAD,
+                                      N_SCORE_BUF, HAS_SCORE, part == 1, True, HEAD_DIM, BLOCK_D,
+                                      DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
+                else:
+                    dq = _dq_step(dq, q, do, lse, delta, k_src, v_src, b, h, h_kv, start_n, q_idx,
+                                  offs_n, offs_d, seq_k, sm_scale, stride_kn, stride_kd,
+                                  stride_vn, stride_vd, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
+                                  MASK_MOD, N_MASK_BUF, SCORE_MOD, SCORE_GRAD, N_SCORE_BUF,
+                                  HAS_SCORE, part == 1, False, HEAD_DIM, BLOCK_D, DOT_FP32,
+                                  DOT_PRECISION, ROUND_BF16)  # fmt: skip
     dq = cast(dq * sm_scale, DQ.dtype.element_ty, ROUND_BF16)
-    store_tile(head_ptr(DQ, b, h, stride_dqb, stride_dqh), dq, offs_m, seq_q, stride_dqm,
-               stride_dqd, offs_d, HEAD_DIM)  # fmt: skip
+    store_tile(seq_ptr(DQ, b, h, q0, stride_dqb, stride_dqh, stride_dqm, VARLEN), dq, offs_m,
+               seq_q, stride_dqm, stride_dqd, offs_d, HEAD_DIM)  # fmt: skip

@@ -25,6 +25,7 @@ from flashlite.ops.attention.checks import (
     _check_writable,
     check_sinks,
 )
+from flashlite.ops.attention.flex import flex_varlen
 from flashlite.ops.attention.kvcache import (
     KVCACHE,
     VALIDATE_MODES,
@@ -138,6 +139,8 @@ def attention_varlen(
     return_lse: bool = False,
     validate: bool | str = True,
     sinks: torch.Tensor | None = None,
+    score_mod: Any = None,
+    block_mask: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed sequences of different lengths (flash-attn's varlen convention),
     without padding: sequence b is rows ``[cu_seqlens_q[b], cu_seqlens_q[b + 1])`` of q and
@@ -159,6 +162,14 @@ def attention_varlen(
             ``torch.compile``. The kernels clamp the offsets to the packed lengths either way,
             so bad ones give wrong rows, never reads or writes outside the tensors.
         sinks: ``(Hq,)`` sink logits, as :func:`attention`.
+        score_mod, block_mask: your own score function and mask, as :func:`flex_attention`'s,
+            per sequence: the mods see sequence b as batch ``b`` and positions counted from
+            its start; ``block_mask`` comes from :func:`create_block_mask` with
+            ``B = batch`` (or None to broadcast), ``Q_LEN = max_seqlen_q`` and
+            ``KV_LEN = max_seqlen_k``. Not with ``causal``, ``window``, ``softcap`` or
+            ``sinks``: write those as mods (:mod:`flashlite.gallery`'s ``causal()`` is
+            top-left aligned, the same as ``causal=True`` where a sequence's query and key
+            lengths are equal).
 
     Returns:
         ``out`` ``(total_q, Hq, D)`` (and the LSE). Differentiable in q, k, v, the sinks (and
@@ -170,7 +181,8 @@ def attention_varlen(
             bools, as :func:`attention`; ``validate`` not True, False or ``"sync"``.
         ValueError: shapes, devices; with ``validate``, cu_seqlens that do not start at 0,
             decrease or do not end at the packed length, max_seqlen below a sequence's length
-            (raised when ``validate`` says).
+            (raised when ``validate`` says); ``score_mod`` or ``block_mask`` with ``causal``,
+            ``window``, ``softcap`` or ``sinks``, or a block mask of other lengths or batch.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -194,11 +206,24 @@ def attention_varlen(
         on_device = validate is True and cu_q.device.type == "cuda"  # (a CPU check costs no sync)
         if not (on_device and _check_offsets_on_device(cu_q, cu_k, *sizes)):
             _check_cu_values(cu_q, cu_k, *sizes)
-    mask = masks.describe(causal, window, softcap)
-    sink = check_sinks(sinks, qc, qc.shape[1])
-    o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale, mask.left, mask.right, mask.softcap,
-                           None, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k), None,
-                           sink)  # fmt: skip
+    if score_mod is not None or block_mask is not None:
+        given = [name for name, off in (("causal", not causal), ("window", window is None),
+                                        ("softcap", softcap is None), ("sinks", sinks is None))
+                 if not off]  # fmt: skip
+        if given:
+            raise ValueError(
+                f"attention_varlen takes score_mod and block_mask without {', '.join(given)}: "
+                "write them as mods (flashlite.gallery: causal(), sliding_window(w), "
+                "tanh_softcap(c)) in the block mask and score function"
+            )
+        o, lse = flex_varlen(qc, kc, vc, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k),
+                             score_mod, block_mask, sm_scale)  # fmt: skip
+    else:
+        mask = masks.describe(causal, window, softcap)
+        sink = check_sinks(sinks, qc, qc.shape[1])
+        o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale, mask.left, mask.right,
+                               mask.softcap, None, cu_q, cu_k, int(max_seqlen_q),
+                               int(max_seqlen_k), None, sink)  # fmt: skip
     o = o.transpose(1, 2).squeeze(0)
     return (o, lse.squeeze(0)) if return_lse else o
 

@@ -142,11 +142,12 @@ def _check_tables(bm: BM.BlockMask) -> None:
     _checked.add(bm)
 
 
-def block_mask_for(block_mask: Any, q: torch.Tensor, k: torch.Tensor) -> BM.BlockMask:
+def block_mask_for(block_mask: Any, q: torch.Tensor, k: torch.Tensor,
+                   lengths: tuple[int, int] | None = None) -> BM.BlockMask:  # fmt: skip
     """The tables a :func:`~flashlite.ops.attention.flex.flex_attention` call runs over: the
     dense tables for None, flashlite's own from torch's ``BlockMask``, checked against the
-    call's lengths and device."""
-    nq, nk = q.shape[2], k.shape[2]
+    call's lengths (``(Nq, Nk)``, default q's and k's) and device."""
+    nq, nk = lengths if lengths is not None else (q.shape[2], k.shape[2])
     if block_mask is None:
         return dense_block_mask(nq, nk, (128, 128) if not _backend.INTERPRETED else (32, 32),
                                 q.device)  # fmt: skip

@@ -38,18 +38,30 @@ def _fwd_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num: torch.T
               q_num: torch.Tensor, q_idx: torch.Tensor, full_q_num: torch.Tensor,
               full_q_idx: torch.Tensor, tbm: int, tbn: int, mask_spec: str,
               mask_tensors: list[torch.Tensor], mask_nums: list[float], score_spec: str,
-              score_tensors: list[torch.Tensor], score_nums: list[float],
-              scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+              score_tensors: list[torch.Tensor], score_nums: list[float], scale: float,
+              cu_q: torch.Tensor | None = None,
+              cu_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     tables = (kv_num, kv_idx, full_num, full_idx)
     mask, score = (mask_spec, mask_tensors, mask_nums), (score_spec, score_tensors, score_nums)
-    if q.numel() == 0:
+    if q.numel() == 0 or (cu_q is not None and k.shape[2] == 0):
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-        return torch.empty_like(q), lse.fill_(-math.inf)
-    key = tuple(FP.call_key(q, k, v, tables, mask, score, tbm, tbn, scale))
+        return torch.zeros_like(q), lse.fill_(-math.inf)
+    cu = _offsets(cu_q, cu_k)
+    key = FP.call_key(q, k, v, tables, mask, score, tbm, tbn, scale, cu or ())
+    key.append(None if cu is None else cu_q.shape)  # type: ignore[union-attr]
+    key = tuple(key)
     plan = FP.fwd_plans.get(key)
     if plan is None:
-        plan = FP.fwd_plans.put(key, FP.FwdPlan(q, k, tables, mask, score, tbm, tbn, scale))
-    return plan(q, k, v, tables, [*mask_tensors, *score_tensors])
+        plan = FP.fwd_plans.put(key, FP.FwdPlan(q, k, tables, mask, score, tbm, tbn, scale,
+                                                varlen=cu is not None))  # fmt: skip
+    return plan(q, k, v, tables, [*mask_tensors, *score_tensors], cu)
+
+
+def _offsets(cu_q: torch.Tensor | None, cu_k: torch.Tensor | None) -> FP.Offsets:
+    """Varlen's offsets as the plans take them (both or neither)."""
+    if cu_q is None or cu_k is None:
+        return None
+    return cu_q, cu_k
 
 
 def _fwd_fake(q, k, v, *args):  # type: ignore[no-untyped-def]
@@ -63,22 +75,26 @@ def _bwd_body(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
               full_q_num: torch.Tensor, full_q_idx: torch.Tensor, tbm: int, tbn: int,
               mask_spec: str, mask_tensors: list[torch.Tensor], mask_nums: list[float],
               score_spec: str, score_tensors: list[torch.Tensor], score_nums: list[float],
-              scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+              scale: float, cu_q: torch.Tensor | None = None, cu_k: torch.Tensor | None = None,
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     kv_tables = (kv_num, kv_idx, full_num, full_idx)
     q_tables = (q_num, q_idx, full_q_num, full_q_idx)
     mask, score = (mask_spec, mask_tensors, mask_nums), (score_spec, score_tensors, score_nums)
+    cu = _offsets(cu_q, cu_k)
     key = FP.call_key(q, k, v, (*kv_tables, *q_tables), mask, score, tbm, tbn, scale,
-                      (do, o, lse, dlse))  # fmt: skip
+                      (do, o, lse, dlse, *(cu or ())))  # fmt: skip
     key += (do.stride(), o.stride(), lse.stride(), dlse is None,
-            torch.are_deterministic_algorithms_enabled())  # fmt: skip
+            torch.are_deterministic_algorithms_enabled(),
+            None if cu is None else cu[0].shape)  # fmt: skip
     key = tuple(key)
     plan = FP.bwd_plans.get(key)
     if plan is None:
         plan = FP.bwd_plans.put(key, FP.BwdPlan(q, k, q_tables, kv_tables, mask, score, tbm, tbn,
-                                                scale))  # fmt: skip
-    return plan(do, q, k, v, o, lse, dlse, q_tables, kv_tables, [*mask_tensors, *score_tensors])
+                                                scale, varlen=cu is not None))  # fmt: skip
+    return plan(do, q, k, v, o, lse, dlse, q_tables, kv_tables, [*mask_tensors, *score_tensors],
+                cu)  # fmt: skip
 
 
 def _bwd_fake(do, q, k, v, *args):  # type: ignore[no-untyped-def]
@@ -163,16 +179,7 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         )
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
-    bm = block_mask_for(block_mask, q, k)
-    smod = None if score_mod is None else M.as_score_mod(score_mod)
-    if smod is not None:
-        check_buffers_on(smod, q.device, "score_mod")
-    check_buffers_on(bm.mask_mod, q.device, "block_mask's mask_mod")
-    b, hq = q.shape[:2]
-    tb, th = bm.kv_num_blocks.shape[:2]
-    if tb not in (1, b) or th not in (1, hq):
-        raise ValueError(f"block_mask was built for B={tb}, H={th}; the call has B={b}, H={hq} "
-                         "(build it with these, or None to broadcast)")  # fmt: skip
+    bm, smod = _mods_for(block_mask, score_mod, q, k, q.shape[0])
     o, lse = FLEX_FWD(q, k, v, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
                       bm.full_kv_indices, bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks,
                       bm.full_q_indices, *bm.BLOCK_SIZE, *spec_mod(bm.mask_mod), *spec_mod(smod),
@@ -180,3 +187,36 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     if layout == "b n h d":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
+
+
+def _mods_for(block_mask: Any, score_mod: Any, q: torch.Tensor, k: torch.Tensor, batch: int,
+              lengths: tuple[int, int] | None = None) -> tuple[Any, M.ScoreMod | None]:  # fmt: skip
+    """The call's block tables (:func:`block_mask_for`) and score function, checked against
+    its ``batch`` (sequences), heads, lengths and device."""
+    bm = block_mask_for(block_mask, q, k, lengths)
+    smod = None if score_mod is None else M.as_score_mod(score_mod)
+    if smod is not None:
+        check_buffers_on(smod, q.device, "score_mod")
+    check_buffers_on(bm.mask_mod, q.device, "block_mask's mask_mod")
+    hq = q.shape[1]
+    tb, th = bm.kv_num_blocks.shape[:2]
+    if tb not in (1, batch) or th not in (1, hq):
+        raise ValueError(f"block_mask was built for B={tb}, H={th}; the call has B={batch}, "
+                         f"H={hq} (build it with these, or None to broadcast)")  # fmt: skip
+    return bm, smod
+
+
+def flex_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                cu_k: torch.Tensor, max_q: int, max_k: int, score_mod: Any, block_mask: Any,
+                scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`flashlite.attention_varlen` with a score function or block mask: the flex
+    kernels over packed ``(1, H, total, D)`` views, sequence b as batch b of the tables and
+    the mods (positions from its start). Returns ``(o, lse)`` as the views."""
+    if not (q.is_cuda or _backend.INTERPRETED):
+        raise ValueError("attention_varlen with score_mod or block_mask runs where the tensors "
+                         "are: CUDA tensors, or CPU tensors with Triton's interpreter")  # fmt: skip
+    bm, smod = _mods_for(block_mask, score_mod, q, k, cu_q.shape[0] - 1, (max_q, max_k))
+    return FLEX_FWD(q, k, v, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
+                    bm.full_kv_indices, bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks,
+                    bm.full_q_indices, *bm.BLOCK_SIZE, *spec_mod(bm.mask_mod), *spec_mod(smod),
+                    scale, cu_q, cu_k)  # fmt: skip

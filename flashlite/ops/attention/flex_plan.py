@@ -29,6 +29,9 @@ ModArgs = tuple[str, list[torch.Tensor], list[float]]
 #: dQ, dK, dV.
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
+#: Varlen's offsets ``(cu_seqlens_q, cu_seqlens_k)``, or None.
+Offsets = tuple[torch.Tensor, torch.Tensor] | None
+
 #: :class:`FwdPlan` and :class:`BwdPlan` per kind of call (:func:`call_key`).
 fwd_plans = Cache("flex.fwd", 256)
 bwd_plans = Cache("flex.bwd", 256)
@@ -125,6 +128,18 @@ def _options(q: torch.Tensor, tbm: int, tbn: int, bwd: bool) -> dict[str, Any]:
     }  # fmt: skip
 
 
+def _blocks(n: int, num: torch.Tensor, table_block: int, block: int, varlen: bool) -> int:
+    """Programs along ``n`` rows (or keys) in blocks of ``block``; varlen: along the tables'
+    ``(…, rows)`` counts of ``table_block`` (the longest sequence's; ``block`` divides it),
+    programs past a shorter sequence returning at once."""
+    return num.shape[-1] * (table_block // block) if varlen else triton.cdiv(n, block)
+
+
+def _batch(q: torch.Tensor, cu: tuple[torch.Tensor, torch.Tensor], varlen: bool) -> int:
+    """The grid's batch: q's, or varlen's number of sequences."""
+    return cu[0].shape[0] - 1 if varlen else q.shape[0]
+
+
 #: (kernel, mods, head dim, dtype) launched with one stage: see :func:`_bind_triton`.
 _one_stage: set[tuple[Any, ...]] = set()
 
@@ -161,11 +176,11 @@ class FwdPlan:
     the mods' tensors. Its first call chooses the kernel and binds its launch."""
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, tables: tuple[torch.Tensor, ...],
-                 mask: ModArgs, score: ModArgs, tbm: int, tbn: int,
-                 scale: float) -> None:  # fmt: skip
+                 mask: ModArgs, score: ModArgs, tbm: int, tbn: int, scale: float,
+                 varlen: bool = False) -> None:  # fmt: skip
         b, hq, nq, _ = q.shape
         self.lse_shape = (b, hq, nq)
-        self.tbm, self.tbn, self.scale = tbm, tbn, scale
+        self.tbm, self.tbn, self.scale, self.varlen = tbm, tbn, scale, varlen
         bufs, self.mods = mod_args(mask, score, grad=False)
         self.slots = _Slots(bufs)
         self.strides = table_args(tables[0], tables[1])
@@ -173,25 +188,26 @@ class FwdPlan:
         self.run: Callable[..., None] | None = None
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 tables: tuple[torch.Tensor, ...],
-                 tensors: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                 tables: tuple[torch.Tensor, ...], tensors: list[torch.Tensor],
+                 cu: Offsets = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         o = torch.empty_like(q)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         bufs = self.slots(tensors)
+        cu = cu or (tables[0], tables[0])  # (placeholders, never read)
         if self.run is None:
-            self.run = self._first(q, k, v, o, lse, tables, bufs)
+            self.run = self._first(q, k, v, o, lse, tables, bufs, cu)
         else:
-            self.run(q, k, v, o, lse, tables, bufs)
+            self.run(q, k, v, o, lse, tables, bufs, cu)
         return o, lse
 
     def _first(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-               lse: torch.Tensor, tables: tuple[torch.Tensor, ...],
-               bufs: list[Any]) -> Callable[..., None]:  # fmt: skip
+               lse: torch.Tensor, tables: tuple[torch.Tensor, ...], bufs: list[Any],
+               cu: tuple[torch.Tensor, torch.Tensor]) -> Callable[..., None]:  # fmt: skip
         """Launch this call; the launch later calls repeat. The Gluon (Hopper) kernel where it
         applies: a compiled sm_90 device, 16-bit inputs TMA can read, a head dim with a
-        measured config whose tiles are the tables' blocks; else (or after one warning if it
-        failed to build) the Triton kernel."""
-        config = hopper_config(q, k.shape[2])
+        measured config whose tiles are the tables' blocks, not varlen; else (or after one
+        warning if it failed to build) the Triton kernel."""
+        config = None if self.varlen else hopper_config(q, k.shape[2])
         if (config is not None and (self.tbm, self.tbn) == (config.block_m, config.block_n)
                 and _descriptor_ok(q, k, v, o)):  # fmt: skip
             key = (q.dtype, q.shape[-1], *self.mods.values())
@@ -202,20 +218,28 @@ class FwdPlan:
 
             run = HP.first_build(hopper_failed, key, "flex", build, stacklevel=6)
             if run is not None:
-                return run
-        b, hq, nq, _ = q.shape
+
+                def hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                           lse: torch.Tensor, tables: tuple[torch.Tensor, ...], bufs: list[Any],
+                           cu: tuple[torch.Tensor, torch.Tensor]) -> None:  # fmt: skip
+                    run(q, k, v, o, lse, tables, bufs)
+
+                return hopper
+        hq, nq = q.shape[1], q.shape[2]
         hkv, nk = k.shape[1], k.shape[2]
         opts = _options(q, self.tbm, self.tbn, bwd=False)
-        grid = (triton.cdiv(nq, opts["BLOCK_M"]), b * hq, 1)
+        grid = (_blocks(nq, tables[0], self.tbm, opts["BLOCK_M"], self.varlen),
+                _batch(q, cu, self.varlen) * hq, 1)  # fmt: skip
         mid = (*q.stride(), *k.stride(), *v.stride(), *o.stride())
         tail = (*self.strides, hq, hq // hkv, nq, nk, self.scale)
-        args = (q, k, v, o, lse, *mid, *tables, *tail, *bufs)
-        bound = _bind_triton(KF._flex_fwd_kernel, grid, args, self.mods, opts)
+        args = (q, k, v, o, lse, *mid, *tables, *tail, *cu, *bufs)
+        bound = _bind_triton(KF._flex_fwd_kernel, grid, args, self.mods,
+                             {**opts, "VARLEN": self.varlen})  # fmt: skip
 
         def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                lse: torch.Tensor, tables: tuple[torch.Tensor, ...],
-                bufs: list[Any]) -> None:  # fmt: skip
-            bound(grid, q, k, v, o, lse, *mid, *tables, *tail, *bufs)
+                lse: torch.Tensor, tables: tuple[torch.Tensor, ...], bufs: list[Any],
+                cu: tuple[torch.Tensor, torch.Tensor]) -> None:  # fmt: skip
+            bound(grid, q, k, v, o, lse, *mid, *tables, *tail, *cu, *bufs)
 
         return run
 
@@ -242,6 +266,8 @@ class BwdCall(NamedTuple):
     q_tables: tuple[torch.Tensor, ...]
     kv_tables: tuple[torch.Tensor, ...]
     bufs: list[Any]
+    #: varlen's offsets (or placeholders, never read)
+    cu: tuple[torch.Tensor, torch.Tensor]
 
 
 class BwdPlan:
@@ -251,10 +277,10 @@ class BwdPlan:
 
     def __init__(self, q: torch.Tensor, k: torch.Tensor, q_tables: tuple[torch.Tensor, ...],
                  kv_tables: tuple[torch.Tensor, ...], mask: ModArgs, score: ModArgs, tbm: int,
-                 tbn: int, scale: float) -> None:  # fmt: skip
+                 tbn: int, scale: float, varlen: bool = False) -> None:  # fmt: skip
         b, hq, nq, d = q.shape
         self.delta_shape, self.acc_shape = (b, hq, nq), (b, hq, nq, d)
-        self.tbm, self.tbn, self.scale = tbm, tbn, scale
+        self.tbm, self.tbn, self.scale, self.varlen = tbm, tbn, scale, varlen
         bufs, self.mods = mod_args(mask, score, grad=True)
         self.slots = _Slots(bufs)
         self.q_strides = table_args(q_tables[0], q_tables[1])
@@ -265,12 +291,12 @@ class BwdPlan:
     def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
                  q_tables: tuple[torch.Tensor, ...], kv_tables: tuple[torch.Tensor, ...],
-                 tensors: list[torch.Tensor]) -> Grads:  # fmt: skip
+                 tensors: list[torch.Tensor], cu: Offsets = None) -> Grads:  # fmt: skip
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         # an expanded or strided dlse (autograd may hand one over) is made dense, O(N)
         dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
         call = BwdCall(do, q, k, v, o, lse, dlse, dq, dk, dv, q_tables, kv_tables,
-                       self.slots(tensors))  # fmt: skip
+                       self.slots(tensors), cu or (q_tables[0], q_tables[0]))  # fmt: skip
         if self.run is None:
             self.run = self._first(call)
         else:
@@ -280,11 +306,11 @@ class BwdPlan:
     def _first(self, c: BwdCall) -> Callable[[BwdCall], None]:
         """Launch this call; the launches later calls repeat. The fused Gluon kernel where it
         applies (as the dense backward's, :func:`~flashlite.ops.attention.bwd.
-        hopper_bwd_applies`, with tables of its 128 × 128 tiles): the preprocess writes delta,
-        ``Qs`` into ``dq``'s memory and zeros into dQ's fp32 accumulator, then one kernel adds
-        every gradient. Else (or after one warning if it failed to build) the preprocess and
-        the two Triton kernels (they overwrite ``dq``)."""
-        fused = (self.tbm, self.tbn) == (2 * KHB.BLOCK_M, KHB.BLOCK_N)
+        hopper_bwd_applies`, with tables of its 128 × 128 tiles, not varlen): the preprocess
+        writes delta, ``Qs`` into ``dq``'s memory and zeros into dQ's fp32 accumulator, then
+        one kernel adds every gradient. Else (or after one warning if it failed to build) the
+        preprocess and the two Triton kernels (they overwrite ``dq``)."""
+        fused = (self.tbm, self.tbn) == (2 * KHB.BLOCK_M, KHB.BLOCK_N) and not self.varlen
         if fused and hopper_bwd_applies(c.q, c.k, c.v, c.do, c.dk, c.dv) and _descriptor_ok(c.dq):
             run = self._first_fused(c)
             if run is not None:
@@ -318,9 +344,10 @@ class BwdPlan:
         return run
 
     def _first_triton(self, c: BwdCall) -> Callable[[BwdCall], None]:
-        b, hq, nq, _ = c.q.shape
+        hq, nq = c.q.shape[1], c.q.shape[2]
         hkv, nk = c.k.shape[1], c.k.shape[2]
-        opts = _options(c.q, self.tbm, self.tbn, bwd=True)
+        b = _batch(c.q, c.cu, self.varlen)
+        opts = {**_options(c.q, self.tbm, self.tbn, bwd=True), "VARLEN": self.varlen}
         delta_shape = self.delta_shape
         delta = torch.empty(delta_shape, device=c.q.device, dtype=torch.float32)
         prep = plan_preprocess(c.o, c.do, c.dlse, delta, c.q, c.q, self.scale, prescale_q=False)
@@ -329,23 +356,25 @@ class BwdPlan:
         strides = (*c.q.stride(), *c.k.stride(), *c.v.stride(), *c.do.stride())
         dkdv_mid = (*strides, *c.dk.stride(), *c.dv.stride())
         dkdv_tail = (*self.q_strides, hkv, *sizes[1:])
-        dkdv_grid = (triton.cdiv(nk, opts["BLOCK_N"]), b * hkv, 1)
+        dkdv_grid = (_blocks(nk, c.q_tables[0], self.tbn, opts["BLOCK_N"], self.varlen),
+                     b * hkv, 1)  # fmt: skip
         dkdv = _bind_triton(KF._flex_bwd_dkdv_kernel, dkdv_grid, (
             c.q, c.k, c.v, c.do, c.dk, c.dv, c.lse, delta, *dkdv_mid, *c.q_tables, *dkdv_tail,
-            *c.bufs), self.mods, opts)  # fmt: skip
+            *c.cu, *c.bufs), self.mods, opts)  # fmt: skip
         dq_mid = (*strides, *c.dq.stride())
         dq_tail = (*self.kv_strides, *sizes)
-        dq_grid = (triton.cdiv(nq, opts["BLOCK_M"]), b * hq, 1)
+        dq_grid = (_blocks(nq, c.kv_tables[0], self.tbm, opts["BLOCK_M"], self.varlen),
+                   b * hq, 1)  # fmt: skip
         dq_run = _bind_triton(KF._flex_bwd_dq_kernel, dq_grid, (
-            c.q, c.k, c.v, c.do, c.dq, c.lse, delta, *dq_mid, *c.kv_tables, *dq_tail, *c.bufs),
-            self.mods, opts)  # fmt: skip
+            c.q, c.k, c.v, c.do, c.dq, c.lse, delta, *dq_mid, *c.kv_tables, *dq_tail, *c.cu,
+            *c.bufs), self.mods, opts)  # fmt: skip
 
         def run(c: BwdCall) -> None:
             delta = torch.empty(delta_shape, device=c.q.device, dtype=torch.float32)
             prep(c.o, c.do, c.dlse, delta, c.q, c.q)
             dkdv(dkdv_grid, c.q, c.k, c.v, c.do, c.dk, c.dv, c.lse, delta, *dkdv_mid,
-                 *c.q_tables, *dkdv_tail, *c.bufs)  # fmt: skip
+                 *c.q_tables, *dkdv_tail, *c.cu, *c.bufs)  # fmt: skip
             dq_run(dq_grid, c.q, c.k, c.v, c.do, c.dq, c.lse, delta, *dq_mid, *c.kv_tables,
-                   *dq_tail, *c.bufs)  # fmt: skip
+                   *dq_tail, *c.cu, *c.bufs)  # fmt: skip
 
         return run
