@@ -240,7 +240,7 @@ def test_kvcache_op_with_sinks_passes_opcheck_and_compiles() -> None:
     lens = torch.tensor([7, 30], dtype=torch.int32)
     sinks = torch.randn(4)
     args = (q, k_cache.clone(), v_cache.clone(), lens, *new, None, True, 0.25, None, 0, None, 2,
-            "device", sinks, "", [], [])  # fmt: skip
+            "device", sinks, "", [], [], "", [], [])  # fmt: skip
     opcheck(torch.ops.flashlite.attention_kvcache.default, args)
 
     def step(q, kc, vc, kn, vn, s):  # noqa: ANN001, ANN202

@@ -636,9 +636,9 @@ def test_fused_backward_receives_what_its_kernel_reads(monkeypatch) -> None:  # 
 
 
 # --------------------------------------------------------------------------- KV-cache decoding
-def _kvcache_reference(q, kc, vc, lens, mm, causal=True, window=None):  # noqa: ANN001, ANN202
+def _kvcache_reference(q, kc, vc, lens, mm, causal=True, window=None, sm=None):  # noqa: ANN001, ANN202
     """fp64 decode step over caches that already hold the new keys: query i of Nq sits at
-    position ``lens[b] − Nq + i`` (lens: lengths after the append)."""
+    position ``lens[b] − Nq + i`` (lens: lengths after the append); ``sm`` a score function."""
     bsz, nq, hq, d = q.shape
     group = hq // kc.shape[2]
     out = torch.zeros(bsz, nq, hq, d, dtype=torch.float64)
@@ -647,7 +647,9 @@ def _kvcache_reference(q, kc, vc, lens, mm, causal=True, window=None):  # noqa: 
         qpos, kpos = torch.arange(n - nq, n)[:, None], torch.arange(n)[None]
         for h in range(hq):
             s = q[b, :, h].double() @ kc[b, :n, h // group].double().T * d**-0.5
-            seen = mm(torch.tensor(b), torch.tensor(h), qpos, kpos)
+            if sm is not None:
+                s = sm(s, torch.tensor(b), torch.tensor(h), qpos, kpos).double()
+            seen = mm(torch.tensor(b), torch.tensor(h), qpos, kpos) if mm is not None else True
             if causal:
                 seen = seen & (kpos <= qpos)
             if window is not None:
@@ -659,9 +661,12 @@ def _kvcache_reference(q, kc, vc, lens, mm, causal=True, window=None):  # noqa: 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("paged,splits", [(False, 1), (False, 3), (True, 2)])
-def test_kvcache_decode_with_a_mask_function(dtype: torch.dtype, paged: bool, splits: int) -> None:
+@pytest.mark.parametrize("mods_", ["mask", "mask+alibi", "relative bias"])
+def test_kvcache_decode_with_a_mask_function(dtype: torch.dtype, paged: bool, splits: int,
+                                             mods_: str) -> None:  # fmt: skip
     """Document-causal decoding with GQA, an append and split keys, contiguous or paged: the
-    mask function sees each query's position in its sequence and its query head."""
+    mask function sees each query's position in its sequence and its query head; so does a
+    score function (ALiBi, a relative-bias table), with the mask or without."""
     gen = torch.Generator().manual_seed(3)
     bsz, cap, hq, hkv, d, nq = 2, 96, 4, 2, 32, 3
     kc, vc = (torch.randn(bsz, cap, hkv, d, generator=gen).to(dtype) for _ in range(2))
@@ -669,6 +674,11 @@ def test_kvcache_decode_with_a_mask_function(dtype: torch.dtype, paged: bool, sp
     kn, vn = (torch.randn(bsz, nq, hkv, d, generator=gen).to(dtype) for _ in range(2))
     lens = torch.tensor([40, 70], dtype=torch.int32)
     mm = gallery.document_causal(gallery.random_documents(bsz, cap, 3, seed=1))
+    sm = None
+    if mods_ == "mask+alibi":
+        sm = gallery.alibi(gallery.alibi_slopes(hq))
+    elif mods_ == "relative bias":
+        mm, sm = None, gallery.relative_bias(torch.randn(hq, 21, generator=gen))
     table = None
     k_arg, v_arg = kc.clone(), vc.clone()
     if paged:  # pages of 16 keys, shuffled
@@ -682,10 +692,11 @@ def test_kvcache_decode_with_a_mask_function(dtype: torch.dtype, paged: bool, sp
                 v_arg[table[b, j]] = vc[b, j * page : (j + 1) * page]
     o, lse = flashlite.attention_kvcache(q, k_arg, v_arg, cache_seqlens=lens, k_new=kn,
                                          v_new=vn, block_table=table, mask_mod=mm,
-                                         num_splits=splits, return_lse=True)  # fmt: skip
+                                         score_mod=sm, num_splits=splits,
+                                         return_lse=True)  # fmt: skip
     for b, n in enumerate(lens.tolist()):  # the reference's caches hold the new keys too
         kc[b, n : n + nq], vc[b, n : n + nq] = kn[b], vn[b]
-    ref = _kvcache_reference(q, kc, vc, lens + nq, mm)
+    ref = _kvcache_reference(q, kc, vc, lens + nq, mm, sm=sm)
     tol = TOL[dtype]
     torch.testing.assert_close(o.double(), ref, atol=tol.atol, rtol=tol.rtol)
     assert torch.isfinite(lse).all()
@@ -716,6 +727,17 @@ def test_kvcache_rows_with_no_key_and_bad_mask_functions() -> None:
     assert (o == 0).all() and (lse == -math.inf).all()
     with pytest.raises(TypeError, match="mask_mod"):
         flashlite.attention_kvcache(q, kc, vc, cache_seqlens=lens, mask_mod=lambda *a: True)
+    with pytest.raises(TypeError, match="score_mod"):
+        flashlite.attention_kvcache(q, kc, vc, cache_seqlens=lens, score_mod=lambda s, *a: s)
+    with pytest.raises(ValueError, match="without softcap"):
+        flashlite.attention_kvcache(q, kc, vc, cache_seqlens=lens, softcap=5.0,
+                                    score_mod=gallery.tanh_softcap(5.0))  # fmt: skip
+    # a score function that turns −inf finite leaves the pairs causal masked, masked
+    sm = gallery.tanh_softcap(3.0)
+    o, lse = flashlite.attention_kvcache(q, kc, vc, cache_seqlens=lens, score_mod=sm,
+                                         return_lse=True)  # fmt: skip
+    ref = _kvcache_reference(q, kc, vc, lens, None, sm=sm)
+    torch.testing.assert_close(o.double(), ref, atol=2e-5, rtol=1e-5)
 
 
 def test_kvcache_op_with_a_mask_function_passes_opcheck() -> None:
@@ -728,9 +750,11 @@ def test_kvcache_op_with_a_mask_function_passes_opcheck() -> None:
     new = [torch.randn(2, 1, 2, 16) for _ in range(2)]
     lens = torch.tensor([7, 30], dtype=torch.int32)
     mm = gallery.document_causal(gallery.random_documents(2, 40, 3, seed=1))
-    args = (q, kc, vc, lens, *new, None, True, 0.25, None, 0, None, 2, "device", None,
-            *spec_mod(mm))  # fmt: skip
-    opcheck(torch.ops.flashlite.attention_kvcache.default, args)
+    sm = gallery.alibi(gallery.alibi_slopes(4))
+    for score in (None, sm):
+        args = (q, kc, vc, lens, *new, None, True, 0.25, None, 0, None, 2, "device", None,
+                *spec_mod(mm), *spec_mod(score))  # fmt: skip
+        opcheck(torch.ops.flashlite.attention_kvcache.default, args)
 
 
 def test_kvcache_with_a_mask_function_compiles_fullgraph() -> None:
@@ -857,9 +881,10 @@ class _Deterministic:
 @pytest.mark.gpu
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 @pytest.mark.parametrize("nq", [1, 4])
-def test_gpu_kvcache_decode_with_a_mask_function(paged: bool, nq: int) -> None:
-    """The decode kernel with a document-causal mask function on the GPU (bf16, GQA 32/8,
-    D 128, an append, the default split), against the fp64 reference."""
+@pytest.mark.parametrize("alibi", [False, True], ids=["mask", "mask+alibi"])
+def test_gpu_kvcache_decode_with_a_mask_function(paged: bool, nq: int, alibi: bool) -> None:
+    """The decode kernel with a document-causal mask function (and ALiBi) on the GPU (bf16,
+    GQA 32/8, D 128, an append, the default split), against the fp64 reference."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     gen = torch.Generator().manual_seed(5)
@@ -880,12 +905,16 @@ def test_gpu_kvcache_decode_with_a_mask_function(paged: bool, nq: int) -> None:
                 k_arg[table[b, j]] = kc[b, j * page : (j + 1) * page]
                 v_arg[table[b, j]] = vc[b, j * page : (j + 1) * page]
     cuda = [t.cuda() if t is not None else None for t in (q, k_arg, v_arg, lens, kn, vn, table)]
+    slopes = gallery.alibi_slopes(hq)
+    sm = gallery.alibi(slopes.cuda()) if alibi else None
     o = flashlite.attention_kvcache(*cuda[:3], cache_seqlens=cuda[3], k_new=cuda[4],
                                     v_new=cuda[5], block_table=cuda[6],
-                                    mask_mod=gallery.document_causal(ids.cuda()))  # fmt: skip
+                                    mask_mod=gallery.document_causal(ids.cuda()),
+                                    score_mod=sm)  # fmt: skip
     for b, n in enumerate(lens.tolist()):
         kc[b, n : n + nq], vc[b, n : n + nq] = kn[b], vn[b]
-    ref = _kvcache_reference(q, kc, vc, lens + nq, gallery.document_causal(ids))
+    ref = _kvcache_reference(q, kc, vc, lens + nq, gallery.document_causal(ids),
+                             sm=gallery.alibi(slopes) if alibi else None)  # fmt: skip
     tol = TOL[torch.bfloat16]
     torch.testing.assert_close(o.cpu().double(), ref, atol=tol.atol, rtol=tol.rtol)
 

@@ -40,8 +40,8 @@ from flashlite.kernels.attention.common import (
 )
 from flashlite.kernels.common import cast
 from flashlite.masks import key_range
-from flashlite.mods import apply_mask
-from flashlite.stats import LOG2E, finalize_lse, merge_partials, rescale
+from flashlite.mods import apply_mask, apply_score
+from flashlite.stats import LN2, LOG2E, finalize_lse, merge_partials, rescale
 
 
 @triton.jit
@@ -88,25 +88,36 @@ def kv_tile(X, TABLE, b, h_kv, start_n, offs_n, offs_d, seq_k, stride_b, stride_
 def _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, head, lo, hi, pos, offs_n, offs_d,
                    seq_q, seq_k, left, right, cap, exp_scale, stride_kb, stride_kh, stride_kn,
                    stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_tb, num_pages,
-                   MB0, MB1, MB2, MB3, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
+                   MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, MASKED: tl.constexpr,
+                   IS_CAUSAL: tl.constexpr,
                    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PAGE_SIZE: tl.constexpr,
                    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
                    USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    ROUND_BF16: tl.constexpr, MASK_MOD: tl.constexpr,
-                   N_MASK_BUF: tl.constexpr):  # fmt: skip
+                   N_MASK_BUF: tl.constexpr, SCORE_MOD: tl.constexpr,
+                   N_SCORE_BUF: tl.constexpr):  # fmt: skip
     """Fold key tiles ``[lo, hi)`` into ``(acc, m, s)``: the forward's loop body, with rows at
     query positions ``pos`` (packed rows of several heads share positions) and K/V tiles from
     :func:`kv_tile`. A ``MASK_MOD`` (:mod:`flashlite.mods`) masks every tile, called with each
-    row's query head ``head`` and its position in the sequence, ``seq_k − seq_q + pos``."""
+    row's query head ``head`` and its position in the sequence, ``seq_k − seq_q + pos``; a
+    ``SCORE_MOD`` rewrites the scores first, in natural units (``q·k·scale``), on the pairs
+    the built-in masks leave."""
     for start_n in tl.range(lo, hi, BLOCK_N):
         k = kv_tile(K, TABLE, b, h_kv, start_n, offs_n, offs_d, seq_k, stride_kb, stride_kh,
                     stride_kn, stride_kd, stride_tb, num_pages, MASKED, PAGE_SIZE, HEAD_DIM,
                     BLOCK_D, BLOCK_N, USE_DESC)  # fmt: skip
         qk = score_tile(q, k, start_n, pos, offs_n, seq_q, seq_k, left, right, cap, MASKED,
                         IS_CAUSAL, WINDOW, SOFTCAP, DOT_FP32, DOT_PRECISION)  # fmt: skip
+        keys = start_n + offs_n
+        q_idx = (seq_k - seq_q + tl.minimum(pos, seq_q - 1))[:, None]
+        if SCORE_MOD is not None:
+            units = exp_scale * LN2  # natural units per unit of qk (Q may be prescaled)
+            y = apply_score(SCORE_MOD, qk * units, b, head[:, None], q_idx,
+                            tl.minimum(keys, seq_k - 1)[None, :], SB0, SB1, SB2, SB3,
+                            N_SCORE_BUF)  # fmt: skip
+            # (pairs masked above stay masked whatever the function makes of −inf)
+            qk = tl.where(qk > float("-inf"), y * (1.0 / units), float("-inf"))
         if MASK_MOD is not None:
-            keys = start_n + offs_n
-            q_idx = (seq_k - seq_q + tl.minimum(pos, seq_q - 1))[:, None]
             seen = apply_mask(MASK_MOD, b, head[:, None], q_idx,
                               tl.minimum(keys, seq_k - 1)[None, :], MB0, MB1, MB2, MB3,
                               N_MASK_BUF)  # fmt: skip
@@ -130,13 +141,14 @@ def _attention_decode_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     n_kv_heads, seq_q, seq_k, sm_scale, win_left, win_right, softcap, SEQLENS_K, TABLE, SINKS,
-    stride_tb, num_pages, split_len, MB0, MB1, MB2, MB3,
+    stride_tb, num_pages, split_len, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_SINKS: tl.constexpr,
     PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
     MASK_MOD: tl.constexpr = None, N_MASK_BUF: tl.constexpr = 0,
+    SCORE_MOD: tl.constexpr = None, N_SCORE_BUF: tl.constexpr = 0,
 ):  # fmt: skip
     """Grid ``(cdiv(Nq·GROUP, BLOCK_M), B·Hkv, S)``: packed rows ``[pid0·BLOCK_M, +BLOCK_M)`` of
     KV head ``(b, h_kv)`` against keys ``[s·split_len, (s + 1)·split_len)``.
@@ -145,7 +157,8 @@ def _attention_decode_kernel(
     fp32 LSE ``(S·B·Hq, Nq)``: the partials of chunk s at batch rows ``s·B + b`` (with ``S = 1``
     the result itself, in O's dtype). Masks, softcap, ``SEQLENS_K`` and ``SINKS`` as in the
     forward kernel; the sink's state starts chunk 0 only, so the merge counts it once.
-    ``MASK_MOD``: a mask function with its buffers in ``MB0``–``MB3`` (:func:`_decode_attend`).
+    ``MASK_MOD``: a mask function with its buffers in ``MB0``–``MB3``; ``SCORE_MOD``: a score
+    function with its buffers in ``SB0``–``SB3`` (:func:`_decode_attend`).
     """
     pid_bh = tl.program_id(1)
     b = pid_bh // n_kv_heads
@@ -193,24 +206,26 @@ def _attention_decode_kernel(
                                    offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap,
                                    exp_scale, stride_kb, stride_kh, stride_kn, stride_kd,
                                    stride_vb, stride_vh, stride_vn, stride_vd, stride_tb,
-                                   num_pages, MB0, MB1, MB2, MB3, True, IS_CAUSAL, WINDOW,
-                                   SOFTCAP, PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC,
-                                   DOT_FP32, DOT_PRECISION, ROUND_BF16, MASK_MOD,
-                                   N_MASK_BUF)  # fmt: skip
+                                   num_pages, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, True,
+                                   IS_CAUSAL, WINDOW, SOFTCAP, PAGE_SIZE, HEAD_DIM, BLOCK_D,
+                                   BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16,
+                                   MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF)  # fmt: skip
     acc, m, s = _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, head, full_lo, full_hi,
                                pos, offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap,
                                exp_scale, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
                                stride_vh, stride_vn, stride_vd, stride_tb, num_pages, MB0, MB1,
-                               MB2, MB3, False, IS_CAUSAL, WINDOW, SOFTCAP, PAGE_SIZE, HEAD_DIM,
-                               BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16,
-                               MASK_MOD, N_MASK_BUF)  # fmt: skip
+                               MB2, MB3, SB0, SB1, SB2, SB3, False, IS_CAUSAL, WINDOW, SOFTCAP,
+                               PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
+                               DOT_PRECISION, ROUND_BF16, MASK_MOD, N_MASK_BUF, SCORE_MOD,
+                               N_SCORE_BUF)  # fmt: skip
     acc, m, s = _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, head, full_hi, hi, pos,
                                offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap,
                                exp_scale, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
                                stride_vh, stride_vn, stride_vd, stride_tb, num_pages, MB0, MB1,
-                               MB2, MB3, True, IS_CAUSAL, WINDOW, SOFTCAP, PAGE_SIZE, HEAD_DIM,
-                               BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16,
-                               MASK_MOD, N_MASK_BUF)  # fmt: skip
+                               MB2, MB3, SB0, SB1, SB2, SB3, True, IS_CAUSAL, WINDOW, SOFTCAP,
+                               PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
+                               DOT_PRECISION, ROUND_BF16, MASK_MOD, N_MASK_BUF, SCORE_MOD,
+                               N_SCORE_BUF)  # fmt: skip
 
     # rows that saw no key (a chunk past the sequence, causal with Nq > Nk): 0 and LSE −inf
     inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)

@@ -20,6 +20,12 @@ The backward (FlashAttention-2, as :mod:`.bwd`): ``delta`` from the dense prepro
 and ``_flex_bwd_dq_kernel`` per query block walking the ``kv_*`` tables. A score function's
 derivative multiplies ``dS``: with ``x = scale·q·k`` and ``y = score_mod(x)`` the softmax's
 ``dL/dy = P ∘ (dP − delta)``, so ``dL/dx = dL/dy · score_mod'(x)``.
+
+``VARLEN`` (packed sequences, :func:`flashlite.attention_varlen`): "batch" b of the grid, the
+tables and the mods is sequence b of the offsets, as in the dense varlen kernels
+(:func:`~flashlite.kernels.attention.common.sequence`): pointers at its first rows, its lengths
+for every bound. The tables are the longest sequence's, so the loops skip listed tiles past a
+shorter one, and full tiles check the keys' bounds (``BOUNDED``).
 """
 
 from __future__ import annotations

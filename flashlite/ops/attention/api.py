@@ -246,6 +246,7 @@ def attention_kvcache(
     validate: bool | str = True,
     sinks: torch.Tensor | None = None,
     mask_mod: Any = None,
+    score_mod: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decoding against a KV cache (layout ``b n h d``), optionally paged: the query heads of a
     GQA group share one K/V read, the keys are split across programs (flash-decoding). Forward
@@ -285,6 +286,10 @@ def attention_kvcache(
             ``cache_seqlens[b] + Nnew − Nq + i`` (the key index it would have), ``kv_idx`` the
             key's, and ``h`` the query head; its tensor buffers on q's device. Every key tile is
             evaluated (decoding has no block tables).
+        score_mod: a score function (:func:`flashlite.mods.score_mod`, e.g.
+            :func:`flashlite.gallery.alibi`) applied to each scaled score ``q·k·scale`` that
+            ``causal``, ``window`` and ``mask_mod`` leave, with the same indices; not with
+            ``softcap`` (write the cap as :func:`flashlite.gallery.tanh_softcap`).
 
     Returns:
         ``out`` ``(B, Nq, Hq, D)`` (and the LSE). Forward only: with grad mode on, tensors
@@ -297,11 +302,11 @@ def attention_kvcache(
             with caches whose elements overlap (expanded, stride 0) or that are one tensor;
             with ``validate``, a negative ``cache_seqlens``, ``cache_seqlens + Nnew`` past the
             cache's capacity or a block-table entry outside ``[0, num_pages)`` among the pages
-            in use (raised when ``validate`` says). Every argument check comes before anything
-            is written.
+            in use (raised when ``validate`` says); ``score_mod`` with ``softcap``. Every
+            argument check comes before anything is written.
     """
     tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-    options = (causal, scale, window, softcap, num_splits, validate, mask_mod)
+    options = (causal, scale, window, softcap, num_splits, validate, mask_mod, score_mod)
     key = _kvcache_key((*tensors, sinks), options)  # (None with a mask function: checked each call)
     plan = _checked_kvcache.get(key) if key is not None else None
     if plan is not None and plain_eager(q, k_cache, v_cache):  # a kind of call seen before
@@ -365,14 +370,22 @@ def attention_kvcache(
     sink = check_sinks(sinks, q, hq)  # (fp32: what the plan's key pins, whatever came in)
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, sm_scale,
             mask.left, mask.right, mask.softcap, splits, VALIDATE_MODES[validate])  # fmt: skip
-    if mask_mod is not None:
-        mm = mods.as_mask_mod(mask_mod)
-        check_buffers_on(mm, q.device, "mask_mod")
-        o, lse = KVCACHE(*args, sink, *spec_mod(mm))
+    if mask_mod is not None or score_mod is not None:
+        mm = sm = None
+        if mask_mod is not None:
+            mm = mods.as_mask_mod(mask_mod)
+            check_buffers_on(mm, q.device, "mask_mod")
+        if score_mod is not None:
+            if softcap is not None:
+                raise ValueError("attention_kvcache takes score_mod without softcap: write the "
+                                 "cap as flashlite.gallery.tanh_softcap(c) in it")  # fmt: skip
+            sm = mods.as_score_mod(score_mod)
+            check_buffers_on(sm, q.device, "score_mod")
+        o, lse = KVCACHE(*args, sink, *spec_mod(mm), *spec_mod(sm))
         return (o, lse) if return_lse else o
     if key is not None and moved_call_device(q.device) is None:
         # these arguments passed every check above: next time, skip them (and the op layer:
         # CPU tensors whose kernels run on a GPU take the op's moving path every time)
         _checked_kvcache.put(key, _kvcache_plan(args, sink))
-    o, lse = KVCACHE(*args, sink, "", [], [])
+    o, lse = KVCACHE(*args, sink, "", [], [], "", [], [])
     return (o, lse) if return_lse else o

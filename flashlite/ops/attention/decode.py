@@ -104,8 +104,9 @@ class DecodePlan:
 
     The caller's key pins what the plan read (:func:`_meta` of every tensor, every option).
     ``o`` and ``lse`` must be fresh allocations strided like the ones it was made with.
-    ``mask_fn``: a mask function's ``@triton.jit`` function and how many buffers it takes
-    (:mod:`flashlite.mods`); each call then passes the four buffer slots.
+    ``mask_fn``, ``score_fn``: a mask function's and a score function's ``@triton.jit``
+    function and how many buffers it takes (:mod:`flashlite.mods`); with either, each call
+    passes the eight buffer slots (the mask's four, then the score function's).
     """
 
     def __init__(
@@ -123,6 +124,7 @@ class DecodePlan:
         use_desc: bool | None,
         sinks: bool = False,
         mask_fn: tuple[Any, int] | None = None,
+        score_fn: tuple[Any, int] | None = None,
     ) -> None:
         b, hq, nq, d = q.shape
         hkv = k.shape[1]
@@ -157,6 +159,8 @@ class DecodePlan:
         }  # fmt: skip
         if mask_fn is not None:
             self.options.update(MASK_MOD=mask_fn[0], N_MASK_BUF=mask_fn[1])
+        if score_fn is not None:
+            self.options.update(SCORE_MOD=score_fn[0], N_SCORE_BUF=score_fn[1])
         self.grid = (C.cdiv(nq * group, config.block_m), b * hkv, splits)
         # split partials, fp32 and contiguous, in one buffer: O's (S·B, Hq, Nq, D), then the
         # LSE's (S·B·Hq, Nq) from a 16-byte aligned offset; None: no split, no partials
@@ -166,9 +170,10 @@ class DecodePlan:
         self.head = (*q.stride(), *k.stride(), *v.stride(),
                      *(parts_stride if self.parts_size else o.stride()), hkv, nq, nk, scale,
                      km.left, km.right, km.softcap)  # fmt: skip
-        # the mask function's four buffer slots: zeros here without one, else each call's
+        # the mods' eight buffer slots: zeros here without one, else each call's
+        no_mods = mask_fn is None and score_fn is None
         self.tail = (block_table.stride(0) if block_table is not None else 0, k.shape[0],
-                     split_len, *((0,) * 4 if mask_fn is None else ()))  # fmt: skip
+                     split_len, *((0,) * 8 if no_mods else ()))  # fmt: skip
         self.combine_head = (b * hq * nq * d, *parts_stride, *o.stride(), hq, nq, splits)
         self.combine_options = {
             "HEAD_DIM": d, "BLOCK_D": C.block_d(d),
@@ -188,11 +193,11 @@ class DecodePlan:
         o: torch.Tensor,
         lse: torch.Tensor,
         sinks: torch.Tensor | None = None,
-        mask_buffers: Sequence[Any] | None = None,
+        mod_buffers: Sequence[Any] | None = None,
     ) -> int:
         """Run on tensors of the planned kind (any view of the same memory: only their data
-        pointers are read; ``sinks`` given iff planned with them, ``mask_buffers``, the mask
-        function's four slots, iff planned with one); returns the chunks used."""
+        pointers are read; ``sinks`` given iff planned with them, ``mod_buffers``, the mods'
+        eight slots, iff planned with a mod); returns the chunks used."""
         if self.empty:
             o.zero_()
             if sinks is not None and o.numel():  # no key: each row's LSE is its sink's
@@ -211,7 +216,7 @@ class DecodePlan:
             v = TensorDescriptor(v, list(v.shape), list(v.stride()), self.desc_block)
         args = (q, k, v, o_out, lse_out, *self.head, lse if seqlens_k is None else seqlens_k,
                 lse if block_table is None else block_table, lse if sinks is None else sinks,
-                *self.tail, *(mask_buffers or ()))  # fmt: skip
+                *self.tail, *(mod_buffers or ()))  # fmt: skip
         if self._decode is None:
             self._decode = _launch.launcher(KD._attention_decode_kernel).bind(args, self.options)
         self._decode(self.grid, *args)

@@ -60,7 +60,8 @@ class KVCachePlan:
     made dense per call (``B`` or ``B·max_pages`` ints, a no-op when they are dense already;
     cheaper than two more strides through every tile load of the decode kernel)."""
 
-    def __init__(self, args: tuple, sinks: bool = False, mask: MaskArgs | None = None) -> None:
+    def __init__(self, args: tuple, sinks: bool = False, mask: ModArgs | None = None,
+                 score: ModArgs | None = None) -> None:  # fmt: skip
         q, k_cache, v_cache, cache_seqlens, k_new, _, block_table = args[:_TENSORS]
         causal, scale, window_left, window_right, softcap, num_splits, validate = args[_TENSORS:]
         self.validate = validate
@@ -87,7 +88,7 @@ class KVCachePlan:
             q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
             o.transpose(1, 2), cache_seqlens.contiguous(), block_table,
             masks.Mask.of_op(causal, window_left, window_right, softcap), scale,
-            num_splits or None, None, None, sinks, _mask_fn(mask),
+            num_splits or None, None, None, sinks, _mod_fn(mask), _mod_fn(score),
         )  # fmt: skip
 
     def __call__(
@@ -100,10 +101,11 @@ class KVCachePlan:
         v_new: torch.Tensor | None,
         block_table: torch.Tensor | None,
         sinks: torch.Tensor | None = None,
-        mask: MaskArgs | None = None,
+        mask: ModArgs | None = None,
+        score: ModArgs | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run on tensors of the planned kind: ``out`` ``(B, Nq, Hq, D)``, LSE ``(B, Hq, Nq)``
-        (``sinks`` and ``mask`` given iff planned with them)."""
+        (``sinks``, ``mask`` and ``score`` given iff planned with them)."""
         if self.validate == "sync":  # every value check before anything is written (a sync)
             _check_cache_values(cache_seqlens, self.n_new, self.capacity, block_table,
                                 self.slots, self.num_pages)  # fmt: skip
@@ -115,7 +117,9 @@ class KVCachePlan:
                                         block_table)  # fmt: skip
         o = torch.empty_like(q)  # (empty_like: less host time than a shape, dtype and device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
-        bufs = unspec_mod(*mask)[1] if mask is not None else None
+        bufs = None
+        if mask is not None or score is not None:  # the mask's four slots, the score's four
+            bufs = [*_mod_slots(mask), *_mod_slots(score)]
         self.decode(q, k_cache, v_cache, lengths, block_table, o, lse, sinks, bufs)
         return o, lse
 
@@ -157,27 +161,37 @@ _kvcache_plans = Cache("attention.kvcache", 1024)
 _TENSORS = 7
 
 
-#: A mask function as the op carries it: ``(spec, tensors, numbers)``
+#: A mask or score function as the op carries it: ``(spec, tensors, numbers)``
 #: (:func:`flashlite.ops.attention.mod_args.spec_mod`).
-MaskArgs = tuple[str, list[torch.Tensor], list[float]]
+ModArgs = tuple[str, list[torch.Tensor], list[float]]
 
 
-def _mask_fn(mask: MaskArgs | None) -> tuple[Any, int] | None:
-    """The mask function's ``(@triton.jit function, buffer count)``, or None."""
-    if mask is None:
+def _mod_fn(mod: ModArgs | None) -> tuple[Any, int] | None:
+    """A mod's ``(@triton.jit function, buffer count)``, or None."""
+    if mod is None:
         return None
-    fns, _, n_buf = unspec_mod(*mask)
+    fns, _, n_buf = unspec_mod(*mod)
     return fns[0], n_buf
 
 
-def _kvcache_plan(args: tuple, sinks: torch.Tensor | None = None,
-                  mask: MaskArgs | None = None) -> KVCachePlan:  # fmt: skip
+def _mod_slots(mod: ModArgs | None) -> list[Any]:
+    """A mod's four buffer slots (zeros for None)."""
+    return unspec_mod(*mod)[1] if mod is not None else [0] * 4
+
+
+def _mod_key(mod: ModArgs | None) -> tuple | None:
+    return None if mod is None else (mod[0], *map(_meta, mod[1]), *mod[2])
+
+
+def _kvcache_plan(args: tuple, sinks: torch.Tensor | None = None, mask: ModArgs | None = None,
+                  score: ModArgs | None = None) -> KVCachePlan:  # fmt: skip
     """The :class:`KVCachePlan` of :func:`_kvcache`'s (checked) arguments, made on first use
-    (``sinks``: the calls' sink logits, whose kind the plan pins, or None; ``mask``: a mask
-    function, whose name, buffers' kinds and numbers it pins)."""
-    key = (*map(_meta, args[:_TENSORS]), *args[_TENSORS:], _meta(sinks),
-           None if mask is None else (mask[0], *map(_meta, mask[1]), *mask[2]))  # fmt: skip
-    return _kvcache_plans.made(key, KVCachePlan, args, sinks is not None, mask)
+    (``sinks``: the calls' sink logits, whose kind the plan pins, or None; ``mask`` and
+    ``score``: a mask and a score function, whose names, buffers' kinds and numbers it
+    pins)."""
+    key = (*map(_meta, args[:_TENSORS]), *args[_TENSORS:], _meta(sinks), _mod_key(mask),
+           _mod_key(score))  # fmt: skip
+    return _kvcache_plans.made(key, KVCachePlan, args, sinks is not None, mask, score)
 
 
 def _kvcache(
@@ -199,24 +213,30 @@ def _kvcache(
     mask_spec: str,
     mask_tensors: list[torch.Tensor],
     mask_nums: list[float],
+    score_spec: str,
+    score_tensors: list[torch.Tensor],
+    score_nums: list[float],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_kvcache` after its argument checks: the value checks, the append, the
     decode kernel (:class:`KVCachePlan`). The mask's fields as :func:`flashlite.masks.describe`
     made them (None: unlimited side, no cap); ``num_splits`` None chooses; ``sinks`` fp32
     ``(Hq,)``, contiguous, or None; a mask function as ``mask_spec`` (empty: none), its
     tensors and its numbers (:func:`~flashlite.ops.attention.mod_args.spec_mod`; the op's
-    schema takes no list defaults, so every call passes all three)."""
+    schema takes no list defaults, so every call passes all three), a score function the
+    same way."""
     args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale,
             window_left, window_right, softcap, num_splits, validate)  # fmt: skip
     mask = (mask_spec, list(mask_tensors), list(mask_nums)) if mask_spec else None
+    score = (score_spec, list(score_tensors), list(score_nums)) if score_spec else None
     dev = moved_call_device(q.device)
     if dev is not None:
-        return _kvcache_moved(args, dev, sinks, mask)
-    return _kvcache_plan(args, sinks, mask)(*args[:_TENSORS], sinks, mask)
+        return _kvcache_moved(args, dev, sinks, mask, score)
+    return _kvcache_plan(args, sinks, mask, score)(*args[:_TENSORS], sinks, mask, score)
 
 
 def _kvcache_moved(args: tuple, dev: torch.device, sinks: torch.Tensor | None = None,
-                   mask: MaskArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+                   mask: ModArgs | None = None,
+                   score: ModArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """:func:`_kvcache` of CPU tensors in a process whose kernels run on the GPU ``dev``: the
     step runs on copies there, and the caches it wrote are copied back. A bad value the device
     check finds is raised by this call (the copy back waits for the device anyway)."""
@@ -228,9 +248,11 @@ def _kvcache_moved(args: tuple, dev: torch.device, sinks: torch.Tensor | None = 
     k_moved, v_moved, k_new = tensors[1], tensors[2], tensors[4]
     try:
         sinks = moved(sinks, dev)
-        if mask is not None:
-            mask = (mask[0], [moved(t, dev) for t in mask[1]], mask[2])
-        o, lse = _kvcache_plan((*tensors, *args[_TENSORS:]), sinks, mask)(*tensors, sinks, mask)
+        mask, score = (None if m is None else (m[0], [moved(t, dev) for t in m[1]], m[2])
+                       for m in (mask, score))  # fmt: skip
+        o, lse = _kvcache_plan((*tensors, *args[_TENSORS:]), sinks, mask, score)(
+            *tensors, sinks, mask, score
+        )
     finally:  # what the append wrote (the good rows, when a bad one is reported)
         if k_new is not None:
             k_cache.copy_(k_moved)
@@ -242,7 +264,8 @@ def _kvcache_moved(args: tuple, dev: torch.device, sinks: torch.Tensor | None = 
 
 def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale,  # type: ignore[no-untyped-def]
                   window_left, window_right, softcap, num_splits, validate, sinks=None,
-                  mask_spec="", mask_tensors=(), mask_nums=()):  # fmt: skip
+                  mask_spec="", mask_tensors=(), mask_nums=(), score_spec="", score_tensors=(),
+                  score_nums=()):  # fmt: skip
     return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]),
                                             dtype=torch.float32)  # fmt: skip
 
