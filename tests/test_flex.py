@@ -85,10 +85,17 @@ def test_low_precision_within_twice_torchs_error(name: str, dtype: torch.dtype) 
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     exact = reference.attention(*leaves, mask_mod=mm, score_mod=sm)
     low = reference.attention(q, k, v, mask_mod=mm, score_mod=sm)
+    _assert_within_twice_torchs_error(o, low, exact, (q, k, v), leaves, dtype)
+
+
+def _assert_within_twice_torchs_error(o, low, exact, inputs, leaves, dtype) -> None:  # noqa: ANN001
+    """``o`` (from 16-bit ``inputs``) and its gradients are within 2x the error of ``low``, the
+    same math in torch at the input precision, against ``exact`` (fp64 ``leaves``), plus the
+    tolerance table's floor."""
     go = torch.randn_like(o)
-    got = torch.autograd.grad(o, (q, k, v), go)
+    got = torch.autograd.grad(o, inputs, go)
     want = torch.autograd.grad(exact, leaves, go.double())
-    torch_low = torch.autograd.grad(low, (q, k, v), go)
+    torch_low = torch.autograd.grad(low, inputs, go)
     floor = TOL[dtype].floor
     assert (o.double() - exact).abs().max() <= 2 * (low.double() - exact).abs().max() + floor
     for a, w, t in zip(got, want, torch_low, strict=True):
@@ -219,16 +226,22 @@ def test_compiled_matches_eager_without_recompiling_per_length() -> None:
         bm = flashlite.create_block_mask(gallery.causal(), None, None, n, n, device="cpu",
                                          BLOCK_SIZE=16)  # fmt: skip
         q, k, v = (torch.randn(1, 2, n, 16, requires_grad=True) for _ in range(3))
-        o = compiled(q, k, v, bm)
-        o.sum().backward()
-        grads = [t.grad.clone() for t in (q, k, v)]
-        for t in (q, k, v):
-            t.grad = None
-        e = step(q, k, v, bm)
-        e.sum().backward()
-        assert torch.equal(o, e)
-        for g, t in zip(grads, (q, k, v), strict=True):
-            assert torch.equal(g, t.grad)
+        _assert_compiled_equals_eager(step, compiled, q, k, v, bm)
+
+
+def _assert_compiled_equals_eager(step, compiled, q, k, v, *rest) -> None:  # noqa: ANN001
+    """``compiled(q, k, v, *rest)`` and ``step``'s eager call agree bit for bit, gradients to
+    q, k and v (of the output's sum) included."""
+    o = compiled(q, k, v, *rest)
+    o.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    e = step(q, k, v, *rest)
+    e.sum().backward()
+    assert torch.equal(o, e)
+    for g, t in zip(grads, (q, k, v), strict=True):
+        assert torch.equal(g, t.grad)
 
 
 def test_opcheck() -> None:
@@ -371,14 +384,7 @@ def test_varlen_with_mods_low_precision(dtype: torch.dtype) -> None:
     leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
     exact = _varlen_reference(*leaves, cu, cu, mm, sm)[0]
     low = _varlen_reference(q, k, v, cu, cu, mm, sm)[0]
-    go = torch.randn_like(o)
-    got = torch.autograd.grad(o, (q, k, v), go)
-    want = torch.autograd.grad(exact, leaves, go.double())
-    torch_low = torch.autograd.grad(low, (q, k, v), go)
-    floor = TOL[dtype].floor
-    assert (o.double() - exact).abs().max() <= 2 * (low.double() - exact).abs().max() + floor
-    for a, w, t in zip(got, want, torch_low, strict=True):
-        assert (a.double() - w).abs().max() <= 2 * (t.double() - w).abs().max() + 4 * floor
+    _assert_within_twice_torchs_error(o, low, exact, (q, k, v), leaves, dtype)
 
 
 def test_varlen_with_mods_compiles_fullgraph_and_passes_opcheck() -> None:
@@ -399,16 +405,7 @@ def test_varlen_with_mods_compiles_fullgraph_and_passes_opcheck() -> None:
         return flashlite.attention_varlen(q, k, v, cu, cu, 21, 21, score_mod=sm, block_mask=bm)
 
     q, k, v = (torch.randn(sum(lq), hq, d, requires_grad=True) for _ in range(3))
-    o = maybe_compile(step, True)(q, k, v, cu)
-    o.sum().backward()
-    grads = [t.grad.clone() for t in (q, k, v)]
-    for t in (q, k, v):
-        t.grad = None
-    e = step(q, k, v, cu)
-    e.sum().backward()
-    assert torch.equal(o, e)
-    for g, t in zip(grads, (q, k, v), strict=True):
-        assert torch.equal(g, t.grad)
+    _assert_compiled_equals_eager(step, maybe_compile(step, True), q, k, v, cu)
 
     qc, kc, vc = (t.detach().unsqueeze(0).transpose(1, 2).requires_grad_() for t in (q, k, v))
     tables = [getattr(bm, t) for t in BM._TABLES]
@@ -945,17 +942,10 @@ def test_gpu_varlen_with_mods(dtype: torch.dtype) -> None:
         leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
         exact, exact_lse = _varlen_reference(*leaves, cu_q, cu_k, mm, sm)
         low = _varlen_reference(q, k, v, cu_q, cu_k, mm, sm)[0]
-        go = torch.randn_like(o)
-        got = torch.autograd.grad(o, (q, k, v), go)
-        want = torch.autograd.grad(exact, leaves, go.double())
-        torch_low = torch.autograd.grad(low, (q, k, v), go)
-        floor = TOL[dtype].floor
-        assert (o.double() - exact).abs().max() <= 2 * (low.double() - exact).abs().max() + floor
         seen = torch.isfinite(exact_lse)
         assert torch.equal(torch.isfinite(lse), seen)
         assert (lse.double() - exact_lse)[seen].abs().max() <= 1e-3
-        for a, w, t in zip(got, want, torch_low, strict=True):
-            assert (a.double() - w).abs().max() <= 2 * (t.double() - w).abs().max() + 4 * floor
+        _assert_within_twice_torchs_error(o, low, exact, (q, k, v), leaves, dtype)
 
 
 @pytest.mark.gpu
