@@ -418,6 +418,62 @@ def test_varlen_with_mods_compiles_fullgraph_and_passes_opcheck() -> None:
              lse.detach(), torch.randn_like(lse), *args[3:]))  # fmt: skip
 
 
+_SM90_MOD_BUILD = """
+import sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from flashlite import gallery
+from flashlite.kernels.attention import decode as KD
+from flashlite.kernels.attention import flex as KF
+
+which = sys.argv[1]
+kernel = {"fwd": KF._flex_fwd_kernel, "dkdv": KF._flex_bwd_dkdv_kernel,
+          "dq": KF._flex_bwd_dq_kernel, "decode": KD._attention_decode_kernel}[which]
+names = list(kernel.arg_names)
+mods = dict(MASK_MOD=gallery._document_causal, N_MASK_BUF=2, SCORE_MOD=gallery._alibi,
+            N_SCORE_BUF=1)
+if which == "decode":
+    consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, IS_CAUSAL=True,
+                  WINDOW=False, SOFTCAP=False, HAS_SEQLENS=True, HAS_SINKS=False, PAGE_SIZE=0,
+                  USE_DESC=False, PRESCALE_Q=True, DOT_FP32=False, DOT_PRECISION="tf32",
+                  ROUND_BF16=False, **mods)
+else:  # varlen, the forward's and the backward's tiles of the plans' options
+    bwd = which != "fwd"
+    consts = dict(HAS_SCORE=True, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64 if bwd else 128,
+                  BLOCK_N=64, TBM=128, TBN=128, DOT_FP32=False, DOT_PRECISION="tf32",
+                  ROUND_BF16=False, VARLEN=True, **mods)
+    if bwd:
+        consts["SCORE_GRAD"] = gallery._alibi_grad
+ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DK": "*bf16",
+        "DV": "*bf16", "DQ": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "SINKS": "*fp32",
+        "MB0": "*i32", "SB0": "*fp32", "sm_scale": "fp32", "softcap": "fp32"}
+sig = {n: "constexpr" if n in consts else ptrs.get(n, "*i32" if n.isupper() else "i32")
+       for n in names}
+sig.update({n: "i32" for n in ("MB1", "MB2", "MB3", "SB1", "SB2", "SB3")})
+src = ASTSource(kernel, sig, {(names.index(n),): v for n, v in consts.items()})
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                   options={"num_warps": 4 if which != "fwd" else 8, "num_stages": 2})
+print("PTX", len(k.asm["ptx"]))
+"""
+
+
+@pytest.mark.parametrize("which", ["fwd", "dkdv", "dq", "decode"])
+def test_mod_kernels_build_for_sm90(which: str) -> None:
+    """No GPU needed: Triton compiles the varlen flex kernels and the decode kernel with a
+    document-causal mask and ALiBi for sm_90 (what a GPU would run), so a change that breaks
+    their build fails on CPU too."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # a real build, not the interpreter
+    run = subprocess.run([sys.executable, "-c", _SM90_MOD_BUILD, which], capture_output=True,
+                         text=True, env=env, timeout=600)  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "PTX" in run.stdout
+
+
 def test_varlen_with_mods_bad_input() -> None:
     hq, d = 2, 16
     cu = _packed([10, 6])
