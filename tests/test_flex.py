@@ -419,13 +419,15 @@ def test_varlen_with_mods_compiles_fullgraph_and_passes_opcheck() -> None:
 
 
 _SM90_MOD_BUILD = """
-import sys
-import triton
+import os, subprocess, sys
+import torch, triton
 from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 from flashlite import gallery
 from flashlite.kernels.attention import decode as KD
 from flashlite.kernels.attention import flex as KF
+from flashlite.ops.attention import flex_plan as FP
 
 which = sys.argv[1]
 kernel = {"fwd": KF._flex_fwd_kernel, "dkdv": KF._flex_bwd_dkdv_kernel,
@@ -438,11 +440,12 @@ if which == "decode":
                   WINDOW=False, SOFTCAP=False, HAS_SEQLENS=True, HAS_SINKS=False, PAGE_SIZE=0,
                   USE_DESC=False, PRESCALE_Q=True, DOT_FP32=False, DOT_PRECISION="tf32",
                   ROUND_BF16=False, **mods)
-else:  # varlen, the forward's and the backward's tiles of the plans' options
+    options = {"num_warps": 4, "num_stages": 3}
+else:  # varlen, with the options the plans give D 128 bf16
     bwd = which != "fwd"
-    consts = dict(HAS_SCORE=True, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=64 if bwd else 128,
-                  BLOCK_N=64, TBM=128, TBN=128, DOT_FP32=False, DOT_PRECISION="tf32",
-                  ROUND_BF16=False, VARLEN=True, **mods)
+    opts = FP._options(torch.empty(1, 1, 1, 128, dtype=torch.bfloat16), 128, 128, bwd, True)
+    options = {k: opts.pop(k) for k in ("num_warps", "num_stages")}
+    consts = dict(HAS_SCORE=True, VARLEN=True, **opts, **mods)
     if bwd:
         consts["SCORE_GRAD"] = gallery._alibi_grad
 ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DK": "*bf16",
@@ -452,26 +455,32 @@ sig = {n: "constexpr" if n in consts else ptrs.get(n, "*i32" if n.isupper() else
        for n in names}
 sig.update({n: "i32" for n in ("MB1", "MB2", "MB3", "SB1", "SB2", "SB3")})
 src = ASTSource(kernel, sig, {(names.index(n),): v for n, v in consts.items()})
-k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                   options={"num_warps": 4 if which != "fwd" else 8, "num_stages": 2})
-print("PTX", len(k.asm["ptx"]))
+k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+path = os.path.join(sys.argv[2], "k.ptx")
+open(path, "w").write(k.asm["ptx"])
+out = subprocess.run([get_ptxas(90).path, "-arch=sm_90a", "-v", path, "-o", path + ".cubin"],
+                     capture_output=True, text=True)
+print(out.stdout + out.stderr)
 """
 
 
 @pytest.mark.parametrize("which", ["fwd", "dkdv", "dq", "decode"])
-def test_mod_kernels_build_for_sm90(which: str) -> None:
-    """No GPU needed: Triton compiles the varlen flex kernels and the decode kernel with a
-    document-causal mask and ALiBi for sm_90 (what a GPU would run), so a change that breaks
-    their build fails on CPU too."""
+def test_mod_kernels_build_for_sm90(which: str, tmp_path) -> None:  # noqa: ANN001
+    """No GPU needed: Triton compiles the varlen flex kernels (with the plans' options) and the
+    decode kernel, each with a document-causal mask and ALiBi, for sm_90 (what a GPU would
+    run), and its ptxas reports. A change that breaks their build, or makes them spill a
+    kilobyte as 64-key varlen tiles did, fails on CPU too."""
     import os
+    import re
     import subprocess
     import sys
 
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # a real build, not the interpreter
-    run = subprocess.run([sys.executable, "-c", _SM90_MOD_BUILD, which], capture_output=True,
-                         text=True, env=env, timeout=600)  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", _SM90_MOD_BUILD, which, str(tmp_path)],
+                         capture_output=True, text=True, env=env, timeout=600)  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "PTX" in run.stdout
+    spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", run.stdout)]
+    assert spills and max(spills) <= 256, run.stdout
 
 
 def test_varlen_with_mods_bad_input() -> None:

@@ -110,15 +110,21 @@ def table_args(num: torch.Tensor, idx: torch.Tensor) -> tuple[int, ...]:
             0 if one_h else is_[1], is_[2])  # fmt: skip
 
 
-def _options(q: torch.Tensor, tbm: int, tbn: int, bwd: bool) -> dict[str, Any]:
-    """The Triton kernels' tiles (dividing the table's) and numerics."""
+def _options(q: torch.Tensor, tbm: int, tbn: int, bwd: bool,
+             varlen: bool = False) -> dict[str, Any]:  # fmt: skip
+    """The Triton kernels' tiles (dividing the table's) and numerics. Varlen at head dims
+    above 64: 32-key tiles (and 8 warps backward), which built for sm_90 with at most 56 bytes
+    of spills where 64-key tiles spilled 136–216 B forward and 0.9–4 KB backward (Triton 3.9's
+    ptxas, D 128); not yet timed."""
     d = q.shape[-1]
     if _backend.INTERPRETED:
         bm, bn, warps, stages = tbm, tbn, 4, 1
     elif bwd:
         bm, bn, warps, stages = min(tbm, 64), min(tbn, 64), 4, 2
+        if varlen and d > 64:
+            bn, warps = min(tbn, 32), 8
     else:
-        bm, bn = min(tbm, 128), min(tbn, 64)
+        bm, bn = min(tbm, 128), min(tbn, 32 if varlen and d > 64 else 64)
         warps, stages = (8 if d > 64 else 4), 3
     return {
         "HEAD_DIM": d, "BLOCK_D": max(16, triton.next_power_of_2(d)), "BLOCK_M": bm,
@@ -227,7 +233,7 @@ class FwdPlan:
                 return hopper
         hq, nq = q.shape[1], q.shape[2]
         hkv, nk = k.shape[1], k.shape[2]
-        opts = _options(q, self.tbm, self.tbn, bwd=False)
+        opts = _options(q, self.tbm, self.tbn, bwd=False, varlen=self.varlen)
         grid = (_blocks(nq, tables[0], self.tbm, opts["BLOCK_M"], self.varlen),
                 _batch(q, cu, self.varlen) * hq, 1)  # fmt: skip
         mid = (*q.stride(), *k.stride(), *v.stride(), *o.stride())
@@ -347,7 +353,10 @@ class BwdPlan:
         hq, nq = c.q.shape[1], c.q.shape[2]
         hkv, nk = c.k.shape[1], c.k.shape[2]
         b = _batch(c.q, c.cu, self.varlen)
-        opts = {**_options(c.q, self.tbm, self.tbn, bwd=True), "VARLEN": self.varlen}
+        opts = {
+            **_options(c.q, self.tbm, self.tbn, bwd=True, varlen=self.varlen),
+            "VARLEN": self.varlen,
+        }
         delta_shape = self.delta_shape
         delta = torch.empty(delta_shape, device=c.q.device, dtype=torch.float32)
         prep = plan_preprocess(c.o, c.do, c.dlse, delta, c.q, c.q, self.scale, prescale_q=False)
