@@ -40,3 +40,21 @@ def test_results_replot(bench: str, results: str, tmp_path: Path) -> None:
     assert _bench(bench).main(["--replot", str(copy)]) == 0  # type: ignore[attr-defined]
     png = copy.with_suffix(".png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+
+
+def test_mods_varlen_figure_draws_rows_of_its_shape(tmp_path: Path) -> None:
+    """``bench_mods.py --only varlen``'s figure from rows shaped as the bench writes them (no
+    GPU run has made its results file yet)."""
+    pytest.importorskip("matplotlib")
+    from flashlite import plotting
+
+    bench = _bench("bench_mods")
+    names = ["varlen, causal mod", "varlen, causal mod + ALiBi", "varlen causal=True",
+             "flex, document-causal"]  # fmt: skip
+    rows = [
+        {"group": "varlen", "point": f"varlen N{n}k {kind}",
+         "ms": {m: 0.1 * (i + 1) * n for i, m in enumerate(names)}}
+        for n in (8, 32) for kind in ("fwd", "fwd+bwd")
+    ]  # fmt: skip
+    png = plotting.save(bench.varlen_figure(rows, "a device"), tmp_path / "v.png")  # type: ignore[attr-defined]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
