@@ -483,6 +483,26 @@ def test_mod_kernels_build_for_sm90(which: str, tmp_path) -> None:  # noqa: ANN0
     assert spills and max(spills) <= 256, run.stdout
 
 
+def test_varlen_rows_with_no_key_give_zero_and_minus_inf() -> None:
+    """A window of 0 (each query sees its own position only): queries past a shorter
+    sequence's keys see nothing, so their output is 0 and their LSE −inf; the rest match fp64."""
+    hq, d = 2, 16
+    lq, lk = [40, 9], [31, 17]  # rows 31..39 of the first sequence have no key
+    cu_q, cu_k = _packed(lq), _packed(lk)
+    mm = gallery.sliding_window(0)
+    bm = flashlite.create_block_mask(mm, None, None, 40, 31, device="cpu", BLOCK_SIZE=16)
+    q = torch.randn(sum(lq), hq, d)
+    k, v = (torch.randn(sum(lk), hq, d) for _ in range(2))
+    o, lse = flashlite.attention_varlen(q, k, v, cu_q, cu_k, 40, 31, block_mask=bm,
+                                        return_lse=True)  # fmt: skip
+    empty = torch.zeros(sum(lq), dtype=torch.bool)
+    empty[31:40] = True
+    assert (o[empty] == 0).all() and (lse[:, empty] == -math.inf).all()
+    ref, ref_lse = _varlen_reference(q.double(), k.double(), v.double(), cu_q, cu_k, mm, None)
+    torch.testing.assert_close(o.double(), ref, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(lse[:, ~empty].double(), ref_lse[:, ~empty], atol=2e-5, rtol=1e-5)
+
+
 def test_varlen_with_mods_bad_input() -> None:
     hq, d = 2, 16
     cu = _packed([10, 6])
