@@ -214,21 +214,13 @@ def _flex_fwd_kernel(
             block_n = tl.load(idx_row + i) * TBN
             for sub in tl.static_range(TBN // BLOCK_N):
                 start_n = block_n + sub * BLOCK_N
-                if VARLEN:  # (the tables list tiles of the longest sequence)
-                    if start_n < seq_k:
-                        m, s, acc = _fold_tile(m, s, acc, q, k_src, v_src, b, h, h_kv, start_n,
-                                               q_idx, offs_n, offs_d, seq_k, sm_scale, stride_kn,
-                                               stride_kd, stride_vn, stride_vd, MB0, MB1, MB2,
-                                               MB3, SB0, SB1, SB2, SB3, MASK_MOD, N_MASK_BUF,
-                                               SCORE_MOD, N_SCORE_BUF, HAS_SCORE, part == 1,
-                                               True, HEAD_DIM, BLOCK_D, DOT_FP32, DOT_PRECISION,
-                                               ROUND_BF16)  # fmt: skip
-                else:
+                # varlen's tables list the longest sequence's tiles (a constant `if` without)
+                if (start_n < seq_k) | (not VARLEN):
                     m, s, acc = _fold_tile(m, s, acc, q, k_src, v_src, b, h, h_kv, start_n, q_idx,
                                            offs_n, offs_d, seq_k, sm_scale, stride_kn, stride_kd,
                                            stride_vn, stride_vd, MB0, MB1, MB2, MB3, SB0, SB1,
                                            SB2, SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD,
-                                           N_SCORE_BUF, HAS_SCORE, part == 1, False, HEAD_DIM,
+                                           N_SCORE_BUF, HAS_SCORE, part == 1, VARLEN, HEAD_DIM,
                                            BLOCK_D, DOT_FP32, DOT_PRECISION,
                                            ROUND_BF16)  # fmt: skip
     inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)
@@ -339,17 +331,7 @@ def _flex_bwd_dkdv_kernel(
                 block_m = tl.load(idx_row + i) * TBM
                 for sub in tl.static_range(TBM // BLOCK_M):
                     start_m = block_m + sub * BLOCK_M
-                    if VARLEN:  # (the tables list tiles of the longest sequence)
-                        if start_m < seq_q:
-                            dk, dv = _dkdv_step(dk, dv, k, v, q_src, g_src, LSE, DELTA, bh_rows,
-                                                b, h, start_m, offs_r, offs_d, kv_idx, in_range,
-                                                seq_q, sm_scale, stride_qm, stride_qd, stride_gm,
-                                                stride_gd, MB0, MB1, MB2, MB3, SB0, SB1, SB2,
-                                                SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD, SCORE_GRAD,
-                                                N_SCORE_BUF, HAS_SCORE, part == 1, HEAD_DIM,
-                                                BLOCK_D, DOT_FP32, DOT_PRECISION,
-                                                ROUND_BF16)  # fmt: skip
-                    else:
+                    if (start_m < seq_q) | (not VARLEN):  # (as the forward's)
                         dk, dv = _dkdv_step(dk, dv, k, v, q_src, g_src, LSE, DELTA, bh_rows, b,
                                             h, start_m, offs_r, offs_d, kv_idx, in_range, seq_q,
                                             sm_scale, stride_qm, stride_qd, stride_gm, stride_gd,
@@ -452,20 +434,12 @@ def _flex_bwd_dq_kernel(
             block_n = tl.load(idx_row + i) * TBN
             for sub in tl.static_range(TBN // BLOCK_N):
                 start_n = block_n + sub * BLOCK_N
-                if VARLEN:  # (the tables list tiles of the longest sequence)
-                    if start_n < seq_k:
-                        dq = _dq_step(dq, q, do, lse, delta, k_src, v_src, b, h, h_kv, start_n,
-                                      q_idx, offs_n, offs_d, seq_k, sm_scale, stride_kn,
-                                      stride_kd, stride_vn, stride_vd, MB0, MB1, MB2, MB3, SB0,
-                                      SB1, SB2, SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD, SCORE_GRAD,
-                                      N_SCORE_BUF, HAS_SCORE, part == 1, True, HEAD_DIM, BLOCK_D,
-                                      DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
-                else:
+                if (start_n < seq_k) | (not VARLEN):  # (as the forward's)
                     dq = _dq_step(dq, q, do, lse, delta, k_src, v_src, b, h, h_kv, start_n, q_idx,
                                   offs_n, offs_d, seq_k, sm_scale, stride_kn, stride_kd,
                                   stride_vn, stride_vd, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
                                   MASK_MOD, N_MASK_BUF, SCORE_MOD, SCORE_GRAD, N_SCORE_BUF,
-                                  HAS_SCORE, part == 1, False, HEAD_DIM, BLOCK_D, DOT_FP32,
+                                  HAS_SCORE, part == 1, VARLEN, HEAD_DIM, BLOCK_D, DOT_FP32,
                                   DOT_PRECISION, ROUND_BF16)  # fmt: skip
     dq = cast(dq * sm_scale, DQ.dtype.element_ty, ROUND_BF16)
     store_tile(seq_ptr(DQ, b, h, q0, stride_dqb, stride_dqh, stride_dqm, VARLEN), dq, offs_m,
