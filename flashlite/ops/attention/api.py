@@ -207,9 +207,8 @@ def attention_varlen(
         if not (on_device and _check_offsets_on_device(cu_q, cu_k, *sizes)):
             _check_cu_values(cu_q, cu_k, *sizes)
     if score_mod is not None or block_mask is not None:
-        given = [name for name, off in (("causal", not causal), ("window", window is None),
-                                        ("softcap", softcap is None), ("sinks", sinks is None))
-                 if not off]  # fmt: skip
+        builtin = {"causal": causal or None, "window": window, "softcap": softcap, "sinks": sinks}
+        given = [name for name, x in builtin.items() if x is not None]
         if given:
             raise ValueError(
                 f"attention_varlen takes score_mod and block_mask without {', '.join(given)}: "

@@ -171,28 +171,27 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         TypeError, ValueError: bad tensors, mods or block masks, each naming the argument.
     """
     scale, q, k, v = check_inputs(query, key, value, layout, scale)
-    if not (q.is_cuda or _backend.INTERPRETED):  # (no moving copies here: say so instead)
-        raise ValueError(
-            "flex_attention runs its kernels where the tensors are: CUDA tensors, or CPU "
-            "tensors with Triton's interpreter (TRITON_INTERPRET=1); move query, key and value "
-            "(and the block mask, and the mods' buffers) to the GPU"
-        )
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
-    bm, smod = _mods_for(block_mask, score_mod, q, k, q.shape[0])
-    o, lse = FLEX_FWD(q, k, v, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
-                      bm.full_kv_indices, bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks,
-                      bm.full_q_indices, *bm.BLOCK_SIZE, *spec_mod(bm.mask_mod), *spec_mod(smod),
-                      scale)  # fmt: skip
+    args = _op_args(block_mask, score_mod, q, k, q.shape[0], "flex_attention")
+    o, lse = FLEX_FWD(q, k, v, *args, scale)
     if layout == "b n h d":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
 
 
-def _mods_for(block_mask: Any, score_mod: Any, q: torch.Tensor, k: torch.Tensor, batch: int,
-              lengths: tuple[int, int] | None = None) -> tuple[Any, M.ScoreMod | None]:  # fmt: skip
-    """The call's block tables (:func:`block_mask_for`) and score function, checked against
-    its ``batch`` (sequences), heads, lengths and device."""
+def _op_args(block_mask: Any, score_mod: Any, q: torch.Tensor, k: torch.Tensor, batch: int,
+             what: str, lengths: tuple[int, int] | None = None) -> tuple[Any, ...]:  # fmt: skip
+    """The flex ops' arguments after q, k, v and before the scale: the call's block tables
+    (:func:`block_mask_for`), their block size and both mods as the ops carry them, checked
+    against its ``batch`` (sequences), heads, lengths (default q's and k's) and device
+    (``what``: the public call, for the message)."""
+    if not (q.is_cuda or _backend.INTERPRETED):  # (no moving copies here: say so instead)
+        raise ValueError(
+            f"{what} runs its kernels where the tensors are: CUDA tensors, or CPU tensors with "
+            "Triton's interpreter (TRITON_INTERPRET=1); move query, key and value (and the "
+            "block mask, and the mods' buffers) to the GPU"
+        )
     bm = block_mask_for(block_mask, q, k, lengths)
     smod = None if score_mod is None else M.as_score_mod(score_mod)
     if smod is not None:
@@ -203,7 +202,9 @@ def _mods_for(block_mask: Any, score_mod: Any, q: torch.Tensor, k: torch.Tensor,
     if tb not in (1, batch) or th not in (1, hq):
         raise ValueError(f"block_mask was built for B={tb}, H={th}; the call has B={batch}, "
                          f"H={hq} (build it with these, or None to broadcast)")  # fmt: skip
-    return bm, smod
+    return (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
+            bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices,
+            *bm.BLOCK_SIZE, *spec_mod(bm.mask_mod), *spec_mod(smod))  # fmt: skip
 
 
 def flex_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
@@ -212,11 +213,6 @@ def flex_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.T
     """:func:`flashlite.attention_varlen` with a score function or block mask: the flex
     kernels over packed ``(1, H, total, D)`` views, sequence b as batch b of the tables and
     the mods (positions from its start). Returns ``(o, lse)`` as the views."""
-    if not (q.is_cuda or _backend.INTERPRETED):
-        raise ValueError("attention_varlen with score_mod or block_mask runs where the tensors "
-                         "are: CUDA tensors, or CPU tensors with Triton's interpreter")  # fmt: skip
-    bm, smod = _mods_for(block_mask, score_mod, q, k, cu_q.shape[0] - 1, (max_q, max_k))
-    return FLEX_FWD(q, k, v, bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks,
-                    bm.full_kv_indices, bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks,
-                    bm.full_q_indices, *bm.BLOCK_SIZE, *spec_mod(bm.mask_mod), *spec_mod(smod),
-                    scale, cu_q, cu_k)  # fmt: skip
+    args = _op_args(block_mask, score_mod, q, k, cu_q.shape[0] - 1,
+                    "attention_varlen with score_mod or block_mask", (max_q, max_k))  # fmt: skip
+    return FLEX_FWD(q, k, v, *args, scale, cu_q, cu_k)

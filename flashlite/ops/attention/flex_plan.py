@@ -20,11 +20,8 @@ from flashlite.kernels.attention import hopper_bwd as KHB
 from flashlite.ops.attention import hopper as HP
 from flashlite.ops.attention.bwd import hopper_bwd_applies
 from flashlite.ops.attention.bwd_launch import plan_preprocess
-from flashlite.ops.attention.mod_args import spec_entry, split_spec, unspec_mod
+from flashlite.ops.attention.mod_args import ModArgs, spec_entry, split_spec, unspec_mod
 from flashlite.ops.attention.plan import HOPPER_ENV, _descriptor_ok, hopper_config
-
-#: A mod as the ops carry it: ``(spec, tensors, numbers)`` (:func:`~.mod_args.spec_mod`).
-ModArgs = tuple[str, list[torch.Tensor], list[float]]
 
 #: dQ, dK, dV.
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

@@ -14,7 +14,7 @@ from flashlite.kernels.attention import kvcache as KKV
 from flashlite.ops._dispatch import Op
 from flashlite.ops.attention.checks import _check_cache_values, _kv_record, _report_kv_problems
 from flashlite.ops.attention.decode import DecodePlan
-from flashlite.ops.attention.mod_args import unspec_mod
+from flashlite.ops.attention.mod_args import ModArgs, unspec_mod
 from flashlite.ops.attention.plan import _meta
 from flashlite.ops.common import moved, moved_call_device
 
@@ -159,11 +159,6 @@ _kvcache_plans = Cache("attention.kvcache", 1024)
 #: The tensors that lead :func:`_kvcache`'s arguments (q, the caches, lengths, new keys and
 #: values, the block table); the options follow.
 _TENSORS = 7
-
-
-#: A mask or score function as the op carries it: ``(spec, tensors, numbers)``
-#: (:func:`flashlite.ops.attention.mod_args.spec_mod`).
-ModArgs = tuple[str, list[torch.Tensor], list[float]]
 
 
 def _mod_fn(mod: ModArgs | None) -> tuple[Any, int] | None:

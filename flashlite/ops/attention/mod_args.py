@@ -11,6 +11,9 @@ import torch
 
 from flashlite import mods as M
 
+#: A mod as the ops carry it: ``(spec, tensors, numbers)`` (:func:`spec_mod`).
+ModArgs = tuple[str, list[torch.Tensor], list[float]]
+
 
 def spec_mod(mod: M.MaskMod | M.ScoreMod | None) -> tuple[str, list[torch.Tensor], list[float]]:
     """A mod as an op's arguments: ``name:kinds`` (``t`` tensor, ``i`` int, ``f`` float per
