@@ -20,7 +20,7 @@ from flashlite.kernels.attention import hopper_bwd as KHB
 from flashlite.ops.attention import hopper as HP
 from flashlite.ops.attention.bwd import hopper_bwd_applies
 from flashlite.ops.attention.bwd_launch import plan_preprocess
-from flashlite.ops.attention.mod_args import ModArgs, spec_entry, split_spec, unspec_mod
+from flashlite.ops.attention.mod_args import ModArgs, Slots, spec_entry, split_spec, unspec_mod
 from flashlite.ops.attention.plan import HOPPER_ENV, _descriptor_ok, hopper_config
 
 #: dQ, dK, dV.
@@ -80,22 +80,6 @@ def mod_args(mask: ModArgs, score: ModArgs, grad: bool) -> tuple[list[Any], dict
     if grad:
         consts["SCORE_GRAD"] = sfns[2] if sfns else mfn
     return [*mbufs, *sbufs], consts
-
-
-class _Slots:
-    """The eight buffer slots of one kind of call: its numbers fixed (the key pins them), the
-    places its tensors go (mask's, then the score function's, as :func:`mod_args` lays
-    them)."""
-
-    def __init__(self, bufs: list[Any]) -> None:
-        self.template = [None if isinstance(x, torch.Tensor) else x for x in bufs]
-        self.places = [i for i, x in enumerate(bufs) if isinstance(x, torch.Tensor)]
-
-    def __call__(self, tensors: list[torch.Tensor]) -> list[Any]:
-        bufs = self.template.copy()
-        for i, t in zip(self.places, tensors):  # noqa: B905  (the key pins the count)
-            bufs[i] = t
-        return bufs
 
 
 def table_args(num: torch.Tensor, idx: torch.Tensor) -> tuple[int, ...]:
@@ -185,7 +169,7 @@ class FwdPlan:
         self.lse_shape = (b, hq, nq)
         self.tbm, self.tbn, self.scale, self.varlen = tbm, tbn, scale, varlen
         bufs, self.mods = mod_args(mask, score, grad=False)
-        self.slots = _Slots(bufs)
+        self.slots = Slots(bufs)
         self.strides = table_args(tables[0], tables[1])
         #: ``run(q, k, v, o, lse, tables, bufs)``, bound by the first call
         self.run: Callable[..., None] | None = None
@@ -285,7 +269,7 @@ class BwdPlan:
         self.delta_shape, self.acc_shape = (b, hq, nq), (b, hq, nq, d)
         self.tbm, self.tbn, self.scale, self.varlen = tbm, tbn, scale, varlen
         bufs, self.mods = mod_args(mask, score, grad=True)
-        self.slots = _Slots(bufs)
+        self.slots = Slots(bufs)
         self.q_strides = table_args(q_tables[0], q_tables[1])
         self.kv_strides = table_args(kv_tables[0], kv_tables[1])
         #: ``run(call)`` (:class:`BwdCall`), bound by the first call

@@ -14,7 +14,7 @@ from flashlite.kernels.attention import kvcache as KKV
 from flashlite.ops._dispatch import Op
 from flashlite.ops.attention.checks import _check_cache_values, _kv_record, _report_kv_problems
 from flashlite.ops.attention.decode import DecodePlan
-from flashlite.ops.attention.mod_args import ModArgs, unspec_mod
+from flashlite.ops.attention.mod_args import ModArgs, Slots, unspec_mod
 from flashlite.ops.attention.plan import _meta
 from flashlite.ops.common import moved, moved_call_device
 
@@ -90,6 +90,10 @@ class KVCachePlan:
             masks.Mask.of_op(causal, window_left, window_right, softcap), scale,
             num_splits or None, None, None, sinks, _mod_fn(mask), _mod_fn(score),
         )  # fmt: skip
+        # the mods' eight buffer slots, their numbers fixed (None: no mod)
+        self.mod_slots = None
+        if mask is not None or score is not None:
+            self.mod_slots = Slots([*_slots_of(mask), *_slots_of(score)])
 
     def __call__(
         self,
@@ -118,8 +122,8 @@ class KVCachePlan:
         o = torch.empty_like(q)  # (empty_like: less host time than a shape, dtype and device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         bufs = None
-        if mask is not None or score is not None:  # the mask's four slots, the score's four
-            bufs = [*_mod_slots(mask), *_mod_slots(score)]
+        if self.mod_slots is not None:  # this call's tensors, mask's first
+            bufs = self.mod_slots([*(mask[1] if mask else ()), *(score[1] if score else ())])
         self.decode(q, k_cache, v_cache, lengths, block_table, o, lse, sinks, bufs)
         return o, lse
 
@@ -169,7 +173,7 @@ def _mod_fn(mod: ModArgs | None) -> tuple[Any, int] | None:
     return fns[0], n_buf
 
 
-def _mod_slots(mod: ModArgs | None) -> list[Any]:
+def _slots_of(mod: ModArgs | None) -> list[Any]:
     """A mod's four buffer slots (zeros for None)."""
     return unspec_mod(*mod)[1] if mod is not None else [0] * 4
 

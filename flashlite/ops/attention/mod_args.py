@@ -50,6 +50,22 @@ def unspec_mod(spec: str, tensors: list[torch.Tensor],
     return M.registered(name), *M.kernel_buffers(bufs)
 
 
+class Slots:
+    """The eight buffer slots of one kind of call (a mask's four, then a score function's, as
+    :func:`unspec_mod` lays each): its numbers fixed (the plan's key pins them), and the
+    places each call's tensors go, mask's first."""
+
+    def __init__(self, bufs: list[Any]) -> None:
+        self.template = [None if isinstance(x, torch.Tensor) else x for x in bufs]
+        self.places = [i for i, x in enumerate(bufs) if isinstance(x, torch.Tensor)]
+
+    def __call__(self, tensors: list[torch.Tensor]) -> list[Any]:
+        bufs = self.template.copy()
+        for i, t in zip(self.places, tensors):  # noqa: B905  (the key pins the count)
+            bufs[i] = t
+        return bufs
+
+
 def check_buffers_on(mod: M.MaskMod | M.ScoreMod, device: torch.device, what: str) -> None:
     """ValueError unless each tensor buffer of ``mod`` (the argument ``what``) is on ``device``."""
     for i, t in enumerate(mod.buffers):
