@@ -844,9 +844,11 @@ def test_kvcache_with_a_mask_function_compiles_fullgraph() -> None:
     kc, vc = (torch.randn(2, 40, 2, 16) for _ in range(2))
     lens = torch.tensor([33, 12], dtype=torch.int32)
     mm = gallery.document_causal(gallery.random_documents(2, 40, 3, seed=1))
+    sm = gallery.alibi(gallery.alibi_slopes(4))
 
     def step(q, kc, vc, lens):  # noqa: ANN001, ANN202
-        return flashlite.attention_kvcache(q, kc, vc, cache_seqlens=lens, mask_mod=mm)
+        return flashlite.attention_kvcache(q, kc, vc, cache_seqlens=lens, mask_mod=mm,
+                                           score_mod=sm)  # fmt: skip
 
     assert torch.equal(torch.compile(step, fullgraph=True)(q, kc, vc, lens), step(q, kc, vc, lens))
 
