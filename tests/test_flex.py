@@ -1080,19 +1080,62 @@ def test_traffic_model_equals_count(name: str) -> None:
     assert dense.parts["k"][0] > model.parts["k"][0]
 
 
-def test_traffic_cli_mask_counts(capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize("mask", ["document_causal", "document"])
+def test_traffic_cli_mask_counts(mask: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """The flex, varlen and dense rows: counted equals the model; the documents as varlen
+    sequences issue less than the document mask over the packed sequence (whose tiles
+    straddle documents) and than every tile, which issues less than the naive reference.
+    (At this N, document's id reads outweigh the one empty tile it skips.)"""
     import json
 
     from flashlite.cli import main
 
-    code = main(["traffic", "--mask", "document_causal", "--seq", "200", "--count", "--json",
-                 "--quiet"])  # fmt: skip
+    code = main(["traffic", "--mask", mask, "--seq", "200", "--count", "--json", "--quiet"])
     rows = json.loads(capsys.readouterr().out)
-    assert code == 0 and [r["method"] for r in rows] == ["flex-document_causal", "flex-dense",
+    varlen = "varlen-causal" if mask == "document_causal" else "varlen"
+    assert code == 0 and [r["method"] for r in rows] == [f"flex-{mask}", varlen, "flex-dense",
                                                           "naive"]  # fmt: skip
-    for r in rows[:2]:
+    for r in rows[:3]:
         assert r["model_bytes"] == r["counted_bytes"]
-    assert rows[0]["model_bytes"] < rows[1]["model_bytes"] < rows[2]["model_bytes"]
+    flex, varlen_b, dense, naive = (r["model_bytes"] for r in rows)
+    assert varlen_b < min(flex, dense) and max(flex, dense) < naive
+    if mask == "document_causal":
+        assert flex < dense
+
+
+@pytest.mark.parametrize("name", ["causal+alibi", "window+relative bias", "document per sequence"])
+def test_varlen_traffic_model_equals_count(name: str) -> None:
+    """attention_varlen with mods: the tables' model of the forward's bytes (offsets, tiles
+    skipped past a shorter sequence, mods' buffer reads) equals the interpreter's count, with
+    sequences of 0 and 1 rows and keys longer and shorter than queries; the DRAM estimate
+    (every byte once) lies below it."""
+    from flashlite.traffic import AttentionShape, count_flex_varlen, model_flex_varlen
+    from flashlite.traffic.model import dram_flex_varlen
+
+    hq, hkv, d = 4, 2, 16
+    lq, lk = VARLEN_Q, VARLEN_K
+    if name == "document per sequence":
+        ids = torch.stack([_ids(1, max(lk), 3)[0] for _ in lq])
+        # (self-attention ids over the longer of the two lengths: a mask twin for both)
+        mm, sm, per_sequence = gallery.document_causal(ids), None, True
+        lq = lk = [min(a, b) for a, b in zip(lq, lk, strict=True)]
+    else:
+        mm, sm, per_sequence = _varlen_case(name, hq, lq, lk)
+    bm = flashlite.create_block_mask(mm, len(lq) if per_sequence else None, None, max(VARLEN_Q),
+                                     max(VARLEN_K), device="cpu", BLOCK_SIZE=16)  # fmt: skip
+    shape = AttentionShape(len(lq), hq, max(VARLEN_Q), d, seq_k=max(VARLEN_K), kv_heads=hkv,
+                           dtype=torch.float16)  # fmt: skip
+    model, counted = (
+        model_flex_varlen(shape, lq, lk, bm, sm),
+        count_flex_varlen(shape, lq, lk, bm, sm),
+    )
+    assert (model.read, model.write) == (counted.read, counted.write)
+    assert model.info["mods_modelled"] and model.parts["offsets"][0] > 0
+    assert dram_flex_varlen(shape, lq, lk, bm).total < model.total
+    with pytest.raises(ValueError, match="lengths_q"):
+        model_flex_varlen(shape, [*lq, 1], [*lk, 1], bm)
+    with pytest.raises(ValueError, match="lengths_k must lie in"):
+        model_flex_varlen(shape, lq, [max(VARLEN_K) + 1, *lk[1:]], bm)
 
 
 def test_dram_estimate_reads_visited_keys_once() -> None:

@@ -397,8 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="show block-sparse attention's bytes: flex_attention with this gallery mask "
         "(window N/8, prefix N/4, --docs random documents per sequence; 128x128 tables) against "
-        "the same kernel over every tile and the naive reference (model; --count counts the "
-        "two flex rows) (default: off)",
+        "the same kernel over every tile and the naive reference; for the document masks also "
+        "the documents packed as attention_varlen sequences (model; --count counts the flex "
+        "and varlen rows) (default: off)",
     )
     _option(t, "--docs", type=_COUNT, default=8, help="documents per sequence (with --mask)")
     _option(

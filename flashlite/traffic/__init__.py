@@ -37,7 +37,7 @@ from flashlite.traffic.count import (
     count_torch_ops,
     tensor_bytes,
 )
-from flashlite.traffic.count_sparse import count_flex_attention
+from flashlite.traffic.count_sparse import count_flex_attention, count_flex_varlen
 from flashlite.traffic.measure import (
     KernelMetrics,
     Measurement,
@@ -68,6 +68,7 @@ from flashlite.traffic.model import (
     model_flashlite_decode,
     model_flashlite_shared_prefix,
     model_flex_attention,
+    model_flex_varlen,
     model_kvcache_prefix_copies,
     model_naive_attention,
     model_softmax,
@@ -106,8 +107,10 @@ __all__ = [
     "ATTENTION_METHODS",
     "block_sparse_rows",
     "count_flex_attention",
+    "count_flex_varlen",
     "format_block_sparse_table",
     "model_flex_attention",
+    "model_flex_varlen",
     "SOFTMAX_ALGORITHMS",
     "SOFTMAX_GPU_ALGORITHMS",
     "AttentionShape",

@@ -1,8 +1,14 @@
 """Counted bytes of block-sparse attention: :func:`flashlite.flex_attention`'s forward run in the
 interpreter with every load and store counted (:func:`flashlite.traffic.count.count_kernels`),
-to hold against :func:`flashlite.traffic.model.block_sparse.model_flex_attention`."""
+to hold against :func:`flashlite.traffic.model.block_sparse.model_flex_attention` (and packed
+sequences', :func:`flashlite.attention_varlen` with mods, against ``model_flex_varlen``)."""
 
 from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
 
 from flashlite.block_mask import BlockMask
 from flashlite.mods import ScoreMod
@@ -24,6 +30,36 @@ def count_flex_attention(
         kern.watch(q=q, k=k, v=v, kv_indices=block_mask.kv_indices,
                    full_kv_indices=block_mask.full_kv_indices)  # fmt: skip
         flashlite.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
+    t = kern.traffic
+    if ops.traffic.total:
+        t.add("torch ops", ops.traffic.read, ops.traffic.write)
+    return t
+
+
+def count_flex_varlen(
+    shape: AttentionShape,
+    lengths_q: Sequence[int],
+    lengths_k: Sequence[int],
+    block_mask: BlockMask,
+    score_mod: ScoreMod | None = None,
+) -> Traffic:
+    """Counted bytes of one :func:`flashlite.attention_varlen` forward with mods over packed CPU
+    tensors of these lengths (``shape`` as :func:`~flashlite.traffic.model.block_sparse.
+    model_flex_varlen`'s), offsets unvalidated (their check is torch ops, not the kernel).
+    ``parts`` as :func:`count_flex_attention`'s, the offsets as ``@cu_q`` and ``@cu_k``."""
+    import flashlite
+
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, D = shape.heads, shape.hkv, shape.head_dim
+    q = torch.randn(sum(lengths_q), H, D, generator=g).to(shape.dtype)
+    k, v = (torch.randn(sum(lengths_k), Hkv, D, generator=g).to(shape.dtype) for _ in "kv")
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32)
+                  for n in (lengths_q, lengths_k))  # fmt: skip
+    with count_kernels() as kern, count_torch_ops() as ops:
+        kern.watch(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, kv_indices=block_mask.kv_indices,
+                   full_kv_indices=block_mask.full_kv_indices)  # fmt: skip
+        flashlite.attention_varlen(q, k, v, cu_q, cu_k, shape.seq_q, shape.nk, validate=False,
+                                   score_mod=score_mod, block_mask=block_mask)  # fmt: skip
     t = kern.traffic
     if ops.traffic.total:
         t.add("torch ops", ops.traffic.read, ops.traffic.write)

@@ -5,7 +5,7 @@ format of :mod:`flashlite.traffic.report`."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from flashlite.traffic.report import format_mb, format_ratio, progress_bar, text_table
@@ -27,9 +27,15 @@ def gallery_mask(name: str, n: int, batch: int, docs: int) -> Any:
     if name == "prefix_lm":
         return gallery.prefix_lm(n // 4)
     if name in ("document", "document_causal"):
-        ids = gallery.random_documents(batch, n, min(docs, n))
+        ids = _document_ids(n, batch, docs)
         return (gallery.document if name == "document" else gallery.document_causal)(ids)
     raise ValueError(f"mask {name!r} is not one of {', '.join(MASKS)}")
+
+
+def _document_ids(n: int, batch: int, docs: int) -> Any:
+    from flashlite import gallery
+
+    return gallery.random_documents(batch, n, min(docs, n))
 
 
 def block_sparse_rows(
@@ -43,7 +49,9 @@ def block_sparse_rows(
     show_progress: bool = True,
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Three rows per shape: flex_attention with the ``mask`` tables, the same kernel over
-    dense tables, and the naive reference (model), with the bytes the mask saves. The model
+    dense tables, and the naive reference (model), with the bytes the mask saves; for the
+    document masks a fourth, second: the same documents packed as sequences of their own
+    (:func:`flashlite.attention_varlen` with the gallery's causal mask, or every tile). The model
     uses ``block`` tables and the GPU kernel's ``kernel_block``; with ``count`` both flex rows
     are also counted on CPU, and the model is evaluated with the interpreter's tiles (the
     table's own), like for like. Returns the rows and notes."""
@@ -79,19 +87,27 @@ def block_sparse_rows(
         naive = model_naive_attention(naive_shape)
         drams = (dram_flex_attention(shape, bm), dram_flex_attention(shape, dense_bm),
                  dram_naive_attention(naive_shape))  # fmt: skip
-        counted: tuple[Traffic | None, Traffic | None] = (None, None)
+        counted: list[Traffic | None] = [None, None, None]
         if count:
-            counted = (count_flex_attention(shape, bm), count_flex_attention(shape, dense_bm))
+            counted[:2] = count_flex_attention(shape, bm), count_flex_attention(shape, dense_bm)
         info = flex.info
-        methods = ("flex-" + mask, "flex-dense", "naive")
-        for method, m, c, dram in zip(methods, (flex, dense, naive), (*counted, None), drams,
-                                      strict=True):  # fmt: skip
+        methods = ["flex-" + mask, "flex-dense", "naive"]
+        figures, kernel_tiles = [flex, dense, naive], [tiles] * 3
+        if per_batch:  # the same documents packed as sequences of their own
+            v = _varlen(shape, mask, docs, block, count, None if count else kernel_block)
+            methods.insert(1, v.method)
+            figures.insert(1, v.model)
+            counted.insert(1, v.counted)
+            drams = (drams[0], v.dram, *drams[1:])
+            kernel_tiles.insert(1, v.model.info["tiles"])
+        for method, m, c, dram, kt in zip(methods, figures, counted, drams, kernel_tiles,
+                                          strict=True):  # fmt: skip
             rows.append({
                 "method": method, "seq_len": shape.seq_q,
                 **byte_fields(model=m, counted=c, dram=dram),
                 "vs_flex": m.total / flex.total,
                 "tiles": _tiles(m) if method != "naive" else "-",
-                "kernel_tiles": f"{tiles[0]}x{tiles[1]}", "shape": shape.to_json(),
+                "kernel_tiles": f"{kt[0]}x{kt[1]}", "shape": shape.to_json(),
             })  # fmt: skip
         saved = dense.parts["k"][0] + dense.parts["v"][0] - flex.parts["k"][0] - flex.parts["v"][0]
         notes.append(f"N={shape.seq_q}: empty tiles save {format_mb(saved)} MB of issued K/V reads "
@@ -99,10 +115,57 @@ def block_sparse_rows(
                      f"tiles of {block[0]}x{block[1]})")  # fmt: skip
     if show_progress:
         progress_bar(len(shapes), len(shapes), mask)
+    if mask.startswith("document"):
+        notes.append("varlen: the documents as sequences of their own, attention_varlen with "
+                     + ("gallery.causal()" if mask == "document_causal" else "every tile")
+                     + " and the longest document's tables; its tiles are those inside each "
+                     "document")  # fmt: skip
     if count:
         notes.append("counted in Triton's interpreter with the table's tiles; the model is "
                      "evaluated with the same (without --count: the GPU kernel's)")  # fmt: skip
     return rows, notes
+
+
+@dataclass
+class _VarlenFigures:
+    method: str
+    model: Traffic
+    counted: Traffic | None
+    dram: Traffic
+
+
+def _varlen(shape: AttentionShape, mask: str, docs: int, block: tuple[int, int], count: bool,
+            kernel_block: tuple[int, int] | None) -> _VarlenFigures:  # fmt: skip
+    """The documents of ``mask`` (``document`` or ``document_causal``, as
+    :func:`gallery_mask` draws them) as packed sequences of their own:
+    :func:`flashlite.attention_varlen` with the gallery's causal mask (``document_causal``) or
+    every tile (``document``), its tables the longest document's. ``kernel_block`` None: the
+    table's tiles (the interpreter's), else the GPU's Triton forward's."""
+    import torch
+
+    import flashlite
+    from flashlite import gallery
+    from flashlite.ops.attention import dense_block_mask
+    from flashlite.ops.attention.flex_plan import triton_fwd_tiles
+    from flashlite.traffic.count_sparse import count_flex_varlen
+    from flashlite.traffic.model import dram_flex_varlen, model_flex_varlen
+
+    ids = _document_ids(shape.seq_q, shape.batch, docs)
+    lengths = [int(n) for row in ids for n in torch.unique_consecutive(row, return_counts=True)[1]]
+    longest = max(lengths)
+    vshape = replace(shape, batch=len(lengths), seq_q=longest, seq_k=None)
+    if mask == "document_causal":
+        vbm = flashlite.create_block_mask(gallery.causal(), None, None, longest, longest,
+                                          device="cpu", BLOCK_SIZE=block)  # fmt: skip
+    else:
+        vbm = dense_block_mask(longest, longest, block, torch.device("cpu"))
+    tiles = block if kernel_block is None else triton_fwd_tiles(shape.head_dim, block, True)
+    return _VarlenFigures(
+        "varlen-causal" if mask == "document_causal" else "varlen",
+        model_flex_varlen(vshape, lengths, lengths, vbm, kernel_block=tiles),
+        count_flex_varlen(vshape, lengths, lengths, vbm) if count else None,
+        dram_flex_varlen(vshape, lengths, lengths, vbm),
+    )
 
 
 def _tiles(t: Traffic) -> str:

@@ -91,6 +91,12 @@ def table_args(num: torch.Tensor, idx: torch.Tensor) -> tuple[int, ...]:
             0 if one_h else is_[1], is_[2])  # fmt: skip
 
 
+def triton_fwd_tiles(d: int, table: tuple[int, int], varlen: bool) -> tuple[int, int]:
+    """The Triton forward's ``(BLOCK_M, BLOCK_N)`` on a GPU for head dim ``d`` and tables of
+    ``table`` tiles (the traffic model takes them from here)."""
+    return min(table[0], 128), min(table[1], 32 if varlen and d > 64 else 64)
+
+
 def _options(q: torch.Tensor, tbm: int, tbn: int, bwd: bool,
              varlen: bool = False) -> dict[str, Any]:  # fmt: skip
     """The Triton kernels' tiles (dividing the table's) and numerics. Varlen at head dims
@@ -105,7 +111,7 @@ def _options(q: torch.Tensor, tbm: int, tbn: int, bwd: bool,
         if varlen and d > 64:
             bn, warps = min(tbn, 32), 8
     else:
-        bm, bn = min(tbm, 128), min(tbn, 32 if varlen and d > 64 else 64)
+        bm, bn = triton_fwd_tiles(d, (tbm, tbn), varlen)
         warps, stages = (8 if d > 64 else 4), 3
     return {
         "HEAD_DIM": d, "BLOCK_D": max(16, triton.next_power_of_2(d)), "BLOCK_M": bm,

@@ -24,7 +24,12 @@ from flashlite.traffic.model.attention import (
     model_flashlite_attention_bwd,
     model_naive_attention,
 )
-from flashlite.traffic.model.block_sparse import dram_flex_attention, model_flex_attention
+from flashlite.traffic.model.block_sparse import (
+    dram_flex_attention,
+    dram_flex_varlen,
+    model_flex_attention,
+    model_flex_varlen,
+)
 from flashlite.traffic.model.common import (
     DEFAULT_L2_BYTES,
     GPUS,
@@ -64,6 +69,8 @@ __all__ = [
     "Gpu",
     "model_flex_attention",
     "dram_flex_attention",
+    "model_flex_varlen",
+    "dram_flex_varlen",
     "GPUS",
     "DEFAULT_L2_BYTES",
     "attention_dims",
