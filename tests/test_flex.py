@@ -14,7 +14,7 @@ from conftest import TOL, maybe_compile
 
 import flashlite
 from flashlite import block_mask as BM
-from flashlite import gallery, mods, reference
+from flashlite import gallery, masks, mods, reference
 
 N, D, BLOCK = 72, 32, 32  # a ragged last tile both ways, several tiles per row
 
@@ -181,6 +181,78 @@ def test_hand_written_causal_and_window_match_the_built_ins() -> None:
                    (gallery.sliding_window(17), {"causal": True, "window": (17, 0)})):  # fmt: skip
         o = flashlite.flex_attention(q, k, v, block_mask=_block_mask(mm, 1))
         torch.testing.assert_close(o, flashlite.attention(q, k, v, **kw), atol=2e-6, rtol=1e-5)
+
+
+@triton.jit
+def _band_by_hand(b, h, q_idx, kv_idx, lo, hi):
+    return (kv_idx - q_idx >= lo) & (kv_idx - q_idx <= hi)
+
+
+@pytest.mark.parametrize(("nq", "nk", "window", "causal"), [
+    (N, N, (17, 0), True),  # a causal window: the gallery's sliding_window
+    (N, N, (9, 5), False),  # two-sided
+    (40, N, (-1, 3), False),  # fewer queries (bottom-right aligned), unlimited left
+    (N, 50, (20, -1), False),  # more queries than keys: some rows see no key
+])  # fmt: skip
+def test_window_folds_into_the_flex_kernels_where_they_apply(
+    nq: int, nk: int, window: tuple[int, int], causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the Hopper kernels apply (forced here on the CPU), attention's window runs the
+    flex kernels over its band's tables: forward and backward against fp64 (GQA, the LSE),
+    the same bits as a window written by hand as a mask function, and a second call reuses
+    the tables."""
+    from flashlite.kernels.attention.hopper import HopperConfig
+    from flashlite.ops.attention import window as W
+
+    ran: list[str] = []
+    fwd, bwd = W.window_fwd, W.window_bwd
+    monkeypatch.setattr(W, "fwd_config", lambda q, k, v: HopperConfig(BLOCK, BLOCK, 2))
+    monkeypatch.setattr(W, "bwd_block", lambda applies: (BLOCK, BLOCK))
+    monkeypatch.setattr(W, "window_fwd", lambda *a: ran.append("fwd") or fwd(*a))
+    monkeypatch.setattr(W, "window_bwd", lambda *a: ran.append("bwd") or bwd(*a))
+    q = torch.randn(2, 4, nq, D, requires_grad=True)
+    k, v = (torch.randn(2, 2, nk, D, requires_grad=True) for _ in range(2))
+    out = flashlite.attention(q, k, v, causal=causal, window=window, return_lse=True)
+    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    ref = reference.attention(*exact, causal=causal, window=window, return_lse=True)
+    seen = torch.isfinite(ref[1])
+    go, gl = torch.randn_like(out[0]), torch.randn_like(out[1]) * seen
+    got = _grads(out, [q, k, v], go, gl)
+    want = _grads((ref[0], torch.where(seen, ref[1], 0.0)), exact, go.double(), gl.double())
+    assert ran == ["fwd", "bwd"]
+    torch.testing.assert_close(out[0].double(), ref[0], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1].double(), ref[1].double(), atol=2e-5, rtol=1e-5)
+    for a, w in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), w, atol=3e-5, rtol=1e-5)
+    # the same band written by hand, through flex_attention: the same bits
+    left, right = masks.window_bounds(window, causal)
+    far = nq + nk
+    lo, hi = (nk - nq) - (far if left < 0 else left), (nk - nq) + (far if right < 0 else right)
+    hand = mods.mask_mod(_band_by_hand, lo, hi, name="tests.band_by_hand")
+    bm = flashlite.create_block_mask(hand, None, None, nq, nk, device="cpu", BLOCK_SIZE=BLOCK)
+    with torch.no_grad():
+        assert torch.equal(flashlite.flex_attention(q, k, v, block_mask=bm), out[0])
+        assert torch.equal(flashlite.attention(q, k, v, causal=causal, window=window), out[0])
+    assert len([c for c in W._bands if c[:2] == (nq, nk)]) == 1
+
+
+def test_window_stays_on_the_triton_kernels_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the Hopper kernels do not apply (here: the CPU, and a soft cap or pinned config
+    beside a forced gate), a window never reaches the fold."""
+    from flashlite.kernels.attention.hopper import HopperConfig
+    from flashlite.ops.attention import window as W
+
+    def refuse(*args: object) -> None:
+        raise AssertionError("folded")
+
+    monkeypatch.setattr(W, "window_fwd", refuse)
+    monkeypatch.setattr(W, "window_bwd", refuse)
+    q, k, v = (torch.randn(1, 2, N, D, requires_grad=True) for _ in range(3))
+    flashlite.attention(q, k, v, window=(9, 5)).sum().backward()
+    monkeypatch.setattr(W, "fwd_config", lambda q, k, v: HopperConfig(BLOCK, BLOCK, 2))
+    monkeypatch.setattr(W, "bwd_block", lambda applies: (BLOCK, BLOCK))
+    flashlite.attention(q, k, v, window=(9, 5), softcap=5.0).sum().backward()
+    flashlite.attention(q, k, v, window=(9, 5), sinks=torch.zeros(2)).sum().backward()
 
 
 def test_no_block_mask_is_dense_attention_and_layouts_agree() -> None:
@@ -1049,16 +1121,28 @@ def test_gpu_hand_written_causal_matches_the_built_in_bit_for_bit() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="the built-in window runs the Triton kernel, whose "
-                   "tiles and order differ from the listed Gluon kernel's")  # fmt: skip
 def test_gpu_hand_written_window_matches_the_built_in_bit_for_bit() -> None:
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    n = 2048
-    q, k, v = (torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-    bm = flashlite.create_block_mask(gallery.sliding_window(256), None, None, n, n)
-    assert torch.equal(flashlite.flex_attention(q, k, v, block_mask=bm),
-                       flashlite.attention(q, k, v, causal=True, window=(256, 0)))  # fmt: skip
+    """The built-in window runs the flex Hopper kernels over its band's tables: a window mask
+    written by hand gives the same bits forward, and the backward (the fused flex kernel)
+    agrees with fp32's within bf16's rounding."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("needs the Hopper (sm_90) kernel")
+    from flashlite.ops.attention import window as W
+
+    for n in (2048, 3000):
+        q, k, v = (torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16,
+                               requires_grad=True) for _ in range(3))  # fmt: skip
+        assert W.fwd_config(q, k, v) is not None
+        bm = flashlite.create_block_mask(gallery.sliding_window(256), None, None, n, n)
+        o = flashlite.attention(q, k, v, causal=True, window=(256, 0))
+        assert torch.equal(flashlite.flex_attention(q, k, v, block_mask=bm), o)
+        go = torch.randn_like(o)
+        folded = torch.autograd.grad(o, (q, k, v), go)
+        exact = [t.detach().float().requires_grad_() for t in (q, k, v)]
+        ref = reference.attention(*exact, causal=True, window=(256, 0))
+        want = torch.autograd.grad(ref, exact, go.float())
+        for a, w in zip(folded, want, strict=True):
+            torch.testing.assert_close(a.float(), w, atol=3e-2, rtol=3e-2)
 
 
 # --------------------------------------------------------------------------- traffic

@@ -15,6 +15,7 @@ from flashlite._caches import Cache
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import hopper_bwd as KHB
 from flashlite.ops.attention import hopper as HP
+from flashlite.ops.attention import window as W
 from flashlite.ops.attention.bwd_launch import (
     bwd_dkdv,
     bwd_dq,
@@ -92,6 +93,13 @@ def attention_bwd(
         out = plan(do, q, k, v, o, lse, dlse, sinks, dsinks)
         _bwd_plans.put(key, plan)
         return out
+    km = mask.kernel(nq, nk)
+    if (km.WINDOW and not km.SOFTCAP and seqlens_k is None and varlen is None and config is None
+            and sinks is None):  # fmt: skip
+        # a plain window: the fused flex backward over its band's tables, where it applies
+        block = W.bwd_block(hopper_bwd_applies(q, k, v, do, k, v))
+        if block is not None:
+            return W.window_bwd(do, q, k, v, o, lse, dlse, km, scale, block)
     return _attention_bwd_masked(do, q, k, v, o, lse, dlse, mask, scale, seqlens_k, varlen,
                                  config, sinks, dsinks)  # fmt: skip
 

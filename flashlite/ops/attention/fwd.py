@@ -15,6 +15,7 @@ from flashlite.kernels import configs as C
 from flashlite.kernels.attention import fwd as K
 from flashlite.kernels.attention import hopper as KH
 from flashlite.ops.attention import hopper as HP
+from flashlite.ops.attention import window as W
 from flashlite.ops.attention.decode import attention_decode_fwd, planned_decode
 from flashlite.ops.attention.plan import (
     DESC_MIN_WORK,
@@ -86,6 +87,13 @@ def attention_fwd(
     dev = q.device
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
+    km = mask.kernel(nq, nk)
+    if (km.WINDOW and not km.SOFTCAP and seqlens_k is None and varlen is None and sinks is None
+            and config is None and use_desc is None and prescale_q is None):  # fmt: skip
+        hopper = W.fwd_config(q, k, v)
+        if hopper is not None:  # a plain window: the flex Hopper kernel over its band's tables
+            o, lse = W.window_fwd(q, k, v, km, scale, (hopper.block_m, hopper.block_n))
+            return o, lse, LaunchInfo(_hopper_launch_config(hopper), d, True)
     o = empty_output(q)
     lse = q.new_empty((b, hq, nq), dtype=torch.float32)
     if b * hq * nq == 0:
@@ -98,7 +106,6 @@ def attention_fwd(
     small = b * hq * nq * nk * d < DESC_MIN_WORK
     if use_desc is None:
         use_desc = not small and _descriptor_ok(q, k, v, o)
-    km = mask.kernel(nq, nk)
     plain = not (km.WINDOW or km.SOFTCAP or seqlens_k is not None or varlen is not None)
     if plain and use_desc and config is None and prescale_q is not False:
         hopper = hopper_config(q, nk)

@@ -1,0 +1,124 @@
+"""The built-in sliding window, folded into :func:`~flashlite.ops.attention.flex.flex_attention`'s
+Hopper kernels where they apply.
+
+A window is a band of the score matrix: query i sees key j iff ``lo <= j − i <= hi``. Its block
+tables list, per query block, the few key tiles the band crosses (full inside it, partial on
+its edges), so the flex kernels walk exactly the tiles the Triton window kernel walks. On the
+H200 they ran the band faster (forward 0.90×, forward + backward 0.945× the Triton window
+kernels' time at N 16k, window 1024, D 128, bf16; ``benchmarks/results/mods-*.json``), so a
+plain window call (no soft cap, lengths, packing, sinks, split or pinned config) runs them:
+
+* forward, where the Gluon forward applies (:func:`fwd_config`), over tables of its tiles;
+* backward, where the fused Gluon backward applies, over tables of its tiles.
+
+Everywhere else (CPU, fp32, other head dims, deterministic algorithms) the Triton window
+kernels run as before. Because both paths are the flex kernels over the same tables, a window
+written as a mask function (:func:`flashlite.gallery.sliding_window`) gives the built-in's
+bits. The tables are built once per shape and band (:func:`band_tables`, on the device).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl  # noqa: F401  (the jit mask below runs with it in scope)
+
+from flashlite import block_mask as BM
+from flashlite import masks
+from flashlite import mods as M
+from flashlite._caches import Cache
+from flashlite.kernels.attention import hopper as KH
+from flashlite.kernels.attention import hopper_bwd as KHB
+from flashlite.ops.attention.block_mask import create_block_mask
+from flashlite.ops.attention.mod_args import spec_mod
+from flashlite.ops.attention.plan import DESC_MIN_WORK, _descriptor_ok, hopper_config
+
+__all__ = ["band_tables", "fwd_config", "bwd_block", "window_fwd", "window_bwd"]
+
+
+@triton.jit
+def _band(b, h, q_idx, kv_idx, lo, hi):
+    rel = kv_idx - q_idx  # (as masks.visible: the key's offset from the query)
+    return (rel >= lo) & (rel <= hi)
+
+
+def _band_t(b, h, q_idx, kv_idx, lo, hi):  # type: ignore[no-untyped-def]
+    rel = kv_idx - q_idx
+    return (rel >= lo) & (rel <= hi)
+
+
+class Band(NamedTuple):
+    """A window's band for ``nq`` queries against ``nk`` keys: its mask function and tables."""
+
+    mod: M.MaskMod
+    tables: BM.BlockMask
+    #: the mask as the flex ops carry it (:func:`~flashlite.ops.attention.mod_args.spec_mod`)
+    spec: tuple[str, list[torch.Tensor], list[float]]
+
+
+_bands: Cache = Cache("attention.window_bands", 32)
+
+
+def band_tables(km: masks.KernelMask, nq: int, nk: int, block: tuple[int, int],
+                device: torch.device) -> Band:  # fmt: skip
+    """The band of a window mask ``km`` (``WINDOW`` set: :meth:`flashlite.masks.Mask.kernel`,
+    unlimited sides already far) with tables of ``block`` tiles on ``device``, built once per
+    (lengths, band, tile, device)."""
+    lo, hi = (nk - nq) - km.left, (nk - nq) + km.right
+    return _bands.made((nq, nk, lo, hi, block, device), _make_band, nq, nk, lo, hi, block, device)
+
+
+def _make_band(nq: int, nk: int, lo: int, hi: int, block: tuple[int, int],
+               device: torch.device) -> Band:  # fmt: skip
+    mod = M.mask_mod(_band, lo, hi, torch_fn=_band_t, name="flashlite.window.band",
+                     tile_reads=lambda bm, bn: 0)  # fmt: skip
+    tables = create_block_mask(mod, None, None, nq, nk, device=device, BLOCK_SIZE=block)
+    return Band(mod, tables, spec_mod(mod))
+
+
+def fwd_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> KH.HopperConfig | None:
+    """The Gluon forward's config where a window forward of these ``(B, H, N, D)`` views runs
+    the flex Hopper kernel, else None: the dense forward's rule (enough work for TMA to pay,
+    tensors TMA can read, :func:`~flashlite.ops.attention.plan.hopper_config`)."""
+    b, h, nq, d = q.shape
+    if b * h * nq * k.shape[2] * d < DESC_MIN_WORK or not _descriptor_ok(q, k, v):
+        return None
+    return hopper_config(q, k.shape[2])
+
+
+def bwd_block(applies: bool) -> tuple[int, int] | None:
+    """The tables' tile where a window backward runs the fused flex backward (``applies``:
+    :func:`~flashlite.ops.attention.bwd.hopper_bwd_applies` said so), else None."""
+    return (2 * KHB.BLOCK_M, KHB.BLOCK_N) if applies else None
+
+
+def _flex_args(band: Band) -> tuple[object, ...]:
+    t = band.tables
+    return (t.kv_num_blocks, t.kv_indices, t.full_kv_num_blocks, t.full_kv_indices,
+            t.q_num_blocks, t.q_indices, t.full_q_num_blocks, t.full_q_indices,
+            *t.BLOCK_SIZE, *band.spec, "", [], [])  # fmt: skip
+
+
+Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def window_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, km: masks.KernelMask,
+               scale: float, block: tuple[int, int]) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """``(o, lse)`` of a window forward on ``(B, H, N, D)`` views: flex's forward over the band's
+    tables of ``block`` tiles."""
+    from flashlite.ops.attention.flex import _fwd_body
+
+    band = band_tables(km, q.shape[2], k.shape[2], block, q.device)
+    return _fwd_body(q, k, v, *_flex_args(band), scale)  # type: ignore[arg-type]
+
+
+def window_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
+               km: masks.KernelMask, scale: float, block: tuple[int, int]) -> Grads:  # fmt: skip
+    """``(dq, dk, dv)`` of a window backward: flex's backward over the band's tables."""
+    from flashlite.ops.attention.flex import _bwd_body
+
+    band = band_tables(km, q.shape[2], k.shape[2], block, q.device)
+    return _bwd_body(do, q, k, v, o, lse, dlse, *_flex_args(band), scale)  # type: ignore[arg-type]
