@@ -12,7 +12,9 @@ Points (bf16, D 128, H 16, B 1):
                  same call without one. Bar: ≤ 1.10×.
     built-ins    causal and a 1024-key sliding window written as mask functions against
                  flashlite.attention's causal and window paths (N 16k). Bar: ≤ 1.03×; whether
-                 the outputs agree bit for bit is reported.
+                 the outputs agree bit for bit is reported. And the built-in window (the flex
+                 Hopper kernels over its band) against the Triton window kernels it ran
+                 before (``FLASHLITE_HOPPER_KERNEL=0``). Bar: ≤ 1.0×.
     lengths      one mod over 20 sequence lengths: Triton compilations of flashlite's kernels
                  and graphs Dynamo compiles for Flex.
     block mask   create_block_mask at 64k, flashlite's against torch's.
@@ -33,6 +35,7 @@ and prints a table last.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -212,6 +215,42 @@ def ratio_points(rows: list[dict], rounds: int) -> None:
         )
         for r in made:
             r["bitwise"] = bool(torch.equal(ours, builtin))
+    # the built-in window runs the flex kernels over its band where the Hopper kernels apply:
+    # against the Triton window kernels it ran before (FLASHLITE_HOPPER_KERNEL=0 keeps a call,
+    # its backward included, on them)
+    kw = {"causal": True, "window": (window, 0)}
+    folded = flashlite.attention(q, k, v, **kw)
+    triton_window = _hopper_off(flashlite.attention)(q, k, v, **kw)
+    os.environ.pop("FLASHLITE_HOPPER_KERNEL", None)
+    calls = {
+        "with": _hopper_on(lambda a, b, c: flashlite.attention(a, b, c, **kw)),
+        "without": _hopper_off(lambda a, b, c: flashlite.attention(a, b, c, **kw)),
+    }
+    errs = {"vs_triton_window": max_rel_err(folded, triton_window)}
+    _ratio_rows(rows, "built-ins", f"window {window} folded vs Triton N16k", calls, q, k, v,
+                leaves, do, rounds, errs, bar=1.0)  # fmt: skip
+    os.environ.pop("FLASHLITE_HOPPER_KERNEL", None)  # (the points after run as users do)
+
+
+def _hopper_on(fn):  # noqa: ANN001, ANN202
+    """``fn`` with the Hopper kernels allowed for its call and the backward that follows."""
+
+    def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        os.environ.pop("FLASHLITE_HOPPER_KERNEL", None)
+        return fn(*args, **kwargs)
+
+    return call
+
+
+def _hopper_off(fn):  # noqa: ANN001, ANN202
+    """``fn`` on the Triton kernels (``FLASHLITE_HOPPER_KERNEL=0``), its backward too: the
+    switch stays set until a :func:`_hopper_on` call."""
+
+    def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        os.environ["FLASHLITE_HOPPER_KERNEL"] = "0"
+        return fn(*args, **kwargs)
+
+    return call
 
 
 def _ratio_rows(rows, group, label, calls, q, k, v, leaves, do, rounds, errs, bar):  # noqa: ANN001, ANN202
@@ -397,7 +436,7 @@ def figure(rows: list[dict], device: str) -> Figure:
             bars=[Bars([r["ratio"] for r in ratios], "with ÷ without")],
             categories=[_short(r["point"]) for r in ratios],
             hlines=[(1.10, "1.10"), (1.03, "1.03")],
-            title="score functions; built-ins as mods ÷ built-ins (N 16k, time)",
+            title="score functions; built-ins as mods ÷ built-ins; folded window ÷ Triton (N 16k)",
         ),
     ]
     return Figure([panels], title=f"mask and score functions on {device}", panel_size=(9, 4.5))
