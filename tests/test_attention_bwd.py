@@ -339,24 +339,28 @@ def test_gpu_every_backward_config(config: C.BwdConfig, d: int) -> None:
 
 # --------------------------------------------------------------------------- fused Hopper backward
 def test_fused_hopper_backward_only_takes_plain_backwards(monkeypatch: pytest.MonkeyPatch) -> None:
-    # windows, soft caps, per-batch lengths and pinned configs keep the Triton kernels even
-    # where the fused Gluon kernel would run; a plain one (causal as a window too) asks for it,
-    # and a launch that declines leaves the Triton kernels' answer
+    # soft caps, per-batch lengths and pinned configs keep the Triton kernels even where the
+    # fused Gluon kernel would run, and a plain window takes the fused flex kernel over its
+    # band (ops/attention/window.py); a plain one (causal as a window too) asks for it, and a
+    # launch that declines leaves the Triton kernels' answer
     import flashlite.ops.attention.bwd as ops
     from flashlite.ops.attention import attention_fwd
 
-    calls = []
+    calls, folded = [], []
     monkeypatch.setattr(ops, "hopper_bwd_applies", lambda *a: True)
     monkeypatch.setattr(ops, "_run_hopper_bwd", lambda *a: calls.append(a) or False)
+    monkeypatch.setattr(ops.W, "window_bwd", lambda *a: folded.append(a[-1]) or a[1:4])
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
     o, lse, _ = attention_fwd(q, k, v, CAUSAL, 0.25)
     do = torch.randn_like(o)
     seqlens = torch.tensor([30], dtype=torch.int32)
     for mask, kwargs in ((describe(True, (8, 0)), {}), (describe(True, None, 5.0), {}),
+                         (describe(True, (8, 0), 5.0), {}),
                          (CAUSAL, {"seqlens_k": seqlens}),
+                         (describe(True, (8, 0)), {"seqlens_k": seqlens}),
                          (CAUSAL, {"config": C.CPU_BWD_CONFIG})):  # fmt: skip
         ops.attention_bwd(do, q, k, v, o, lse, None, mask, 0.25, **kwargs)
-    assert calls == []
+    assert calls == [] and folded == [(128, 128)]  # the fused kernel's tiles
     want = ops.attention_bwd(do, q, k, v, o, lse, None, CAUSAL, 0.25, config=C.CPU_BWD_CONFIG)
     got = ops.attention_bwd(do, q, k, v, o, lse, None, CAUSAL, 0.25)
     # causal written as a window is the same plan: decided once, at the first call

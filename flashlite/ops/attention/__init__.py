@@ -17,6 +17,7 @@
                 tables of no mask, the checks a call's block mask passes
 ``flex``        your own masks and score functions: :func:`flex_attention` and its ops
                 ``flashlite::flex_attention_*`` (Triton, or the Hopper kernels, over tables)
+``window``      the built-in sliding window on flex's Hopper kernels, over its band's tables
 ==============  ==================================================================================
 
 The kernels live in :mod:`flashlite.kernels.attention` and their tile tables in
@@ -38,7 +39,7 @@ from flashlite.kernels.configs import (
 )
 from flashlite.ops.attention.api import attention, attention_kvcache, attention_varlen
 from flashlite.ops.attention.block_mask import create_block_mask, dense_block_mask
-from flashlite.ops.attention.bwd import attention_bwd, hopper_bwd_applies
+from flashlite.ops.attention.bwd import attention_bwd
 from flashlite.ops.attention.bwd_launch import bwd_dkdv, bwd_dq, bwd_preprocess
 from flashlite.ops.attention.checks import check_inputs, check_sinks
 from flashlite.ops.attention.decode import DecodePlan, attention_decode_fwd, combine_splits
@@ -58,6 +59,7 @@ from flashlite.ops.attention.plan import (
     empty_output,
     fixed_config,
     gpu_config,
+    hopper_bwd_applies,
     hopper_config,
     prefix_splits,
     splits_for,

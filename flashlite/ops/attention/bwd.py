@@ -13,7 +13,6 @@ import torch
 from flashlite import _backend, masks
 from flashlite._caches import Cache
 from flashlite.kernels import configs as C
-from flashlite.kernels.attention import hopper_bwd as KHB
 from flashlite.ops.attention import hopper as HP
 from flashlite.ops.attention import window as W
 from flashlite.ops.attention.bwd_launch import (
@@ -25,15 +24,15 @@ from flashlite.ops.attention.bwd_launch import (
     plan_preprocess,
 )
 from flashlite.ops.attention.checks import _check_bwd_grads
-from flashlite.ops.attention.fwd import Varlen, _op_varlen
+from flashlite.ops.attention.fwd import _op_varlen
 from flashlite.ops.attention.plan import (
     HOPPER_ENV,
-    _descriptor_ok,
+    Varlen,
     _meta,
-    _on_hopper,
     _prescale_q,
     bwd_config,
     empty_output,
+    hopper_bwd_applies,
 )
 from flashlite.ops.common import on_compute_device
 
@@ -238,23 +237,6 @@ def _attention_bwd_masked(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 #: Fused-backward variants whose first launch failed to build: the Triton kernels run them.
 _hopper_bwd_failed: set[tuple] = set()
-
-
-def hopper_bwd_applies(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-                       dk: torch.Tensor, dv: torch.Tensor) -> bool:  # fmt: skip
-    """Whether a plain backward (causal or not, GQA; no window, soft cap, per-batch lengths or
-    packed sequences: the caller checks those) of these ``(B, H, N, D)`` tensors takes the fused
-    Gluon kernel (:mod:`flashlite.kernels.attention.hopper_bwd`): a CUDA sm_90 device with
-    Gluon, 16-bit inputs, a head dim in its ``HEAD_DIMS``, tensors TMA can read, gradients with
-    a unit last stride, ``FLASHLITE_HOPPER_KERNEL`` not ``0``, and deterministic algorithms not
-    requested (``torch.use_deterministic_algorithms``): its dQ is summed by atomic reductions
-    in no fixed order, so there the two Triton kernels run instead."""
-    if qs.dtype not in (torch.float16, torch.bfloat16) or qs.shape[-1] not in KHB.HEAD_DIMS:
-        return False
-    if torch.are_deterministic_algorithms_enabled() or _backend.getenv(HOPPER_ENV) == "0":
-        return False
-    units = dk.stride(-1) == 1 and dv.stride(-1) == 1
-    return _on_hopper(qs, KHB.available()) and _descriptor_ok(qs, k, v, do) and units
 
 
 def _run_hopper_bwd(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,

@@ -13,8 +13,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from flashlite import _backend, _launch, masks
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import bwd as KB
-from flashlite.ops.attention.fwd import Varlen
-from flashlite.ops.attention.plan import _descriptor_ok, _dot_flags, _prescale_q
+from flashlite.ops.attention.plan import Varlen, _descriptor_ok, _dot_flags, _prescale_q
 
 
 def _bwd_args(

@@ -18,10 +18,14 @@ from flashlite.kernels import configs as C
 from flashlite.kernels.attention import flex as KF
 from flashlite.kernels.attention import hopper_bwd as KHB
 from flashlite.ops.attention import hopper as HP
-from flashlite.ops.attention.bwd import hopper_bwd_applies
 from flashlite.ops.attention.bwd_launch import plan_preprocess
 from flashlite.ops.attention.mod_args import ModArgs, Slots, spec_entry, split_spec, unspec_mod
-from flashlite.ops.attention.plan import HOPPER_ENV, _descriptor_ok, hopper_config
+from flashlite.ops.attention.plan import (
+    HOPPER_ENV,
+    _descriptor_ok,
+    hopper_bwd_applies,
+    hopper_config,
+)
 
 #: dQ, dK, dV.
 Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]

@@ -20,6 +20,7 @@ from flashlite.ops.attention.decode import attention_decode_fwd, planned_decode
 from flashlite.ops.attention.plan import (
     DESC_MIN_WORK,
     LaunchInfo,
+    Varlen,
     _descriptor_ok,
     _fixed_reference,
     _hopper_launch_config,
@@ -259,11 +260,6 @@ def _attention_fwd_fake(q, k, v, causal, scale, window_left=None, window_right=N
       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
       num_splits=None, sinks=None):  # fmt: skip
     return empty_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
-#: packed sequences as the launchers take them: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-#: max_seqlen_k)``
-Varlen = tuple[torch.Tensor, torch.Tensor, int, int]
 
 
 def _op_varlen(cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, max_q: int | None,

@@ -14,6 +14,11 @@ from flashlite._caches import Cache
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import fwd as K
 from flashlite.kernels.attention import hopper as KH
+from flashlite.kernels.attention import hopper_bwd as KHB
+
+#: packed sequences as the launchers take them: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+#: max_seqlen_k)``
+Varlen = tuple[torch.Tensor, torch.Tensor, int, int]
 
 #: Problems with fewer multiply-adds than this (``B·Hq·Nq·Nk·D``) load through pointers. Tensor
 #: descriptors cost host time on every call (built in Python, then encoded by the launcher:
@@ -183,6 +188,23 @@ def _on_hopper(t: torch.Tensor, gluon_ok: bool) -> bool:
         return False
     index = t.device.index if t.device.index is not None else torch.cuda.current_device()
     return _backend.capability(index)[0] == 9
+
+
+def hopper_bwd_applies(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
+                       dk: torch.Tensor, dv: torch.Tensor) -> bool:  # fmt: skip
+    """Whether a plain backward (causal or not, GQA; no window, soft cap, per-batch lengths or
+    packed sequences: the caller checks those) of these ``(B, H, N, D)`` tensors takes the fused
+    Gluon kernel (:mod:`flashlite.kernels.attention.hopper_bwd`): a CUDA sm_90 device with
+    Gluon, 16-bit inputs, a head dim in its ``HEAD_DIMS``, tensors TMA can read, gradients with
+    a unit last stride, ``FLASHLITE_HOPPER_KERNEL`` not ``0``, and deterministic algorithms not
+    requested (``torch.use_deterministic_algorithms``): its dQ is summed by atomic reductions
+    in no fixed order, so there the two Triton kernels run instead."""
+    if qs.dtype not in (torch.float16, torch.bfloat16) or qs.shape[-1] not in KHB.HEAD_DIMS:
+        return False
+    if torch.are_deterministic_algorithms_enabled() or _backend.getenv(HOPPER_ENV) == "0":
+        return False
+    units = dk.stride(-1) == 1 and dv.stride(-1) == 1
+    return _on_hopper(qs, KHB.available()) and _descriptor_ok(qs, k, v, do) and units
 
 
 def _hopper_entry(dtype: torch.dtype, head_dim: int, n_keys: int) -> KH.HopperConfig | None:

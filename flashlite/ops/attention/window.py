@@ -32,6 +32,7 @@ from flashlite._caches import Cache
 from flashlite.kernels.attention import hopper as KH
 from flashlite.kernels.attention import hopper_bwd as KHB
 from flashlite.ops.attention.block_mask import create_block_mask
+from flashlite.ops.attention.flex import _bwd_body, _fwd_body
 from flashlite.ops.attention.mod_args import spec_mod
 from flashlite.ops.attention.plan import DESC_MIN_WORK, _descriptor_ok, hopper_config
 
@@ -108,8 +109,6 @@ def window_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, km: masks.Kern
                scale: float, block: tuple[int, int]) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """``(o, lse)`` of a window forward on ``(B, H, N, D)`` views: flex's forward over the band's
     tables of ``block`` tiles."""
-    from flashlite.ops.attention.flex import _fwd_body
-
     band = band_tables(km, q.shape[2], k.shape[2], block, q.device)
     return _fwd_body(q, k, v, *_flex_args(band), scale)  # type: ignore[arg-type]
 
@@ -118,7 +117,5 @@ def window_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
                km: masks.KernelMask, scale: float, block: tuple[int, int]) -> Grads:  # fmt: skip
     """``(dq, dk, dv)`` of a window backward: flex's backward over the band's tables."""
-    from flashlite.ops.attention.flex import _bwd_body
-
     band = band_tables(km, q.shape[2], k.shape[2], block, q.device)
     return _bwd_body(do, q, k, v, o, lse, dlse, *_flex_args(band), scale)  # type: ignore[arg-type]
