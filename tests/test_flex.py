@@ -236,6 +236,25 @@ def test_window_folds_into_the_flex_kernels_where_they_apply(
     assert len([c for c in W._bands if c[:2] == (nq, nk)]) == 1
 
 
+def test_window_fold_reads_either_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fold takes ``b n h d`` views of a packed buffer as the Triton window kernel does:
+    the same bits as the ``b h n d`` call, and the Triton kernel's answer to rounding."""
+    from flashlite.kernels.attention.hopper import HopperConfig
+    from flashlite.ops.attention import window as W
+
+    qkv = torch.randn(2, N, 3, 4, D)  # (B, N, q/k/v, H, D): strided views, heads second to last
+    q, k, v = qkv.unbind(2)
+    kw = {"window": (11, 4), "layout": "b n h d", "return_lse": True}
+    triton_o, triton_lse = flashlite.attention(q, k, v, **kw)
+    monkeypatch.setattr(W, "fwd_config", lambda q, k, v: HopperConfig(BLOCK, BLOCK, 2))
+    o, lse = flashlite.attention(q, k, v, **kw)
+    heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v)]
+    o2, lse2 = flashlite.attention(*heads_first, window=(11, 4), return_lse=True)
+    assert o.shape == q.shape and torch.equal(o, o2.transpose(1, 2)) and torch.equal(lse, lse2)
+    torch.testing.assert_close(o, triton_o, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(lse, triton_lse, atol=2e-6, rtol=1e-5)
+
+
 def test_window_stays_on_the_triton_kernels_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
     """Where the Hopper kernels do not apply (here: the CPU, and a soft cap or pinned config
     beside a forced gate), a window never reaches the fold."""
