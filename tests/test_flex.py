@@ -238,7 +238,8 @@ def test_window_folds_into_the_flex_kernels_where_they_apply(
 
 def test_window_fold_reads_either_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fold takes ``b n h d`` views of a packed buffer as the Triton window kernel does:
-    the same bits as the ``b h n d`` call, and the Triton kernel's answer to rounding."""
+    the same bits as the ``b h n d`` call and as a compiled call, and the Triton kernel's
+    answer to rounding."""
     from flashlite.kernels.attention.hopper import HopperConfig
     from flashlite.ops.attention import window as W
 
@@ -253,6 +254,9 @@ def test_window_fold_reads_either_layout(monkeypatch: pytest.MonkeyPatch) -> Non
     assert o.shape == q.shape and torch.equal(o, o2.transpose(1, 2)) and torch.equal(lse, lse2)
     torch.testing.assert_close(o, triton_o, atol=2e-6, rtol=1e-5)
     torch.testing.assert_close(lse, triton_lse, atol=2e-6, rtol=1e-5)
+    # a compiled graph runs the op's body at run time: the same fold, the same bits
+    compiled = maybe_compile(lambda a, b, c: flashlite.attention(a, b, c, **kw), True)
+    assert all(torch.equal(x, y) for x, y in zip(compiled(q, k, v), (o, lse), strict=True))
 
 
 def test_window_stays_on_the_triton_kernels_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
