@@ -173,6 +173,35 @@ def test_row_with_no_key_gives_zero_and_minus_inf() -> None:
     assert all(torch.isfinite(t.grad).all() for t in (q, k, v))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+def test_plus_inf_key_and_huge_scores_follow_logsumexp(dtype: torch.dtype, alibi: bool) -> None:
+    """A +inf key: the rows whose score against it is +inf get LSE +inf and output NaN (as
+    torch.logsumexp and torch's attention), the others stay finite and right; scores in the
+    tens of thousands (fp32) lose nothing to the online softmax."""
+    sm = gallery.alibi(gallery.alibi_slopes(2)) if alibi else None
+    q = torch.randn(1, 2, 3, 8).to(dtype)
+    k, v = torch.randn(1, 2, 40, 8).to(dtype), torch.randn(1, 2, 40, 8).to(dtype)
+    q[..., 0] = torch.tensor([1.0, -1.0, 0.5]).to(dtype)
+    k[0, :, 17, 0] = math.inf
+    out, lse = flashlite.flex_attention(q, k, v, score_mod=sm, return_lse=True)
+    want = reference.attention(q.double(), k.double(), v.double(), score_mod=sm,
+                               return_lse=True)[1]  # fmt: skip
+    plus = want == math.inf
+    assert plus[..., 0].all() and not plus[..., 1].any()
+    assert (lse[plus] == math.inf).all() and out[plus].isnan().all()
+    assert out[~plus].isfinite().all()
+    torch.testing.assert_close(lse[~plus].double(), want[~plus].double(), atol=2e-2, rtol=2e-2)
+    q, k = (torch.randn(1, 2, N, 16) * 300 for _ in range(2))
+    v = torch.randn(1, 2, N, 16)
+    bm = _block_mask(gallery.causal(), 1)
+    o, lse = flashlite.flex_attention(q, k, v, score_mod=sm, block_mask=bm, return_lse=True)
+    ro, rl = reference.attention(q.double(), k.double(), v.double(), mask_mod=gallery.causal(),
+                                 score_mod=sm, return_lse=True)  # fmt: skip
+    torch.testing.assert_close(o.double(), ro, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), rl.double(), atol=1e-2, rtol=1e-6)
+
+
 def test_hand_written_causal_and_window_match_the_built_ins() -> None:
     """A mask written by hand gives the built-in paths' results (bit for bit is a GPU test:
     the two kernels order their arithmetic differently)."""
