@@ -1239,6 +1239,20 @@ def test_traffic_cli_mask_counts(mask: str, capsys: pytest.CaptureFixture[str]) 
         assert flex < dense
 
 
+def test_traffic_cli_mask_measure_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    """--measure with --mask on a machine without CUDA: the model's rows, nothing measured,
+    the reason on stderr, exit status 2 (as the other tables)."""
+    import json
+
+    from flashlite.cli import main
+
+    code = main(["traffic", "--mask", "causal", "--seq", "256", "--measure", "--json", "--quiet"])
+    out = capsys.readouterr()
+    rows = json.loads(out.out)
+    assert code == 2 and [r["method"] for r in rows] == ["flex-causal", "flex-dense", "naive"]
+    assert all(r["measured_bytes"] is None for r in rows) and "no CUDA device" in out.err
+
+
 @pytest.mark.parametrize("name", ["causal+alibi", "window+relative bias", "document per sequence"])
 def test_varlen_traffic_model_equals_count(name: str) -> None:
     """attention_varlen with mods: the tables' model of the forward's bytes (offsets, tiles
@@ -1272,6 +1286,69 @@ def test_varlen_traffic_model_equals_count(name: str) -> None:
         model_flex_varlen(shape, [*lq, 1], [*lk, 1], bm)
     with pytest.raises(ValueError, match="lengths_k must lie in"):
         model_flex_varlen(shape, lq, [max(VARLEN_K) + 1, *lk[1:]], bm)
+
+
+def test_measure_flex_child_runs_every_row_and_ranges_are_attributed(
+    tmp_path,
+    monkeypatch: pytest.MonkeyPatch,  # noqa: ANN001
+) -> None:
+    """The ncu child builds and runs each --mask row's call (here on the CPU, the ranges
+    recorded instead of profiled), and measure_flex sums each range's kernels (a stand-in ncu
+    printing a stored sample). Without CUDA it measures nothing and says why."""
+    import json
+    import stat
+    import sys
+    from pathlib import Path
+
+    from flashlite.traffic import AttentionShape, measure
+
+    ran: list[int] = []
+    monkeypatch.setattr(measure, "_warm_up", lambda fn: fn())
+    monkeypatch.setattr(measure, "_measure_once", lambda i, fn: ran.append(i) or fn())
+    shape = AttentionShape(1, 2, 64, 16, dtype=torch.float16)
+    calls = [[m, shape.to_json()] for m in ("flex-document_causal", "varlen-causal",
+                                            "flex-dense")]  # fmt: skip
+    report: dict = {"errors": {}, "configs": {}}
+    measure._flex_child({"mask": "document_causal", "docs": 3, "block": [16, 16],
+                         "calls": calls, "device": "cpu"}, report)  # fmt: skip
+    assert report["errors"] == {} and ran == [0, 1, 2]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    got, message = measure.measure_flex([("flex-dense", shape)], "document_causal", 3)
+    assert got == [None] and "CUDA" in message
+    sample = Path(__file__).parent / "data" / "ncu_sample.csv"
+    ncu = tmp_path / "ncu"
+    ncu.write_text(f"#!{sys.executable}\nimport json, sys\n"
+                   "spec = json.load(open(sys.argv[-1]))\n"
+                   "json.dump({'errors': {}, 'configs': {}}, open(spec['report'], 'w'))\n"
+                   f"print(open({str(sample)!r}).read())\n")  # fmt: skip
+    ncu.chmod(ncu.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("NCU", str(ncu))
+    got, message = measure.measure_flex([("flex-document_causal", shape), ("flex-dense", shape)],
+                                        "document_causal", 3)  # fmt: skip
+    assert message == "" and all(t is not None and t.total > 0 for t in got)
+    assert json.dumps([t.read for t in got])  # (plain ints, as the JSON rows carry them)
+
+
+@pytest.mark.gpu
+def test_gpu_dram_estimate_of_document_masks_against_ncu() -> None:
+    """ncu's DRAM bytes of the document-causal forward (the Hopper kernel) within 15% of the
+    estimate at two points, through ``flashlite traffic --mask --measure``'s own path."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from flashlite.traffic import AttentionShape, block_sparse_rows, find_ncu
+
+    if find_ncu() is None:
+        pytest.skip("ncu not found")
+    shapes = [AttentionShape(1, 16, n, 128, dtype=torch.bfloat16) for n in (16384, 32768)]
+    rows, notes = block_sparse_rows(shapes, "document_causal", measure=True,
+                                    show_progress=False)  # fmt: skip
+    if any("permitted" in n for n in notes):
+        pytest.skip("; ".join(notes))
+    for r in rows:
+        if r["method"] == "flex-document_causal":
+            assert r["measured_bytes"] is not None, notes
+            assert 0.85 <= r["measured_bytes"] / r["dram_bytes"] <= 1.15, r
 
 
 def test_dram_estimate_reads_visited_keys_once() -> None:

@@ -196,9 +196,17 @@ def _cmd_block_sparse_traffic(args: argparse.Namespace) -> int:
     from flashlite.traffic import block_sparse_rows, format_block_sparse_table
 
     shapes = [replace(_shape_from(args, n), seq_k=None, causal=False) for n in args.seq]
-    return _unmeasured_rows(args, "--mask", lambda: block_sparse_rows(
-        shapes, args.mask, docs=args.docs, count=args.count,
-        show_progress=not args.quiet), format_block_sparse_table)  # fmt: skip
+    try:  # (a shape the model leaves out fails before any counting)
+        rows, notes = block_sparse_rows(shapes, args.mask, docs=args.docs, count=args.count,
+                                        measure=args.measure,
+                                        show_progress=not args.quiet)  # fmt: skip
+    except ValueError as err:
+        print(f"flashlite traffic: error: {err}", file=sys.stderr)
+        return 2
+    for note in dict.fromkeys(notes):
+        print(f"note: {note}", file=sys.stderr)
+    _emit(args, rows, [format_block_sparse_table(rows)])
+    return _measure_status(args, rows)
 
 
 def _measure_status(args: argparse.Namespace, rows: Sequence[dict[str, Any]]) -> int:

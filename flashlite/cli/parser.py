@@ -399,7 +399,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(window N/8, prefix N/4, --docs random documents per sequence; 128x128 tables) against "
         "the same kernel over every tile and the naive reference; for the document masks also "
         "the documents packed as attention_varlen sequences (model; --count counts the flex "
-        "and varlen rows) (default: off)",
+        "and varlen rows, --measure measures them with ncu) (default: off)",
     )
     _option(t, "--docs", type=_COUNT, default=8, help="documents per sequence (with --mask)")
     _option(

@@ -209,10 +209,29 @@ def _decode_child(spec: dict[str, Any], report: dict[str, Any]) -> None:
         torch.cuda.empty_cache()
 
 
+def _flex_child(spec: dict[str, Any], report: dict[str, Any]) -> None:
+    """Block-sparse attention's half of :func:`_child_main`: one range per (method, shape) call
+    of ``spec["calls"]`` (:func:`~flashlite.traffic.sparse_calls.sparse_call`), its tables built
+    before the range."""
+    from flashlite.traffic.sparse_calls import sparse_call
+
+    for i, (method, d) in enumerate(spec["calls"]):
+        try:
+            fn = sparse_call(method, AttentionShape.from_json(d), spec["mask"], spec["docs"],
+                             tuple(spec["block"]), spec.get("device", "cuda"))  # fmt: skip
+            _warm_up(fn)
+            _measure_once(i, fn)
+            del fn
+        except Exception as e:
+            report["errors"][i] = f"{type(e).__name__}: {e}"
+        torch.cuda.empty_cache()
+
+
 _CHILDREN = {
     "attention": _attention_child,
     "attention_bwd": _attention_bwd_child,
     "decode": _decode_child,
+    "flex": _flex_child,
     "softmax": _softmax_child,
 }
 
@@ -424,4 +443,39 @@ def measure_softmax(
         out[algorithms[int(found.group(1))]] = t
     errors = report.get("errors", {})
     message = "; ".join(f"softmax {algorithms[int(i)]}: {e}" for i, e in sorted(errors.items()))
+    return out, message
+
+
+def measure_flex(calls: Sequence[tuple[str, AttentionShape]], mask: str, docs: int,
+                 block: tuple[int, int] = (128, 128), *,
+                 timeout: float = 600.0) -> tuple[list[Traffic | None], str]:  # fmt: skip
+    """Measured DRAM bytes of one forward per ``(method, shape)`` call of ``flashlite traffic
+    --mask`` (``flex-<mask>``, ``flex-dense``, the document masks' varlen row), with Nsight
+    Compute: ``(traffic per call, message)``, never raising for a missing GPU or profiler (the
+    message says why, and a call that failed is None with its error in the message)."""
+    none: list[Traffic | None] = [None] * len(calls)
+    if not torch.cuda.is_available():
+        return none, "measured: no CUDA device, DRAM bytes need a GPU"
+    ncu = find_ncu()
+    if ncu is None:
+        return none, "measured: ncu (Nsight Compute CLI) not found; set $NCU"
+    spec = {"kind": "flex", "mask": mask, "docs": docs, "block": list(block),
+            "calls": [[m, s.to_json()] for m, s in calls]}  # fmt: skip
+    kernels, report, error = _run_ncu_spec(ncu, spec, len(calls), True, timeout)
+    if error:
+        return none, f"measured ({mask}): {error}"
+    out = list(none)
+    for k in kernels:
+        found = _RANGE_RE.search(k.name)
+        if found is None or math.isnan(k.read + k.write):
+            continue
+        i = int(found.group(1))
+        t = out[i] or Traffic()
+        t.add(k.name, round(k.read), round(k.write))
+        out[i] = t
+    errors = {int(i): e for i, e in report.get("errors", {}).items()}
+    for i in errors:
+        out[i] = None
+    message = "; ".join(f"{calls[i][0]} N={calls[i][1].seq_q}: {e}"
+                        for i, e in sorted(errors.items()))  # fmt: skip
     return out, message

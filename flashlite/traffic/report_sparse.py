@@ -10,32 +10,15 @@ from typing import Any
 
 from flashlite.traffic.report import format_mb, format_ratio, progress_bar, text_table
 from flashlite.traffic.shapes import AttentionShape, Traffic, byte_fields
+from flashlite.traffic.sparse_calls import (
+    MASKS,
+    document_lengths,
+    gallery_mask,
+    varlen_method,
+    varlen_tables,
+)
 
-#: the masks ``flashlite traffic --mask`` knows, as gallery makers of (N, B, docs)
-MASKS = ("causal", "sliding_window", "prefix_lm", "document", "document_causal")
-
-
-def gallery_mask(name: str, n: int, batch: int, docs: int) -> Any:
-    """A gallery mask for sequences of ``n``: window ``n/8``, prefix ``n/4``, ``docs`` random
-    documents per sequence (seed 0)."""
-    from flashlite import gallery
-
-    if name == "causal":
-        return gallery.causal()
-    if name == "sliding_window":
-        return gallery.sliding_window(max(1, n // 8))
-    if name == "prefix_lm":
-        return gallery.prefix_lm(n // 4)
-    if name in ("document", "document_causal"):
-        ids = _document_ids(n, batch, docs)
-        return (gallery.document if name == "document" else gallery.document_causal)(ids)
-    raise ValueError(f"mask {name!r} is not one of {', '.join(MASKS)}")
-
-
-def _document_ids(n: int, batch: int, docs: int) -> Any:
-    from flashlite import gallery
-
-    return gallery.random_documents(batch, n, min(docs, n))
+__all__ = ["MASKS", "block_sparse_rows", "format_block_sparse_table"]
 
 
 def block_sparse_rows(
@@ -46,6 +29,7 @@ def block_sparse_rows(
     count: bool = False,
     block: tuple[int, int] = (128, 128),
     kernel_block: tuple[int, int] = (128, 64),
+    measure: bool = False,
     show_progress: bool = True,
 ) -> tuple[list[dict[str, Any]], list[str]]:
     """Three rows per shape: flex_attention with the ``mask`` tables, the same kernel over
@@ -54,7 +38,8 @@ def block_sparse_rows(
     (:func:`flashlite.attention_varlen` with the gallery's causal mask, or every tile). The model
     uses ``block`` tables and the GPU kernel's ``kernel_block``; with ``count`` both flex rows
     are also counted on CPU, and the model is evaluated with the interpreter's tiles (the
-    table's own), like for like. Returns the rows and notes."""
+    table's own), like for like; with ``measure`` every row but naive's is measured with ncu
+    on the GPU (one forward each, tables built before it). Returns the rows and notes."""
     import torch
 
     import flashlite
@@ -104,7 +89,7 @@ def block_sparse_rows(
                                           strict=True):  # fmt: skip
             rows.append({
                 "method": method, "seq_len": shape.seq_q,
-                **byte_fields(model=m, counted=c, dram=dram),
+                **byte_fields(model=m, counted=c, dram=dram, measured=None),
                 "vs_flex": m.total / flex.total,
                 "tiles": _tiles(m) if method != "naive" else "-",
                 "kernel_tiles": f"{kt[0]}x{kt[1]}", "shape": shape.to_json(),
@@ -115,6 +100,8 @@ def block_sparse_rows(
                      f"tiles of {block[0]}x{block[1]})")  # fmt: skip
     if show_progress:
         progress_bar(len(shapes), len(shapes), mask)
+    if measure:
+        _measure(rows, shapes, mask, docs, block, notes)
     if mask.startswith("document"):
         notes.append("varlen: the documents as sequences of their own, attention_varlen with "
                      + ("gallery.causal()" if mask == "document_causal" else "every tile")
@@ -124,6 +111,21 @@ def block_sparse_rows(
         notes.append("counted in Triton's interpreter with the table's tiles; the model is "
                      "evaluated with the same (without --count: the GPU kernel's)")  # fmt: skip
     return rows, notes
+
+
+def _measure(rows: list[dict[str, Any]], shapes: Sequence[AttentionShape], mask: str, docs: int,
+             block: tuple[int, int], notes: list[str]) -> None:  # fmt: skip
+    """Fill the rows' ``measured_*`` fields from one ncu run over every kernel row."""
+    from flashlite.traffic.measure import measure_flex
+
+    by_n = {s.seq_q: s for s in shapes}
+    shown = [r for r in rows if r["method"] != "naive"]
+    measured, message = measure_flex([(r["method"], by_n[r["seq_len"]]) for r in shown], mask,
+                                     docs, block)  # fmt: skip
+    for r, t in zip(shown, measured, strict=True):
+        r.update(byte_fields(measured=t))
+    if message:
+        notes.append(message)
 
 
 @dataclass
@@ -141,27 +143,17 @@ def _varlen(shape: AttentionShape, mask: str, docs: int, block: tuple[int, int],
     :func:`flashlite.attention_varlen` with the gallery's causal mask (``document_causal``) or
     every tile (``document``), its tables the longest document's. ``kernel_block`` None: the
     table's tiles (the interpreter's), else the GPU's Triton forward's."""
-    import torch
-
-    import flashlite
-    from flashlite import gallery
-    from flashlite.ops.attention import dense_block_mask
     from flashlite.ops.attention.flex_plan import triton_fwd_tiles
     from flashlite.traffic.count_sparse import count_flex_varlen
     from flashlite.traffic.model import dram_flex_varlen, model_flex_varlen
 
-    ids = _document_ids(shape.seq_q, shape.batch, docs)
-    lengths = [int(n) for row in ids for n in torch.unique_consecutive(row, return_counts=True)[1]]
+    lengths = document_lengths(shape.seq_q, shape.batch, docs)
     longest = max(lengths)
     vshape = replace(shape, batch=len(lengths), seq_q=longest, seq_k=None)
-    if mask == "document_causal":
-        vbm = flashlite.create_block_mask(gallery.causal(), None, None, longest, longest,
-                                          device="cpu", BLOCK_SIZE=block)  # fmt: skip
-    else:
-        vbm = dense_block_mask(longest, longest, block, torch.device("cpu"))
+    vbm = varlen_tables(mask, longest, block)
     tiles = block if kernel_block is None else triton_fwd_tiles(shape.head_dim, block, True)
     return _VarlenFigures(
-        "varlen-causal" if mask == "document_causal" else "varlen",
+        varlen_method(mask),
         model_flex_varlen(vshape, lengths, lengths, vbm, kernel_block=tiles),
         count_flex_varlen(vshape, lengths, lengths, vbm) if count else None,
         dram_flex_varlen(vshape, lengths, lengths, vbm),
@@ -181,5 +173,6 @@ def format_block_sparse_table(rows: Sequence[dict[str, Any]]) -> str:
         ("model MB", 12, lambda r: format_mb(r["model_bytes"])),
         ("counted MB", 13, lambda r: format_mb(r["counted_bytes"])),
         ("DRAM est MB", 14, lambda r: format_mb(r["dram_bytes"])),
+        ("measured MB", 14, lambda r: format_mb(r["measured_bytes"])),
         ("vs flex", 9, lambda r: format_ratio(r["vs_flex"])),
     ])  # fmt: skip
