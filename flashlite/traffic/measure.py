@@ -193,20 +193,27 @@ def _decode_call(method: str, shape: AttentionShape, device: str) -> Callable[[]
     return lambda: attention_decode_fwd(q, k, v, lengths, masks.CAUSAL, shape.head_dim**-0.5)
 
 
-def _decode_child(spec: dict[str, Any], report: dict[str, Any]) -> None:
-    """Decoding's half of :func:`_child_main`: one range per shape, holding one call of the
-    decode kernel (and its combine) against full caches, or of the materialising reference."""
-    for i, d in enumerate(spec["shapes"]):
+def _each_range(report: dict[str, Any], makers: Sequence[Callable[[], Callable[[], Any]]]) -> None:
+    """Range ``i`` holds one call of what ``makers[i]()`` returns (made, then warmed up, outside
+    the range); a failure is recorded in ``report["errors"]`` and the others go on."""
+    for i, make in enumerate(makers):
         try:
-            fn = _decode_call(
-                spec["method"], AttentionShape.from_json(d), spec.get("device", "cuda")
-            )
+            fn = make()
             _warm_up(fn)
             _measure_once(i, fn)
             del fn
-        except Exception as e:
+        except Exception as e:  # e.g. the reference's N x N intermediates out of memory
             report["errors"][i] = f"{type(e).__name__}: {e}"
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def _decode_child(spec: dict[str, Any], report: dict[str, Any]) -> None:
+    """Decoding's half of :func:`_child_main`: one range per shape, holding one call of the
+    decode kernel (and its combine) against full caches, or of the materialising reference."""
+    device = spec.get("device", "cuda")
+    _each_range(report, [lambda d=d: _decode_call(spec["method"], AttentionShape.from_json(d),
+                                                  device) for d in spec["shapes"]])  # fmt: skip
 
 
 def _flex_child(spec: dict[str, Any], report: dict[str, Any]) -> None:
@@ -215,16 +222,11 @@ def _flex_child(spec: dict[str, Any], report: dict[str, Any]) -> None:
     before the range."""
     from flashlite.traffic.sparse_calls import sparse_call
 
-    for i, (method, d) in enumerate(spec["calls"]):
-        try:
-            fn = sparse_call(method, AttentionShape.from_json(d), spec["mask"], spec["docs"],
-                             tuple(spec["block"]), spec.get("device", "cuda"))  # fmt: skip
-            _warm_up(fn)
-            _measure_once(i, fn)
-            del fn
-        except Exception as e:
-            report["errors"][i] = f"{type(e).__name__}: {e}"
-        torch.cuda.empty_cache()
+    mask, docs, block = spec["mask"], spec["docs"], tuple(spec["block"])
+    device = spec.get("device", "cuda")
+    _each_range(report, [lambda m=m, d=d: sparse_call(m, AttentionShape.from_json(d), mask, docs,
+                                                      block, device)
+                         for m, d in spec["calls"]])  # fmt: skip
 
 
 _CHILDREN = {
@@ -416,6 +418,30 @@ def measure_attention(
     return Measurement(traffic, message, configs, groups)
 
 
+def _ranges(spec: dict[str, Any], n_ranges: int, timeout: float,
+            what: str) -> tuple[list[Traffic | None], dict[str, str], str]:  # fmt: skip
+    """One ncu run over ``spec``'s ``n_ranges`` calls, its kernels summed per range: ``(traffic
+    per range, the child's errors by range, why nothing was measured or "")``."""
+    out: list[Traffic | None] = [None] * n_ranges
+    if not torch.cuda.is_available():
+        return out, {}, "measured: no CUDA device, DRAM bytes need a GPU"
+    ncu = find_ncu()
+    if ncu is None:
+        return out, {}, "measured: ncu (Nsight Compute CLI) not found; set $NCU"
+    kernels, report, error = _run_ncu_spec(ncu, spec, n_ranges, True, timeout)
+    if error:
+        return out, {}, f"measured ({what}): {error}"
+    for k in kernels:
+        found = _RANGE_RE.search(k.name)
+        if found is None or math.isnan(k.read + k.write):
+            continue
+        i = int(found.group(1))
+        t = out[i] or Traffic()
+        t.add(k.name, round(k.read), round(k.write))
+        out[i] = t
+    return out, report.get("errors", {}), ""
+
+
 def measure_softmax(
     rows: int, n: int, dtype: torch.dtype, algorithms: Sequence[str], *, timeout: float = 600.0
 ) -> tuple[dict[str, Traffic | None], str]:
@@ -423,25 +449,12 @@ def measure_softmax(
     ``torch.softmax``), with Nsight Compute; ``(traffic per algorithm, message)``, never raising
     for a missing GPU or profiler (the message says why)."""
     none: dict[str, Traffic | None] = dict.fromkeys(algorithms)
-    if not torch.cuda.is_available():
-        return none, "measured: no CUDA device, DRAM bytes need a GPU"
-    ncu = find_ncu()
-    if ncu is None:
-        return none, "measured: ncu (Nsight Compute CLI) not found; set $NCU"
     spec = {"kind": "softmax", "rows": rows, "n": n, "dtype": str(dtype).removeprefix("torch."),
             "algorithms": list(algorithms)}  # fmt: skip
-    kernels, report, error = _run_ncu_spec(ncu, spec, len(algorithms), True, timeout)
-    if error:
-        return none, f"measured (softmax): {error}"
-    out = dict(none)
-    for k in kernels:
-        found = _RANGE_RE.search(k.name)
-        if found is None or math.isnan(k.read + k.write):
-            continue
-        t = out[algorithms[int(found.group(1))]] or Traffic()
-        t.add(k.name, round(k.read), round(k.write))
-        out[algorithms[int(found.group(1))]] = t
-    errors = report.get("errors", {})
+    per_range, errors, failed = _ranges(spec, len(algorithms), timeout, "softmax")
+    if failed:
+        return none, failed
+    out = dict(zip(algorithms, per_range, strict=True))
     message = "; ".join(f"softmax {algorithms[int(i)]}: {e}" for i, e in sorted(errors.items()))
     return out, message
 
@@ -453,29 +466,13 @@ def measure_flex(calls: Sequence[tuple[str, AttentionShape]], mask: str, docs: i
     --mask`` (``flex-<mask>``, ``flex-dense``, the document masks' varlen row), with Nsight
     Compute: ``(traffic per call, message)``, never raising for a missing GPU or profiler (the
     message says why, and a call that failed is None with its error in the message)."""
-    none: list[Traffic | None] = [None] * len(calls)
-    if not torch.cuda.is_available():
-        return none, "measured: no CUDA device, DRAM bytes need a GPU"
-    ncu = find_ncu()
-    if ncu is None:
-        return none, "measured: ncu (Nsight Compute CLI) not found; set $NCU"
     spec = {"kind": "flex", "mask": mask, "docs": docs, "block": list(block),
             "calls": [[m, s.to_json()] for m, s in calls]}  # fmt: skip
-    kernels, report, error = _run_ncu_spec(ncu, spec, len(calls), True, timeout)
-    if error:
-        return none, f"measured ({mask}): {error}"
-    out = list(none)
-    for k in kernels:
-        found = _RANGE_RE.search(k.name)
-        if found is None or math.isnan(k.read + k.write):
-            continue
-        i = int(found.group(1))
-        t = out[i] or Traffic()
-        t.add(k.name, round(k.read), round(k.write))
-        out[i] = t
-    errors = {int(i): e for i, e in report.get("errors", {}).items()}
+    out, errors, failed = _ranges(spec, len(calls), timeout, mask)
+    if failed:
+        return out, failed
     for i in errors:
-        out[i] = None
-    message = "; ".join(f"{calls[i][0]} N={calls[i][1].seq_q}: {e}"
+        out[int(i)] = None
+    message = "; ".join(f"{calls[int(i)][0]} N={calls[int(i)][1].seq_q}: {e}"
                         for i, e in sorted(errors.items()))  # fmt: skip
     return out, message

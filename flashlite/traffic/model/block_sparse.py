@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -107,6 +108,15 @@ def _info(classes: torch.Tensor, mask_tile: int | None, score_tile: int | None,
             "tiles": kernel_block}  # fmt: skip
 
 
+def _setup(shape: AttentionShape, block_mask: BlockMask, score_mod: ScoreMod | None,
+           kernel_block: tuple[int, int] | None) -> tuple[Any, ...]:  # fmt: skip
+    """``(table tile, kernel tile, mask and score bytes per kernel tile, classes)``."""
+    block = block_mask.BLOCK_SIZE
+    kernel_block = kernel_block or block
+    return (block, kernel_block, _tile_reads(block_mask.mask_mod, *kernel_block),
+            _tile_reads(score_mod, *kernel_block), _classes(shape, block_mask))  # fmt: skip
+
+
 def model_flex_attention(
     shape: AttentionShape,
     block_mask: BlockMask,
@@ -119,11 +129,8 @@ def model_flex_attention(
     table's own, as in the interpreter). ``info`` holds the tile counts (``full``, ``partial``,
     ``empty``) and whether the mods' buffer reads are in the model.
     """
-    block = block_mask.BLOCK_SIZE
-    kernel_block = kernel_block or block
-    mask_tile = _tile_reads(block_mask.mask_mod, *kernel_block)
-    score_tile = _tile_reads(score_mod, *kernel_block)
-    classes = _classes(shape, block_mask)
+    block, kernel_block, mask_tile, score_tile, classes = _setup(shape, block_mask, score_mod,
+                                                                 kernel_block)  # fmt: skip
     w = _Walk()
     _walk(w, classes, shape.seq_q, shape.nk, block, kernel_block, varlen=False)
     t = _bytes(shape, w, mask_tile, score_tile)
@@ -163,11 +170,8 @@ def model_flex_varlen(
     (``tiles_run``) and whether the mods' buffer reads are in the model.
     """
     _check_lengths(shape, lengths_q, lengths_k)
-    block = block_mask.BLOCK_SIZE
-    kernel_block = kernel_block or block
-    mask_tile = _tile_reads(block_mask.mask_mod, *kernel_block)
-    score_tile = _tile_reads(score_mod, *kernel_block)
-    classes = _classes(shape, block_mask)
+    block, kernel_block, mask_tile, score_tile, classes = _setup(shape, block_mask, score_mod,
+                                                                 kernel_block)  # fmt: skip
     w = _Walk()
     counts = {"full": 0, "partial": 0, "empty": 0}
     for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k, strict=True)):
