@@ -265,6 +265,26 @@ def test_window_folds_into_the_flex_kernels_where_they_apply(
     assert len([c for c in W._bands if c[:2] == (nq, nk)]) == 1
 
 
+def test_window_band_classes_equal_the_classifiers() -> None:
+    """The fold's closed-form tables are the classifier's for the same band: ragged rows and
+    keys, bands that miss every key, a window of one key, unlimited sides."""
+    from flashlite.ops.attention import window as W
+
+    gen = torch.Generator().manual_seed(0)
+    cases = [(72, 72, -17, 0, (32, 32)), (40, 72, 20, 32, (16, 32)), (72, 50, -200, -100, (16, 16)),
+             (33, 33, 0, 0, (16, 16)), (50, 70, -1000, 1000, (32, 16))]  # fmt: skip
+    for _ in range(6):
+        nq, nk = (int(x) for x in torch.randint(1, 90, (2,), generator=gen))
+        lo = int(torch.randint(-nq, nk, (1,), generator=gen))
+        cases.append((nq, nk, lo, lo + int(torch.randint(0, 40, (1,), generator=gen)), (16, 16)))
+    for nq, nk, lo, hi, block in cases:
+        hand = mods.mask_mod(_band_by_hand, lo, hi, name="tests.band_by_hand")
+        want = flashlite.create_block_mask(hand, None, None, nq, nk, device="cpu",
+                                           BLOCK_SIZE=block).classes()  # fmt: skip
+        got = W.band_classes(nq, nk, lo, hi, block, "cpu")
+        assert torch.equal(got, want), (nq, nk, lo, hi, block)
+
+
 def test_window_fold_reads_either_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """The fold takes ``b n h d`` views of a packed buffer as the Triton window kernel does:
     the same bits as the ``b h n d`` call and as a compiled call, and the Triton kernel's

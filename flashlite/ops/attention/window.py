@@ -14,7 +14,8 @@ plain window call (no soft cap, lengths, packing, sinks, split or pinned config)
 Everywhere else (CPU, fp32, other head dims, deterministic algorithms) the Triton window
 kernels run as before. Because both paths are the flex kernels over the same tables, a window
 written as a mask function (:func:`flashlite.gallery.sliding_window`) gives the built-in's
-bits. The tables are built once per shape and band (:func:`band_tables`, on the device).
+bits. The tables are built once per shape and band (:func:`band_tables`, on the device, in
+closed form: :func:`band_classes`).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from flashlite import mods as M
 from flashlite._caches import Cache
 from flashlite.kernels.attention import hopper as KH
 from flashlite.kernels.attention import hopper_bwd as KHB
-from flashlite.ops.attention.block_mask import create_block_mask
 from flashlite.ops.attention.flex import _bwd_body, _fwd_body
 from flashlite.ops.attention.mod_args import spec_mod
 from flashlite.ops.attention.plan import DESC_MIN_WORK, _descriptor_ok, hopper_config
@@ -75,8 +75,27 @@ def _make_band(nq: int, nk: int, lo: int, hi: int, block: tuple[int, int],
                device: torch.device) -> Band:  # fmt: skip
     mod = M.mask_mod(_band, lo, hi, torch_fn=_band_t, name="flashlite.window.band",
                      tile_reads=lambda bm, bn: 0)  # fmt: skip
-    tables = create_block_mask(mod, None, None, nq, nk, device=device, BLOCK_SIZE=block)
+    tables = BM.BlockMask.from_classes(band_classes(nq, nk, lo, hi, block, device), (nq, nk),
+                                       block, mod)  # fmt: skip
     return Band(mod, tables, spec_mod(mod))
+
+
+def band_classes(nq: int, nk: int, lo: int, hi: int, block: tuple[int, int],
+                 device: torch.device | str) -> torch.Tensor:  # fmt: skip
+    """The classes of the band ``lo <= kv − q <= hi`` as :func:`~flashlite.ops.attention.
+    block_mask.create_block_mask` makes them (rows past ``nq`` ignored, a tile crossing ``nk``
+    never full), in closed form: a tile's pairs take every offset from its first key minus its
+    last row to its last key minus its first row, so one comparison per tile edge decides it,
+    with no pass over the pairs. ``(1, 1, nQ, nK)`` int8."""
+    bm, bn = block
+    r0 = torch.arange(0, nq, bm, device=device)[:, None]
+    c0 = torch.arange(0, nk, bn, device=device)[None, :]
+    r1, c1 = (r0 + bm).clamp(max=nq), (c0 + bn).clamp(max=nk)
+    low, high = c0 - (r1 - 1), (c1 - 1) - r0  # the tile's smallest and largest offsets
+    some = (high >= lo) & (low <= hi)
+    every = (low >= lo) & (high <= hi) & (c1 - c0 == bn)
+    classes = torch.where(every, BM.FULL, torch.where(some, BM.PARTIAL, BM.EMPTY))
+    return classes.to(torch.int8)[None, None]
 
 
 def fwd_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> KH.HopperConfig | None:
