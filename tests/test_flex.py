@@ -1195,8 +1195,8 @@ def test_gpu_hand_written_causal_matches_the_built_in_bit_for_bit() -> None:
 @pytest.mark.gpu
 def test_gpu_hand_written_window_matches_the_built_in_bit_for_bit() -> None:
     """The built-in window runs the flex Hopper kernels over its band's tables: a window mask
-    written by hand gives the same bits forward, and the backward (the fused flex kernel)
-    agrees with fp32's within bf16's rounding."""
+    written by hand gives the same bits forward, and forward and backward (the fused flex
+    kernel) are within 2x torch's bf16 error."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs the Hopper (sm_90) kernel")
     from flashlite.ops.attention import window as W
@@ -1208,13 +1208,10 @@ def test_gpu_hand_written_window_matches_the_built_in_bit_for_bit() -> None:
         bm = flashlite.create_block_mask(gallery.sliding_window(256), None, None, n, n)
         o = flashlite.attention(q, k, v, causal=True, window=(256, 0))
         assert torch.equal(flashlite.flex_attention(q, k, v, block_mask=bm), o)
-        go = torch.randn_like(o)
-        folded = torch.autograd.grad(o, (q, k, v), go)
-        exact = [t.detach().float().requires_grad_() for t in (q, k, v)]
-        ref = reference.attention(*exact, causal=True, window=(256, 0))
-        want = torch.autograd.grad(ref, exact, go.float())
-        for a, w in zip(folded, want, strict=True):
-            torch.testing.assert_close(a.float(), w, atol=3e-2, rtol=3e-2)
+        leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+        exact = reference.attention(*leaves, causal=True, window=(256, 0))
+        low = reference.attention(q, k, v, causal=True, window=(256, 0))
+        _assert_within_twice_torchs_error(o, low, exact, (q, k, v), leaves, torch.bfloat16)
 
 
 # --------------------------------------------------------------------------- traffic
