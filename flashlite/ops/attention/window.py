@@ -3,7 +3,7 @@ Hopper kernels where they apply.
 
 A window is a band of the score matrix: query i sees key j iff ``lo <= j − i <= hi``. Its block
 tables list, per query block, the few key tiles the band crosses (full inside it, partial on
-its edges), so the flex kernels walk exactly the tiles the Triton window kernel walks. On the
+its edges): the flex kernels walk the band as the Triton window kernel does, tile by tile. On the
 H200 they ran the band faster (forward 0.90×, forward + backward 0.945× the Triton window
 kernels' time at N 16k, window 1024, D 128, bf16; ``benchmarks/results/mods-*.json``), so a
 plain window call (no soft cap, lengths, packing, sinks, split or pinned config) runs them:
