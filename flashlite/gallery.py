@@ -14,7 +14,7 @@ maker                  keeps / adds
 ``sliding_window(w)``  causal, and ``q_idx − kv_idx <= w`` (``window=(w, 0)`` built in)
 ``prefix_lm(n)``       keys below ``n`` for everyone, causal after
 ``document(ids)``      ``ids[b, q_idx] == ids[b, kv_idx]`` (packed sequences)
-``document_causal``    document and causal
+``document_causal``    document and causal (ids from varlen offsets: ``document_ids``)
 ``alibi(slopes)``      ``score + slopes[h]·(kv_idx − q_idx)``
 ``tanh_softcap(c)``    ``c·tanh(score / c)``
 ``relative_bias(t)``   ``score + t[h, clamp(kv_idx − q_idx, ±R) + R]``, ``t`` ``(H, 2R + 1)``
@@ -40,6 +40,7 @@ __all__ = [
     "document",
     "document_causal",
     "random_documents",
+    "document_ids",
     "alibi",
     "alibi_slopes",
     "tanh_softcap",
@@ -138,6 +139,39 @@ def random_documents(batch: int, n: int, docs: int, seed: int = 0) -> torch.Tens
         starts[cuts] = 1
         ids[b] = torch.cumsum(starts, 0, dtype=torch.int32)
     return ids
+
+
+def document_ids(cu_seqlens: torch.Tensor, total: int | None = None) -> torch.Tensor:
+    """Document ids ``(total,)`` int32 of packed sequences in flash-attn's varlen convention:
+    token t belongs to sequence b iff ``cu_seqlens[b] <= t < cu_seqlens[b + 1]``. With
+    :func:`document_causal` over the packed sequence as one batch, ``flex_attention`` gives
+    what ``attention_varlen(causal=True)`` gives for equal query and key lengths.
+
+    Args:
+        cu_seqlens: int ``(batch + 1,)`` offsets (starting at 0, non-decreasing).
+        total: the packed length; None reads ``cu_seqlens[-1]`` (a host sync on a GPU: pass
+            it, e.g. ``q.shape[0]``, to stay asynchronous).
+
+    Returns:
+        int32 ids on ``cu_seqlens``' device (tokens past the last offset get ``batch``).
+    """
+    if (
+        not isinstance(cu_seqlens, torch.Tensor)
+        or cu_seqlens.is_floating_point()
+        or cu_seqlens.dtype == torch.bool
+        or cu_seqlens.dim() != 1
+        or len(cu_seqlens) < 1
+    ):
+        raise TypeError(f"cu_seqlens must be a 1-D integer tensor (batch + 1,), got "
+                        f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)} "
+                        f"{tuple(getattr(cu_seqlens, 'shape', ()))}")  # fmt: skip
+    if total is None:
+        total = int(cu_seqlens[-1])
+    if isinstance(total, bool) or not isinstance(total, int) or total < 0:
+        raise ValueError(f"total must be an int >= 0, got {total!r}")
+    tokens = torch.arange(total, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    # (the sequence of token t: how many sequences end at or before it)
+    return torch.searchsorted(cu_seqlens[1:], tokens, right=True).to(torch.int32)
 
 
 def document(ids: torch.Tensor) -> MaskMod:

@@ -627,6 +627,31 @@ def test_mod_kernels_build_for_sm90(which: str, tmp_path) -> None:  # noqa: ANN0
     assert spills and max(spills) <= 256, run.stdout
 
 
+def test_document_ids_from_varlen_offsets_give_varlen_causal() -> None:
+    """The packed sequences of attention_varlen as documents of one sequence: flex_attention
+    with document_causal over the ids document_ids makes from the offsets equals
+    attention_varlen(causal=True), sequences of 0 and 1 tokens included."""
+    lengths = [23, 1, 0, 40, 9]
+    cu, total = _packed(lengths), sum(lengths)
+    ids = gallery.document_ids(cu)
+    assert ids.dtype == torch.int32
+    assert torch.equal(ids, torch.repeat_interleave(torch.arange(5), torch.tensor(lengths)).int())
+    assert torch.equal(gallery.document_ids(cu, total + 2)[-2:], torch.tensor([5, 5]).int())
+    q = torch.randn(total, 4, 16)
+    k, v = (torch.randn(total, 2, 16) for _ in range(2))
+    want = flashlite.attention_varlen(q, k, v, cu, cu, max(lengths), max(lengths), causal=True)
+    bm = flashlite.create_block_mask(gallery.document_causal(ids), None, None, total, total,
+                                     device="cpu", BLOCK_SIZE=16)  # fmt: skip
+    got = flashlite.flex_attention(q[None], k[None], v[None], block_mask=bm, layout="b n h d")
+    torch.testing.assert_close(got[0], want, atol=2e-6, rtol=1e-5)
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        gallery.document_ids(cu.float())
+    with pytest.raises(TypeError, match="cu_seqlens"):
+        gallery.document_ids(cu[None])
+    with pytest.raises(ValueError, match="total"):
+        gallery.document_ids(cu, -1)
+
+
 def test_varlen_rows_with_no_key_give_zero_and_minus_inf() -> None:
     """A window of 0 (each query sees its own position only): queries past a shorter
     sequence's keys see nothing, so their output is 0 and their LSE −inf; the rest match fp64."""
