@@ -495,7 +495,8 @@ def test_hopper_kernel_builds_for_sm90_without_spills_or_serialised_wgmma(
 
 def test_hopper_kernel_only_takes_plain_forwards(monkeypatch) -> None:
     # windows, soft caps, per-batch lengths, packed sequences, pinned configs and pointer loads
-    # keep the Triton kernel even where the Gluon one would run
+    # never take the dense Gluon kernel (a default window call takes flex's Hopper kernels
+    # instead, where they apply: ops/attention/window.py, tested in test_flex.py)
     import flashlite.ops.attention.fwd as ops
 
     calls = []
