@@ -348,6 +348,7 @@ def test_fused_hopper_backward_only_takes_plain_backwards(monkeypatch: pytest.Mo
 
     calls, folded = [], []
     monkeypatch.setattr(ops, "hopper_bwd_applies", lambda *a: True)
+    monkeypatch.setattr(ops.W, "hopper_bwd_applies", lambda *a: True)  # (the window's gate)
     monkeypatch.setattr(ops, "_run_hopper_bwd", lambda *a: calls.append(a) or False)
     monkeypatch.setattr(ops.W, "window_bwd", lambda *a: folded.append(a[-1]) or a[1:4])
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))

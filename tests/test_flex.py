@@ -236,7 +236,7 @@ def test_window_folds_into_the_flex_kernels_where_they_apply(
     ran: list[str] = []
     fwd, bwd = W.window_fwd, W.window_bwd
     monkeypatch.setattr(W, "fwd_config", lambda q, k, v: HopperConfig(BLOCK, BLOCK, 2))
-    monkeypatch.setattr(W, "bwd_block", lambda applies: (BLOCK, BLOCK))
+    monkeypatch.setattr(W, "bwd_block", lambda q, k, v, do: (BLOCK, BLOCK))
     monkeypatch.setattr(W, "window_fwd", lambda *a: ran.append("fwd") or fwd(*a))
     monkeypatch.setattr(W, "window_bwd", lambda *a: ran.append("bwd") or bwd(*a))
     q = torch.randn(2, 4, nq, D, requires_grad=True)
@@ -322,7 +322,7 @@ def test_window_stays_on_the_triton_kernels_elsewhere(monkeypatch: pytest.Monkey
     q, k, v = (torch.randn(1, 2, N, D, requires_grad=True) for _ in range(3))
     flashlite.attention(q, k, v, window=(9, 5)).sum().backward()
     monkeypatch.setattr(W, "fwd_config", lambda q, k, v: HopperConfig(BLOCK, BLOCK, 2))
-    monkeypatch.setattr(W, "bwd_block", lambda applies: (BLOCK, BLOCK))
+    monkeypatch.setattr(W, "bwd_block", lambda q, k, v, do: (BLOCK, BLOCK))
     flashlite.attention(q, k, v, window=(9, 5), softcap=5.0).sum().backward()
     flashlite.attention(q, k, v, window=(9, 5), sinks=torch.zeros(2)).sum().backward()
 

@@ -96,7 +96,7 @@ def attention_bwd(
     if (km.WINDOW and not km.SOFTCAP and seqlens_k is None and varlen is None and config is None
             and sinks is None):  # fmt: skip
         # a plain window: the fused flex backward over its band's tables, where it applies
-        block = W.bwd_block(hopper_bwd_applies(q, k, v, do, k, v))
+        block = W.bwd_block(q, k, v, do)
         if block is not None:
             return W.window_bwd(do, q, k, v, o, lse, dlse, km, scale, block)
     return _attention_bwd_masked(do, q, k, v, o, lse, dlse, mask, scale, seqlens_k, varlen,

@@ -202,6 +202,13 @@ def _op_args(block_mask: Any, score_mod: Any, q: torch.Tensor, k: torch.Tensor, 
     if tb not in (1, batch) or th not in (1, hq):
         raise ValueError(f"block_mask was built for B={tb}, H={th}; the call has B={batch}, "
                          f"H={hq} (build it with these, or None to broadcast)")  # fmt: skip
+    return op_tables(bm, smod)
+
+
+def op_tables(bm: Any, smod: M.ScoreMod | None = None) -> tuple[Any, ...]:
+    """Checked tables ``bm`` (a :class:`~flashlite.block_mask.BlockMask`) and score function
+    as the flex ops take them after q, k, v: the eight tables, the block size and both mods'
+    specs (:func:`~flashlite.ops.attention.mod_args.spec_mod`)."""
     return (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
             bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices,
             *bm.BLOCK_SIZE, *spec_mod(bm.mask_mod), *spec_mod(smod))  # fmt: skip

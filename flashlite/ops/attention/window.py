@@ -20,8 +20,6 @@ closed form: :func:`band_classes`).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import triton
 import triton.language as tl  # noqa: F401  (the jit mask below runs with it in scope)
@@ -32,9 +30,14 @@ from flashlite import mods as M
 from flashlite._caches import Cache
 from flashlite.kernels.attention import hopper as KH
 from flashlite.kernels.attention import hopper_bwd as KHB
-from flashlite.ops.attention.flex import _bwd_body, _fwd_body
-from flashlite.ops.attention.mod_args import spec_mod
-from flashlite.ops.attention.plan import DESC_MIN_WORK, _descriptor_ok, hopper_config
+from flashlite.ops.attention.flex import _bwd_body, _fwd_body, op_tables
+from flashlite.ops.attention.flex_plan import Grads
+from flashlite.ops.attention.plan import (
+    DESC_MIN_WORK,
+    _descriptor_ok,
+    hopper_bwd_applies,
+    hopper_config,
+)
 
 __all__ = ["band_tables", "fwd_config", "bwd_block", "window_fwd", "window_bwd"]
 
@@ -50,34 +53,24 @@ def _band_t(b, h, q_idx, kv_idx, lo, hi):  # type: ignore[no-untyped-def]
     return (rel >= lo) & (rel <= hi)
 
 
-class Band(NamedTuple):
-    """A window's band for ``nq`` queries against ``nk`` keys: its mask function and tables."""
-
-    mod: M.MaskMod
-    tables: BM.BlockMask
-    #: the mask as the flex ops carry it (:func:`~flashlite.ops.attention.mod_args.spec_mod`)
-    spec: tuple[str, list[torch.Tensor], list[float]]
-
-
 _bands: Cache = Cache("attention.window_bands", 32)
 
 
 def band_tables(km: masks.KernelMask, nq: int, nk: int, block: tuple[int, int],
-                device: torch.device) -> Band:  # fmt: skip
+                device: torch.device) -> BM.BlockMask:  # fmt: skip
     """The band of a window mask ``km`` (``WINDOW`` set: :meth:`flashlite.masks.Mask.kernel`,
-    unlimited sides already far) with tables of ``block`` tiles on ``device``, built once per
-    (lengths, band, tile, device)."""
+    unlimited sides already far) as tables of ``block`` tiles on ``device``, its mask function
+    with them; built once per (lengths, band, tile, device)."""
     lo, hi = (nk - nq) - km.left, (nk - nq) + km.right
     return _bands.made((nq, nk, lo, hi, block, device), _make_band, nq, nk, lo, hi, block, device)
 
 
 def _make_band(nq: int, nk: int, lo: int, hi: int, block: tuple[int, int],
-               device: torch.device) -> Band:  # fmt: skip
+               device: torch.device) -> BM.BlockMask:  # fmt: skip
     mod = M.mask_mod(_band, lo, hi, torch_fn=_band_t, name="flashlite.window.band",
                      tile_reads=lambda bm, bn: 0)  # fmt: skip
-    tables = BM.BlockMask.from_classes(band_classes(nq, nk, lo, hi, block, device), (nq, nk),
-                                       block, mod)  # fmt: skip
-    return Band(mod, tables, spec_mod(mod))
+    return BM.BlockMask.from_classes(band_classes(nq, nk, lo, hi, block, device), (nq, nk),
+                                     block, mod)  # fmt: skip
 
 
 def band_classes(nq: int, nk: int, lo: int, hi: int, block: tuple[int, int],
@@ -108,20 +101,12 @@ def fwd_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> KH.HopperCo
     return hopper_config(q, k.shape[2])
 
 
-def bwd_block(applies: bool) -> tuple[int, int] | None:
-    """The tables' tile where a window backward runs the fused flex backward (``applies``:
-    :func:`~flashlite.ops.attention.bwd.hopper_bwd_applies` said so), else None."""
-    return (2 * KHB.BLOCK_M, KHB.BLOCK_N) if applies else None
-
-
-def _flex_args(band: Band) -> tuple[object, ...]:
-    t = band.tables
-    return (t.kv_num_blocks, t.kv_indices, t.full_kv_num_blocks, t.full_kv_indices,
-            t.q_num_blocks, t.q_indices, t.full_q_num_blocks, t.full_q_indices,
-            *t.BLOCK_SIZE, *band.spec, "", [], [])  # fmt: skip
-
-
-Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+def bwd_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              do: torch.Tensor) -> tuple[int, int] | None:  # fmt: skip
+    """The tables' tile where a window backward of these views runs the fused flex backward
+    (:func:`~flashlite.ops.attention.plan.hopper_bwd_applies`; its gradients are allocated
+    like ``q``, ``k`` and ``v``), else None."""
+    return (2 * KHB.BLOCK_M, KHB.BLOCK_N) if hopper_bwd_applies(q, k, v, do, k, v) else None
 
 
 def window_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, km: masks.KernelMask,
@@ -129,7 +114,7 @@ def window_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, km: masks.Kern
     """``(o, lse)`` of a window forward on ``(B, H, N, D)`` views: flex's forward over the band's
     tables of ``block`` tiles."""
     band = band_tables(km, q.shape[2], k.shape[2], block, q.device)
-    return _fwd_body(q, k, v, *_flex_args(band), scale)  # type: ignore[arg-type]
+    return _fwd_body(q, k, v, *op_tables(band), scale)
 
 
 def window_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -137,4 +122,4 @@ def window_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                km: masks.KernelMask, scale: float, block: tuple[int, int]) -> Grads:  # fmt: skip
     """``(dq, dk, dv)`` of a window backward: flex's backward over the band's tables."""
     band = band_tables(km, q.shape[2], k.shape[2], block, q.device)
-    return _bwd_body(do, q, k, v, o, lse, dlse, *_flex_args(band), scale)  # type: ignore[arg-type]
+    return _bwd_body(do, q, k, v, o, lse, dlse, *op_tables(band), scale)
