@@ -5,15 +5,13 @@ sequences', :func:`flashlite.attention_varlen` with mods, against ``model_flex_v
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
-
-import torch
 
 from flashlite.block_mask import BlockMask
 from flashlite.mods import ScoreMod
 from flashlite.traffic.count import count_kernels, count_torch_ops
 from flashlite.traffic.shapes import AttentionShape, Traffic, make_inputs
+from flashlite.traffic.sparse_calls import packed_inputs
 
 
 def count_flex_attention(
@@ -49,12 +47,7 @@ def count_flex_varlen(
     ``parts`` as :func:`count_flex_attention`'s, the offsets as ``@cu_q`` and ``@cu_k``."""
     import flashlite
 
-    g = torch.Generator().manual_seed(0)
-    H, Hkv, D = shape.heads, shape.hkv, shape.head_dim
-    q = torch.randn(sum(lengths_q), H, D, generator=g).to(shape.dtype)
-    k, v = (torch.randn(sum(lengths_k), Hkv, D, generator=g).to(shape.dtype) for _ in "kv")
-    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32)
-                  for n in (lengths_q, lengths_k))  # fmt: skip
+    q, k, v, cu_q, cu_k = packed_inputs(shape, lengths_q, lengths_k)
     with count_kernels() as kern, count_torch_ops() as ops:
         kern.watch(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, kv_indices=block_mask.kv_indices,
                    full_kv_indices=block_mask.full_kv_indices)  # fmt: skip

@@ -101,7 +101,7 @@ def block_sparse_rows(
     if show_progress:
         progress_bar(len(shapes), len(shapes), mask)
     if measure:
-        _measure(rows, shapes, mask, docs, block, notes)
+        _measure(rows, mask, docs, block, notes)
     if mask.startswith("document"):
         notes.append("varlen: the documents as sequences of their own, attention_varlen with "
                      + ("gallery.causal()" if mask == "document_causal" else "every tile")
@@ -113,15 +113,14 @@ def block_sparse_rows(
     return rows, notes
 
 
-def _measure(rows: list[dict[str, Any]], shapes: Sequence[AttentionShape], mask: str, docs: int,
-             block: tuple[int, int], notes: list[str]) -> None:  # fmt: skip
+def _measure(rows: list[dict[str, Any]], mask: str, docs: int, block: tuple[int, int],
+             notes: list[str]) -> None:  # fmt: skip
     """Fill the rows' ``measured_*`` fields from one ncu run over every kernel row."""
     from flashlite.traffic.measure import measure_flex
 
-    by_n = {s.seq_q: s for s in shapes}
     shown = [r for r in rows if r["method"] != "naive"]
-    measured, message = measure_flex([(r["method"], by_n[r["seq_len"]]) for r in shown], mask,
-                                     docs, block)  # fmt: skip
+    calls = [(r["method"], AttentionShape.from_json(r["shape"])) for r in shown]
+    measured, message = measure_flex(calls, mask, docs, block)
     for r, t in zip(shown, measured, strict=True):
         r.update(byte_fields(measured=t))
     if message:

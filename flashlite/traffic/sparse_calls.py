@@ -4,7 +4,9 @@ the document masks as packed sequences of their own, and one forward call of eac
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -64,6 +66,20 @@ def varlen_tables(mask: str, longest: int, block: tuple[int, int],
     return dense_block_mask(longest, longest, block, torch.device(device))
 
 
+def packed_inputs(shape: AttentionShape, lengths_q: Sequence[int], lengths_k: Sequence[int],
+                  device: str | torch.device = "cpu") -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """Random packed ``q (Σ lengths_q, H, D)``, ``k, v (Σ lengths_k, Hkv, D)`` of ``shape``'s
+    heads, head dim and dtype, and their int32 offsets ``cu_q``, ``cu_k``: ``(q, k, v, cu_q,
+    cu_k)``, seeded."""
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, D = shape.heads, shape.hkv, shape.head_dim
+    q = torch.randn(sum(lengths_q), H, D, generator=g)
+    k, v = (torch.randn(sum(lengths_k), Hkv, D, generator=g) for _ in "kv")
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=device)
+                  for n in (lengths_q, lengths_k))  # fmt: skip
+    return (*(t.to(device=device, dtype=shape.dtype) for t in (q, k, v)), cu_q, cu_k)
+
+
 Device = str | torch.device
 
 
@@ -76,13 +92,9 @@ def sparse_call(method: str, shape: AttentionShape, mask: str, docs: int,
 
     if method == varlen_method(mask) and mask.startswith("document"):
         lengths = document_lengths(shape.seq_q, shape.batch, docs)
-        total, longest = sum(lengths), max(lengths)
-        g = torch.Generator().manual_seed(0)
-        q = torch.randn(total, shape.heads, shape.head_dim, generator=g)
-        k, v = (torch.randn(total, shape.hkv, shape.head_dim, generator=g) for _ in "kv")
-        q, k, v = (t.to(device=device, dtype=shape.dtype) for t in (q, k, v))
-        cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32,
-                          device=device)  # fmt: skip
+        longest = max(lengths)
+        q, k, v, cu, _ = packed_inputs(replace(shape, batch=len(lengths)), lengths, lengths,
+                                       device)  # fmt: skip
         bm = varlen_tables(mask, longest, block, device)
         return lambda: flashlite.attention_varlen(q, k, v, cu, cu, longest, longest,
                                                   validate=False, block_mask=bm)  # fmt: skip

@@ -100,11 +100,15 @@ def _bytes(shape: AttentionShape, w: _Walk, mask_tile: int | None, score_tile: i
     return t
 
 
+def _counts(classes: torch.Tensor) -> dict[str, int]:
+    """How many tiles of ``classes`` are full, partial and empty."""
+    n_full, n_part = int((classes == FULL).sum()), int((classes == PARTIAL).sum())
+    return {"full": n_full, "partial": n_part, "empty": classes.numel() - n_full - n_part}
+
+
 def _info(classes: torch.Tensor, mask_tile: int | None, score_tile: int | None,
           kernel_block: tuple[int, int]) -> dict[str, object]:  # fmt: skip
-    n_full, n_part = int((classes == FULL).sum()), int((classes == PARTIAL).sum())
-    return {"full": n_full, "partial": n_part, "empty": classes.numel() - n_full - n_part,
-            "mods_modelled": mask_tile is not None and score_tile is not None,
+    return {**_counts(classes), "mods_modelled": mask_tile is not None and score_tile is not None,
             "tiles": kernel_block}  # fmt: skip
 
 
@@ -176,8 +180,8 @@ def model_flex_varlen(
     counts = {"full": 0, "partial": 0, "empty": 0}
     for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k, strict=True)):
         _walk(w, classes[b], lq, lk, block, kernel_block, varlen=True)
-        own = _info(classes[b, :, : cdiv(lq, block[0]), : cdiv(lk, block[1])], None, None, block)
-        counts = {name: n + own[name] for name, n in counts.items()}  # type: ignore[operator]
+        own = _counts(classes[b, :, : cdiv(lq, block[0]), : cdiv(lk, block[1])])
+        counts = {name: n + own[name] for name, n in counts.items()}
     # every program reads its sequence's offsets, also those past a shorter sequence's rows
     programs = shape.batch * shape.heads * classes.shape[-2] * (block[0] // kernel_block[0])
     t = _bytes(shape, w, mask_tile, score_tile, offsets=16 * programs)
