@@ -42,7 +42,9 @@ the fp64 reference, gradients within twice torch's own low-precision error of th
 (plus a floor); a wrong or NaN result is printed at once, kept out of the timings and makes the
 exit status 1. A provider or metric that cannot run here (cuDNN unavailable, a backward that
 torch.compile cannot hold in one graph) is noted and skipped. Writes
-``benchmarks/results/overhead-<device slug>.{json,png,log}``, prints a table last.
+``benchmarks/results/overhead-<device slug>.{json,png,log}``, prints a table last. With
+``--cases``, the new rows replace those cases' rows in that file (from the same device and
+versions) and the other rows stay; ``meta["merged"]`` says which rows came from which run.
 
     python benchmarks/bench_overhead.py                      # every case
     python benchmarks/bench_overhead.py --cases grad decode  # cases whose name holds a word
@@ -67,7 +69,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import bench, device_name, device_slug, metadata, write_results
+from _common import RESULTS, bench, device_name, device_slug, metadata, write_results
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import flashlite
@@ -681,6 +683,42 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def merge(saved: dict[str, Any], rows: list[dict[str, Any]], meta: dict[str, Any],
+          words: list[str]) -> tuple[list[dict[str, Any]], dict[str, Any]]:  # fmt: skip
+    """``saved`` (a whole results file) with the cases matching ``words`` replaced by ``rows``.
+
+    Each case's providers come from one run, so every ratio stays within its own run. Returns
+    ``(rows, meta)``: the saved meta, its ``merged`` entry recording this run. A file from
+    another device or other versions is not merged into (``ValueError``).
+    """
+    keys = ("device", "torch", "triton")
+    if any(saved["meta"].get(k) != meta.get(k) for k in keys):
+        raise ValueError(f"saved results are from {[saved['meta'].get(k) for k in keys]}, this "
+                         f"run from {[meta.get(k) for k in keys]}: not merged")  # fmt: skip
+    by_case: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        by_case.setdefault(r["case"], []).append(r)
+    merged: list[dict[str, Any]] = []
+    for r in saved["rows"]:  # the saved order, each replaced case where it stood
+        if r["case"] not in by_case:
+            merged.append(r)
+        elif r["case"] not in {m["case"] for m in merged}:
+            merged += by_case[r["case"]]
+    merged += [r for r in rows if r["case"] not in {m["case"] for m in saved["rows"]}]
+    out = dict(saved["meta"])
+    out["merged"] = {
+        **out.get("merged", {}),
+        " ".join(words) + " cases": {
+            "date": meta["date"],
+            "command": meta["command"],
+            "note": "these rows come from this later run (same device and versions); each "
+            "row's ratios are within its own run",
+        },
+    }
+    out["failures"] = [*saved["meta"].get("failures", []), *meta["failures"]]
+    return merged, out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -738,6 +776,12 @@ def main(argv: list[str] | None = None) -> int:
         cases=args.cases or "all",
         failures=failures,
     )
+    saved_path = RESULTS / f"overhead-{device_slug()}.json"
+    if args.cases and saved_path.exists():
+        try:
+            rows, meta = merge(json.loads(saved_path.read_text()), rows, meta, args.cases)
+        except ValueError as err:
+            print(f"{err}; writing this run alone")
     table = format_table(rows)
     paths = write_results(
         f"overhead-{device_slug()}",
