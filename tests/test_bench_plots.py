@@ -19,6 +19,7 @@ def _bench(name: str) -> object:
     try:
         spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
         module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        sys.modules[name] = module  # dataclasses look their module up while it runs
         spec.loader.exec_module(module)  # type: ignore[union-attr]
     finally:
         sys.path.remove(str(ROOT / "benchmarks"))
@@ -30,6 +31,7 @@ def _bench(name: str) -> object:
     [
         ("bench_cross_entropy", "cross-entropy-nvidia-h200.json"),
         ("bench_mods", "mods-nvidia-h200.json"),
+        ("bench_mods", "mods-varlen-nvidia-h200.json"),
     ],
 )
 def test_results_replot(bench: str, results: str, tmp_path: Path) -> None:
@@ -42,19 +44,20 @@ def test_results_replot(bench: str, results: str, tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
 
 
-def test_mods_varlen_figure_draws_rows_of_its_shape(tmp_path: Path) -> None:
-    """``bench_mods.py --only varlen``'s figure from rows shaped as the bench writes them (no
-    GPU run has made its results file yet)."""
-    pytest.importorskip("matplotlib")
-    from flashlite import plotting
-
-    bench = _bench("bench_mods")
-    names = ["varlen, causal mod", "varlen, causal mod + ALiBi", "varlen causal=True",
-             "flex, document-causal"]  # fmt: skip
-    rows = [
-        {"group": "varlen", "point": f"varlen N{n}k {kind}",
-         "ms": {m: 0.1 * (i + 1) * n for i, m in enumerate(names)}}
-        for n in (8, 32) for kind in ("fwd", "fwd+bwd")
+def test_overhead_subset_run_merges_into_the_saved_file() -> None:
+    """``bench_overhead.py --cases ...`` replaces only those cases' rows, where they stood."""
+    bench = _bench("bench_overhead")
+    meta = {"device": "H200", "torch": "2.11", "triton": "3.6", "failures": []}
+    saved = {
+        "meta": dict(meta, date="d0", command="all"),
+        "rows": [{"case": c, "provider": p, "t": 0} for c in ("a", "flex", "b")
+                 for p in ("ours", "torch")],
+    }  # fmt: skip
+    new = [{"case": "flex", "provider": p, "t": 1} for p in ("ours", "torch")]
+    rows, out = bench.merge(saved, new, dict(meta, date="d1", command="flex"), ["flex"])  # type: ignore[attr-defined]
+    assert [(r["case"], r["t"]) for r in rows] == [
+        ("a", 0), ("a", 0), ("flex", 1), ("flex", 1), ("b", 0), ("b", 0)
     ]  # fmt: skip
-    png = plotting.save(bench.varlen_figure(rows, "a device"), tmp_path / "v.png")  # type: ignore[attr-defined]
-    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert out["date"] == "d0" and out["merged"]["flex cases"]["date"] == "d1"
+    with pytest.raises(ValueError, match="not merged"):
+        bench.merge(saved, new, dict(meta, torch="2.12", date="d1", command="x"), ["flex"])  # type: ignore[attr-defined]
