@@ -367,6 +367,3 @@ if GLUON_IMPORT_ERROR is None:
                          v_ready, empty, b, h, h_kv, start_m, n_tiles, n_full, full_row,
                          part_row, LISTED)),
         ], [4, 1], [240, 24])  # fmt: skip
-
-
-#: Shared-memory layouts of TMA blocks by (block shape, dtype): built in Python, so once each.
