@@ -5,7 +5,8 @@ sequences', :func:`flashlite.attention_varlen` with mods, against ``model_flex_v
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from flashlite.block_mask import BlockMask
 from flashlite.mods import ScoreMod
@@ -24,14 +25,9 @@ def count_flex_attention(
     import flashlite
 
     q, k, v = make_inputs(shape, "cpu")
-    with count_kernels() as kern, count_torch_ops() as ops:
-        kern.watch(q=q, k=k, v=v, kv_indices=block_mask.kv_indices,
-                   full_kv_indices=block_mask.full_kv_indices)  # fmt: skip
-        flashlite.flex_attention(q, k, v, score_mod=score_mod, block_mask=block_mask)
-    t = kern.traffic
-    if ops.traffic.total:
-        t.add("torch ops", ops.traffic.read, ops.traffic.write)
-    return t
+    return _counted(lambda: flashlite.flex_attention(q, k, v, score_mod=score_mod,
+                                                     block_mask=block_mask),
+                    block_mask, q=q, k=k, v=v)  # fmt: skip
 
 
 def count_flex_varlen(
@@ -48,11 +44,19 @@ def count_flex_varlen(
     import flashlite
 
     q, k, v, cu_q, cu_k = packed_inputs(shape, lengths_q, lengths_k)
+    return _counted(lambda: flashlite.attention_varlen(q, k, v, cu_q, cu_k, shape.seq_q, shape.nk,
+                                                       validate=False, score_mod=score_mod,
+                                                       block_mask=block_mask),
+                    block_mask, q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k)  # fmt: skip
+
+
+def _counted(call: Callable[[], Any], block_mask: BlockMask, **watched: Any) -> Traffic:
+    """The kernels' bytes of ``call()``, those that touched ``watched`` and the forward's tables
+    by name, plus any torch ops' as ``"torch ops"``."""
     with count_kernels() as kern, count_torch_ops() as ops:
-        kern.watch(q=q, k=k, v=v, cu_q=cu_q, cu_k=cu_k, kv_indices=block_mask.kv_indices,
+        kern.watch(**watched, kv_indices=block_mask.kv_indices,
                    full_kv_indices=block_mask.full_kv_indices)  # fmt: skip
-        flashlite.attention_varlen(q, k, v, cu_q, cu_k, shape.seq_q, shape.nk, validate=False,
-                                   score_mod=score_mod, block_mask=block_mask)  # fmt: skip
+        call()
     t = kern.traffic
     if ops.traffic.total:
         t.add("torch ops", ops.traffic.read, ops.traffic.write)

@@ -13,12 +13,14 @@ import torch
 
 from flashlite.traffic.shapes import AttentionShape, make_inputs
 
+#: where the calls' tensors go
+Device = str | torch.device
+
 #: the masks ``flashlite traffic --mask`` knows, as gallery makers of (N, B, docs)
 MASKS = ("causal", "sliding_window", "prefix_lm", "document", "document_causal")
 
 
-def gallery_mask(name: str, n: int, batch: int, docs: int, device: str | torch.device = "cpu",
-                 ) -> Any:  # fmt: skip
+def gallery_mask(name: str, n: int, batch: int, docs: int, device: Device = "cpu") -> Any:
     """A gallery mask for sequences of ``n``: window ``n/8``, prefix ``n/4``, ``docs`` random
     documents per sequence (seed 0; the ids on ``device``)."""
     from flashlite import gallery
@@ -53,7 +55,7 @@ def varlen_method(mask: str) -> str:
 
 
 def varlen_tables(mask: str, longest: int, block: tuple[int, int],
-                  device: str | torch.device = "cpu") -> Any:  # fmt: skip
+                  device: Device = "cpu") -> Any:  # fmt: skip
     """The varlen row's tables: the gallery's causal mask (``document_causal``) or every tile
     (``document``) over the longest document."""
     import flashlite
@@ -67,7 +69,7 @@ def varlen_tables(mask: str, longest: int, block: tuple[int, int],
 
 
 def packed_inputs(shape: AttentionShape, lengths_q: Sequence[int], lengths_k: Sequence[int],
-                  device: str | torch.device = "cpu") -> tuple[torch.Tensor, ...]:  # fmt: skip
+                  device: Device = "cpu") -> tuple[torch.Tensor, ...]:  # fmt: skip
     """Random packed ``q (Σ lengths_q, H, D)``, ``k, v (Σ lengths_k, Hkv, D)`` of ``shape``'s
     heads, head dim and dtype, and their int32 offsets ``cu_q``, ``cu_k``: ``(q, k, v, cu_q,
     cu_k)``, seeded."""
@@ -78,9 +80,6 @@ def packed_inputs(shape: AttentionShape, lengths_q: Sequence[int], lengths_k: Se
     cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=device)
                   for n in (lengths_q, lengths_k))  # fmt: skip
     return (*(t.to(device=device, dtype=shape.dtype) for t in (q, k, v)), cu_q, cu_k)
-
-
-Device = str | torch.device
 
 
 def sparse_call(method: str, shape: AttentionShape, mask: str, docs: int,
