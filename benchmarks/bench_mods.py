@@ -220,11 +220,11 @@ def ratio_points(rows: list[dict], rounds: int) -> None:
     # its backward included, on them)
     kw = {"causal": True, "window": (window, 0)}
     folded = flashlite.attention(q, k, v, **kw)
-    triton_window = _hopper_off(flashlite.attention)(q, k, v, **kw)
+    triton_window = _hopper(flashlite.attention, on=False)(q, k, v, **kw)
     os.environ.pop("FLASHLITE_HOPPER_KERNEL", None)
     calls = {
-        "with": _hopper_on(lambda a, b, c: flashlite.attention(a, b, c, **kw)),
-        "without": _hopper_off(lambda a, b, c: flashlite.attention(a, b, c, **kw)),
+        "with": _hopper(lambda a, b, c: flashlite.attention(a, b, c, **kw), on=True),
+        "without": _hopper(lambda a, b, c: flashlite.attention(a, b, c, **kw), on=False),
     }
     errs = {"vs_triton_window": max_rel_err(folded, triton_window)}
     _ratio_rows(rows, "built-ins", f"window {window} folded vs Triton N16k", calls, q, k, v,
@@ -232,22 +232,16 @@ def ratio_points(rows: list[dict], rounds: int) -> None:
     os.environ.pop("FLASHLITE_HOPPER_KERNEL", None)  # (the points after run as users do)
 
 
-def _hopper_on(fn):  # noqa: ANN001, ANN202
-    """``fn`` with the Hopper kernels allowed for its call and the backward that follows."""
+def _hopper(fn, on: bool):  # noqa: ANN001, ANN202
+    """``fn`` with the Hopper kernels allowed (``on``) or not (``FLASHLITE_HOPPER_KERNEL=0``)
+    for its call and the backward that follows: the switch stays as set until the next such
+    call."""
 
     def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        os.environ.pop("FLASHLITE_HOPPER_KERNEL", None)
-        return fn(*args, **kwargs)
-
-    return call
-
-
-def _hopper_off(fn):  # noqa: ANN001, ANN202
-    """``fn`` on the Triton kernels (``FLASHLITE_HOPPER_KERNEL=0``), its backward too: the
-    switch stays set until a :func:`_hopper_on` call."""
-
-    def call(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
-        os.environ["FLASHLITE_HOPPER_KERNEL"] = "0"
+        if on:
+            os.environ.pop("FLASHLITE_HOPPER_KERNEL", None)
+        else:
+            os.environ["FLASHLITE_HOPPER_KERNEL"] = "0"
         return fn(*args, **kwargs)
 
     return call
