@@ -15,6 +15,10 @@ host work (argument checks, plans, launches) and launch latency. Cases (bf16 unl
                      32 x 65536 (2^21 elements), fp32 and bf16; beside flashlite, ``floor``:
                      the same kernels through a bare ``autograd.Function`` (no checks, plans
                      made beforehand), the least any Python autograd node costs here
+    window           attention(window=(1024, 0)) at B=1 H=8 N=4k D=128, forward and forward +
+                     backward, against the same call on the Triton window kernels
+                     (FLASHLITE_HOPPER_KERNEL=0): what folding the window into the flex
+                     kernels costs on the host path
     flex             flex_attention with a document-causal mask (4 documents) at B=1 H=8 N=1k
                      D=64, forward and forward + backward, against torch.compile'd
                      flex_attention over torch's block mask of the same mod
@@ -57,6 +61,7 @@ import argparse
 import contextlib
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -260,6 +265,50 @@ def attention_grad_case(name: str, b: int, h: int, n: int, d: int) -> Case:
     )  # fmt: skip
 
 
+@contextlib.contextmanager
+def _triton_kernels() -> Any:
+    """``FLASHLITE_HOPPER_KERNEL=0`` while a provider runs: the Triton kernels, not Hopper's."""
+    old = os.environ.get("FLASHLITE_HOPPER_KERNEL")
+    os.environ["FLASHLITE_HOPPER_KERNEL"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("FLASHLITE_HOPPER_KERNEL")
+        else:
+            os.environ["FLASHLITE_HOPPER_KERNEL"] = old
+
+
+def window_case(name: str, b: int, h: int, n: int, d: int, window: int, grad: bool) -> Case:
+    """``attention(window=(window, 0))``: the default call (on Hopper, the window folded into
+    the flex kernels) against the same call on the Triton window kernels; the forward, or
+    (``grad``) forward + backward."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+                   for _ in range(4))  # fmt: skip
+    w = (window, 0)
+    call = lambda q, k, v: flashlite.attention(q, k, v, window=w)  # noqa: E731
+    qkv64 = [t.double().requires_grad_(grad) for t in (q, k, v)]
+    out64 = reference.attention(*qkv64, window=w)
+    dims = {"B": b, "Hq": h, "Hkv": h, "Nq": n, "Nk": n, "D": d, "window": window}
+    ctx = {"triton": _triton_kernels}
+    if not grad:
+        err = (reference.attention(q, k, v, window=w).double() - out64).abs().max().item()
+        bound = 2 * err + TOL[torch.bfloat16][2]
+        return Case(name, "attention", torch.bfloat16, dims, (q, k, v),
+                    {"flashlite": call, "triton": call}, "triton", out64.detach(),
+                    lambda r, i: torch.full_like(r, bound), ctx)  # fmt: skip
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    ref = torch.autograd.grad(out64, qkv64, do.double())
+    naive = torch.autograd.grad(reference.attention(q, k, v, window=w), (q, k, v), do)
+    grads = lambda q, k, v, do: torch.autograd.grad(call(q, k, v), (q, k, v), do)  # noqa: E731
+    return Case(
+        name, "attention grad", torch.bfloat16, dims, (q, k, v, do),
+        {"flashlite": grads, "triton": grads}, "triton", tuple(ref),
+        _grads_allowed(tuple(ref), naive, TOL[torch.bfloat16][2]), ctx,
+    )  # fmt: skip
+
+
 def flex_case(name: str, b: int, h: int, n: int, d: int, grad: bool) -> Case:
     """Document-causal attention (4 documents) through ``flashlite.flex_attention`` and torch's
     ``torch.compile(flex_attention)``, each over its own block mask of the same mod, made
@@ -377,6 +426,8 @@ def cases() -> list[Case]:
         attention_case("attn N=128 causal", 1, 8, 8, 128, 128, 64, True),
         attention_grad_case("attn grad N=128 causal", 1, 8, 128, 64),
         attention_grad_case("attn grad 16x6x512 causal", 16, 6, 512, 64),
+        window_case("window 1k N=4k", 1, 8, 4096, 128, 1024, False),
+        window_case("window 1k grad N=4k", 1, 8, 4096, 128, 1024, True),
         flex_case("flex N=1k doc-causal", 1, 8, 1024, 64, False),
         flex_case("flex grad N=1k doc-causal", 1, 8, 1024, 64, True),
         attention_case("decode Nk=512 GQA", 8, 32, 8, 1, 512, 128, False),
