@@ -8,6 +8,9 @@ Points (bf16, D 128, H 16, B 1):
                  block mask of the same mod, and flashlite's dense causal kernel, forward and
                  forward + backward, in TFLOP/s of useful work (4·D per visible pair forward,
                  3.5× that for forward + backward). Bars: ≥ 1.3× Flex, ≥ 0.9× dense causal.
+                 Forward + backward is ``torch.autograd.grad`` of q, k, v; the same with
+                 ``.backward()`` (which also adds into the leaves' ``.grad``) is recorded
+                 beside it ("fwd+bwd into .grad").
     scores       causal N 16k: ALiBi and a relative-bias table as score functions against the
                  same call without one. Bar: ≤ 1.10×.
     built-ins    causal and a 1024-key sliding window written as mask functions against
@@ -85,20 +88,31 @@ def timed(fns: dict, rounds: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def fwd_bwd(call, leaves, do):  # noqa: ANN001, ANN201
+def fwd_bwd(call, leaves, do, into_grad: bool = False):  # noqa: ANN001, ANN201
+    """One forward + backward: ``torch.autograd.grad`` of the three inputs (what the attention
+    computes), or (``into_grad``) ``.backward()``, which also adds the gradients into the
+    leaves' ``.grad``, three elementwise additions of Q's size each, the same for every
+    engine."""
+
     def run() -> None:
-        call(*leaves).backward(do)
+        if into_grad:
+            call(*leaves).backward(do)
+        else:
+            torch.autograd.grad(call(*leaves), leaves, do)
 
     return run
 
 
-def timed_kinds(calls: dict, q, k, v, leaves, do, rounds: int):  # noqa: ANN001, ANN201
-    """``(kind, median ms per call name)`` for the forward, then forward + backward."""
-    for kind in ("fwd", "fwd+bwd"):
+def timed_kinds(calls: dict, q, k, v, leaves, do, rounds: int,  # noqa: ANN001, ANN201
+                kinds: tuple[str, ...] = ("fwd", "fwd+bwd")):  # fmt: skip
+    """``(kind, median ms per call name)`` for each of ``kinds``: the forward, forward +
+    backward, and forward + backward into ``.grad`` (:func:`fwd_bwd`)."""
+    for kind in kinds:
         if kind == "fwd":
             fns = {name: (lambda c=c: c(q, k, v)) for name, c in calls.items()}
         else:
-            fns = {name: fwd_bwd(c, leaves, do) for name, c in calls.items()}
+            into = kind == "fwd+bwd into .grad"
+            fns = {name: fwd_bwd(c, leaves, do, into) for name, c in calls.items()}
         yield kind, timed(fns, rounds)
 
 
@@ -128,15 +142,16 @@ def document_points(rows: list[dict], rounds: int, lengths: list[int]) -> None:
             "flex": lambda a, b, c: flex(a, b, c, block_mask=tbm),
             "dense causal": lambda a, b, c: flashlite.attention(a, b, c, causal=True),
         }
-        for kind, ms in timed_kinds(calls, q, k, v, leaves, do, rounds):
-            flops = 4 * D * H * (3.5 if kind == "fwd+bwd" else 1.0)
+        kinds = ("fwd", "fwd+bwd", "fwd+bwd into .grad")
+        for kind, ms in timed_kinds(calls, q, k, v, leaves, do, rounds, kinds):
+            flops = 4 * D * H * (1.0 if kind == "fwd" else 3.5)
             dense_pairs = n * (n + 1) // 2
             tflops = {
                 name: flops * (dense_pairs if name == "dense causal" else pairs) / t / 1e9
                 for name, t in ms.items()
             }
-            row = {
-                "group": "document",
+            row = {  # (the .grad variant: a group of its own, beside the bars)
+                "group": "document" if kind != "fwd+bwd into .grad" else "document .grad",
                 "point": f"doc-causal N{n // 1024}k {kind}",
                 "n": n,
                 "kind": kind,
@@ -481,6 +496,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['point']:34s} x flex {r['vs_flex']:5.2f} (bar 1.3), TFLOP/s x dense causal "
             f"{r['vs_dense_tflops']:4.2f} (bar 0.9)"
         )
+    for r in rows:
+        if r["group"] == "document .grad":
+            print(f"{r['point']:34s} x flex {r['vs_flex']:5.2f} (no bar: .backward() into .grad)")
     for r in ratios:
         extra = f", bitwise {r['bitwise']}" if "bitwise" in r else ""
         print(f"{r['point']:34s} {r['ratio']:5.3f}x (bar {r['bar']}){extra}")
