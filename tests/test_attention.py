@@ -418,7 +418,7 @@ sig = {n: mangle_type(HP._descriptor(x, r)) for n, r in zip(names[:4], rows)}
 sig.update(LSE="*fp32", SINKS="*fp32", n_heads="i32", group="i32", seq_q="i32", seq_k="i32",
            sm_scale="fp32")
 consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_CAUSAL=causal,
-              HAS_SINKS=sys.argv[4] == "1")
+              HAS_SINKS=sys.argv[4] == "1", ALIBI=False)
 tables = names[names.index("KV_NUM"):names.index("MB0")]
 buffers = names[names.index("MB0"):names.index("SB3") + 1]
 if sys.argv[5] == "1":  # block tables and a causal mask function (flex_attention's call)
@@ -435,7 +435,7 @@ elif sys.argv[5] == "2":  # a document-causal mask and ALiBi
     sig.update({n: ("*i32" if n.isupper() else "i32") for n in tables})
     sig.update(dict(zip(buffers, ["*i32", "i32", "i32", "i32", "*fp32", "i32", "i32", "i32"])))
     consts.update(LISTED=True, MASK_MOD=mask.fn, N_MASK_BUF=2, SCORE_MOD=score.fn,
-                  N_SCORE_BUF=1, HAS_SCORE=True)
+                  N_SCORE_BUF=1, HAS_SCORE=True, ALIBI=True)  # (the plan recognises it)
 else:  # the plain forward: placeholders (plan_fwd_hopper's zeros)
     sig.update(dict.fromkeys(tables + buffers, "i32"))
     consts.update(LISTED=False, MASK_MOD=None, N_MASK_BUF=0, SCORE_MOD=None, N_SCORE_BUF=0,

@@ -97,11 +97,14 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _online_update(s, m, l_sum, start_n, rows, cols, seq_q, seq_k, MASK: gl.constexpr,
-                       IS_CAUSAL: gl.constexpr, UNITS: gl.constexpr = 1.0):  # fmt: skip
+                       IS_CAUSAL: gl.constexpr, UNITS: gl.constexpr = 1.0, shift=0.0,
+                       SHIFTED: gl.constexpr = False):  # fmt: skip
         """Fold the ``[R, BLOCK_N]`` score tile ``s`` (``s·UNITS`` in exp2 units: ``UNITS`` is
         1, or ``log2 e`` for a score function's natural units) into ``(m, l_sum)`` (exp2
         units): ``(p, alpha, m, l_sum)`` as :func:`flashlite.stats.online_update`. ``MASK``:
-        keys past ``seq_k`` (and, causal, past each row's diagonal) get −inf first."""
+        keys past ``seq_k`` (and, causal, past each row's diagonal) get −inf first.
+        ``SHIFTED``: the tile's scores are ``s + shift`` (``shift``: one per row), the shift
+        taken into each row's maximum and reference, not added to every score."""
         if MASK:
             key = gl.expand_dims(start_n + cols, 0)
             seen = key < seq_k
@@ -110,28 +113,44 @@ if GLUON_IMPORT_ERROR is None:
             s = gl.where(seen, s, float("-inf"))
         # (the units are applied to the row maxima and inside exp2's argument, one fused
         # multiply-add a score: never a pass of their own)
-        m_new = gl.maximum(m, gl.max(s, axis=1) * UNITS)
-        ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing stays empty
-        alpha = gl.exp2(m - ref)
-        p = gl.exp2(s * UNITS - gl.expand_dims(ref, 1))
+        if SHIFTED:
+            m_new = gl.maximum(m, gl.max(s, axis=1) + shift)
+            ref = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m - ref)
+            p = gl.exp2(s - gl.expand_dims(ref - shift, 1))
+        else:
+            m_new = gl.maximum(m, gl.max(s, axis=1) * UNITS)
+            ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing stays empty
+            alpha = gl.exp2(m - ref)
+            p = gl.exp2(s * UNITS - gl.expand_dims(ref, 1))
         return p, alpha, m_new, l_sum * alpha + gl.sum(p, axis=1)
 
     @gluon.jit
     def _fold(s, m, l_sum, t, n_full, start_n, full_row, part_row, rows, cols, b, h,
-              seq_q, seq_k, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, IS_CAUSAL: gl.constexpr,
-              LISTED: gl.constexpr, MASK_MOD: gl.constexpr, N_MASK_BUF: gl.constexpr,
-              SCORE_MOD: gl.constexpr, N_SCORE_BUF: gl.constexpr,
-              HAS_SCORE: gl.constexpr):  # fmt: skip
+              seq_q, seq_k, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, slope2,
+              IS_CAUSAL: gl.constexpr, LISTED: gl.constexpr, MASK_MOD: gl.constexpr,
+              N_MASK_BUF: gl.constexpr, SCORE_MOD: gl.constexpr, N_SCORE_BUF: gl.constexpr,
+              HAS_SCORE: gl.constexpr, ALIBI: gl.constexpr):  # fmt: skip
         """:func:`_online_update` of tile ``t``; the first ``n_full`` tiles are seen whole, later
         ones masked. Without ``LISTED`` the tile's keys start at ``start_n`` and the mask is
         ``seq_k`` and the causal diagonal. ``LISTED`` (tiles from block tables): the first key
         is read from the tables (:func:`_tile_start`) only where a mod needs it — reading it
         ahead for every tile measured slower — and ``mask_mod`` masks; a score function sees
         the scores first, in natural units (``s·ln 2``: Q carries ``log2 e``), and its
-        result stays in them (:func:`_online_update` takes the units)."""
+        result stays in them (:func:`_online_update` takes the units). ``ALIBI`` (the
+        gallery's ALiBi, recognised by the plan): the bias ``slope·(kv − q)``, in exp2 units
+        ``slope2·(kv − q)``, is split at the tile's first key ``k0`` into a column term
+        ``slope2·(kv − k0)`` (the same every tile: one add a score) and a row
+        term ``slope2·(k0 − q)`` that shifts each row's maximum and reference; both stay small
+        where the weights are, as ``slope·(kv − q)`` itself does."""
+        shift = 0.0
         if LISTED:
             block_n: gl.constexpr = s.shape[1]
-            if HAS_SCORE:
+            if ALIBI:
+                first = _tile_start(t, n_full, full_row, part_row, block_n, True)
+                shift = slope2 * (first - rows).to(gl.float32)
+                s = s + gl.expand_dims(slope2 * cols.to(gl.float32), 0)
+            elif HAS_SCORE:
                 first = _tile_start(t, n_full, full_row, part_row, block_n, True)
                 q_idx = gl.expand_dims(gl.minimum(rows, seq_q - 1), 1)
                 kv_idx = gl.expand_dims(gl.minimum(first + cols, seq_k - 1), 0)
@@ -145,9 +164,10 @@ if GLUON_IMPORT_ERROR is None:
                 seen = apply_mask(MASK_MOD, b, h, q_idx, gl.minimum(keys, seq_k - 1), MB0, MB1,
                                   MB2, MB3, N_MASK_BUF)  # fmt: skip
                 s = gl.where(seen & (keys < seq_k), s, float("-inf"))
-            units: gl.constexpr = LOG2E if HAS_SCORE else 1.0
+            units: gl.constexpr = LOG2E if HAS_SCORE and not ALIBI else 1.0
             p, alpha, m, l_sum = _online_update(s, m, l_sum, start_n, rows, cols, seq_q, seq_k,
-                                                False, IS_CAUSAL, units)  # fmt: skip
+                                                False, IS_CAUSAL, units, shift,
+                                                ALIBI)  # fmt: skip
         elif t >= n_full:
             p, alpha, m, l_sum = _online_update(s, m, l_sum, start_n, rows, cols, seq_q, seq_k,
                                                 True, IS_CAUSAL)  # fmt: skip
@@ -199,7 +219,8 @@ if GLUON_IMPORT_ERROR is None:
                   qk_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, WG: gl.constexpr,
                   IS_CAUSAL: gl.constexpr, HAS_SINKS: gl.constexpr, LISTED: gl.constexpr,
                   MASK_MOD: gl.constexpr, N_MASK_BUF: gl.constexpr, SCORE_MOD: gl.constexpr,
-                  N_SCORE_BUF: gl.constexpr, HAS_SCORE: gl.constexpr):  # fmt: skip
+                  N_SCORE_BUF: gl.constexpr, HAS_SCORE: gl.constexpr,
+                  ALIBI: gl.constexpr):  # fmt: skip
         """One warpgroup: the online softmax of its 64-row half (:func:`_fold` per tile);
         writes its O rows (TMA) and LSE. ``HAS_SINKS``: the rows start from the sink's state
         ``(SINKS[h], 1)``."""
@@ -231,6 +252,10 @@ if GLUON_IMPORT_ERROR is None:
             l_sum = gl.full([half], 1.0, gl.float32, layout=row_s)
         s_zero = gl.zeros([half, block_n], gl.float32, layout=s_layout)
         out = gl.zeros([half, head_dim], gl.float32, layout=o_layout)
+        if ALIBI:  # the slope in exp2 units (see _fold)
+            slope2 = gl.load(SB0 + h) * LOG2E
+        else:
+            slope2 = 0.0
         if n_tiles > 0:
             k0 = k_bufs.index(0).reshape([block_n, head_dim]).permute((1, 0))
             mbarrier.wait(k_ready.index(0), 0)
@@ -238,8 +263,9 @@ if GLUON_IMPORT_ERROR is None:
                                                           is_async=True)])  # fmt: skip
             p, alpha, m, l_sum = _fold(s, m, l_sum, 0, n_full, 0, full_row, part_row,
                                        rows, cols, b, h, seq_q, seq_k, MB0, MB1, MB2, MB3, SB0,
-                                       SB1, SB2, SB3, IS_CAUSAL, LISTED, MASK_MOD, N_MASK_BUF,
-                                       SCORE_MOD, N_SCORE_BUF, HAS_SCORE)  # fmt: skip
+                                       SB1, SB2, SB3, slope2, IS_CAUSAL, LISTED,
+                                       MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF, HAS_SCORE,
+                                       ALIBI)  # fmt: skip
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = out
             for j in range(0, n_tiles - 1):
@@ -255,9 +281,10 @@ if GLUON_IMPORT_ERROR is None:
                 s = warpgroup_mma_wait(1, deps=[s_tok])
                 p, alpha, m, l_sum = _fold(s, m, l_sum, j + 1, n_full, (j + 1) * block_n,
                                            full_row, part_row, rows, cols, b, h, seq_q, seq_k,
-                                           MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, IS_CAUSAL,
-                                           LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF,
-                                           HAS_SCORE)  # fmt: skip
+                                           MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, slope2,
+                                           IS_CAUSAL, LISTED, MASK_MOD, N_MASK_BUF,
+                                           SCORE_MOD, N_SCORE_BUF, HAS_SCORE,
+                                           ALIBI)  # fmt: skip
                 acc = warpgroup_mma_wait(0, deps=[acc_tok])
                 mbarrier.arrive(empty.index(slot), count=1)  # this warpgroup is done with tile j
                 acc = acc * gl.expand_dims(gl.convert_layout(alpha, row_o), 1)
@@ -292,7 +319,8 @@ if GLUON_IMPORT_ERROR is None:
                                      N_MASK_BUF: gl.constexpr = 0,
                                      SCORE_MOD: gl.constexpr = None,
                                      N_SCORE_BUF: gl.constexpr = 0,
-                                     HAS_SCORE: gl.constexpr = False):  # fmt: skip
+                                     HAS_SCORE: gl.constexpr = False,
+                                     ALIBI: gl.constexpr = False):  # fmt: skip
         """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``; 4 warps (the first consumer) plus the worker
         partitions. Q, K, V, O: 4-D ``(B, H, N, D)`` descriptors of ``[1, 1, rows, D]`` blocks
         (out-of-bounds rows read as zeros and are never stored). Causal is bottom-right
@@ -302,7 +330,8 @@ if GLUON_IMPORT_ERROR is None:
         (:mod:`flashlite.block_mask`, blocks of ``BLOCK_M × BLOCK_N``), full ones first, and
         ``mask_mod`` / ``score_mod`` (:mod:`flashlite.mods`, buffers ``MB*`` / ``SB*``) shape
         the scores, as :mod:`.flex`'s Triton kernel does; otherwise the table arguments are
-        placeholders, never read."""
+        placeholders, never read. ``ALIBI``: the score function is the gallery's ALiBi (slopes
+        in ``SB0``), applied as a column and a row term (:func:`_fold`)."""
         half: gl.constexpr = BLOCK_M // 2
         head_dim: gl.constexpr = q_desc.block_type.shape[3]
         qk_scale = sm_scale * LOG2E  # in fp32, as the Triton kernels and the backward take it
@@ -357,12 +386,12 @@ if GLUON_IMPORT_ERROR is None:
                          SINKS, b, h, pid_bh, start_m, n_tiles, n_full, full_row, part_row,
                          seq_q, seq_k, qk_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, 0,
                          IS_CAUSAL, HAS_SINKS, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD,
-                         N_SCORE_BUF, HAS_SCORE)),
+                         N_SCORE_BUF, HAS_SCORE, ALIBI)),
             (_consumer, (q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, empty, o_desc, LSE,
                          SINKS, b, h, pid_bh, start_m, n_tiles, n_full, full_row, part_row,
                          seq_q, seq_k, qk_scale, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, 1,
                          IS_CAUSAL, HAS_SINKS, LISTED, MASK_MOD, N_MASK_BUF, SCORE_MOD,
-                         N_SCORE_BUF, HAS_SCORE)),
+                         N_SCORE_BUF, HAS_SCORE, ALIBI)),
             (_producer, (q_desc, k_desc, v_desc, q_bufs, k_bufs, v_bufs, q_ready, k_ready,
                          v_ready, empty, b, h, h_kv, start_m, n_tiles, n_full, full_row,
                          part_row, LISTED)),

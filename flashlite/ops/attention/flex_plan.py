@@ -86,6 +86,17 @@ def mod_args(mask: ModArgs, score: ModArgs, grad: bool) -> tuple[list[Any], dict
     return [*mbufs, *sbufs], consts
 
 
+def is_gallery_alibi(score: ModArgs) -> bool:
+    """Whether the score function is :func:`flashlite.gallery.alibi`'s (its name and its jit
+    function: its one buffer is then the fp32 slopes), which the Hopper forward applies as a
+    column and a row term (:func:`flashlite.kernels.attention.hopper._fold`)."""
+    from flashlite import gallery
+
+    entry = spec_entry(score[0])
+    name = split_spec(score[0])[0] if score[0] else ""
+    return entry is not None and name == gallery.ALIBI_NAME and entry[0] is gallery._alibi
+
+
 def table_args(num: torch.Tensor, idx: torch.Tensor) -> tuple[int, ...]:
     """Strides of ``(B|1, H|1, n)`` counts and ``(B|1, H|1, n, m)`` indices as ``(B, H, …)``
     views take them: 0 along a broadcast (size 1) dimension, as ``expand`` would give."""
@@ -179,6 +190,9 @@ class FwdPlan:
         self.lse_shape = (b, hq, nq)
         self.tbm, self.tbn, self.scale, self.varlen = tbm, tbn, scale, varlen
         bufs, self.mods = mod_args(mask, score, grad=False)
+        # the Hopper forward also takes whether the score function is the gallery's ALiBi,
+        # which it applies as a column and a row term; the Triton kernel calls it as it is
+        self.hopper_mods = {**self.mods, "ALIBI": is_gallery_alibi(score)}
         self.slots = Slots(bufs)
         self.strides = table_args(tables[0], tables[1])
         #: ``run(q, k, v, o, lse, tables, bufs)``, bound by the first call
@@ -207,11 +221,11 @@ class FwdPlan:
         config = None if self.varlen else hopper_config(q, k.shape[2])
         if (config is not None and (self.tbm, self.tbn) == (config.block_m, config.block_n)
                 and _descriptor_ok(q, k, v, o)):  # fmt: skip
-            key = (q.dtype, q.shape[-1], *self.mods.values())
+            key = (q.dtype, q.shape[-1], *self.hopper_mods.values())
 
             def build() -> Callable[..., None]:
                 return HP.plan_flex_fwd(q, k, v, o, lse, tables, self.strides, self.scale,
-                                        config, bufs, self.mods)  # fmt: skip
+                                        config, bufs, self.hopper_mods)  # fmt: skip
 
             run = HP.first_build(hopper_failed, key, "flex", build, stacklevel=6)
             if run is not None:
