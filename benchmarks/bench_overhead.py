@@ -750,12 +750,16 @@ def merge(saved: dict[str, Any], rows: list[dict[str, Any]], meta: dict[str, Any
     for r in rows:
         by_case.setdefault(r["case"], []).append(r)
     merged: list[dict[str, Any]] = []
+    placed: set[str] = set()
     for r in saved["rows"]:  # the saved order, each replaced case where it stood
-        if r["case"] not in by_case:
+        case = r["case"]
+        if case not in by_case:
             merged.append(r)
-        elif r["case"] not in {m["case"] for m in merged}:
-            merged += by_case[r["case"]]
-    merged += [r for r in rows if r["case"] not in {m["case"] for m in saved["rows"]}]
+        elif case not in placed:
+            merged += by_case[case]
+            placed.add(case)
+    saved_cases = {r["case"] for r in saved["rows"]}
+    merged += [r for r in rows if r["case"] not in saved_cases]
     out = dict(saved["meta"])
     out["merged"] = {
         **out.get("merged", {}),

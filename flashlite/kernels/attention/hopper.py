@@ -113,15 +113,15 @@ if GLUON_IMPORT_ERROR is None:
             s = gl.where(seen, s, float("-inf"))
         # (the units are applied to the row maxima and inside exp2's argument, one fused
         # multiply-add a score: never a pass of their own)
+        row_max = gl.max(s, axis=1) * UNITS
         if SHIFTED:
-            m_new = gl.maximum(m, gl.max(s, axis=1) + shift)
-            ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m - ref)
-            p = gl.exp2(s - gl.expand_dims(ref - shift, 1))
+            row_max = row_max + shift
+        m_new = gl.maximum(m, row_max)
+        ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing stays empty
+        alpha = gl.exp2(m - ref)
+        if SHIFTED:  # (the scores' own reference: the row's less its shift)
+            p = gl.exp2(s * UNITS - gl.expand_dims(ref - shift, 1))
         else:
-            m_new = gl.maximum(m, gl.max(s, axis=1) * UNITS)
-            ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing stays empty
-            alpha = gl.exp2(m - ref)
             p = gl.exp2(s * UNITS - gl.expand_dims(ref, 1))
         return p, alpha, m_new, l_sum * alpha + gl.sum(p, axis=1)
 

@@ -92,9 +92,9 @@ def is_gallery_alibi(score: ModArgs) -> bool:
     column and a row term (:func:`flashlite.kernels.attention.hopper._fold`)."""
     from flashlite import gallery
 
-    entry = spec_entry(score[0])
-    name = split_spec(score[0])[0] if score[0] else ""
-    return entry is not None and name == gallery.ALIBI_NAME and entry[0] is gallery._alibi
+    entry = spec_entry(score[0])  # (None without a score function)
+    return (entry is not None and entry[0] is gallery._alibi
+            and split_spec(score[0])[0] == gallery.ALIBI_NAME)  # fmt: skip
 
 
 def table_args(num: torch.Tensor, idx: torch.Tensor) -> tuple[int, ...]:
