@@ -423,7 +423,7 @@ def test_fused_hopper_backward_that_fails_to_build_falls_back(
 
 
 _SM90_BWD_BUILD = """
-import os, subprocess, sys
+import inspect, os, subprocess, sys
 import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
@@ -454,6 +454,10 @@ if sys.argv[4] == "1":  # block tables, a document-causal mask and ALiBi (flex_a
     sig.update(dict(zip(buffers, ["*i32", "i32", "i32", "i32", "*fp32", "i32", "i32", "i32"])))
     consts.update(LISTED=True, MASK_MOD=mask.fn, N_MASK_BUF=2, SCORE_MOD=score.fn,
                   SCORE_GRAD=score.grad_fn, N_SCORE_BUF=1, HAS_SCORE=True)
+# a constexpr not named above takes its default: never built as a runtime integer
+consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.name not in consts},
+          **consts}
+assert all(v is not inspect.Parameter.empty for v in consts.values()), consts
 sig.update({n: "i32" for n in names if n not in sig and n not in consts})
 sig.update(dict.fromkeys(consts, "constexpr"))
 src = GluonASTSource(fn, sig, {(names.index(a),): v for a, v in consts.items()})
