@@ -125,6 +125,11 @@ def _doc_ids(ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     return ids, (ids.shape[1] if ids.dim() == 2 else 0)
 
 
+def _id_limits(ids: torch.Tensor) -> tuple[int | None, None, int]:
+    # (the mask reads ids[b, position]: a call with more batches or positions would read past)
+    return (ids.shape[0] if ids.dim() == 2 else None, None, ids.shape[-1])
+
+
 def random_documents(batch: int, n: int, docs: int, seed: int = 0) -> torch.Tensor:
     """Document ids ``(batch, n)`` int32 for ``docs`` documents of random lengths per sequence
     (every document at least one token): packed sequences for :func:`document`."""
@@ -179,7 +184,7 @@ def document(ids: torch.Tensor) -> MaskMod:
     ``(N,)`` for every batch): the document of each token, for self-attention (``Nq = Nk = N``)."""
     ids, stride = _doc_ids(ids)
     return mask_mod(_document, ids, stride, torch_fn=_document_t, name="flashlite.gallery.document",
-                    tile_reads=_id_reads(ids))  # fmt: skip
+                    tile_reads=_id_reads(ids), limits=_id_limits(ids))  # fmt: skip
 
 
 def document_causal(ids: torch.Tensor) -> MaskMod:
@@ -187,7 +192,7 @@ def document_causal(ids: torch.Tensor) -> MaskMod:
     ids, stride = _doc_ids(ids)
     name = "flashlite.gallery.document_causal"
     return mask_mod(_document_causal, ids, stride, torch_fn=_document_causal_t, name=name,
-                    tile_reads=_id_reads(ids))  # fmt: skip
+                    tile_reads=_id_reads(ids), limits=_id_limits(ids))  # fmt: skip
 
 
 # --------------------------------------------------------------------------- scores
@@ -239,7 +244,7 @@ def alibi(slopes: torch.Tensor) -> ScoreMod:
         )
     slopes = slopes.float().contiguous()
     return score_mod(_alibi, slopes, grad=_alibi_grad, torch_fn=_alibi_t, name=ALIBI_NAME,
-                     tile_reads=lambda bm, bn: 4)  # fmt: skip
+                     tile_reads=lambda bm, bn: 4, limits=(None, len(slopes), None))  # fmt: skip
 
 
 #: The name :func:`alibi` registers its score function under (the Hopper forward recognises it
@@ -321,4 +326,5 @@ def relative_bias(table: torch.Tensor) -> ScoreMod:
     reach = (table.shape[1] - 1) // 2
     return score_mod(_relative, table, reach, table.shape[1], grad=_relative_grad,
                      torch_fn=_relative_t, name="flashlite.gallery.relative_bias",
-                     tile_reads=lambda bm, bn: 4 * bm * bn)  # fmt: skip
+                     tile_reads=lambda bm, bn: 4 * bm * bn,
+                     limits=(None, table.shape[0], None))  # fmt: skip

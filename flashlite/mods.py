@@ -19,7 +19,10 @@ gets a pointer and loads what it needs; the twin gets the tensor and indexes it)
 numbers, passed after the four (five) indices in the order given. A score function also brings
 its **derivative** with respect to the score, a jit function with the same arguments, for the
 backward (``1`` for a bias, ``1 − tanh²`` for a soft cap). Gradients to the buffers are not
-computed (a learned bias table gets none).
+computed (a learned bias table gets none). A mod whose buffers hold one entry per batch, head
+or position (document ids, per-head slopes) may say how many with ``limits=(B, H, N)``: a call
+with more batches, query heads or positions is refused before any kernel reads past them (the
+gallery's mods do; a mod without limits is trusted).
 
 :class:`MaskMod` and :class:`ScoreMod` hold the pieces; calling one runs its torch twin, so the
 same object can be handed to torch's own ``create_block_mask`` and ``flex_attention``. Ops and
@@ -51,6 +54,7 @@ __all__ = [
     "registered",
     "apply_mask",
     "apply_score",
+    "check_limits",
     "kernel_buffers",
     "torch_indices",
     "torch_mask",
@@ -63,6 +67,8 @@ MAX_BUFFERS = 4
 Buffer = torch.Tensor | int | float
 #: Bytes one call of a mod on a ``(bm, bn)`` tile loads from its buffers (for the traffic model)
 TileReads = Callable[[int, int], int]
+#: How many batches, heads and positions a mod's buffers hold (None: any): see :func:`mask_mod`
+Limits = tuple[int | None, int | None, int | None]
 
 
 def _is_jit(fn: object) -> bool:
@@ -100,6 +106,31 @@ def _check_buffers(buffers: tuple[Any, ...], what: str) -> tuple[Buffer, ...]:
             raise TypeError(f"{what}'s buffer {i} must be a tensor, int or float, got "
                             f"{type(x).__name__}")  # fmt: skip
     return tuple(buffers)
+
+
+def _check_limits_arg(limits: Any, what: str) -> Limits:
+    if limits is None:
+        return (None, None, None)
+
+    def count(x: Any) -> bool:
+        return x is None or (isinstance(x, int) and not isinstance(x, bool) and x >= 1)
+
+    if not (isinstance(limits, tuple) and len(limits) == 3 and all(map(count, limits))):
+        raise ValueError(f"{what}'s limits must be a tuple (B, H, N) of ints >= 1 or None, "
+                         f"got {limits!r}")  # fmt: skip
+    return limits
+
+
+def check_limits(mod: _Mod, what: str, batch: int | None, heads: int | None,
+                 positions: int | None) -> None:  # fmt: skip
+    """ValueError unless a call with ``batch`` batches (sequences), ``heads`` query heads and
+    positions ``< positions`` stays within what ``mod``'s buffers hold (its ``limits``; a
+    None here is not checked). ``what``: the argument, for the message."""
+    for got, limit, noun in zip((batch, heads, positions), mod.limits,
+                                ("batches", "query heads", "positions"), strict=True):  # fmt: skip
+        if got is not None and limit is not None and got > limit:
+            raise ValueError(f"{what} {mod.name} has buffer entries for {limit} {noun}, the "
+                             f"call has {got}: make its buffers for the call's {noun}")  # fmt: skip
 
 
 def _check_fn(fn: object, what: str, indices: int, n_buffers: int) -> None:
@@ -153,12 +184,13 @@ class _Mod:
     """What mask and score functions share: the jit function, its twin, its buffers, the name
     ops find it by, and (for the traffic model) what one tile of it loads."""
 
-    __slots__ = ("fn", "torch_fn", "buffers", "name", "tile_reads", "_op_args")
+    __slots__ = ("fn", "torch_fn", "buffers", "name", "tile_reads", "limits", "_op_args")
 
     def __init__(self, fn: Any, torch_fn: Callable[..., Any], buffers: tuple[Buffer, ...],
-                 name: str, tile_reads: TileReads | None = None) -> None:  # fmt: skip
+                 name: str, tile_reads: TileReads | None = None,
+                 limits: Limits = (None, None, None)) -> None:  # fmt: skip
         self.fn, self.torch_fn, self.buffers, self.name = fn, torch_fn, buffers, name
-        self.tile_reads = tile_reads
+        self.tile_reads, self.limits = tile_reads, limits
         self._op_args: tuple[str, list[torch.Tensor], list[float]] | None = None
 
     def tensors(self) -> list[torch.Tensor]:
@@ -203,9 +235,9 @@ class ScoreMod(_Mod):
     __slots__ = ("grad_fn",)
 
     def __init__(self, fn: Any, grad_fn: Any, torch_fn: Callable[..., Any],
-                 buffers: tuple[Buffer, ...], name: str,
-                 tile_reads: TileReads | None = None) -> None:  # fmt: skip
-        super().__init__(fn, torch_fn, buffers, name, tile_reads)
+                 buffers: tuple[Buffer, ...], name: str, tile_reads: TileReads | None = None,
+                 limits: Limits = (None, None, None)) -> None:  # fmt: skip
+        super().__init__(fn, torch_fn, buffers, name, tile_reads, limits)
         self.grad_fn = grad_fn
 
     def __call__(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
@@ -213,7 +245,8 @@ class ScoreMod(_Mod):
 
 
 def mask_mod(fn: Any, *buffers: Buffer, torch_fn: Callable[..., Any] | None = None,
-             name: str | None = None, tile_reads: TileReads | None = None) -> MaskMod:  # fmt: skip
+             name: str | None = None, tile_reads: TileReads | None = None,
+             limits: Limits | None = None) -> MaskMod:  # fmt: skip
     """A mask function with its twin and buffers.
 
     Args:
@@ -223,23 +256,31 @@ def mask_mod(fn: Any, *buffers: Buffer, torch_fn: Callable[..., Any] | None = No
         name: the name ops find it by (default: ``module.qualname`` of ``fn``).
         tile_reads: bytes ``fn`` loads from its buffers per ``(bm, bn)`` tile, for
             ``flashlite traffic`` (None: not modelled).
+        limits: ``(B, H, N)``: how many batches (sequences), query heads and positions the
+            buffers hold entries for (None in a place, or no limits: any); calls with more
+            are refused (:func:`check_limits`) instead of reading past them.
 
     Raises:
         TypeError: ``fn`` is not a jit function or takes the wrong number of arguments; a
-            buffer is not a tensor or number.
-        ValueError: more than :data:`MAX_BUFFERS` buffers.
+            buffer is not a tensor or number; ``fn``'s twin returns something other than a
+            bool tensor.
+        ValueError: more than :data:`MAX_BUFFERS` buffers; bad ``limits``.
     """
     buffers = _check_buffers(buffers, "mask_mod")
     _check_fn(fn, "mask_mod", 4, len(buffers))
     twin = torch_fn if torch_fn is not None else _python_fn(fn)
     name = name or _name_of(fn)
+    mod = MaskMod(fn, twin, buffers, name, tile_reads, _check_limits_arg(limits, "mask_mod"))
+    if _REGISTRY.get(name) != (fn, twin):  # (checked once per function and name)
+        _check_result(mod, "mask_mod")
     _REGISTRY[name] = (fn, twin)
-    return MaskMod(fn, twin, buffers, name, tile_reads)
+    return mod
 
 
 def score_mod(fn: Any, *buffers: Buffer, grad: Any = None,
               torch_fn: Callable[..., Any] | None = None, name: str | None = None,
-              tile_reads: TileReads | None = None) -> ScoreMod:  # fmt: skip
+              tile_reads: TileReads | None = None,
+              limits: Limits | None = None) -> ScoreMod:  # fmt: skip
     """A score function with its derivative, twin and buffers.
 
     Args:
@@ -251,9 +292,11 @@ def score_mod(fn: Any, *buffers: Buffer, grad: Any = None,
         torch_fn: the twin on torch tensors (default: ``fn``'s own Python body).
         name: the name ops find it by (default: ``module.qualname`` of ``fn``).
         tile_reads: as :func:`mask_mod`'s (per tile ``fn`` runs on).
+        limits: as :func:`mask_mod`'s.
 
     Raises:
-        TypeError, ValueError: as :func:`mask_mod`, for ``fn`` and ``grad``.
+        TypeError, ValueError: as :func:`mask_mod`, for ``fn`` and ``grad`` (the twin must
+            return a floating-point score).
     """
     buffers = _check_buffers(buffers, "score_mod")
     _check_fn(fn, "score_mod", 5, len(buffers))
@@ -261,8 +304,44 @@ def score_mod(fn: Any, *buffers: Buffer, grad: Any = None,
         _check_fn(grad, "score_mod's grad", 5, len(buffers))
     twin = torch_fn if torch_fn is not None else _python_fn(fn)
     name = name or _name_of(fn)
+    mod = ScoreMod(fn, grad, twin, buffers, name, tile_reads,
+                   _check_limits_arg(limits, "score_mod"))  # fmt: skip
+    if _REGISTRY.get(name) != (fn, twin, grad):
+        _check_result(mod, "score_mod")
     _REGISTRY[name] = (fn, twin, grad)
-    return ScoreMod(fn, grad, twin, buffers, name, tile_reads)
+    return mod
+
+
+def _check_result(mod: _Mod, what: str) -> None:
+    """TypeError if the twin, called at the first position, returns a tensor of the wrong
+    kind: a mask must give bools and a score function a floating-point score (the kernels
+    combine a mask with ``&`` and a score in fp32; another kind fails to compile or means
+    something else). A twin that cannot run on one position is left to the call; so is
+    everything while torch.compile traces."""
+    if torch.compiler.is_compiling():
+        return
+    idx = torch.zeros((), dtype=torch.int64)
+    device = next((x.device for x in mod.buffers if isinstance(x, torch.Tensor)), None)
+    if device is not None:
+        idx = idx.to(device)
+    try:
+        with torch.no_grad():
+            if isinstance(mod, ScoreMod):
+                got = mod(torch.zeros((), dtype=torch.float32, device=idx.device), idx, idx, idx,
+                          idx)  # fmt: skip
+            else:
+                got = mod(idx, idx, idx, idx)
+    except Exception:  # noqa: BLE001 - the twin's own errors surface where it is called
+        return
+    if not isinstance(got, torch.Tensor):
+        return  # (a Python number from a twin of constants: broadcast by the callers)
+    want_bool = not isinstance(mod, ScoreMod)
+    if want_bool and got.dtype != torch.bool:
+        raise TypeError(f"{what} {mod.name} must return a bool tensor (which keys each query "
+                        f"sees), its twin returned {got.dtype}")  # fmt: skip
+    if not want_bool and not got.is_floating_point():
+        raise TypeError(f"{what} {mod.name} must return a floating-point score, its twin "
+                        f"returned {got.dtype}")  # fmt: skip
 
 
 def as_mask_mod(mod: object) -> MaskMod:

@@ -718,6 +718,88 @@ def test_bad_mods_raise_clear_errors() -> None:
         o.sum().backward()
 
 
+@triton.jit
+def _int_mask(b, h, q_idx, kv_idx):
+    return q_idx - kv_idx  # (an int: which keys are seen is unclear)
+
+
+@triton.jit
+def _float_mask(b, h, q_idx, kv_idx):
+    return (q_idx >= kv_idx) * 1.0
+
+
+@triton.jit
+def _bool_score(score, b, h, q_idx, kv_idx):
+    return score > 0
+
+
+@triton.jit
+def _int_score(score, b, h, q_idx, kv_idx):
+    return q_idx - kv_idx
+
+
+def test_mods_returning_the_wrong_kind_are_refused() -> None:
+    """A mask must give bools and a score function a floating-point score: their twins are
+    tried on one position when the mod is made, so an int or float mask (which failed to
+    compile, or was read as nonzero = seen) and a bool or int score are TypeErrors."""
+    for fn in (_int_mask, _float_mask):
+        with pytest.raises(TypeError, match=r"must return a bool tensor.*returned torch\."):
+            mods.mask_mod(fn, name=f"tests.flex.{fn.__name__}")
+    for fn in (_bool_score, _int_score):
+        with pytest.raises(TypeError, match=r"must return a floating-point score"):
+            mods.score_mod(fn, name=f"tests.flex.{fn.__name__}")
+    with pytest.raises(TypeError, match="must return a bool tensor"):  # (a bare function too)
+        flashlite.create_block_mask(_float_mask, None, None, 8, 8, device="cpu")
+
+
+def test_mods_refuse_calls_past_what_their_buffers_hold() -> None:
+    """The gallery's mods say how many batches, heads and positions their buffers hold
+    (``limits``): document ids, ALiBi slopes and relative tables; a call with more is a
+    ValueError naming the mod, where the kernels would have read past the buffer. Ids of shape
+    (N,) serve every batch; a mod without limits is trusted."""
+    q = torch.randn(3, 4, 40, 16)
+    ids = gallery.random_documents(2, 40, 3)
+    docs = gallery.document_causal(ids)
+    assert docs.limits == (2, None, 40) and gallery.document(ids[0]).limits == (None, None, 40)
+    with pytest.raises(ValueError, match=r"document_causal has buffer entries for 2 batches, "
+                                         r"the call has 3"):  # fmt: skip
+        flashlite.create_block_mask(docs, 3, None, 40, 40, device="cpu", BLOCK_SIZE=16)
+    shared = flashlite.create_block_mask(docs, None, None, 40, 40, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(ValueError, match="entries for 2 batches, the call has 3"):
+        flashlite.flex_attention(q, q, q, block_mask=shared)
+    short = gallery.document_causal(gallery.random_documents(2, 20, 3))
+    with pytest.raises(ValueError, match="entries for 20 positions, the call has 40"):
+        flashlite.create_block_mask(short, 2, None, 40, 40, device="cpu", BLOCK_SIZE=16)
+    every = flashlite.create_block_mask(gallery.document_causal(ids[0]), None, None, 40, 40,
+                                        device="cpu", BLOCK_SIZE=16)  # fmt: skip
+    assert flashlite.flex_attention(q, q, q, block_mask=every).isfinite().all()
+    for sm in (gallery.alibi(gallery.alibi_slopes(3)), gallery.relative_bias(torch.randn(3, 9))):
+        with pytest.raises(ValueError, match=f"{sm.name} has buffer entries for 3 query heads, "
+                                             "the call has 4"):  # fmt: skip
+            flashlite.flex_attention(q, q, q, score_mod=sm)
+    cu = torch.tensor([0, 30, 60, 90], dtype=torch.int32)
+    packed = torch.randn(90, 4, 16)
+    two = flashlite.create_block_mask(gallery.document_causal(gallery.random_documents(2, 30, 2)),
+                                      2, None, 30, 30, device="cpu", BLOCK_SIZE=16)  # fmt: skip
+    with pytest.raises(ValueError, match="entries for 2 batches, the call has 3"):
+        flashlite.attention_varlen(packed, packed, packed, cu, cu, 30, 30, block_mask=two)
+    cache = torch.randn(2, 50, 4, 16)
+    lens = torch.tensor([10, 20], dtype=torch.int32)
+    with pytest.raises(ValueError, match="entries for 2 query heads, the call has 4"):
+        flashlite.attention_kvcache(q[:2, :, :1].transpose(1, 2), cache, cache, cache_seqlens=lens,
+                                    score_mod=gallery.alibi(gallery.alibi_slopes(2)))  # fmt: skip
+    with pytest.raises(ValueError, match="entries for 30 positions, the call has 50"):
+        flashlite.attention_kvcache(q[:2, :, :1].transpose(1, 2), cache, cache, cache_seqlens=lens,
+                                    mask_mod=gallery.document_causal(
+                                        gallery.random_documents(2, 30, 2)))  # fmt: skip
+    for bad in ((0, None, None), [1, 2, 3], (1, 2), (None, True, None)):
+        with pytest.raises(ValueError, match="limits must be a tuple"):
+            mods.mask_mod(gallery._causal, limits=bad, name="tests.flex.limited")
+    trusted = mods.mask_mod(gallery._document_causal, ids, 40, torch_fn=gallery._document_causal_t,
+                            name="tests.flex.trusted")  # fmt: skip
+    assert trusted.limits == (None, None, None)
+
+
 def test_bad_block_masks_raise_clear_errors() -> None:
     q = torch.randn(2, 2, 40, 16)
     bm = flashlite.create_block_mask(gallery.causal(), None, None, 48, 48, device="cpu",
@@ -1349,8 +1431,9 @@ def test_varlen_traffic_model_equals_count(name: str) -> None:
     hq, hkv, d = 4, 2, 16
     lq, lk = VARLEN_Q, VARLEN_K
     if name == "document per sequence":
-        ids = torch.stack([_ids(1, max(lk), 3)[0] for _ in lq])
-        # (self-attention ids over the longer of the two lengths: a mask twin for both)
+        ids = torch.stack([_ids(1, max(*lq, *lk), 3)[0] for _ in lq])
+        # (self-attention ids over the tables' longest positions: ids over the keys' only
+        # had the tables' classifier read past them, which their limits now refuse)
         mm, sm, per_sequence = gallery.document_causal(ids), None, True
         lq = lk = [min(a, b) for a, b in zip(lq, lk, strict=True)]
     else:

@@ -371,15 +371,19 @@ def attention_kvcache(
             mask.left, mask.right, mask.softcap, splits, VALIDATE_MODES[validate])  # fmt: skip
     if mask_mod is not None or score_mod is not None:
         mm = sm = None
+        # (the positions a mod may see: the cache's capacity per sequence)
+        capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
         if mask_mod is not None:
             mm = mods.as_mask_mod(mask_mod)
             check_buffers_on(mm, q.device, "mask_mod")
+            mods.check_limits(mm, "mask_mod", bsz, hq, capacity)
         if score_mod is not None:
             if softcap is not None:
                 raise ValueError("attention_kvcache takes score_mod without softcap: write the "
                                  "cap as flashlite.gallery.tanh_softcap(c) in it")  # fmt: skip
             sm = mods.as_score_mod(score_mod)
             check_buffers_on(sm, q.device, "score_mod")
+            mods.check_limits(sm, "score_mod", bsz, hq, capacity)
         o, lse = KVCACHE(*args, sink, *spec_mod(mm), *spec_mod(sm))
         return (o, lse) if return_lse else o
     if key is not None and moved_call_device(q.device) is None:

@@ -59,7 +59,8 @@ def create_block_mask(mask_mod: Any, B: int | None, H: int | None, Q_LEN: int, K
 
     Raises:
         TypeError: ``mask_mod`` is not a jit mask (or has the wrong arity).
-        ValueError: bad lengths or block size, a buffer on another device.
+        ValueError: bad lengths or block size, a buffer on another device, more batches,
+            heads or positions than the mod's buffers hold (its ``limits``).
     """
     mod = M.as_mask_mod(mask_mod)
     b = 1 if B is None else _check_len(B, "B")
@@ -70,6 +71,7 @@ def create_block_mask(mask_mod: Any, B: int | None, H: int | None, Q_LEN: int, K
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     check_buffers_on(mod, device, "mask_mod")
+    M.check_limits(mod, "mask_mod", B, H, max(nq, nk))
     nqb, nkb = BM.cdiv(nq, bm), BM.cdiv(nk, bn)
     # On CPU the twin stands in when no kernel runs here, and for long sequences, where it is
     # the same classification (tested equal) without the interpreter's Python per program.

@@ -184,8 +184,8 @@ def _op_args(block_mask: Any, score_mod: Any, q: torch.Tensor, k: torch.Tensor, 
              what: str, lengths: tuple[int, int] | None = None) -> tuple[Any, ...]:  # fmt: skip
     """The flex ops' arguments after q, k, v and before the scale: the call's block tables
     (:func:`block_mask_for`), their block size and both mods as the ops carry them, checked
-    against its ``batch`` (sequences), heads, lengths (default q's and k's) and device
-    (``what``: the public call, for the message)."""
+    against its ``batch`` (sequences), heads, lengths (default q's and k's) and device, and
+    the mods' ``limits`` (``what``: the public call, for the message)."""
     if not (q.is_cuda or _backend.INTERPRETED):  # (no moving copies here: say so instead)
         raise ValueError(
             f"{what} runs its kernels where the tensors are: CUDA tensors, or CPU tensors with "
@@ -198,6 +198,11 @@ def _op_args(block_mask: Any, score_mod: Any, q: torch.Tensor, k: torch.Tensor, 
         check_buffers_on(smod, q.device, "score_mod")
     check_buffers_on(bm.mask_mod, q.device, "block_mask's mask_mod")
     hq = q.shape[1]
+    positions = max(lengths) if lengths is not None else max(q.shape[2], k.shape[2])
+    if bm.mask_mod is not None:
+        M.check_limits(bm.mask_mod, "block_mask's mask_mod", batch, hq, positions)
+    if smod is not None:
+        M.check_limits(smod, "score_mod", batch, hq, positions)
     tb, th = bm.kv_num_blocks.shape[:2]
     if tb not in (1, batch) or th not in (1, hq):
         raise ValueError(f"block_mask was built for B={tb}, H={th}; the call has B={batch}, "
