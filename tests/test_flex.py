@@ -755,8 +755,9 @@ def test_mods_returning_the_wrong_kind_are_refused() -> None:
 def test_mods_refuse_calls_past_what_their_buffers_hold() -> None:
     """The gallery's mods say how many batches, heads and positions their buffers hold
     (``limits``): document ids, ALiBi slopes and relative tables; a call with more is a
-    ValueError naming the mod, where the kernels would have read past the buffer. Ids of shape
-    (N,) serve every batch; a mod without limits is trusted."""
+    ValueError naming the mod, where the kernels would have read past the buffer, and so are
+    tables shared across batches (B=None) for ids that differ per batch. Ids of shape (N,)
+    serve every batch; a mod without limits is trusted."""
     q = torch.randn(3, 4, 40, 16)
     ids = gallery.random_documents(2, 40, 3)
     docs = gallery.document_causal(ids)
@@ -767,6 +768,10 @@ def test_mods_refuse_calls_past_what_their_buffers_hold() -> None:
     shared = flashlite.create_block_mask(docs, None, None, 40, 40, device="cpu", BLOCK_SIZE=16)
     with pytest.raises(ValueError, match="entries for 2 batches, the call has 3"):
         flashlite.flex_attention(q, q, q, block_mask=shared)
+    # (tables built with B=None hold batch 0's tiles: wrong for per-batch ids, even at B=2)
+    with pytest.raises(ValueError, match=r"built with B=None .* entries for 2 batches and may "
+                                         r"differ between them: build it with B=2"):  # fmt: skip
+        flashlite.flex_attention(q[:2], q[:2], q[:2], block_mask=shared)
     short = gallery.document_causal(gallery.random_documents(2, 20, 3))
     with pytest.raises(ValueError, match="entries for 20 positions, the call has 40"):
         flashlite.create_block_mask(short, 2, None, 40, 40, device="cpu", BLOCK_SIZE=16)

@@ -207,6 +207,16 @@ def _op_args(block_mask: Any, score_mod: Any, q: torch.Tensor, k: torch.Tensor, 
     if tb not in (1, batch) or th not in (1, hq):
         raise ValueError(f"block_mask was built for B={tb}, H={th}; the call has B={batch}, "
                          f"H={hq} (build it with these, or None to broadcast)")  # fmt: skip
+    # one table for every batch (head) holds batch (head) 0's tiles: wrong for a mask whose
+    # buffers differ per batch (head), whose other tiles would be skipped or left unmasked
+    limits = bm.mask_mod.limits if bm.mask_mod is not None else (None, None, None)
+    for shared, call, limit, arg, nouns in ((tb == 1, batch, limits[0], "B", "batches"),
+                                            (th == 1, hq, limits[1], "H", "heads")):  # fmt: skip
+        if shared and call > 1 and limit is not None and limit > 1:
+            raise ValueError(f"block_mask was built with {arg}=None (the first one's tiles for "
+                             f"all), but its mask_mod {bm.mask_mod.name} holds entries for "
+                             f"{limit} {nouns} and may differ between them: build it with "
+                             f"{arg}={call}")  # fmt: skip
     return op_tables(bm, smod)
 
 
