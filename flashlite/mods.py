@@ -320,13 +320,14 @@ def _check_result(mod: _Mod, what: str) -> None:
     everything while torch.compile traces."""
     if torch.compiler.is_compiling():
         return
+    is_score = isinstance(mod, ScoreMod)
     idx = torch.zeros((), dtype=torch.int64)
     device = next((x.device for x in mod.buffers if isinstance(x, torch.Tensor)), None)
     if device is not None:
         idx = idx.to(device)
     try:
         with torch.no_grad():
-            if isinstance(mod, ScoreMod):
+            if is_score:
                 got = mod(torch.zeros((), dtype=torch.float32, device=idx.device), idx, idx, idx,
                           idx)  # fmt: skip
             else:
@@ -335,11 +336,10 @@ def _check_result(mod: _Mod, what: str) -> None:
         return
     if not isinstance(got, torch.Tensor):
         return  # (a Python number from a twin of constants: broadcast by the callers)
-    want_bool = not isinstance(mod, ScoreMod)
-    if want_bool and got.dtype != torch.bool:
+    if not is_score and got.dtype != torch.bool:
         raise TypeError(f"{what} {mod.name} must return a bool tensor (which keys each query "
                         f"sees), its twin returned {got.dtype}")  # fmt: skip
-    if not want_bool and not got.is_floating_point():
+    if is_score and not got.is_floating_point():
         raise TypeError(f"{what} {mod.name} must return a floating-point score, its twin "
                         f"returned {got.dtype}")  # fmt: skip
 

@@ -33,7 +33,7 @@ from flashlite.ops.attention.kvcache import (
     _kvcache_key,
     _kvcache_plan,
 )
-from flashlite.ops.attention.mod_args import check_buffers_on, spec_mod
+from flashlite.ops.attention.mod_args import check_mod, spec_mod
 from flashlite.ops.attention.plan import _decode_splits
 from flashlite.ops.common import check_flags, moved_call_device
 
@@ -375,15 +375,13 @@ def attention_kvcache(
         capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
         if mask_mod is not None:
             mm = mods.as_mask_mod(mask_mod)
-            check_buffers_on(mm, q.device, "mask_mod")
-            mods.check_limits(mm, "mask_mod", bsz, hq, capacity)
+            check_mod(mm, "mask_mod", q.device, bsz, hq, capacity)
         if score_mod is not None:
             if softcap is not None:
                 raise ValueError("attention_kvcache takes score_mod without softcap: write the "
                                  "cap as flashlite.gallery.tanh_softcap(c) in it")  # fmt: skip
             sm = mods.as_score_mod(score_mod)
-            check_buffers_on(sm, q.device, "score_mod")
-            mods.check_limits(sm, "score_mod", bsz, hq, capacity)
+            check_mod(sm, "score_mod", q.device, bsz, hq, capacity)
         o, lse = KVCACHE(*args, sink, *spec_mod(mm), *spec_mod(sm))
         return (o, lse) if return_lse else o
     if key is not None and moved_call_device(q.device) is None:

@@ -17,7 +17,7 @@ from flashlite import block_mask as BM
 from flashlite import mods as M
 from flashlite._caches import Cache
 from flashlite.kernels.attention import block_mask as KB
-from flashlite.ops.attention.mod_args import check_buffers_on
+from flashlite.ops.attention.mod_args import check_mod
 
 __all__ = ["create_block_mask", "dense_block_mask", "block_mask_for"]
 
@@ -70,8 +70,7 @@ def create_block_mask(mask_mod: Any, B: int | None, H: int | None, Q_LEN: int, K
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
-    check_buffers_on(mod, device, "mask_mod")
-    M.check_limits(mod, "mask_mod", B, H, max(nq, nk))
+    check_mod(mod, "mask_mod", device, B, H, max(nq, nk))
     nqb, nkb = BM.cdiv(nq, bm), BM.cdiv(nk, bn)
     # On CPU the twin stands in when no kernel runs here, and for long sequences, where it is
     # the same classification (tested equal) without the interpreter's Python per program.

@@ -27,7 +27,7 @@ from flashlite.ops._dispatch import Op
 from flashlite.ops.attention import flex_plan as FP
 from flashlite.ops.attention.block_mask import block_mask_for
 from flashlite.ops.attention.checks import check_inputs
-from flashlite.ops.attention.mod_args import check_buffers_on, spec_mod
+from flashlite.ops.attention.mod_args import check_mod, spec_mod
 
 __all__ = ["flex_attention", "compiled_variants"]
 
@@ -194,22 +194,18 @@ def _op_args(block_mask: Any, score_mod: Any, q: torch.Tensor, k: torch.Tensor, 
         )
     bm = block_mask_for(block_mask, q, k, lengths)
     smod = None if score_mod is None else M.as_score_mod(score_mod)
-    if smod is not None:
-        check_buffers_on(smod, q.device, "score_mod")
-    check_buffers_on(bm.mask_mod, q.device, "block_mask's mask_mod")
     hq = q.shape[1]
     positions = max(lengths) if lengths is not None else max(q.shape[2], k.shape[2])
-    if bm.mask_mod is not None:
-        M.check_limits(bm.mask_mod, "block_mask's mask_mod", batch, hq, positions)
     if smod is not None:
-        M.check_limits(smod, "score_mod", batch, hq, positions)
+        check_mod(smod, "score_mod", q.device, batch, hq, positions)
+    check_mod(bm.mask_mod, "block_mask's mask_mod", q.device, batch, hq, positions)
     tb, th = bm.kv_num_blocks.shape[:2]
     if tb not in (1, batch) or th not in (1, hq):
         raise ValueError(f"block_mask was built for B={tb}, H={th}; the call has B={batch}, "
                          f"H={hq} (build it with these, or None to broadcast)")  # fmt: skip
     # one table for every batch (head) holds batch (head) 0's tiles: wrong for a mask whose
     # buffers differ per batch (head), whose other tiles would be skipped or left unmasked
-    limits = bm.mask_mod.limits if bm.mask_mod is not None else (None, None, None)
+    limits = bm.mask_mod.limits
     for shared, call, limit, arg, nouns in ((tb == 1, batch, limits[0], "B", "batches"),
                                             (th == 1, hq, limits[1], "H", "heads")):  # fmt: skip
         if shared and call > 1 and limit is not None and limit > 1:

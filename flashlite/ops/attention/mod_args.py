@@ -66,11 +66,15 @@ class Slots:
         return bufs
 
 
-def check_buffers_on(mod: M.MaskMod | M.ScoreMod, device: torch.device, what: str) -> None:
-    """ValueError unless each tensor buffer of ``mod`` (the argument ``what``) is on ``device``."""
+def check_mod(mod: M.MaskMod | M.ScoreMod, what: str, device: torch.device, batch: int | None,
+              heads: int | None, positions: int | None) -> None:  # fmt: skip
+    """ValueError unless each tensor buffer of ``mod`` (the argument ``what``) is on ``device``
+    and a call of ``batch`` batches, ``heads`` query heads and ``positions`` positions stays
+    within what its buffers hold (:func:`flashlite.mods.check_limits`)."""
     for i, t in enumerate(mod.buffers):
         if isinstance(t, torch.Tensor) and not _on(t, device):
             raise ValueError(f"{what}'s buffer {i} is on {t.device}, the call on {device}")
+    M.check_limits(mod, what, batch, heads, positions)
 
 
 def _on(t: torch.Tensor, device: torch.device) -> bool:
