@@ -125,10 +125,12 @@ def check_limits(mod: _Mod, what: str, batch: int | None, heads: int | None,
                  positions: int | None) -> None:  # fmt: skip
     """ValueError unless a call with ``batch`` batches (sequences), ``heads`` query heads and
     positions ``< positions`` stays within what ``mod``'s buffers hold (its ``limits``; a
-    None here is not checked). ``what``: the argument, for the message."""
-    for got, limit, noun in zip((batch, heads, positions), mod.limits,
-                                ("batches", "query heads", "positions"), strict=True):  # fmt: skip
-        if got is not None and limit is not None and got > limit:
+    None here is not checked). ``what``: the argument, for the message. (Plain compares: it
+    runs on every call's host path.)"""
+    lb, lh, ln = mod.limits
+    for got, limit, noun in ((batch, lb, "batches"), (heads, lh, "query heads"),
+                             (positions, ln, "positions")):  # fmt: skip
+        if limit is not None and got is not None and got > limit:
             raise ValueError(f"{what} {mod.name} has buffer entries for {limit} {noun}, the "
                              f"call has {got}: make its buffers for the call's {noun}")  # fmt: skip
 
