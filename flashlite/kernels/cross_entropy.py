@@ -271,9 +271,10 @@ def _cross_entropy_scale_kernel(
             bad = kept & ((t < 0) | (t >= n_cols))
             first = tl.minimum(first, tl.min(tl.where(bad, rows, n_rows)))
     scale = 1.0
-    if MEAN:  # every target ignored: NaN, and so the loss, as torch's 0/0 (no 1/0 computed)
-        denom = tl.sum(total)
-        scale = tl.where(denom > 0, 1.0 / tl.where(denom > 0, denom, 1.0), float("nan"))
+    if MEAN:  # torch's weighted mean, whatever the divisor's sign (class weights may be
+        # negative: torch and Liger take any). A zero one gives inf: the mean is then NaN when
+        # every target is ignored (0·inf, torch's 0/0) and ±inf for kept weights summing to 0
+        scale = 1.0 / tl.sum(total)
     tl.store(GSCALE, scale)
     if Z_SCALE:  # (no target kept: 0, not 0/0, so that ignored rows' gradients stay 0, not NaN)
         kept_n = tl.sum(count).to(tl.float32)

@@ -161,7 +161,8 @@ def cross_entropy_scale(
     z_scale: bool = False,
 ) -> torch.Tensor:
     """The fp32 0-dim gradient scale a unit loss sends each row (``1/Σ`` of the kept targets'
-    weights for a mean, NaN when none is kept; else 1), from the ``(N,)`` targets in one launch;
+    weights for a mean, of either sign, inf for a zero sum; else 1), from the ``(N,)`` targets
+    in one launch;
     with ``bad`` (int64 ``(3,)`` on the compute device), the first target outside
     ``[0, V)`` that is not ``ignore_index`` is recorded there as ``(1, class, V)``, unless one
     is recorded already (and, for a device's record, flagged in its host flag). With
