@@ -474,18 +474,28 @@ def test_kvcache_expanded_caches_are_read_but_refused_with_k_new() -> None:
     assert torch.equal(k, before)  # refused before anything was written
 
 
-def test_kvcache_is_forward_only_and_says_so() -> None:
+def test_kvcache_is_forward_only_and_says_so_at_the_backward() -> None:
+    # inputs that require grad: the forward computes (as no_grad would) and appends; a backward
+    # that reaches the outputs raises, naming the inputs (eager and compiled: test_peer_contract)
     q, k, v = _kv()
     lens = torch.tensor([5, 6, 17, 40], dtype=torch.int32)
-    for name in ("q", "k_new"):
+    for name in ("q", "k_new", "v_cache"):
         new = [torch.randn(KV_B, 1, KV_HKV, KV_D) for _ in range(2)]
-        args = {"q": q.clone(), "k_new": new[0], "v_new": new[1]}
+        caches = {"k_cache": k.clone(), "v_cache": v.clone()}
+        with torch.no_grad():
+            want = flashlite.attention_kvcache(q, caches["k_cache"].clone(),
+                                               caches["v_cache"].clone(), cache_seqlens=lens,
+                                               k_new=new[0], v_new=new[1])  # fmt: skip
+        args = {"q": q.clone(), "k_new": new[0], "v_new": new[1], **caches}
         args[name].requires_grad_()
-        with pytest.raises(ValueError, match=f"forward-only .* {name} requires grad"):
-            flashlite.attention_kvcache(args["q"], k, v, cache_seqlens=lens,
-                                        k_new=args["k_new"], v_new=args["v_new"])  # fmt: skip
-    with torch.no_grad():  # decoding: fine
-        flashlite.attention_kvcache(q.clone().requires_grad_(), k, v, cache_seqlens=lens)
+        q_in, k_in, v_in = (args.pop(a) for a in ("q", "k_cache", "v_cache"))
+        out = flashlite.attention_kvcache(q_in, k_in, v_in, cache_seqlens=lens, **args)
+        assert torch.equal(out, want) and out.requires_grad
+        with pytest.raises(RuntimeError, match=f"attention_kvcache is forward-only.* {name},"):
+            out.sum().backward()
+    with torch.no_grad():  # decoding: no graph at all
+        out = flashlite.attention_kvcache(q.clone().requires_grad_(), k, v, cache_seqlens=lens)
+    assert not out.requires_grad
 
 
 def test_kvcache_negative_cache_seqlens_message_quotes_the_value() -> None:
@@ -751,47 +761,66 @@ def test_linear_cross_entropy_weighted_mean_divides_the_z_loss_by_the_kept_targe
     assert torch.isnan(loss) and all(torch.equal(a.grad, torch.zeros_like(a)) for a in leaves)
 
 
-def test_cross_entropy_inplace_backward_on_a_leaf_that_requires_grad_raises() -> None:
-    # torch refuses to write a leaf that requires grad (or a view of one) in place: so must
-    # inplace_backward, before anything is written; no grad mode or no grad: as before
+def test_cross_entropy_inplace_backward_consumes_a_leaf_that_requires_grad() -> None:
+    # flash-attn's and Liger's contract: inplace_backward=True is the caller's consent, a leaf
+    # included; its values are consumed (they hold the gradient from the forward on) and its
+    # .grad is that memory. A view of a leaf, grad mode off and logits needing no grad: alike
     from flashlite.ops.common import moved_call_device
 
     t = torch.tensor([0, 3, 5, 1])
     for shape in ((4, 10), (2, 2, 10)):
-        leaf = torch.randn(*shape, requires_grad=True)
         tt = t.view(shape[:-1])
-        before = leaf.detach().clone()
-        with pytest.raises(ValueError, match=r"inplace_backward.*logits, a leaf tensor"):
-            flashlite.cross_entropy(leaf, tt, inplace_backward=True)
-        with pytest.raises(ValueError, match=r"logits, a view of a leaf tensor"):
-            flashlite.cross_entropy(leaf[..., :8], tt, inplace_backward=True)
-        with pytest.raises(ValueError, match="inplace_backward=False"):
-            flashlite.cross_entropy(leaf, tt, inplace_backward=True, reduction="none")
-        assert torch.equal(leaf.detach(), before)
+        before = torch.randn(*shape)
         ref = before.double().requires_grad_()
-        _F.cross_entropy(ref.reshape(-1, 10), t).backward()
-        for x, grad_mode in ((leaf.detach().clone().requires_grad_(), False),
-                             (leaf.detach().clone(), True)):  # fmt: skip
+        want = _F.cross_entropy(ref.reshape(-1, 10), t)
+        want.backward()
+        leaf = before.clone().requires_grad_()
+        loss = flashlite.cross_entropy(leaf, tt, inplace_backward=True)
+        torch.testing.assert_close(loss.double(), want.detach(), atol=1e-5, rtol=1e-5)
+        in_place = moved_call_device(leaf.device) is None  # (a moved call writes its copy)
+        if in_place:  # consumed by the forward already
+            torch.testing.assert_close(leaf.detach().double(), ref.grad, atol=1e-6, rtol=1e-5)
+        loss.backward()
+        torch.testing.assert_close(leaf.grad.double(), ref.grad, atol=1e-6, rtol=1e-5)
+        assert not in_place or leaf.grad.data_ptr() == leaf.data_ptr()
+        # a view of a leaf: the leaf's own columns are written, its grad gathers them
+        leaf = before.clone().requires_grad_()
+        flashlite.cross_entropy(leaf[..., :8], tt, inplace_backward=True).backward()
+        ref8 = before[..., :8].double().requires_grad_()
+        _F.cross_entropy(ref8.reshape(-1, 8), t).backward()
+        torch.testing.assert_close(leaf.grad[..., :8].double(), ref8.grad, atol=1e-6, rtol=1e-5)
+        assert torch.equal(leaf.grad[..., 8:], torch.zeros_like(leaf.grad[..., 8:]))
+        for x, grad_mode in ((before.clone().requires_grad_(), False),
+                             (before.clone(), True)):  # fmt: skip
             with torch.set_grad_enabled(grad_mode):
                 loss = flashlite.cross_entropy(x, tt, inplace_backward=True)
-            want = _F.cross_entropy(before.double().reshape(-1, 10), t)
-            torch.testing.assert_close(loss.double(), want, atol=1e-5, rtol=1e-5)
-            # the logits hold the gradient afterwards (where the call runs on them: a CPU
-            # tensor on a machine with a GPU is copied there, and the copy holds it)
+            torch.testing.assert_close(loss.double(), want.detach(), atol=1e-5, rtol=1e-5)
             if moved_call_device(x.device) is None:
                 torch.testing.assert_close(x.detach().double(), ref.grad, atol=1e-6, rtol=1e-5)
+    # a node that saved the leaf for its own backward: torch's version check, at the backward
+    leaf = torch.randn(4, 10, requires_grad=True)
+    square = (leaf * leaf).sum()
+    loss = flashlite.cross_entropy(leaf, t, inplace_backward=True)
+    if moved_call_device(leaf.device) is None:
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            (loss + square).backward()
 
 
 @pytest.mark.gpu
-def test_gpu_cpu_leaf_with_inplace_backward_raises_before_the_call_moves() -> None:
-    # CPU tensors on a machine with a GPU: the call moves to the GPU, whose copy is no leaf
-    leaf = torch.randn(4, 10, requires_grad=True)
-    with pytest.raises(ValueError, match=r"logits, a leaf tensor"):
-        flashlite.cross_entropy(leaf, torch.tensor([0, 3, 5, 1]), inplace_backward=True)
+def test_gpu_cpu_leaf_with_inplace_backward_on_a_gpu_machine() -> None:
+    # CPU tensors on a machine with a GPU: the call moves to the GPU and its copy takes the
+    # gradient; the CPU leaf keeps its values and gets the right .grad; overlap is still refused
+    before = torch.randn(4, 10)
+    leaf = before.clone().requires_grad_()
+    t = torch.tensor([0, 3, 5, 1])
+    flashlite.cross_entropy(leaf, t, inplace_backward=True).backward()
+    ref = before.double().requires_grad_()
+    _F.cross_entropy(ref, t).backward()
+    assert torch.equal(leaf.detach(), before)
+    torch.testing.assert_close(leaf.grad.double(), ref.grad, atol=1e-6, rtol=1e-5)
     buf = torch.randn(10)
     with pytest.raises(ValueError, match="overlapping or interleaved"):
-        flashlite.cross_entropy(buf.expand(4, 10), torch.tensor([0, 3, 5, 1]),
-                                inplace_backward=True)  # fmt: skip
+        flashlite.cross_entropy(buf.expand(4, 10), t, inplace_backward=True)
 
 
 def test_cross_entropy_inplace_backward_on_overlapping_logits_raises() -> None:

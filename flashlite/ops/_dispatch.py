@@ -21,14 +21,17 @@ and calls ``SOFTMAX_FWD(*args)``. Three paths run the same body:
 The backward formula calls its backward op through the same object, so a second derivative goes
 to the backward op's own autograd (registered, or refused with its message). An op that writes
 into an argument (cross-entropy's gradient) cannot carry autograd; :func:`differentiable` makes
-the Function around such ops, which still pick their own path.
+the Function around such ops, which still pick their own path. A front-end that has no gradient
+at all (decoding) is wrapped by :func:`forward_only`: given tensors that require grad it still
+computes, and a backward that reaches it raises.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -46,6 +49,7 @@ _grad_enabled = torch.is_grad_enabled
 #: Whether CPU tensors run their kernels where they are (the interpreter, working): else a
 #: call on them moves to the GPU, or raises why it cannot run (:func:`on_compute_device`).
 _RUNS_IN_PLACE = _backend.INTERPRETED and _backend.INTERPRETER_PROBLEM is None
+F = TypeVar("F", bound=Callable[..., Any])
 
 
 def plain_eager(*tensors: torch.Tensor) -> bool:
@@ -204,3 +208,85 @@ def eager_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
     """``function.apply`` below its Python wrapper (as :class:`Op` calls its own), for calls
     where :func:`plain_eager` holds; the wrapper itself where torch lacks the C one."""
     return _C_APPLY.__get__(None, function) if _C_APPLY is not None else function.apply
+
+
+def _no_gradient(like: torch.Tensor, message: str, shape: list[int],
+                 dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+    raise RuntimeError(message)
+
+
+#: ``flashlite::no_gradient``: what a forward-only call's backward returns for an input. Its
+#: fake is a gradient of the input's shape, so that ``torch.compile`` traces the backward
+#: graph; running it raises ``message``: the error comes when a backward reaches the call, not
+#: when the graph is compiled.
+_NO_GRADIENT = torch.library.custom_op("flashlite::no_gradient", mutates_args=())(_no_gradient)
+_NO_GRADIENT.register_fake(lambda like, message, shape, dtype: like.new_empty(shape, dtype=dtype))
+
+
+class ForwardOnlyFunction(torch.autograd.Function):
+    """Outputs of a forward-only call hung from the inputs that require grad: the forward hands
+    back copies of the outputs (a custom Function's outputs may not be its inputs); the
+    backward raises (through :data:`_NO_GRADIENT`) naming the call and those inputs."""
+
+    @staticmethod
+    def forward(ctx: Any, message: str, n_out: int, *tensors: torch.Tensor) -> Any:
+        ctx.message, ctx.n_out = message, n_out
+        ctx.inputs = [(list(t.shape), t.dtype) for t in tensors[n_out:]]  # (not saved: a
+        # cache written by later steps would fail autograd's version check before our error)
+        return tuple(t.clone() for t in tensors[:n_out])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        like = next(g for g in grads if g is not None)
+        no_grad = [_NO_GRADIENT(like, ctx.message, shape, dtype) for shape, dtype in ctx.inputs]
+        return None, None, *([None] * ctx.n_out), *no_grad
+
+
+def forward_only(*names: str) -> Callable[[F], F]:
+    """A decorator for a forward-only front-end (decoding) whose arguments ``names`` may be
+    tensors that require grad: called with such tensors in grad mode, it runs on detached
+    arguments under ``torch.no_grad()``, and its outputs hang from one autograd node whose
+    backward raises, as a torch op without a derivative does. The call computes (a graph that
+    never differentiates it is fine: flash-attn's tests, a generation step without
+    ``no_grad``); a backward that reaches it says so instead of dropping gradients. Eager and
+    ``torch.compile`` alike (the error is raised when the backward runs). Other calls go
+    straight to the function."""
+
+    def wrap(fn: F) -> F:
+        params = list(inspect.signature(fn).parameters)
+        spots = [(name, params.index(name)) for name in names]
+
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if not _grad_enabled():
+                return fn(*args, **kwargs)
+            found = []
+            for name, pos in spots:
+                t = args[pos] if pos < len(args) else kwargs.get(name)
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    found.append((name, t))
+            if not found:
+                return fn(*args, **kwargs)
+            args = tuple(_detached(a) for a in args)
+            kwargs = {k: _detached(a) for k, a in kwargs.items()}
+            with torch.no_grad():
+                out = fn(*args, **kwargs)
+            which = " and ".join(name for name, _ in found)
+            message = (
+                f"flashlite.{fn.__name__} is forward-only (it has no gradient), but a backward "
+                f"reached it through {which}, which required grad when it was called. Call it "
+                "under torch.no_grad() (or pass detached tensors) where no gradient is wanted; "
+                "for a differentiable call use flashlite.attention (seqlens_k= for per-batch "
+                "lengths) or flashlite.attention_varlen"
+            )
+            outs = out if isinstance(out, tuple) else (out,)
+            linked = ForwardOnlyFunction.apply(message, len(outs), *outs, *(t for _, t in found))
+            return tuple(linked) if isinstance(out, tuple) else linked[0]
+
+        return call  # type: ignore[return-value]
+
+    return wrap
+
+
+def _detached(x: Any) -> Any:
+    return x.detach() if isinstance(x, torch.Tensor) else x

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from flashlite import _backend, masks, mods
-from flashlite.ops._dispatch import plain_eager
+from flashlite.ops._dispatch import forward_only, plain_eager
 from flashlite.ops.attention.autograd import ATTENTION_FWD
 from flashlite.ops.attention.checks import (
     DTYPES,
@@ -16,7 +16,6 @@ from flashlite.ops.attention.checks import (
     _check,
     _check_cu_seqlens,
     _check_cu_values,
-    _check_forward_only,
     _check_offsets_on_device,
     _check_page_size,
     _check_scale,
@@ -227,6 +226,7 @@ def attention_varlen(
     return (o, lse.squeeze(0)) if return_lse else o
 
 
+@forward_only("q", "k_cache", "v_cache", "k_new", "v_new", "sinks")
 def attention_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -291,13 +291,14 @@ def attention_kvcache(
             ``softcap`` (write the cap as :func:`flashlite.gallery.tanh_softcap`).
 
     Returns:
-        ``out`` ``(B, Nq, Hq, D)`` (and the LSE). Forward only: with grad mode on, tensors
-        that require grad are refused (use ``torch.no_grad()`` or ``.detach()``).
+        ``out`` ``(B, Nq, Hq, D)`` (and the LSE). Forward only: given tensors that require
+        grad (grad mode on), it computes the forward all the same, and a backward that
+        reaches its outputs raises a ``RuntimeError`` (decode under ``torch.no_grad()``).
 
     Raises:
         TypeError: non-tensors, mixed or unsupported dtypes, index tensors that are not int32,
             flags that are not bools, ``validate`` not True, False or ``"sync"``.
-        ValueError: shapes, devices, an input that requires grad (grad mode on), ``k_new``
+        ValueError: shapes, devices, ``k_new``
             with caches whose elements overlap (expanded, stride 0) or that are one tensor;
             with ``validate``, a negative ``cache_seqlens``, ``cache_seqlens + Nnew`` past the
             cache's capacity or a block-table entry outside ``[0, num_pages)`` among the pages
@@ -355,7 +356,6 @@ def attention_kvcache(
         raise ValueError(f"k_cache must be (B={bsz}, Ncap, Hkv, D), got {tuple(k_cache.shape)}")
     if block_table is not None:
         _check_page_size(k_cache.shape[1])
-    _check_forward_only(q, k_cache, v_cache, k_new, v_new, sinks)
     n_new = 0 if k_new is None else k_new.shape[1]
     if k_new is not None:
         want = (bsz, n_new, hkv, d)

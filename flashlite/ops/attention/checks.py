@@ -212,30 +212,6 @@ def _check_cu_values(
             )
 
 
-def _check_forward_only(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_new: torch.Tensor | None,
-    v_new: torch.Tensor | None,
-    sinks: torch.Tensor | None = None,
-) -> None:
-    """:func:`attention_kvcache` records no autograd graph: refuse, with grad mode on, inputs
-    that require grad (a backward would otherwise fail far from the call, or gradients go
-    missing without a word)."""
-    if not torch.is_grad_enabled():
-        return
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
-                    ("v_new", v_new), ("sinks", sinks)):  # fmt: skip
-        if isinstance(t, torch.Tensor) and t.requires_grad:
-            raise ValueError(
-                f"attention_kvcache is forward-only (decoding: no gradient), but {name} requires "
-                "grad with grad mode on; call it under torch.no_grad() or torch.inference_mode(), "
-                f"or pass {name}.detach(); for a differentiable call use flashlite.attention "
-                "(seqlens_k= for per-batch lengths)"
-            )
-
-
 def _check_page_size(slots: int) -> None:
     """A paged cache's page size: a positive multiple of 16, of any size (the decode kernel reads
     one table entry per tile where the page holds whole tiles, one per key row elsewhere)."""

@@ -26,7 +26,7 @@ from flashlite import _backend, _launch, masks, stats
 from flashlite._caches import Cache
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import shared_prefix as KSP
-from flashlite.ops._dispatch import plain_eager
+from flashlite.ops._dispatch import forward_only, plain_eager
 from flashlite.ops.attention.api import attention, attention_kvcache
 from flashlite.ops.attention.checks import DTYPES, _check_scale, _check_splits, check_sinks
 from flashlite.ops.attention.decode import attention_decode_fwd
@@ -37,6 +37,7 @@ from flashlite.ops.common import check_flags, moved_call_device, on_compute_devi
 Pair = tuple[torch.Tensor, torch.Tensor]
 
 
+@forward_only("q", "prefix_k", "prefix_v", "k_cache", "v_cache", "k_new", "v_new", "sinks")
 def attention_shared_prefix(
     q: torch.Tensor,
     prefix_k: torch.Tensor,
@@ -80,7 +81,8 @@ def attention_shared_prefix(
 
     Returns:
         ``out`` ``(B, Nq, Hq, D)`` (and the LSE). A row that sees no key gives 0 and LSE −inf,
-        or the sink with one. With grad mode on, tensors that require grad are refused.
+        or the sink with one. Given tensors that require grad, it computes, and a backward
+        that reaches its outputs raises (as :func:`attention_kvcache`).
 
     Prefix keys that some rows see and others do not (where a window's left edge, or with
     ``Nq > Nnew + 1`` the causal diagonal, cuts into the prefix: it depends on each request's
@@ -127,7 +129,7 @@ def _checked_step(tensors: tuple, options: tuple, return_lse: object) -> _Step:
     hq, hkv = q.shape[2], k_cache.shape[2]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"q's Hq={hq} must be a multiple of the caches' Hkv={hkv}")
-    _check_inputs(q, prefix_k, prefix_v, hkv, sinks, k_cache, v_cache, k_new, v_new)
+    _check_inputs(q, prefix_k, prefix_v, hkv, sinks)
     mask = masks.describe(causal, window, softcap)
     sm_scale = _check_scale(scale, q.shape[3])
     splits = _check_splits(num_splits)
@@ -211,10 +213,10 @@ class _Step:
 
 
 def _check_inputs(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, hkv: int,
-                  sinks: object, *kv: torch.Tensor | None) -> None:  # fmt: skip
-    """The prefix (``(Np, Hkv, D)`` twice, q's dtype and device), the sinks
-    (:func:`check_sinks`) and, with grad mode on, no input that requires grad (no graph is
-    recorded): everything the prefix pass could refuse, checked before the suffix pass appends."""
+                  sinks: object) -> None:  # fmt: skip
+    """The prefix (``(Np, Hkv, D)`` twice, q's dtype and device) and the sinks
+    (:func:`check_sinks`): everything the prefix pass could refuse, checked before the suffix
+    pass appends."""
     d = q.shape[3]
     for name, t in (("prefix_k", prefix_k), ("prefix_v", prefix_v)):
         if t.dim() != 3 or t.shape[1:] != (hkv, d):
@@ -229,12 +231,6 @@ def _check_inputs(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tenso
         raise ValueError(f"prefix_k and prefix_v must have one shape, got "
                          f"{tuple(prefix_k.shape)} and {tuple(prefix_v.shape)}")  # fmt: skip
     check_sinks(sinks, q, q.shape[2])
-    names = ("q", "prefix_k", "prefix_v", "sinks", "k_cache", "v_cache", "k_new", "v_new")
-    for name, t in zip(names, (q, prefix_k, prefix_v, sinks, *kv), strict=True):
-        if torch.is_grad_enabled() and isinstance(t, torch.Tensor) and t.requires_grad:
-            raise ValueError(f"attention_shared_prefix is forward-only, but {name} requires "
-                             "grad with grad mode on; call it under torch.no_grad() or pass "
-                             ".detach()")  # fmt: skip
 
 
 def _spans(n_prefix: int, nq: int, n_new: int, capacity: int,

@@ -62,10 +62,13 @@ def cross_entropy(
             (it bounds each row's LSE, whatever the target's class: Liger's convention).
         softcap: logits become ``softcap·tanh(logits/softcap)`` first; the loss, z-loss and LSE
             use the capped logits.
-        inplace_backward: write the gradient over ``logits`` (no extra memory; Liger's trick).
-            ``logits`` must then be a non-leaf tensor (or need no gradient) that nothing else
-            saved for its own backward, whose elements do not share memory, and it holds the
-            gradient afterwards.
+        inplace_backward: write the gradient over ``logits`` (no extra memory; Liger's trick,
+            flash-attn's flag). The forward consumes the logits' values: from this call on they
+            hold the gradient (scaled by the incoming one in the backward), which is also what
+            the backward hands over: a leaf's ``.grad`` is that memory's values. Nothing else may
+            need the logits afterwards (a node that saved them for its own backward makes
+            torch raise "modified by an inplace operation"), and their elements must not share
+            memory.
         return_lse: also return the fp32 LSE per token (``target``'s shape; no gradient).
         validate: check that every target is in ``[0, V)`` or ``ignore_index``. A bad target
             always gives a NaN loss and gradient row, never a read outside the tensors; the
@@ -88,15 +91,14 @@ def cross_entropy(
         TypeError: non-tensors, unsupported dtypes, float targets, non-numeric options.
         ValueError: shape or device mismatch, a bad reduction, ``label_smoothing`` outside
             [0, 1], a negative ``z_loss``, a non-positive ``softcap``, ``validate`` not one of
-            True, False, "sync"; ``inplace_backward`` on a leaf that requires grad (or a view
-            of one) while grad mode is on, or on logits whose elements overlap; with
+            True, False, "sync"; ``inplace_backward`` on logits whose elements overlap; with
             ``validate``, a target outside ``[0, V)`` that is not ``ignore_index`` (see
             ``validate`` for which call raises it).
     """
     _check(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
     if not (isinstance(validate, bool) or validate == "sync"):
         raise ValueError(f"validate must be True, False or 'sync', got {validate!r}")
-    if inplace_backward:  # (here: a moved call's copy would no longer be the caller's leaf)
+    if inplace_backward:  # (here: a moved call's copy is dense whatever the caller's strides)
         _check_inplace(logits)
     dev = moved_call_device(logits.device)
     if dev is not None:  # the whole call on the GPU, CPU tensors' rule kept: a bad one raises

@@ -96,19 +96,11 @@ def _check(
 
 
 def _check_inplace(logits: torch.Tensor) -> None:
-    """Refuse logits that ``inplace_backward`` must not overwrite: a leaf that requires grad (or
-    a view of one), which torch forbids to modify in place while grad mode is on (the leaf would
-    hold its own gradient), and memory whose elements overlap (writing one row's gradient would
-    clobber rows still to be read)."""
-    if torch.is_grad_enabled() and logits.requires_grad:
-        base = logits if logits.is_leaf else logits._base
-        if base is not None and base.is_leaf:
-            what = "a leaf tensor" if base is logits else "a view of a leaf tensor"
-            raise ValueError(
-                f"inplace_backward=True would overwrite logits, {what} that requires grad, with "
-                "its gradient (torch forbids in-place writes to such a leaf); pass a non-leaf "
-                "(e.g. the output layer's output, as it comes) or use inplace_backward=False"
-            )
+    """Refuse logits that ``inplace_backward`` cannot overwrite: memory whose elements overlap
+    (writing one row's gradient would clobber rows still to be read). A leaf that requires grad
+    is accepted, as flash-attn and Liger accept it: the flag is the caller's consent that its
+    values are consumed, and the write goes through a detached alias (torch's version counter
+    still catches a node that saved the logits for its own backward)."""
     if overlapping(logits):
         raise ValueError(
             f"inplace_backward=True needs logits whose elements do not share memory, got "
