@@ -823,6 +823,30 @@ def test_gpu_cpu_leaf_with_inplace_backward_on_a_gpu_machine() -> None:
         flashlite.cross_entropy(buf.expand(4, 10), t, inplace_backward=True)
 
 
+def test_cross_entropy_inplace_backward_needs_rows_that_view_as_n_by_v() -> None:
+    from flashlite.ops.common import moved_call_device
+
+    # (B, T, V) logits whose rows make no (B·T, V) view (T and B swapped in memory): a copy
+    # would take the gradient, not the caller's logits; refused, eagerly and compiled (the
+    # compiled call falls back to eager for the error: a raise is a graph break)
+    src = torch.randn(3, 2, 10)
+    t = torch.tensor([[0, 3], [5, 1], [9, 2]])
+    swapped = (src * 1.0).transpose(0, 1).contiguous().transpose(0, 1)  # (3, 2, 10), strided
+    for fn in (flashlite.cross_entropy, torch.compile(flashlite.cross_entropy)):
+        with pytest.raises(ValueError, match=r"rows form a \(N, V\) view"):
+            fn(swapped, t, inplace_backward=True)
+    want = _F.cross_entropy(src.double().reshape(-1, 10), t.reshape(-1))
+    got = flashlite.cross_entropy(swapped, t)  # only read: fine
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    sliced = torch.randn(3, 2, 12)[..., :10]  # rows strided by 12: a view, written in place
+    before = sliced.clone()
+    flashlite.cross_entropy(sliced, t, inplace_backward=True)
+    ref = before.double().requires_grad_()
+    _F.cross_entropy(ref.reshape(-1, 10), t.reshape(-1)).backward()
+    if moved_call_device(sliced.device) is None:  # (a CPU call moved to a GPU writes its copy)
+        torch.testing.assert_close(sliced.double(), ref.grad, atol=1e-6, rtol=1e-5)
+
+
 def test_cross_entropy_inplace_backward_on_overlapping_logits_raises() -> None:
     # rows that share memory would be clobbered by the gradient written over earlier rows
     v = 10

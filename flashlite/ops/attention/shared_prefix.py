@@ -184,6 +184,8 @@ class _Step:
         if torch.compiler.is_compiling():  # (Inductor fuses the torch twin)
             o, lse = merge_torch(parts)
             return o.transpose(1, 2), lse
+        if moved_call_device(q.device) is not None:  # (CPU tensors, kernels on a GPU: moved)
+            return merge_kernel(parts[0], parts[1], torch.empty_like(q))
         return self.merge(parts[0], parts[1], torch.empty_like(q))
 
     def _prefix_pass(self, q: torch.Tensor, prefix_k: torch.Tensor,

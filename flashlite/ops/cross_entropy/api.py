@@ -110,10 +110,10 @@ def cross_entropy(
         )  # fmt: skip
         return moved(out, logits.device)
     v = logits.shape[-1]
+    if inplace_backward and logits.dim() == 3 and not _rows_view(logits):
+        raise ValueError("inplace_backward needs logits whose rows form a (N, V) view (no copy)")
     # (2-D logits and 1-D targets as they are: a reshape would add a view to the autograd graph)
     x2 = logits if logits.dim() == 2 else logits.reshape(-1, v)
-    if inplace_backward and x2.data_ptr() != logits.data_ptr():
-        raise ValueError("inplace_backward needs logits whose rows form a (N, V) view (no copy)")
     t1 = target if target.dim() == 1 else target.reshape(-1)
     plain = plain_eager(x2, t1, weight)
     # (no scale yet: the forward's own launch works it out, and checks the targets into `bad`)
@@ -215,12 +215,12 @@ def linear_cross_entropy(
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"{name} must be None or an int >= 1, got {size!r}")
     dev = moved_call_device(hidden.device)
-    if dev is not None:  # the whole call on the GPU (see moved_call_device)
+    if dev is not None:  # the whole call on the GPU, CPU tensors' rule kept: a bad one raises
         out = linear_cross_entropy(
             hidden.to(dev), weight.to(dev), target.to(dev), bias=moved(bias, dev),
             class_weight=moved(class_weight, dev), ignore_index=ignore_index, reduction=reduction,
             label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-            return_lse=return_lse, validate=validate, chunk_size=chunk_size,
+            return_lse=return_lse, validate="sync" if validate else False, chunk_size=chunk_size,
             vocab_chunk_size=vocab_chunk_size,
         )  # fmt: skip
         return moved(out, hidden.device)
@@ -245,6 +245,13 @@ def linear_cross_entropy(
 
 
 _Maybe = torch.Tensor | None
+
+
+def _rows_view(logits: torch.Tensor) -> bool:
+    """Whether ``(B, T, V)`` logits reshape to ``(B·T, V)`` as a view (the gradient must land in
+    their memory): from sizes and strides, which a trace holds (``data_ptr`` it may not)."""
+    b, t = logits.shape[0], logits.shape[1]
+    return b == 1 or t == 1 or logits.stride(0) == logits.stride(1) * t
 
 
 def _scale_or_record(plain: bool, t1: torch.Tensor, weight: _Maybe, v: int, ignore_index: int,
