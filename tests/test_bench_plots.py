@@ -30,6 +30,7 @@ def _bench(name: str) -> object:
     "bench,results",
     [
         ("bench_cross_entropy", "cross-entropy-nvidia-h200.json"),
+        ("bench_ce_memory", "ce-memory-nvidia-h100-80gb-hbm3.json"),
         ("bench_mods", "mods-nvidia-h200.json"),
         ("bench_mods", "mods-varlen-nvidia-h200.json"),
     ],

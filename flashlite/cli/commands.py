@@ -352,6 +352,7 @@ BENCHMARKS = (
     ("bench_sinks.py", "attention with and without sinks, forward, backward and decode"),
     ("bench_mods.py", "mask and score functions against FlexAttention and the built-ins"),
     ("bench_cross_entropy.py", "cross-entropy and linear cross-entropy speed and memory"),
+    ("bench_ce_memory.py", "cross-entropy peak memory at flash-attn's test vocabularies"),
     ("bench_overhead.py", "per-call host cost at small shapes (loop, graph, do_bench)"),
     ("bench_models.py", "Hugging Face Llama training step and generation against SDPA"),
     ("bench_traffic.py", "measured DRAM bytes with Nsight Compute against the model"),
