@@ -148,6 +148,24 @@ def replot(path: str | Path, figure: Callable[[list[dict[str, Any]], str], Any])
     return plotting.save(figure(data["rows"], data["meta"]["device"]), path.with_suffix(".png"))
 
 
+def start(argv: list[str] | None, doc: str | None, figure: Callable[..., Any],
+          name: str) -> int | None:  # fmt: skip
+    """The usual start of a bench's ``main``: ``--replot JSON`` redraws that file's PNG and
+    gives 0; without a CUDA GPU it says so and gives 2; otherwise None (run the bench)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=(doc or name).splitlines()[0])
+    parser.add_argument("--replot", metavar="JSON", help="redraw the PNG of a results JSON")
+    args = parser.parse_args(argv)
+    if args.replot:
+        replot(args.replot, figure)
+        return 0
+    if not torch.cuda.is_available():
+        print(f"{name} needs a CUDA GPU")
+        return 2
+    return None
+
+
 def write_results(
     stem: str,
     rows: Sequence[dict[str, Any]],

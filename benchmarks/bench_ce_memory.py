@@ -15,7 +15,6 @@ gradient is checked against torch's fp32 one before its memory is read.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import math
 from collections.abc import Callable
@@ -23,7 +22,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import device_name, device_slug, metadata, replot, write_results
+from _common import device_name, device_slug, metadata, start, write_results
 
 import flashlite
 from flashlite.plotting import Bars, Figure, Panel
@@ -125,15 +124,9 @@ def figure(rows: list[dict[str, Any]], device: str) -> Figure:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replot", metavar="JSON", help="redraw the PNG of a results JSON")
-    args = parser.parse_args(argv)
-    if args.replot:
-        replot(args.replot, figure)
-        return 0
-    if not torch.cuda.is_available():
-        print("bench_ce_memory needs a CUDA GPU")
-        return 2
+    early = start(argv, __doc__, figure, "bench_ce_memory")
+    if early is not None:
+        return early
     providers, notes = _providers()
     rows = [measure(n, v, dt, name, fn) for n, v, dt in SHAPES for name, fn in providers.items()]
     out = [f"note: {note}" for note in notes]

@@ -20,14 +20,13 @@ Every provider is checked against torch (loss and gradient) before it is timed.
 
 from __future__ import annotations
 
-import argparse
 import math
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _common import bench, device_name, device_slug, metadata, replot, write_results
+from _common import bench, device_name, device_slug, metadata, start, write_results
 
 import flashlite
 from flashlite.plotting import Bars, Figure, Panel
@@ -228,15 +227,9 @@ def figure(rows: list[dict[str, Any]], device: str) -> Figure:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--replot", metavar="JSON", help="redraw the PNG of a results JSON")
-    args = parser.parse_args(argv)
-    if args.replot:
-        replot(args.replot, figure)
-        return 0
-    if not torch.cuda.is_available():
-        print("bench_cross_entropy needs a CUDA GPU")
-        return 2
+    early = start(argv, __doc__, figure, "bench_cross_entropy")
+    if early is not None:
+        return early
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
     ce_cases(rows, notes)
