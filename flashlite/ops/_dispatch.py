@@ -242,50 +242,46 @@ class ForwardOnlyFunction(torch.autograd.Function):
         return None, None, *([None] * ctx.n_out), *no_grad
 
 
-def forward_only(*names: str) -> Callable[[F], F]:
-    """A decorator for a forward-only front-end (decoding) whose arguments ``names`` may be
-    tensors that require grad: called with such tensors in grad mode, it runs on detached
-    arguments under ``torch.no_grad()``, and its outputs hang from one autograd node whose
-    backward raises, as a torch op without a derivative does. The call computes (a graph that
-    never differentiates it is fine: flash-attn's tests, a generation step without
-    ``no_grad``); a backward that reaches it says so instead of dropping gradients. Eager and
-    ``torch.compile`` alike (the error is raised when the backward runs). Other calls go
-    straight to the function."""
+def forward_only(fn: F) -> F:
+    """A forward-only front-end (decoding) that may be given tensors that require grad: called
+    so in grad mode, it runs on detached arguments under ``torch.no_grad()``, and its outputs
+    hang from one autograd node whose backward raises, as a torch op without a derivative does.
+    The call computes (a graph that never differentiates it is fine: flash-attn's tests, a
+    generation step without ``no_grad``); a backward that reaches it says so instead of
+    dropping gradients. Eager and ``torch.compile`` alike (the error is raised when the
+    backward runs). Other calls go straight to the function, after one look at each argument
+    in grad mode and none under ``no_grad``."""
+    params = list(inspect.signature(fn).parameters)
 
-    def wrap(fn: F) -> F:
-        params = list(inspect.signature(fn).parameters)
-        spots = [(name, params.index(name)) for name in names]
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if _grad_enabled():
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, torch.Tensor) and a.requires_grad:
+                    return _linked(fn, params, args, kwargs)
+        return fn(*args, **kwargs)
 
-        @functools.wraps(fn)
-        def call(*args: Any, **kwargs: Any) -> Any:
-            if not _grad_enabled():
-                return fn(*args, **kwargs)
-            found = []
-            for name, pos in spots:
-                t = args[pos] if pos < len(args) else kwargs.get(name)
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    found.append((name, t))
-            if not found:
-                return fn(*args, **kwargs)
-            args = tuple(_detached(a) for a in args)
-            kwargs = {k: _detached(a) for k, a in kwargs.items()}
-            with torch.no_grad():
-                out = fn(*args, **kwargs)
-            which = " and ".join(name for name, _ in found)
-            message = (
-                f"flashlite.{fn.__name__} is forward-only (it has no gradient), but a backward "
-                f"reached it through {which}, which required grad when it was called. Call it "
-                "under torch.no_grad() (or pass detached tensors) where no gradient is wanted; "
-                "for a differentiable call use flashlite.attention (seqlens_k= for per-batch "
-                "lengths) or flashlite.attention_varlen"
-            )
-            outs = out if isinstance(out, tuple) else (out,)
-            linked = ForwardOnlyFunction.apply(message, len(outs), *outs, *(t for _, t in found))
-            return tuple(linked) if isinstance(out, tuple) else linked[0]
+    return call  # type: ignore[return-value]
 
-        return call  # type: ignore[return-value]
 
-    return wrap
+def _linked(fn: Callable[..., Any], params: list[str], args: tuple,
+            kwargs: dict[str, Any]) -> Any:  # fmt: skip
+    """:func:`forward_only`'s call given tensors that require grad."""
+    named = [*zip(params, args, strict=False), *kwargs.items()]
+    found = [(k, a) for k, a in named if isinstance(a, torch.Tensor) and a.requires_grad]
+    with torch.no_grad():
+        out = fn(*(_detached(a) for a in args), **{k: _detached(a) for k, a in kwargs.items()})
+    which = " and ".join(name for name, _ in found)
+    message = (
+        f"flashlite.{fn.__name__} is forward-only (it has no gradient), but a backward reached "
+        f"it through {which}, which required grad when it was called. Call it under "
+        "torch.no_grad() (or pass detached tensors) where no gradient is wanted; for a "
+        "differentiable call use flashlite.attention (seqlens_k= for per-batch lengths) or "
+        "flashlite.attention_varlen"
+    )
+    outs = out if isinstance(out, tuple) else (out,)
+    linked = ForwardOnlyFunction.apply(message, len(outs), *outs, *(t for _, t in found))
+    return tuple(linked) if isinstance(out, tuple) else linked[0]
 
 
 def _detached(x: Any) -> Any:

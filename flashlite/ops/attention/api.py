@@ -226,7 +226,7 @@ def attention_varlen(
     return (o, lse.squeeze(0)) if return_lse else o
 
 
-@forward_only("q", "k_cache", "v_cache", "k_new", "v_new", "sinks")
+@forward_only
 def attention_kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,

@@ -37,7 +37,7 @@ from flashlite.ops.common import check_flags, moved_call_device, on_compute_devi
 Pair = tuple[torch.Tensor, torch.Tensor]
 
 
-@forward_only("q", "prefix_k", "prefix_v", "k_cache", "v_cache", "k_new", "v_new", "sinks")
+@forward_only
 def attention_shared_prefix(
     q: torch.Tensor,
     prefix_k: torch.Tensor,
