@@ -148,8 +148,9 @@ def replot(path: str | Path, figure: Callable[[list[dict[str, Any]], str], Any])
     return plotting.save(figure(data["rows"], data["meta"]["device"]), path.with_suffix(".png"))
 
 
-def start(argv: list[str] | None, doc: str | None, figure: Callable[..., Any],
-          name: str) -> int | None:  # fmt: skip
+def start(
+    argv: list[str] | None, doc: str | None, figure: Callable[..., Any], name: str
+) -> int | None:
     """The usual start of a bench's ``main``: ``--replot JSON`` redraws that file's PNG and
     gives 0; without a CUDA GPU it says so and gives 2; otherwise None (run the bench)."""
     import argparse

@@ -68,8 +68,9 @@ def _fresh() -> None:
     torch.cuda.empty_cache()
 
 
-def measure(n: int, v: int, dtype: torch.dtype, name: str,
-            fn: Callable[..., torch.Tensor]) -> dict[str, Any]:  # fmt: skip
+def measure(
+    n: int, v: int, dtype: torch.dtype, name: str, fn: Callable[..., torch.Tensor]
+) -> dict[str, Any]:
     """One provider at one shape: peak GiB of a forward + backward on a fresh leaf, and its
     gradient's error against torch's fp32 gradient (computed first, then freed)."""
     gen = torch.Generator(device="cuda").manual_seed(n + v)
@@ -110,6 +111,17 @@ def measure(n: int, v: int, dtype: torch.dtype, name: str,
     return row
 
 
+def _line(r: dict[str, Any]) -> str:
+    """One row of the printed table."""
+    head = f"{r['case']:>20} {r['provider']:>28}: "
+    if r.get("oom"):
+        return head + "OOM"
+    return head + (
+        f"peak {r['peak_gib']:6.2f} GiB (logits {r['logits_gib']:.2f}), extra "
+        f"{r['extra_gib']:6.2f} GiB, grad err {r['grad_err']:.2e} ok={r['ok']}"
+    )
+
+
 def figure(rows: list[dict[str, Any]], device: str) -> Figure:
     """Peak GiB of one forward + backward per shape and provider, the logits' size dashed."""
     cases = list(dict.fromkeys(r["case"] for r in rows))
@@ -117,9 +129,11 @@ def figure(rows: list[dict[str, Any]], device: str) -> Figure:
     peak = {(r["case"], r["provider"]): r.get("peak_gib", math.nan) for r in rows}
     panel = Panel(
         bars=[Bars([peak[(c, p)] for c in cases], p) for p in providers],
-        categories=cases, grid="major", ylabel="peak GiB, logits included (lower is better)",
+        categories=cases,
+        grid="major",
+        ylabel="peak GiB, logits included (lower is better)",
         title="cross-entropy fwd+bwd on a leaf, mean, flash-attn's test shapes",
-    )  # fmt: skip
+    )
     return Figure([[panel]], title=f"cross-entropy peak memory, {device}", panel_size=(10, 4.5))
 
 
@@ -130,13 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     providers, notes = _providers()
     rows = [measure(n, v, dt, name, fn) for n, v, dt in SHAPES for name, fn in providers.items()]
     out = [f"note: {note}" for note in notes]
-    out += [f"{r['case']:>20} {r['provider']:>28}: " + ("OOM" if r.get("oom") else
-            f"peak {r['peak_gib']:6.2f} GiB (logits {r['logits_gib']:.2f}), extra "
-            f"{r['extra_gib']:6.2f} GiB, grad err {r['grad_err']:.2e} ok={r['ok']}")
-            for r in rows]  # fmt: skip
+    out += [_line(r) for r in rows]
     print("\n".join(out))
-    write_results(f"ce-memory-{device_slug()}", rows, metadata(notes=notes),
-                  figure=figure(rows, device_name()), log="\n".join(out))  # fmt: skip
+    write_results(
+        f"ce-memory-{device_slug()}",
+        rows,
+        metadata(notes=notes),
+        figure=figure(rows, device_name()),
+        log="\n".join(out),
+    )
     return 0
 
 

@@ -284,9 +284,15 @@ def test_bad_sinks_raise_and_write_nothing() -> None:
                                         sinks=bad)  # fmt: skip
         assert not k_cache.any() and not v_cache.any()
     # sinks that require grad: decoding computes (forward only) and a backward says so
-    out = flashlite.attention_kvcache(q.transpose(1, 2)[:, :1], k_cache, v_cache,
-                                      cache_seqlens=lens, k_new=new, v_new=new,
-                                      sinks=torch.zeros(2, requires_grad=True))  # fmt: skip
+    out = flashlite.attention_kvcache(
+        q.transpose(1, 2)[:, :1],
+        k_cache,
+        v_cache,
+        cache_seqlens=lens,
+        k_new=new,
+        v_new=new,
+        sinks=torch.zeros(2, requires_grad=True),
+    )
     assert k_cache.any()  # appended
     with pytest.raises(RuntimeError, match="forward-only.* through sinks,"):
         out.sum().backward()

@@ -483,9 +483,14 @@ def test_kvcache_is_forward_only_and_says_so_at_the_backward() -> None:
         new = [torch.randn(KV_B, 1, KV_HKV, KV_D) for _ in range(2)]
         caches = {"k_cache": k.clone(), "v_cache": v.clone()}
         with torch.no_grad():
-            want = flashlite.attention_kvcache(q, caches["k_cache"].clone(),
-                                               caches["v_cache"].clone(), cache_seqlens=lens,
-                                               k_new=new[0], v_new=new[1])  # fmt: skip
+            want = flashlite.attention_kvcache(
+                q,
+                caches["k_cache"].clone(),
+                caches["v_cache"].clone(),
+                cache_seqlens=lens,
+                k_new=new[0],
+                v_new=new[1],
+            )
         args = {"q": q.clone(), "k_new": new[0], "v_new": new[1], **caches}
         args[name].requires_grad_()
         q_in, k_in, v_in = (args.pop(a) for a in ("q", "k_cache", "v_cache"))
@@ -790,8 +795,7 @@ def test_cross_entropy_inplace_backward_consumes_a_leaf_that_requires_grad() -> 
         _F.cross_entropy(ref8.reshape(-1, 8), t).backward()
         torch.testing.assert_close(leaf.grad[..., :8].double(), ref8.grad, atol=1e-6, rtol=1e-5)
         assert torch.equal(leaf.grad[..., 8:], torch.zeros_like(leaf.grad[..., 8:]))
-        for x, grad_mode in ((before.clone().requires_grad_(), False),
-                             (before.clone(), True)):  # fmt: skip
+        for x, grad_mode in ((before.clone().requires_grad_(), False), (before.clone(), True)):
             with torch.set_grad_enabled(grad_mode):
                 loss = flashlite.cross_entropy(x, tt, inplace_backward=True)
             torch.testing.assert_close(loss.double(), want.detach(), atol=1e-5, rtol=1e-5)

@@ -33,9 +33,9 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("inplace_backward", [False, True], ids=["buffer", "inplace"])
 @pytest.mark.parametrize("smoothing, z_loss", [(0.0, 0.0), (0.9, 1e-2)], ids=["plain", "smooth-z"])
-def test_flash_attn_cross_entropy_on_a_leaf(device: str, dtype: torch.dtype,
-                                            inplace_backward: bool, smoothing: float,
-                                            z_loss: float) -> None:  # fmt: skip
+def test_flash_attn_cross_entropy_on_a_leaf(
+    device: str, dtype: torch.dtype, inplace_backward: bool, smoothing: float, z_loss: float
+) -> None:
     """flash-attn's ``test_cross_entropy_loss``, its tolerances included: a leaf, ten-odd ignored
     targets, the fp32 torch loss as reference, a random incoming gradient, ``x.grad`` compared.
     With ``inplace_backward`` the leaf's values are consumed: its memory is its ``.grad``."""
@@ -46,8 +46,9 @@ def test_flash_attn_cross_entropy_on_a_leaf(device: str, dtype: torch.dtype,
     x = x_pt.detach().clone().requires_grad_()
     y = torch.randint(0, v, (n,), device=device)
     y[torch.randperm(n)[:10]] = -100
-    out = flashlite.cross_entropy(x, y, label_smoothing=smoothing, z_loss=z_loss,
-                                  inplace_backward=inplace_backward)  # fmt: skip
+    out = flashlite.cross_entropy(
+        x, y, label_smoothing=smoothing, z_loss=z_loss, inplace_backward=inplace_backward
+    )
     out_pt = F.cross_entropy(x_pt.float(), y, label_smoothing=smoothing)
     if z_loss:
         out_pt = out_pt + z_loss * (torch.logsumexp(x_pt.float(), -1)[y != -100] ** 2).mean()
@@ -117,10 +118,18 @@ LIGER_TOL = [(torch.bfloat16, 5e-3, 5e-2), (torch.float32, 1e-5, 5e-4)]  # its (
 @pytest.mark.parametrize("dtype, atol, rtol", LIGER_TOL, ids=["bf16", "fp32"])
 @pytest.mark.parametrize("ce_weight", [None, "randn", "negative sum"])
 @pytest.mark.parametrize("bias", [True, False], ids=["bias", "no-bias"])
-def test_liger_fused_linear_cross_entropy_functional(device: str, B: int, T: int, H: int, V: int,
-                                                     dtype: torch.dtype, atol: float,
-                                                     rtol: float, ce_weight: str | None,
-                                                     bias: bool) -> None:  # fmt: skip
+def test_liger_fused_linear_cross_entropy_functional(
+    device: str,
+    B: int,
+    T: int,
+    H: int,
+    V: int,
+    dtype: torch.dtype,
+    atol: float,
+    rtol: float,
+    ce_weight: str | None,
+    bias: bool,
+) -> None:
     """Liger's ``test_correctness_functional`` (its options and tolerances): class weights from
     ``randn``, so some are negative, and so, for some draws, is the sum of the kept targets'
     weights that a mean divides by ("negative sum" makes it so). torch and Liger divide by it
@@ -135,10 +144,18 @@ def test_liger_fused_linear_cross_entropy_functional(device: str, B: int, T: int
         if ce_weight == "negative sum":
             cw[target] = -cw[target].abs() - 0.1
     opts = {"smoothing": 0.1, "z_loss": 1e-4, "softcap": 30.0}
-    loss = flashlite.linear_cross_entropy(x, weight, target, bias=b, class_weight=cw,
-                                          ignore_index=-100, label_smoothing=opts["smoothing"],
-                                          z_loss=opts["z_loss"], softcap=opts["softcap"],
-                                          reduction="mean")  # fmt: skip
+    loss = flashlite.linear_cross_entropy(
+        x,
+        weight,
+        target,
+        bias=b,
+        class_weight=cw,
+        ignore_index=-100,
+        label_smoothing=opts["smoothing"],
+        z_loss=opts["z_loss"],
+        softcap=opts["softcap"],
+        reduction="mean",
+    )
     leaves = [t.detach().double().requires_grad_() for t in (x, weight)]
     b64 = b.detach().double().requires_grad_() if bias else None
     want = _liger_reference(*leaves, target, b64, cw, **opts)
@@ -170,8 +187,10 @@ def test_a_weighted_mean_divides_by_the_kept_weights_whatever_their_sign(use_com
     lce = maybe_compile(
         lambda h, w, t, cw: flashlite.linear_cross_entropy(h, w, t, class_weight=cw), use_compile
     )
-    for cw in (torch.tensor([1.0, -1.0, -2.0, -2.0, 1, 1, 1, 1, 1, 1]),  # sum -4
-               torch.tensor([1.0, -1.0, 2.0, -2.0, 1, 1, 1, 1, 1, 1])):  # sum 0  # fmt: skip
+    for cw in (
+        torch.tensor([1.0, -1.0, -2.0, -2.0, 1, 1, 1, 1, 1, 1]),  # sum -4
+        torch.tensor([1.0, -1.0, 2.0, -2.0, 1, 1, 1, 1, 1, 1]),
+    ):  # sum 0
         want = F.cross_entropy(x.double(), t, cw.double())
         torch.testing.assert_close(ce(x, t, cw).double(), want, atol=1e-5, rtol=1e-5)
         want = F.cross_entropy(h.double() @ w.double().T, t, cw.double())
@@ -182,8 +201,16 @@ def test_a_weighted_mean_divides_by_the_kept_weights_whatever_their_sign(use_com
 # ------------------------------------------- flash-attn: paged varlen forward on grad tensors
 
 
-def _flash_attn_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,  # noqa: ANN001, ANN202
-                             causal, block_table):  # fmt: skip
+def _flash_attn_varlen_paged(
+    q,
+    k_cache,
+    v_cache,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,  # noqa: ANN001, ANN202
+    causal,
+    block_table,
+):
     """``flash_attn_varlen_func(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     max_seqlen_k, causal=causal, block_table=block_table)`` as a thin stand-in maps it onto
     :func:`flashlite.attention_kvcache`: each sequence's queries right-aligned in ``(B,
@@ -192,16 +219,22 @@ def _flash_attn_varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, ma
     lens_q = cu_seqlens_q.diff().tolist()
     rows = [q[s : s + n] for s, n in zip(cu_seqlens_q.tolist(), lens_q, strict=False)]
     q_pad = torch.stack([F.pad(r, (0, 0, 0, 0, max_seqlen_q - r.shape[0], 0)) for r in rows])
-    out = flashlite.attention_kvcache(q_pad, k_cache, v_cache, block_table=block_table,
-                                      cache_seqlens=cu_seqlens_k.diff().to(torch.int32),
-                                      causal=causal)  # fmt: skip
+    out = flashlite.attention_kvcache(
+        q_pad,
+        k_cache,
+        v_cache,
+        block_table=block_table,
+        cache_seqlens=cu_seqlens_k.diff().to(torch.int32),
+        causal=causal,
+    )
     return torch.cat([out[b, max_seqlen_q - n :] for b, n in enumerate(lens_q)])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_flash_attn_varlen_paged_forward_on_grad_tensors(device: str, dtype: torch.dtype,
-                                                         causal: bool) -> None:  # fmt: skip
+def test_flash_attn_varlen_paged_forward_on_grad_tensors(
+    device: str, dtype: torch.dtype, causal: bool
+) -> None:
     """flash-attn's ``test_flash_attn_varlen_causal`` with a paged cache: q, k and v require
     grad, the forward is compared with the reference and no backward is taken. A backward that
     does reach the call raises, naming what required grad."""
@@ -213,15 +246,19 @@ def test_flash_attn_varlen_paged_forward_on_grad_tensors(device: str, dtype: tor
     per = 3  # pages per sequence: 48 slots
     n_pages = len(lens_k) * per + 2
     table = torch.randperm(n_pages)[: len(lens_k) * per].view(-1, per).to(torch.int32)
-    k_pages, v_pages = (torch.randn(n_pages, page, hkv, d, device=device, dtype=dtype,
-                                    requires_grad=True) for _ in range(2))  # fmt: skip
-    out = _flash_attn_varlen_paged(q, k_pages, v_pages, cu_q.to(device), cu_k.to(device),
-                                   max(lens_q), causal, table.to(device))  # fmt: skip
+    k_pages, v_pages = (
+        torch.randn(n_pages, page, hkv, d, device=device, dtype=dtype, requires_grad=True)
+        for _ in range(2)
+    )
+    out = _flash_attn_varlen_paged(
+        q, k_pages, v_pages, cu_q.to(device), cu_k.to(device), max(lens_q), causal, table.to(device)
+    )
     assert out.shape == q.shape and out.requires_grad
     tol = TOL[dtype]
     for b, (nq, nk) in enumerate(zip(lens_q, lens_k, strict=True)):
-        k, v = (p.detach()[table[b].long()].reshape(1, -1, hkv, d)[:, :nk]
-                for p in (k_pages, v_pages))  # fmt: skip
+        k, v = (
+            p.detach()[table[b].long()].reshape(1, -1, hkv, d)[:, :nk] for p in (k_pages, v_pages)
+        )
         qb = q.detach()[cu_q[b] : cu_q[b] + nq][None]
         args = [t.transpose(1, 2) for t in (qb, k, v)]  # (b h n d)
         want = ref_attention(*(t.double() for t in args), causal=causal).transpose(1, 2)[0]
@@ -245,13 +282,15 @@ def test_kvcache_forward_on_tensors_that_require_grad(use_compile: bool) -> None
     lens = torch.tensor([7, 30], dtype=torch.int32)
     with torch.no_grad():
         caches = [kc.clone(), vc.clone()]
-        want, want_lse = flashlite.attention_kvcache(q, *caches, cache_seqlens=lens, k_new=kn,
-                                                     v_new=vn, return_lse=True)  # fmt: skip
+        want, want_lse = flashlite.attention_kvcache(
+            q, *caches, cache_seqlens=lens, k_new=kn, v_new=vn, return_lse=True
+        )
     grads = [t.clone().requires_grad_() for t in (q, kc, vc, kn)]
 
     def decode(q, kc, vc, kn):  # noqa: ANN001, ANN202
-        return flashlite.attention_kvcache(q, kc, vc, cache_seqlens=lens, k_new=kn, v_new=vn,
-                                           return_lse=True)  # fmt: skip
+        return flashlite.attention_kvcache(
+            q, kc, vc, cache_seqlens=lens, k_new=kn, v_new=vn, return_lse=True
+        )
 
     step = maybe_compile(decode, use_compile)
     out, lse = step(*grads)
@@ -271,13 +310,17 @@ def test_shared_prefix_forward_on_tensors_that_require_grad(use_compile: bool) -
     kc, vc = torch.randn(bsz, cap, hkv, d), torch.randn(bsz, cap, hkv, d)
     lens = torch.tensor([3, 0, 20], dtype=torch.int32)
     with torch.no_grad():
-        want = flashlite.attention_shared_prefix(q, pk, pv, kc.clone(), vc.clone(),
-                                                 cache_seqlens=lens)  # fmt: skip
+        want = flashlite.attention_shared_prefix(
+            q, pk, pv, kc.clone(), vc.clone(), cache_seqlens=lens
+        )
     grads = [t.clone().requires_grad_() for t in (q, pk)]
-    step = maybe_compile(lambda q, pk: flashlite.attention_shared_prefix(
-        q, pk, pv, kc, vc, cache_seqlens=lens), use_compile)  # fmt: skip
+    step = maybe_compile(
+        lambda q, pk: flashlite.attention_shared_prefix(q, pk, pv, kc, vc, cache_seqlens=lens),
+        use_compile,
+    )
     out = step(*grads)
     torch.testing.assert_close(out, want, atol=1e-6, rtol=0)
-    with pytest.raises(RuntimeError, match="attention_shared_prefix is forward-only.* q and "
-                                           "prefix_k,"):  # fmt: skip
+    with pytest.raises(
+        RuntimeError, match="attention_shared_prefix is forward-only.* q and prefix_k,"
+    ):
         out.sum().backward()

@@ -210,8 +210,9 @@ def eager_apply(function: type[torch.autograd.Function]) -> Callable[..., Any]:
     return _C_APPLY.__get__(None, function) if _C_APPLY is not None else function.apply
 
 
-def _no_gradient(like: torch.Tensor, message: str, shape: list[int],
-                 dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
+def _no_gradient(
+    like: torch.Tensor, message: str, shape: list[int], dtype: torch.dtype
+) -> torch.Tensor:
     raise RuntimeError(message)
 
 
@@ -264,8 +265,7 @@ def forward_only(fn: F) -> F:
     return call  # type: ignore[return-value]
 
 
-def _linked(fn: Callable[..., Any], params: list[str], args: tuple,
-            kwargs: dict[str, Any]) -> Any:  # fmt: skip
+def _linked(fn: Callable[..., Any], params: list[str], args: tuple, kwargs: dict[str, Any]) -> Any:
     """:func:`forward_only`'s call given tensors that require grad."""
     named = [*zip(params, args, strict=False), *kwargs.items()]
     found = [(k, a) for k, a in named if isinstance(a, torch.Tensor) and a.requires_grad]

@@ -214,8 +214,9 @@ class _Step:
         return self._merge(a, b, out)
 
 
-def _check_inputs(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, hkv: int,
-                  sinks: object) -> None:  # fmt: skip
+def _check_inputs(
+    q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, hkv: int, sinks: object
+) -> None:
     """The prefix (``(Np, Hkv, D)`` twice, q's dtype and device) and the sinks
     (:func:`check_sinks`): everything the prefix pass could refuse, checked before the suffix
     pass appends."""
