@@ -98,7 +98,7 @@ def cross_entropy(
     _check(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
     if not (isinstance(validate, bool) or validate == "sync"):
         raise ValueError(f"validate must be True, False or 'sync', got {validate!r}")
-    if inplace_backward:  # (here: a moved call's copy is dense whatever the caller's strides)
+    if inplace_backward:  # (before a move: a refused call copies nothing)
         _check_inplace(logits)
     dev = moved_call_device(logits.device)
     if dev is not None:  # the whole call on the GPU, CPU tensors' rule kept: a bad one raises
@@ -110,8 +110,6 @@ def cross_entropy(
         )  # fmt: skip
         return moved(out, logits.device)
     v = logits.shape[-1]
-    if inplace_backward and logits.dim() == 3 and not _rows_view(logits):
-        raise ValueError("inplace_backward needs logits whose rows form a (N, V) view (no copy)")
     # (2-D logits and 1-D targets as they are: a reshape would add a view to the autograd graph)
     x2 = logits if logits.dim() == 2 else logits.reshape(-1, v)
     t1 = target if target.dim() == 1 else target.reshape(-1)
@@ -245,13 +243,6 @@ def linear_cross_entropy(
 
 
 _Maybe = torch.Tensor | None
-
-
-def _rows_view(logits: torch.Tensor) -> bool:
-    """Whether ``(B, T, V)`` logits reshape to ``(B·T, V)`` as a view (the gradient must land in
-    their memory): from sizes and strides, which a trace holds (``data_ptr`` it may not)."""
-    b, t = logits.shape[0], logits.shape[1]
-    return b == 1 or t == 1 or logits.stride(0) == logits.stride(1) * t
 
 
 def _scale_or_record(plain: bool, t1: torch.Tensor, weight: _Maybe, v: int, ignore_index: int,

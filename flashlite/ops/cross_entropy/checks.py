@@ -96,11 +96,13 @@ def _check(
 
 
 def _check_inplace(logits: torch.Tensor) -> None:
-    """Refuse logits that ``inplace_backward`` cannot overwrite: memory whose elements overlap
-    (writing one row's gradient would clobber rows still to be read). A leaf that requires grad
-    is accepted, as flash-attn and Liger accept it: the flag is the caller's consent that its
-    values are consumed, and the write goes through a detached alias (torch's version counter
-    still catches a node that saved the logits for its own backward)."""
+    """Refuse logits that ``inplace_backward`` cannot overwrite: ``(B, T, V)`` rows that make no
+    ``(B·T, V)`` view (the kernel would write a copy, not the caller's memory; read from sizes
+    and strides, which a trace holds) and memory whose elements overlap (writing one row's
+    gradient would clobber rows still to be read). A leaf that requires grad is accepted, as
+    flash-attn and Liger accept it: the flag is the caller's consent that its values are
+    consumed, and the write goes through a detached alias (torch's version counter still
+    catches a node that saved the logits for its own backward)."""
     if overlapping(logits):
         raise ValueError(
             f"inplace_backward=True needs logits whose elements do not share memory, got "
@@ -108,3 +110,10 @@ def _check_inplace(logits: torch.Tensor) -> None:
             f"{tuple(logits.shape)} (the gradient written over one row would clobber others "
             "still to be read); pass logits.contiguous() or use inplace_backward=False"
         )
+    if logits.dim() == 3:
+        b, t = logits.shape[0], logits.shape[1]
+        if not (b == 1 or t == 1 or logits.stride(0) == logits.stride(1) * t):
+            raise ValueError(
+                "inplace_backward needs logits whose rows form a (N, V) view (no copy), got "
+                f"strides {logits.stride()} for shape {tuple(logits.shape)}"
+            )
