@@ -220,8 +220,13 @@ def _no_gradient(
 #: fake is a gradient of the input's shape, so that ``torch.compile`` traces the backward
 #: graph; running it raises ``message``: the error comes when a backward reaches the call, not
 #: when the graph is compiled.
-_NO_GRADIENT = torch.library.custom_op("flashlite::no_gradient", mutates_args=())(_no_gradient)
-_NO_GRADIENT.register_fake(lambda like, message, shape, dtype: like.new_empty(shape, dtype=dtype))
+_NO_GRADIENT = Op(
+    "no_gradient",
+    _no_gradient,
+    fake=lambda like, message, shape, dtype: like.new_empty(shape, dtype=dtype),
+    inputs=1,
+    moves=False,
+)
 
 
 class ForwardOnlyFunction(torch.autograd.Function):
