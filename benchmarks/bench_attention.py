@@ -33,7 +33,7 @@ from _common import (
 import flashlite
 from flashlite import masks, reference
 from flashlite.kernels import configs as K
-from flashlite.ops.attention import attention_fwd
+from flashlite.ops.attention import Request, attention_fwd
 from flashlite.plotting import Figure, Line, Panel
 from flashlite.reference import attention as naive_attention
 
@@ -80,10 +80,13 @@ def sweep(rows: list[dict]) -> None:
                     if not K.keep_config(cfg, bd, 2, True):
                         continue
                     try:
-                        out = attention_fwd(q, k, v, mask, d**-0.5, config=cfg)[0]
+                        out = attention_fwd(q, k, v, Request.of_mask(mask, d**-0.5), config=cfg)[0]
                         err = check(out, ref)
-                        ms = bench(lambda cfg=cfg: attention_fwd(q, k, v, mask, d**-0.5,
-                                                                  config=cfg))  # fmt: skip
+                        ms = bench(
+                            lambda cfg=cfg: attention_fwd(
+                                q, k, v, Request.of_mask(mask, d**-0.5), config=cfg
+                            )
+                        )
                     except Exception as exc:  # a config that fails to compile is reported
                         err, ms = math.inf, math.nan
                         print(f"config {cfg} failed: {type(exc).__name__}: {exc}"[:200])
@@ -156,7 +159,7 @@ def main() -> None:
                 for _ in range(args.rounds):  # interleaved: clock drift hits every provider
                     for name, fn in fns.items():
                         times[name].append(bench(lambda fn=fn: fn(q, k, v)))
-                info = attention_fwd(q, k, v, masks.describe(causal), d**-0.5)[2]
+                info = attention_fwd(q, k, v, Request.of_mask(masks.describe(causal), d**-0.5))[2]
                 for name, ms_all in times.items():
                     ms = statistics.median(ms_all)
                     row = {"kind": "fwd", "provider": name, "d": d, "n": n, "b": b, "h": h,

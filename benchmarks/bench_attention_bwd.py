@@ -112,7 +112,9 @@ def sweep(seqs: list[int], head_dims: list[int]) -> int:
                 q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16)
                                for _ in range(4))  # fmt: skip
                 scale = d**-0.5
-                o, lse, _ = attention_ops.attention_fwd(q, k, v, masks.describe(causal), scale)
+                o, lse, _ = attention_ops.attention_fwd(
+                    q, k, v, attention_ops.Request.of_mask(masks.describe(causal), scale)
+                )
                 leaves = [t.clone().requires_grad_() for t in (q, k, v)]
                 sdpa(*leaves, causal=causal, backend="flash").backward(do)
                 ref = [t.grad for t in leaves]

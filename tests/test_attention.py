@@ -29,7 +29,13 @@ from flashlite.kernels.configs import (
     pinned_config,
 )
 from flashlite.masks import CAUSAL, describe, torch_visible
-from flashlite.ops.attention import HOPPER_ENV, attention_fwd, empty_output, hopper_config
+from flashlite.ops.attention import (
+    HOPPER_ENV,
+    Request,
+    attention_fwd,
+    empty_output,
+    hopper_config,
+)
 from flashlite.ops.attention import hopper as HP
 from flashlite.reference import attention as ref_attention
 
@@ -108,7 +114,9 @@ def test_dtypes_and_load_paths(dtype: torch.dtype, use_desc: bool) -> None:
         rand(2, 2, 37, 32, dtype=dtype),
     )
     for causal in (False, True):
-        out, lse, info = attention_fwd(q, k, v, describe(causal), 32**-0.5, use_desc=use_desc)
+        out, lse, info = attention_fwd(
+            q, k, v, Request.of_mask(describe(causal), 32**-0.5), use_desc=use_desc
+        )
         assert info is not None and info.use_desc == use_desc
         assert_close_to_reference(out, q, k, v, causal, lse=lse)
 
@@ -137,7 +145,9 @@ def test_loop_variants(variant: str, dtype: torch.dtype) -> None:
         q, k, v = (rand(1, 2, n, 32, dtype=dtype) for n in (nq, nk, nk))
         k = k + torch.linspace(0, 3, nk).to(k.dtype)[:, None]
         for causal in (False, True):
-            out, lse, info = attention_fwd(q, k, v, describe(causal), 32**-0.5, config=cfg)
+            out, lse, info = attention_fwd(
+                q, k, v, Request.of_mask(describe(causal), 32**-0.5), config=cfg
+            )
             assert info is not None
             assert (info.config.lazy_rescale, info.config.overlap) == cfg[5:]
             assert_close_to_reference(out, q, k, v, causal, lse=lse)
@@ -155,7 +165,7 @@ def test_pinned_config_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv(PIN_ENV, "16,32,4,1")
     assert pinned_config() == Config(16, 32, 4, 1)
     q = rand(1, 2, 40, 32)
-    out, _, info = attention_fwd(q, q, q, CAUSAL, 32**-0.5)
+    out, _, info = attention_fwd(q, q, q, Request.of_mask(CAUSAL, 32**-0.5))
     assert info is not None and (info.config.block_m, info.config.block_n) == (16, 32)
     assert_close_to_reference(out, q, q, q, True)
     monkeypatch.setenv(PIN_ENV, "16,32")
@@ -307,7 +317,7 @@ def test_gpu_long(dtype, causal, nq, nk, d, hq, hkv) -> None:
         out, lse = flashlite.attention(q, k, v, causal=causal, return_lse=True)  # autotuned
     else:  # one fitting config: autotuning every specialisation here would cost minutes
         cfg = default_config(max(16, triton.next_power_of_2(d)), q.element_size(), False)
-        out, lse, _ = attention_fwd(q, k, v, describe(causal), d**-0.5, config=cfg)
+        out, lse, _ = attention_fwd(q, k, v, Request.of_mask(describe(causal), d**-0.5), config=cfg)
     assert torch.isfinite(out).all() and out.dtype == dtype
     assert torch.isfinite(lse[:, :, max(0, nq - nk) :]).all()
     rows = torch.unique(
@@ -330,7 +340,9 @@ def test_gpu_every_config_is_correct() -> None:
             for cfg in dict.fromkeys([*GPU_CONFIGS, *HOPPER_CONFIGS.values()]):
                 if not keep_config(cfg, d, 2, True):
                     continue
-                out = attention_fwd(q, k, v, describe(causal), d**-0.5, config=cfg)[0]
+                out = attention_fwd(
+                    q, k, v, Request.of_mask(describe(causal), d**-0.5), config=cfg
+                )[0]
                 err = (out[:, :, rows].double() - ref).abs().max().item()
                 assert err < 3e-2, (cfg, d, causal, err)
 
@@ -343,7 +355,9 @@ def test_gpu_hopper_runs_the_measured_configs(monkeypatch) -> None:
     for (block_d, causal), cfg in HOPPER_CONFIGS.items():
         q, k, v = (rand(1, 2, 300, block_d, dtype=torch.bfloat16, device="cuda") for _ in range(3))
         # descriptor loads: the table serves problems past DESC_MIN_WORK
-        out, lse, info = attention_fwd(q, k, v, describe(causal), block_d**-0.5, use_desc=True)
+        out, lse, info = attention_fwd(
+            q, k, v, Request.of_mask(describe(causal), block_d**-0.5), use_desc=True
+        )
         assert info is not None
         c = info.config
         assert (c.block_m, c.block_n, c.num_warps, c.num_stages) == cfg[:4]
@@ -392,10 +406,12 @@ def test_hopper_kernel_that_fails_to_build_falls_back(monkeypatch) -> None:
     monkeypatch.setattr(ops, "_hopper_failed", set())
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
     with pytest.warns(RuntimeWarning, match="Hopper attention kernel failed to build"):
-        out, lse, info = attention_fwd(q, k, v, CAUSAL, 0.25, use_desc=True)
+        out, lse, info = attention_fwd(q, k, v, Request.of_mask(CAUSAL, 0.25), use_desc=True)
     assert not info.config.warp_specialize
     assert_close_to_reference(out, q, k, v, True, 0.25, lse=lse)
-    out2, _, _ = attention_fwd(q, k, v, CAUSAL, 0.25, use_desc=True)  # no second warning
+    out2, _, _ = attention_fwd(
+        q, k, v, Request.of_mask(CAUSAL, 0.25), use_desc=True
+    )  # no second warning
     assert torch.equal(out, out2)
 
 
@@ -508,9 +524,12 @@ def test_hopper_kernel_only_takes_plain_forwards(monkeypatch) -> None:
                          (CAUSAL, {"seqlens_k": seqlens}),
                          (CAUSAL, {"config": Config(16, 16, 4, 1)}), (CAUSAL, {"use_desc": False}),
                          (CAUSAL, {"prescale_q": False})):  # fmt: skip
-        attention_fwd(q, k, v, mask, 0.25, **({"use_desc": True} | kwargs))
+        fields = {n: kwargs.pop(n) for n in list(kwargs) if n in Request._fields}
+        attention_fwd(
+            q, k, v, Request.of_mask(mask, 0.25, **fields), **({"use_desc": True} | kwargs)
+        )
     assert calls == []
-    attention_fwd(q, k, v, CAUSAL, 0.25, use_desc=True)  # a plain one asks for it
+    attention_fwd(q, k, v, Request.of_mask(CAUSAL, 0.25), use_desc=True)  # a plain one asks for it
     assert len(calls) == 1
 
 
@@ -542,7 +561,9 @@ def test_gpu_hopper_kernel(dtype, causal, d, nq, nk, hq, hkv, layout) -> None:
     HP.plan_fwd_hopper(views[0], views[1], causal, d**-0.5, KH.CONFIGS[d])(*views, out, lse)
     assert out.stride() == views[0].stride()  # O keeps q's layout
     if hopper_config(views[0], nk) is not None:  # and the front-end runs it
-        out2, lse2, info = attention_fwd(*views, describe(causal), d**-0.5, use_desc=True)
+        out2, lse2, info = attention_fwd(
+            *views, Request.of_mask(describe(causal), d**-0.5), use_desc=True
+        )
         assert info.config.warp_specialize and info.config.block_m == 128, info
         assert torch.equal(out2, out) and torch.equal(lse2, lse)
     if nq * nk <= 4_000_000:  # the whole fp64 reference
@@ -590,8 +611,11 @@ def test_gpu_hopper_kernel_through_the_custom_op() -> None:
     )
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        torch.library.opcheck(torch.ops.flashlite.attention_fwd.default,
-                              (q.requires_grad_(), k, v, True, 0.125))  # fmt: skip
+        torch.library.opcheck(
+            torch.ops.flashlite.attention_fwd.default,
+            (q.requires_grad_(), k, v),
+            {"causal": True, "scale": 0.125},
+        )
     finally:
         torch.use_deterministic_algorithms(was, warn_only=warn)
     eager = flashlite.attention(q, k, v, causal=True)

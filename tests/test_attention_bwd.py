@@ -15,6 +15,7 @@ from conftest import TOL, maybe_compile
 import flashlite
 from flashlite.kernels import configs as C
 from flashlite.masks import CAUSAL, describe
+from flashlite.ops.attention import Request
 from flashlite.reference import attention as ref_attention
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -175,7 +176,9 @@ class _WithConfig(torch.autograd.Function):
 
         q, k, v, o, lse = ctx.saved_tensors
         scale = q.shape[-1] ** -0.5
-        dq, dk, dv = attention_bwd(do, q, k, v, o, lse, dlse, CAUSAL, scale, config=ctx.cfg)
+        dq, dk, dv = attention_bwd(
+            do, q, k, v, o, lse, dlse, Request.of_mask(CAUSAL, scale), config=ctx.cfg
+        )
         return dq, dk, dv, None
 
 
@@ -263,11 +266,11 @@ def test_gradients_of_another_shape_or_dtype_are_refused() -> None:
     bwd = torch.ops.flashlite.attention_bwd
     args = (q.detach(), k.detach(), v.detach(), o, lse)
     with pytest.raises(ValueError, match="do must match"):
-        bwd(torch.ones_like(o).half(), *args, None, False, 0.25)
+        bwd(torch.ones_like(o).half(), *args, None, causal=False, scale=0.25)
     with pytest.raises(ValueError, match="do must match"):
-        bwd(torch.ones(1, 2, 7, 16), *args, None, False, 0.25)
+        bwd(torch.ones(1, 2, 7, 16), *args, None, causal=False, scale=0.25)
     with pytest.raises(ValueError, match="dlse must match"):
-        bwd(torch.ones_like(o), *args, torch.ones(1, 2, 9), False, 0.25)
+        bwd(torch.ones_like(o), *args, torch.ones(1, 2, 9), causal=False, scale=0.25)
 
 
 # --------------------------------------------------------------------------- GPU (compiled kernels)
@@ -289,8 +292,17 @@ def _gpu_case(q, k, v, causal, config=None):  # noqa: ANN001, ANN202
         got = grads(lambda a, b, c: flashlite.attention(a, b, c, causal=causal), q, k, v)
     else:
         o, lse = flashlite.attention(q, k, v, causal=causal, return_lse=True)
-        got = attention_bwd(do, q, k, v, o, lse, None, describe(causal), q.shape[-1] ** -0.5,
-                            config=config)  # fmt: skip
+        got = attention_bwd(
+            do,
+            q,
+            k,
+            v,
+            o,
+            lse,
+            None,
+            Request.of_mask(describe(causal), q.shape[-1] ** -0.5),
+            config=config,
+        )
     for g, w, t in zip(got, want, torch_lp, strict=True):
         assert torch.isfinite(g).all()
         err = (g.float() - w).abs().max().item()
@@ -352,7 +364,7 @@ def test_fused_hopper_backward_only_takes_plain_backwards(monkeypatch: pytest.Mo
     monkeypatch.setattr(ops, "_run_hopper_bwd", lambda *a: calls.append(a) or False)
     monkeypatch.setattr(ops.W, "window_bwd", lambda *a: folded.append(a[-1]) or a[1:4])
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
-    o, lse, _ = attention_fwd(q, k, v, CAUSAL, 0.25)
+    o, lse, _ = attention_fwd(q, k, v, Request.of_mask(CAUSAL, 0.25))
     do = torch.randn_like(o)
     seqlens = torch.tensor([30], dtype=torch.int32)
     for mask, kwargs in ((describe(True, (8, 0)), {}), (describe(True, None, 5.0), {}),
@@ -360,12 +372,19 @@ def test_fused_hopper_backward_only_takes_plain_backwards(monkeypatch: pytest.Mo
                          (CAUSAL, {"seqlens_k": seqlens}),
                          (describe(True, (8, 0)), {"seqlens_k": seqlens}),
                          (CAUSAL, {"config": C.CPU_BWD_CONFIG})):  # fmt: skip
-        ops.attention_bwd(do, q, k, v, o, lse, None, mask, 0.25, **kwargs)
+        fields = {n: kwargs.pop(n) for n in list(kwargs) if n in Request._fields}
+        ops.attention_bwd(
+            do, q, k, v, o, lse, None, Request.of_mask(mask, 0.25, **fields), **kwargs
+        )
     assert calls == [] and folded == [(128, 128)]  # the fused kernel's tiles
-    want = ops.attention_bwd(do, q, k, v, o, lse, None, CAUSAL, 0.25, config=C.CPU_BWD_CONFIG)
-    got = ops.attention_bwd(do, q, k, v, o, lse, None, CAUSAL, 0.25)
+    want = ops.attention_bwd(
+        do, q, k, v, o, lse, None, Request.of_mask(CAUSAL, 0.25), config=C.CPU_BWD_CONFIG
+    )
+    got = ops.attention_bwd(do, q, k, v, o, lse, None, Request.of_mask(CAUSAL, 0.25))
     # causal written as a window is the same plan: decided once, at the first call
-    again = ops.attention_bwd(do, q, k, v, o, lse, None, describe(False, (-1, 0)), 0.25)
+    again = ops.attention_bwd(
+        do, q, k, v, o, lse, None, Request.of_mask(describe(False, (-1, 0)), 0.25)
+    )
     assert [c[-2] for c in calls] == [True]  # IS_CAUSAL reaches the launch
     for g, a, w in zip(got, again, want, strict=True):
         assert torch.equal(g, w) and torch.equal(a, w)
@@ -409,14 +428,16 @@ def test_fused_hopper_backward_that_fails_to_build_falls_back(
     monkeypatch.setattr(ops.HP, "plan_bwd_hopper", broken)
     monkeypatch.setattr(ops, "_hopper_bwd_failed", set())
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
-    o, lse, _ = attention_fwd(q, k, v, CAUSAL, 0.25)
+    o, lse, _ = attention_fwd(q, k, v, Request.of_mask(CAUSAL, 0.25))
     do = torch.randn_like(o)
-    want = ops.attention_bwd(do, q, k, v, o, lse, None, CAUSAL, 0.25, config=C.CPU_BWD_CONFIG)
+    want = ops.attention_bwd(
+        do, q, k, v, o, lse, None, Request.of_mask(CAUSAL, 0.25), config=C.CPU_BWD_CONFIG
+    )
     with pytest.warns(RuntimeWarning, match="fused attention backward kernel failed"):
-        got = ops.attention_bwd(do, q, k, v, o, lse, None, CAUSAL, 0.25)
+        got = ops.attention_bwd(do, q, k, v, o, lse, None, Request.of_mask(CAUSAL, 0.25))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        again = ops.attention_bwd(do, q, k, v, o, lse, None, CAUSAL, 0.25)
+        again = ops.attention_bwd(do, q, k, v, o, lse, None, Request.of_mask(CAUSAL, 0.25))
     assert not [w for w in seen if "fused Hopper" in str(w.message)]  # no second warning
     for g, a, w in zip(got, again, want, strict=True):
         assert torch.equal(g, w) and torch.equal(a, w)
@@ -563,16 +584,19 @@ def test_gpu_deterministic_mode_keeps_the_triton_backward() -> None:
                for _ in range(3))  # fmt: skip
     o, lse = flashlite.attention(q, k, v, causal=True, return_lse=True)
     do = torch.randn_like(o)
-    pinned = attention_bwd(do, q, k, v, o, lse, None, CAUSAL, 128**-0.5,
+    pinned = attention_bwd(do, q, k, v, o, lse, None, Request.of_mask(CAUSAL, 128**-0.5),
                            config=bwd_config(q.device, q.dtype, 128, True))  # fmt: skip
     was = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        runs = [attention_bwd(do, q, k, v, o, lse, None, CAUSAL, 128**-0.5) for _ in range(2)]
+        runs = [
+            attention_bwd(do, q, k, v, o, lse, None, Request.of_mask(CAUSAL, 128**-0.5))
+            for _ in range(2)
+        ]
     finally:
         torch.use_deterministic_algorithms(was)
     for a, b, p in zip(*runs, pinned, strict=True):
         assert torch.equal(a, b) and torch.equal(a, p)
-    fused = attention_bwd(do, q, k, v, o, lse, None, CAUSAL, 128**-0.5)
+    fused = attention_bwd(do, q, k, v, o, lse, None, Request.of_mask(CAUSAL, 128**-0.5))
     for f, p in zip(fused, pinned, strict=True):  # the fused one is close, not equal
         assert (f.float() - p.float()).abs().max() <= 2e-2 * p.float().abs().max()

@@ -298,8 +298,9 @@ def test_seqlens_k_compiled_and_through_the_op() -> None:
         torch.testing.assert_close(a, b)
     from torch.library import opcheck
 
-    args = (q.detach().requires_grad_(), k.detach(), v.detach(), True, 0.25, 3, 0, 2.0, seqlens)
-    opcheck(torch.ops.flashlite.attention_fwd.default, args)
+    args = (q.detach().requires_grad_(), k.detach(), v.detach(), seqlens)
+    fields = {"causal": True, "scale": 0.25, "window_left": 3, "softcap": 2.0}
+    opcheck(torch.ops.flashlite.attention_fwd.default, args, fields)
 
 
 def test_bad_seqlens_k_are_refused() -> None:

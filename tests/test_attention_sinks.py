@@ -222,13 +222,11 @@ def test_opcheck_with_sinks() -> None:
     q = torch.randn(1, 2, 9, 16, requires_grad=True)
     k, v = (torch.randn(1, 2, 11, 16) for _ in range(2))
     sinks = torch.randn(2, requires_grad=True)
-    args = (q, k, v, True, 0.25, None, None, None, None, None, None, None, None, None, sinks)
-    opcheck(torch.ops.flashlite.attention_fwd.default, args)
-    o, lse = torch.ops.flashlite.attention_fwd.default(*args)
-    opcheck(torch.ops.flashlite.attention_bwd.default,
-            (torch.randn_like(o), q.detach(), k, v, o.detach(), lse.detach(),
-             torch.randn_like(lse), True, 0.25, None, None, None, None, None, None, None, None,
-             sinks.detach()))  # fmt: skip
+    fields = {"causal": True, "scale": 0.25}
+    opcheck(torch.ops.flashlite.attention_fwd.default, (q, k, v), {"sinks": sinks, **fields})
+    o, lse = torch.ops.flashlite.attention_fwd.default(q, k, v, sinks=sinks, **fields)
+    grads = (torch.randn_like(o), q.detach(), k, v, o.detach(), lse.detach(), torch.randn_like(lse))
+    opcheck(torch.ops.flashlite.attention_bwd.default, grads, {"sinks": sinks.detach(), **fields})
 
 
 def test_kvcache_op_with_sinks_passes_opcheck_and_compiles() -> None:

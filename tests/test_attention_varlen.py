@@ -105,8 +105,8 @@ def test_varlen_equals_dense_for_equal_lengths_and_compiles() -> None:
 
     views = [t.unsqueeze(0).transpose(1, 2) for t in packed]  # (1, H, total, D)
     views[0].requires_grad_()
-    args = (*views, True, 0.25, None, 0, None, None, cu, cu, 13, 13)
-    opcheck(torch.ops.flashlite.attention_fwd.default, args)
+    fields = {"causal": True, "scale": 0.25, "max_seqlen_q": 13, "max_seqlen_k": 13}
+    opcheck(torch.ops.flashlite.attention_fwd.default, (*views, None, cu, cu), fields)
 
 
 def test_bad_varlen_arguments_are_refused() -> None:
@@ -170,7 +170,7 @@ def test_varlen_descriptors_equal_pointer_loads_and_keep_sequences_apart(causal:
     """With TMA descriptors a tile may cross into the next sequence: the masks and the zeroed
     value tail keep that sequence's rows out, even infinite values."""
     from flashlite.masks import describe
-    from flashlite.ops.attention import attention_fwd
+    from flashlite.ops.attention import Request, attention_fwd
 
     lq, lk = [5, 21, 1, 18], [9, 21, 30, 2]
     cu_q, cu_k = _offsets(lq), _offsets(lk)
@@ -179,9 +179,23 @@ def test_varlen_descriptors_equal_pointer_loads_and_keep_sequences_apart(causal:
     k, v = (torch.randn(1, 2, sum(lk), 32, generator=gen, dtype=torch.float16) for _ in range(2))
     v[:, :, cu_k[1] : cu_k[2]] = float("inf")  # sequence 1's values: inf
     k[:, :, cu_k[3] :] = float("nan")  # sequence 3's keys: NaN
-    varlen = (cu_q, cu_k, max(lq), max(lk))
-    runs = [attention_fwd(q, k, v, describe(causal), 32**-0.5, varlen=varlen, use_desc=desc)
-            for desc in (False, True)]  # fmt: skip
+    runs = [
+        attention_fwd(
+            q,
+            k,
+            v,
+            Request.of_mask(
+                describe(causal),
+                32**-0.5,
+                cu_seqlens_q=cu_q,
+                cu_seqlens_k=cu_k,
+                max_seqlen_q=max(lq),
+                max_seqlen_k=max(lk),
+            ),
+            use_desc=desc,
+        )
+        for desc in (False, True)
+    ]
     assert runs[1][2] is not None and runs[1][2].use_desc
     for i in (0, 2):  # the sequences beside the non-finite ones
         rows = slice(cu_q[i], cu_q[i + 1])

@@ -30,7 +30,13 @@ import torch.distributed as dist
 
 from flashlite import masks, stats
 from flashlite.ops._dispatch import Op
-from flashlite.ops.attention import attention_bwd, attention_fwd, check_inputs, check_sinks
+from flashlite.ops.attention import (
+    Request,
+    attention_bwd,
+    attention_fwd,
+    check_inputs,
+    check_sinks,
+)
 from flashlite.ops.attention.bwd import sink_grad
 from flashlite.ops.common import check_flags
 
@@ -198,8 +204,12 @@ def _ring_forward(
         block = _blocks(rank, src, causal, zigzag, n)
         if block is not None:
             rows, cols, blk_mask = block
-            o_part, lse_part, _ = attention_fwd(q[:, :, rows], kv[0][:, :, cols],
-                                                kv[1][:, :, cols], blk_mask, scale)  # fmt: skip
+            o_part, lse_part, _ = attention_fwd(
+                q[:, :, rows],
+                kv[0][:, :, cols],
+                kv[1][:, :, cols],
+                Request.of_mask(blk_mask, scale),
+            )
             o[:, :, rows], lse[:, :, rows] = stats.merge_attention(o[:, :, rows], lse[:, :, rows],
                                                                    o_part, lse_part)  # fmt: skip
         if pending is not None:
@@ -240,7 +250,7 @@ def _ring_backward(
             dq_p, dk_p, dv_p = attention_bwd(
                 do[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
                 o[:, :, rows], lse[:, :, rows], None if dlse is None else dlse[:, :, rows],
-                blk_mask, scale,
+                Request.of_mask(blk_mask, scale),
             )  # fmt: skip
             # in place, fp32 += bf16 without an fp32 copy of the partial (memory is the limit
             # on the longest sequence a ring trains)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -85,10 +86,15 @@ class Op:
             take the custom op; the fast paths run it as it is, on tensors where kernels run.
         fake: the op's fake (meta) implementation.
         inputs: how many leading arguments are tensors the fast path looks at (never None).
-        grad_inputs: positions of later optional tensor arguments that may require grad (the
-            fast path looks at them too when the call passes them).
+        request: a ``NamedTuple`` type (attention's
+            :class:`~flashlite.ops.attention.request.Request`) that the body takes as its last
+            argument after ``inputs`` tensors: the op's schema is those tensors, then the
+            request's fields by name (:class:`Fields`); calls pass the request whole.
+        grad_fields: the request's tensor fields that may require grad (sinks).
         setup_context, backward: the autograd formula, as ``torch.library.register_autograd``
-            takes it; ``backward`` returns one gradient per argument.
+            takes it; ``backward`` returns one gradient per argument. With a ``request``:
+            ``setup_context(ctx, inputs, request, output)`` (``inputs`` the leading tensors) and
+            ``backward`` returns ``(input gradients, {field name: gradient})``.
         materialize_grads: whether ``backward`` receives zeros (True) or None for outputs that got
             no gradient (as the custom op's autograd does with False).
         mutates_args: arguments the body writes (an op that mutates has no autograd here).
@@ -106,24 +112,35 @@ class Op:
         materialize_grads: bool = True,
         mutates_args: tuple[str, ...] = (),
         moves: bool = True,
-        grad_inputs: tuple[int, ...] = (),
+        request: type[tuple] | None = None,
+        grad_fields: tuple[str, ...] = (),
     ) -> None:
-        self.name, self.inputs, self.grad_inputs = name, inputs, grad_inputs
+        self.name, self.inputs = name, inputs
+        #: the request type whose fields are the op's named arguments (:class:`Fields`), or None
+        self.fields = Fields(request, grad_fields) if request is not None else None
         #: the body as the fast paths run it: on tensors where kernels run (calls whose tensors
         #: must move, CPU tensors in a process that compiles its kernels, take the dispatcher,
         #: whose body moves them: rare, and a copy costs more than the dispatcher anyway)
         self.body = body
         self.moves = moves
-        op = torch.library.custom_op(f"flashlite::{name}", mutates_args=mutates_args)(
-            on_compute_device(body) if moves else body
-        )
+        impl = on_compute_device(body) if moves else body
+        if self.fields is not None:  # the schema: the leading tensors, then the request's fields
+            impl = self.fields.named(impl, body, inputs)
+            fake = self.fields.named(fake, body, inputs)
+        op = torch.library.custom_op(f"flashlite::{name}", mutates_args=mutates_args)(impl)
         op.register_fake(fake)
         self.function: type[torch.autograd.Function] | None = None
         self.apply: Callable[..., Any] | None = None
         if backward is not None:
             assert setup_context is not None, "an autograd formula needs its setup_context"
-            op.register_autograd(backward, setup_context=setup_context)
-            self.function = _function(name, body, setup_context, backward, materialize_grads)
+            if self.fields is None:
+                op.register_autograd(backward, setup_context=setup_context)
+                self.function = _function(name, body, setup_context, backward, materialize_grads)
+            else:
+                self.fields.register_autograd(op, inputs, setup_context, backward)
+                self.function = self.fields.function(
+                    name, body, inputs, setup_context, backward, materialize_grads
+                )
             self.apply = eager_apply(self.function)
         self.default = getattr(torch.ops.flashlite, name).default
         # the arguments the body writes: the dispatcher bumps their version counters (autograd's
@@ -135,22 +152,26 @@ class Op:
         # (written out, not through plain_eager/records_grad: this runs on every call, and each
         # Python frame is host time a small kernel's caller pays)
         if _is_compiling() or _len_dispatch_stack() or _functorch_active():
-            return self.default(*args)
+            return self._dispatch(args)
         if self.moves and not (args[0].is_cuda or _RUNS_IN_PLACE):
-            return self.default(*args)
+            return self._dispatch(args)
         grad = self.apply is not None and _grad_enabled()
         record = False
         for t in args[: self.inputs]:
             if t is not None:
                 if type(t) is not torch.Tensor:
-                    return self.default(*args)
+                    return self._dispatch(args)
                 if grad and t.requires_grad:
                     record = True
-        for i in self.grad_inputs:  # (optional tensors further on: sinks)
-            if i < len(args) and args[i] is not None:
-                if type(args[i]) is not torch.Tensor:
-                    return self.default(*args)
-                record = record or (grad and args[i].requires_grad)
+        if self.fields is not None:  # the request's tensors that may require grad (sinks)
+            for name in self.fields.grad_fields:
+                t = getattr(args[-1], name)
+                if t is not None:
+                    if type(t) is not torch.Tensor:
+                        return self._dispatch(args)
+                    record = record or (grad and t.requires_grad)
+            if record:
+                return self.apply(*args, *self.fields.grad_tensors(args[-1]))  # type: ignore[misc]
         if record:
             return self.apply(*args)  # type: ignore[misc]
         out = self.body(*args)
@@ -159,8 +180,114 @@ class Op:
                 torch.autograd.graph.increment_version(args[i])
         return out
 
+    def _dispatch(self, args: tuple) -> Any:
+        """The custom op: a request travels as its fields, by name."""
+        if self.fields is None:
+            return self.default(*args)
+        tensors, named = self.fields.flat(args[-1])
+        return self.default(*args[:-1], *tensors, **named)
+
     def __repr__(self) -> str:
         return f"Op(flashlite::{self.name})"
+
+
+class Fields:
+    """A request type's fields as an op's named arguments: the schema, the calls and the autograd.
+
+    The custom op's schema is the op's leading tensors, then the request's tensor fields
+    (optional, by name: the dispatcher does not take keyword-only tensors), then its other
+    fields, keyword-only. Eager calls hand the request over whole; the dispatcher path spreads
+    it into fields (:meth:`flat`) and the op's implementation builds it again (:meth:`named`),
+    so ``setup_context`` and ``backward`` read fields by name on either path.
+    """
+
+    def __init__(self, request: type[tuple], grad_fields: tuple[str, ...]) -> None:
+        hints = typing.get_type_hints(request)
+        names: tuple[str, ...] = request._fields  # type: ignore[attr-defined]
+        defaults: dict[str, Any] = request._field_defaults  # type: ignore[attr-defined]
+        self.request, self.grad_fields = request, grad_fields
+        self.tensors = tuple(n for n in names if "Tensor" in str(hints[n]))
+        self.others = tuple(n for n in names if n not in self.tensors)
+        empty = inspect.Parameter.empty
+        self.params = [
+            *(inspect.Parameter(n, _POS, annotation=hints[n], default=None) for n in self.tensors),
+            *(
+                inspect.Parameter(n, _KW, annotation=hints[n], default=defaults.get(n, empty))
+                for n in self.others
+            ),
+        ]
+
+    def flat(self, request: Any) -> tuple[tuple, dict[str, Any]]:
+        """The request's tensor fields in order and its other fields by name."""
+        return tuple(getattr(request, n) for n in self.tensors), {
+            n: getattr(request, n) for n in self.others
+        }
+
+    def grad_tensors(self, request: Any) -> tuple:
+        return tuple(getattr(request, n) for n in self.grad_fields)
+
+    def build(self, fields: tuple, named: dict[str, Any]) -> Any:
+        """The request from :meth:`flat`'s two parts."""
+        return self.request(**dict(zip(self.tensors, fields, strict=False)), **named)
+
+    def named(self, fn: Callable[..., Any], body: Callable[..., Any], n: int) -> Callable[..., Any]:
+        """``fn(*leading, request)`` as a function of the leading tensors and the fields (the
+        signature ``torch.library`` reads the schema from)."""
+
+        def impl(*args: Any, **named: Any) -> Any:
+            return fn(*args[:n], self.build(args[n:], named))
+
+        leading = list(inspect.signature(body).parameters.values())[:n]
+        hints = typing.get_type_hints(body)
+        leading = [p.replace(annotation=hints[p.name]) for p in leading]
+        impl.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+            [*leading, *self.params], return_annotation=hints["return"]
+        )
+        impl.__name__ = fn.__name__
+        return impl
+
+    def register_autograd(
+        self, op: Any, n: int, setup_context: Callable[..., None], backward: Callable[..., Any]
+    ) -> None:
+        """The custom op's autograd, from the by-name formula."""
+
+        def setup(ctx: Any, inputs: tuple, keyword_only_inputs: dict, output: Any) -> None:
+            setup_context(ctx, inputs[:n], self.build(inputs[n:], keyword_only_inputs), output)
+
+        def grads(ctx: Any, *grads: Any) -> tuple:
+            inputs, by_name = backward(ctx, *grads)
+            return (*inputs, *(by_name.get(f) for f in self.tensors))
+
+        op.register_autograd(grads, setup_context=setup)
+
+    def function(
+        self,
+        name: str,
+        body: Callable[..., Any],
+        n: int,
+        setup_context: Callable[..., None],
+        backward: Callable[..., Any],
+        materialize_grads: bool,
+    ) -> type[torch.autograd.Function]:
+        """The eager ``autograd.Function``: called with ``(*leading, request, *grad tensors)``
+        (the request's tensors that require grad passed again, so autograd sees them)."""
+
+        def forward(ctx: Any, *args: Any) -> Any:
+            if not materialize_grads:
+                ctx.set_materialize_grads(False)
+            out = body(*args[: n + 1])
+            setup_context(ctx, args[:n], args[n], out)
+            return out
+
+        def grads(ctx: Any, *grads: Any) -> tuple:
+            inputs, by_name = backward(ctx, *grads)
+            return (*inputs, None, *(by_name.get(f) for f in self.grad_fields))
+
+        doc = f"Eager autograd of ``flashlite::{name}`` (made by :class:`Op`)."
+        return _function_class(name, forward, grads, doc)
+
+
+_POS, _KW = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
 
 
 def _function(

@@ -272,8 +272,14 @@ def count_attention(
     cfg, _ = counted_config(shape, gpu=gpu, config=config)
     with count_kernels() as kern, count_torch_ops() as ops:
         kern.watch(q=q, k=k, v=v)
-        attention_ops.attention_fwd(q, k, v, shape.mask, shape.head_dim**-0.5, config=cfg,
-                                    use_desc=bool(use_desc))  # fmt: skip
+        attention_ops.attention_fwd(
+            q,
+            k,
+            v,
+            attention_ops.Request.of_mask(shape.mask, shape.head_dim**-0.5),
+            config=cfg,
+            use_desc=bool(use_desc),
+        )
     t = kern.traffic
     if ops.traffic.total:
         t.add("torch ops", ops.traffic.read, ops.traffic.write)
@@ -308,11 +314,10 @@ def attention_bwd_fn(
     do = torch.randn(o_shape, generator=gen).to(device=device, dtype=q.dtype)
     dlse = torch.randn(o_shape[:3], generator=gen).to(device) if with_lse_grad else None
     if method == "flashlite":
-        o, lse, _ = attention_ops.attention_fwd(q, k, v, shape.mask, scale)
+        request = attention_ops.Request.of_mask(shape.mask, scale)
+        o, lse, _ = attention_ops.attention_fwd(q, k, v, request)
         cfg = counted_bwd_config(shape)
-        return lambda: attention_ops.attention_bwd(
-            do, q, k, v, o, lse, dlse, shape.mask, scale, config=cfg
-        )
+        return lambda: attention_ops.attention_bwd(do, q, k, v, o, lse, dlse, request, config=cfg)
     leaves = tuple(t.detach().clone().requires_grad_() for t in (q, k, v))
     out, ref_lse = reference.attention(*leaves, shape.causal, scale, return_lse=True)
     outs, grads = ([out, ref_lse], [do, dlse]) if dlse is not None else ([out], [do])

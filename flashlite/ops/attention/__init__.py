@@ -3,6 +3,8 @@
 ==============  ==================================================================================
 ``api``         the public functions: :func:`attention`, :func:`attention_varlen`,
                 :func:`attention_kvcache`
+``request``     :class:`Request`: one call described once (mask, lengths, sinks, splits,
+                scale); the one plainness test and the one source of plan keys
 ``checks``      argument checks (types, shapes, layouts, lengths, offsets, the cache's values)
 ``plan``        what a call runs: tile configs, descriptor or pointer loads, the Gluon kernels'
                 applicability, split-KV chunks, the plan caches
@@ -64,6 +66,7 @@ from flashlite.ops.attention.plan import (
     prefix_splits,
     splits_for,
 )
+from flashlite.ops.attention.request import Request
 from flashlite.ops.attention.shared_prefix import attention_shared_prefix
 
 __all__ = [
@@ -78,6 +81,7 @@ __all__ = [
     "DecodePlan",
     "KVCachePlan",
     "LaunchInfo",
+    "Request",
     "attention",
     "attention_bwd",
     "attention_decode_fwd",

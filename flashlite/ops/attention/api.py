@@ -19,7 +19,6 @@ from flashlite.ops.attention.checks import (
     _check_offsets_on_device,
     _check_page_size,
     _check_scale,
-    _check_seqlens,
     _check_splits,
     _check_writable,
     check_sinks,
@@ -34,6 +33,7 @@ from flashlite.ops.attention.kvcache import (
 )
 from flashlite.ops.attention.mod_args import check_mod, spec_mod
 from flashlite.ops.attention.plan import _decode_splits
+from flashlite.ops.attention.request import Request
 from flashlite.ops.common import check_flags, moved_call_device
 
 
@@ -107,16 +107,8 @@ def attention(
     if type(causal) is not bool or type(return_lse) is not bool:
         check_flags(causal=causal, return_lse=return_lse)
     splits = _decode_splits(qc, kc, _check_splits(num_splits))
-    # the plain call passes five arguments: every default-valued one more is dispatcher host
-    # time on every small call (the per-call cost docs/host-path.md measures)
-    if window is None and softcap is None and seqlens_k is None and splits == 0 and sinks is None:
-        o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale)
-    else:
-        mask = masks.describe(causal, window, softcap)  # (normalised here, once)
-        lengths = _check_seqlens(seqlens_k, qc, kc)
-        sink = check_sinks(sinks, qc, qc.shape[1])
-        o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale, mask.left, mask.right, mask.softcap,
-                               lengths, None, None, None, None, splits or None, sink)  # fmt: skip
+    request = Request.of_call(causal, sm_scale, window, softcap, seqlens_k, splits, sinks, qc, kc)
+    o, lse = ATTENTION_FWD(qc, kc, vc, request)
     if layout != "b h n d":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
@@ -218,10 +210,16 @@ def attention_varlen(
                              score_mod, block_mask, sm_scale)  # fmt: skip
     else:
         mask = masks.describe(causal, window, softcap)
-        sink = check_sinks(sinks, qc, qc.shape[1])
-        o, lse = ATTENTION_FWD(qc, kc, vc, causal, sm_scale, mask.left, mask.right,
-                               mask.softcap, None, cu_q, cu_k, int(max_seqlen_q),
-                               int(max_seqlen_k), None, sink)  # fmt: skip
+        request = Request.of_mask(
+            mask,
+            sm_scale,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            sinks=check_sinks(sinks, qc, qc.shape[1]),
+        )
+        o, lse = ATTENTION_FWD(qc, kc, vc, request)
     o = o.transpose(1, 2).squeeze(0)
     return (o, lse.squeeze(0)) if return_lse else o
 

@@ -24,7 +24,6 @@ from flashlite.ops.attention.bwd_launch import (
     plan_preprocess,
 )
 from flashlite.ops.attention.checks import _check_bwd_grads
-from flashlite.ops.attention.fwd import _op_varlen
 from flashlite.ops.attention.plan import (
     HOPPER_ENV,
     Varlen,
@@ -34,6 +33,7 @@ from flashlite.ops.attention.plan import (
     empty_output,
     hopper_bwd_applies,
 )
+from flashlite.ops.attention.request import Request
 from flashlite.ops.common import on_compute_device
 
 
@@ -46,13 +46,9 @@ def attention_bwd(
     o: torch.Tensor,
     lse: torch.Tensor,
     dlse: torch.Tensor | None,
-    mask: masks.Mask,
-    scale: float,
+    request: Request,
     *,
-    seqlens_k: torch.Tensor | None = None,
-    varlen: Varlen | None = None,
     config: C.BwdConfig | None = None,
-    sinks: torch.Tensor | None = None,
     dsinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the backward kernels on ``(B, H, N, D)`` views (no autograd, no checks).
@@ -60,11 +56,11 @@ def attention_bwd(
     Args:
         do: ``(B, Hq, Nq, D)`` gradient of the output; q, o alike; k, v ``(B, Hkv, Nk, D)``.
         lse: the forward's fp32 ``(B, Hq, Nq)`` LSE; dlse: its gradient, or None.
-        mask, scale, seqlens_k, varlen: as in the forward.
-        config: pin the kernels' tiles (the traffic tools count the GPU's on a CPU; benchmarks).
-        sinks: the forward's fp32 ``(Hq,)`` sink logits, with ``dsinks``, fp32 ``(Hq,)``, that
+        request: the forward's (:class:`~flashlite.ops.attention.request.Request`), without
+            ``num_splits``. Its fp32 ``(Hq,)`` sinks need ``dsinks``, fp32 ``(Hq,)``, that
             receives their gradient (:func:`sink_grad`). The LSE the forward saved holds the
             sink, so the kernels themselves need nothing more.
+        config: pin the kernels' tiles (the traffic tools count the GPU's on a CPU; benchmarks).
 
     Returns:
         ``(dq, dk, dv)``, each strided like its input. Extra memory: delta, fp32 ``(B, Hq, Nq)``;
@@ -72,11 +68,12 @@ def attention_bwd(
         ``(B, Hq, Nq, D)``. A plain call (no window, soft cap, lengths, packing or pinned
         config) is planned once per kind of tensors (:class:`BwdPlan`).
     """
-    # (the window (-1, 0) is causal's plain path, as in the forward)
-    plain = mask.plain and seqlens_k is None and varlen is None and config is None
+    request.refuse("the attention backward", _BWD_FIELDS)
+    sinks = request.sinks
+    # (sinks take the plain kernels: their gradient is computed beside them)
+    plain = request.only("sinks") and config is None
     if plain:
-        causal = mask.is_causal
-        key = _bwd_key(do, q, k, v, o, lse, dlse, causal, scale)
+        key = _bwd_key(do, q, k, v, o, lse, dlse, request._replace(sinks=None))
         plan = _bwd_plans.get(key)
         if plan is not None:
             return plan(do, q, k, v, o, lse, dlse, sinks, dsinks)
@@ -88,19 +85,47 @@ def attention_bwd(
             sink_grad(sinks, lse, delta if dlse is None else delta - dlse, dsinks)
         return empty_output(q).zero_(), empty_output(k).zero_(), empty_output(v).zero_()
     if plain:
-        plan = BwdPlan(q, k, causal, scale)
+        plan = BwdPlan(q, k, request.causal, request.scale)
         out = plan(do, q, k, v, o, lse, dlse, sinks, dsinks)
         _bwd_plans.put(key, plan)
         return out
+    mask, scale = request.mask, request.scale
     km = mask.kernel(nq, nk)
-    if (km.WINDOW and not km.SOFTCAP and seqlens_k is None and varlen is None and config is None
-            and sinks is None):  # fmt: skip
+    if request.only("window_left", "window_right") and config is None:
         # a plain window: the fused flex backward over its band's tables, where it applies
         block = W.bwd_block(q, k, v, do)
         if block is not None:
             return W.window_bwd(do, q, k, v, o, lse, dlse, km, scale, block)
-    return _attention_bwd_masked(do, q, k, v, o, lse, dlse, mask, scale, seqlens_k, varlen,
-                                 config, sinks, dsinks)  # fmt: skip
+    return _attention_bwd_masked(
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        dlse,
+        mask,
+        scale,
+        request.seqlens_k,
+        request.varlen,
+        config,
+        sinks,
+        dsinks,
+    )
+
+
+#: The request fields the backward takes (the split is the forward's alone).
+_BWD_FIELDS = (
+    "window_left",
+    "window_right",
+    "softcap",
+    "seqlens_k",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "max_seqlen_q",
+    "max_seqlen_k",
+    "sinks",
+)
 
 
 def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
@@ -117,9 +142,16 @@ def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
     out.neg_()
 
 
-def _bwd_key(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None, causal: bool,
-             scale: float) -> tuple:  # fmt: skip
+def _bwd_key(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    request: Request,
+) -> tuple:
     """What a :class:`BwdPlan` depends on: the shapes it reads (q's and k's; v, o, do and the
     LSE are read as k, q and q's rows are), every tensor's strides and dtype (do's are o's, which
     :func:`_check_bwd_grads` checks), q's device, each tensor's 16-byte alignment (one flag when
@@ -130,7 +162,7 @@ def _bwd_key(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), do.stride(),
             lse.stride(), _meta(dlse), q.dtype, k.dtype, v.dtype,
             o.dtype, lse.dtype, q.device, True if aligned else tuple(p % 16 for p in ptrs),
-            causal, scale, torch.are_deterministic_algorithms_enabled(),
+            request.key, torch.are_deterministic_algorithms_enabled(),
             _backend.getenv(HOPPER_ENV))  # fmt: skip
 
 
@@ -264,38 +296,29 @@ def _attention_bwd_body(
     o: torch.Tensor,
     lse: torch.Tensor,
     dlse: torch.Tensor | None,
-    causal: bool,
-    scale: float,
-    window_left: int | None = None,
-    window_right: int | None = None,
-    softcap: float | None = None,
-    seqlens_k: torch.Tensor | None = None,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_q: int | None = None,
-    max_seqlen_k: int | None = None,
-    sinks: torch.Tensor | None = None,
+    request: Request,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # (returns dq, dk, dv and the sinks' fp32 gradient: (Hq,), or (0,) without sinks)
     _check_bwd_grads(do, o, lse, dlse)
-    dsinks = lse.new_empty((0,) if sinks is None else sinks.shape)
-    if (window_left is None and window_right is None and softcap is None and seqlens_k is None
-            and cu_seqlens_q is None and sinks is None):  # fmt: skip
-        # a plain backward of a kind planned before: straight to its plan (as the forward)
-        plan = _bwd_plans.get(_bwd_key(do, q, k, v, o, lse, dlse, causal, scale))
+    dsinks = lse.new_empty((0,) if request.sinks is None else request.sinks.shape)
+    if request.plain:  # a plain backward of a kind planned before: straight to its plan
+        plan = _bwd_plans.get(_bwd_key(do, q, k, v, o, lse, dlse, request))
         if plan is not None:
             return (*plan(do, q, k, v, o, lse, dlse), dsinks)
-    mask = masks.Mask.of_op(causal, window_left, window_right, softcap)
-    varlen = _op_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    grads = attention_bwd(do, q, k, v, o, lse, dlse, mask, scale, seqlens_k=seqlens_k,
-                          varlen=varlen, sinks=sinks, dsinks=dsinks)  # fmt: skip
+    grads = attention_bwd(do, q, k, v, o, lse, dlse, request, dsinks=dsinks)
     return (*grads, dsinks)
 
 
-def _attention_bwd_fake(do, q, k, v, o, lse, dlse, causal, scale, window_left=None,  # type: ignore[no-untyped-def]
-      window_right=None, softcap=None,
-      seqlens_k=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-      max_seqlen_k=None, sinks=None):  # fmt: skip
+def _attention_bwd_fake(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    request: Request,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     _check_bwd_grads(do, o, lse, dlse)
-    dsinks = lse.new_empty((0,) if sinks is None else sinks.shape)
+    dsinks = lse.new_empty((0,) if request.sinks is None else request.sinks.shape)
     return empty_output(q), empty_output(k), empty_output(v), dsinks

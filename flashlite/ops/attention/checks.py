@@ -132,7 +132,7 @@ def _check_bwd_grads(
         )
 
 
-def _check_seqlens(seqlens_k: object, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+def check_seqlens(seqlens_k: object, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
     """``seqlens_k`` validated: an int32 ``(B,)`` tensor on q's device (values checked on CPU)."""
     if seqlens_k is None:
         return None

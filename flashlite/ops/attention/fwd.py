@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashlite import _launch, masks
+from flashlite import _launch
 from flashlite._caches import Cache
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import fwd as K
@@ -20,7 +20,6 @@ from flashlite.ops.attention.decode import attention_decode_fwd, planned_decode
 from flashlite.ops.attention.plan import (
     DESC_MIN_WORK,
     LaunchInfo,
-    Varlen,
     _descriptor_ok,
     _fixed_reference,
     _hopper_launch_config,
@@ -29,6 +28,7 @@ from flashlite.ops.attention.plan import (
     empty_output,
     hopper_config,
 )
+from flashlite.ops.attention.request import Request
 from flashlite.ops.common import on_compute_device
 
 
@@ -37,13 +37,8 @@ def attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    mask: masks.Mask,
-    scale: float,
+    request: Request,
     *,
-    seqlens_k: torch.Tensor | None = None,
-    varlen: Varlen | None = None,
-    num_splits: int = 0,
-    sinks: torch.Tensor | None = None,
     config: C.Config | None = None,
     use_desc: bool | None = None,
     prescale_q: bool | None = None,
@@ -52,16 +47,11 @@ def attention_fwd(
 
     Args:
         q: ``(B, Hq, Nq, D)``; k, v: ``(B, Hkv, Nk, D)``; any strides, one dtype and device.
-        mask: causal, sliding window and soft cap (:func:`flashlite.masks.describe`).
-        scale: the softmax scale.
-        seqlens_k: int32 ``(B,)``: batch b has only its first ``seqlens_k[b]`` keys.
-        varlen: ``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)`` for packed
-            sequences; q, k, v are then ``(1, H, total, D)`` views.
-        num_splits: 0 runs this forward kernel; n >= 1 runs :func:`attention_decode_fwd` (GQA
-            rows packed, the keys split across n programs per row block and merged; not with
-            ``varlen``).
-        sinks: fp32 ``(Hq,)`` sink logits, contiguous: every row of head h starts from the
-            state ``(sinks[h], 1)``, one more logit with no value (gpt-oss's attention sinks).
+        request: the call (:class:`~flashlite.ops.attention.request.Request`): mask, scale,
+            lengths, packed sequences, sinks. ``num_splits`` n >= 1 runs
+            :func:`attention_decode_fwd` (GQA rows packed, the keys split across n programs per
+            row block and merged; not with packed sequences). Sinks are fp32 ``(Hq,)``,
+            contiguous: every row of head h starts from the state ``(sinks[h], 1)``.
         config: pin a :class:`~flashlite.kernels.configs.Config` (else :func:`fixed_config` or
             the autotuner chooses).
         use_desc: force descriptor (True) or pointer (False) loads.
@@ -72,25 +62,30 @@ def attention_fwd(
         launch used (None when nothing was launched). CPU tensors in a process that compiles its
         kernels run on the GPU: moved there once, results moved back.
     """
-    planned = (
-        num_splits <= 0 and mask.plain and seqlens_k is None and sinks is None
-        and varlen is None and config is None and use_desc is None and prescale_q is None
-    )  # fmt: skip
+    pinned = config is not None or use_desc is not None or prescale_q is not None
+    planned = request.plain and not pinned
     if planned:  # the plain call: planned once per kind of q, k, v (:data:`_fwd_plans`)
-        key = _fwd_key(q, k, v, mask.is_causal, scale)
+        key = _fwd_key(q, k, v, request)
         plan = _fwd_plans.get(key)
         if plan is not None:
             return plan(q, k, v)
-    if num_splits > 0 and varlen is None:  # few rows: packed GQA, split-KV, the exact merge
-        o, lse, _ = attention_decode_fwd(q, k, v, seqlens_k, mask, scale, num_splits=num_splits,
-                                         sinks=sinks)  # fmt: skip
+    mask, scale, seqlens_k, varlen, sinks = (
+        request.mask,
+        request.scale,
+        request.seqlens_k,
+        request.varlen,
+        request.sinks,
+    )
+    if request.num_splits and varlen is None:  # few rows: packed GQA, split-KV, the exact merge
+        o, lse, _ = attention_decode_fwd(
+            q, k, v, seqlens_k, mask, scale, num_splits=request.num_splits, sinks=sinks
+        )
         return o, lse, None
     dev = q.device
     b, hq, nq, d = q.shape
     hkv, nk = k.shape[1], k.shape[2]
     km = mask.kernel(nq, nk)
-    if (km.WINDOW and not km.SOFTCAP and seqlens_k is None and varlen is None and sinks is None
-            and config is None and use_desc is None and prescale_q is None):  # fmt: skip
+    if not request.plain and request.only("window_left", "window_right") and not pinned:
         hopper = W.fwd_config(q, k, v)
         if hopper is not None:  # a plain window: the flex Hopper kernel over its band's tables
             o, lse = W.window_fwd(q, k, v, km, scale, (hopper.block_m, hopper.block_n))
@@ -107,8 +102,7 @@ def attention_fwd(
     small = b * hq * nq * nk * d < DESC_MIN_WORK
     if use_desc is None:
         use_desc = not small and _descriptor_ok(q, k, v, o)
-    plain = not (km.WINDOW or km.SOFTCAP or seqlens_k is not None or varlen is not None)
-    if plain and use_desc and config is None and prescale_q is not False:
+    if request.only("sinks") and use_desc and config is None and prescale_q is not False:
         hopper = hopper_config(q, nk)
         run = _run_hopper(q, k, v, o, lse, km.IS_CAUSAL, scale, hopper, sinks) if hopper else None
         if run is not None:
@@ -171,14 +165,23 @@ def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Ten
 _fwd_plans = Cache("attention.fwd", 1024)
 
 
-def _fwd_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
-             scale: float) -> tuple:  # fmt: skip
+def _fwd_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request) -> tuple:
     """What a plain forward's plan depends on (:data:`_fwd_plans`): shapes, strides, dtype,
-    device, each tensor's 16-byte alignment (one flag when all are aligned, the usual case)."""
+    device, each tensor's 16-byte alignment (one flag when all are aligned, the usual case), and
+    the request's key."""
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
     aligned = not (ptrs[0] | ptrs[1] | ptrs[2]) & 15
-    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
-            True if aligned else tuple(p % 16 for p in ptrs), causal, scale)  # fmt: skip
+    return (
+        q.shape,
+        q.stride(),
+        k.shape,
+        k.stride(),
+        v.stride(),
+        q.dtype,
+        q.device,
+        True if aligned else tuple(p % 16 for p in ptrs),
+        request.key,
+    )
 
 
 class _Planned:
@@ -217,55 +220,33 @@ def _run_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tens
 
 
 def _attention_fwd_body(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    causal: bool,
-    scale: float,
-    window_left: int | None = None,
-    window_right: int | None = None,
-    softcap: float | None = None,
-    seqlens_k: torch.Tensor | None = None,
-    cu_seqlens_q: torch.Tensor | None = None,
-    cu_seqlens_k: torch.Tensor | None = None,
-    max_seqlen_q: int | None = None,
-    max_seqlen_k: int | None = None,
-    num_splits: int | None = None,
-    sinks: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    # (the mask's fields as masks.describe made them: None is unlimited / no cap; num_splits
-    # None runs the plain forward kernel, n >= 1 the split-KV decode kernel)
     # a call of a kind planned before goes straight to its plan (plans exist only for tensors
     # where kernels run, so nothing needs moving)
-    if (not num_splits and window_left is None and window_right is None and softcap is None
-            and seqlens_k is None and cu_seqlens_q is None and sinks is None):  # fmt: skip
-        plan = _fwd_plans.get(_fwd_key(q, k, v, causal, scale))
+    if request.plain:
+        plan = _fwd_plans.get(_fwd_key(q, k, v, request))
         if plan is not None:
             o, lse, _ = plan(q, k, v)
             return o, lse
-    mask = masks.Mask.of_op(causal, window_left, window_right, softcap)
-    num_splits = num_splits or 0
-    if num_splits > 0 and cu_seqlens_q is None:  # the decode kernel (as attention_fwd runs it)
-        found = planned_decode(q, k, v, seqlens_k, mask, scale, num_splits, sinks)
+    if request.num_splits and request.cu_seqlens_q is None:  # the decode kernel, planned
+        found = planned_decode(
+            q,
+            k,
+            v,
+            request.seqlens_k,
+            request.mask,
+            request.scale,
+            request.num_splits,
+            request.sinks,
+        )
         if found is not None:
             return found
-    varlen = _op_varlen(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    o, lse, _ = attention_fwd(q, k, v, mask, scale, seqlens_k=seqlens_k, varlen=varlen,
-                              num_splits=num_splits, sinks=sinks)  # fmt: skip
+    o, lse, _ = attention_fwd(q, k, v, request)
     return o, lse
 
 
-def _attention_fwd_fake(q, k, v, causal, scale, window_left=None, window_right=None,  # type: ignore[no-untyped-def]
-      softcap=None, seqlens_k=None,
-      cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-      num_splits=None, sinks=None):  # fmt: skip
+def _attention_fwd_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request
+) -> tuple[torch.Tensor, torch.Tensor]:
     return empty_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
-def _op_varlen(cu_q: torch.Tensor | None, cu_k: torch.Tensor | None, max_q: int | None,
-               max_k: int | None) -> Varlen | None:  # fmt: skip
-    """The ops' packed-sequence arguments as the launchers take them (the maxima come with the
-    offsets: the public call passes both)."""
-    if cu_q is None or cu_k is None:
-        return None
-    return cu_q, cu_k, int(max_q or 0), int(max_k or 0)

@@ -89,7 +89,9 @@ def flashlite_config(
         return {**cfg.constexprs(), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
                 "USE_DESC": desc, "gpu": gpu, "config": config_name(cfg)}  # fmt: skip
     q, k, v = make_inputs(shape, device)
-    _, _, info = attention_ops.attention_fwd(q, k, v, shape.mask, shape.head_dim**-0.5)
+    _, _, info = attention_ops.attention_fwd(
+        q, k, v, attention_ops.Request.of_mask(shape.mask, shape.head_dim**-0.5)
+    )
     if info is None:  # empty problem: nothing launched
         return {"BLOCK_M": 1, "BLOCK_N": 1}
     cfg = info.config

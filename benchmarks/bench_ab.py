@@ -1,0 +1,156 @@
+"""Two source trees side by side: the same benchmarks, run from each in turn on one GPU.
+
+A change to the host path or the front-end must not slow anything down, and absolute times drift
+between machines and even between runs on one machine. So this runs each benchmark from the old
+tree and from the new one, alternating (old first in even rounds, new first in odd ones), reads
+the JSON each wrote, and reports for every flashlite point the median time of each tree and their
+ratio ``new / old`` (below 1: faster). Benchmarks and the metric read from each row:
+
+    overhead       bench_overhead.py --no-compile --cases <words>: ``loop_us`` of flashlite's rows
+                   (the host-bound loop: what a small call costs)
+    attention      bench_attention.py --no-flex: ``ms`` of flashlite's forward points
+    attention-bwd  bench_attention.py --backward --no-flex: ``ms`` of flashlite's points
+    decode         bench_decode.py: ``ms`` of flashlite's rows
+    mods           bench_mods.py --quick: ``ms["flashlite"]`` per point
+
+Writes ``benchmarks/results/ab-<device slug>.{json,png}`` and prints the table last.
+
+    python benchmarks/bench_ab.py --old /tmp/old-tree --new . --jobs overhead attention
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from _common import device_name, device_slug, metadata, write_results
+
+from flashlite.plotting import Bars, Figure, Panel
+
+Row = dict[str, Any]
+#: job → (script and arguments, results stem, the flashlite rows' key, their metric)
+JOBS: dict[str, tuple[list[str], str, Callable[[Row], Any], Callable[[Row], float | None]]] = {
+    "overhead": (
+        ["bench_overhead.py", "--no-compile", "--cases", "attn", "decode", "window"],
+        "overhead",
+        lambda r: (r["case"], r["provider"]) if r["provider"].startswith("flashlite") else None,
+        lambda r: r.get("loop_us"),
+    ),
+    "attention": (
+        ["bench_attention.py", "--no-flex", "--rounds", "3"],
+        "attention",
+        lambda r: (
+            (r["kind"], r["d"], r["n"], r["causal"]) if r["provider"] == "flashlite" else None
+        ),
+        lambda r: r.get("ms"),
+    ),
+    "attention-bwd": (
+        ["bench_attention.py", "--backward", "--no-flex", "--rounds", "3"],
+        "attention",
+        lambda r: (
+            (r["kind"], r["d"], r["n"], r["causal"]) if r["provider"] == "flashlite" else None
+        ),
+        lambda r: r.get("ms"),
+    ),
+    "decode": (
+        ["bench_decode.py"],
+        "decode",
+        lambda r: (r["case"], r["provider"]) if r["provider"].startswith("flashlite") else None,
+        lambda r: r.get("ms"),
+    ),
+    "mods": (
+        ["bench_mods.py", "--quick"],
+        "mods",
+        lambda r: (r["point"],),
+        lambda r: (r.get("ms") or {}).get("flashlite"),
+    ),
+}
+
+
+def run_job(tree: Path, job: str) -> dict[Any, float]:
+    """One run of ``job`` from ``tree``: its flashlite points' metric by key."""
+    args, stem, key, metric = JOBS[job]
+    out = tree / "benchmarks" / "results" / f"{stem}-{device_slug()}.json"
+    out.unlink(missing_ok=True)  # (a merging bench would otherwise keep older rows)
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, str(tree / "benchmarks" / args[0]), *args[1:]]
+    done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
+    if not out.exists():
+        raise RuntimeError(
+            f"{job} from {tree} wrote no results:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+        )
+    rows = json.loads(out.read_text())["rows"]
+    found = {}
+    for r in rows:
+        k, m = key(r), metric(r)
+        if k is not None and m is not None:
+            found[k] = m
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--old", type=Path, required=True, help="the baseline tree")
+    ap.add_argument("--new", type=Path, default=Path("."), help="the changed tree")
+    ap.add_argument("--jobs", nargs="+", choices=sorted(JOBS), default=sorted(JOBS))
+    ap.add_argument("--rounds", type=int, default=2, help="runs of each job from each tree")
+    ap.add_argument("--name", default="ab", help="results file stem (before the device slug)")
+    args = ap.parse_args(argv)
+    trees = {"old": args.old.resolve(), "new": args.new.resolve()}
+    times: dict[tuple[str, Any], dict[str, list[float]]] = {}
+    for job in args.jobs:
+        for r in range(args.rounds):
+            for side in ("old", "new") if r % 2 == 0 else ("new", "old"):
+                for k, m in run_job(trees[side], job).items():
+                    times.setdefault((job, k), {"old": [], "new": []})[side].append(m)
+            print(f"{job}: round {r + 1} done", flush=True)
+    rows = []
+    for (job, k), t in times.items():
+        if not (t["old"] and t["new"]):
+            continue
+        old, new = statistics.median(t["old"]), statistics.median(t["new"])
+        rows.append(
+            {
+                "job": job,
+                "point": " ".join(map(str, k)),
+                "old": old,
+                "new": new,
+                "ratio": new / old,
+                "old_rounds": t["old"],
+                "new_rounds": t["new"],
+            }
+        )
+    meta = metadata(
+        what="new/old per flashlite point, both trees run alternately in one session",
+        trees={s: str(p) for s, p in trees.items()},
+        rounds=args.rounds,
+    )
+    labels = [f"{r['job']}: {r['point']}" for r in rows]
+    panel = Panel(
+        bars=[Bars([r["ratio"] for r in rows], "new / old")],
+        categories=labels,
+        hlines=[(1.0, "equal")],
+        title="time new / old (below 1: faster)",
+    )
+    figure = Figure(
+        [[panel]],
+        title=f"side by side, {device_name()}",
+        panel_size=(max(8.0, 0.22 * len(rows)), 4.5),
+    )
+    write_results(f"{args.name}-{device_slug()}", rows, meta, figure=figure)
+    width = max((len(s) for s in labels), default=10)
+    print(f"{'point':<{width}}  {'old':>10}  {'new':>10}  new/old")
+    for label, r in zip(labels, rows, strict=True):
+        print(f"{label:<{width}}  {r['old']:>10.4g}  {r['new']:>10.4g}  {r['ratio']:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

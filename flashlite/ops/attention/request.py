@@ -1,0 +1,173 @@
+"""One attention call, described once: :class:`Request`.
+
+The public functions check their arguments and build a Request; everything below reads it. It is
+the only place that says whether a call is *plain* (:attr:`Request.plain`: no option beyond
+causal and the scale, the call whose plan is made once per kind of tensors) and the only source of
+a plan's key (:attr:`Request.key`). A new option is a new field here: it is part of every key and
+makes a call non-plain without any other line changing, and the ops' schemas gain it by name
+(:func:`flashlite.ops._dispatch.Op` derives them from these fields).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from flashlite import masks
+from flashlite.ops.attention import checks
+
+
+class Request(NamedTuple):
+    """What one attention call asks for, beyond its q, k and v: immutable, normalised once.
+
+    Attributes:
+        causal: bottom-right causal (a window ``(-1, 0)`` is stored as causal).
+        scale: multiplies ``QKᵀ`` before the softmax.
+        window_left, window_right: how many keys before / after its diagonal a query sees;
+            None: unlimited (with ``causal`` the right side is 0 and stored as None).
+        softcap: scores become ``softcap·tanh(s/softcap)``; None: no cap.
+        seqlens_k: int32 ``(B,)``: batch b has only its first ``seqlens_k[b]`` keys.
+        cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k: packed sequences (varlen);
+            q, k, v are then ``(1, H, total, D)`` views.
+        num_splits: split-KV partitions (n >= 1: the decode kernel); None: no split.
+        sinks: fp32 ``(Hq,)`` sink logits.
+    """
+
+    causal: bool
+    scale: float
+    window_left: int | None = None
+    window_right: int | None = None
+    softcap: float | None = None
+    seqlens_k: torch.Tensor | None = None
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int | None = None
+    max_seqlen_k: int | None = None
+    num_splits: int | None = None
+    sinks: torch.Tensor | None = None
+
+    @classmethod
+    def make(
+        cls,
+        causal: bool,
+        scale: float,
+        window_left: int | None = None,
+        window_right: int | None = None,
+        softcap: float | None = None,
+        seqlens_k: torch.Tensor | None = None,
+        cu_seqlens_q: torch.Tensor | None = None,
+        cu_seqlens_k: torch.Tensor | None = None,
+        max_seqlen_q: int | None = None,
+        max_seqlen_k: int | None = None,
+        num_splits: int | None = None,
+        sinks: torch.Tensor | None = None,
+    ) -> Request:
+        """A Request in its normal form: a negative window side (flash-attn's −1) or a zero cap
+        or split count means none, a window ``(unlimited, 0)`` is causal, and causal needs no
+        right side. Two calls that run the same kernels get equal Requests (one plan)."""
+        if window_left is not None and window_left < 0:
+            window_left = None
+        if window_right is not None and window_right < 0:
+            window_right = None
+        if window_left is None and window_right == 0:
+            causal = True
+        if causal:
+            window_right = None
+        return cls(
+            bool(causal),
+            float(scale),
+            window_left,
+            window_right,
+            softcap or None,
+            seqlens_k,
+            cu_seqlens_q,
+            cu_seqlens_k,
+            None if max_seqlen_q is None else int(max_seqlen_q),
+            None if max_seqlen_k is None else int(max_seqlen_k),
+            num_splits or None,
+            sinks,
+        )
+
+    @classmethod
+    def of_mask(cls, mask: masks.Mask, scale: float, **fields: object) -> Request:
+        """The Request of a :class:`~flashlite.masks.Mask` (what :func:`flashlite.masks.describe`
+        made from the public arguments) and the other fields by name."""
+        return cls.make(mask.causal, scale, mask.left, mask.right, mask.softcap, **fields)  # type: ignore[arg-type]
+
+    @classmethod
+    def of_call(
+        cls,
+        causal: bool,
+        scale: float,
+        window: tuple[int, int] | None,
+        softcap: float | None,
+        seqlens_k: object,
+        num_splits: int,
+        sinks: object,
+        q: torch.Tensor,
+        k: torch.Tensor,
+    ) -> Request:
+        """The Request of :func:`flashlite.attention`'s public options, each checked (``q``,
+        ``k``: the checked ``(B, H, N, D)`` views they are checked against)."""
+        usual = window is None and softcap is None and seqlens_k is None and sinks is None
+        if usual and not num_splits:  # nothing to check or normalise
+            return cls(causal, scale)
+        mask = masks.describe(causal, window, softcap)
+        lengths = checks.check_seqlens(seqlens_k, q, k)
+        sink = checks.check_sinks(sinks, q, q.shape[1])
+        return cls.of_mask(mask, scale, seqlens_k=lengths, num_splits=num_splits, sinks=sink)
+
+    @property
+    def plain(self) -> bool:
+        """No option beyond causal and the scale: the call the kernels' plain (or causal) path
+        runs and whose plan is made once per kind of tensors. The one plainness test."""
+        return self[2:] == _PLAIN_TAIL
+
+    @property
+    def key(self) -> tuple:
+        """What a plan depends on in this request: its values, each tensor field as its kind
+        (dtype, shape, strides, device), never its contents. Every field is in it."""
+        if self[2:] == _PLAIN_TAIL:
+            return self
+        return tuple(_kind(f) if isinstance(f, torch.Tensor) else f for f in self)
+
+    @property
+    def mask(self) -> masks.Mask:
+        """The mask fields as the launchers' :class:`~flashlite.masks.Mask`."""
+        return masks.Mask(
+            self.causal, self.window_left, 0 if self.causal else self.window_right, self.softcap
+        )
+
+    @property
+    def varlen(self) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:
+        """``(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)``, or None."""
+        if self.cu_seqlens_q is None or self.cu_seqlens_k is None:
+            return None
+        return self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q or 0, self.max_seqlen_k or 0
+
+    def only(self, *names: str) -> bool:
+        """Whether no field beyond causal, the scale and ``names`` is set (a backend's test of
+        whether it takes the request)."""
+        return all(f is None or n in names for n, f in zip(self._fields[2:], self[2:], strict=True))
+
+    def given(self) -> list[str]:
+        """The names of the fields set beyond causal and the scale (for refusals by name)."""
+        return [name for name, f in zip(self._fields[2:], self[2:], strict=True) if f is not None]
+
+    def refuse(self, backend: str, supported: tuple[str, ...] = ()) -> None:
+        """Raise a ``NotImplementedError`` naming every field set here that ``backend`` does
+        not take (its ``supported`` fields aside): nothing is silently dropped."""
+        missing = [name for name in self.given() if name not in supported]
+        if missing:
+            raise NotImplementedError(
+                f"{backend} does not support {', '.join(missing)} (the request sets them)"
+            )
+
+
+#: The tail of a plain request: every optional field unset.
+_PLAIN_TAIL = (None,) * (len(Request._fields) - 2)
+
+
+def _kind(t: torch.Tensor) -> tuple:
+    return (t.dtype, t.shape, t.stride(), t.device)

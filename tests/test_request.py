@@ -1,0 +1,135 @@
+"""One description of an attention call (:class:`flashlite.ops.attention.Request`): every option
+is a field, every field makes a call non-plain and enters the plan's key, every option reaches
+the kernel, and a launcher that does not take a field refuses it by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashlite
+from flashlite import reference
+from flashlite.ops.attention import Request, attention_bwd, attention_fwd
+from flashlite.ops.attention import fwd as fwd_module
+
+#: A value for each optional field (tensors: small int32/fp32 ones).
+SAMPLES = {
+    "window_left": 3,
+    "window_right": 2,
+    "softcap": 5.0,
+    "seqlens_k": torch.tensor([5], dtype=torch.int32),
+    "cu_seqlens_q": torch.tensor([0, 4], dtype=torch.int32),
+    "cu_seqlens_k": torch.tensor([0, 6], dtype=torch.int32),
+    "max_seqlen_q": 4,
+    "max_seqlen_k": 6,
+    "num_splits": 2,
+    "sinks": torch.zeros(2),
+}
+
+
+def test_the_samples_cover_every_field() -> None:
+    # a new option is a new field: this file must then say how it reaches the kernel
+    assert set(SAMPLES) == set(Request._fields[2:])
+
+
+@pytest.mark.parametrize("name", sorted(SAMPLES))
+def test_every_field_makes_the_call_non_plain_and_enters_the_key(name: str) -> None:
+    plain = Request.make(False, 0.25)
+    request = Request.make(False, 0.25, **{name: SAMPLES[name]})
+    assert plain.plain and not request.plain
+    assert request.given() == [name]
+    assert request.key != plain.key
+    hash(request.key)  # a tensor field enters as its kind, never its contents
+    if isinstance(SAMPLES[name], torch.Tensor):
+        again = Request.make(False, 0.25, **{name: SAMPLES[name].clone()})
+        assert again.key == request.key
+
+
+def test_normal_form() -> None:
+    # one kernel path, one request: flash-attn's -1 sides, a (-1, 0) window, a zero cap or split
+    assert Request.make(False, 0.5, -1, -1, 0.0, num_splits=0) == Request(False, 0.5)
+    assert Request.make(False, 0.5, -1, 0) == Request(True, 0.5)
+    assert Request.make(True, 0.5, 4, 7) == Request(True, 0.5, 4, None)
+    assert Request.make(True, 0.5, 4, 7).mask == flashlite.masks.describe(True, (4, 7))
+
+
+def _inputs() -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(0)
+    return tuple(torch.randn(1, 2, n, 16, generator=gen) for n in (4, 6, 6))
+
+
+#: Each public option of flashlite.attention, as the user passes it (num_splits: a plan choice
+#: with the same result, checked below by where it runs)
+OPTIONS = {
+    "window_left": {"window": (1, -1)},
+    "window_right": {"window": (-1, 0)},  # (causal's path: checked as a mask of its own)
+    "softcap": {"softcap": 0.5},
+    "seqlens_k": {"seqlens_k": torch.tensor([3], dtype=torch.int32)},
+    "sinks": {"sinks": torch.tensor([2.0, -1.0])},
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTIONS))
+def test_each_option_reaches_the_kernel(name: str) -> None:
+    # the result follows the option (fp64 reference) and differs from the call without it: an
+    # option dropped on the way would give the plain result
+    q, k, v = _inputs()
+    options = OPTIONS[name]
+    got = flashlite.attention(q, k, v, **options)
+    want = reference.attention(q.double(), k.double(), v.double(), **options)
+    torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
+    plain = flashlite.attention(q, k, v)
+    assert (got - plain).abs().max() > 1e-3
+
+
+def test_splits_reach_the_decode_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = []
+    decode = fwd_module.attention_decode_fwd
+
+    def spy(*args, num_splits, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        seen.append(num_splits)
+        return decode(*args, num_splits=num_splits, **kwargs)
+
+    monkeypatch.setattr(fwd_module, "attention_decode_fwd", spy)
+    monkeypatch.setattr(fwd_module, "planned_decode", lambda *a: None)
+    q, k, v = _inputs()
+    got = flashlite.attention(q, k, v, num_splits=2)
+    assert seen == [2]
+    torch.testing.assert_close(got, flashlite.attention(q, k, v, num_splits=1))
+
+
+def test_varlen_fields_reach_the_kernel() -> None:
+    # two sequences packed: each equals its own dense call
+    q, k, v = _inputs()
+    cu_q = torch.tensor([0, 1, 4], dtype=torch.int32)
+    cu_k = torch.tensor([0, 2, 6], dtype=torch.int32)
+    request = Request.make(
+        True, 0.25, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=3, max_seqlen_k=4
+    )
+    o, _, _ = attention_fwd(q, k, v, request)
+    for b in range(2):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        want = flashlite.attention(
+            q[:, :, rows], k[:, :, keys], v[:, :, keys], causal=True, scale=0.25
+        )
+        torch.testing.assert_close(o[:, :, rows], want)
+
+
+def test_a_field_a_launcher_does_not_take_is_refused_by_name() -> None:
+    q, k, v = _inputs()
+    o, lse, _ = attention_fwd(q, k, v, Request(False, 0.25))
+    request = Request.make(False, 0.25, num_splits=2)  # (the forward's alone)
+    with pytest.raises(NotImplementedError, match="num_splits"):
+        attention_bwd(torch.ones_like(o), q, k, v, o, lse, None, request)
+    with pytest.raises(NotImplementedError, match="window_left, sinks"):
+        Request.make(False, 1.0, 3, sinks=torch.zeros(2)).refuse("this backend")
+
+
+def test_the_ops_take_the_fields_by_name() -> None:
+    schema = str(torch.ops.flashlite.attention_fwd.default._schema)
+    for name in Request._fields:
+        assert f" {name}" in schema, name
+    q, k, v = _inputs()
+    o, lse = torch.ops.flashlite.attention_fwd(q, k, v, causal=True, scale=0.25, window_left=2)
+    want = flashlite.attention(q, k, v, causal=True, scale=0.25, window=(2, 0), return_lse=True)
+    torch.testing.assert_close((o, lse), want)
