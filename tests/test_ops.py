@@ -17,18 +17,20 @@ import flashlite
 OPS = ("attention_fwd", "attention_bwd", "softmax_fwd", "softmax_bwd")
 
 
-def _inputs(op: str, device: str, requires_grad: bool = False) -> tuple:
+def _inputs(op: str, device: str, requires_grad: bool = False) -> tuple[tuple, dict]:
+    """An op's arguments: positional, and by name (attention's request fields)."""
     if op.startswith("attention"):  # b h n d views, one of them strided (b n h d storage)
         q = torch.randn(2, 19, 4, 32, device=device).transpose(1, 2)
         k, v = (torch.randn(2, 2, 23, 32, device=device) for _ in range(2))
+        fields = {"causal": True, "scale": 0.2}
         if op == "attention_fwd":
-            return (q.requires_grad_(requires_grad), k, v, True, 0.2)
+            return (q.requires_grad_(requires_grad), k, v), fields
         o, lse = flashlite.attention(q, k, v, causal=True, scale=0.2, return_lse=True)
-        return (torch.randn_like(o), q, k, v, o, lse, torch.randn_like(lse), True, 0.2)
+        return (torch.randn_like(o), q, k, v, o, lse, torch.randn_like(lse)), fields
     x = torch.randn(3, 5, 37, device=device, requires_grad=requires_grad)
     if op == "softmax_fwd":
-        return (x, 1, "auto", False)
-    return (torch.softmax(x.detach(), 1), torch.randn_like(x.detach()), 1, True)
+        return (x, 1, "auto", False), {}
+    return (torch.softmax(x.detach(), 1), torch.randn_like(x.detach()), 1, True), {}
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -36,11 +38,11 @@ def test_registered_with_a_fake(op: str) -> None:
     packet = getattr(torch.ops.flashlite, op)
     assert packet.default.namespace == "flashlite"
     # the fake allocates exactly what the kernel writes (shape, dtype, strides)
-    args = _inputs(op, "cpu")
-    real = packet.default(*args)
+    args, named = _inputs(op, "cpu")
+    real = packet.default(*args, **named)
     with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
         fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        fake = packet.default(*fake_args)
+        fake = packet.default(*fake_args, **named)
     for r, f in zip(*(t if isinstance(t, tuple) else (t,) for t in (real, fake)), strict=True):
         assert (r.shape, r.dtype, r.stride()) == (f.shape, f.dtype, f.stride())
 
@@ -49,7 +51,7 @@ def test_registered_with_a_fake(op: str) -> None:
 def test_opcheck(op: str, device: str) -> None:
     # schema, fake tensor, autograd registration and AOT dispatch (static and dynamic shapes)
     grad = op in ("softmax_fwd", "attention_fwd")
-    opcheck(getattr(torch.ops.flashlite, op).default, _inputs(op, device, grad))
+    opcheck(getattr(torch.ops.flashlite, op).default, *_inputs(op, device, grad))
 
 
 CALLS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
