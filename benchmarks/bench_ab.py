@@ -8,8 +8,9 @@ ratio ``new / old`` (below 1: faster). Benchmarks and the metric read from each 
 
     overhead       bench_overhead.py --no-compile --cases <words>: ``loop_us`` of flashlite's rows
                    (the host-bound loop: what a small call costs)
-    attention      bench_attention.py --no-flex: ``ms`` of flashlite's forward points
-    attention-bwd  bench_attention.py --backward --no-flex: ``ms`` of flashlite's points
+    attention      bench_attention.py --no-flex --seqs 4096 16384: ``ms`` of flashlite's
+                   forward points
+    attention-bwd  the same with --backward: ``ms`` of flashlite's points
     decode         bench_decode.py: ``ms`` of flashlite's rows
     mods           bench_mods.py --quick: ``ms["flashlite"]`` per point
 
@@ -44,7 +45,7 @@ JOBS: dict[str, tuple[list[str], str, Callable[[Row], Any], Callable[[Row], floa
         lambda r: r.get("loop_us"),
     ),
     "attention": (
-        ["bench_attention.py", "--no-flex", "--rounds", "3"],
+        ["bench_attention.py", "--no-flex", "--rounds", "3", "--seqs", "4096", "16384"],
         "attention",
         lambda r: (
             (r["kind"], r["d"], r["n"], r["causal"]) if r["provider"] == "flashlite" else None
@@ -52,7 +53,16 @@ JOBS: dict[str, tuple[list[str], str, Callable[[Row], Any], Callable[[Row], floa
         lambda r: r.get("ms"),
     ),
     "attention-bwd": (
-        ["bench_attention.py", "--backward", "--no-flex", "--rounds", "3"],
+        [
+            "bench_attention.py",
+            "--backward",
+            "--no-flex",
+            "--rounds",
+            "3",
+            "--seqs",
+            "4096",
+            "16384",
+        ],
         "attention",
         lambda r: (
             (r["kind"], r["d"], r["n"], r["causal"]) if r["provider"] == "flashlite" else None

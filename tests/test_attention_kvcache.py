@@ -323,9 +323,10 @@ def test_kvcache_is_a_torch_op_that_compiles() -> None:
     table = _paged(k, v, 16)[2]
     for paged in (False, True):
         kc, vc = (_paged(k, v, 16)[:2]) if paged else (k.clone(), v.clone())
-        args = (q, kc, vc, seqlens, new[0], new[1], table if paged else None, True, 32**-0.5,
-                -1, 0, None, 2, "device", None, "", [], [], "", [], [])  # fmt: skip
-        opcheck(torch.ops.flashlite.attention_kvcache.default, args)
+        args = (q, kc, vc, new[0], new[1], [], [])  # (no mask or score function)
+        fields = {"cache_seqlens": seqlens, "block_table": table if paged else None}
+        fields |= {"causal": True, "scale": 32**-0.5, "num_splits": 2, "validate": "device"}
+        opcheck(torch.ops.flashlite.attention_kvcache.default, args, fields)
 
     for validate in (False, True):  # (the default's device check runs inside the op)
 

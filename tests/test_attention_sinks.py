@@ -237,9 +237,9 @@ def test_kvcache_op_with_sinks_passes_opcheck_and_compiles() -> None:
     new = [torch.randn(2, 1, 2, 16) for _ in range(2)]
     lens = torch.tensor([7, 30], dtype=torch.int32)
     sinks = torch.randn(4)
-    args = (q, k_cache.clone(), v_cache.clone(), lens, *new, None, True, 0.25, None, 0, None, 2,
-            "device", sinks, "", [], [], "", [], [])  # fmt: skip
-    opcheck(torch.ops.flashlite.attention_kvcache.default, args)
+    args = (q, k_cache.clone(), v_cache.clone(), *new, [], [])
+    fields = {"cache_seqlens": lens, "sinks": sinks, "causal": True, "scale": 0.25}
+    opcheck(torch.ops.flashlite.attention_kvcache.default, args, {"num_splits": 2, **fields})
 
     def step(q, kc, vc, kn, vn, s):  # noqa: ANN001, ANN202
         return flashlite.attention_kvcache(q, kc, vc, cache_seqlens=lens, k_new=kn, v_new=vn,

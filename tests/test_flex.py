@@ -1090,9 +1090,13 @@ def test_kvcache_op_with_a_mask_function_passes_opcheck() -> None:
     mm = gallery.document_causal(gallery.random_documents(2, 40, 3, seed=1))
     sm = gallery.alibi(gallery.alibi_slopes(4))
     for score in (None, sm):
-        args = (q, kc, vc, lens, *new, None, True, 0.25, None, 0, None, 2, "device", None,
-                *spec_mod(mm), *spec_mod(score))  # fmt: skip
-        opcheck(torch.ops.flashlite.attention_kvcache.default, args)
+        (m_spec, m_tensors, m_nums), (s_spec, s_tensors, s_nums) = spec_mod(mm), spec_mod(score)
+        args = (q, kc, vc, *new, m_tensors, s_tensors)
+        fields = {"cache_seqlens": lens, "causal": True, "scale": 0.25, "num_splits": 2}
+        fields |= {"mask_mod": m_spec, "mask_nums": m_nums}
+        if score is not None:
+            fields |= {"score_mod": s_spec, "score_nums": s_nums}
+        opcheck(torch.ops.flashlite.attention_kvcache.default, args, fields)
 
 
 def test_kvcache_with_a_mask_function_compiles_fullgraph() -> None:

@@ -24,6 +24,15 @@ SAMPLES = {
     "max_seqlen_k": 6,
     "num_splits": 2,
     "sinks": torch.zeros(2),
+    "cache_seqlens": torch.tensor([3], dtype=torch.int32),
+    "block_table": torch.zeros(1, 2, dtype=torch.int32),
+    "validate": "sync",
+    "mask_mod": "flashlite.gallery.sliding_window:i",
+    "mask_tensors": [torch.zeros(3, dtype=torch.int32)],
+    "mask_nums": [2.0],
+    "score_mod": "flashlite.gallery.alibi:t",
+    "score_tensors": [torch.zeros(2)],
+    "score_nums": [1.0],
 }
 
 
@@ -126,10 +135,73 @@ def test_a_field_a_launcher_does_not_take_is_refused_by_name() -> None:
 
 
 def test_the_ops_take_the_fields_by_name() -> None:
+    from flashlite.ops.attention.fwd import FWD_FIELDS
+
     schema = str(torch.ops.flashlite.attention_fwd.default._schema)
-    for name in Request._fields:
+    for name in FWD_FIELDS:
         assert f" {name}" in schema, name
     q, k, v = _inputs()
     o, lse = torch.ops.flashlite.attention_fwd(q, k, v, causal=True, scale=0.25, window_left=2)
     want = flashlite.attention(q, k, v, causal=True, scale=0.25, window=(2, 0), return_lse=True)
     torch.testing.assert_close((o, lse), want)
+
+
+def _cache() -> tuple[torch.Tensor, ...]:
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 1, 4, 16, generator=gen)
+    k, v = (torch.randn(2, 32, 2, 16, generator=gen) for _ in range(2))
+    return q, k, v, torch.tensor([9, 30], dtype=torch.int32)
+
+
+#: attention_kvcache's options as the user passes them, beyond cache_seqlens (each changes the
+#: result of the call on _cache(); the mods' buffers travel as their tensor and number fields)
+CACHE_OPTIONS = {
+    "block_table": {},  # (checked below: a paged copy gives the contiguous result)
+    "mask_mod": {"mask_mod": flashlite.gallery.sliding_window(3)},
+    "score_mod": {"score_mod": flashlite.gallery.alibi(flashlite.gallery.alibi_slopes(4))},
+    "window": {"window": (4, 0)},
+}
+
+
+@pytest.mark.parametrize("name", sorted(CACHE_OPTIONS))
+def test_each_cache_option_reaches_the_kernel(name: str) -> None:
+    q, k, v, lens = _cache()
+    plain = flashlite.attention_kvcache(q, k, v, cache_seqlens=lens)
+    if name == "block_table":  # the same keys through shuffled pages of 16
+        table = torch.tensor([[3, 0], [1, 2]], dtype=torch.int32)
+        kp, vp = (torch.empty(4, 16, 2, 16) for _ in range(2))
+        for b in range(2):
+            for j in range(2):
+                rows = slice(16 * j, 16 * j + 16)
+                kp[table[b, j]], vp[table[b, j]] = k[b, rows], v[b, rows]
+        got = flashlite.attention_kvcache(q, kp, vp, cache_seqlens=lens, block_table=table)
+        torch.testing.assert_close(got, plain)
+        return
+    got = flashlite.attention_kvcache(q, k, v, cache_seqlens=lens, **CACHE_OPTIONS[name])
+    assert (got - plain).abs().max() > 1e-3
+    # the lengths themselves: each row sees its own first cache_seqlens keys
+    for b, n in enumerate(lens.tolist()):
+        one = [t[b : b + 1, :m].transpose(1, 2) for t, m in ((q, 1), (k, n), (v, n))]
+        want = reference.attention(*one, causal=True).transpose(1, 2)
+        torch.testing.assert_close(plain[b : b + 1], want, atol=2e-5, rtol=2e-5)
+
+
+def test_validate_reaches_the_cache_checks() -> None:
+    q, k, v, lens = _cache()
+    bad = torch.tensor([9, 40], dtype=torch.int32)  # past the capacity
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flashlite.attention_kvcache(q, k, v, cache_seqlens=bad, validate="sync")
+    flashlite.attention_kvcache(q, k, v, cache_seqlens=bad, validate=False)  # (clamped)
+
+
+def test_the_cache_op_refuses_fields_it_does_not_take() -> None:
+    q, k, v, lens = _cache()
+    with pytest.raises(RuntimeError, match="seqlens_k"):  # not in its schema: by name
+        torch.ops.flashlite.attention_kvcache(
+            q, k, v, None, None, [], [], cache_seqlens=lens, seqlens_k=lens, causal=True, scale=0.25
+        )
+    from flashlite.ops.attention.kvcache import KVCACHE
+
+    request = Request.make(True, 0.25, seqlens_k=lens, cache_seqlens=lens)
+    with pytest.raises(NotImplementedError, match="seqlens_k"):  # the eager path: by name too
+        KVCACHE(q, k, v, None, None, request)

@@ -30,13 +30,13 @@ from __future__ import annotations
 
 import functools
 import inspect
-import typing
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
 
 from flashlite import _backend
+from flashlite.ops._fields import Fields
 from flashlite.ops.common import on_compute_device
 
 _len_dispatch_stack = torch._C._len_torch_dispatch_stack
@@ -90,7 +90,11 @@ class Op:
             :class:`~flashlite.ops.attention.request.Request`) that the body takes as its last
             argument after ``inputs`` tensors: the op's schema is those tensors, then the
             request's fields by name (:class:`Fields`); calls pass the request whole.
+        takes: the request's fields the op takes (None: all); the body refuses a request that
+            sets another (:meth:`~flashlite.ops.attention.request.Request.refuse`).
         grad_fields: the request's tensor fields that may require grad (sinks).
+        grad_inputs: without a request, positions of later optional tensor arguments that may
+            require grad (the fast path looks at them too when the call passes them).
         setup_context, backward: the autograd formula, as ``torch.library.register_autograd``
             takes it; ``backward`` returns one gradient per argument. With a ``request``:
             ``setup_context(ctx, inputs, request, output)`` (``inputs`` the leading tensors) and
@@ -113,11 +117,13 @@ class Op:
         mutates_args: tuple[str, ...] = (),
         moves: bool = True,
         request: type[tuple] | None = None,
+        takes: tuple[str, ...] | None = None,
         grad_fields: tuple[str, ...] = (),
+        grad_inputs: tuple[int, ...] = (),
     ) -> None:
-        self.name, self.inputs = name, inputs
+        self.name, self.inputs, self.grad_inputs = name, inputs, grad_inputs
         #: the request type whose fields are the op's named arguments (:class:`Fields`), or None
-        self.fields = Fields(request, grad_fields) if request is not None else None
+        self.fields = Fields(request, grad_fields, takes) if request is not None else None
         #: the body as the fast paths run it: on tensors where kernels run (calls whose tensors
         #: must move, CPU tensors in a process that compiles its kernels, take the dispatcher,
         #: whose body moves them: rare, and a copy costs more than the dispatcher anyway)
@@ -138,9 +144,11 @@ class Op:
                 self.function = _function(name, body, setup_context, backward, materialize_grads)
             else:
                 self.fields.register_autograd(op, inputs, setup_context, backward)
-                self.function = self.fields.function(
-                    name, body, inputs, setup_context, backward, materialize_grads
+                pair = self.fields.autograd(
+                    body, inputs, setup_context, backward, materialize_grads
                 )
+                doc = f"Eager autograd of ``flashlite::{name}`` (made by :class:`Op`)."
+                self.function = _function_class(name, *pair, doc)
             self.apply = eager_apply(self.function)
         self.default = getattr(torch.ops.flashlite, name).default
         # the arguments the body writes: the dispatcher bumps their version counters (autograd's
@@ -172,6 +180,11 @@ class Op:
                     record = record or (grad and t.requires_grad)
             if record:
                 return self.apply(*args, *self.fields.grad_tensors(args[-1]))  # type: ignore[misc]
+        for i in self.grad_inputs:  # (optional tensors further on: the ring's sinks)
+            if i < len(args) and args[i] is not None:
+                if type(args[i]) is not torch.Tensor:
+                    return self.default(*args)
+                record = record or (grad and args[i].requires_grad)
         if record:
             return self.apply(*args)  # type: ignore[misc]
         out = self.body(*args)
@@ -189,105 +202,6 @@ class Op:
 
     def __repr__(self) -> str:
         return f"Op(flashlite::{self.name})"
-
-
-class Fields:
-    """A request type's fields as an op's named arguments: the schema, the calls and the autograd.
-
-    The custom op's schema is the op's leading tensors, then the request's tensor fields
-    (optional, by name: the dispatcher does not take keyword-only tensors), then its other
-    fields, keyword-only. Eager calls hand the request over whole; the dispatcher path spreads
-    it into fields (:meth:`flat`) and the op's implementation builds it again (:meth:`named`),
-    so ``setup_context`` and ``backward`` read fields by name on either path.
-    """
-
-    def __init__(self, request: type[tuple], grad_fields: tuple[str, ...]) -> None:
-        hints = typing.get_type_hints(request)
-        names: tuple[str, ...] = request._fields  # type: ignore[attr-defined]
-        defaults: dict[str, Any] = request._field_defaults  # type: ignore[attr-defined]
-        self.request, self.grad_fields = request, grad_fields
-        self.tensors = tuple(n for n in names if "Tensor" in str(hints[n]))
-        self.others = tuple(n for n in names if n not in self.tensors)
-        empty = inspect.Parameter.empty
-        self.params = [
-            *(inspect.Parameter(n, _POS, annotation=hints[n], default=None) for n in self.tensors),
-            *(
-                inspect.Parameter(n, _KW, annotation=hints[n], default=defaults.get(n, empty))
-                for n in self.others
-            ),
-        ]
-
-    def flat(self, request: Any) -> tuple[tuple, dict[str, Any]]:
-        """The request's tensor fields in order and its other fields by name."""
-        return tuple(getattr(request, n) for n in self.tensors), {
-            n: getattr(request, n) for n in self.others
-        }
-
-    def grad_tensors(self, request: Any) -> tuple:
-        return tuple(getattr(request, n) for n in self.grad_fields)
-
-    def build(self, fields: tuple, named: dict[str, Any]) -> Any:
-        """The request from :meth:`flat`'s two parts."""
-        return self.request(**dict(zip(self.tensors, fields, strict=False)), **named)
-
-    def named(self, fn: Callable[..., Any], body: Callable[..., Any], n: int) -> Callable[..., Any]:
-        """``fn(*leading, request)`` as a function of the leading tensors and the fields (the
-        signature ``torch.library`` reads the schema from)."""
-
-        def impl(*args: Any, **named: Any) -> Any:
-            return fn(*args[:n], self.build(args[n:], named))
-
-        leading = list(inspect.signature(body).parameters.values())[:n]
-        hints = typing.get_type_hints(body)
-        leading = [p.replace(annotation=hints[p.name]) for p in leading]
-        impl.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-            [*leading, *self.params], return_annotation=hints["return"]
-        )
-        impl.__name__ = fn.__name__
-        return impl
-
-    def register_autograd(
-        self, op: Any, n: int, setup_context: Callable[..., None], backward: Callable[..., Any]
-    ) -> None:
-        """The custom op's autograd, from the by-name formula."""
-
-        def setup(ctx: Any, inputs: tuple, keyword_only_inputs: dict, output: Any) -> None:
-            setup_context(ctx, inputs[:n], self.build(inputs[n:], keyword_only_inputs), output)
-
-        def grads(ctx: Any, *grads: Any) -> tuple:
-            inputs, by_name = backward(ctx, *grads)
-            return (*inputs, *(by_name.get(f) for f in self.tensors))
-
-        op.register_autograd(grads, setup_context=setup)
-
-    def function(
-        self,
-        name: str,
-        body: Callable[..., Any],
-        n: int,
-        setup_context: Callable[..., None],
-        backward: Callable[..., Any],
-        materialize_grads: bool,
-    ) -> type[torch.autograd.Function]:
-        """The eager ``autograd.Function``: called with ``(*leading, request, *grad tensors)``
-        (the request's tensors that require grad passed again, so autograd sees them)."""
-
-        def forward(ctx: Any, *args: Any) -> Any:
-            if not materialize_grads:
-                ctx.set_materialize_grads(False)
-            out = body(*args[: n + 1])
-            setup_context(ctx, args[:n], args[n], out)
-            return out
-
-        def grads(ctx: Any, *grads: Any) -> tuple:
-            inputs, by_name = backward(ctx, *grads)
-            return (*inputs, None, *(by_name.get(f) for f in self.grad_fields))
-
-        doc = f"Eager autograd of ``flashlite::{name}`` (made by :class:`Op`)."
-        return _function_class(name, forward, grads, doc)
-
-
-_POS, _KW = inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY
 
 
 def _function(

@@ -30,6 +30,7 @@ from flashlite.ops.attention.kvcache import (
     _checked_kvcache,
     _kvcache_key,
     _kvcache_plan,
+    kvcache_args,
 )
 from flashlite.ops.attention.mod_args import check_mod, spec_mod
 from flashlite.ops.attention.plan import _decode_splits
@@ -365,26 +366,40 @@ def attention_kvcache(
     mask = masks.describe(causal, window, softcap)
     sm_scale = _check_scale(scale, d)
     sink = check_sinks(sinks, q, hq)  # (fp32: what the plan's key pins, whatever came in)
-    args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, sm_scale,
-            mask.left, mask.right, mask.softcap, splits, VALIDATE_MODES[validate])  # fmt: skip
+    mods_given: dict[str, object] = {}
     if mask_mod is not None or score_mod is not None:
-        mm = sm = None
         # (the positions a mod may see: the cache's capacity per sequence)
         capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
         if mask_mod is not None:
             mm = mods.as_mask_mod(mask_mod)
             check_mod(mm, "mask_mod", q.device, bsz, hq, capacity)
+            mods_given.update(
+                zip(("mask_mod", "mask_tensors", "mask_nums"), spec_mod(mm), strict=True)
+            )
         if score_mod is not None:
             if softcap is not None:
                 raise ValueError("attention_kvcache takes score_mod without softcap: write the "
                                  "cap as flashlite.gallery.tanh_softcap(c) in it")  # fmt: skip
             sm = mods.as_score_mod(score_mod)
             check_mod(sm, "score_mod", q.device, bsz, hq, capacity)
-        o, lse = KVCACHE(*args, sink, *spec_mod(mm), *spec_mod(sm))
-        return (o, lse) if return_lse else o
-    if key is not None and moved_call_device(q.device) is None:
+            mods_given.update(
+                zip(("score_mod", "score_tensors", "score_nums"), spec_mod(sm), strict=True)
+            )
+    request = Request.of_mask(
+        mask,
+        sm_scale,
+        num_splits=splits,
+        sinks=sink,
+        cache_seqlens=cache_seqlens,
+        block_table=block_table,
+        validate=VALIDATE_MODES[validate],
+        **mods_given,
+    )
+    if not mods_given and key is not None and moved_call_device(q.device) is None:
         # these arguments passed every check above: next time, skip them (and the op layer:
         # CPU tensors whose kernels run on a GPU take the op's moving path every time)
-        _checked_kvcache.put(key, _kvcache_plan(args, sink))
-    o, lse = KVCACHE(*args, sink, "", [], [], "", [], [])
+        _checked_kvcache.put(
+            key, _kvcache_plan(kvcache_args(q, k_cache, v_cache, k_new, v_new, request), sink)
+        )
+    o, lse = KVCACHE(q, k_cache, v_cache, k_new, v_new, request)
     return (o, lse) if return_lse else o

@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from flashlite.ops._dispatch import Op
-from flashlite.ops.attention.bwd import _attention_bwd_body, _attention_bwd_fake
-from flashlite.ops.attention.fwd import _attention_fwd_body, _attention_fwd_fake
+from flashlite.ops.attention.bwd import BWD_FIELDS, _attention_bwd_body, _attention_bwd_fake
+from flashlite.ops.attention.fwd import FWD_FIELDS, _attention_fwd_body, _attention_fwd_fake
 from flashlite.ops.attention.request import Request
 
 
@@ -29,6 +29,7 @@ ATTENTION_BWD = Op(
     fake=_attention_bwd_fake,
     inputs=7,
     request=Request,
+    takes=BWD_FIELDS,
     setup_context=lambda ctx, inputs, request, output: None,
     backward=_no_second_derivative,
     moves=False,
@@ -61,6 +62,7 @@ ATTENTION_FWD = Op(
     fake=_attention_fwd_fake,
     inputs=3,
     request=Request,
+    takes=FWD_FIELDS,
     grad_fields=("sinks",),
     setup_context=_setup_context,
     backward=_backward,

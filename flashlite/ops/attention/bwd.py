@@ -68,7 +68,7 @@ def attention_bwd(
         ``(B, Hq, Nq, D)``. A plain call (no window, soft cap, lengths, packing or pinned
         config) is planned once per kind of tensors (:class:`BwdPlan`).
     """
-    request.refuse("the attention backward", _BWD_FIELDS)
+    request.refuse("the attention backward", BWD_FIELDS)
     sinks = request.sinks
     # (sinks take the plain kernels: their gradient is computed beside them)
     plain = request.only("sinks") and config is None
@@ -115,7 +115,9 @@ def attention_bwd(
 
 
 #: The request fields the backward takes (the split is the forward's alone).
-_BWD_FIELDS = (
+BWD_FIELDS = (
+    "causal",
+    "scale",
     "window_left",
     "window_right",
     "softcap",

@@ -69,6 +69,7 @@ def attention_fwd(
         plan = _fwd_plans.get(key)
         if plan is not None:
             return plan(q, k, v)
+    request.refuse("the attention forward", FWD_FIELDS)
     mask, scale, seqlens_k, varlen, sinks = (
         request.mask,
         request.scale,
@@ -150,6 +151,10 @@ def attention_fwd(
     tuned = _tuned_kernel(rows, nk)
     tuned[lambda meta: (C.cdiv(rows, meta["BLOCK_M"]), seqs * hq)](*args, **launch)  # type: ignore[index]
     return o, lse, LaunchInfo(C.Config.of(tuned.best_config), block_d, use_desc)  # type: ignore[attr-defined]
+
+
+#: The request fields the forward takes (a cache's are the decode step's).
+FWD_FIELDS = Request._fields[:12]
 
 
 def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, bm: int,

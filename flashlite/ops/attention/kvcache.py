@@ -16,6 +16,7 @@ from flashlite.ops.attention.checks import _check_cache_values, _kv_record, _rep
 from flashlite.ops.attention.decode import DecodePlan
 from flashlite.ops.attention.mod_args import ModArgs, Slots, unspec_mod
 from flashlite.ops.attention.plan import _meta
+from flashlite.ops.attention.request import Request
 from flashlite.ops.common import moved, moved_call_device
 
 
@@ -197,40 +198,78 @@ def _kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    cache_seqlens: torch.Tensor,
     k_new: torch.Tensor | None,
     v_new: torch.Tensor | None,
-    block_table: torch.Tensor | None,
-    causal: bool,
-    scale: float,
-    window_left: int | None,
-    window_right: int | None,
-    softcap: float | None,
-    num_splits: int | None,
-    validate: str,
-    sinks: torch.Tensor | None,
-    mask_spec: str,
-    mask_tensors: list[torch.Tensor],
-    mask_nums: list[float],
-    score_spec: str,
-    score_tensors: list[torch.Tensor],
-    score_nums: list[float],
+    request: Request,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`attention_kvcache` after its argument checks: the value checks, the append, the
-    decode kernel (:class:`KVCachePlan`). The mask's fields as :func:`flashlite.masks.describe`
-    made them (None: unlimited side, no cap); ``num_splits`` None chooses; ``sinks`` fp32
-    ``(Hq,)``, contiguous, or None; a mask function as ``mask_spec`` (empty: none), its
-    tensors and its numbers (:func:`~flashlite.ops.attention.mod_args.spec_mod`; the op's
-    schema takes no list defaults, so every call passes all three), a score function the
-    same way."""
-    args = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale,
-            window_left, window_right, softcap, num_splits, validate)  # fmt: skip
-    mask = (mask_spec, list(mask_tensors), list(mask_nums)) if mask_spec else None
-    score = (score_spec, list(score_tensors), list(score_nums)) if score_spec else None
+    decode kernel (:class:`KVCachePlan`). ``request`` holds the cache's lengths and pages, the
+    mask, the split, ``validate``, the fp32 contiguous sinks and the mods as the ops carry them
+    (:func:`~flashlite.ops.attention.mod_args.spec_mod`)."""
+    request.refuse("flashlite::attention_kvcache", KVCACHE_FIELDS)
+    if request.cache_seqlens is None:
+        raise ValueError("flashlite::attention_kvcache needs cache_seqlens")
+    args = kvcache_args(q, k_cache, v_cache, k_new, v_new, request)
+    mask = _mod_args(request.mask_mod, request.mask_tensors, request.mask_nums)
+    score = _mod_args(request.score_mod, request.score_tensors, request.score_nums)
     dev = moved_call_device(q.device)
     if dev is not None:
-        return _kvcache_moved(args, dev, sinks, mask, score)
-    return _kvcache_plan(args, sinks, mask, score)(*args[:_TENSORS], sinks, mask, score)
+        return _kvcache_moved(args, dev, request.sinks, mask, score)
+    plan = _kvcache_plan(args, request.sinks, mask, score)
+    return plan(*args[:_TENSORS], request.sinks, mask, score)
+
+
+def kvcache_args(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    request: Request,
+) -> tuple:
+    """The step's tensors (:data:`_TENSORS` of them) and options, as :class:`KVCachePlan`
+    takes them."""
+    return (
+        q,
+        k_cache,
+        v_cache,
+        request.cache_seqlens,
+        k_new,
+        v_new,
+        request.block_table,
+        request.causal,
+        request.scale,
+        request.window_left,
+        request.window_right,
+        request.softcap,
+        request.num_splits,
+        request.validate or "device",
+    )
+
+
+#: The request fields the cache step takes.
+KVCACHE_FIELDS = (
+    "causal",
+    "scale",
+    "window_left",
+    "window_right",
+    "softcap",
+    "num_splits",
+    "sinks",
+    "cache_seqlens",
+    "block_table",
+    "validate",
+    "mask_mod",
+    "mask_tensors",
+    "mask_nums",
+    "score_mod",
+    "score_tensors",
+    "score_nums",
+)
+
+
+def _mod_args(spec: str | None, tensors: list | None, nums: list | None) -> ModArgs | None:
+    return None if spec is None else (spec, list(tensors or ()), list(nums or ()))
 
 
 def _kvcache_moved(args: tuple, dev: torch.device, sinks: torch.Tensor | None = None,
@@ -261,18 +300,30 @@ def _kvcache_moved(args: tuple, dev: torch.device, sinks: torch.Tensor | None = 
     return o.to(q.device), lse.to(q.device)
 
 
-def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale,  # type: ignore[no-untyped-def]
-                  window_left, window_right, softcap, num_splits, validate, sinks=None,
-                  mask_spec="", mask_tensors=(), mask_nums=(), score_spec="", score_tensors=(),
-                  score_nums=()):  # fmt: skip
-    return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[2], q.shape[1]),
-                                            dtype=torch.float32)  # fmt: skip
+def _kvcache_fake(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    request: Request,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    lse_shape = (q.shape[0], q.shape[2], q.shape[1])
+    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 #: ``flashlite::attention_kvcache``: :func:`_kvcache` as an op that declares the caches written
 #: (the append), so ``torch.compile`` traces a decode step through it. Forward only.
-KVCACHE = Op("attention_kvcache", _kvcache, fake=_kvcache_fake, inputs=3,
-             mutates_args=("k_cache", "v_cache"), moves=False)  # fmt: skip
+KVCACHE = Op(
+    "attention_kvcache",
+    _kvcache,
+    fake=_kvcache_fake,
+    inputs=5,
+    request=Request,
+    takes=KVCACHE_FIELDS,
+    mutates_args=("k_cache", "v_cache"),
+    moves=False,
+)
 
 #: what ``validate`` becomes in the op (a string: the schema holds one type)
 VALIDATE_MODES = {True: "device", False: "off", "sync": "sync"}

@@ -32,6 +32,12 @@ class Request(NamedTuple):
             q, k, v are then ``(1, H, total, D)`` views.
         num_splits: split-KV partitions (n >= 1: the decode kernel); None: no split.
         sinks: fp32 ``(Hq,)`` sink logits.
+        cache_seqlens, block_table: a KV cache's int32 lengths ``(B,)`` and page table
+            ``(B, max_pages)`` (decoding).
+        validate: how a KV cache's values are checked: ``"device"``, ``"sync"`` or ``"off"``.
+        mask_mod, score_mod: a mask or score function as the ops carry it: its registered name
+            and the kinds of its buffers (:func:`flashlite.ops.attention.mod_args.spec_mod`),
+            with ``mask_tensors``/``mask_nums`` (``score_…``) its tensor and number buffers.
     """
 
     causal: bool
@@ -46,6 +52,15 @@ class Request(NamedTuple):
     max_seqlen_k: int | None = None
     num_splits: int | None = None
     sinks: torch.Tensor | None = None
+    cache_seqlens: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    validate: str | None = None
+    mask_mod: str | None = None
+    mask_tensors: list[torch.Tensor] | None = None
+    mask_nums: list[float] | None = None
+    score_mod: str | None = None
+    score_tensors: list[torch.Tensor] | None = None
+    score_nums: list[float] | None = None
 
     @classmethod
     def make(
@@ -62,6 +77,7 @@ class Request(NamedTuple):
         max_seqlen_k: int | None = None,
         num_splits: int | None = None,
         sinks: torch.Tensor | None = None,
+        **cache: object,
     ) -> Request:
         """A Request in its normal form: a negative window side (flash-attn's −1) or a zero cap
         or split count means none, a window ``(unlimited, 0)`` is causal, and causal needs no
@@ -74,7 +90,7 @@ class Request(NamedTuple):
             causal = True
         if causal:
             window_right = None
-        return cls(
+        request = cls(
             bool(causal),
             float(scale),
             window_left,
@@ -88,6 +104,7 @@ class Request(NamedTuple):
             num_splits or None,
             sinks,
         )
+        return request._replace(**cache) if cache else request
 
     @classmethod
     def of_mask(cls, mask: masks.Mask, scale: float, **fields: object) -> Request:
@@ -130,7 +147,7 @@ class Request(NamedTuple):
         (dtype, shape, strides, device), never its contents. Every field is in it."""
         if self[2:] == _PLAIN_TAIL:
             return self
-        return tuple(_kind(f) if isinstance(f, torch.Tensor) else f for f in self)
+        return tuple(_kind(f) for f in self)
 
     @property
     def mask(self) -> masks.Mask:
@@ -169,5 +186,10 @@ class Request(NamedTuple):
 _PLAIN_TAIL = (None,) * (len(Request._fields) - 2)
 
 
-def _kind(t: torch.Tensor) -> tuple:
-    return (t.dtype, t.shape, t.stride(), t.device)
+def _kind(f: object) -> object:
+    """A field as a plan key holds it: a tensor's kind, a list's items so, else the value."""
+    if isinstance(f, torch.Tensor):
+        return (f.dtype, f.shape, f.stride(), f.device)
+    if isinstance(f, list):
+        return tuple(_kind(x) for x in f)
+    return f
