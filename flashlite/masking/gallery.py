@@ -30,8 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flashlite.kernels.common import tanh
-from flashlite.mods import MaskMod, ScoreMod, mask_mod, score_mod
+from flashlite.masking.mods import MaskMod, ScoreMod, mask_mod, score_mod
+from flashlite.masking.softcap import tanh
 
 __all__ = [
     "causal",

@@ -1,7 +1,7 @@
 """Block tables: which tiles of the score matrix a mask function leaves empty, full or partial.
 
-A mask function (:mod:`flashlite.mods`) is evaluated once per call shape, tile by tile, and each
-``(query block, key block)`` tile of each ``(batch, head)`` gets a class:
+A mask function (:mod:`flashlite.masking.mods`) is evaluated once per call shape, tile by tile,
+and each ``(query block, key block)`` tile of each ``(batch, head)`` gets a class:
 
 - **empty** (0): no query of the block sees a key of the block. The kernels never visit it: its
   K and V are not read (the traffic story: bytes saved);
@@ -14,9 +14,9 @@ and dV), partial and full apart, the same names and layout as
 ``torch.nn.attention.flex_attention.BlockMask``. Query rows past ``Nq`` do not count (nothing
 is stored for them); tiles crossing ``Nk`` are never full, so that full tiles need no bounds.
 
-:func:`torch_classify` is the torch twin of the classifier kernel
-(:mod:`flashlite.kernels.attention.block_mask`); :func:`tables` turns classes into index tables
-on the device without a host sync; :meth:`BlockMask.from_torch` converts torch's own tables.
+:mod:`flashlite.masking.classify` computes the classes (a kernel, or its torch twin);
+:func:`tables` turns classes into index tables on the device without a host sync;
+:meth:`BlockMask.from_torch` converts torch's own tables.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from flashlite.mods import MaskMod, _is_jit, as_mask_mod, torch_indices
+from flashlite.masking.mods import MaskMod, _is_jit, as_mask_mod
 
-__all__ = ["EMPTY", "PARTIAL", "FULL", "BlockMask", "tables", "torch_classify", "cdiv"]
+__all__ = ["EMPTY", "PARTIAL", "FULL", "BlockMask", "tables", "cdiv"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
@@ -48,32 +48,6 @@ def tables(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # step along the last dimension by one)
     num = selected.sum(-1, dtype=torch.int32).contiguous()
     return num, key.argsort(dim=-1).to(torch.int32).contiguous()
-
-
-def torch_classify(mod: MaskMod, b: int, h: int, nq: int, nk: int, block: tuple[int, int],
-                   device: torch.device | str | None = None) -> torch.Tensor:  # fmt: skip
-    """Twin of the classifier kernel: int8 classes ``(B, H, cdiv(Nq, bm), cdiv(Nk, bn))`` from
-    the mask over every pair (rows past ``Nq`` ignored; tiles crossing ``Nk`` never full),
-    evaluated a band of query blocks at a time (bounded memory at long lengths)."""
-    bm, bn = block
-    nqb, nkb = cdiv(nq, bm), cdiv(nk, bn)
-    out = torch.empty(b, h, nqb, nkb, dtype=torch.int8, device=device)
-    band = max(1, (1 << 24) // max(1, b * h * bm * nkb * bn))  # query blocks per band
-    ragged_k = torch.zeros(nkb, dtype=torch.bool, device=device)
-    ragged_k[-1] = nk % bn != 0
-    for r0 in range(0, nqb, band):
-        r1 = min(nqb, r0 + band)
-        q0, q1 = r0 * bm, min(nq, r1 * bm)
-        idx = torch_indices(b, h, q1 - q0, nk, device)
-        seen = torch.zeros(b, h, (r1 - r0) * bm, nkb * bn, dtype=torch.bool, device=device)
-        got = mod(idx[0], idx[1], idx[2] + q0, idx[3])
-        seen[:, :, : q1 - q0, :nk] = torch.as_tensor(got, device=device).to(torch.bool)
-        n_seen = seen.view(b, h, r1 - r0, bm, nkb, bn).sum((3, 5))
-        rows = torch.tensor([min(bm, nq - r * bm) for r in range(r0, r1)], device=device)
-        full = (n_seen == rows.view(-1, 1) * bn) & ~ragged_k
-        cls = torch.where(n_seen > 0, PARTIAL, EMPTY)
-        out[:, :, r0:r1] = torch.where(full, FULL, cls)
-    return out
 
 
 @dataclass(frozen=True, eq=False)
