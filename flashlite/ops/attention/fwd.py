@@ -9,11 +9,12 @@ from collections.abc import Callable
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashlite import _launch, masks
+from flashlite import _launch
 from flashlite._caches import Cache
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import fwd as K
 from flashlite.kernels.attention import hopper as KH
+from flashlite.masking import masks
 from flashlite.ops.attention import hopper as HP
 from flashlite.ops.attention import window as W
 from flashlite.ops.attention.decode import attention_decode_fwd, planned_decode
