@@ -31,8 +31,9 @@ from _common import (
 )
 
 import flashlite
-from flashlite import masks, reference
+from flashlite import reference
 from flashlite.kernels import configs as K
+from flashlite.masking import masks
 from flashlite.ops.attention import Request, attention_fwd
 from flashlite.plotting import Figure, Line, Panel
 from flashlite.reference import attention as naive_attention

@@ -27,8 +27,8 @@ import torch
 from _common import bench, device_name, device_slug, metadata, write_results
 
 import flashlite
-from flashlite import masks
 from flashlite.kernels.configs import BwdConfig
+from flashlite.masking import masks
 from flashlite.ops import attention as attention_ops
 from flashlite.plotting import Bars, Figure, Panel
 from flashlite.reference import sdpa

@@ -47,8 +47,7 @@ import torch
 from _common import bench, device_name, device_slug, max_rel_err, metadata, replot, write_results
 
 import flashlite
-from flashlite import gallery
-from flashlite.mods import torch_indices
+from flashlite.masking import gallery, torch_indices
 from flashlite.ops.attention import compiled_variants
 from flashlite.plotting import Bars, Figure, Panel
 

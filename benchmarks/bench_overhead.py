@@ -316,7 +316,7 @@ def flex_case(name: str, b: int, h: int, n: int, d: int, grad: bool) -> Case:
     from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
-    from flashlite import gallery
+    from flashlite.masking import gallery
 
     g = torch.Generator(device="cuda").manual_seed(4)
     q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)

@@ -1,7 +1,7 @@
 """Draw each gallery mask and the tiles each query block visits, on the CPU (attention-gym's
 pictures, for flashlite's mask functions).
 
-For every mask of :mod:`flashlite.gallery` it builds the block tables with
+For every mask of :mod:`flashlite.masking.gallery` it builds the block tables with
 :func:`flashlite.create_block_mask` and prints, one line per query row, ``#`` a seen pair in a
 **full** tile (run without evaluating the mask), ``+`` a seen pair in a **partial** tile (the
 mask is evaluated), ``.`` an unseen pair in a partial tile, and a blank for **empty** tiles
@@ -20,12 +20,10 @@ from pathlib import Path
 import torch
 
 import flashlite
-from flashlite import block_mask as BM
-from flashlite import gallery
-from flashlite.mods import torch_mask
+from flashlite.masking import EMPTY, FULL, MaskMod, gallery, torch_classify, torch_mask
 
 
-def masks_for(n: int) -> dict[str, flashlite.mods.MaskMod]:
+def masks_for(n: int) -> dict[str, MaskMod]:
     """The gallery's masks for sequences of ``n`` (three documents, window n/4, prefix n/3)."""
     ids = gallery.random_documents(1, n, 3, seed=1)
     return {
@@ -37,19 +35,19 @@ def masks_for(n: int) -> dict[str, flashlite.mods.MaskMod]:
     }
 
 
-def draw(mod: flashlite.mods.MaskMod, n: int, block: int) -> str:
+def draw(mod: MaskMod, n: int, block: int) -> str:
     """One mask's picture (see the module docstring)."""
     seen = torch_mask(mod, 1, 1, n, n)[0, 0]
     # (the CPU classifier; the kernels' tiles are at least 16 wide, the picture's any size)
-    classes = BM.torch_classify(mod, 1, 1, n, n, (block, block))[0, 0]
+    classes = torch_classify(mod, 1, 1, n, n, (block, block))[0, 0]
     lines = []
     for i in range(n):
         row = []
         for j in range(n):
             cls = int(classes[i // block, j // block])
-            if cls == BM.EMPTY:
+            if cls == EMPTY:
                 row.append(" ")
-            elif cls == BM.FULL:
+            elif cls == FULL:
                 row.append("#")
             else:
                 row.append("+" if seen[i, j] else ".")
@@ -59,7 +57,7 @@ def draw(mod: flashlite.mods.MaskMod, n: int, block: int) -> str:
     return "\n".join(lines)
 
 
-def picture(mods: dict[str, flashlite.mods.MaskMod], n: int, block: int, out: Path) -> None:
+def picture(mods: dict[str, MaskMod], n: int, block: int, out: Path) -> None:
     """A PNG: each mask's pairs, full tiles dark, partial tiles light, empty tiles white."""
     import matplotlib
 
@@ -69,7 +67,7 @@ def picture(mods: dict[str, flashlite.mods.MaskMod], n: int, block: int, out: Pa
     fig, axes = plt.subplots(1, len(mods), figsize=(3.2 * len(mods), 3.4))
     for ax, (name, mod) in zip(axes, mods.items(), strict=True):
         seen = torch_mask(mod, 1, 1, n, n)[0, 0].float()
-        classes = BM.torch_classify(mod, 1, 1, n, n, (block, block))[0, 0]
+        classes = torch_classify(mod, 1, 1, n, n, (block, block))[0, 0]
         tiles = classes.repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :n].float()
         ax.imshow(0.25 * tiles + 0.5 * seen, cmap="Blues", vmin=0, vmax=1.0)
         ax.set_title(name, fontsize=9)
@@ -88,8 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     mods = masks_for(args.n)
     for name, mod in mods.items():
-        bm = BM.torch_classify(mod, 1, 1, args.n, args.n, (args.block, args.block))
-        empty = float((bm == BM.EMPTY).float().mean())
+        bm = torch_classify(mod, 1, 1, args.n, args.n, (args.block, args.block))
+        empty = float((bm == EMPTY).float().mean())
         print(f"{name}: {empty:.0%} of the tiles empty\n{draw(mod, args.n, args.block)}\n")
 
     # the kernels with one of them, and ALiBi as a score function, against fp64

@@ -1,11 +1,11 @@
 """Draw each attention mask and the key tiles a query block visits, on the CPU.
 
 For every option (none, causal, sliding windows) it prints the (Nq, Nk) mask from
-``flashlite.masks.torch_visible`` and, for each block of query rows, how
-``flashlite.masks.torch_key_range`` splits the key axis for the ``flashlite.masks.Mask`` that
-``flashlite.masks.describe`` makes of ``causal`` and ``window``: ``#`` a seen pair in a tile the
-kernel runs without mask arithmetic, ``+`` a seen pair in a masked tile, ``.`` an unseen pair in
-a masked tile, and a blank for tiles the kernel skips (never loaded).
+``flashlite.masking.masks.torch_visible`` and, for each block of query rows, how
+``masks.torch_key_range`` splits the key axis for the ``masks.Mask`` that ``masks.describe``
+makes of ``causal`` and ``window``: ``#`` a seen pair in a tile the kernel runs without mask
+arithmetic, ``+`` a seen pair in a masked tile, ``.`` an unseen pair in a masked tile, and a
+blank for tiles the kernel skips (never loaded).
 
     python examples/masks.py                          # the default gallery
     python examples/masks.py --nq 12 --nk 20 --window 4 0 --block-m 4 --block-n 4
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from flashlite import masks
+from flashlite.masking import masks
 
 
 def draw(

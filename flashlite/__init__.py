@@ -8,18 +8,18 @@ from typing import Any
 from flashlite import (
     _backend,  # noqa: F401  (chooses compiled vs interpreted Triton first)
     gallery,
+    masking,
     masks,
     mods,
     reference,
     stats,
 )
-from flashlite.block_mask import BlockMask
+from flashlite.masking import BlockMask, create_block_mask
 from flashlite.ops.attention import (
     attention,
     attention_kvcache,
     attention_shared_prefix,
     attention_varlen,
-    create_block_mask,
     flex_attention,
 )
 from flashlite.ops.cross_entropy import cross_entropy, linear_cross_entropy
@@ -44,6 +44,7 @@ __all__ = [
     "gallery",
     "linear_cross_entropy",
     "log_softmax",
+    "masking",
     "masks",
     "mods",
     "nn",

@@ -11,8 +11,8 @@ import math
 
 import torch
 
-from flashlite.masks import torch_visible
-from flashlite.mods import MaskMod, ScoreMod, torch_mask, torch_score
+from flashlite.masking.masks import torch_visible
+from flashlite.masking.mods import MaskMod, ScoreMod, torch_mask, torch_score
 
 #: ``backend=`` names of :func:`sdpa` and the torch backend each one pins.
 SDPA_BACKENDS = ("flash", "cudnn", "efficient", "math")

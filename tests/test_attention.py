@@ -28,7 +28,7 @@ from flashlite.kernels.configs import (
     keep_config,
     pinned_config,
 )
-from flashlite.masks import CAUSAL, describe, torch_visible
+from flashlite.masking.masks import CAUSAL, describe, torch_visible
 from flashlite.ops.attention import (
     HOPPER_ENV,
     Request,
@@ -438,14 +438,14 @@ consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_CA
 tables = names[names.index("KV_NUM"):names.index("MB0")]
 buffers = names[names.index("MB0"):names.index("SB3") + 1]
 if sys.argv[5] == "1":  # block tables and a causal mask function (flex_attention's call)
-    from flashlite import gallery
+    from flashlite.masking import gallery
     mask = gallery.causal()
     sig.update({n: ("*i32" if n.isupper() else "i32") for n in tables})
     sig.update(dict.fromkeys(buffers, "i32"))
     consts.update(LISTED=True, MASK_MOD=mask.fn, N_MASK_BUF=0, SCORE_MOD=mask.fn,
                   N_SCORE_BUF=0, HAS_SCORE=False)
 elif sys.argv[5] == "2":  # a document-causal mask and ALiBi
-    from flashlite import gallery
+    from flashlite.masking import gallery
     mask = gallery.document_causal(torch.zeros(1, 256, dtype=torch.int32))
     score = gallery.alibi(gallery.alibi_slopes(4))
     sig.update({n: ("*i32" if n.isupper() else "i32") for n in tables})

@@ -14,7 +14,7 @@ from conftest import TOL, maybe_compile
 
 import flashlite
 from flashlite.kernels import configs as C
-from flashlite.masks import CAUSAL, describe
+from flashlite.masking.masks import CAUSAL, describe
 from flashlite.ops.attention import Request
 from flashlite.reference import attention as ref_attention
 
@@ -466,7 +466,7 @@ consts = dict(STAGES=H.STAGES, GROUP_H=H.CAUSAL_GROUP_H, IS_CAUSAL=causal, LISTE
               MASK_MOD=None, N_MASK_BUF=0, SCORE_MOD=None, SCORE_GRAD=None, N_SCORE_BUF=0,
               HAS_SCORE=False)
 if sys.argv[4] == "1":  # block tables, a document-causal mask and ALiBi (flex_attention's call)
-    from flashlite import gallery
+    from flashlite.masking import gallery
     mask = gallery.document_causal(torch.zeros(1, 256, dtype=torch.int32))
     score = gallery.alibi(gallery.alibi_slopes(4))
     tables = names[names.index("FULL_NUM"):names.index("MB0")]

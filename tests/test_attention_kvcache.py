@@ -275,7 +275,7 @@ def test_packed_rows_span_row_blocks(mask: tuple) -> None:
     """G = 3 query heads per KV head and Nq = 7: 21 packed rows, so two 16-row blocks with the
     second starting inside a query position's group; every row is masked by its own position,
     with a per-batch key length, split or not."""
-    from flashlite.masks import describe
+    from flashlite.masking.masks import describe
     from flashlite.ops.attention import attention_decode_fwd
 
     causal, window, softcap = mask

@@ -185,7 +185,7 @@ def test_merge_kernel_equals_its_torch_twin(dtype: torch.dtype) -> None:
 def test_spans_split_the_prefix_exactly(nq: int, n_new: int, window: tuple | None) -> None:
     """The shared span holds exactly the prefix keys every row sees (any length in range), and
     the exact path's spans everything else some row sees."""
-    from flashlite.masks import describe
+    from flashlite.masking.masks import describe
     from flashlite.ops.attention.shared_prefix import _spans
 
     n_prefix, cap = 31, 24

@@ -169,7 +169,7 @@ def test_gpu_varlen(dtype: torch.dtype, causal: bool) -> None:
 def test_varlen_descriptors_equal_pointer_loads_and_keep_sequences_apart(causal: bool) -> None:
     """With TMA descriptors a tile may cross into the next sequence: the masks and the zeroed
     value tail keep that sequence's rows out, even infinite values."""
-    from flashlite.masks import describe
+    from flashlite.masking.masks import describe
     from flashlite.ops.attention import Request, attention_fwd
 
     lq, lk = [5, 21, 1, 18], [9, 21, 30, 2]

@@ -13,8 +13,10 @@ import triton.language as tl
 from conftest import TOL, maybe_compile
 
 import flashlite
-from flashlite import block_mask as BM
-from flashlite import gallery, masks, mods, reference
+from flashlite import reference
+from flashlite.masking import block_mask as BM
+from flashlite.masking import gallery, masks, mods
+from flashlite.masking.classify import torch_classify
 
 N, D, BLOCK = 72, 32, 32  # a ragged last tile both ways, several tiles per row
 
@@ -125,7 +127,7 @@ def test_classifier_matches_its_twin(name: str, block: tuple[int, int]) -> None:
     mm = _gallery(2, 2)[name][0]
     b = 2 if name.startswith("document") else 1
     got = flashlite.create_block_mask(mm, b, 3, N, N - 5, device="cpu", BLOCK_SIZE=block)
-    want = BM.torch_classify(mm, b, 3, N, N - 5, block)
+    want = torch_classify(mm, b, 3, N, N - 5, block)
     assert torch.equal(got.classes(), want)
     assert got.shape == (b, 3, N, N - 5) and block == got.BLOCK_SIZE
 
@@ -231,6 +233,7 @@ def test_window_folds_into_the_flex_kernels_where_they_apply(
     the same bits as a window written by hand as a mask function, and a second call reuses
     the tables."""
     from flashlite.kernels.attention.hopper import HopperConfig
+    from flashlite.masking import band
     from flashlite.ops.attention import window as W
 
     ran: list[str] = []
@@ -262,13 +265,13 @@ def test_window_folds_into_the_flex_kernels_where_they_apply(
     with torch.no_grad():
         assert torch.equal(flashlite.flex_attention(q, k, v, block_mask=bm), out[0])
         assert torch.equal(flashlite.attention(q, k, v, causal=causal, window=window), out[0])
-    assert len([c for c in W._bands if c[:2] == (nq, nk)]) == 1
+    assert len([c for c in band._bands if c[:2] == (nq, nk)]) == 1
 
 
 def test_window_band_classes_equal_the_classifiers() -> None:
     """The fold's closed-form tables are the classifier's for the same band: ragged rows and
     keys, bands that miss every key, a window of one key, unlimited sides."""
-    from flashlite.ops.attention import window as W
+    from flashlite.masking.band import band_classes
 
     gen = torch.Generator().manual_seed(0)
     cases = [(72, 72, -17, 0, (32, 32)), (40, 72, 20, 32, (16, 32)), (72, 50, -200, -100, (16, 16)),
@@ -281,7 +284,7 @@ def test_window_band_classes_equal_the_classifiers() -> None:
         hand = mods.mask_mod(_band_by_hand, lo, hi, name="tests.band_by_hand")
         want = flashlite.create_block_mask(hand, None, None, nq, nk, device="cpu",
                                            BLOCK_SIZE=block).classes()  # fmt: skip
-        got = W.band_classes(nq, nk, lo, hi, block, "cpu")
+        got = band_classes(nq, nk, lo, hi, block, "cpu")
         assert torch.equal(got, want), (nq, nk, lo, hi, block)
 
 
@@ -391,7 +394,7 @@ def _assert_compiled_equals_eager(step, compiled, q, k, v, *rest) -> None:  # no
 def test_opcheck() -> None:
     from torch.library import opcheck
 
-    from flashlite.ops.attention.mod_args import spec_mod
+    from flashlite.masking.mod_args import spec_mod
 
     mm, sm = gallery.document_causal(_ids(1, 40)), gallery.tanh_softcap(4.0)
     bm = flashlite.create_block_mask(mm, 1, None, 40, 40, device="cpu", BLOCK_SIZE=16)
@@ -536,7 +539,7 @@ def test_varlen_with_mods_compiles_fullgraph_and_passes_opcheck() -> None:
     the ops' schema, fake and autograd hold with them (opcheck)."""
     from torch.library import opcheck
 
-    from flashlite.ops.attention.mod_args import spec_mod
+    from flashlite.masking.mod_args import spec_mod
 
     hq, d = 2, 16
     lq = [12, 21, 4]
@@ -568,7 +571,7 @@ import torch, triton
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
-from flashlite import gallery
+from flashlite.masking import gallery
 from flashlite.kernels.attention import decode as KD
 from flashlite.kernels.attention import flex as KF
 from flashlite.ops.attention import flex_plan as FP
@@ -1081,7 +1084,7 @@ def test_kvcache_rows_with_no_key_and_bad_mask_functions() -> None:
 def test_kvcache_op_with_a_mask_function_passes_opcheck() -> None:
     from torch.library import opcheck
 
-    from flashlite.ops.attention.mod_args import spec_mod
+    from flashlite.masking.mod_args import spec_mod
 
     q = torch.randn(2, 1, 4, 16)
     kc, vc = (torch.randn(2, 40, 2, 16) for _ in range(2))

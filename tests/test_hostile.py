@@ -15,7 +15,7 @@ import torch
 from conftest import TOL
 
 import flashlite
-from flashlite.masks import CAUSAL, torch_visible
+from flashlite.masking.masks import CAUSAL, torch_visible
 
 # ----------------------------------------------------------------------------- statistics
 INF = math.inf

@@ -17,9 +17,11 @@ PACKAGE = ROOT / "flashlite"
 #: floor of each module (by dotted-name prefix; the longest prefix wins)
 FLOORS = {
     "flashlite.stats": 0,
-    "flashlite.masks": 0,
+    "flashlite.masking": 0,
+    "flashlite.masks": 0,  # (the four faces of flashlite.masking's modules)
     "flashlite.mods": 0,
     "flashlite.block_mask": 0,
+    "flashlite.gallery": 0,
     "flashlite._backend": 0,
     "flashlite._launch": 0,
     "flashlite._teams": 0,
@@ -27,7 +29,6 @@ FLOORS = {
     "flashlite.reference": 0,
     "flashlite.kernels": 1,
     "flashlite.ops": 2,
-    "flashlite.gallery": 2,
     "flashlite.traffic": 3,
     "flashlite.distributed": 3,
     "flashlite.integrations": 3,

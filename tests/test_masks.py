@@ -1,4 +1,5 @@
-"""flashlite.masks: the jit helpers and their torch twins agree, and mean what the docs say."""
+"""flashlite.masking.masks: the jit helpers and their torch twins agree, and mean what the docs
+say."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import triton
 import triton.language as tl
 
 from flashlite import _backend
-from flashlite.masks import (
+from flashlite.masking.masks import (
     CAUSAL,
     NO_MASK,
     KernelMask,

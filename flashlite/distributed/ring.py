@@ -28,7 +28,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from flashlite import masks, stats
+from flashlite import stats
+from flashlite.masking import masks
 from flashlite.ops._dispatch import Op
 from flashlite.ops.attention import (
     Request,

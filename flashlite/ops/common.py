@@ -11,8 +11,9 @@ from typing import Any, TypeVar
 
 import torch
 
-from flashlite import _backend, masks
+from flashlite import _backend
 from flashlite._caches import Cache
+from flashlite.masking import masks
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from flashlite import _backend, masks, reference
+from flashlite import _backend, reference
+from flashlite.masking import masks
 from flashlite.ops import attention as attention_ops
 from flashlite.ops import softmax as softmax_ops
 from flashlite.ops.attention import Config, DecodeConfig

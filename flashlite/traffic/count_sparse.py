@@ -8,8 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from flashlite.block_mask import BlockMask
-from flashlite.mods import ScoreMod
+from flashlite.masking import BlockMask, ScoreMod
 from flashlite.traffic.count import count_kernels, count_torch_ops
 from flashlite.traffic.shapes import AttentionShape, Traffic, make_inputs
 from flashlite.traffic.sparse_calls import packed_inputs

@@ -183,7 +183,8 @@ def _attention_bwd_child(spec: dict[str, Any], report: dict[str, Any]) -> None:
 
 def _decode_call(method: str, shape: AttentionShape, device: str) -> Callable[[], Any]:
     """One decode call of ``method`` against full caches of ``Nk`` keys."""
-    from flashlite import masks, reference
+    from flashlite import reference
+    from flashlite.masking import masks
     from flashlite.ops.attention import attention_decode_fwd
 
     q, k, v = make_inputs(shape, device)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from flashlite import masks
+from flashlite.masking import masks
 
 #: Methods every traffic function accepts; the sdpa-* ones can only be measured on a GPU.
 ATTENTION_METHODS = ("naive", "flashlite", "sdpa-flash", "sdpa-cudnn")

@@ -23,7 +23,7 @@ MASKS = ("causal", "sliding_window", "prefix_lm", "document", "document_causal")
 def gallery_mask(name: str, n: int, batch: int, docs: int, device: Device = "cpu") -> Any:
     """A gallery mask for sequences of ``n``: window ``n/8``, prefix ``n/4``, ``docs`` random
     documents per sequence (seed 0; the ids on ``device``)."""
-    from flashlite import gallery
+    from flashlite.masking import gallery
 
     if name == "causal":
         return gallery.causal()
@@ -38,7 +38,7 @@ def gallery_mask(name: str, n: int, batch: int, docs: int, device: Device = "cpu
 
 
 def _document_ids(n: int, batch: int, docs: int) -> torch.Tensor:
-    from flashlite import gallery
+    from flashlite.masking import gallery
 
     return gallery.random_documents(batch, n, min(docs, n))
 
@@ -59,7 +59,7 @@ def varlen_tables(mask: str, longest: int, block: tuple[int, int],
     """The varlen row's tables: the gallery's causal mask (``document_causal``) or every tile
     (``document``) over the longest document."""
     import flashlite
-    from flashlite import gallery
+    from flashlite.masking import gallery
     from flashlite.ops.attention import dense_block_mask
 
     if mask == "document_causal":

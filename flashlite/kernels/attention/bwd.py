@@ -55,7 +55,7 @@ from flashlite.kernels.attention.common import (
     store_tile,
 )
 from flashlite.kernels.common import cast
-from flashlite.masks import key_range, query_range, visible, visible_t
+from flashlite.masking.masks import key_range, query_range, visible, visible_t
 from flashlite.stats import LOG2E, probs_from_lse, probs_from_lse_t
 
 

@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from flashlite.kernels.common import cast, tanh
-from flashlite.masks import visible
+from flashlite.masking.masks import visible
 from flashlite.stats import LOG2E, fixed_update, online_update, online_update_lazy
 
 

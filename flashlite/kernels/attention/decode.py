@@ -39,8 +39,8 @@ from flashlite.kernels.attention.common import (
     update,
 )
 from flashlite.kernels.common import cast
-from flashlite.masks import key_range
-from flashlite.mods import apply_mask, apply_score
+from flashlite.masking.masks import key_range
+from flashlite.masking.mods import apply_mask, apply_score
 from flashlite.stats import LN2, LOG2E, finalize_lse, merge_partials, rescale
 
 

@@ -42,7 +42,7 @@ from flashlite.kernels.attention.common import (
     update,
 )
 from flashlite.kernels.common import cast
-from flashlite.mods import apply_mask, apply_score
+from flashlite.masking.mods import apply_mask, apply_score
 from flashlite.stats import LOG2E, finalize_lse, probs_from_lse, probs_from_lse_t
 
 

@@ -40,7 +40,7 @@ from flashlite.kernels.attention.common import (
     update,
 )
 from flashlite.kernels.common import cast
-from flashlite.masks import key_range
+from flashlite.masking.masks import key_range
 from flashlite.stats import LOG2E, finalize_lse
 
 

@@ -15,19 +15,19 @@
 ``decode``      the decode kernel's plan and launch (GQA packing, split-KV, the exact merge)
 ``kvcache``     the KV-cache step: value checks, append, decode; ``flashlite::attention_kvcache``
 ``shared_prefix``  cascade decoding over one shared prefix: prefix pass, suffix pass, merge
-``block_mask``  block masks for flex: :func:`create_block_mask` (the tile classifier), the
-                tables of no mask, the checks a call's block mask passes
 ``flex``        your own masks and score functions: :func:`flex_attention` and its ops
                 ``flashlite::flex_attention_*`` (Triton, or the Hopper kernels, over tables)
 ``window``      the built-in sliding window on flex's Hopper kernels, over its band's tables
 ==============  ==================================================================================
 
 The kernels live in :mod:`flashlite.kernels.attention` and their tile tables in
-:mod:`flashlite.kernels.configs`. Every layout is read through strides (no copies). The ops are
-``torch.library`` custom ops with fake implementations, so ``torch.compile(fullgraph=True)``
-traces through :func:`attention` without a graph break. They are ``custom_op`` rather than
-``triton_op``: the same op runs CPU tensors in Triton's interpreter or moves them to the GPU, picks
-descriptors and configs on the host per call, and Inductor could only inline the CUDA case.
+:mod:`flashlite.kernels.configs`; which keys a query sees (masks, mods, block tables and
+:func:`create_block_mask`, the window's band) in :mod:`flashlite.masking`. Every layout is read
+through strides (no copies). The ops are ``torch.library`` custom ops with fake implementations,
+so ``torch.compile(fullgraph=True)`` traces through :func:`attention` without a graph break. They
+are ``custom_op`` rather than ``triton_op``: the same op runs CPU tensors in Triton's interpreter
+or moves them to the GPU, picks descriptors and configs on the host per call, and Inductor could
+only inline the CUDA case.
 """
 
 # the tile vocabulary of the plans (what flashlite.traffic reads here, never in kernels/)
@@ -39,8 +39,8 @@ from flashlite.kernels.configs import (
     keep_config,
     smem_bytes,
 )
+from flashlite.masking.create import create_block_mask, dense_block_mask
 from flashlite.ops.attention.api import attention, attention_kvcache, attention_varlen
-from flashlite.ops.attention.block_mask import create_block_mask, dense_block_mask
 from flashlite.ops.attention.bwd import attention_bwd
 from flashlite.ops.attention.bwd_launch import bwd_dkdv, bwd_dq, bwd_preprocess
 from flashlite.ops.attention.checks import check_inputs, check_sinks

@@ -7,7 +7,9 @@ from typing import Any
 
 import torch
 
-from flashlite import _backend, masks, mods
+from flashlite import _backend
+from flashlite.masking import masks, mods
+from flashlite.masking.mod_args import check_mod, spec_mod
 from flashlite.ops._dispatch import forward_only, plain_eager
 from flashlite.ops.attention.autograd import ATTENTION_FWD
 from flashlite.ops.attention.checks import (
@@ -32,7 +34,6 @@ from flashlite.ops.attention.kvcache import (
     _kvcache_plan,
     kvcache_args,
 )
-from flashlite.ops.attention.mod_args import check_mod, spec_mod
 from flashlite.ops.attention.plan import _decode_splits
 from flashlite.ops.attention.request import Request
 from flashlite.ops.common import check_flags, moved_call_device

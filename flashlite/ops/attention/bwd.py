@@ -10,9 +10,10 @@ from collections.abc import Callable
 
 import torch
 
-from flashlite import _backend, masks
+from flashlite import _backend
 from flashlite._caches import Cache
 from flashlite.kernels import configs as C
+from flashlite.masking import masks
 from flashlite.ops.attention import hopper as HP
 from flashlite.ops.attention import window as W
 from flashlite.ops.attention.bwd_launch import (

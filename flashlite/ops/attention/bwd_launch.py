@@ -10,9 +10,10 @@ from collections.abc import Callable
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashlite import _backend, _launch, masks
+from flashlite import _backend, _launch
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import bwd as KB
+from flashlite.masking import masks
 from flashlite.ops.attention.plan import Varlen, _descriptor_ok, _dot_flags, _prescale_q
 
 

@@ -11,10 +11,11 @@ from typing import Any
 import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashlite import _backend, _launch, masks
+from flashlite import _backend, _launch
 from flashlite._caches import Cache
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import decode as KD
+from flashlite.masking import masks
 from flashlite.ops.attention.plan import (
     _default_splits,
     _descriptor_ok,

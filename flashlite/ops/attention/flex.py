@@ -18,16 +18,16 @@ from typing import Any
 import torch
 
 from flashlite import _backend
-from flashlite import mods as M
-from flashlite.kernels.attention import block_mask as KB
 from flashlite.kernels.attention import flex as KF
 from flashlite.kernels.attention import hopper as KH
 from flashlite.kernels.attention import hopper_bwd as KHB
+from flashlite.masking import classify as KB
+from flashlite.masking import mods as M
+from flashlite.masking.create import block_mask_for
+from flashlite.masking.mod_args import check_mod, spec_mod
 from flashlite.ops._dispatch import Op
 from flashlite.ops.attention import flex_plan as FP
-from flashlite.ops.attention.block_mask import block_mask_for
 from flashlite.ops.attention.checks import check_inputs
-from flashlite.ops.attention.mod_args import check_mod, spec_mod
 
 __all__ = ["flex_attention", "compiled_variants"]
 

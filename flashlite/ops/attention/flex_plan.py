@@ -17,9 +17,9 @@ from flashlite._caches import Cache
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import flex as KF
 from flashlite.kernels.attention import hopper_bwd as KHB
+from flashlite.masking.mod_args import ModArgs, Slots, spec_entry, split_spec, unspec_mod
 from flashlite.ops.attention import hopper as HP
 from flashlite.ops.attention.bwd_launch import plan_preprocess
-from flashlite.ops.attention.mod_args import ModArgs, Slots, spec_entry, split_spec, unspec_mod
 from flashlite.ops.attention.plan import (
     HOPPER_ENV,
     _descriptor_ok,
@@ -90,7 +90,7 @@ def is_gallery_alibi(score: ModArgs) -> bool:
     """Whether the score function is :func:`flashlite.gallery.alibi`'s (its name and its jit
     function: its one buffer is then the fp32 slopes), which the Hopper forward applies as a
     column and a row term (:func:`flashlite.kernels.attention.hopper._fold`)."""
-    from flashlite import gallery
+    from flashlite.masking import gallery
 
     entry = spec_entry(score[0])  # (None without a score function)
     return (entry is not None and entry[0] is gallery._alibi

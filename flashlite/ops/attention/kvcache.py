@@ -8,13 +8,14 @@ from typing import Any
 
 import torch
 
-from flashlite import _launch, masks
+from flashlite import _launch
 from flashlite._caches import Cache
 from flashlite.kernels.attention import kvcache as KKV
+from flashlite.masking import masks
+from flashlite.masking.mod_args import ModArgs, Slots, unspec_mod
 from flashlite.ops._dispatch import Op
 from flashlite.ops.attention.checks import _check_cache_values, _kv_record, _report_kv_problems
 from flashlite.ops.attention.decode import DecodePlan
-from flashlite.ops.attention.mod_args import ModArgs, Slots, unspec_mod
 from flashlite.ops.attention.plan import _meta
 from flashlite.ops.attention.request import Request
 from flashlite.ops.common import moved, moved_call_device

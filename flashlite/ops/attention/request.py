@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from flashlite import masks
+from flashlite.masking import masks
 from flashlite.ops.attention import checks
 
 

@@ -22,10 +22,11 @@ from typing import Any
 
 import torch
 
-from flashlite import _backend, _launch, masks, stats
+from flashlite import _backend, _launch, stats
 from flashlite._caches import Cache
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import shared_prefix as KSP
+from flashlite.masking import masks
 from flashlite.ops._dispatch import forward_only, plain_eager
 from flashlite.ops.attention.api import attention, attention_kvcache
 from flashlite.ops.attention.checks import DTYPES, _check_scale, _check_splits, check_sinks

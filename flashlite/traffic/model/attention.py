@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import triton
 
-from flashlite import masks
+from flashlite.masking import masks
 from flashlite.ops.attention import BwdConfig, Config, block_d, bwd_tiles, smem_bytes
 from flashlite.traffic.model.common import (
     DEFAULT_L2_BYTES,

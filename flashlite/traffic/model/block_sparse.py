@@ -27,8 +27,7 @@ from typing import Any
 
 import torch
 
-from flashlite.block_mask import FULL, PARTIAL, BlockMask, cdiv
-from flashlite.mods import MaskMod, ScoreMod
+from flashlite.masking import FULL, PARTIAL, BlockMask, MaskMod, ScoreMod, cdiv
 from flashlite.traffic.shapes import AttentionShape, Traffic
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import triton
 
-from flashlite import masks
+from flashlite.masking import masks
 from flashlite.ops.attention.decode import key_chunks
 from flashlite.traffic.shapes import (
     AttentionShape,

@@ -11,7 +11,7 @@ from the plan functions the op calls (:func:`~flashlite.ops.attention.decode_til
 
 from __future__ import annotations
 
-from flashlite import masks
+from flashlite.masking import masks
 from flashlite.ops.attention import DecodeConfig, decode_tiles, prefix_splits, splits_for
 from flashlite.traffic.model.decode import (
     decode_lanes,

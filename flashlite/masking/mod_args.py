@@ -1,7 +1,7 @@
 """Mask and score functions as custom ops carry them: a name and the kinds of its buffers as one
 string, its tensors and its numbers (:func:`spec_mod`), and back (:func:`unspec_mod`). A
-registered name (:func:`flashlite.mods.registered`) is what lets ``torch.compile`` trace a call
-with a mod: the op's arguments are a string, a tensor list and a float list."""
+registered name (:func:`flashlite.masking.mods.registered`) is what lets ``torch.compile`` trace a
+call with a mod: the op's arguments are a string, a tensor list and a float list."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ from typing import Any
 
 import torch
 
-from flashlite import mods as M
+from flashlite.masking import mods as M
+
+__all__ = ["ModArgs", "spec_mod", "split_spec", "spec_entry", "unspec_mod", "Slots", "check_mod"]
 
 #: A mod as the ops carry it: ``(spec, tensors, numbers)`` (:func:`spec_mod`).
 ModArgs = tuple[str, list[torch.Tensor], list[float]]
@@ -70,7 +72,7 @@ def check_mod(mod: M.MaskMod | M.ScoreMod, what: str, device: torch.device, batc
               heads: int | None, positions: int | None) -> None:  # fmt: skip
     """ValueError unless each tensor buffer of ``mod`` (the argument ``what``) is on ``device``
     and a call of ``batch`` batches, ``heads`` query heads and ``positions`` positions stays
-    within what its buffers hold (:func:`flashlite.mods.check_limits`)."""
+    within what its buffers hold (:func:`flashlite.masking.mods.check_limits`)."""
     for i, t in enumerate(mod.buffers):
         if isinstance(t, torch.Tensor) and not _on(t, device):
             raise ValueError(f"{what}'s buffer {i} is on {t.device}, the call on {device}")

@@ -1,7 +1,7 @@
 """Block masks for :func:`~flashlite.ops.attention.flex.flex_attention`: :func:`create_block_mask`
-(torch's call, a classifier kernel on the device), the tables of no mask
-(:func:`dense_block_mask`), and the checks a call's block mask passes
-(:func:`block_mask_for`). The tables themselves are :mod:`flashlite.block_mask`'s."""
+(torch's call, a classifier kernel on the device: :mod:`flashlite.masking.classify`), the tables
+of no mask (:func:`dense_block_mask`), and the checks a call's block mask passes
+(:func:`block_mask_for`). The tables themselves are :mod:`flashlite.masking.block_mask`'s."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ import triton
 import triton.language as tl  # noqa: F401  (the jit mask below runs with it in scope)
 
 from flashlite import _backend
-from flashlite import block_mask as BM
-from flashlite import mods as M
 from flashlite._caches import Cache
-from flashlite.kernels.attention import block_mask as KB
-from flashlite.ops.attention.mod_args import check_mod
+from flashlite.masking import block_mask as BM
+from flashlite.masking import mods as M
+from flashlite.masking.classify import classify_tiles
+from flashlite.masking.mod_args import check_mod
 
 __all__ = ["create_block_mask", "dense_block_mask", "block_mask_for"]
 
@@ -47,15 +47,15 @@ def create_block_mask(mask_mod: Any, B: int | None, H: int | None, Q_LEN: int, K
     per (query, key) pair, no host sync).
 
     Args:
-        mask_mod: a :class:`~flashlite.mods.MaskMod` (:mod:`flashlite.gallery`,
-            :func:`flashlite.mods.mask_mod`) or a bare ``@triton.jit`` mask.
+        mask_mod: a :class:`~flashlite.masking.mods.MaskMod` (:mod:`flashlite.masking.gallery`,
+            :func:`flashlite.masking.mods.mask_mod`) or a bare ``@triton.jit`` mask.
         B, H: batch and heads the mask depends on; None: it does not (one table, broadcast).
         Q_LEN, KV_LEN: the sequence lengths.
         device: where the tables live (default: the current CUDA device, else CPU).
         BLOCK_SIZE: the tile, ``bm`` or ``(bm, bn)``, powers of two >= 16.
 
     Returns:
-        A :class:`~flashlite.block_mask.BlockMask`.
+        A :class:`~flashlite.masking.block_mask.BlockMask`.
 
     Raises:
         TypeError: ``mask_mod`` is not a jit mask (or has the wrong arity).
@@ -71,22 +71,8 @@ def create_block_mask(mask_mod: Any, B: int | None, H: int | None, Q_LEN: int, K
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     check_mod(mod, "mask_mod", device, B, H, max(nq, nk))
-    nqb, nkb = BM.cdiv(nq, bm), BM.cdiv(nk, bn)
-    # On CPU the twin stands in when no kernel runs here, and for long sequences, where it is
-    # the same classification (tested equal) without the interpreter's Python per program.
-    if device.type == "cpu" and (not _backend.INTERPRETED or b * h * nq * nk > _TWIN_PAIRS):
-        classes = BM.torch_classify(mod, b, h, nq, nk, (bm, bn), device)
-    else:
-        classes = torch.empty((b, h, nqb, nkb), dtype=torch.int8, device=device)
-        bufs, n_buf = M.kernel_buffers(mod.buffers)
-        KB._classify_tiles_kernel[(nqb, b * h)](
-            classes, h, nq, nk, nkb, *bufs, MASK_MOD=mod.fn, N_BUF=n_buf, BLOCK_M=bm, BLOCK_N=bn
-        )
+    classes = classify_tiles(mod, b, h, nq, nk, (bm, bn), device)
     return BM.BlockMask.from_classes(classes, (nq, nk), (bm, bn), mod)
-
-
-#: mask evaluations past which a CPU classification takes the torch twin
-_TWIN_PAIRS = 1 << 22
 
 
 _DENSE: Cache = Cache("flex_dense_tables", 32)
