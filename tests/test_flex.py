@@ -394,19 +394,21 @@ def _assert_compiled_equals_eager(step, compiled, q, k, v, *rest) -> None:  # no
 def test_opcheck() -> None:
     from torch.library import opcheck
 
-    from flashlite.masking.mod_args import spec_mod
+    from flashlite.ops.attention.flex import FLEX_FWD, table_request
 
     mm, sm = gallery.document_causal(_ids(1, 40)), gallery.tanh_softcap(4.0)
     bm = flashlite.create_block_mask(mm, 1, None, 40, 40, device="cpu", BLOCK_SIZE=16)
     q = torch.randn(1, 2, 40, 16, requires_grad=True)
     k, v = (torch.randn(1, 1, 40, 16, requires_grad=True) for _ in range(2))
-    tables = [getattr(bm, t) for t in BM._TABLES]
-    args = (q, k, v, *tables, *bm.BLOCK_SIZE, *spec_mod(mm), *spec_mod(sm), 0.25)
-    opcheck(torch.ops.flashlite.flex_attention_fwd.default, args)
-    o, lse = torch.ops.flashlite.flex_attention_fwd.default(*args)
-    opcheck(torch.ops.flashlite.flex_attention_bwd.default,
-            (torch.randn_like(o), q.detach(), k.detach(), v.detach(), o.detach(), lse.detach(),
-             torch.randn_like(lse), *args[3:]))  # fmt: skip
+    fields, named = FLEX_FWD.fields.flat(table_request(bm, 0.25, sm))
+    opcheck(torch.ops.flashlite.flex_attention_fwd.default, (q, k, v, *fields), named)
+    o, lse = torch.ops.flashlite.flex_attention_fwd.default(q, k, v, *fields, **named)
+    grads = (torch.randn_like(o), q.detach(), k.detach(), v.detach(), o.detach(), lse.detach())
+    opcheck(
+        torch.ops.flashlite.flex_attention_bwd.default,
+        (*grads, torch.randn_like(lse), *fields),
+        named,
+    )
 
 
 # --------------------------------------------------------------------------- varlen
@@ -539,7 +541,7 @@ def test_varlen_with_mods_compiles_fullgraph_and_passes_opcheck() -> None:
     the ops' schema, fake and autograd hold with them (opcheck)."""
     from torch.library import opcheck
 
-    from flashlite.masking.mod_args import spec_mod
+    from flashlite.ops.attention.flex import FLEX_FWD, table_request
 
     hq, d = 2, 16
     lq = [12, 21, 4]
@@ -555,14 +557,16 @@ def test_varlen_with_mods_compiles_fullgraph_and_passes_opcheck() -> None:
     _assert_compiled_equals_eager(step, maybe_compile(step, True), q, k, v, cu)
 
     qc, kc, vc = (t.detach().unsqueeze(0).transpose(1, 2).requires_grad_() for t in (q, k, v))
-    tables = [getattr(bm, t) for t in BM._TABLES]
-    args = (qc, kc, vc, *tables, *bm.BLOCK_SIZE, *spec_mod(bm.mask_mod), *spec_mod(sm),
-            d**-0.5, cu, cu)  # fmt: skip
-    opcheck(torch.ops.flashlite.flex_attention_fwd.default, args)
-    o, lse = torch.ops.flashlite.flex_attention_fwd.default(*args)
-    opcheck(torch.ops.flashlite.flex_attention_bwd.default,
-            (torch.randn_like(o), qc.detach(), kc.detach(), vc.detach(), o.detach(),
-             lse.detach(), torch.randn_like(lse), *args[3:]))  # fmt: skip
+    request = table_request(bm, d**-0.5, sm, cu_seqlens_q=cu, cu_seqlens_k=cu)
+    fields, named = FLEX_FWD.fields.flat(request)
+    opcheck(torch.ops.flashlite.flex_attention_fwd.default, (qc, kc, vc, *fields), named)
+    o, lse = torch.ops.flashlite.flex_attention_fwd.default(qc, kc, vc, *fields, **named)
+    grads = (torch.randn_like(o), qc.detach(), kc.detach(), vc.detach(), o.detach())
+    opcheck(
+        torch.ops.flashlite.flex_attention_bwd.default,
+        (*grads, lse.detach(), torch.randn_like(lse), *fields),
+        named,
+    )
 
 
 _SM90_MOD_BUILD = """

@@ -33,6 +33,8 @@ SAMPLES = {
     "score_mod": "flashlite.gallery.alibi:t",
     "score_tensors": [torch.zeros(2)],
     "score_nums": [1.0],
+    "block_tables": [torch.zeros(1, 1, 1, dtype=torch.int32)] * 8,
+    "block_size": [16, 16],
 }
 
 
@@ -56,9 +58,9 @@ def test_every_field_makes_the_call_non_plain_and_enters_the_key(name: str) -> N
 
 def test_normal_form() -> None:
     # one kernel path, one request: flash-attn's -1 sides, a (-1, 0) window, a zero cap or split
-    assert Request.make(False, 0.5, -1, -1, 0.0, num_splits=0) == Request(False, 0.5)
-    assert Request.make(False, 0.5, -1, 0) == Request(True, 0.5)
-    assert Request.make(True, 0.5, 4, 7) == Request(True, 0.5, 4, None)
+    assert Request.make(False, 0.5, -1, -1, 0.0, num_splits=0) == Request(0.5)
+    assert Request.make(False, 0.5, -1, 0) == Request(0.5, True)
+    assert Request.make(True, 0.5, 4, 7) == Request(0.5, True, 4, None)
     assert Request.make(True, 0.5, 4, 7).mask == flashlite.masks.describe(True, (4, 7))
 
 
@@ -126,7 +128,7 @@ def test_varlen_fields_reach_the_kernel() -> None:
 
 def test_a_field_a_launcher_does_not_take_is_refused_by_name() -> None:
     q, k, v = _inputs()
-    o, lse, _ = attention_fwd(q, k, v, Request(False, 0.25))
+    o, lse, _ = attention_fwd(q, k, v, Request(0.25))
     request = Request.make(False, 0.25, num_splits=2)  # (the forward's alone)
     with pytest.raises(NotImplementedError, match="num_splits"):
         attention_bwd(torch.ones_like(o), q, k, v, o, lse, None, request)

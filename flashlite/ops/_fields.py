@@ -88,7 +88,15 @@ class Fields:
 
         def grads(ctx: Any, *grads: Any) -> tuple:
             inputs, by_name = backward(ctx, *grads)
-            return (*inputs, *(by_name.get(f) for f in self.tensors))
+            # one gradient per argument the call passed (the dispatcher drops trailing ones
+            # equal to their defaults), a list of Nones for a list of tensors: the structure
+            # of needs_input_grad
+            out = list(inputs)
+            for name, needs in zip(self.tensors, ctx.needs_input_grad[n:], strict=False):
+                out.append(
+                    [None] * len(needs) if isinstance(needs, (list, tuple)) else by_name.get(name)
+                )
+            return tuple(out)
 
         op.register_autograd(grads, setup_context=setup)
 

@@ -21,40 +21,78 @@ from flashlite import _backend
 from flashlite.kernels.attention import flex as KF
 from flashlite.kernels.attention import hopper as KH
 from flashlite.kernels.attention import hopper_bwd as KHB
+from flashlite.masking import block_mask as BM
 from flashlite.masking import classify as KB
 from flashlite.masking import mods as M
 from flashlite.masking.create import block_mask_for
-from flashlite.masking.mod_args import check_mod, spec_mod
+from flashlite.masking.mod_args import ModArgs, check_mod, spec_mod
 from flashlite.ops._dispatch import Op
 from flashlite.ops.attention import flex_plan as FP
 from flashlite.ops.attention.checks import check_inputs
+from flashlite.ops.attention.request import Request
 
 __all__ = ["flex_attention", "compiled_variants"]
 
 
 # --------------------------------------------------------------------------- the ops
-def _fwd_body(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_num: torch.Tensor,
-              kv_idx: torch.Tensor, full_num: torch.Tensor, full_idx: torch.Tensor,
-              q_num: torch.Tensor, q_idx: torch.Tensor, full_q_num: torch.Tensor,
-              full_q_idx: torch.Tensor, tbm: int, tbn: int, mask_spec: str,
-              mask_tensors: list[torch.Tensor], mask_nums: list[float], score_spec: str,
-              score_tensors: list[torch.Tensor], score_nums: list[float], scale: float,
-              cu_q: torch.Tensor | None = None,
-              cu_k: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    tables = (kv_num, kv_idx, full_num, full_idx)
-    mask, score = (mask_spec, mask_tensors, mask_nums), (score_spec, score_tensors, score_nums)
+#: The request fields the flex ops take: the tables, the mods, the scale and packed sequences.
+FLEX_FIELDS = (
+    "scale",
+    "causal",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "block_tables",
+    "block_size",
+    "mask_mod",
+    "mask_tensors",
+    "mask_nums",
+    "score_mod",
+    "score_tensors",
+    "score_nums",
+)
+
+
+def _mods(request: Request) -> tuple[ModArgs, ModArgs]:
+    """The request's mask and score function as the plans take them (``""``: none)."""
+    return (
+        (request.mask_mod or "", list(request.mask_tensors or ()), list(request.mask_nums or ())),
+        (
+            request.score_mod or "",
+            list(request.score_tensors or ()),
+            list(request.score_nums or ()),
+        ),
+    )
+
+
+def _taken(request: Request) -> tuple[list[torch.Tensor], list[int]]:
+    """The request's tables and block size, after refusing what flex does not take."""
+    request.refuse("flex attention", FLEX_FIELDS)
+    if request.causal or request.block_tables is None or request.block_size is None:
+        raise ValueError("the flex ops take a block mask's tables and block size, not causal")
+    return request.block_tables, request.block_size
+
+
+def flex_fwd_body(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request
+) -> tuple[torch.Tensor, torch.Tensor]:
+    tables, (tbm, tbn) = _taken(request)
+    tables = tuple(tables[:4])
+    mask, score = _mods(request)
+    cu_q = request.cu_seqlens_q
     if q.numel() == 0 or (cu_q is not None and k.shape[2] == 0):
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
         return torch.zeros_like(q), lse.fill_(-math.inf)
-    cu = _offsets(cu_q, cu_k)
-    key = FP.call_key(q, k, v, tables, mask, score, tbm, tbn, scale, cu or ())
-    key.append(None if cu is None else cu_q.shape)  # type: ignore[union-attr]
+    cu = _offsets(cu_q, request.cu_seqlens_k)
+    key = FP.call_key(q, k, v, tables, mask, score, tbm, tbn, request.scale, cu or ())
+    key.append(None if cu is None else cu[0].shape)
     key = tuple(key)
     plan = FP.fwd_plans.get(key)
     if plan is None:
-        plan = FP.fwd_plans.put(key, FP.FwdPlan(q, k, tables, mask, score, tbm, tbn, scale,
-                                                varlen=cu is not None))  # fmt: skip
-    return plan(q, k, v, tables, [*mask_tensors, *score_tensors], cu)
+        plan = FP.fwd_plans.put(
+            key,
+            FP.FwdPlan(q, k, tables, mask, score, tbm, tbn, request.scale, varlen=cu is not None),
+        )
+    return plan(q, k, v, tables, [*mask[1], *score[1]], cu)
 
 
 def _offsets(cu_q: torch.Tensor | None, cu_k: torch.Tensor | None) -> FP.Offsets:
@@ -64,51 +102,98 @@ def _offsets(cu_q: torch.Tensor | None, cu_k: torch.Tensor | None) -> FP.Offsets
     return cu_q, cu_k
 
 
-def _fwd_fake(q, k, v, *args):  # type: ignore[no-untyped-def]
+def _fwd_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request
+) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
-def _bwd_body(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
-              kv_num: torch.Tensor, kv_idx: torch.Tensor, full_num: torch.Tensor,
-              full_idx: torch.Tensor, q_num: torch.Tensor, q_idx: torch.Tensor,
-              full_q_num: torch.Tensor, full_q_idx: torch.Tensor, tbm: int, tbn: int,
-              mask_spec: str, mask_tensors: list[torch.Tensor], mask_nums: list[float],
-              score_spec: str, score_tensors: list[torch.Tensor], score_nums: list[float],
-              scale: float, cu_q: torch.Tensor | None = None, cu_k: torch.Tensor | None = None,
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def flex_bwd_body(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    request: Request,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    tables, (tbm, tbn) = _taken(request)
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    kv_tables = (kv_num, kv_idx, full_num, full_idx)
-    q_tables = (q_num, q_idx, full_q_num, full_q_idx)
-    mask, score = (mask_spec, mask_tensors, mask_nums), (score_spec, score_tensors, score_nums)
-    cu = _offsets(cu_q, cu_k)
-    key = FP.call_key(q, k, v, (*kv_tables, *q_tables), mask, score, tbm, tbn, scale,
-                      (do, o, lse, dlse, *(cu or ())))  # fmt: skip
-    key += (do.stride(), o.stride(), lse.stride(), dlse is None,
-            torch.are_deterministic_algorithms_enabled(),
-            None if cu is None else cu[0].shape)  # fmt: skip
+    kv_tables, q_tables = tuple(tables[:4]), tuple(tables[4:])
+    mask, score = _mods(request)
+    cu = _offsets(request.cu_seqlens_q, request.cu_seqlens_k)
+    key = FP.call_key(
+        q,
+        k,
+        v,
+        (*kv_tables, *q_tables),
+        mask,
+        score,
+        tbm,
+        tbn,
+        request.scale,
+        (do, o, lse, dlse, *(cu or ())),
+    )
+    key += (
+        do.stride(),
+        o.stride(),
+        lse.stride(),
+        dlse is None,
+        torch.are_deterministic_algorithms_enabled(),
+        None if cu is None else cu[0].shape,
+    )
     key = tuple(key)
     plan = FP.bwd_plans.get(key)
     if plan is None:
-        plan = FP.bwd_plans.put(key, FP.BwdPlan(q, k, q_tables, kv_tables, mask, score, tbm, tbn,
-                                                scale, varlen=cu is not None))  # fmt: skip
-    return plan(do, q, k, v, o, lse, dlse, q_tables, kv_tables, [*mask_tensors, *score_tensors],
-                cu)  # fmt: skip
+        plan = FP.bwd_plans.put(
+            key,
+            FP.BwdPlan(
+                q,
+                k,
+                q_tables,
+                kv_tables,
+                mask,
+                score,
+                tbm,
+                tbn,
+                request.scale,
+                varlen=cu is not None,
+            ),
+        )
+    return plan(do, q, k, v, o, lse, dlse, q_tables, kv_tables, [*mask[1], *score[1]], cu)
 
 
-def _bwd_fake(do, q, k, v, *args):  # type: ignore[no-untyped-def]
+def _bwd_fake(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    request: Request,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-FLEX_BWD = Op("flex_attention_bwd", _bwd_body, fake=_bwd_fake, inputs=7, moves=False)
+FLEX_BWD = Op(
+    "flex_attention_bwd",
+    flex_bwd_body,
+    fake=_bwd_fake,
+    inputs=7,
+    request=Request,
+    takes=FLEX_FIELDS,
+    moves=False,
+)
 
 
-def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    q, k, v, *tables = inputs[:11]
+def _setup_context(ctx, inputs, request: Request, output) -> None:  # type: ignore[no-untyped-def]
+    q, k, v = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, *tables)
-    ctx.rest = inputs[11:]
+    ctx.save_for_backward(q, k, v, o, lse, *request.block_tables)  # type: ignore[misc]
+    ctx.request = request._replace(block_tables=None)
 
 
 def _backward(ctx, grad_o, grad_lse):  # type: ignore[no-untyped-def]
@@ -116,17 +201,23 @@ def _backward(ctx, grad_o, grad_lse):  # type: ignore[no-untyped-def]
     if grad_o is None:
         grad_o = torch.zeros_like(o)
     # (the kernels read dO through its strides: no copy)
-    dq, dk, dv = FLEX_BWD(grad_o, q, k, v, o, lse, grad_lse, *tables, *ctx.rest)
-    # (the custom op's autograd wants a list of Nones for a list of tensors, the eager
-    # Function one None per argument: needs_input_grad has the matching structure)
-    rest = [[None] * len(f) if isinstance(f, (list, tuple)) else None
-            for f in ctx.needs_input_grad[3:]]  # fmt: skip
-    return dq, dk, dv, *rest
+    request = ctx.request._replace(block_tables=tables)
+    dq, dk, dv = FLEX_BWD(grad_o, q, k, v, o, lse, grad_lse, request)
+    return (dq, dk, dv), {}
 
 
-FLEX_FWD = Op("flex_attention_fwd", _fwd_body, fake=_fwd_fake, inputs=3,
-              setup_context=_setup_context, backward=_backward, materialize_grads=False,
-              moves=False)  # fmt: skip
+FLEX_FWD = Op(
+    "flex_attention_fwd",
+    flex_fwd_body,
+    fake=_fwd_fake,
+    inputs=3,
+    request=Request,
+    takes=FLEX_FIELDS,
+    setup_context=_setup_context,
+    backward=_backward,
+    materialize_grads=False,
+    moves=False,
+)
 
 
 def compiled_variants() -> int:
@@ -173,19 +264,28 @@ def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     scale, q, k, v = check_inputs(query, key, value, layout, scale)
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
-    args = _op_args(block_mask, score_mod, q, k, q.shape[0], "flex_attention")
-    o, lse = FLEX_FWD(q, k, v, *args, scale)
+    request = _request(block_mask, score_mod, q, k, q.shape[0], "flex_attention", scale)
+    o, lse = FLEX_FWD(q, k, v, request)
     if layout == "b n h d":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
 
 
-def _op_args(block_mask: Any, score_mod: Any, q: torch.Tensor, k: torch.Tensor, batch: int,
-             what: str, lengths: tuple[int, int] | None = None) -> tuple[Any, ...]:  # fmt: skip
-    """The flex ops' arguments after q, k, v and before the scale: the call's block tables
-    (:func:`block_mask_for`), their block size and both mods as the ops carry them, checked
-    against its ``batch`` (sequences), heads, lengths (default q's and k's) and device, and
-    the mods' ``limits`` (``what``: the public call, for the message)."""
+def _request(
+    block_mask: Any,
+    score_mod: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    batch: int,
+    what: str,
+    scale: float,
+    lengths: tuple[int, int] | None = None,
+    **fields: Any,
+) -> Request:
+    """The flex ops' :class:`Request`: the call's block tables (:func:`block_mask_for`), their
+    block size and both mods as the ops carry them, checked against its ``batch``
+    (sequences), heads, lengths (default q's and k's) and device, and the mods' ``limits``
+    (``what``: the public call, for the message); ``fields``: packed sequences."""
     if not (q.is_cuda or _backend.INTERPRETED):  # (no moving copies here: say so instead)
         raise ValueError(
             f"{what} runs its kernels where the tensors are: CUDA tensors, or CPU tensors with "
@@ -213,16 +313,21 @@ def _op_args(block_mask: Any, score_mod: Any, q: torch.Tensor, k: torch.Tensor, 
                              f"all), but its mask_mod {bm.mask_mod.name} holds entries for "
                              f"{limit} {nouns} and may differ between them: build it with "
                              f"{arg}={call}")  # fmt: skip
-    return op_tables(bm, smod)
+    return table_request(bm, scale, smod, **fields)
 
 
-def op_tables(bm: Any, smod: M.ScoreMod | None = None) -> tuple[Any, ...]:
-    """Checked tables ``bm`` (a :class:`~flashlite.block_mask.BlockMask`) and score function
-    as the flex ops take them after q, k, v: the eight tables, the block size and both mods'
-    specs (:func:`~flashlite.ops.attention.mod_args.spec_mod`)."""
-    return (bm.kv_num_blocks, bm.kv_indices, bm.full_kv_num_blocks, bm.full_kv_indices,
-            bm.q_num_blocks, bm.q_indices, bm.full_q_num_blocks, bm.full_q_indices,
-            *bm.BLOCK_SIZE, *spec_mod(bm.mask_mod), *spec_mod(smod))  # fmt: skip
+def table_request(bm: Any, scale: float, smod: M.ScoreMod | None = None, **fields: Any) -> Request:
+    """The :class:`Request` of checked tables ``bm`` (a
+    :class:`~flashlite.masking.block_mask.BlockMask`), ``scale`` and a score function: the
+    eight tables, the block size and both mods as the ops carry them
+    (:func:`~flashlite.masking.mod_args.spec_mod`), and ``fields`` (packed sequences)."""
+    mods: dict[str, Any] = {}
+    for prefix, mod in (("mask", bm.mask_mod), ("score", smod)):
+        if mod is not None:
+            names = (f"{prefix}_mod", f"{prefix}_tensors", f"{prefix}_nums")
+            mods.update(zip(names, spec_mod(mod), strict=True))
+    tables = [getattr(bm, name) for name in BM._TABLES]
+    return Request(scale, block_tables=tables, block_size=list(bm.BLOCK_SIZE), **mods, **fields)
 
 
 def flex_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
@@ -231,6 +336,16 @@ def flex_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.T
     """:func:`flashlite.attention_varlen` with a score function or block mask: the flex
     kernels over packed ``(1, H, total, D)`` views, sequence b as batch b of the tables and
     the mods (positions from its start). Returns ``(o, lse)`` as the views."""
-    args = _op_args(block_mask, score_mod, q, k, cu_q.shape[0] - 1,
-                    "attention_varlen with score_mod or block_mask", (max_q, max_k))  # fmt: skip
-    return FLEX_FWD(q, k, v, *args, scale, cu_q, cu_k)
+    request = _request(
+        block_mask,
+        score_mod,
+        q,
+        k,
+        cu_q.shape[0] - 1,
+        "attention_varlen with score_mod or block_mask",
+        scale,
+        (max_q, max_k),
+        cu_seqlens_q=cu_q,
+        cu_seqlens_k=cu_k,
+    )
+    return FLEX_FWD(q, k, v, request)

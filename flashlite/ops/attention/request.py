@@ -22,8 +22,8 @@ class Request(NamedTuple):
     """What one attention call asks for, beyond its q, k and v: immutable, normalised once.
 
     Attributes:
-        causal: bottom-right causal (a window ``(-1, 0)`` is stored as causal).
         scale: multiplies ``QKᵀ`` before the softmax.
+        causal: bottom-right causal (a window ``(-1, 0)`` is stored as causal).
         window_left, window_right: how many keys before / after its diagonal a query sees;
             None: unlimited (with ``causal`` the right side is 0 and stored as None).
         softcap: scores become ``softcap·tanh(s/softcap)``; None: no cap.
@@ -36,12 +36,15 @@ class Request(NamedTuple):
             ``(B, max_pages)`` (decoding).
         validate: how a KV cache's values are checked: ``"device"``, ``"sync"`` or ``"off"``.
         mask_mod, score_mod: a mask or score function as the ops carry it: its registered name
-            and the kinds of its buffers (:func:`flashlite.ops.attention.mod_args.spec_mod`),
-            with ``mask_tensors``/``mask_nums`` (``score_…``) its tensor and number buffers.
+            and the kinds of its buffers (:func:`flashlite.masking.mod_args.spec_mod`), with
+            ``mask_tensors``/``mask_nums`` (``score_…``) its tensor and number buffers.
+        block_tables: a block mask's eight tables (:data:`flashlite.masking.block_mask._TABLES`
+            order: the key tiles per query block, partial then full, and the query tiles per
+            key block), with ``block_size`` its ``[BLOCK_M, BLOCK_N]`` (flex).
     """
 
-    causal: bool
     scale: float
+    causal: bool = False
     window_left: int | None = None
     window_right: int | None = None
     softcap: float | None = None
@@ -61,6 +64,8 @@ class Request(NamedTuple):
     score_mod: str | None = None
     score_tensors: list[torch.Tensor] | None = None
     score_nums: list[float] | None = None
+    block_tables: list[torch.Tensor] | None = None
+    block_size: list[int] | None = None
 
     @classmethod
     def make(
@@ -91,8 +96,8 @@ class Request(NamedTuple):
         if causal:
             window_right = None
         request = cls(
-            bool(causal),
             float(scale),
+            bool(causal),
             window_left,
             window_right,
             softcap or None,
@@ -129,7 +134,7 @@ class Request(NamedTuple):
         ``k``: the checked ``(B, H, N, D)`` views they are checked against)."""
         usual = window is None and softcap is None and seqlens_k is None and sinks is None
         if usual and not num_splits:  # nothing to check or normalise
-            return cls(causal, scale)
+            return cls(scale, causal)
         mask = masks.describe(causal, window, softcap)
         lengths = checks.check_seqlens(seqlens_k, q, k)
         sink = checks.check_sinks(sinks, q, q.shape[1])

@@ -24,7 +24,7 @@ from flashlite.kernels.attention import hopper as KH
 from flashlite.kernels.attention import hopper_bwd as KHB
 from flashlite.masking import masks
 from flashlite.masking.band import band_tables
-from flashlite.ops.attention.flex import _bwd_body, _fwd_body, op_tables
+from flashlite.ops.attention.flex import flex_bwd_body, flex_fwd_body, table_request
 from flashlite.ops.attention.flex_plan import Grads
 from flashlite.ops.attention.plan import (
     DESC_MIN_WORK,
@@ -59,7 +59,7 @@ def window_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, km: masks.Kern
     """``(o, lse)`` of a window forward on ``(B, H, N, D)`` views: flex's forward over the band's
     tables of ``block`` tiles."""
     band = band_tables(km, q.shape[2], k.shape[2], block, q.device)
-    return _fwd_body(q, k, v, *op_tables(band), scale)
+    return flex_fwd_body(q, k, v, table_request(band, scale))
 
 
 def window_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -67,4 +67,4 @@ def window_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tens
                km: masks.KernelMask, scale: float, block: tuple[int, int]) -> Grads:  # fmt: skip
     """``(dq, dk, dv)`` of a window backward: flex's backward over the band's tables."""
     band = band_tables(km, q.shape[2], k.shape[2], block, q.device)
-    return _bwd_body(do, q, k, v, o, lse, dlse, *op_tables(band), scale)
+    return flex_bwd_body(do, q, k, v, o, lse, dlse, table_request(band, scale))
