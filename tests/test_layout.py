@@ -17,6 +17,7 @@ PACKAGE = ROOT / "flashlite"
 #: floor of each module (by dotted-name prefix; the longest prefix wins)
 FLOORS = {
     "flashlite.stats": 0,
+    "flashlite.stats_gluon": 0,
     "flashlite.masks": 0,
     "flashlite.mods": 0,
     "flashlite.block_mask": 0,
