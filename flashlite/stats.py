@@ -42,6 +42,8 @@ itself is NaN, as in torch's softmax, whose rows holding +inf are NaN.
 Torch twins (natural log, any shape, used by tests, split-KV merging and docs):
 ``merge`` (twin of ``merge_pair``), ``merge_attention``, ``torch_tile_stats``,
 ``torch_online_update``, ``torch_fixed_update``, ``torch_rescale``, ``torch_finalize_lse``.
+
+Gluon kernels cannot call these helpers: :mod:`flashlite.stats_gluon` holds their Gluon twins.
 """
 
 from __future__ import annotations

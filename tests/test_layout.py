@@ -17,6 +17,7 @@ PACKAGE = ROOT / "flashlite"
 #: floor of each module (by dotted-name prefix; the longest prefix wins)
 FLOORS = {
     "flashlite.stats": 0,
+    "flashlite.stats_gluon": 0,
     "flashlite.masking": 0,
     "flashlite.masks": 0,  # (the four faces of flashlite.masking's modules)
     "flashlite.mods": 0,

@@ -57,12 +57,12 @@ if GLUON_IMPORT_ERROR is None:
         _await_words,
         _chunk,
         _chunk_pair,
-        _exp2_from,
         _gather,
         _prefetch,
         _publish,
         _team_setup,
     )
+    from flashlite.stats_gluon import finalize_lse, probs_from_pair
 
     # a CTA-wide barrier, which also orders the block's global loads and stores (Triton 3.6's
     # name; later versions call it barrier)
@@ -192,8 +192,7 @@ if GLUON_IMPORT_ERROR is None:
                 row = prev
                 row_words = W + row * n_chunks * WORDS
                 m_row, s_row = _gather(row_words, c, n_chunks, WORDS)
-                # (flashlite.stats.finalize_lse: +inf for a row holding +inf)
-                lse = gl.where(m_row == float("inf"), m_row, m_row + gl.log(s_row))
+                lse = finalize_lse(m_row, s_row, LOG2E)  # (+inf for a row holding +inf)
                 ignored = target == ignore_index
                 in_range = (target >= 0) & (target < n_cols)
                 t_col = gl.where(in_range, target, 0).to(gl.int32)
@@ -202,9 +201,7 @@ if GLUON_IMPORT_ERROR is None:
                 scale = gl.where(ignored, 0.0, gl.where(in_range, g_scale, float("nan")))
                 # p = 2^((x − m)·log2 e)/s from the pair, not e^(x − lse): the LSE rounded to
                 # fp32 is off by up to 5e-4 at |x| ≈ 1e4 (flashlite.stats.probs_from_pair)
-                ref_row = gl.where(m_row == float("-inf"), 0.0, m_row)
-                inv_s = gl.where(s_row > 0.0, 1.0 / gl.where(s_row > 0.0, s_row, 1.0), 0.0)
-                coef = (1.0 + 2.0 * z_loss * lse) * inv_s
+                coef = 1.0 + 2.0 * z_loss * lse
                 # The program whose chunk holds the target (chunk 0 for none) writes the loss
                 # and the target's gradient as scalars: comparing every column with the target
                 # kept the column indices live and cost 12% of the kernel's time on the H200.
@@ -215,7 +212,7 @@ if GLUON_IMPORT_ERROR is None:
                     _thread_barrier()
                 x = _chunk(slots.index((i - 1) % STAGES), in_row, layout, EVEN)
                 # (the scale folded into the row's constants: one multiply a logit)
-                g = _exp2_from(x, ref_row, FMA) * (coef * scale)
+                g = probs_from_pair(x, m_row, s_row, LOG2E, FMA, coef * scale)
                 if SMOOTH:
                     g -= smoothing * inv_v * scale
                 if EVEN:
@@ -224,7 +221,7 @@ if GLUON_IMPORT_ERROR is None:
                     gl.store(G + row * stride_gm + cols, g.to(G.dtype.element_ty), mask=in_row)
                 if owner:
                     _thread_barrier()  # every thread's store lands before the target's below
-                    g_t = gl.exp2((x_t - ref_row) * LOG2E) * coef - smoothing * inv_v
+                    g_t = probs_from_pair(x_t, m_row, s_row, LOG2E, False, coef) - smoothing * inv_v
                     g_t = (g_t - (1.0 - smoothing)) * scale
                     gl.store(G + row * stride_gm + t_col, g_t.to(G.dtype.element_ty))
                     # lse − x_t as (m − x_t) + ln s, exact where the rounded LSE is not

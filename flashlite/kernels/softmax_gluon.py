@@ -23,12 +23,12 @@ itself is long. This kernel removes both costs:
 
 As for the team kernel, the spin needs every program of a team resident at once: the host
 launches a cooperative grid sized from the compiled kernel (``_teams.launch_teams``).
-Statistics are :mod:`flashlite.stats`'s pair (``m`` the maximum, ``s = Σ 2^((x − m)·log2 e)``,
-merged as :func:`flashlite.stats.merge_partials`); Gluon cannot call ``@triton.jit`` helpers, so
-the few lines are restated here. Each copy moves 16 bytes, so rows need a length and a stride
-that are multiples of 16 bytes (``ops.prefetch.prefetch_applies``). Runs on a CUDA sm_80+ device
-with Triton's Gluon (3.6 measured, on the H200); the interpreter cannot run Gluon, so the
-``gpu`` tests cover the kernel.
+Statistics are :mod:`flashlite.stats`'s pair (``m`` the maximum, ``s = Σ 2^((x − m)·log2 e)``);
+Gluon cannot call ``@triton.jit`` helpers, so the kernel calls their Gluon twins in
+:mod:`flashlite.stats_gluon` (``tile_stats``, ``merge_partials``). Each copy moves 16 bytes, so
+rows need a length and a stride that are multiples of 16 bytes
+(``ops.prefetch.prefetch_applies``). Runs on a CUDA sm_80+ device with Triton's Gluon (3.6
+measured, on the H200); the interpreter cannot run Gluon, so the ``gpu`` tests cover the kernel.
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ def available() -> bool:
 
 
 if GLUON_IMPORT_ERROR is None:
+    from flashlite.stats_gluon import merge_partials, tile_stats
 
     @gluon.jit
     def _publish(slot_ptr, m, s):
@@ -88,11 +89,7 @@ if GLUON_IMPORT_ERROR is None:
         m_part = gl.where(got, (w & 0xFFFFFFFF).to(gl.int32).to(gl.float32, bitcast=True),
                           float("-inf"))  # fmt: skip
         s_part = gl.where(got, (w >> 32).to(gl.int32).to(gl.float32, bitcast=True), 0.0)
-        # flashlite.stats.merge_partials (reference 0 where the row's maximum is ±inf)
-        m_row = gl.max(m_part, axis=0)
-        ref_row = gl.where((m_row == float("-inf")) | (m_row == float("inf")), 0.0, m_row)
-        s_row = gl.sum(s_part * gl.exp2((m_part - ref_row) * LOG2E), axis=0)
-        return m_row, s_row
+        return merge_partials(m_part, s_part, LOG2E)
 
     @gluon.jit
     def _chunk(slot, in_row, layout: gl.constexpr, EVEN: gl.constexpr = False):
@@ -104,25 +101,14 @@ if GLUON_IMPORT_ERROR is None:
             return gl.where(in_row, slot.load(layout).to(gl.float32), float("-inf"))
 
     @gluon.jit
-    def _exp2_from(x, ref, FMA: gl.constexpr = False):
-        """``2^((x − ref)·log2 e)``; with ``FMA`` as one fused ``x·log2 e − ref·log2 e``, whose
-        rounded ``ref·log2 e`` is off by up to ``|ref|·9e-8`` in the exponent: below a 16-bit
-        result's rounding, not fp32's (at ``|x| ≈ 1e4``, 9e-4)."""
-        if FMA:
-            return gl.exp2(x * LOG2E - ref * LOG2E)
-        else:
-            return gl.exp2((x - ref) * LOG2E)
-
-    @gluon.jit
     def _chunk_pair(slots, i, in_row, layout: gl.constexpr, EVEN: gl.constexpr = False,
                     FMA: gl.constexpr = False):  # fmt: skip
         """Row ``i``'s chunk once its copy has landed, and the chunk's pair
-        (:func:`flashlite.stats.tile_stats`: ``m``, and ``s`` against it, 0 when ``m = −inf``)."""
+        (:func:`flashlite.stats_gluon.tile_stats`: ``m``, and ``s`` against it, 0 when
+        ``m = −inf``; ``FMA``: fused exponents, for 16-bit rows)."""
         async_copy.wait_group(slots.shape[0] - 2)  # (the later rows' copies may still fly)
         x = _chunk(slots.index(i % slots.shape[0]), in_row, layout, EVEN)
-        m = gl.max(x, axis=0)
-        ref = gl.where(m == float("-inf"), 0.0, m)  # -inf only: s = 0, not NaN
-        s = gl.sum(_exp2_from(x, ref, FMA), axis=0)
+        m, s, _p = tile_stats(x, LOG2E, FMA)
         return x, m, s
 
     @gluon.jit

@@ -19,10 +19,11 @@ of one (batch, head) and runs three partitions:
   and only then is the new ``P`` written over the registers the product read.
 
 The statistics are :mod:`flashlite.stats`'s pair: ``(m, s)`` with ``m`` the running maximum
-and ``s = Σ 2^(x − m)``, the same update as :func:`flashlite.stats.online_update` (the stats
-helpers build their tiles with Triton layouts, so :func:`_online_update` restates their three
-lines). Q is scaled by ``scale·log2 e`` and rounded to the input dtype once, as the Triton
-kernel's ``PRESCALE_Q`` does, so the backward's recomputed scores match the LSE saved here.
+and ``s = Σ 2^(x − m)``. Gluon cannot call the stats module's ``@triton.jit`` helpers, so the
+kernel calls their Gluon twins in :mod:`flashlite.stats_gluon` (``online_update``,
+``finalize_lse``). Q is scaled by ``scale·log2 e`` and rounded to the input dtype once, as the
+Triton kernel's ``PRESCALE_Q`` does, so the backward's recomputed scores match the LSE saved
+here.
 
 The same kernel serves :func:`flashlite.flex_attention` (``LISTED``): the producer and the
 consumers walk the key blocks a query block's row of the block tables lists, full blocks
@@ -84,6 +85,8 @@ def available() -> bool:
 
 
 if GLUON_IMPORT_ERROR is None:
+    from flashlite.stats_gluon import finalize_lse, online_update
+
     # Triton 3.7+ names the TMA copies async_load / async_store (3.6: async_copy_*)
     _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     _tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
@@ -101,8 +104,8 @@ if GLUON_IMPORT_ERROR is None:
                        SHIFTED: gl.constexpr = False):  # fmt: skip
         """Fold the ``[R, BLOCK_N]`` score tile ``s`` (``s·UNITS`` in exp2 units: ``UNITS`` is
         1, or ``log2 e`` for a score function's natural units) into ``(m, l_sum)`` (exp2
-        units): ``(p, alpha, m, l_sum)`` as :func:`flashlite.stats.online_update`. ``MASK``:
-        keys past ``seq_k`` (and, causal, past each row's diagonal) get −inf first.
+        units): ``(p, alpha, m, l_sum)`` of :func:`flashlite.stats_gluon.online_update`.
+        ``MASK``: keys past ``seq_k`` (and, causal, past each row's diagonal) get −inf first.
         ``SHIFTED``: the tile's scores are ``s + shift`` (``shift``: one per row), the shift
         taken into each row's maximum and reference, not added to every score."""
         if MASK:
@@ -111,19 +114,8 @@ if GLUON_IMPORT_ERROR is None:
             if IS_CAUSAL:  # bottom-right aligned, as flashlite.masks.visible
                 seen = seen & (key <= gl.expand_dims(rows, 1) + (seq_k - seq_q))
             s = gl.where(seen, s, float("-inf"))
-        # (the units are applied to the row maxima and inside exp2's argument, one fused
-        # multiply-add a score: never a pass of their own)
-        row_max = gl.max(s, axis=1) * UNITS
-        if SHIFTED:
-            row_max = row_max + shift
-        m_new = gl.maximum(m, row_max)
-        ref = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row that saw nothing stays empty
-        alpha = gl.exp2(m - ref)
-        if SHIFTED:  # (the scores' own reference: the row's less its shift)
-            p = gl.exp2(s * UNITS - gl.expand_dims(ref - shift, 1))
-        else:
-            p = gl.exp2(s * UNITS - gl.expand_dims(ref, 1))
-        return p, alpha, m_new, l_sum * alpha + gl.sum(p, axis=1)
+        m, l_sum, alpha, p = online_update(m, l_sum, s, UNITS, shift, SHIFTED)
+        return p, alpha, m, l_sum
 
     @gluon.jit
     def _fold(s, m, l_sum, t, n_full, start_n, full_row, part_row, rows, cols, b, h,
@@ -295,9 +287,9 @@ if GLUON_IMPORT_ERROR is None:
             out = warpgroup_mma_wait(0, deps=[warpgroup_mma(p_op, vt, acc, is_async=True)])
             mbarrier.arrive(empty.index(slot), count=1)
 
-        # natural-log LSE (flashlite.stats.finalize_lse with the scale folded into Q); rows
-        # that saw no key keep s = 0: output 0 and LSE −inf; a score of +inf gives +inf
-        lse = gl.where(m == float("inf"), m, m * LN2 + gl.log(l_sum))
+        # natural-log LSE (the pair is in exp2 units: the scale is folded into Q); rows that
+        # saw no key keep s = 0: output 0 and LSE −inf; a score of +inf gives +inf
+        lse = finalize_lse(m, l_sum, 1.0)
         gl.store(LSE + pid_bh.to(gl.int64) * seq_q + rows, lse, mask=rows < seq_q)
         l_o = gl.convert_layout(l_sum, row_o)
         o = (out * gl.expand_dims(gl.where(l_o > 0.0, 1.0 / l_o, 0.0), 1)).to(dtype)

@@ -33,7 +33,10 @@ the missing keys' rows as zeros, so their ``P = 2^(0 − LSE)`` is not 0, and wi
 large scores (a very negative LSE) it overflows 16 bits, and ``inf·0`` in ``dS·K`` made dQ NaN.
 
 Qs is the backward preprocess's ``Q·scale·log2 e`` (:mod:`flashlite.kernels.attention.bwd`),
-so the scores are the forward's bit for bit and ``P = 2^(Sᵀ − LSE·log2 e)``.
+so the scores are the forward's bit for bit and ``P = 2^(Sᵀ − LSE·log2 e)``: the producer
+converts the LSE with :func:`flashlite.stats_gluon.lse_log2`, and a score function's
+probabilities come from :func:`~flashlite.stats_gluon.probs_from_lse_t` (the Gluon twins of the
+stats helpers, which a Gluon kernel cannot call).
 
 The same kernel serves :func:`flashlite.flex_attention`'s backward (``LISTED``): a key block
 walks the query blocks its row of the ``q_*`` block tables lists for each head of the group
@@ -66,6 +69,7 @@ if GLUON_IMPORT_ERROR is None:
     )
 
     from flashlite.kernels.attention.hopper import wgmma_layout
+    from flashlite.stats_gluon import lse_log2, probs_from_lse_t
 
 #: Keys per program (two warpgroups of 64), query rows per step, ring slots for Qs and dO.
 BLOCK_N = 128
@@ -184,8 +188,7 @@ if GLUON_BWD_ERROR is None:
                 rows = start_m + offs
                 at = (b * n_heads + h).to(gl.int64) * seq_q + rows
                 lse = gl.load(LSE + at, mask=rows < seq_q, other=float("-inf"))
-                lse_bufs.index(slot).store(gl.where(lse == float("-inf"), float("inf"),
-                                                    lse * LOG2E))  # fmt: skip
+                lse_bufs.index(slot).store(lse_log2(lse))
                 delta_bufs.index(slot).store(gl.load(DELTA + at, mask=rows < seq_q, other=0.0))
                 mbarrier.expect(q_ready.index(slot), qs_desc.block_type.nbytes)
                 _tma_load(qs_desc, [b, h, start_m, 0], q_ready.index(slot), qs_bufs.index(slot))
@@ -249,9 +252,10 @@ if GLUON_BWD_ERROR is None:
             kv_idx = gl.expand_dims(gl.minimum(keys, seq_k - 1), 1)
         if HAS_SCORE:  # Qs carries scale·log2 e: natural units are st·ln 2
             xt = st * LN2
-            st = apply_score(SCORE_MOD, xt, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3,
-                             N_SCORE_BUF) * LOG2E - gl.expand_dims(lse2, 0)  # fmt: skip
-        pt = gl.exp2(st)
+            score = apply_score(SCORE_MOD, xt, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3, N_SCORE_BUF)
+            pt = probs_from_lse_t(score, lse2, LOG2E, True)
+        else:  # (the products subtracted the LSE: probs_from_lse_t's last step is left)
+            pt = gl.exp2(st)
         if MASKED:
             if LISTED:
                 seen = apply_mask(MASK_MOD, b, h, q_idx, kv_idx, MB0, MB1, MB2, MB3, N_MASK_BUF)
