@@ -42,7 +42,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from flashlite.mods import apply_mask, apply_score
+from flashlite.masking.mods import apply_mask, apply_score
 from flashlite.stats import LN2, LOG2E
 
 try:  # Gluon is experimental: absent or different in some Triton versions

@@ -54,7 +54,7 @@ functions.
 from __future__ import annotations
 
 from flashlite.kernels.attention.hopper import GLUON_IMPORT_ERROR
-from flashlite.mods import apply_mask, apply_score
+from flashlite.masking.mods import apply_mask, apply_score
 from flashlite.stats import LN2, LOG2E
 
 if GLUON_IMPORT_ERROR is None:
