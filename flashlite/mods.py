@@ -43,6 +43,9 @@ import torch
 import triton
 import triton.language as tl
 
+from flashlite._launch import is_jit as _is_jit
+from flashlite._launch import python_fn as _python_fn
+
 __all__ = [
     "MAX_BUFFERS",
     "MaskMod",
@@ -69,24 +72,6 @@ Buffer = torch.Tensor | int | float
 TileReads = Callable[[int, int], int]
 #: How many batches, heads and positions a mod's buffers hold (None: any): see :func:`mask_mod`
 Limits = tuple[int | None, int | None, int | None]
-
-
-def _is_jit(fn: object) -> bool:
-    """A ``@triton.jit`` function (compiled, or the interpreter's stand-in for one)."""
-    from triton.runtime.jit import JITFunction
-
-    if isinstance(fn, JITFunction):
-        return True
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover  (every supported Triton has it)
-        return False
-    return isinstance(fn, InterpretedFunction)
-
-
-def _python_fn(fn: Any) -> Callable[..., Any]:
-    """The undecorated Python function inside a jit function."""
-    return fn.fn
 
 
 def _arity(fn: Callable[..., Any]) -> int:

@@ -165,7 +165,7 @@ def _bind_triton(kernel: Any, grid: tuple[int, int, int], args: tuple[Any, ...],
     try:
         bound = launcher.bind(args, {**mods, **opts})
         bound(grid, *args)
-    except triton.runtime.errors.OutOfResources:
+    except triton.OutOfResources:
         if opts["num_stages"] == 1:
             raise
         _one_stage.add(key)
