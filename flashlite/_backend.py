@@ -23,11 +23,12 @@ hooks live beside it (:mod:`flashlite.traffic.hooks`).
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 
 import torch
+
+from flashlite._caches import memo, register
 
 _HAS_CUDA = torch.cuda.is_available()
 _TRITON_FIRST = "triton" in sys.modules
@@ -108,7 +109,7 @@ def getenv(name: str) -> str | None:
 _RAW_ENV: dict | None = getattr(os.environ, "_data", None)
 if not (isinstance(_RAW_ENV, dict) and hasattr(os.environ, "encodekey")):
     _RAW_ENV = None
-_ENV_KEYS: dict[str, object] = {}
+_ENV_KEYS: dict[str, object] = register("backend.env_keys", {})
 
 
 def check_device(t: torch.Tensor, name: str) -> None:
@@ -157,13 +158,13 @@ def round_bf16(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and INTERPRETED
 
 
-@functools.cache
+@memo("backend.capability")
 def capability(index: int) -> tuple[int, int]:
     """Compute capability of CUDA device ``index`` (asked once)."""
     return torch.cuda.get_device_capability(index)
 
 
-@functools.cache
+@memo("backend.num_sms")
 def num_sms(index: int) -> int:
     """Streaming multiprocessors of CUDA device ``index`` (asked once)."""
     return torch.cuda.get_device_properties(index).multi_processor_count

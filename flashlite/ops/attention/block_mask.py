@@ -15,7 +15,7 @@ import triton.language as tl  # noqa: F401  (the jit mask below runs with it in 
 from flashlite import _backend
 from flashlite import block_mask as BM
 from flashlite import mods as M
-from flashlite._caches import Cache
+from flashlite._caches import Cache, register
 from flashlite.kernels.attention import block_mask as KB
 from flashlite.ops.attention.mod_args import check_mod
 
@@ -118,7 +118,7 @@ _EVERYTHING = M.mask_mod(_everything, name="flashlite.flex.everything", tile_rea
 
 #: Block masks whose tables :func:`_check_tables` accepted: a BlockMask is frozen, so its
 #: tables' shapes and dtypes cannot change after (a call with one checks it once).
-_checked: weakref.WeakSet[BM.BlockMask] = weakref.WeakSet()
+_checked: weakref.WeakSet[BM.BlockMask] = register("flex.checked_block_masks", weakref.WeakSet())
 
 
 def _check_tables(bm: BM.BlockMask) -> None:
