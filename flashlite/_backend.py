@@ -10,7 +10,8 @@ hooks live beside it (:mod:`flashlite.traffic.hooks`).
   helpers and Triton's own ``tl.*`` library) is created as an interpreted function. Triton
   decides this once per function, when it is decorated, so after a ``triton`` imported
   *before* flashlite without that variable, flashlite turns the interpreter on itself and makes
-  Triton's own jit library again (:func:`_interpret_from_now_on`); only a ``TRITON_INTERPRET=0``
+  Triton's own jit library again (:func:`flashlite._launch.interpret_from_now_on`, private
+  Triton as everything there); only a ``TRITON_INTERPRET=0``
   set by the user is left as it is, and :func:`compute_device` then raises and says how to fix
   it.
 * **CPU tensors on a CUDA machine** are moved to the GPU once per op call by the front-end
@@ -22,15 +23,12 @@ hooks live beside it (:mod:`flashlite.traffic.hooks`).
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    pass
+from flashlite._caches import memo, register
 
 _HAS_CUDA = torch.cuda.is_available()
 _TRITON_FIRST = "triton" in sys.modules
@@ -43,39 +41,11 @@ import triton  # noqa: E402
 
 
 def _interpret_from_now_on() -> str | None:
-    """Turn Triton's interpreter on in a process without CUDA whose ``triton`` was imported
-    before flashlite without ``TRITON_INTERPRET`` (``torch.compile``, a Hugging Face model and
-    many libraries import it first): what the variable would have done at Triton's import.
+    """Turn Triton's interpreter on, after a late import of Triton: why that failed, or None.
+    (Imported here, not above: :mod:`flashlite._launch` imports this module.)"""
+    from flashlite._launch import interpret_from_now_on
 
-    Every ``@triton.jit`` function decorated from now on (flashlite's kernels and helpers) is
-    interpreted; Triton's own jit library (``tl.sum``, ``tl.max``, ``tl.cdiv``, the random
-    functions, ...) was made compiled at its import, so its modules are executed again with the
-    interpreter on and their new functions bound where ``triton.language`` and its tensor
-    methods hold the old ones. Nothing compiled can run in such a process anyway. Returns why
-    this failed, or None."""
-    import importlib
-
-    try:
-        import triton.language as tl
-        from triton import knobs
-        from triton.runtime.jit import JITFunction
-
-        knobs.runtime.interpret = True
-        os.environ["TRITON_INTERPRET"] = "1"
-        for name in ("triton.language.standard", "triton.language.random"):
-            module = sys.modules.get(name) or importlib.import_module(name)
-            before = dict(vars(module))
-            importlib.reload(module)
-            for attr, old in before.items():
-                if not isinstance(old, JITFunction):
-                    continue
-                for holder in (tl, tl.tensor):
-                    if vars(holder).get(attr) is old:
-                        setattr(holder, attr, getattr(module, attr))
-    except Exception as err:  # noqa: BLE001  (any failure: the clear error at the first call)
-        os.environ.pop("TRITON_INTERPRET", None)
-        return f"{type(err).__name__}: {err}"
-    return None
+    return interpret_from_now_on()
 
 
 #: Why the interpreter could not be turned on after a late import of Triton (None: it was, or
@@ -139,7 +109,7 @@ def getenv(name: str) -> str | None:
 _RAW_ENV: dict | None = getattr(os.environ, "_data", None)
 if not (isinstance(_RAW_ENV, dict) and hasattr(os.environ, "encodekey")):
     _RAW_ENV = None
-_ENV_KEYS: dict[str, object] = {}
+_ENV_KEYS: dict[str, object] = register("backend.env_keys", {})
 
 
 def check_device(t: torch.Tensor, name: str) -> None:
@@ -188,13 +158,13 @@ def round_bf16(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and INTERPRETED
 
 
-@functools.cache
+@memo("backend.capability")
 def capability(index: int) -> tuple[int, int]:
     """Compute capability of CUDA device ``index`` (asked once)."""
     return torch.cuda.get_device_capability(index)
 
 
-@functools.cache
+@memo("backend.num_sms")
 def num_sms(index: int) -> int:
     """Streaming multiprocessors of CUDA device ``index`` (asked once)."""
     return torch.cuda.get_device_properties(index).multi_processor_count
@@ -207,13 +177,3 @@ def private_api_error(what: str, err: Exception) -> RuntimeError:
         f"as expected ({type(err).__name__}: {err}); flashlite is tested with triton "
         f"{'.'.join(map(str, MIN_TRITON))} to 3.9"
     )
-
-
-@functools.cache
-def cooperative_launch_supported() -> bool:
-    """Whether this Triton can launch a cooperative grid (all programs resident at once)."""
-    try:  # private: the CUDA backend's option list
-        from triton.backends.nvidia.compiler import CUDAOptions
-    except ImportError:
-        return False
-    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})

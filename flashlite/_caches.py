@@ -1,20 +1,33 @@
-"""Every cache flashlite keeps, bounded, and listed in one place.
+"""Every cache, memo and registry flashlite keeps, listed in one place.
 
 A call's host work is done once per *kind* of call (shapes, strides, dtypes, options) and kept
 here: bound launches, plans, checked argument signatures. A program that sweeps shapes would
 otherwise grow these without limit, so each cache holds at most ``limit`` entries and drops its
-oldest first. :func:`caches` lists them (the tests and ``flashlite`` tools read it) and
-:func:`clear` empties them all.
+oldest first. :func:`caches` lists them (the tests and ``flashlite`` tools read it).
+
+Other state a module keeps (a set of kernel variants that failed to build, a memo of device
+facts, the mods' name registry) is registered with :func:`register` (a ``functools.cache``
+with :func:`memo`): :func:`state` lists everything by name, caches included, and :func:`clear`
+resets it all, so a process can always get back to how flashlite started.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Hashable
 from typing import Any, TypeVar
 
 V = TypeVar("V")
+S = TypeVar("S")
 
 _registry: dict[str, Cache] = {}
+#: everything else by name: (the object, how to reset it)
+_others: dict[str, tuple[Any, Callable[[], None]]] = {}
+
+
+def _claim(name: str) -> None:
+    if name in _registry or name in _others:
+        raise ValueError(f"a cache named {name!r} exists already")
 
 
 class Cache(dict):  # type: ignore[type-arg]
@@ -23,8 +36,7 @@ class Cache(dict):  # type: ignore[type-arg]
 
     def __init__(self, name: str, limit: int) -> None:
         super().__init__()
-        if name in _registry:
-            raise ValueError(f"a cache named {name!r} exists already")
+        _claim(name)
         if limit < 1:
             raise ValueError(f"limit must be >= 1, got {limit}")
         self.name, self.limit = name, limit
@@ -50,12 +62,42 @@ class Cache(dict):  # type: ignore[type-arg]
 _MISSING: Any = object()
 
 
+def register(name: str, state: S, reset: Callable[[], None] | None = None) -> S:
+    """Register module state under ``name`` and return it, for :func:`clear` to reset: a set,
+    dict, ``WeakSet`` or anything with ``clear()``, a ``functools`` cache (``cache_clear()``),
+    or whatever ``reset()`` resets. The state itself is used as it is: no cost per call."""
+    if reset is None:
+        reset = getattr(state, "cache_clear", None) or getattr(state, "clear", None)
+        if reset is None:
+            kind = type(state).__name__
+            raise TypeError(f"{name}: a {kind} has no clear() or cache_clear(); pass reset=")
+    _claim(name)
+    _others[name] = (state, reset)
+    return state
+
+
+def memo(name: str) -> Callable[[Callable[..., V]], Callable[..., V]]:
+    """``functools.cache``, registered under ``name`` (a decorator)."""
+
+    def wrap(fn: Callable[..., V]) -> Callable[..., V]:
+        return register(name, functools.cache(fn))
+
+    return wrap
+
+
 def caches() -> dict[str, Cache]:
-    """Every cache by name (a copy of the registry)."""
+    """Every bounded cache by name (a copy of the registry)."""
     return dict(_registry)
 
 
+def state() -> dict[str, Any]:
+    """Everything :func:`clear` resets, by name: the caches and the registered state."""
+    return {**_registry, **{name: obj for name, (obj, _) in _others.items()}}
+
+
 def clear() -> None:
-    """Empty every cache (the next call of each kind plans again)."""
+    """Reset every cache and registered state (the next call of each kind plans again)."""
     for cache in _registry.values():
         cache.clear()
+    for _, reset in _others.values():
+        reset()

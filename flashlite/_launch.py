@@ -1,35 +1,36 @@
 """How kernels are launched: ``kernel[grid](*args)`` with Triton's per-call work done once per
-kind of call.
+kind of call; and every use of Triton's private API in flashlite but the traffic counter's
+interpreter hooks (:mod:`flashlite.traffic.hooks`), each guarded by the Triton versions it was
+tested with, falling back or failing loudly with the version.
 
 Triton's ``JITFunction.run`` binds and specialises every argument on every call, and its
 compiled-kernel launch builds metadata and closures in Python: together tens of µs of host time,
 more than a small kernel's whole GPU time. :class:`Launcher` looks the compiled kernel up by a key
 that pins what Triton specialises on and, on the Triton version it was written against, calls the
-CUDA launcher's C function directly. Cooperative "team" launches (programs of one row that wait
-for each other) size their grid from the compiled kernel's resources.
-
-Everything private is guarded by the Triton versions it was tested with, and fails loudly naming
-the version. ``FLASHLITE_LAUNCH=triton`` in the environment (read at import) makes every launch
-take Triton's own path, ``kernel[grid](...)``, with no private API at all; ``direct`` (the
-default) allows the bound launch. The interpreter always takes Triton's own path.
+CUDA launcher's C function directly. ``FLASHLITE_LAUNCH=triton`` (read at import) makes every
+launch take Triton's own path, ``kernel[grid](...)``, as the interpreter always does; ``direct``
+(the default) allows the bound launch. Also here: a compiled kernel's resources (team launches),
+what a jit function is, the late interpreter switch, Gluon's TMA reduce-add.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import importlib
 import os
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+import triton
 
-from flashlite._backend import (
-    INTERPRETED,
-    TRITON_VERSION,
-    private_api_error,
-)
-from flashlite._caches import Cache
+# (the module, not its names: _backend imports this module while it starts, for
+# interpret_from_now_on, before those names exist)
+from flashlite import _backend
+from flashlite._caches import Cache, memo
 
 #: The environment switch, and its values: ``direct`` (bound launches where tested) or
 #: ``triton`` (Triton's own launch path for every kernel).
@@ -52,23 +53,20 @@ _bound = Cache("launch.bound", 4096)
 
 
 class Launcher:
-    """``kernel[grid](*args, **options)``, with Triton's per-call argument binding done once.
-
-    ``JITFunction.run`` binds and specialises every argument on every call (about 15 µs of host
-    time for the attention kernel's 30 arguments, more than its whole GPU time at small shapes).
-    Here the compiled kernel is looked up by a key that pins everything Triton specialises on —
-    each tensor's dtype and 16-byte alignment, each tensor descriptor's dtype, block shape and
-    layout, each int's class (:func:`_int_class`), each float's and bool's type, each constexpr's
-    value, the options and the device — and launched
-    directly (tensor descriptors through the compiled kernel's own launch, which builds their
-    TMA maps). Interpreted kernels, untested Triton versions and ``FLASHLITE_LAUNCH=triton``
-    take Triton's own path.
-    """
+    """``kernel[grid](*args, **options)``, with Triton's per-call argument binding (about 15 µs
+    for the attention kernel's 30 arguments) done once: the compiled kernel is looked up by a key
+    that pins all Triton specialises on — each tensor's dtype and 16-byte alignment, each tensor
+    descriptor's dtype, block shape and layout, each int's class (:func:`_int_class`), each
+    float's and bool's type, each constexpr's value, the options and the device — and launched
+    directly (descriptors through the compiled kernel's own launch, which builds their TMA
+    maps). Interpreted kernels, untested Tritons and ``FLASHLITE_LAUNCH=triton`` take Triton's
+    own path."""
 
     def __init__(self, kernel: Any) -> None:
         self.kernel = kernel
         low, high = _DIRECT_LAUNCH_TESTED
-        self.direct = not INTERPRETED and low <= TRITON_VERSION <= high and LAUNCH_MODE == "direct"
+        tested = low <= _backend.TRITON_VERSION <= high
+        self.direct = not _backend.INTERPRETED and tested and LAUNCH_MODE == "direct"
         # positions of constexpr parameters: their exact values make the compiled kernel
         params = getattr(kernel, "params", None)
         self.exact = (frozenset(i for i, p in enumerate(params) if getattr(p, "is_constexpr", True))
@@ -83,10 +81,8 @@ class Launcher:
 
     def bind(self, args: tuple, options: dict) -> Callable[..., None]:
         """``launch(grid, *args)`` (``grid`` of three) for calls whose arguments specialise as
-        ``args`` do (the same tensor dtypes and 16-byte alignment, ints of the same class,
-        :func:`_int_class`): the compiled kernel looked up once. A caller that keeps the result
-        must pin all that in its own key (the plans do, by shapes, strides, dtypes and
-        alignment)."""
+        ``args`` do (tensor dtypes and 16-byte alignment, int classes: :func:`_int_class`); a
+        caller that keeps it pins all that in its own key (the plans do)."""
         key = self._key(args, options) if self.direct else None
         if key is None:
             return triton_launch(self.kernel, options)
@@ -130,13 +126,13 @@ class Launcher:
     def _bound_run(self, args: tuple, options: dict) -> Callable[..., None]:
         """The launch of the compiled kernel for ``args``: the CUDA launcher's C function called
         directly where :func:`_raw_launch` allows it, else the compiled kernel's own launch."""
-        try:  # private: warmup's return value and the compiled kernel's launch
-            compiled = self.kernel.warmup(*args, grid=(1,), **options)
+        compiled = compile_for(self.kernel, args, options)
+        try:  # private: the compiled kernel's launch and the kernel's parameters
             defaults = {p.name: p.default for p in self.kernel.params}
             constants = [options.get(n, defaults[n]) for n in self.kernel.arg_names[len(args) :]]
             compiled.__getitem__  # noqa: B018
         except (AttributeError, KeyError, TypeError) as err:
-            raise private_api_error("JITFunction.warmup / CompiledKernel launch", err) from err
+            raise _backend.private_api_error("CompiledKernel launch", err) from err
         has_desc = any(_is_descriptor(a) for a in args)
         raw = None if has_desc else _raw_launch(compiled)
         if raw is None:
@@ -163,15 +159,10 @@ class Launcher:
         return run
 
     def bind_tensors(self, args: tuple, options: dict) -> Callable[..., None]:
-        """:meth:`bind` for a plan that passes, where ``args`` hold tensor descriptors, the
-        tensors they describe: ``launch(grid, *a)`` with each such ``a[i]`` a tensor of the
-        template descriptor's shape, strides, dtype and alignment (the caller's key pins them).
-
-        A descriptor holds its tensor's address, so it is made per call; here nothing else is.
-        On the Triton version :func:`_raw_launch` was written against, each TMA map is encoded by
-        the launcher's own function (:func:`_tma_args`) and kept per address, so a training
-        loop, whose tensors come back at the same few addresses, encodes none after its first
-        steps; elsewhere a descriptor like the template is built per call."""
+        """:meth:`bind` for a plan that passes the tensors where ``args`` hold descriptors (of
+        the template's shape, strides, dtype and alignment: the caller's key pins them). Where
+        :func:`_raw_launch` works, TMA maps are encoded as the launcher would (:func:`_tma_args`)
+        and kept per address; elsewhere a descriptor like the template is built per call."""
         templates = [(i, a) for i, a in enumerate(args) if _is_descriptor(a)]
         bound = self.bind(args, options)
         if not templates:
@@ -203,12 +194,9 @@ class Launcher:
 
 
 def triton_launch(kernel: Any, options: dict) -> Callable[..., None]:
-    """``launch(grid, *args)``: Triton's own ``kernel[grid](*args, **options)``. In the
-    interpreter numpy's floating-point warnings are off inside it: masked rows compute with −inf
-    on purpose (``exp(−inf) = 0``, ``log(0) = −inf``), and numpy would warn about each such
-    operation on every call. Only flashlite's own launches are quieted; the caller's numpy
-    settings are left as they were."""
-    if not INTERPRETED:
+    """``launch(grid, *args)``: Triton's own ``kernel[grid](*args, **options)``; in the
+    interpreter with numpy's floating-point warnings off inside it (masked rows use −inf)."""
+    if not _backend.INTERPRETED:
         return lambda grid, *a: kernel[grid](*a, **options)
     import numpy as np
 
@@ -225,11 +213,9 @@ _RAW_LAUNCH_TESTED = (3, 6)
 
 def _raw_launch(compiled: Any) -> tuple[Any, ...] | None:
     """``(launch, function, cooperative, pdl, packed metadata)`` to call a compiled kernel's C
-    launcher with, skipping Triton's per-call Python (``CompiledKernel.__getitem__``'s runner,
-    launch metadata, the launcher's scratch closures): about 20 µs of host time per launch on
-    the H200's host, more than a small kernel's whole time. Only on the Triton version it was
-    written against, for kernels without global or profile scratch; None otherwise."""
-    if TRITON_VERSION != _RAW_LAUNCH_TESTED or INTERPRETED:
+    launcher with, skipping Triton's per-call Python (20 µs a launch on the H200's host): on the
+    Triton version it was written for, without global or profile scratch; else None."""
+    if _backend.TRITON_VERSION != _RAW_LAUNCH_TESTED or _backend.INTERPRETED:
         return None
     try:  # private: the CUDA launcher's fields and its C launch function's argument order
         run = compiled.run
@@ -256,15 +242,12 @@ def _is_descriptor(a: Any) -> bool:
     return hasattr(a, "block_shape") and isinstance(getattr(a, "base", None), torch.Tensor)
 
 
-class _Described:
-    """What Triton 3.6's ``make_tensordesc_arg`` reads of a descriptor: base, shape, strides,
-    padding (a plan's descriptors differ only in their base)."""
+#: What Triton 3.6's ``make_tensordesc_arg`` reads of a descriptor (a plan's differ in base only)
+_Described = collections.namedtuple("_Described", "base shape strides padding")
 
-    __slots__ = ("base", "shape", "strides", "padding")
 
-    def __init__(self, base: torch.Tensor, template: Any) -> None:
-        self.base, self.shape, self.strides = base, template.shape, template.strides
-        self.padding = template.padding
+def _described(base: torch.Tensor, template: Any) -> Any:
+    return _Described(base, template.shape, template.strides, template.padding)
 
 
 #: TMA maps kept per descriptor slot of a plan: at most this many addresses each.
@@ -272,11 +255,10 @@ _MAPS_PER_SLOT = 16
 
 
 def _tma_args(compiled: Any, templates: list[tuple[int, Any]]) -> tuple[Any, ...] | None:
-    """``(launch, function, cooperative, pdl, packed, fill)`` for
-    :meth:`Launcher.bind_tensors`: :func:`_raw_launch`'s fields with the C launch that the
-    compiled kernel's descriptor wrapper calls, and ``fill(a)``, the flat argument list with
-    the tensor of each ``(index, template descriptor)`` expanded as the wrapper would (its TMA
-    map, shape, strides), maps kept per address. None where :func:`_raw_launch` is."""
+    """``(launch, function, cooperative, pdl, packed, fill)`` for :meth:`Launcher.bind_tensors`:
+    :func:`_raw_launch`'s fields with the C launch the descriptor wrapper calls, and ``fill(a)``,
+    the arguments with each template's tensor expanded as the wrapper would (TMA map, shape,
+    strides), maps kept per address. None where :func:`_raw_launch` is."""
     raw = _raw_launch(compiled)
     if raw is None:
         return None
@@ -298,14 +280,14 @@ def _tma_args(compiled: Any, templates: list[tuple[int, Any]]) -> tuple[Any, ...
             out.extend(a[start:i])
             t = a[i]
             if meta is None:  # (no map: the launcher reads the tensor itself)
-                out.extend(make_tensordesc_arg(_Described(t, template), meta))
+                out.extend(make_tensordesc_arg(_described(t, template), meta))
             else:
                 ptr = t.data_ptr()
                 found = kept.get(ptr)
                 if found is None:
                     if len(kept) >= _MAPS_PER_SLOT:
                         kept.clear()
-                    found = kept[ptr] = make_tensordesc_arg(_Described(t, template), meta)
+                    found = kept[ptr] = make_tensordesc_arg(_described(t, template), meta)
                 out.extend(found)
             start = i + 1
         out.extend(a[start:])
@@ -323,27 +305,21 @@ def _launch_hooks() -> Any:
 
 def _listening(hooks: Any) -> bool:
     """Whether a launch enter or exit hook is set: 3.6's default is an empty ``HookChain`` (a
-    profiler such as Proton adds to it), or a user's function. (One call for both: every bound
-    launch asks.)"""
+    profiler such as Proton adds to it), or a user's function. (Every bound launch asks.)"""
     enter, leave = hooks.launch_enter_hook, hooks.launch_exit_hook
     return (enter is not None and bool(getattr(enter, "calls", True))) or (
         leave is not None and bool(getattr(leave, "calls", True))
     )
 
 
-def _current_device() -> int:
-    return torch.cuda.current_device()
-
-
-def _current_stream(device: int) -> int:
-    return torch.cuda.current_stream(device).cuda_stream
-
-
 try:  # the raw stream handle without a Stream object (what Triton's own launch reads)
-    from torch._C import _cuda_getCurrentRawStream as _current_stream  # noqa: F811
-    from torch._C import _cuda_getDevice as _current_device  # noqa: F811
+    from torch._C import _cuda_getCurrentRawStream as _current_stream
+    from torch._C import _cuda_getDevice as _current_device
 except ImportError:  # pragma: no cover - a CPU-only torch
-    pass
+    _current_device = torch.cuda.current_device
+
+    def _current_stream(device: int) -> int:
+        return torch.cuda.current_stream(device).cuda_stream
 
 
 _launchers = Cache("launch.launchers", 256)
@@ -355,3 +331,120 @@ def launcher(kernel: Any) -> Launcher:
     if found is None or found.kernel is not kernel:
         found = _launchers.put(id(kernel), Launcher(kernel))
     return found
+
+
+# ----------------------------------------------------------------------------- the rest
+def compile_for(kernel: Any, args: tuple | list, options: dict) -> Any:
+    """The compiled kernel for ``args`` and ``options`` (compiled now if new; nothing runs)."""
+    try:  # private: JITFunction.warmup, which returns the CompiledKernel
+        return kernel.warmup(*args, grid=(1,), **options)
+    except (AttributeError, TypeError) as err:
+        raise _backend.private_api_error("JITFunction.warmup", err) from err
+
+
+def compiled_resources(compiled: Any) -> tuple[int, int, int]:
+    """A compiled kernel's registers per thread, warps and shared memory bytes."""
+    try:  # private: its resource usage (the handles that hold n_regs load lazily)
+        if not hasattr(compiled, "n_regs"):
+            compiled._init_handles()
+        return compiled.n_regs, compiled.metadata.num_warps, compiled.metadata.shared
+    except AttributeError as err:
+        raise _backend.private_api_error("CompiledKernel.n_regs / metadata", err) from err
+
+
+@memo("launch.cooperative")
+def cooperative_launch_supported() -> bool:
+    """Whether this Triton can launch a cooperative grid (all programs resident at once)."""
+    try:  # private: the CUDA backend's option list (without it: no cooperative launches)
+        from triton.backends.nvidia.compiler import CUDAOptions
+    except ImportError:
+        return False
+    return "launch_cooperative_grid" in getattr(CUDAOptions, "__dataclass_fields__", {})
+
+
+def compiled_variants(kernels: Iterable[Any]) -> int:
+    """How many compiled variants ``kernels`` hold (0 in the interpreter: nothing compiles)."""
+    if _backend.INTERPRETED:
+        return 0
+    try:  # private: JITFunction.device_caches, per device a tuple led by the kernel cache
+        return sum(len(entry[0]) for k in kernels for entry in k.device_caches.values())
+    except (AttributeError, IndexError, TypeError) as err:
+        raise _backend.private_api_error("JITFunction.device_caches", err) from err
+
+
+try:  # private: the classes @triton.jit makes (compiled, and the interpreter's stand-in)
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+except ImportError as err:  # pragma: no cover  (every supported Triton has both)
+    raise ImportError(f"triton {triton.__version__} moved JITFunction: {err}") from err
+
+
+def is_jit(fn: object) -> bool:
+    """Whether ``fn`` is a ``@triton.jit`` function (compiled, or interpreted)."""
+    return isinstance(fn, (JITFunction, InterpretedFunction))
+
+
+def python_fn(fn: Any) -> Callable[..., Any]:
+    """The undecorated Python function inside a jit function."""
+    try:  # private: where both classes keep it
+        return fn.fn
+    except AttributeError as err:
+        raise _backend.private_api_error("JITFunction.fn", err) from err
+
+
+#: Triton versions whose jit library :func:`interpret_from_now_on` makes again
+_LATE_INTERPRETER_TESTED = ((3, 4), (3, 9))
+
+
+def interpret_from_now_on() -> str | None:
+    """Turn the interpreter on after a late ``import triton`` (:mod:`flashlite._backend` says
+    when), and make Triton's own jit library again, bound where ``triton.language`` and its
+    tensor methods hold it. Why it failed (naming the version), or None. (Runs while
+    ``_backend`` starts: none of its names is read here.)"""
+    low, high = _LATE_INTERPRETER_TESTED
+    if not low <= tuple(int(p) for p in triton.__version__.split(".")[:2]) <= high:
+        return f"not tested with triton {triton.__version__} (3.4 to 3.9 are)"
+    try:  # private: the runtime knob, and JITFunction objects rebound in triton.language
+        import triton.language as tl
+        from triton import knobs
+
+        knobs.runtime.interpret = True
+        os.environ["TRITON_INTERPRET"] = "1"
+        for name in ("triton.language.standard", "triton.language.random"):
+            module = sys.modules.get(name) or importlib.import_module(name)
+            before = dict(vars(module))
+            importlib.reload(module)
+            for attr, old in before.items():
+                for holder in (tl, tl.tensor) if isinstance(old, JITFunction) else ():
+                    if vars(holder).get(attr) is old:
+                        setattr(holder, attr, getattr(module, attr))
+    except Exception as err:  # noqa: BLE001  (any failure: the clear error at the first call)
+        os.environ.pop("TRITON_INTERPRET", None)
+        return f"triton {triton.__version__}: {type(err).__name__}: {err}"
+    return None
+
+
+#: Tritons on which :func:`gluon_tma_add` builds it (3.6 has no name for it; 3.9 has one)
+_TMA_ADD_TESTED = ((3, 4), (3, 9))
+
+
+def gluon_tma_add() -> Any | None:
+    """Gluon's TMA reduce-add ``add(tensor_desc, coord, src)`` (the shared tile ``src`` added
+    into global memory), made from the IR builder's operation; None where untested or absent."""
+    low, high = _TMA_ADD_TESTED
+    if not low <= _backend.TRITON_VERSION <= high:
+        return None
+    try:  # private: the IR's reduce kinds and Gluon's builtin decorator
+        from triton._C.libtriton import ir
+        from triton.experimental.gluon.language._core import builtin
+
+        add = ir.DESCRIPTOR_REDUCE_KIND.ADD
+    except (ImportError, AttributeError):
+        return None
+
+    @builtin
+    def tma_add(tensor_desc, coord, src, _semantic=None):  # noqa: ANN001, ANN202
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(add, tensor_desc.handle, coord, src.handle)
+
+    return tma_add

@@ -1,7 +1,7 @@
 """Cooperative "team" launches: kernels whose programs of one row wait for each other (the team
 softmax, the Gluon prefetching teams of softmax and cross-entropy), so every program of a grid
 must be resident at once. The grid is sized from the compiled kernel's registers and shared
-memory (private: its metadata, version-guarded as :mod:`flashlite._launch` is) and launched as
+memory (Triton's private metadata, read by :mod:`flashlite._launch`) and launched as
 a cooperative grid, which the driver refuses rather than hangs should that ever fall short."""
 
 from __future__ import annotations
@@ -11,9 +11,15 @@ from typing import Any
 
 import torch
 
-from flashlite._backend import cooperative_launch_supported, num_sms, private_api_error
+from flashlite._backend import num_sms
 from flashlite._caches import Cache
-from flashlite._launch import launcher, triton_launch
+from flashlite._launch import (
+    compile_for,
+    compiled_resources,
+    cooperative_launch_supported,
+    launcher,
+    triton_launch,
+)
 
 _resident = Cache("launch.resident", 1024)
 
@@ -24,13 +30,7 @@ def resident_programs(compiled: Any, index: int) -> int:
     key = (index, compiled.hash if hasattr(compiled, "hash") else id(compiled))
     if key in _resident:
         return _resident[key]
-    try:  # private: the compiled kernel's resource usage
-        if not hasattr(compiled, "n_regs"):  # loaded lazily
-            compiled._init_handles()
-        n_regs, meta = compiled.n_regs, compiled.metadata
-        num_warps, shared = meta.num_warps, meta.shared
-    except AttributeError as err:
-        raise private_api_error("CompiledKernel.n_regs / metadata", err) from err
+    n_regs, num_warps, shared = compiled_resources(compiled)
     props = torch.cuda.get_device_properties(index)
     threads = 32 * num_warps
     regs_per_warp = -(-max(n_regs, 1) * 32 // 256) * 256  # allocated per warp, by 256
@@ -107,7 +107,7 @@ def _cooperative_teams(
     key = (id(kernel), device.index, n_chunks, n_rows, tuple(options.items()), tensors)
     n_teams = _team_counts.get(key)
     if n_teams is None:
-        compiled = kernel.warmup(*args, n_rows, grid=(1,), **options)
+        compiled = compile_for(kernel, (*args, n_rows), options)
         capacity = resident_programs(compiled, device.index or 0)
         n_teams = max(1, min(n_rows, capacity // n_chunks))
         _team_counts.put(key, n_teams)

@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 
-from flashlite.masking.mods import MaskMod, _is_jit, as_mask_mod
+from flashlite._launch import is_jit as _is_jit
+from flashlite.masking.mods import MaskMod, as_mask_mod
 
 __all__ = ["EMPTY", "PARTIAL", "FULL", "BlockMask", "tables", "cdiv"]
 

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl  # noqa: F401  (the jit mask below runs with it in scope)
 
 from flashlite import _backend
-from flashlite._caches import Cache
+from flashlite._caches import Cache, register
 from flashlite.masking import block_mask as BM
 from flashlite.masking import mods as M
 from flashlite.masking.classify import classify_tiles
@@ -104,7 +104,7 @@ _EVERYTHING = M.mask_mod(_everything, name="flashlite.flex.everything", tile_rea
 
 #: Block masks whose tables :func:`_check_tables` accepted: a BlockMask is frozen, so its
 #: tables' shapes and dtypes cannot change after (a call with one checks it once).
-_checked: weakref.WeakSet[BM.BlockMask] = weakref.WeakSet()
+_checked: weakref.WeakSet[BM.BlockMask] = register("flex.checked_block_masks", weakref.WeakSet())
 
 
 def _check_tables(bm: BM.BlockMask) -> None:

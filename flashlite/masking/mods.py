@@ -36,12 +36,17 @@ derivative too: it takes the same arguments), which pass up to :data:`MAX_BUFFER
 from __future__ import annotations
 
 import inspect
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+
+from flashlite._caches import register
+from flashlite._launch import is_jit as _is_jit
+from flashlite._launch import python_fn as _python_fn
 
 __all__ = [
     "MAX_BUFFERS",
@@ -69,24 +74,6 @@ Buffer = torch.Tensor | int | float
 TileReads = Callable[[int, int], int]
 #: How many batches, heads and positions a mod's buffers hold (None: any): see :func:`mask_mod`
 Limits = tuple[int | None, int | None, int | None]
-
-
-def _is_jit(fn: object) -> bool:
-    """A ``@triton.jit`` function (compiled, or the interpreter's stand-in for one)."""
-    from triton.runtime.jit import JITFunction
-
-    if isinstance(fn, JITFunction):
-        return True
-    try:
-        from triton.runtime.interpreter import InterpretedFunction
-    except ImportError:  # pragma: no cover  (every supported Triton has it)
-        return False
-    return isinstance(fn, InterpretedFunction)
-
-
-def _python_fn(fn: Any) -> Callable[..., Any]:
-    """The undecorated Python function inside a jit function."""
-    return fn.fn
 
 
 def _arity(fn: Callable[..., Any]) -> int:
@@ -153,8 +140,11 @@ def _check_fn(fn: object, what: str, indices: int, n_buffers: int) -> None:
 
 
 #: name -> (fn, torch_fn) or (fn, torch_fn, grad_fn); a redefined function (a notebook cell
-#: run again) replaces the old one under its name
-_REGISTRY: dict[str, tuple[Any, ...]] = {}
+#: run again) replaces the old one under its name. ``_caches.clear()`` empties it: a name is
+#: then registered again by the newest live mod made as it (``_made``: weak, it keeps nothing
+#: alive), so a compiled graph, which finds its mods by name, runs on while they live.
+_REGISTRY: dict[str, tuple[Any, ...]] = register("mods.registry", {})
+_made: weakref.WeakValueDictionary[int, _Mod] = weakref.WeakValueDictionary()
 
 
 def _name_of(fn: Any) -> str:
@@ -165,7 +155,19 @@ def _name_of(fn: Any) -> str:
 def registered_as(name: str) -> tuple[Any, ...] | None:
     """:func:`registered`'s entry, or None (what a plan's key holds: a name registered again
     is another entry)."""
-    return _REGISTRY.get(name)
+    entry = _REGISTRY.get(name)
+    return entry if entry is not None else _register_again(name)
+
+
+def _register_again(name: str) -> tuple[Any, ...] | None:
+    """The entry of the newest live mod made as ``name``, registered again (after a clear)."""
+    mods = [m for m in list(_made.values()) if m.name == name]
+    if not mods:
+        return None
+    m = mods[-1]
+    entry = (m.fn, m.torch_fn, m.grad_fn) if isinstance(m, ScoreMod) else (m.fn, m.torch_fn)
+    _REGISTRY[name] = entry
+    return entry
 
 
 def registered(name: str) -> tuple[Any, ...]:
@@ -222,7 +224,7 @@ class MaskMod(_Mod):
     Calling it runs the twin with the buffers appended (what torch's ``create_block_mask``
     calls). Make one with :func:`mask_mod`."""
 
-    __slots__ = ()
+    __slots__ = ("__weakref__",)  # (registered weakly: see _made)
 
     def __call__(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return self.torch_fn(b, h, q_idx, kv_idx, *self.buffers)
@@ -234,7 +236,7 @@ class ScoreMod(_Mod):
     buffers. Calling it runs the twin (what torch's ``flex_attention`` calls). Make one with
     :func:`score_mod`."""
 
-    __slots__ = ("grad_fn",)
+    __slots__ = ("grad_fn", "__weakref__")
 
     def __init__(self, fn: Any, grad_fn: Any, torch_fn: Callable[..., Any],
                  buffers: tuple[Buffer, ...], name: str, tile_reads: TileReads | None = None,
@@ -276,6 +278,7 @@ def mask_mod(fn: Any, *buffers: Buffer, torch_fn: Callable[..., Any] | None = No
     if _REGISTRY.get(name) != (fn, twin):  # (checked once per function and name)
         _check_result(mod, "mask_mod")
     _REGISTRY[name] = (fn, twin)
+    _made[id(mod)] = mod
     return mod
 
 
@@ -311,6 +314,7 @@ def score_mod(fn: Any, *buffers: Buffer, grad: Any = None,
     if _REGISTRY.get(name) != (fn, twin, grad):
         _check_result(mod, "score_mod")
     _REGISTRY[name] = (fn, twin, grad)
+    _made[id(mod)] = mod
     return mod
 
 

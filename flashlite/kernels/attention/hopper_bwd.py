@@ -93,18 +93,13 @@ if GLUON_BWD_ERROR is None:
         _thread_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
         _tma_add = getattr(tma, "async_atomic_add", None)
         if _tma_add is None:  # Triton 3.6 has the operation but no Python name for it
-            from triton._C.libtriton import ir as _ir
-            from triton.experimental.gluon.language._core import builtin as _builtin
+            import triton
 
-            _REDUCE_ADD = _ir.DESCRIPTOR_REDUCE_KIND.ADD
+            from flashlite._launch import gluon_tma_add
 
-            @_builtin
-            def _tma_add(tensor_desc, coord, src, _semantic=None):  # noqa: ANN001, ANN202
-                """Add the shared-memory tile ``src`` into global memory at ``coord``."""
-                coord = _semantic._convert_to_ir_values(coord, require_i64=False)
-                _semantic.builder.create_async_tma_reduce(
-                    _REDUCE_ADD, tensor_desc.handle, coord, src.handle
-                )
+            _tma_add = gluon_tma_add()
+            if _tma_add is None:
+                raise ImportError(f"triton {triton.__version__}'s Gluon has no TMA reduce-add")
     except Exception as err:  # noqa: BLE001 - any failure means: not available
         GLUON_BWD_ERROR = f"{type(err).__name__}: {err}"
 

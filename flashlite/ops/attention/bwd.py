@@ -11,7 +11,7 @@ from collections.abc import Callable
 import torch
 
 from flashlite import _backend
-from flashlite._caches import Cache
+from flashlite._caches import Cache, register
 from flashlite.kernels import configs as C
 from flashlite.masking import masks
 from flashlite.ops.attention import hopper as HP
@@ -271,7 +271,7 @@ def _attention_bwd_masked(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 
 
 #: Fused-backward variants whose first launch failed to build: the Triton kernels run them.
-_hopper_bwd_failed: set[tuple] = set()
+_hopper_bwd_failed: set[tuple] = register("attention.hopper_bwd_failed", set())
 
 
 def _run_hopper_bwd(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,

@@ -11,6 +11,7 @@ import torch
 import triton
 
 from flashlite import _backend
+from flashlite._caches import register
 from flashlite.ops.common import overlapping, take_record, value_record
 
 LAYOUTS = ("b h n d", "b n h d")
@@ -343,8 +344,8 @@ def _check_offsets_on_device(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: in
 
 
 #: Devices where the offsets-check kernel built (any later error is real) or failed to build.
-_offsets_checked: set[torch.device] = set()
-_offsets_failed: set[torch.device] = set()
+_offsets_checked: set[torch.device] = register("attention.offsets_checked", set())
+_offsets_failed: set[torch.device] = register("attention.offsets_failed", set())
 
 
 def _report_offsets_problems(device: torch.device, wait: bool, earlier: bool) -> None:

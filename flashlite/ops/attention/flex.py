@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from flashlite import _backend
+from flashlite import _backend, _launch
 from flashlite.kernels.attention import flex as KF
 from flashlite.kernels.attention import hopper as KH
 from flashlite.kernels.attention import hopper_bwd as KHB
@@ -231,8 +231,7 @@ def compiled_variants() -> int:
         kernels.append(KH._attention_fwd_hopper_kernel)
     if KHB.available():
         kernels.append(KHB._attention_bwd_hopper_kernel)
-    caches = (getattr(k, "device_caches", {}) for k in kernels)
-    return sum(len(entry[0]) for cache in caches for entry in cache.values())
+    return _launch.compiled_variants(kernels)
 
 
 # --------------------------------------------------------------------------- public

@@ -13,7 +13,7 @@ import torch
 import triton
 
 from flashlite import _backend, _launch
-from flashlite._caches import Cache
+from flashlite._caches import Cache, register
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import flex as KF
 from flashlite.kernels.attention import hopper_bwd as KHB
@@ -149,7 +149,7 @@ def _batch(q: torch.Tensor, cu: tuple[torch.Tensor, torch.Tensor], varlen: bool)
 
 
 #: (kernel, mods, head dim, dtype) launched with one stage: see :func:`_bind_triton`.
-_one_stage: set[tuple[Any, ...]] = set()
+_one_stage: set[tuple[Any, ...]] = register("flex.one_stage", set())
 
 
 def _bind_triton(kernel: Any, grid: tuple[int, int, int], args: tuple[Any, ...],
@@ -165,7 +165,7 @@ def _bind_triton(kernel: Any, grid: tuple[int, int, int], args: tuple[Any, ...],
     try:
         bound = launcher.bind(args, {**mods, **opts})
         bound(grid, *args)
-    except triton.runtime.errors.OutOfResources:
+    except triton.OutOfResources:
         if opts["num_stages"] == 1:
             raise
         _one_stage.add(key)
@@ -176,7 +176,7 @@ def _bind_triton(kernel: Any, grid: tuple[int, int, int], args: tuple[Any, ...],
 
 # --------------------------------------------------------------------------- forward
 #: Variants whose first Hopper launch failed to build (the Triton kernel runs them).
-hopper_failed: set[tuple[Any, ...]] = set()
+hopper_failed: set[tuple[Any, ...]] = register("flex.hopper_failed", set())
 
 
 class FwdPlan:
@@ -256,7 +256,7 @@ class FwdPlan:
 
 
 # --------------------------------------------------------------------------- backward
-hopper_bwd_failed: set[tuple[Any, ...]] = set()
+hopper_bwd_failed: set[tuple[Any, ...]] = register("flex.hopper_bwd_failed", set())
 
 
 class BwdCall(NamedTuple):

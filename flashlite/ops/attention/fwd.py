@@ -10,7 +10,7 @@ import torch
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashlite import _launch
-from flashlite._caches import Cache
+from flashlite._caches import Cache, register
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import fwd as K
 from flashlite.kernels.attention import hopper as KH
@@ -206,7 +206,7 @@ class _Planned:
 
 #: Kernel variants whose first launch failed (a Triton whose Gluon differs): the Triton kernel
 #: runs them instead, after one warning.
-_hopper_failed: set[tuple] = set()
+_hopper_failed: set[tuple] = register("attention.hopper_failed", set())
 
 
 def _run_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
