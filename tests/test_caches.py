@@ -14,7 +14,8 @@ import torch
 import triton
 
 import flashlite
-from flashlite import _caches, gallery, mods
+from flashlite import _caches
+from flashlite.masking import gallery, mods
 
 #: Module globals that are mutable containers but not state: tables and constants written
 #: once at import (never by a call), aliases, and the registries of state themselves.
@@ -22,7 +23,7 @@ NOT_STATE = {
     "flashlite._caches._registry": "the registry of caches itself",
     "flashlite._caches._others": "the registry of other state itself",
     "flashlite._backend._RAW_ENV": "os.environ's own mapping, read (not kept) by getenv",
-    "flashlite.mods._made": "weak: keeps nothing alive; clear() refills the registry from it",
+    "flashlite.masking.mods._made": "weak: keeps nothing alive; clear() refills the registry",
     "flashlite.cli.commands.DTYPES": "constant table",
     "flashlite.cli.commands.SOFTMAX_TOL": "constant table",
     "flashlite.cli.commands.ATTENTION_FLOOR": "constant table",
