@@ -79,17 +79,22 @@ class MultiheadAttention(nn.Module):
             q, k, v = F.linear(query, w, bias).chunk(3, -1)
         else:
             ws, bs = w.chunk(3), (bias.chunk(3) if bias is not None else (None, None, None))
-            q, k, v = (F.linear(x, wi, bi) for x, wi, bi in zip((query, key, value), ws, bs,
-                                                                strict=True))  # fmt: skip
+            q, k, v = (
+                F.linear(x, wi, bi) for x, wi, bi in zip((query, key, value), ws, bs, strict=True)
+            )
         lengths = None
         if key_padding_mask is not None:
             lengths = self._lengths(key_padding_mask, b, s, bool(is_causal))
         h, d = self.num_heads, self.head_dim
         out = flashlite.attention(
-            q.reshape(b, n, h, d), k.reshape(b, s, h, d), v.reshape(b, s, h, d),
-            causal=bool(is_causal), scale=1.0 / math.sqrt(d), layout="b n h d",
+            q.reshape(b, n, h, d),
+            k.reshape(b, s, h, d),
+            v.reshape(b, s, h, d),
+            causal=bool(is_causal),
+            scale=1.0 / math.sqrt(d),
+            layout="b n h d",
             seqlens_k=lengths,
-        )  # fmt: skip
+        )
         return self.out_proj(out.reshape(b, n, e)), None
 
     @staticmethod
@@ -103,6 +108,7 @@ class MultiheadAttention(nn.Module):
         lengths = (~mask).sum(1)
         suffix = torch.arange(s, device=mask.device)[None, :] >= lengths[:, None]
         if not torch.equal(suffix, mask):
-            raise NotImplementedError("key_padding_mask with padding that is not at the end of "
-                                      "its row")  # fmt: skip
+            raise NotImplementedError(
+                "key_padding_mask with padding that is not at the end of its row"
+            )
         return lengths.to(torch.int32)

@@ -175,8 +175,16 @@ def _draw(ax: Any, panel: Panel) -> None:
     if panel.legend is not None and ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=panel.legend)
     if panel.notes:
-        ax.text(0.99, 0.02, "\n".join(panel.notes), transform=ax.transAxes, ha="right",
-                va="bottom", fontsize=7, color="dimgrey")  # fmt: skip
+        ax.text(
+            0.99,
+            0.02,
+            "\n".join(panel.notes),
+            transform=ax.transAxes,
+            ha="right",
+            va="bottom",
+            fontsize=7,
+            color="dimgrey",
+        )
 
 
 def _finite(v: float | None) -> bool:

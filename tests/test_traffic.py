@@ -20,7 +20,7 @@ import torch
 
 from flashlite import reference, traffic
 from flashlite.kernels import softmax as softmax_kernels
-from flashlite.traffic import AttentionShape, measure
+from flashlite.traffic import AttentionShape, measure, ncu
 
 DATA = Path(__file__).parent / "data"
 
@@ -249,7 +249,7 @@ def test_parse_ncu_csv_quoted_kernel_names() -> None:
 def test_parse_ncu_csv_without_table() -> None:
     assert traffic.parse_ncu_csv("==PROF== No kernels were profiled.\n") == []
     with pytest.raises(ValueError, match="unit"):
-        measure._ncu_value("1", "furlong")
+        ncu._ncu_value("1", "furlong")
 
 
 def _fake_ncu(tmp_path: Path) -> Path:

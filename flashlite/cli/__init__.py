@@ -3,8 +3,8 @@
 Everything runs on a CPU (Triton's interpreter) unless `--device cuda` is given; `traffic
 --measure` needs a GPU and Nsight Compute. `--json` prints machine-readable results on stdout
 (notes and progress go to stderr). The help texts shown to users are the plain-text constants of
-:mod:`flashlite.cli.parser` (`_DESCRIPTION`, `_EXAMPLES`, ...), not this docstring; what each
-sub-command runs is :mod:`flashlite.cli.commands`.
+:mod:`flashlite.cli.texts` (`DESCRIPTION`, `EXAMPLES`, ...), not this docstring; the argument
+tree is :mod:`flashlite.cli.parser`, and what each sub-command runs :mod:`flashlite.cli.commands`.
 """
 
 from __future__ import annotations

@@ -26,8 +26,11 @@ def _max_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 #: The verdict's tolerances against the fp64 reference, the test suite's table: softmax-family
 #: outputs pass elementwise ``|y − ref| <= atol + rtol·|ref|``; attention passes when its largest
 #: error is at most twice PyTorch's own in the input dtype plus ``floor`` (flash-attn's rule).
-SOFTMAX_TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 2e-3),
-               torch.bfloat16: (8e-3, 1.6e-2)}  # fmt: skip
+SOFTMAX_TOL = {
+    torch.float32: (1e-5, 1e-5),
+    torch.float16: (1e-3, 2e-3),
+    torch.bfloat16: (8e-3, 1.6e-2),
+}
 ATTENTION_FLOOR = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
 
 
@@ -164,8 +167,9 @@ def _cmd_softmax_traffic(args: argparse.Namespace) -> int:
     return _measure_status(args, rows)
 
 
-def _unmeasured_rows(args: argparse.Namespace, option: str, make: Callable[[], Any],
-                     fmt: Callable[[Any], str]) -> int:  # fmt: skip
+def _unmeasured_rows(
+    args: argparse.Namespace, option: str, make: Callable[[], Any], fmt: Callable[[Any], str]
+) -> int:
     """A traffic table that ``--measure`` does not cover (``option``): the rows ``make()``
     returns (a ValueError from it is the command's error), its notes on stderr, the table."""
     try:  # (a shape the model leaves out fails before any counting)
@@ -185,11 +189,17 @@ def _cmd_shared_prefix_traffic(args: argparse.Namespace) -> int:
     from flashlite.traffic import format_shared_prefix_table, shared_prefix_rows
 
     # the suffix caches' lengths are --seq; decoding is causal (as --decode)
-    shapes = [replace(_shape_from(args, n), seq_q=args.decode_q, seq_k=n, causal=True)
-              for n in args.seq]  # fmt: skip
-    return _unmeasured_rows(args, "--shared-prefix", lambda: shared_prefix_rows(
-        shapes, args.shared_prefix, count=args.count, gpu=args.gpu,
-        show_progress=not args.quiet), format_shared_prefix_table)  # fmt: skip
+    shapes = [
+        replace(_shape_from(args, n), seq_q=args.decode_q, seq_k=n, causal=True) for n in args.seq
+    ]
+    return _unmeasured_rows(
+        args,
+        "--shared-prefix",
+        lambda: shared_prefix_rows(
+            shapes, args.shared_prefix, count=args.count, gpu=args.gpu, show_progress=not args.quiet
+        ),
+        format_shared_prefix_table,
+    )
 
 
 def _cmd_block_sparse_traffic(args: argparse.Namespace) -> int:
@@ -197,9 +207,14 @@ def _cmd_block_sparse_traffic(args: argparse.Namespace) -> int:
 
     shapes = [replace(_shape_from(args, n), seq_k=None, causal=False) for n in args.seq]
     try:  # (a shape the model leaves out fails before any counting)
-        rows, notes = block_sparse_rows(shapes, args.mask, docs=args.docs, count=args.count,
-                                        measure=args.measure,
-                                        show_progress=not args.quiet)  # fmt: skip
+        rows, notes = block_sparse_rows(
+            shapes,
+            args.mask,
+            docs=args.docs,
+            count=args.count,
+            measure=args.measure,
+            show_progress=not args.quiet,
+        )
     except ValueError as err:
         print(f"flashlite traffic: error: {err}", file=sys.stderr)
         return 2
@@ -224,8 +239,9 @@ def cmd_traffic(args: argparse.Namespace) -> int:
     if args.ce:
         from flashlite.traffic import cross_entropy_rows, format_softmax_table
 
-        rows = cross_entropy_rows(args.rows, args.n, DTYPES[args.dtype], count=args.count,
-                                  weight=args.ce_weight)  # fmt: skip
+        rows = cross_entropy_rows(
+            args.rows, args.n, DTYPES[args.dtype], count=args.count, weight=args.ce_weight
+        )
         _emit(args, rows, [format_softmax_table(rows)])
         return 0
     if args.shared_prefix is not None:
@@ -235,10 +251,13 @@ def cmd_traffic(args: argparse.Namespace) -> int:
     if args.decode:
         from flashlite.traffic import decode_rows
 
-        shapes = [replace(_shape_from(args, n), seq_q=args.decode_q, seq_k=n, causal=True)
-                  for n in args.seq]  # fmt: skip
-        rows, notes = decode_rows(shapes, count=args.count, measure=args.measure,
-                                  show_progress=not args.quiet)  # fmt: skip
+        shapes = [
+            replace(_shape_from(args, n), seq_q=args.decode_q, seq_k=n, causal=True)
+            for n in args.seq
+        ]
+        rows, notes = decode_rows(
+            shapes, count=args.count, measure=args.measure, show_progress=not args.quiet
+        )
         for note in dict.fromkeys(notes):
             print(f"note: {note}", file=sys.stderr)
         _emit(args, rows, [format_table(rows)])
@@ -300,8 +319,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for alg in ("auto", "online", "three_pass"):
         r = _run_softmax(4, 1000, torch.float32, alg, "cpu")
         failed += not r["ok"]
-        print(f"  {alg:<11} (4, 1000) fp32   max |error| = {r['max_abs_error']:.2e}  "
-              f"{_verdict(r['ok'])}")  # fmt: skip
+        print(
+            f"  {alg:<11} (4, 1000) fp32   max |error| = {r['max_abs_error']:.2e}  "
+            f"{_verdict(r['ok'])}"
+        )
     print("\n== attention vs reference (fp64)")
     for causal in (False, True):
         shape = AttentionShape(1, 2, 50, 16, seq_k=70, dtype=torch.float32, causal=causal)
@@ -366,9 +387,12 @@ BENCHMARKS = (
 def cmd_bench(args: argparse.Namespace) -> int:
     width = max(len(name) for name, _ in BENCHMARKS)
     lines = [f"  python benchmarks/{name:<{width}}  # {what}" for name, what in BENCHMARKS]
-    print("Benchmarks are scripts in benchmarks/ of a clone (each needs a GPU):", *lines,
-          "Each writes JSON + PNG to benchmarks/results/ and prints a table last.",
-          sep="\n")  # fmt: skip
+    print(
+        "Benchmarks are scripts in benchmarks/ of a clone (each needs a GPU):",
+        *lines,
+        "Each writes JSON + PNG to benchmarks/results/ and prints a table last.",
+        sep="\n",
+    )
     return 0
 
 

@@ -1,4 +1,5 @@
-"""The argument tree of the `flashlite` command: help texts, shared options, sub-commands."""
+"""The argument tree of the `flashlite` command: shared options and sub-commands (their help
+texts are :mod:`flashlite.cli.texts`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import torch
 
+from flashlite.cli import texts
 from flashlite.cli.commands import (
     DTYPES,
     cmd_attention,
@@ -19,78 +21,6 @@ from flashlite.cli.commands import (
     cmd_traffic,
 )
 from flashlite.distributed import demo as ring_demo
-
-# =============================================================================== parser
-_DESCRIPTION = """\
-Online softmax and tiled attention in Triton: check them against torch, and count the
-HBM bytes they move.
-
-Without a CUDA GPU every kernel runs in Triton's interpreter on the CPU: the same kernel
-source, slower, no setting needed. Give --device cuda to run compiled on a GPU."""
-
-_EXAMPLES = """\
-examples:
-  flashlite demo                        accuracy checks, traffic table and a plot (CPU)
-  flashlite softmax --rows 4 --n 4096 --algorithm online
-  flashlite attention --seq 128 --seq-k 256 --causal --json
-  flashlite traffic --seq 64 128 256 --count --plot traffic.png
-  flashlite traffic --seq 4096 16384 --head-dim 128 --dtype bfloat16 --measure   (GPU + ncu)
-
-Run 'flashlite COMMAND --help' for the options of one command. With --json, results go to
-stdout as JSON; notes and progress go to stderr."""
-
-_DEMO = """\
-A quick tour on the CPU (Triton's interpreter, a few seconds):
-  1. softmax (every algorithm) and attention (causal and not) against fp64 references;
-  2. the bytes each softmax kernel loads and stores, counted, next to the traffic model;
-  3. the same for attention (naive vs flashlite), as a table and a log-log plot.
-The plot is written to --out; the command prints its absolute path."""
-
-_DEMO_EXAMPLES = """\
-examples:
-  flashlite demo                        writes ./flashlite-traffic.png
-  flashlite demo --out /tmp/traffic.svg"""
-
-_SOFTMAX = """\
-Run flashlite.softmax (or log_softmax) on a random (rows, n) tensor and print the largest
-absolute error against torch computed in fp64, and the time the call took."""
-
-_SOFTMAX_EXAMPLES = """\
-examples:
-  flashlite softmax --rows 4 --n 4096 --algorithm online
-  flashlite softmax --log --dtype bfloat16 --json"""
-
-_ATTENTION = """\
-Run flashlite.attention on random Q, K, V of shape (batch, heads, seq, head-dim) and print
-the largest absolute error against flashlite.reference.attention in fp64."""
-
-_ATTENTION_EXAMPLES = """\
-examples:
-  flashlite attention --seq 128 --causal
-  flashlite attention --heads 8 --kv-heads 2 --seq 1 --seq-k 300 --json   (GQA, one query)"""
-
-_TRAFFIC = """\
-HBM bytes of one attention call, per method and sequence length, three ways:
-  model     closed-form bytes (always shown);
-  counted   bytes of every load and store, running the kernels in Triton's interpreter
-            (--count; on a CUDA machine the command re-runs itself with TRITON_INTERPRET=1);
-  measured  DRAM bytes from Nsight Compute (--measure; needs a CUDA GPU and ncu).
-The last column compares the best available figure with the compulsory bytes (Q, K, V and
-O each moved once)."""
-
-_TRAFFIC_EXAMPLES = """\
-examples:
-  flashlite traffic --seq 1024 4096 --head-dim 64                   model only, instant
-  flashlite traffic --seq 64 128 256 --causal --count --plot traffic.png
-  flashlite traffic --shared-prefix 32768 --seq 1024 --batch 64 --heads 32 --kv-heads 8 \\
-      --head-dim 128 --dtype bfloat16                  the shared step vs prefix copies
-  flashlite traffic --mask document_causal --docs 8 --seq 8192 32768 --head-dim 128
-  flashlite traffic --seq 4096 16384 --heads 16 --head-dim 128 --dtype bfloat16 --measure"""
-
-_BENCH = """\
-Print how to run the benchmark scripts in benchmarks/ (they need a GPU and write JSON and
-PNG files to benchmarks/results/)."""
-
 
 # keeps the line breaks of descriptions and examples; option help is wrapped as usual
 _Formatter = argparse.RawDescriptionHelpFormatter
@@ -249,28 +179,18 @@ def _shape_options(sp: argparse.ArgumentParser, *, many: bool, device_help: str)
     _option(sp, "--json", action="store_true", help="print the results as JSON on stdout")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The argparse tree of the `flashlite` command."""
-    p = argparse.ArgumentParser(
-        prog="flashlite", description=_DESCRIPTION, epilog=_EXAMPLES, formatter_class=_Formatter
+def _command(
+    sub: Any, name: str, summary: str, description: str, examples: str | None = None
+) -> Any:
+    """A sub-command of ``sub`` (the parser's subparsers) with its help texts."""
+    return sub.add_parser(
+        name, help=summary, description=description, epilog=examples, formatter_class=_Formatter
     )
-    p.add_argument(
-        "--version", action=_Version, help="print the flashlite, torch and triton versions and exit"
-    )
-    sub = p.add_subparsers(dest="command", required=True, title="commands")
 
-    def command(name: str, summary: str, description: str, examples: str | None = None) -> Any:
-        return sub.add_parser(
-            name,
-            help=summary,
-            description=description,
-            epilog=examples,
-            formatter_class=_Formatter,
-        )
 
-    d = command(
-        "demo", "quick CPU tour: accuracy checks, traffic table, plot", _DEMO, _DEMO_EXAMPLES
-    )
+def _add_demo(sub: Any) -> None:
+    summary = "quick CPU tour: accuracy checks, traffic table, plot"
+    d = _command(sub, "demo", summary, texts.DEMO, texts.DEMO_EXAMPLES)
     _option(
         d,
         "--out",
@@ -285,9 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
     _tile_options(d)
     d.set_defaults(func=cmd_demo)
 
-    s = command(
-        "softmax", "flashlite.softmax on a random (rows, n) tensor", _SOFTMAX, _SOFTMAX_EXAMPLES
-    )
+
+def _add_softmax(sub: Any) -> None:
+    summary = "flashlite.softmax on a random (rows, n) tensor"
+    s = _command(sub, "softmax", summary, texts.SOFTMAX, texts.SOFTMAX_EXAMPLES)
     _option(s, "--rows", type=_COUNT, default=8, help="number of rows")
     _option(s, "--n", type=_COUNT, default=1000, help="row length, the softmax dimension")
     _option(s, "--dtype", choices=list(DTYPES), default="float32", help="input dtype")
@@ -304,18 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     _option(s, "--json", action="store_true", help="print the result as JSON on stdout")
     s.set_defaults(func=cmd_softmax)
 
-    a = command(
-        "attention", "flashlite.attention vs the fp64 reference", _ATTENTION, _ATTENTION_EXAMPLES
-    )
-    _shape_options(a, many=False, device_help=_DEVICE_HELP)
-    a.set_defaults(func=cmd_attention)
 
-    t = command(
-        "traffic",
-        "HBM bytes: model, counted (CPU), measured (ncu, GPU)",
-        _TRAFFIC,
-        _TRAFFIC_EXAMPLES,
-    )
+def _add_traffic(sub: Any) -> None:
+    summary = "HBM bytes: model, counted (CPU), measured (ncu, GPU)"
+    t = _command(sub, "traffic", summary, texts.TRAFFIC, texts.TRAFFIC_EXAMPLES)
     _shape_options(
         t,
         many=True,
@@ -350,6 +263,27 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: no plot)",
     )
     _tile_options(t)
+    _traffic_tables(t)
+    _option(t, "--rows", type=_COUNT, default=4096, help="softmax rows (with --softmax)")
+    _option(t, "--n", type=_COUNT, default=4096, help="softmax row length (with --softmax)")
+    algorithms = ["auto", "three_pass", "online", "single_read", "split", "team", "prefetch"]
+    _option(
+        t,
+        "--algorithm",
+        nargs="+",
+        choices=algorithms,
+        default=["three_pass", "online", "single_read", "team", "prefetch"],
+        metavar="ALG",
+        help=f"softmax kernels to show, any of {', '.join(algorithms)} (team and prefetch run "
+        "on GPUs only: modelled, not counted) (default: three_pass online single_read team "
+        "prefetch)",
+    )
+    _option(t, "--quiet", action="store_true", help="no progress bar on stderr")
+    t.set_defaults(func=cmd_traffic)
+
+
+def _traffic_tables(t: argparse.ArgumentParser) -> None:
+    """The `traffic` options that show another table than the attention forward's."""
     _option(
         t,
         "--softmax",
@@ -410,27 +344,31 @@ def build_parser() -> argparse.ArgumentParser:
         "(model; --count counts it) against torch's cross_entropy (counted)",
     )
     _option(t, "--ce-weight", action="store_true", help="with --ce: class weights")
-    _option(t, "--rows", type=_COUNT, default=4096, help="softmax rows (with --softmax)")
-    _option(t, "--n", type=_COUNT, default=4096, help="softmax row length (with --softmax)")
-    algorithms = ["auto", "three_pass", "online", "single_read", "split", "team", "prefetch"]
-    _option(
-        t,
-        "--algorithm",
-        nargs="+",
-        choices=algorithms,
-        default=["three_pass", "online", "single_read", "team", "prefetch"],
-        metavar="ALG",
-        help=f"softmax kernels to show, any of {', '.join(algorithms)} (team and prefetch run "
-        "on GPUs only: modelled, not counted) (default: three_pass online single_read team "
-        "prefetch)",
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argparse tree of the `flashlite` command."""
+    p = argparse.ArgumentParser(
+        prog="flashlite",
+        description=texts.DESCRIPTION,
+        epilog=texts.EXAMPLES,
+        formatter_class=_Formatter,
     )
-    _option(t, "--quiet", action="store_true", help="no progress bar on stderr")
-    t.set_defaults(func=cmd_traffic)
-
-    b = command("bench", "how to run the benchmark scripts", _BENCH)
+    p.add_argument(
+        "--version", action=_Version, help="print the flashlite, torch and triton versions and exit"
+    )
+    sub = p.add_subparsers(dest="command", required=True, title="commands")
+    _add_demo(sub)
+    _add_softmax(sub)
+    summary = "flashlite.attention vs the fp64 reference"
+    a = _command(sub, "attention", summary, texts.ATTENTION, texts.ATTENTION_EXAMPLES)
+    _shape_options(a, many=False, device_help=_DEVICE_HELP)
+    a.set_defaults(func=cmd_attention)
+    _add_traffic(sub)
+    b = _command(sub, "bench", "how to run the benchmark scripts", texts.BENCH)
     b.set_defaults(func=cmd_bench)
-
-    r = command(
+    r = _command(
+        sub,
         "ring",
         "ring attention across gloo processes on CPU: error and bytes per rank",
         ring_demo.__doc__ or "",

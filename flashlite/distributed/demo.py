@@ -40,24 +40,37 @@ def int_in(lo: int, hi: int | None = None) -> Callable[[str], int]:
 def add_options(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The demo's options (shared with ``flashlite ring``)."""
     count = int_in(1)
-    p.add_argument("--nproc", type=count, default=2,
-                   help="processes (ranks) to start (default: %(default)s)")  # fmt: skip
-    p.add_argument("--seq", type=count, default=512,
-                   help="total sequence length N (default: %(default)s)")  # fmt: skip
+    p.add_argument(
+        "--nproc", type=count, default=2, help="processes (ranks) to start (default: %(default)s)"
+    )
+    p.add_argument(
+        "--seq", type=count, default=512, help="total sequence length N (default: %(default)s)"
+    )
     p.add_argument("--heads", type=count, default=4, help="query heads (default: %(default)s)")
-    p.add_argument("--kv-heads", type=count, default=2,
-                   help="key/value heads, GQA (default: %(default)s)")  # fmt: skip
-    p.add_argument("--head-dim", type=int_in(1, 256), default=32,
-                   help="head dimension D, 1 to 256 (default: %(default)s)")  # fmt: skip
-    p.add_argument("--no-causal", dest="causal", action="store_false",
-                   help="full attention (default: causal)")  # fmt: skip
-    p.add_argument("--contiguous", action="store_true",
-                   help="contiguous shards, not zigzag (default: zigzag)")  # fmt: skip
+    p.add_argument(
+        "--kv-heads", type=count, default=2, help="key/value heads, GQA (default: %(default)s)"
+    )
+    p.add_argument(
+        "--head-dim",
+        type=int_in(1, 256),
+        default=32,
+        help="head dimension D, 1 to 256 (default: %(default)s)",
+    )
+    p.add_argument(
+        "--no-causal", dest="causal", action="store_false", help="full attention (default: causal)"
+    )
+    p.add_argument(
+        "--contiguous", action="store_true", help="contiguous shards, not zigzag (default: zigzag)"
+    )
     p.add_argument("--seed", type=int, default=0, help="random seed (default: %(default)s)")
-    p.add_argument("--json", action="store_true",
-                   help="print the per-rank results as JSON (default: a table)")  # fmt: skip
-    p.add_argument("--quiet", action="store_true",
-                   help="no progress lines on stderr (default: shown unless --json)")  # fmt: skip
+    p.add_argument(
+        "--json", action="store_true", help="print the per-rank results as JSON (default: a table)"
+    )
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="no progress lines on stderr (default: shown unless --json)",
+    )
     return p
 
 
@@ -109,17 +122,22 @@ def run_rank(rank: int, world: int, args: argparse.Namespace) -> dict[str, Any]:
         out.backward(shard(do))
     step("rank 0: done; waiting for the other ranks")
     sent = [sum(b for b, _ in log[:n_forward]), sum(b for b, _ in log[n_forward:])]
-    errors = {name: (a - shard(b)).abs().max().item()
-              for name, a, b in zip(("out", "dq", "dk", "dv"),
-                                    [out, *(t.grad for t in mine)],
-                                    [ref, *(t.grad for t in leaves)], strict=True)}  # fmt: skip
-    n_local = args.seq // world
-    model = [sum(int(m["bytes"]) for m in comm_model(world, 1, args.kv_heads, n_local,
-                                                     args.head_dim, 4, bwd))
-             for bwd in (False, True)]  # fmt: skip
-    return {"rank": rank, "world": world, "max_error": errors, "bytes_sent_forward": sent[0],
-            "bytes_sent_backward": sent[1], "model_forward": model[0],
-            "model_backward": model[1]}  # fmt: skip
+    pairs = zip([out, *(t.grad for t in mine)], [ref, *(t.grad for t in leaves)], strict=True)
+    errors = {
+        name: (a - shard(b)).abs().max().item()
+        for name, (a, b) in zip(("out", "dq", "dk", "dv"), pairs, strict=True)
+    }
+    sizes = (world, 1, args.kv_heads, args.seq // world, args.head_dim, 4)
+    model = [sum(int(m["bytes"]) for m in comm_model(*sizes, bwd)) for bwd in (False, True)]
+    return {
+        "rank": rank,
+        "world": world,
+        "max_error": errors,
+        "bytes_sent_forward": sent[0],
+        "bytes_sent_backward": sent[1],
+        "model_forward": model[0],
+        "model_backward": model[1],
+    }
 
 
 def _spawned(rank: int, world: int, port: int, args: argparse.Namespace, queue: Any) -> None:
@@ -142,8 +160,10 @@ def _print(results: list[dict[str, Any]], as_json: bool) -> None:
     for r in results:
         e = r["max_error"]
         errs = " / ".join(f"{e[k]:.1e}" for k in ("out", "dq", "dk", "dv"))
-        print(f"{r['rank']:>4}  {errs:34} {r['bytes_sent_forward']:>9} ({r['model_forward']:>9})"
-              f"  {r['bytes_sent_backward']:>9} ({r['model_backward']:>9})")  # fmt: skip
+        print(
+            f"{r['rank']:>4}  {errs:34} {r['bytes_sent_forward']:>9} ({r['model_forward']:>9})"
+            f"  {r['bytes_sent_backward']:>9} ({r['model_backward']:>9})"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -177,8 +197,13 @@ def run(args: argparse.Namespace) -> int:
     )
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    mp.start_processes(_spawned, args=(args.nproc, free_port(), args, queue), nprocs=args.nproc,
-                       join=True, start_method="spawn")  # fmt: skip
+    mp.start_processes(
+        _spawned,
+        args=(args.nproc, free_port(), args, queue),
+        nprocs=args.nproc,
+        join=True,
+        start_method="spawn",
+    )
     results = sorted((queue.get() for _ in range(args.nproc)), key=lambda r: r["rank"])
     _print(results, args.json)
     return 0

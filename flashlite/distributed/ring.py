@@ -19,16 +19,17 @@ attention and waited for after it, so the two overlap.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import socket
-from collections.abc import Iterator
-from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from flashlite import stats
+from flashlite.distributed.harness import DEFAULT_TIMEOUT as DEFAULT_TIMEOUT
+from flashlite.distributed.harness import comm_model as comm_model
+from flashlite.distributed.harness import count_p2p as count_p2p
+from flashlite.distributed.harness import free_port as free_port
+from flashlite.distributed.harness import init_for_tests as init_for_tests
 from flashlite.masking import masks
 from flashlite.ops._dispatch import Op
 from flashlite.ops.attention import (
@@ -40,9 +41,6 @@ from flashlite.ops.attention import (
 )
 from flashlite.ops.attention.bwd import sink_grad
 from flashlite.ops.common import check_flags
-
-#: What to pass to ``init_process_group`` so that a peer that dies cannot hang the others.
-DEFAULT_TIMEOUT = timedelta(seconds=120)
 
 
 # ----------------------------------------------------------------------------- groups
@@ -73,11 +71,12 @@ def _check_shards(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None, wh
     lengths = [int(t[0]) for t in seen]
     kinds = {int(t[1]) for t in seen}
     if len(set(lengths)) > 1:
-        raise ValueError(f"{what} shards must have one length on every rank; ranks hold "
-                         f"{lengths}")  # fmt: skip
+        raise ValueError(f"{what} shards must have one length on every rank; ranks hold {lengths}")
     if len(kinds) > 1:
-        raise ValueError(f"{what} shards must be on one kind of device on every rank (CPU with "
-                         "gloo, CUDA with NCCL); the ranks mix them")  # fmt: skip
+        raise ValueError(
+            f"{what} shards must be on one kind of device on every rank (CPU with "
+            "gloo, CUDA with NCCL); the ranks mix them"
+        )
 
 
 # ----------------------------------------------------------------------------- sharding
@@ -102,8 +101,10 @@ def shard_sequence(
     n = x.shape[dim]
     parts = 2 * size if zigzag else size
     if n % parts:
-        raise ValueError(f"sequence length {n} must divide by {'2P' if zigzag else 'P'} = "
-                         f"{parts} for {'zigzag' if zigzag else 'contiguous'} shards")  # fmt: skip
+        raise ValueError(
+            f"sequence length {n} must divide by {'2P' if zigzag else 'P'} = "
+            f"{parts} for {'zigzag' if zigzag else 'contiguous'} shards"
+        )
     chunks = x.chunk(parts, dim)
     if not zigzag:
         return chunks[rank].contiguous()
@@ -135,27 +136,6 @@ def _exchange(
     return dist.batch_isend_irecv(ops)
 
 
-@contextlib.contextmanager
-def count_p2p() -> Iterator[list[tuple[int, int]]]:
-    """Inside the block, every ``torch.distributed.batch_isend_irecv`` call (the ring's
-    transfers) logs ``(bytes sent, bytes received)`` to the list it yields: the count that
-    :func:`comm_model` is checked against."""
-    log: list[tuple[int, int]] = []
-    real = dist.batch_isend_irecv
-
-    def counted(ops: list) -> list:
-        sent = sum(o.tensor.numel() * o.tensor.element_size() for o in ops if o.op is dist.isend)
-        got = sum(o.tensor.numel() * o.tensor.element_size() for o in ops if o.op is dist.irecv)
-        log.append((sent, got))
-        return real(ops)
-
-    dist.batch_isend_irecv = counted
-    try:
-        yield log
-    finally:
-        dist.batch_isend_irecv = real
-
-
 def _wait(requests: list) -> None:
     for req in requests:
         req.wait()
@@ -180,9 +160,15 @@ def _blocks(rank: int, src: int, causal: bool, zigzag: bool, n: int) -> tuple | 
 
 
 def _ring_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup | None,
-    causal: bool, scale: float, zigzag: bool, sinks: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup | None,
+    causal: bool,
+    scale: float,
+    zigzag: bool,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``(o, lse)`` of the local queries ``(B, Hq, n, D)`` against every rank's keys. The
     running result starts as the merge's identity (o = 0, lse = −inf), or with ``sinks`` as the
     sink's own state (o = 0, lse = sink): merged once, whichever shards arrive."""
@@ -211,8 +197,9 @@ def _ring_forward(
                 kv[1][:, :, cols],
                 Request.of_mask(blk_mask, scale),
             )
-            o[:, :, rows], lse[:, :, rows] = stats.merge_attention(o[:, :, rows], lse[:, :, rows],
-                                                                   o_part, lse_part)  # fmt: skip
+            o[:, :, rows], lse[:, :, rows] = stats.merge_attention(
+                o[:, :, rows], lse[:, :, rows], o_part, lse_part
+            )
         if pending is not None:
             _wait(pending)
             kv = incoming
@@ -220,11 +207,20 @@ def _ring_forward(
 
 
 def _ring_backward(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-    lse: torch.Tensor, dlse: torch.Tensor | None, group: dist.ProcessGroup | None, causal: bool,
-    scale: float, zigzag: bool, sinks: torch.Tensor | None = None,
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    group: dist.ProcessGroup | None,
+    causal: bool,
+    scale: float,
+    zigzag: bool,
+    sinks: torch.Tensor | None = None,
     dsinks: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of the local shards. Each step's block gets its share of the gradient
     from the *global* ``o`` and ``lse`` (the kernels recompute ``P = e^(S − lse)``), so the
     blocks' contributions add up to the exact gradient. With ``sinks``, ``dsinks`` receives the
@@ -249,10 +245,15 @@ def _ring_backward(
         if block is not None:
             rows, cols, blk_mask = block
             dq_p, dk_p, dv_p = attention_bwd(
-                do[:, :, rows], q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols],
-                o[:, :, rows], lse[:, :, rows], None if dlse is None else dlse[:, :, rows],
+                do[:, :, rows],
+                q[:, :, rows],
+                kv[0][:, :, cols],
+                kv[1][:, :, cols],
+                o[:, :, rows],
+                lse[:, :, rows],
+                None if dlse is None else dlse[:, :, rows],
                 Request.of_mask(blk_mask, scale),
-            )  # fmt: skip
+            )
             # in place, fp32 += bf16 without an fp32 copy of the partial (memory is the limit
             # on the longest sequence a ring trains)
             dq[:, :, rows].add_(dq_p)
@@ -292,9 +293,15 @@ def _resolve(group_name: str) -> dist.ProcessGroup:
 
 
 def _ring_fwd_body(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group_name: str, causal: bool,
-    scale: float, zigzag: bool, sinks: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group_name: str,
+    causal: bool,
+    scale: float,
+    zigzag: bool,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward ring as an op (its collectives inside, opaque to tracing): ``(o, lse)``,
     ``o`` contiguous ``(B, Hq, n, D)``."""
     o, lse = _ring_forward(q, k, v, _resolve(group_name), causal, scale, zigzag, sinks)
@@ -306,15 +313,25 @@ def _ring_fwd_fake(q, k, v, group_name, causal, scale, zigzag, sinks=None):  # t
 
 
 def _ring_bwd_body(
-    do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-    lse: torch.Tensor, dlse: torch.Tensor | None, group_name: str, causal: bool, scale: float,
-    zigzag: bool, sinks: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    group_name: str,
+    causal: bool,
+    scale: float,
+    zigzag: bool,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward ring as an op: ``(dq, dk, dv)``, contiguous, and the sinks' fp32
     gradient (``(Hq,)``, or ``(0,)`` without sinks)."""
     dsinks = lse.new_empty((0,) if sinks is None else sinks.shape)
-    grads = _ring_backward(do, q, k, v, o, lse, dlse, _resolve(group_name), causal, scale, zigzag,
-                           sinks, dsinks)  # fmt: skip
+    grads = _ring_backward(
+        do, q, k, v, o, lse, dlse, _resolve(group_name), causal, scale, zigzag, sinks, dsinks
+    )
     return (*(g.contiguous() for g in grads), dsinks)  # type: ignore[return-value]
 
 
@@ -325,8 +342,7 @@ def _ring_bwd_fake(do, q, k, v, o, lse, dlse, group_name, causal, scale, zigzag,
 
 #: ``flashlite::ring_attention_bwd``: the backward ring, ``(dq, dk, dv)`` contiguous and the
 #: sinks' gradient.
-RING_BWD = Op("ring_attention_bwd", _ring_bwd_body, fake=_ring_bwd_fake, inputs=7,
-              moves=False)  # fmt: skip
+RING_BWD = Op("ring_attention_bwd", _ring_bwd_body, fake=_ring_bwd_fake, inputs=7, moves=False)
 
 
 def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
@@ -351,9 +367,17 @@ def _backward(ctx, do, dlse):  # type: ignore[no-untyped-def]
 
 #: ``flashlite::ring_attention_fwd``: the forward ring (its collectives inside, opaque to
 #: tracing), ``(o, lse)``, differentiable in q, k, v, the sinks and through the LSE.
-RING_FWD = Op("ring_attention_fwd", _ring_fwd_body, fake=_ring_fwd_fake, inputs=3,
-              setup_context=_setup_context, backward=_backward, materialize_grads=False,
-              moves=False, grad_inputs=(7,))  # fmt: skip
+RING_FWD = Op(
+    "ring_attention_fwd",
+    _ring_fwd_body,
+    fake=_ring_fwd_fake,
+    inputs=3,
+    setup_context=_setup_context,
+    backward=_backward,
+    materialize_grads=False,
+    moves=False,
+    grad_inputs=(7,),
+)
 
 
 def ring_attention(
@@ -400,8 +424,9 @@ def ring_attention(
     _group_info(group)
     sm_scale, qc, kc, vc = check_inputs(q, k, v, layout, scale)
     if qc.shape[2] != kc.shape[2]:
-        raise ValueError(f"q and k/v shards must have one length, got {qc.shape[2]} and "
-                         f"{kc.shape[2]}")  # fmt: skip
+        raise ValueError(
+            f"q and k/v shards must have one length, got {qc.shape[2]} and {kc.shape[2]}"
+        )
     if zigzag and causal and qc.shape[2] % 2:
         raise ValueError(f"zigzag shards hold two equal chunks: local length {qc.shape[2]} is odd")
     if validate and not torch.compiler.is_compiling():
@@ -414,41 +439,6 @@ def ring_attention(
     if layout != "b h n d":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o
-
-
-def comm_model(
-    world: int, batch: int, kv_heads: int, n_local: int, head_dim: int, elem_bytes: int,
-    backward: bool = False,
-) -> list[dict[str, object]]:  # fmt: skip
-    """Bytes one rank sends (and receives: the ring is symmetric) per transfer, in order: the
-    forward sends its key/value shard on at steps ``0 … P−2`` (``2·B·Hkv·n·D·b`` each); the
-    backward sends the shard on the same way and, after every step ``0 … P−1``, the fp32
-    ``dK, dV`` accumulators (``2·B·Hkv·n·D·4``), the last send bringing them home. Totals per
-    rank: forward ``(P−1)·2·B·Hkv·n·D·b``; backward that plus ``P·2·B·Hkv·n·D·4``."""
-    kv = 2 * batch * kv_heads * n_local * head_dim * elem_bytes
-    dkv = 2 * batch * kv_heads * n_local * head_dim * 4
-    if not backward:
-        return [{"pass": "forward", "step": s, "what": "kv", "bytes": kv} for s in range(world - 1)]
-    out: list[dict[str, object]] = []
-    for s in range(world):
-        if s < world - 1:
-            out.append({"pass": "backward", "step": s, "what": "kv", "bytes": kv})
-        out.append({"pass": "backward", "step": s, "what": "dkv", "bytes": dkv})
-    return out
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback interface, for :func:`init_for_tests`'s rendezvous."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def init_for_tests(rank: int, world: int, port: int, backend: str = "gloo") -> None:
-    """A process group on the loopback interface with a timeout (the tests, the demo and the
-    benchmark, each starting its own processes)."""
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=DEFAULT_TIMEOUT)  # fmt: skip
 
 
 __all__ = ["gather_sequence", "ring_attention", "shard_sequence"]

@@ -31,9 +31,16 @@ import flashlite
 NAME = "flite"
 
 
-def _mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
-          mask_function: Any = None, attention_mask: torch.Tensor | None = None,
-          **kwargs: Any) -> torch.Tensor | None:  # fmt: skip
+def _mask(
+    batch_size: int,
+    q_length: int,
+    kv_length: int,
+    q_offset: int = 0,
+    kv_offset: int = 0,
+    mask_function: Any = None,
+    attention_mask: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> torch.Tensor | None:
     """transformers' mask hook: the 2-D ``(B, Nk)`` padding mask (True = a real token), or None
     when nothing is padded — never an ``N × N`` mask (causality and windows are the kernel's)."""
     if attention_mask is None:
@@ -44,11 +51,18 @@ def _mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_
     return attention_mask
 
 
-def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-               value: torch.Tensor, attention_mask: torch.Tensor | None,
-               scaling: float | None = None, dropout: float = 0.0,
-               sliding_window: int | None = None, softcap: float | None = None,
-               **kwargs: Any) -> tuple[torch.Tensor, None]:  # fmt: skip
+def _attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention hook.
 
     Args:
@@ -62,12 +76,15 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     """
     for feature in _UNSUPPORTED:  # e.g. ALiBi biases: refused, never dropped
         if kwargs.get(feature) is not None:
-            raise NotImplementedError(f"{_model_name(module)} passes {feature!r} to attention "
-                                      f"({_UNSUPPORTED[feature]}), which flashlite does not "
-                                      "support")  # fmt: skip
+            raise NotImplementedError(
+                f"{_model_name(module)} passes {feature!r} to attention "
+                f"({_UNSUPPORTED[feature]}), which flashlite does not support"
+            )
     if dropout and module.training:
-        raise NotImplementedError(f"{_model_name(module)}: attention dropout > 0 in training "
-                                  f"(dropout={dropout}); flashlite has no dropout")  # fmt: skip
+        raise NotImplementedError(
+            f"{_model_name(module)}: attention dropout > 0 in training "
+            f"(dropout={dropout}); flashlite has no dropout"
+        )
     causal = kwargs.get("is_causal")
     causal = getattr(module, "is_causal", True) if causal is None else bool(causal)
     window = None
@@ -92,8 +109,13 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
     return out.contiguous(), None
 
 
-def _unpadded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-              opts: dict[str, Any]) -> torch.Tensor:  # fmt: skip
+def _unpadded(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor,
+    opts: dict[str, Any],
+) -> torch.Tensor:
     """A padded batch as packed sequences (``attention_varlen``): each row's real tokens, in
     order, its queries the last ``Nq`` positions; padded query rows give 0. ``(B, Nq, Hq, D)``."""
     b, hq, nq, d = query.shape
@@ -111,9 +133,16 @@ def _unpadded(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask:
     # (Nq and Nk bound the lengths, so no host sync for their maxima; the offsets are built
     # here, so they need no checking either)
     out = flashlite.attention_varlen(
-        packed(query, q_rows), packed(key, k_rows), packed(value, k_rows), cu_q, cu_k, nq, nk,
-        validate=False, **opts,
-    )  # fmt: skip
+        packed(query, q_rows),
+        packed(key, k_rows),
+        packed(value, k_rows),
+        cu_q,
+        cu_k,
+        nq,
+        nk,
+        validate=False,
+        **opts,
+    )
     full = query.new_zeros((b * nq, hq, d))
     full[q_rows] = out
     return full.view(b, nq, hq, d)

@@ -30,16 +30,27 @@ class Config(NamedTuple):
 
     def constexprs(self) -> dict[str, object]:
         """The kernel constexprs this config sets (warps and stages are launch options)."""
-        return {"BLOCK_M": self.block_m, "BLOCK_N": self.block_n,
-                "WARP_SPECIALIZE": self.warp_specialize, "LAZY_RESCALE": self.lazy_rescale,
-                "OVERLAP": self.overlap}  # fmt: skip
+        return {
+            "BLOCK_M": self.block_m,
+            "BLOCK_N": self.block_n,
+            "WARP_SPECIALIZE": self.warp_specialize,
+            "LAZY_RESCALE": self.lazy_rescale,
+            "OVERLAP": self.overlap,
+        }
 
     @classmethod
     def of(cls, c: triton.Config) -> Config:
         """The config an autotuner's ``triton.Config`` (from :func:`as_triton_config`) holds."""
         kw = c.kwargs
-        return cls(kw["BLOCK_M"], kw["BLOCK_N"], c.num_warps, c.num_stages,
-                   kw["WARP_SPECIALIZE"], kw["LAZY_RESCALE"], kw["OVERLAP"])  # fmt: skip
+        return cls(
+            kw["BLOCK_M"],
+            kw["BLOCK_N"],
+            c.num_warps,
+            c.num_stages,
+            kw["WARP_SPECIALIZE"],
+            kw["LAZY_RESCALE"],
+            kw["OVERLAP"],
+        )
 
 
 #: Configs the GPU autotuner tries for shapes without a measured entry below; ``keep_config``
@@ -96,8 +107,11 @@ class DecodeConfig(NamedTuple):
 #: (``Nq·Hq/Hkv``) with few KV heads in the batch (128-key tiles stream a long cache fastest;
 #: pointer loads were as fast as TMA, without its per-call host cost), the same with 64 or more
 #: KV heads in the batch (64-key tiles: steadier across split counts), and more rows (untuned).
-GPU_DECODE_CONFIGS = (DecodeConfig(16, 128, 4, 3), DecodeConfig(16, 64, 4, 3),
-                      DecodeConfig(64, 64, 4, 3))  # fmt: skip
+GPU_DECODE_CONFIGS = (
+    DecodeConfig(16, 128, 4, 3),
+    DecodeConfig(16, 64, 4, 3),
+    DecodeConfig(64, 64, 4, 3),
+)
 #: The interpreter's decode tile (several tiles per chunk in small tests).
 CPU_DECODE_CONFIG = DecodeConfig(16, 16, 4, 1)
 
@@ -146,13 +160,21 @@ class BwdConfig(NamedTuple):
 
     def dkdv(self) -> dict[str, int]:
         """The dK/dV kernel's tile constexprs and launch options."""
-        return {"BLOCK_M": self.kv_block_m, "BLOCK_N": self.kv_block_n,
-                "num_warps": self.kv_warps, "num_stages": self.kv_stages}  # fmt: skip
+        return {
+            "BLOCK_M": self.kv_block_m,
+            "BLOCK_N": self.kv_block_n,
+            "num_warps": self.kv_warps,
+            "num_stages": self.kv_stages,
+        }
 
     def dq(self) -> dict[str, int]:
         """The dQ kernel's tile constexprs and launch options."""
-        return {"BLOCK_M": self.q_block_m, "BLOCK_N": self.q_block_n,
-                "num_warps": self.q_warps, "num_stages": self.q_stages}  # fmt: skip
+        return {
+            "BLOCK_M": self.q_block_m,
+            "BLOCK_N": self.q_block_n,
+            "num_warps": self.q_warps,
+            "num_stages": self.q_stages,
+        }
 
 
 #: The backward on the interpreter: small tiles (fast in Python, several blocks per test).

@@ -57,8 +57,7 @@ def ce_config(n_cols: int) -> dict[str, object]:
 
 
 @triton.jit
-def _logits(X, W, cols, n_cols, stride_n, softcap, SOFTCAP: tl.constexpr,
-            HAS_WEIGHT: tl.constexpr):  # fmt: skip
+def _logits(X, W, cols, n_cols, stride_n, softcap, SOFTCAP: tl.constexpr, HAS_WEIGHT: tl.constexpr):
     """A ``[1, BLOCK_N]`` tile of (capped) fp32 logits (−inf past the row), ``tanh`` of the
     cap (for its derivative; 0 without one) and the class weights (0 past the row). Every
     tile is loaded 2-D, in the layout the row's arithmetic uses (a 1-D load reshaped afterwards
@@ -77,8 +76,23 @@ def _logits(X, W, cols, n_cols, stride_n, softcap, SOFTCAP: tl.constexpr,
 
 
 @triton.jit
-def _grad(x, t, w, m, s, lse, cols, target, w_t, smoothing, inv_v, z_loss, weight_sum, scale,
-          SOFTCAP: tl.constexpr):  # fmt: skip
+def _grad(
+    x,
+    t,
+    w,
+    m,
+    s,
+    lse,
+    cols,
+    target,
+    w_t,
+    smoothing,
+    inv_v,
+    z_loss,
+    weight_sum,
+    scale,
+    SOFTCAP: tl.constexpr,
+):
     """``∂loss/∂x`` of a ``[1, BLOCK_N]`` tile from the row's finished statistics."""
     # from the pair, not the LSE: p = e^(x − lse) with lse rounded to fp32 is off by up to 5e-4
     # at |x| ≈ 1e4 (one exponential per logit and no division either way)
@@ -114,8 +128,21 @@ def _partials(x, w, cols, target, SMOOTH: tl.constexpr):
 
 
 @triton.jit
-def _loss(m, s, lse, x_t, wx, w_t, weight_sum, smoothing, inv_v, z_loss, ignored, in_range,
-          SMOOTH: tl.constexpr):  # fmt: skip
+def _loss(
+    m,
+    s,
+    lse,
+    x_t,
+    wx,
+    w_t,
+    weight_sum,
+    smoothing,
+    inv_v,
+    z_loss,
+    ignored,
+    in_range,
+    SMOOTH: tl.constexpr,
+):
     """A row's loss from its statistics and partials: 0 when ignored, NaN for a target outside
     ``[0, V)``."""
     # lse − x_t as (m − x_t) + ln s: exact where the LSE rounded to fp32 is not (large logits)
@@ -127,13 +154,32 @@ def _loss(m, s, lse, x_t, wx, w_t, weight_sum, smoothing, inv_v, z_loss, ignored
 
 @triton.jit
 def _cross_entropy_fwd_kernel(
-    X, T, W, WSUM, GSCALE, G, LOSS, LSE,
-    n_cols, stride_xm, stride_xn, stride_gm, stride_gn,
-    ignore_index, smoothing, z_loss, softcap,
-    HAS_WEIGHT: tl.constexpr, SOFTCAP: tl.constexpr, SMOOTH: tl.constexpr,
-    SINGLE: tl.constexpr, BLOCK_N: tl.constexpr, COL_INT64: tl.constexpr,
-    ROUND_BF16: tl.constexpr, Z_SCALE: tl.constexpr,
-):  # fmt: skip
+    X,
+    T,
+    W,
+    WSUM,
+    GSCALE,
+    G,
+    LOSS,
+    LSE,
+    n_cols,
+    stride_xm,
+    stride_xn,
+    stride_gm,
+    stride_gn,
+    ignore_index,
+    smoothing,
+    z_loss,
+    softcap,
+    HAS_WEIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    SINGLE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    COL_INT64: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    Z_SCALE: tl.constexpr,
+):
     """One program per row: loss (fp32), LSE (fp32) and the gradient ``G`` (the logits' dtype;
     ``G`` may be ``X`` itself: each tile is read before it is overwritten). ``WSUM`` holds
     ``Σ_j w_j`` (fp32, on the device: no host sync for it); ``GSCALE`` the gradient's scale,
@@ -173,8 +219,9 @@ def _cross_entropy_fwd_kernel(
             wx += wx_tile
 
     lse = finalize_lse(m, s, LOG2E)
-    loss = _loss(m, s, lse, x_t, wx, w_t, weight_sum, smoothing, inv_v, z_loss, ignored,
-                 in_range, SMOOTH)  # fmt: skip
+    loss = _loss(
+        m, s, lse, x_t, wx, w_t, weight_sum, smoothing, inv_v, z_loss, ignored, in_range, SMOOTH
+    )
     tl.store(LOSS + row + tl.arange(0, 1), loss)
     tl.store(LSE + row + tl.arange(0, 1), lse)
 
@@ -182,27 +229,76 @@ def _cross_entropy_fwd_kernel(
     # a target outside [0, V): NaN, like its loss
     scale = tl.where(ignored, 0.0, tl.where(in_range, tl.load(GSCALE), float("nan")))
     if SINGLE:
-        g = _grad(x, t, w, m, s, lse, offs, target, w_t, smoothing, inv_v, z_loss, weight_sum,
-                  scale, SOFTCAP)  # fmt: skip
-        tl.store(g_row + offs[None, :] * stride_gn, cast(g, G.dtype.element_ty, ROUND_BF16),
-                 mask=offs[None, :] < n_cols)  # fmt: skip
+        g = _grad(
+            x,
+            t,
+            w,
+            m,
+            s,
+            lse,
+            offs,
+            target,
+            w_t,
+            smoothing,
+            inv_v,
+            z_loss,
+            weight_sum,
+            scale,
+            SOFTCAP,
+        )
+        tl.store(
+            g_row + offs[None, :] * stride_gn,
+            cast(g, G.dtype.element_ty, ROUND_BF16),
+            mask=offs[None, :] < n_cols,
+        )
     else:  # pass 2: read the row again, backwards (the tiles pass 1 read last are in L2)
         n_tiles = tl.cdiv(n_cols, BLOCK_N)
         for i in range(0, n_tiles):
             cols = (n_tiles - 1 - i) * BLOCK_N + offs
             x, t, w = _logits(x_row, W, cols, n_cols, stride_xn, softcap, SOFTCAP, HAS_WEIGHT)
-            g = _grad(x, t, w, m, s, lse, cols, target, w_t, smoothing, inv_v, z_loss,
-                      weight_sum, scale, SOFTCAP)  # fmt: skip
-            tl.store(g_row + cols[None, :] * stride_gn, cast(g, G.dtype.element_ty, ROUND_BF16),
-                     mask=cols[None, :] < n_cols)  # fmt: skip
+            g = _grad(
+                x,
+                t,
+                w,
+                m,
+                s,
+                lse,
+                cols,
+                target,
+                w_t,
+                smoothing,
+                inv_v,
+                z_loss,
+                weight_sum,
+                scale,
+                SOFTCAP,
+            )
+            tl.store(
+                g_row + cols[None, :] * stride_gn,
+                cast(g, G.dtype.element_ty, ROUND_BF16),
+                mask=cols[None, :] < n_cols,
+            )
 
 
 @triton.jit
 def _cross_entropy_bwd_kernel(
-    G, DX, DLOSS, n_rows, n_cols, stride_gm, stride_gn, stride_dm, stride_dn, stride_l,
-    SCALAR: tl.constexpr, SKIP_UNIT: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
-    COL_INT64: tl.constexpr, ROUND_BF16: tl.constexpr,
-):  # fmt: skip
+    G,
+    DX,
+    DLOSS,
+    n_rows,
+    n_cols,
+    stride_gm,
+    stride_gn,
+    stride_dm,
+    stride_dn,
+    stride_l,
+    SCALAR: tl.constexpr,
+    SKIP_UNIT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TILES: tl.constexpr,
+    COL_INT64: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
     """``DX[row] = G[row]·DLOSS[row·stride_l]``: the stored gradient of a unit loss times the
     incoming one (``SCALAR``: one value for every row, a mean or a sum). ``SKIP_UNIT`` (``DX``
     is ``G``): a row whose incoming gradient is exactly 1 (``loss.backward()``) is already right
@@ -228,8 +324,11 @@ def _cross_entropy_bwd_kernel(
                 g = tl.load(G + row * stride_gm + cols * stride_gn, mask=mask, other=0.0)
                 # a zero stays zero: an ignored row's gradient is 0 whatever arrives (torch's too)
                 dx = tl.where(g == 0.0, 0.0, g.to(tl.float32) * d)
-                tl.store(DX + row * stride_dm + cols * stride_dn,
-                         cast(dx, DX.dtype.element_ty, ROUND_BF16), mask=mask)  # fmt: skip
+                tl.store(
+                    DX + row * stride_dm + cols * stride_dn,
+                    cast(dx, DX.dtype.element_ty, ROUND_BF16),
+                    mask=mask,
+                )
 
 
 #: Targets per tile of :func:`_cross_entropy_scale_kernel` (one program loops over them all: a
@@ -239,10 +338,20 @@ SCALE_BLOCK = 4096
 
 @triton.jit
 def _cross_entropy_scale_kernel(
-    T, W, GSCALE, SEEN, BAD, n_rows, n_cols, ignore_index,
-    MEAN: tl.constexpr, HAS_WEIGHT: tl.constexpr, CHECK: tl.constexpr, BLOCK: tl.constexpr,
+    T,
+    W,
+    GSCALE,
+    SEEN,
+    BAD,
+    n_rows,
+    n_cols,
+    ignore_index,
+    MEAN: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    CHECK: tl.constexpr,
+    BLOCK: tl.constexpr,
     Z_SCALE: tl.constexpr,
-):  # fmt: skip
+):
     """What the forward kernels need before they start, in one launch over the ``n_rows``
     targets: ``GSCALE[0]``, the gradient a unit loss sends each row (``1/Σ`` of the kept
     targets' weights, 1 each without ``W``, for a mean: torch's weighted mean; 1 otherwise), and

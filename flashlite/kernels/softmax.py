@@ -110,9 +110,16 @@ def split_config(n_cols: int) -> dict[str, int]:
 # ----------------------------------------------------------------------------- shared pieces
 @triton.jit
 def _tile_offsets(
-    row0, col0, n_rows, n_cols, stride_m, stride_n,
-    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, COL_INT64: tl.constexpr,
-):  # fmt: skip
+    row0,
+    col0,
+    n_rows,
+    n_cols,
+    stride_m,
+    stride_n,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    COL_INT64: tl.constexpr,
+):
     rows = row0 + tl.arange(0, ROWS)
     cols = col0 + tl.arange(0, BLOCK_N)
     if COL_INT64:
@@ -134,31 +141,53 @@ def _normalise(x, m, s, LOG: tl.constexpr):
 # ----------------------------------------------------------------------------- forward
 @triton.jit
 def _softmax_single_read_fwd_kernel(
-    X, Y, n_rows, n_cols, stride_xm, stride_xn, stride_ym, stride_yn,
-    LOG: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, COL_INT64: tl.constexpr,
+    X,
+    Y,
+    n_rows,
+    n_cols,
+    stride_xm,
+    stride_xn,
+    stride_ym,
+    stride_yn,
+    LOG: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    COL_INT64: tl.constexpr,
     ROUND_BF16: tl.constexpr,
-):  # fmt: skip
+):
     """Rows that fit on chip: one read, statistics from the identity pair, one write."""
     row0 = tl.program_id(0).to(tl.int64) * ROWS
-    offs, mask = _tile_offsets(row0, 0, n_rows, n_cols, stride_xm, stride_xn, ROWS, BLOCK_N,
-                               COL_INT64)  # fmt: skip
+    offs, mask = _tile_offsets(
+        row0, 0, n_rows, n_cols, stride_xm, stride_xn, ROWS, BLOCK_N, COL_INT64
+    )
     x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
     m, s, p = tile_stats(x, LOG2E)
     if LOG:
         y = _normalise(x, m, s, True)
     else:  # reuse the exponentials already computed for s
         y = p * (1.0 / s)[:, None]
-    offs, mask = _tile_offsets(row0, 0, n_rows, n_cols, stride_ym, stride_yn, ROWS, BLOCK_N,
-                               COL_INT64)  # fmt: skip
+    offs, mask = _tile_offsets(
+        row0, 0, n_rows, n_cols, stride_ym, stride_yn, ROWS, BLOCK_N, COL_INT64
+    )
     tl.store(Y + offs, cast(y, Y.dtype.element_ty, ROUND_BF16), mask=mask)
 
 
 @triton.jit
 def _softmax_online_fwd_kernel(
-    X, Y, n_rows, n_cols, stride_xm, stride_xn, stride_ym, stride_yn,
-    LOG: tl.constexpr, THREE_PASS: tl.constexpr, BLOCK_N: tl.constexpr,
-    COL_INT64: tl.constexpr, ROUND_BF16: tl.constexpr,
-):  # fmt: skip
+    X,
+    Y,
+    n_rows,
+    n_cols,
+    stride_xm,
+    stride_xn,
+    stride_ym,
+    stride_yn,
+    LOG: tl.constexpr,
+    THREE_PASS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    COL_INT64: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
     """One program per row, tiles of BLOCK_N. ``THREE_PASS`` finds the max in a pass of its own
     (the textbook safe softmax); otherwise the max and the sum come from one online pass."""
     row = tl.program_id(0).to(tl.int64)
@@ -166,38 +195,51 @@ def _softmax_online_fwd_kernel(
     s = tl.zeros([1], tl.float32)
     if THREE_PASS:
         for col0 in tl.range(0, n_cols, BLOCK_N):  # pass 1: the max
-            offs, mask = _tile_offsets(row, col0, n_rows, n_cols, stride_xm, stride_xn, 1,
-                                       BLOCK_N, COL_INT64)  # fmt: skip
+            offs, mask = _tile_offsets(
+                row, col0, n_rows, n_cols, stride_xm, stride_xn, 1, BLOCK_N, COL_INT64
+            )
             x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
             m = tl.maximum(m, tl.max(x, 1))
     for col0 in tl.range(0, n_cols, BLOCK_N):
         # online: (m, s) folded in one pass. three_pass: m is already final, so the same update
         # is a plain sum (the rescale factor is e^0 = 1).
-        offs, mask = _tile_offsets(row, col0, n_rows, n_cols, stride_xm, stride_xn, 1, BLOCK_N,
-                                   COL_INT64)  # fmt: skip
+        offs, mask = _tile_offsets(
+            row, col0, n_rows, n_cols, stride_xm, stride_xn, 1, BLOCK_N, COL_INT64
+        )
         x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
         m, s, _, _ = online_update(m, s, x, LOG2E)
     for col0 in tl.range(0, n_cols, BLOCK_N):  # last pass: write
-        offs, mask = _tile_offsets(row, col0, n_rows, n_cols, stride_xm, stride_xn, 1, BLOCK_N,
-                                   COL_INT64)  # fmt: skip
+        offs, mask = _tile_offsets(
+            row, col0, n_rows, n_cols, stride_xm, stride_xn, 1, BLOCK_N, COL_INT64
+        )
         x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
         y = _normalise(x, m, s, LOG)
-        offs, mask = _tile_offsets(row, col0, n_rows, n_cols, stride_ym, stride_yn, 1, BLOCK_N,
-                                   COL_INT64)  # fmt: skip
+        offs, mask = _tile_offsets(
+            row, col0, n_rows, n_cols, stride_ym, stride_yn, 1, BLOCK_N, COL_INT64
+        )
         tl.store(Y + offs, cast(y, Y.dtype.element_ty, ROUND_BF16), mask=mask)
 
 
 @triton.jit
 def _softmax_split_stats_kernel(
-    X, M_ws, S_ws, n_rows, n_cols, stride_xm, stride_xn, n_chunks,
-    BLOCK_N: tl.constexpr, COL_INT64: tl.constexpr,
-):  # fmt: skip
+    X,
+    M_ws,
+    S_ws,
+    n_rows,
+    n_cols,
+    stride_xm,
+    stride_xn,
+    n_chunks,
+    BLOCK_N: tl.constexpr,
+    COL_INT64: tl.constexpr,
+):
     """Split rows, step 1: each program writes the (m, s) pair of one chunk of one row."""
     pid = tl.program_id(0).to(tl.int64)  # a row's chunks are adjacent in launch order
     row = pid // n_chunks
     chunk = pid % n_chunks
-    offs, mask = _tile_offsets(row, chunk * BLOCK_N, n_rows, n_cols, stride_xm, stride_xn, 1,
-                               BLOCK_N, COL_INT64)  # fmt: skip
+    offs, mask = _tile_offsets(
+        row, chunk * BLOCK_N, n_rows, n_cols, stride_xm, stride_xn, 1, BLOCK_N, COL_INT64
+    )
     x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
     m, s, _ = tile_stats(x, LOG2E)
     ws = row * n_chunks + chunk + tl.arange(0, 1)
@@ -207,10 +249,23 @@ def _softmax_split_stats_kernel(
 
 @triton.jit
 def _softmax_split_write_kernel(
-    X, Y, M_ws, S_ws, n_rows, n_cols, stride_xm, stride_xn, stride_ym, stride_yn, n_chunks,
-    LOG: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS_PAD: tl.constexpr, COL_INT64: tl.constexpr,
+    X,
+    Y,
+    M_ws,
+    S_ws,
+    n_rows,
+    n_cols,
+    stride_xm,
+    stride_xn,
+    stride_ym,
+    stride_yn,
+    n_chunks,
+    LOG: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
+    COL_INT64: tl.constexpr,
     ROUND_BF16: tl.constexpr,
-):  # fmt: skip
+):
     """Split rows, step 2: merge the row's chunk pairs, then normalise this program's chunk.
 
     Every program of a row repeats the (cheap) C-way merge instead of waiting for one another.
@@ -225,12 +280,14 @@ def _softmax_split_write_kernel(
     m_part = tl.load(M_ws + ws, mask=c < n_chunks, other=float("-inf"))  # identity padding
     s_part = tl.load(S_ws + ws, mask=c < n_chunks, other=0.0)
     m, s = merge_partials(m_part[None, :], s_part[None, :], LOG2E)
-    offs, mask = _tile_offsets(row, chunk * BLOCK_N, n_rows, n_cols, stride_xm, stride_xn, 1,
-                               BLOCK_N, COL_INT64)  # fmt: skip
+    offs, mask = _tile_offsets(
+        row, chunk * BLOCK_N, n_rows, n_cols, stride_xm, stride_xn, 1, BLOCK_N, COL_INT64
+    )
     x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
     y = _normalise(x, m, s, LOG)
-    offs, mask = _tile_offsets(row, chunk * BLOCK_N, n_rows, n_cols, stride_ym, stride_yn, 1,
-                               BLOCK_N, COL_INT64)  # fmt: skip
+    offs, mask = _tile_offsets(
+        row, chunk * BLOCK_N, n_rows, n_cols, stride_ym, stride_yn, 1, BLOCK_N, COL_INT64
+    )
     tl.store(Y + offs, cast(y, Y.dtype.element_ty, ROUND_BF16), mask=mask)
 
 
@@ -251,11 +308,25 @@ def _await_team(count_ptr, n_chunks):
 
 @triton.jit
 def _softmax_team_fwd_kernel(
-    X, Y, M_ws, S_ws, Count, n_rows, n_cols, stride_xm, stride_xn, stride_ym, stride_yn,
-    n_chunks, n_teams,
-    LOG: tl.constexpr, BLOCK_N: tl.constexpr, CHUNKS_PAD: tl.constexpr, COL_INT64: tl.constexpr,
+    X,
+    Y,
+    M_ws,
+    S_ws,
+    Count,
+    n_rows,
+    n_cols,
+    stride_xm,
+    stride_xn,
+    stride_ym,
+    stride_yn,
+    n_chunks,
+    n_teams,
+    LOG: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CHUNKS_PAD: tl.constexpr,
+    COL_INT64: tl.constexpr,
     ROUND_BF16: tl.constexpr,
-):  # fmt: skip
+):
     """Long rows read once: a team of ``n_chunks`` co-resident programs shares a row.
 
     Each program holds its chunk on chip, publishes the chunk's (m, s) pair, waits until the
@@ -271,8 +342,9 @@ def _softmax_team_fwd_kernel(
     chunk = pid % n_chunks
     for row in tl.range(team, n_rows, n_teams):
         row64 = tl.cast(row, tl.int64)  # (the interpreter loops over Python ints)
-        offs, mask = _tile_offsets(row64, chunk * BLOCK_N, n_rows, n_cols, stride_xm, stride_xn,
-                                   1, BLOCK_N, COL_INT64)  # fmt: skip
+        offs, mask = _tile_offsets(
+            row64, chunk * BLOCK_N, n_rows, n_cols, stride_xm, stride_xn, 1, BLOCK_N, COL_INT64
+        )
         x = tl.load(X + offs, mask=mask, other=float("-inf")).to(tl.float32)
         m, s, p = tile_stats(x, LOG2E)
         ws = row64 * n_chunks + chunk + tl.arange(0, 1)
@@ -281,27 +353,41 @@ def _softmax_team_fwd_kernel(
         _arrive(Count + row64)
         c = tl.arange(0, CHUNKS_PAD)
         _await_team(Count + row64, n_chunks)
-        m_part = tl.load(M_ws + row64 * n_chunks + c, mask=c < n_chunks, other=float("-inf"),
-                         cache_modifier=".cg")  # fmt: skip
-        s_part = tl.load(S_ws + row64 * n_chunks + c, mask=c < n_chunks, other=0.0,
-                         cache_modifier=".cg")  # fmt: skip
+        pairs = row64 * n_chunks + c
+        m_part = tl.load(M_ws + pairs, mask=c < n_chunks, other=float("-inf"), cache_modifier=".cg")
+        s_part = tl.load(S_ws + pairs, mask=c < n_chunks, other=0.0, cache_modifier=".cg")
         m_row, s_row = merge_partials(m_part[None, :], s_part[None, :], LOG2E)
         if LOG:
             y = _normalise(x, m_row, s_row, True)
         else:  # move our exponentials from the chunk's maximum onto the row's
             y = p * (rescale(m, m_row, LOG2E) / s_row)[:, None]
-        offs, mask = _tile_offsets(row64, chunk * BLOCK_N, n_rows, n_cols, stride_ym, stride_yn,
-                                   1, BLOCK_N, COL_INT64)  # fmt: skip
+        offs, mask = _tile_offsets(
+            row64, chunk * BLOCK_N, n_rows, n_cols, stride_ym, stride_yn, 1, BLOCK_N, COL_INT64
+        )
         tl.store(Y + offs, cast(y, Y.dtype.element_ty, ROUND_BF16), mask=mask)
 
 
 # ----------------------------------------------------------------------------- backward
 @triton.jit
 def _softmax_bwd_kernel(
-    Y, DY, DX, n_rows, n_cols, stride_ym, stride_yn, stride_gm, stride_gn, stride_dm, stride_dn,
-    LOG: tl.constexpr, ONE_TILE: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    COL_INT64: tl.constexpr, ROUND_BF16: tl.constexpr,
-):  # fmt: skip
+    Y,
+    DY,
+    DX,
+    n_rows,
+    n_cols,
+    stride_ym,
+    stride_yn,
+    stride_gm,
+    stride_gn,
+    stride_dm,
+    stride_dn,
+    LOG: tl.constexpr,
+    ONE_TILE: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    COL_INT64: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
     """Backward of softmax and log_softmax from the saved output.
 
     softmax:      y = e^(x − lse)  ⇒  dx_i = Σ_j dy_j ∂y_j/∂x_i = y_i (dy_i − Σ_j y_j dy_j)
@@ -312,43 +398,51 @@ def _softmax_bwd_kernel(
     """
     row0 = tl.program_id(0).to(tl.int64) * ROWS
     if ONE_TILE:
-        offs, mask = _tile_offsets(row0, 0, n_rows, n_cols, stride_ym, stride_yn, ROWS, BLOCK_N,
-                                   COL_INT64)  # fmt: skip
+        offs, mask = _tile_offsets(
+            row0, 0, n_rows, n_cols, stride_ym, stride_yn, ROWS, BLOCK_N, COL_INT64
+        )
         y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
-        offs, mask = _tile_offsets(row0, 0, n_rows, n_cols, stride_gm, stride_gn, ROWS, BLOCK_N,
-                                   COL_INT64)  # fmt: skip
+        offs, mask = _tile_offsets(
+            row0, 0, n_rows, n_cols, stride_gm, stride_gn, ROWS, BLOCK_N, COL_INT64
+        )
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         if LOG:
             dx = dy - tl.exp2(y * LOG2E) * tl.sum(dy, 1)[:, None]
         else:
             dx = y * (dy - tl.sum(y * dy, 1)[:, None])
-        offs, mask = _tile_offsets(row0, 0, n_rows, n_cols, stride_dm, stride_dn, ROWS, BLOCK_N,
-                                   COL_INT64)  # fmt: skip
+        offs, mask = _tile_offsets(
+            row0, 0, n_rows, n_cols, stride_dm, stride_dn, ROWS, BLOCK_N, COL_INT64
+        )
         tl.store(DX + offs, cast(dx, DX.dtype.element_ty, ROUND_BF16), mask=mask)
     else:
         acc = tl.zeros([ROWS], tl.float32)
         for col0 in tl.range(0, n_cols, BLOCK_N):
-            offs, mask = _tile_offsets(row0, col0, n_rows, n_cols, stride_gm, stride_gn, ROWS,
-                                       BLOCK_N, COL_INT64)  # fmt: skip
+            offs, mask = _tile_offsets(
+                row0, col0, n_rows, n_cols, stride_gm, stride_gn, ROWS, BLOCK_N, COL_INT64
+            )
             dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
             if LOG:
                 acc += tl.sum(dy, 1)
             else:
-                offs, mask = _tile_offsets(row0, col0, n_rows, n_cols, stride_ym, stride_yn,
-                                           ROWS, BLOCK_N, COL_INT64)  # fmt: skip
+                offs, mask = _tile_offsets(
+                    row0, col0, n_rows, n_cols, stride_ym, stride_yn, ROWS, BLOCK_N, COL_INT64
+                )
                 y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
                 acc += tl.sum(y * dy, 1)
         for col0 in tl.range(0, n_cols, BLOCK_N):
-            offs, mask = _tile_offsets(row0, col0, n_rows, n_cols, stride_ym, stride_yn, ROWS,
-                                       BLOCK_N, COL_INT64)  # fmt: skip
+            offs, mask = _tile_offsets(
+                row0, col0, n_rows, n_cols, stride_ym, stride_yn, ROWS, BLOCK_N, COL_INT64
+            )
             y = tl.load(Y + offs, mask=mask, other=0.0).to(tl.float32)
-            offs, mask = _tile_offsets(row0, col0, n_rows, n_cols, stride_gm, stride_gn, ROWS,
-                                       BLOCK_N, COL_INT64)  # fmt: skip
+            offs, mask = _tile_offsets(
+                row0, col0, n_rows, n_cols, stride_gm, stride_gn, ROWS, BLOCK_N, COL_INT64
+            )
             dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
             if LOG:
                 dx = dy - tl.exp2(y * LOG2E) * acc[:, None]
             else:
                 dx = y * (dy - acc[:, None])
-            offs, mask = _tile_offsets(row0, col0, n_rows, n_cols, stride_dm, stride_dn, ROWS,
-                                       BLOCK_N, COL_INT64)  # fmt: skip
+            offs, mask = _tile_offsets(
+                row0, col0, n_rows, n_cols, stride_dm, stride_dn, ROWS, BLOCK_N, COL_INT64
+            )
             tl.store(DX + offs, cast(dx, DX.dtype.element_ty, ROUND_BF16), mask=mask)

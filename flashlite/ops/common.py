@@ -108,8 +108,9 @@ def overlapping(t: torch.Tensor) -> bool:
 _records = Cache("ops.value_records", 64)
 
 
-def value_record(what: str, device: torch.device,
-                 words: int) -> tuple[torch.Tensor, torch.Tensor, Any]:  # fmt: skip
+def value_record(
+    what: str, device: torch.device, words: int
+) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """``(record, host flag, the host flag as a numpy array)`` of check ``what`` on ``device``
     (numpy: reading the flag costs no torch op), made on first use."""
     found = _records.get((what, device))

@@ -43,9 +43,11 @@ def prefetch_chunks(n_cols: int, elem_bytes: int) -> int:
 
 
 def prefetch_plan(
-    x2: torch.Tensor, words_per_chunk: int = 1, cfg: KG.PrefetchConfig | None = None,
+    x2: torch.Tensor,
+    words_per_chunk: int = 1,
+    cfg: KG.PrefetchConfig | None = None,
     control: int = 0,
-) -> tuple[dict, int, int]:  # fmt: skip
+) -> tuple[dict, int, int]:
     """What every launch of a prefetching team kernel on the ``(rows, n)`` view ``x2`` needs:
     its launch options, the programs per row, and how many int64 words its workspace holds
     (:func:`prefetch_words`): ``words_per_chunk`` per (row, chunk), row-major, then
@@ -60,8 +62,9 @@ def prefetch_words(size: int, device: torch.device) -> torch.Tensor:
     return torch.full((size,), -1, device=device, dtype=torch.int64)
 
 
-def plan_prefetch(x2: torch.Tensor, y2: torch.Tensor, log: bool,
-                  cfg: KG.PrefetchConfig | None = None) -> Launch:  # fmt: skip
+def plan_prefetch(
+    x2: torch.Tensor, y2: torch.Tensor, log: bool, cfg: KG.PrefetchConfig | None = None
+) -> Launch:
     """``launch(x2, y2)`` of the Gluon team kernel that prefetches each program's next row into
     shared memory (:mod:`flashlite.kernels.softmax_gluon`), planned for these views."""
     n_rows, n_cols = x2.shape
@@ -69,13 +72,19 @@ def plan_prefetch(x2: torch.Tensor, y2: torch.Tensor, log: bool,
     opts, n_chunks, size = prefetch_plan(x2, 1, cfg)
     vec = opts["VEC"]  # lengths and strides in 16-byte vectors (prefetch_applies checked)
     rest = (n_rows, n_cols // vec, x2.stride(0) // vec, y2.stride(0) // vec, n_chunks)
-    bound = _teams.bind_teams(KG._softmax_prefetch_team_kernel,
-                               [x2, y2, prefetch_words(size, dev), *rest], {"LOG": log, **opts},
-                               n_chunks, n_rows, dev)  # fmt: skip
+    bound = _teams.bind_teams(
+        KG._softmax_prefetch_team_kernel,
+        [x2, y2, prefetch_words(size, dev), *rest],
+        {"LOG": log, **opts},
+        n_chunks,
+        n_rows,
+        dev,
+    )
     return lambda x, y: bound(x, y, prefetch_words(size, dev), *rest)
 
 
-def prefetch_fwd(x2: torch.Tensor, y2: torch.Tensor, log: bool,
-                  cfg: KG.PrefetchConfig | None = None) -> None:  # fmt: skip
+def prefetch_fwd(
+    x2: torch.Tensor, y2: torch.Tensor, log: bool, cfg: KG.PrefetchConfig | None = None
+) -> None:
     """Launch the Gluon prefetching team kernel on the views (:func:`plan_prefetch`)."""
     plan_prefetch(x2, y2, log, cfg)(x2, y2)

@@ -11,10 +11,11 @@ Three independent ways to get the bytes a call moves between DRAM (HBM) and the 
 * **counted** (:mod:`~flashlite.traffic.count`) — run the real code and add up bytes. Triton
   kernels are run in Triton's interpreter with its load/store entry points wrapped by
   :func:`flashlite.traffic.hooks.interpreter_memory_hooks` (:func:`count_kernels`); torch ops are
-  seen by a :class:`~torch.utils._python_dispatch.TorchDispatchMode` (:func:`count_torch_ops`).
+  seen by a :class:`~torch.utils._python_dispatch.TorchDispatchMode` (:func:`count_torch_ops`);
+  both counters live in :mod:`~flashlite.traffic.counters`.
 * **measured** (:mod:`~flashlite.traffic.measure`) — DRAM bytes of the kernels of one call on a
-  GPU, from Nsight Compute (``dram__bytes_read.sum``, ``dram__bytes_write.sum``) run on a child
-  process (:func:`measure_attention`).
+  GPU, from Nsight Compute (``dram__bytes_read.sum``, ``dram__bytes_write.sum``, read by
+  :mod:`~flashlite.traffic.ncu`) run on a child process (:func:`measure_attention`).
 
 :mod:`~flashlite.traffic.shapes` holds what they share (:class:`AttentionShape`,
 :class:`Traffic`), and :mod:`~flashlite.traffic.report` the rows, table and plot of the
@@ -25,27 +26,22 @@ of K/V across query blocks, caches, ECC, prefetch): ``docs/hbm-traffic.md`` expl
 """
 
 from flashlite.traffic.count import (
-    KernelCounter,
-    OpCounter,
     count_attention,
     count_attention_bwd,
     count_cross_entropy,
     count_decode,
-    count_kernels,
     count_shared_prefix,
     count_softmax,
+)
+from flashlite.traffic.count_sparse import count_flex_attention, count_flex_varlen
+from flashlite.traffic.counters import (
+    KernelCounter,
+    OpCounter,
+    count_kernels,
     count_torch_ops,
     tensor_bytes,
 )
-from flashlite.traffic.count_sparse import count_flex_attention, count_flex_varlen
-from flashlite.traffic.measure import (
-    KernelMetrics,
-    Measurement,
-    find_ncu,
-    measure_attention,
-    measure_softmax,
-    parse_ncu_csv,
-)
+from flashlite.traffic.measure import Measurement, measure_attention, measure_softmax
 from flashlite.traffic.model import DEFAULT_L2_BYTES as DEFAULT_L2_BYTES
 from flashlite.traffic.model import (
     compulsory_attention,
@@ -76,6 +72,7 @@ from flashlite.traffic.model import (
     shared_prefix_splits,
     shared_prefix_tiles,
 )
+from flashlite.traffic.ncu import KernelMetrics, find_ncu, parse_ncu_csv
 from flashlite.traffic.report import (
     SOFTMAX_SHOWN,
     backward_rows,

@@ -9,13 +9,10 @@ query blocks, caches, ECC, prefetch): ``docs/hbm-traffic.md`` explains.
 from __future__ import annotations
 
 import contextlib
-import csv
-import io
 import json
 import math
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,84 +25,8 @@ import torch
 from flashlite.ops import softmax as softmax_ops
 from flashlite.traffic.count import BACKWARD_METHODS, attention_bwd_fn, attention_fn
 from flashlite.traffic.model import flashlite_config
+from flashlite.traffic.ncu import KernelMetrics, find_ncu, ncu_command, parse_ncu_csv
 from flashlite.traffic.shapes import ATTENTION_METHODS, AttentionShape, Traffic, make_inputs
-
-
-@dataclass
-class KernelMetrics:
-    """DRAM bytes of one profiled kernel (one ncu result ID)."""
-
-    id: int
-    name: str
-    read: float = math.nan
-    write: float = math.nan
-
-
-_UNITS = {
-    "byte": 1,
-    "bytes": 1,
-    "b": 1,
-    "kbyte": 1e3,
-    "mbyte": 1e6,
-    "gbyte": 1e9,
-    "tbyte": 1e12,
-    "kb": 1e3,
-    "mb": 1e6,
-    "gb": 1e9,
-    "tb": 1e12,
-    "kibyte": 2**10,
-    "mibyte": 2**20,
-    "gibyte": 2**30,
-    "tibyte": 2**40,
-    "kib": 2**10,
-    "mib": 2**20,
-    "gib": 2**30,
-    "tib": 2**40,
-}
-
-
-def _ncu_value(value: str, unit: str) -> float:
-    """A metric value in bytes from ncu's text: thousands separators and SI/IEC units."""
-    scale = _UNITS.get(unit.strip().lower())
-    if scale is None:
-        raise ValueError(f"unknown ncu unit {unit!r} for value {value!r}")
-    return float(value.replace(",", "").strip()) * scale
-
-
-def parse_ncu_csv(text: str) -> list[KernelMetrics]:
-    """Per-kernel DRAM bytes from ``ncu --csv`` output (``--page details``, the default).
-
-    Lines before the ``"ID",...`` header (ncu's ``==PROF==`` chatter, the program's own output)
-    are skipped. Returns kernels in ID order with ``read``/``write`` in bytes.
-    """
-    lines = text.splitlines()
-    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
-    if start is None:
-        return []
-    kernels: dict[int, KernelMetrics] = {}
-    for row in csv.DictReader(io.StringIO("\n".join(lines[start:]))):
-        try:
-            kid = int(row["ID"])
-        except (KeyError, TypeError, ValueError):
-            continue  # program output interleaved with the table
-        k = kernels.setdefault(kid, KernelMetrics(kid, row.get("Kernel Name", "")))
-        metric = row.get("Metric Name", "")
-        if metric not in ("dram__bytes_read.sum", "dram__bytes_write.sum"):
-            continue
-        value = _ncu_value(row["Metric Value"], row.get("Metric Unit", "byte"))
-        if metric.endswith("read.sum"):
-            k.read = value
-        else:
-            k.write = value
-    return [kernels[i] for i in sorted(kernels)]
-
-
-def find_ncu() -> str | None:
-    """Path of Nsight Compute's CLI: ``$NCU``, ``/usr/local/cuda/bin/ncu``, then ``PATH``."""
-    for candidate in (os.environ.get("NCU"), "/usr/local/cuda/bin/ncu", shutil.which("ncu")):
-        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return candidate
-    return None
 
 
 def _range_name(i: int) -> str:
@@ -213,8 +134,13 @@ def _decode_child(spec: dict[str, Any], report: dict[str, Any]) -> None:
     """Decoding's half of :func:`_child_main`: one range per shape, holding one call of the
     decode kernel (and its combine) against full caches, or of the materialising reference."""
     device = spec.get("device", "cuda")
-    _each_range(report, [lambda d=d: _decode_call(spec["method"], AttentionShape.from_json(d),
-                                                  device) for d in spec["shapes"]])  # fmt: skip
+    _each_range(
+        report,
+        [
+            lambda d=d: _decode_call(spec["method"], AttentionShape.from_json(d), device)
+            for d in spec["shapes"]
+        ],
+    )
 
 
 def _flex_child(spec: dict[str, Any], report: dict[str, Any]) -> None:
@@ -225,9 +151,13 @@ def _flex_child(spec: dict[str, Any], report: dict[str, Any]) -> None:
 
     mask, docs, block = spec["mask"], spec["docs"], tuple(spec["block"])
     device = spec.get("device", "cuda")
-    _each_range(report, [lambda m=m, d=d: sparse_call(m, AttentionShape.from_json(d), mask, docs,
-                                                      block, device)
-                         for m, d in spec["calls"]])  # fmt: skip
+    _each_range(
+        report,
+        [
+            lambda m=m, d=d: sparse_call(m, AttentionShape.from_json(d), mask, docs, block, device)
+            for m, d in spec["calls"]
+        ],
+    )
 
 
 _CHILDREN = {
@@ -259,24 +189,6 @@ class Measurement:
     kernels: list[list[KernelMetrics]] = field(default_factory=list)
 
 
-def _ncu_command(ncu: str, ranges: Sequence[str], rename: bool) -> list[str]:
-    cmd = [ncu, "--nvtx"]
-    for r in ranges:
-        cmd += ["--nvtx-include", f"{r}/"]
-    cmd += [
-        "--metrics",
-        "dram__bytes_read.sum,dram__bytes_write.sum",
-        "--cache-control",
-        "all",
-        "--clock-control",
-        "none",
-        "--csv",
-    ]
-    if rename:  # kernel names become the enclosing range name: attributes kernels to configs
-        cmd += ["--print-nvtx-rename", "kernel"]
-    return cmd
-
-
 def _run_ncu(
     ncu: str,
     method: str,
@@ -305,7 +217,7 @@ def _run_ncu_spec(
             "_child_main(sys.argv[1])",
             spec_path,
         ]
-        cmd = _ncu_command(ncu, [_range_name(i) for i in range(n_ranges)], rename) + child
+        cmd = ncu_command(ncu, [_range_name(i) for i in range(n_ranges)], rename) + child
         try:
             # the child runs compiled kernels even where this process interprets them (counting)
             env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -316,14 +228,8 @@ def _run_ncu_spec(
             return [], {}, f"could not start ncu: {e}"
         out = proc.stdout + "\n" + proc.stderr
         if "ERR_NVGPUCTRPERM" in out:
-            return (
-                [],
-                {},
-                (
-                    "ncu is not permitted to read GPU performance counters "
-                    "(ERR_NVGPUCTRPERM): run as root or enable profiling for all users"
-                ),
-            )
+            why = "ncu is not permitted to read GPU performance counters (ERR_NVGPUCTRPERM)"
+            return [], {}, why + ": run as root or enable profiling for all users"
         report: dict[str, Any] = {}
         if os.path.exists(report_path):
             with open(report_path) as f:
@@ -382,21 +288,8 @@ def measure_attention(
             groups[int(_RANGE_RE.search(k.name).group(1))].append(k)  # type: ignore[union-attr]
     elif not error and len(shapes) == 1:
         groups[0] = kernels
-    else:
-        # this ncu did not rename kernels after their ranges (or refused the option):
-        # one ncu process per shape, slower but unambiguous
-        report, error = {}, ""
-        for i, shape in enumerate(shapes):
-            if progress:
-                progress(f"{method}: shape {i + 1}/{len(shapes)} (one ncu each)")
-            ks, rep, error = _run_ncu(ncu, method, [shape], False, timeout, kind)
-            if error:
-                break
-            groups[i] = ks
-            # the child numbered its only shape 0; renumber to this shape's index
-            for key in ("errors", "configs"):
-                if "0" in rep.get(key, {}):
-                    report.setdefault(key, {})[str(i)] = rep[key]["0"]
+    else:  # this ncu did not rename kernels after their ranges (or refused the option)
+        report, error = _ncu_per_shape(ncu, method, shapes, timeout, kind, groups, progress)
     if error:
         return Measurement(list(none), f"measured ({method}): {error}")
     errors = {int(i): e for i, e in report.get("errors", {}).items()}
@@ -419,8 +312,36 @@ def measure_attention(
     return Measurement(traffic, message, configs, groups)
 
 
-def _ranges(spec: dict[str, Any], n_ranges: int, timeout: float,
-            what: str) -> tuple[list[Traffic | None], dict[str, str], str]:  # fmt: skip
+def _ncu_per_shape(
+    ncu: str,
+    method: str,
+    shapes: Sequence[AttentionShape],
+    timeout: float,
+    kind: str,
+    groups: list[list[KernelMetrics]],
+    progress: Callable[[str], None] | None,
+) -> tuple[dict[str, Any], str]:
+    """:func:`measure_attention`'s fallback, one ncu process per shape (slower but unambiguous):
+    fills ``groups`` and returns the shapes' report and the first error ("" if none)."""
+    report: dict[str, Any] = {}
+    error = ""
+    for i, shape in enumerate(shapes):
+        if progress:
+            progress(f"{method}: shape {i + 1}/{len(shapes)} (one ncu each)")
+        ks, rep, error = _run_ncu(ncu, method, [shape], False, timeout, kind)
+        if error:
+            break
+        groups[i] = ks
+        # the child numbered its only shape 0; renumber to this shape's index
+        for key in ("errors", "configs"):
+            if "0" in rep.get(key, {}):
+                report.setdefault(key, {})[str(i)] = rep[key]["0"]
+    return report, error
+
+
+def _ranges(
+    spec: dict[str, Any], n_ranges: int, timeout: float, what: str
+) -> tuple[list[Traffic | None], dict[str, str], str]:
     """One ncu run over ``spec``'s ``n_ranges`` calls, its kernels summed per range: ``(traffic
     per range, the child's errors by range, why nothing was measured or "")``."""
     out: list[Traffic | None] = [None] * n_ranges
@@ -450,8 +371,13 @@ def measure_softmax(
     ``torch.softmax``), with Nsight Compute; ``(traffic per algorithm, message)``, never raising
     for a missing GPU or profiler (the message says why)."""
     none: dict[str, Traffic | None] = dict.fromkeys(algorithms)
-    spec = {"kind": "softmax", "rows": rows, "n": n, "dtype": str(dtype).removeprefix("torch."),
-            "algorithms": list(algorithms)}  # fmt: skip
+    spec = {
+        "kind": "softmax",
+        "rows": rows,
+        "n": n,
+        "dtype": str(dtype).removeprefix("torch."),
+        "algorithms": list(algorithms),
+    }
     per_range, errors, failed = _ranges(spec, len(algorithms), timeout, "softmax")
     if failed:
         return none, failed
@@ -460,20 +386,31 @@ def measure_softmax(
     return out, message
 
 
-def measure_flex(calls: Sequence[tuple[str, AttentionShape]], mask: str, docs: int,
-                 block: tuple[int, int] = (128, 128), *,
-                 timeout: float = 600.0) -> tuple[list[Traffic | None], str]:  # fmt: skip
+def measure_flex(
+    calls: Sequence[tuple[str, AttentionShape]],
+    mask: str,
+    docs: int,
+    block: tuple[int, int] = (128, 128),
+    *,
+    timeout: float = 600.0,
+) -> tuple[list[Traffic | None], str]:
     """Measured DRAM bytes of one forward per ``(method, shape)`` call of ``flashlite traffic
     --mask`` (``flex-<mask>``, ``flex-dense``, the document masks' varlen row), with Nsight
     Compute: ``(traffic per call, message)``, never raising for a missing GPU or profiler (the
     message says why, and a call that failed is None with its error in the message)."""
-    spec = {"kind": "flex", "mask": mask, "docs": docs, "block": list(block),
-            "calls": [[m, s.to_json()] for m, s in calls]}  # fmt: skip
+    spec = {
+        "kind": "flex",
+        "mask": mask,
+        "docs": docs,
+        "block": list(block),
+        "calls": [[m, s.to_json()] for m, s in calls],
+    }
     out, errors, failed = _ranges(spec, len(calls), timeout, mask)
     if failed:
         return out, failed
     for i in errors:
         out[int(i)] = None
-    message = "; ".join(f"{calls[int(i)][0]} N={calls[int(i)][1].seq_q}: {e}"
-                        for i, e in sorted(errors.items()))  # fmt: skip
+    message = "; ".join(
+        f"{calls[int(i)][0]} N={calls[int(i)][1].seq_q}: {e}" for i, e in sorted(errors.items())
+    )
     return out, message

@@ -79,16 +79,7 @@ def traffic_rows(
     if config:
         pinned = {s.head_dim: parse_config(config, s.head_dim, s.dtype) for s in shapes}
     notes: list[str] = []
-    measured: dict[str, Measurement] = {}
-    if measure:
-        for i, method in enumerate(methods):
-            if show_progress:
-                progress_bar(i, len(methods), f"measuring {method}")
-            measured[method] = measure_attention(method, shapes)
-            if measured[method].message:
-                notes.append(measured[method].message)
-        if show_progress:
-            progress_bar(len(methods), len(methods), "measured")
+    measured = _measure_methods(methods, shapes, notes, show_progress) if measure else {}
     rows: list[dict[str, Any]] = []
     total = len(methods) * len(shapes)
     for i, method in enumerate(methods):
@@ -160,18 +151,38 @@ def text_table(rows: Sequence[dict[str, Any]], columns: Sequence[Column]) -> str
     return "\n".join([head, "-" * len(head)] + [line([f(r) for _, _, f in columns]) for r in rows])
 
 
+def _measure_methods(
+    methods: Sequence[str], shapes: Sequence[AttentionShape], notes: list[str], show_progress: bool
+) -> dict[str, Measurement]:
+    """:func:`traffic_rows`'s measurements, one ncu run per method; their messages go to
+    ``notes``."""
+    measured: dict[str, Measurement] = {}
+    for i, method in enumerate(methods):
+        if show_progress:
+            progress_bar(i, len(methods), f"measuring {method}")
+        measured[method] = measure_attention(method, shapes)
+        if measured[method].message:
+            notes.append(measured[method].message)
+    if show_progress:
+        progress_bar(len(methods), len(methods), "measured")
+    return measured
+
+
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """The traffic table: one line per (method, sequence length)."""
-    return text_table(rows, [
-        ("method", -18, lambda r: r["method"]),
-        ("config", -20, lambda r: r.get("config") or "-"),
-        ("seq", 7, lambda r: str(r["seq_len"])),
-        ("model MB", 12, lambda r: format_mb(r["model_bytes"])),
-        ("counted MB", 13, lambda r: format_mb(r["counted_bytes"])),
-        ("DRAM est MB", 14, lambda r: format_mb(r.get("dram_bytes"))),
-        ("measured MB", 14, lambda r: format_mb(r["measured_bytes"])),
-        ("vs compulsory", 15, lambda r: format_ratio(r["vs_compulsory"])),
-    ])  # fmt: skip
+    return text_table(
+        rows,
+        [
+            ("method", -18, lambda r: r["method"]),
+            ("config", -20, lambda r: r.get("config") or "-"),
+            ("seq", 7, lambda r: str(r["seq_len"])),
+            ("model MB", 12, lambda r: format_mb(r["model_bytes"])),
+            ("counted MB", 13, lambda r: format_mb(r["counted_bytes"])),
+            ("DRAM est MB", 14, lambda r: format_mb(r.get("dram_bytes"))),
+            ("measured MB", 14, lambda r: format_mb(r["measured_bytes"])),
+            ("vs compulsory", 15, lambda r: format_ratio(r["vs_compulsory"])),
+        ],
+    )
 
 
 def plot_traffic(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> str:
@@ -179,8 +190,9 @@ def plot_traffic(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> 
     from flashlite.plotting import Figure, Line, Panel, save
 
     l2 = next((r for r in rows if r.get("l2_bytes")), None)
-    estimate = "DRAM estimate" + (f", L2 {l2['l2_bytes'] / 2**20:.0f} MiB ({l2['l2_gpu']})"
-                                  if l2 is not None else "")  # fmt: skip
+    estimate = "DRAM estimate" + (
+        f", L2 {l2['l2_bytes'] / 2**20:.0f} MiB ({l2['l2_gpu']})" if l2 is not None else ""
+    )
     styles = {
         "model_bytes": ("-", "o", "issued, model"),
         "counted_bytes": (":", "s", "issued, counted"),
@@ -202,8 +214,9 @@ def plot_traffic(rows: Sequence[dict[str, Any]], path: str, title: str = "") -> 
         style = {"color": "black", "lw": 2}
         lines.append(Line(xs, ys, "compulsory (Q, K, V, O once)", style=style))
     notes = []
-    if any(r.get("dram_bytes") is not None and r["dram_bytes"] < r["compulsory_bytes"]
-           for r in rows):  # fmt: skip
+    if any(
+        r.get("dram_bytes") is not None and r["dram_bytes"] < r["compulsory_bytes"] for r in rows
+    ):
         notes.append(
             "DRAM estimate below compulsory: the output's writes still in L2 when\n"
             "the call ends are not counted (they reach DRAM later, as ncu counts)"
@@ -275,14 +288,17 @@ def softmax_rows(
 
 def format_softmax_table(rows: Sequence[dict[str, Any]]) -> str:
     """The softmax traffic table: one line per algorithm."""
-    return text_table(rows, [
-        ("method", -24, lambda r: r["method"]),
-        ("issued MB", 11, lambda r: format_mb(r["model_bytes"])),
-        ("counted MB", 12, lambda r: format_mb(r["counted_bytes"])),
-        ("DRAM est MB", 13, lambda r: format_mb(r["dram_bytes"])),
-        ("measured MB", 13, lambda r: format_mb(r["measured_bytes"])),
-        ("vs compulsory", 15, lambda r: format_ratio(r["vs_compulsory"])),
-    ])  # fmt: skip
+    return text_table(
+        rows,
+        [
+            ("method", -24, lambda r: r["method"]),
+            ("issued MB", 11, lambda r: format_mb(r["model_bytes"])),
+            ("counted MB", 12, lambda r: format_mb(r["counted_bytes"])),
+            ("DRAM est MB", 13, lambda r: format_mb(r["dram_bytes"])),
+            ("measured MB", 13, lambda r: format_mb(r["measured_bytes"])),
+            ("vs compulsory", 15, lambda r: format_ratio(r["vs_compulsory"])),
+        ],
+    )
 
 
 def backward_rows(

@@ -41,8 +41,9 @@ def decode_rows(
     for j, shape in enumerate(shapes):
         if show_progress:
             progress_bar(j, len(shapes), f"decode Nk={shape.nk}")
-        config = decode_tiles(decode_rows_per_head(shape), shape.batch * shape.hkv,
-                              shape.head_dim, shape.itemsize)  # fmt: skip
+        config = decode_tiles(
+            decode_rows_per_head(shape), shape.batch * shape.hkv, shape.head_dim, shape.itemsize
+        )
         bm, bn = config.block_m, config.block_n
         n_splits = splits or decode_splits(shape, bm)
         model = model_flashlite_decode(shape, bm, bn, n_splits)
@@ -64,7 +65,7 @@ def decode_rows(
                         f"{bm}x{bn}, {model.info['splits']} splits"
                         if method == "flashlite"
                         else None
-                    ),  # fmt: skip
+                    ),
                     "shape": shape.to_json(),
                 }
             )
@@ -95,13 +96,6 @@ def shared_prefix_rows(
     with those same tiles and splits, so the two columns compare like for like. Returns the
     rows and notes."""
     from flashlite.traffic.count import count_shared_prefix
-    from flashlite.traffic.model import (
-        decode_splits,
-        model_flashlite_shared_prefix,
-        model_kvcache_prefix_copies,
-        shared_prefix_splits,
-        shared_prefix_tiles,
-    )
 
     sms = GPUS[gpu].sms
     rows: list[dict[str, Any]] = []
@@ -109,19 +103,7 @@ def shared_prefix_rows(
     for j, shape in enumerate(shapes):
         if show_progress:
             progress_bar(j, len(shapes), f"shared prefix L={shape.nk}")
-        suffix_cfg, prefix_cfg = shared_prefix_tiles(shape, interpreted=count)
-        bm, bn = suffix_cfg.block_m, suffix_cfg.block_n
-        if count or splits:
-            s_splits = p_splits = c_splits = splits or 1
-        else:
-            s_splits, p_splits = shared_prefix_splits(shape, n_prefix, bm, sms)
-            c_splits = decode_splits(replace(shape, seq_k=n_prefix + shape.nk), bm, sms)
-        prefix_tiles = (prefix_cfg.block_m, prefix_cfg.block_n)
-        shared = model_flashlite_shared_prefix(
-            shape, n_prefix, suffix_tiles=(bm, bn), prefix_tiles=prefix_tiles,
-            suffix_splits=s_splits, prefix_splits=p_splits,
-        )  # fmt: skip
-        copies = model_kvcache_prefix_copies(shape, n_prefix, bm, bn, c_splits)
+        shared, copies, s_splits = _prefix_models(shape, n_prefix, count, splits, sms)
         counted: tuple[Traffic | None, Traffic | None] = (None, None)
         if count:
             counted = count_shared_prefix(shape, n_prefix, s_splits)
@@ -132,9 +114,13 @@ def shared_prefix_rows(
             f"{copies.info['config']} S={copies.info['splits']}",
         )
         shared_prefix = shared.parts["prefix k"][0] + shared.parts["prefix v"][0]
-        for method, m, c, config in zip(("flashlite-shared-prefix", "kvcache-prefix-copies"),
-                                        (shared, copies), counted, configs,
-                                        strict=True):  # fmt: skip
+        for method, m, c, config in zip(
+            ("flashlite-shared-prefix", "kvcache-prefix-copies"),
+            (shared, copies),
+            counted,
+            configs,
+            strict=True,
+        ):
             prefix_bytes = m.parts["prefix k"][0] + m.parts["prefix v"][0]
             rows.append(
                 {
@@ -168,16 +154,53 @@ def shared_prefix_rows(
     return rows, notes
 
 
+def _prefix_models(
+    shape: AttentionShape, n_prefix: int, count: bool, splits: int | None, sms: int
+) -> tuple[Traffic, Traffic, int]:
+    """:func:`shared_prefix_rows`'s models of one shape, the shared step's and the copies', and
+    the suffix pass's split count: the interpreter's tiles with ``count`` (else the table's),
+    ``splits or 1`` for every pass with ``count`` or ``splits`` (else each pass's own)."""
+    from flashlite.traffic.model import (
+        decode_splits,
+        model_flashlite_shared_prefix,
+        model_kvcache_prefix_copies,
+        shared_prefix_splits,
+        shared_prefix_tiles,
+    )
+
+    suffix_cfg, prefix_cfg = shared_prefix_tiles(shape, interpreted=count)
+    bm, bn = suffix_cfg.block_m, suffix_cfg.block_n
+    if count or splits:
+        s_splits = p_splits = c_splits = splits or 1
+    else:
+        s_splits, p_splits = shared_prefix_splits(shape, n_prefix, bm, sms)
+        c_splits = decode_splits(replace(shape, seq_k=n_prefix + shape.nk), bm, sms)
+    prefix_tiles = (prefix_cfg.block_m, prefix_cfg.block_n)
+    shared = model_flashlite_shared_prefix(
+        shape,
+        n_prefix,
+        suffix_tiles=(bm, bn),
+        prefix_tiles=prefix_tiles,
+        suffix_splits=s_splits,
+        prefix_splits=p_splits,
+    )
+    copies = model_kvcache_prefix_copies(shape, n_prefix, bm, bn, c_splits)
+    return shared, copies, s_splits
+
+
 def format_shared_prefix_table(rows: Sequence[dict[str, Any]]) -> str:
     """The shared-prefix table: one line per (method, suffix length)."""
-    return text_table(rows, [
-        ("method", -24, lambda r: r["method"]),
-        ("config", -36, lambda r: r["config"]),
-        ("Np", 8, lambda r: str(r["prefix_len"])),
-        ("L", 7, lambda r: str(r["seq_len"])),
-        ("model MB", 12, lambda r: format_mb(r["model_bytes"])),
-        ("counted MB", 13, lambda r: format_mb(r["counted_bytes"])),
-        ("prefix MB", 12, lambda r: format_mb(r["prefix_bytes"])),
-        ("prefix ratio", 14, lambda r: format_ratio(r["prefix_vs_shared"])),
-        ("total ratio", 13, lambda r: format_ratio(r["vs_shared"])),
-    ])  # fmt: skip
+    return text_table(
+        rows,
+        [
+            ("method", -24, lambda r: r["method"]),
+            ("config", -36, lambda r: r["config"]),
+            ("Np", 8, lambda r: str(r["prefix_len"])),
+            ("L", 7, lambda r: str(r["seq_len"])),
+            ("model MB", 12, lambda r: format_mb(r["model_bytes"])),
+            ("counted MB", 13, lambda r: format_mb(r["counted_bytes"])),
+            ("prefix MB", 12, lambda r: format_mb(r["prefix_bytes"])),
+            ("prefix ratio", 14, lambda r: format_ratio(r["prefix_vs_shared"])),
+            ("total ratio", 13, lambda r: format_ratio(r["vs_shared"])),
+        ],
+    )

@@ -54,8 +54,7 @@ def varlen_method(mask: str) -> str:
     return "varlen-causal" if mask == "document_causal" else "varlen"
 
 
-def varlen_tables(mask: str, longest: int, block: tuple[int, int],
-                  device: Device = "cpu") -> Any:  # fmt: skip
+def varlen_tables(mask: str, longest: int, block: tuple[int, int], device: Device = "cpu") -> Any:
     """The varlen row's tables: the gallery's causal mask (``document_causal``) or every tile
     (``document``) over the longest document."""
     import flashlite
@@ -63,13 +62,18 @@ def varlen_tables(mask: str, longest: int, block: tuple[int, int],
     from flashlite.ops.attention import dense_block_mask
 
     if mask == "document_causal":
-        return flashlite.create_block_mask(gallery.causal(), None, None, longest, longest,
-                                           device=device, BLOCK_SIZE=block)  # fmt: skip
+        return flashlite.create_block_mask(
+            gallery.causal(), None, None, longest, longest, device=device, BLOCK_SIZE=block
+        )
     return dense_block_mask(longest, longest, block, torch.device(device))
 
 
-def packed_inputs(shape: AttentionShape, lengths_q: Sequence[int], lengths_k: Sequence[int],
-                  device: Device = "cpu") -> tuple[torch.Tensor, ...]:  # fmt: skip
+def packed_inputs(
+    shape: AttentionShape,
+    lengths_q: Sequence[int],
+    lengths_k: Sequence[int],
+    device: Device = "cpu",
+) -> tuple[torch.Tensor, ...]:
     """Random packed ``q (Σ lengths_q, H, D)``, ``k, v (Σ lengths_k, Hkv, D)`` of ``shape``'s
     heads, head dim and dtype, and their int32 offsets ``cu_q``, ``cu_k``: ``(q, k, v, cu_q,
     cu_k)``, seeded."""
@@ -77,13 +81,16 @@ def packed_inputs(shape: AttentionShape, lengths_q: Sequence[int], lengths_k: Se
     H, Hkv, D = shape.heads, shape.hkv, shape.head_dim
     q = torch.randn(sum(lengths_q), H, D, generator=g)
     k, v = (torch.randn(sum(lengths_k), Hkv, D, generator=g) for _ in "kv")
-    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=device)
-                  for n in (lengths_q, lengths_k))  # fmt: skip
+    cu_q, cu_k = (
+        torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32, device=device)
+        for n in (lengths_q, lengths_k)
+    )
     return (*(t.to(device=device, dtype=shape.dtype) for t in (q, k, v)), cu_q, cu_k)
 
 
-def sparse_call(method: str, shape: AttentionShape, mask: str, docs: int,
-                block: tuple[int, int], device: Device) -> Callable[[], Any]:  # fmt: skip
+def sparse_call(
+    method: str, shape: AttentionShape, mask: str, docs: int, block: tuple[int, int], device: Device
+) -> Callable[[], Any]:
     """One forward of ``method`` (``flex-<mask>``, ``flex-dense`` or the varlen row) on random
     inputs of ``shape`` on ``device``, its tables built here, before the call."""
     import flashlite
@@ -92,17 +99,18 @@ def sparse_call(method: str, shape: AttentionShape, mask: str, docs: int,
     if method == varlen_method(mask) and mask.startswith("document"):
         lengths = document_lengths(shape.seq_q, shape.batch, docs)
         longest = max(lengths)
-        q, k, v, cu, _ = packed_inputs(replace(shape, batch=len(lengths)), lengths, lengths,
-                                       device)  # fmt: skip
+        q, k, v, cu, _ = packed_inputs(replace(shape, batch=len(lengths)), lengths, lengths, device)
         bm = varlen_tables(mask, longest, block, device)
-        return lambda: flashlite.attention_varlen(q, k, v, cu, cu, longest, longest,
-                                                  validate=False, block_mask=bm)  # fmt: skip
+        return lambda: flashlite.attention_varlen(
+            q, k, v, cu, cu, longest, longest, validate=False, block_mask=bm
+        )
     q, k, v = make_inputs(shape, device)
     if method == f"flex-{mask}":
         mm = gallery_mask(mask, shape.seq_q, shape.batch, docs, device)
         batch = shape.batch if mask.startswith("document") else None
-        bm = flashlite.create_block_mask(mm, batch, None, shape.seq_q, shape.nk, device=device,
-                                         BLOCK_SIZE=block)  # fmt: skip
+        bm = flashlite.create_block_mask(
+            mm, batch, None, shape.seq_q, shape.nk, device=device, BLOCK_SIZE=block
+        )
     elif method == "flex-dense":
         bm = dense_block_mask(shape.seq_q, shape.nk, block, torch.device(device))
     else:

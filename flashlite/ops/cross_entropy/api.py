@@ -103,11 +103,18 @@ def cross_entropy(
     dev = moved_call_device(logits.device)
     if dev is not None:  # the whole call on the GPU, CPU tensors' rule kept: a bad one raises
         out = cross_entropy(
-            logits.to(dev), target.to(dev), moved(weight, dev), ignore_index=ignore_index,
-            reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-            inplace_backward=inplace_backward, return_lse=return_lse,
+            logits.to(dev),
+            target.to(dev),
+            moved(weight, dev),
+            ignore_index=ignore_index,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            softcap=softcap,
+            inplace_backward=inplace_backward,
+            return_lse=return_lse,
             validate="sync" if validate else False,
-        )  # fmt: skip
+        )
         return moved(out, logits.device)
     v = logits.shape[-1]
     # (2-D logits and 1-D targets as they are: a reshape would add a view to the autograd graph)
@@ -115,10 +122,17 @@ def cross_entropy(
     t1 = target if target.dim() == 1 else target.reshape(-1)
     plain = plain_eager(x2, t1, weight)
     # (no scale yet: the forward's own launch works it out, and checks the targets into `bad`)
-    grad_scale, bad = _scale_or_record(plain, t1, weight, v, ignore_index, reduction, z_loss,
-                                       validate)  # fmt: skip
-    opts = (ignore_index, float(label_smoothing), float(z_loss), check_softcap(softcap),
-            bool(inplace_backward), reduction)  # fmt: skip
+    grad_scale, bad = _scale_or_record(
+        plain, t1, weight, v, ignore_index, reduction, z_loss, validate
+    )
+    opts = (
+        ignore_index,
+        float(label_smoothing),
+        float(z_loss),
+        check_softcap(softcap),
+        bool(inplace_backward),
+        reduction,
+    )
     apply = _CE_APPLY if plain else CrossEntropyFunction.apply
     loss, lse = apply(x2, t1, weight, grad_scale, bad, opts)
     if reduction == "none":
@@ -190,18 +204,30 @@ def linear_cross_entropy(
         dtype = torch.get_autocast_dtype(device_type)
         with torch.autocast(device_type, enabled=False):
             return linear_cross_entropy(
-                _autocast(hidden, dtype), _autocast(weight, dtype), target,
-                bias=_autocast(bias, dtype), class_weight=class_weight, ignore_index=ignore_index,
-                reduction=reduction, label_smoothing=label_smoothing, z_loss=z_loss,
-                softcap=softcap, return_lse=return_lse, validate=validate, chunk_size=chunk_size,
+                _autocast(hidden, dtype),
+                _autocast(weight, dtype),
+                target,
+                bias=_autocast(bias, dtype),
+                class_weight=class_weight,
+                ignore_index=ignore_index,
+                reduction=reduction,
+                label_smoothing=label_smoothing,
+                z_loss=z_loss,
+                softcap=softcap,
+                return_lse=return_lse,
+                validate=validate,
+                chunk_size=chunk_size,
                 vocab_chunk_size=vocab_chunk_size,
-            )  # fmt: skip
+            )
     if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1] or hidden.dim() not in (2, 3):
-        raise ValueError(f"hidden (N, H) or (B, T, H) and weight (V, H) must agree on H, got "
-                         f"{tuple(hidden.shape)} and {tuple(weight.shape)}")  # fmt: skip
+        raise ValueError(
+            f"hidden (N, H) or (B, T, H) and weight (V, H) must agree on H, got "
+            f"{tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
     if hidden.dtype != weight.dtype:
-        raise TypeError(f"hidden and weight must share a dtype, got {hidden.dtype} and "
-                        f"{weight.dtype}")  # fmt: skip
+        raise TypeError(
+            f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}"
+        )
     if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]):
         raise ValueError(f"bias must be a ({weight.shape[0]},) tensor")
     if not (isinstance(validate, bool) or validate == "sync"):
@@ -215,28 +241,53 @@ def linear_cross_entropy(
     dev = moved_call_device(hidden.device)
     if dev is not None:  # the whole call on the GPU, CPU tensors' rule kept: a bad one raises
         out = linear_cross_entropy(
-            hidden.to(dev), weight.to(dev), target.to(dev), bias=moved(bias, dev),
-            class_weight=moved(class_weight, dev), ignore_index=ignore_index, reduction=reduction,
-            label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap,
-            return_lse=return_lse, validate="sync" if validate else False, chunk_size=chunk_size,
+            hidden.to(dev),
+            weight.to(dev),
+            target.to(dev),
+            bias=moved(bias, dev),
+            class_weight=moved(class_weight, dev),
+            ignore_index=ignore_index,
+            reduction=reduction,
+            label_smoothing=label_smoothing,
+            z_loss=z_loss,
+            softcap=softcap,
+            return_lse=return_lse,
+            validate="sync" if validate else False,
+            chunk_size=chunk_size,
             vocab_chunk_size=vocab_chunk_size,
-        )  # fmt: skip
+        )
         return moved(out, hidden.device)
     h2, t1 = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     plain = plain_eager(h2, t1, weight, bias, class_weight)
-    grad_scale, bad = _scale_or_record(plain, t1, class_weight, v, ignore_index, reduction,
-                                       z_loss, validate)  # fmt: skip
+    grad_scale, bad = _scale_or_record(
+        plain, t1, class_weight, v, ignore_index, reduction, z_loss, validate
+    )
     if grad_scale is None:  # the scale kernel, the device check in its launch
         mean = reduction == "mean"
-        grad_scale = (cross_entropy_scale(t1, class_weight, v, ignore_index, mean, bad,
-                                          _z_scaled(class_weight, mean, z_loss))
-                      if mean or bad is not None else _unit_scale(t1.device))  # fmt: skip
+        grad_scale = (
+            cross_entropy_scale(
+                t1, class_weight, v, ignore_index, mean, bad, _z_scaled(class_weight, mean, z_loss)
+            )
+            if mean or bad is not None
+            else _unit_scale(t1.device)
+        )
     chunk, vocab_chunk = _linear_chunking(v, hidden.element_size(), chunk_size, vocab_chunk_size)
     apply = _LINEAR_APPLY if plain else LinearCrossEntropyFunction.apply
     loss, lse = apply(
-        h2, weight, bias, t1, class_weight, grad_scale, ignore_index, float(label_smoothing),
-        float(z_loss), check_softcap(softcap), reduction, chunk, vocab_chunk,
-    )  # fmt: skip
+        h2,
+        weight,
+        bias,
+        t1,
+        class_weight,
+        grad_scale,
+        ignore_index,
+        float(label_smoothing),
+        float(z_loss),
+        check_softcap(softcap),
+        reduction,
+        chunk,
+        vocab_chunk,
+    )
     if reduction == "none":
         loss = loss.view(target.shape)
     return (loss, lse.view(target.shape)) if return_lse else loss
@@ -245,9 +296,16 @@ def linear_cross_entropy(
 _Maybe = torch.Tensor | None
 
 
-def _scale_or_record(plain: bool, t1: torch.Tensor, weight: _Maybe, v: int, ignore_index: int,
-                     reduction: str, z_loss: float,
-                     validate: bool | str) -> tuple[_Maybe, _Maybe]:  # fmt: skip
+def _scale_or_record(
+    plain: bool,
+    t1: torch.Tensor,
+    weight: _Maybe,
+    v: int,
+    ignore_index: int,
+    reduction: str,
+    z_loss: float,
+    validate: bool | str,
+) -> tuple[_Maybe, _Maybe]:
     """``(gradient scale, bad-target record)`` of a cross-entropy call before its forward, the
     targets checked as ``validate`` says. The scale is a mean's ``1/Σ`` (else 1; with the
     z-loss's own factor second where :func:`_z_scaled`). Traced calls (``plain`` False: not

@@ -33,9 +33,19 @@ def _fwd(
     z_loss: float,
     softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    losses, lse, total = cross_entropy_fwd_eager(logits, target, weight, grad, grad_scale, bad,
-                                                 reduction, ignore_index, label_smoothing,
-                                                 z_loss, softcap)  # fmt: skip
+    losses, lse, total = cross_entropy_fwd_eager(
+        logits,
+        target,
+        weight,
+        grad,
+        grad_scale,
+        bad,
+        reduction,
+        ignore_index,
+        label_smoothing,
+        z_loss,
+        softcap,
+    )
     # (the reduced loss is 0-dim whatever the scale's shape; "none" has none: a placeholder)
     return losses, lse, total.reshape(()) if total is not None else losses.new_zeros(())
 
@@ -52,8 +62,19 @@ def _fwd_inplace(
     z_loss: float,
     softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _fwd(logits, logits, target, weight, grad_scale, bad, reduction, ignore_index,
-                label_smoothing, z_loss, softcap)  # fmt: skip
+    return _fwd(
+        logits,
+        logits,
+        target,
+        weight,
+        grad_scale,
+        bad,
+        reduction,
+        ignore_index,
+        label_smoothing,
+        z_loss,
+        softcap,
+    )
 
 
 def _row_stats_fake(logits: torch.Tensor, *_: object) -> tuple[torch.Tensor, ...]:
@@ -67,18 +88,36 @@ def _row_stats_fake(logits: torch.Tensor, *_: object) -> tuple[torch.Tensor, ...
     )
 
 
-CE_FWD = Op("cross_entropy_fwd", _fwd, fake=_row_stats_fake, inputs=6,
-            mutates_args=("grad", "bad"), moves=False)  # fmt: skip
-CE_FWD_INPLACE = Op("cross_entropy_fwd_inplace", _fwd_inplace, fake=_row_stats_fake, inputs=5,
-                    mutates_args=("logits", "bad"), moves=False)  # fmt: skip
+CE_FWD = Op(
+    "cross_entropy_fwd",
+    _fwd,
+    fake=_row_stats_fake,
+    inputs=6,
+    mutates_args=("grad", "bad"),
+    moves=False,
+)
+CE_FWD_INPLACE = Op(
+    "cross_entropy_fwd_inplace",
+    _fwd_inplace,
+    fake=_row_stats_fake,
+    inputs=5,
+    mutates_args=("logits", "bad"),
+    moves=False,
+)
 
 
 def _bwd_inplace(grad: torch.Tensor, dloss: torch.Tensor) -> None:
     cross_entropy_bwd(grad, grad, dloss)
 
 
-CE_BWD_INPLACE = Op("cross_entropy_bwd_inplace", _bwd_inplace, fake=lambda grad, dloss: None,
-                    inputs=2, mutates_args=("grad",), moves=False)  # fmt: skip
+CE_BWD_INPLACE = Op(
+    "cross_entropy_bwd_inplace",
+    _bwd_inplace,
+    fake=lambda grad, dloss: None,
+    inputs=2,
+    mutates_args=("grad",),
+    moves=False,
+)
 
 
 def _forward(ctx, logits, target, weight, grad_scale, bad, opts):  # type: ignore[no-untyped-def]

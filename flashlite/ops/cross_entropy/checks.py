@@ -25,8 +25,7 @@ def _host_flag(bad: torch.Tensor) -> torch.Tensor:
     return host_flag("cross_entropy", bad)
 
 
-def _report_bad_targets(device: torch.device, wait: bool, ignore_index: int,
-                        earlier: bool) -> None:  # fmt: skip
+def _report_bad_targets(device: torch.device, wait: bool, ignore_index: int, earlier: bool) -> None:
     """Raise the ``ValueError`` for a bad target recorded on ``device``: with ``wait`` once the
     device has finished, else only what the host flag already shows (nothing is waited for
     unless there is one). ``earlier``: the record can only be an earlier call's (this call's
@@ -36,8 +35,9 @@ def _report_bad_targets(device: torch.device, wait: bool, ignore_index: int,
         return
     _, cls, v = record
     if not earlier:
-        raise ValueError(f"target holds class {cls}, outside [0, {v}) and not "
-                         f"ignore_index={ignore_index}")  # fmt: skip
+        raise ValueError(
+            f"target holds class {cls}, outside [0, {v}) and not ignore_index={ignore_index}"
+        )
     raise ValueError(
         f"an earlier flashlite cross-entropy call (cross_entropy, linear_cross_entropy) on "
         f"{device} had a target of class {cls}, "
@@ -62,14 +62,20 @@ def _check(
     if not isinstance(target, torch.Tensor):
         raise TypeError(f"target must be a torch.Tensor, got {type(target).__name__}")
     if logits.dtype not in DTYPES:
-        raise TypeError(f"logits has dtype {logits.dtype}; flashlite.cross_entropy accepts "
-                        "torch.float16, torch.bfloat16 and torch.float32")  # fmt: skip
+        raise TypeError(
+            f"logits has dtype {logits.dtype}; flashlite.cross_entropy accepts "
+            "torch.float16, torch.bfloat16 and torch.float32"
+        )
     if target.dtype not in (torch.int64, torch.int32):
-        raise TypeError(f"target must hold class indices (torch.int64 or torch.int32), got "
-                        f"{target.dtype} (class probabilities are not supported)")  # fmt: skip
+        raise TypeError(
+            f"target must hold class indices (torch.int64 or torch.int32), got "
+            f"{target.dtype} (class probabilities are not supported)"
+        )
     if logits.dim() not in (2, 3) or target.shape != logits.shape[:-1]:
-        raise ValueError(f"logits (N, V) or (B, T, V) need target (N,) or (B, T): got logits "
-                         f"{tuple(logits.shape)} and target {tuple(target.shape)}")  # fmt: skip
+        raise ValueError(
+            f"logits (N, V) or (B, T, V) need target (N,) or (B, T): got logits "
+            f"{tuple(logits.shape)} and target {tuple(target.shape)}"
+        )
     if logits.shape[-1] == 0:
         raise ValueError("logits must have at least one class (V >= 1)")
     if target.device != logits.device:
@@ -79,8 +85,10 @@ def _check(
         if not isinstance(weight, torch.Tensor) or not weight.is_floating_point():
             raise TypeError(f"weight must be a float tensor, got {type(weight).__name__}")
         if weight.shape != (logits.shape[-1],) or weight.device != logits.device:
-            raise ValueError(f"weight must be ({logits.shape[-1]},) on {logits.device}, got "
-                             f"{tuple(weight.shape)} on {weight.device}")  # fmt: skip
+            raise ValueError(
+                f"weight must be ({logits.shape[-1]},) on {logits.device}, got "
+                f"{tuple(weight.shape)} on {weight.device}"
+            )
     if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
         raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
     if reduction not in REDUCTIONS:

@@ -42,9 +42,19 @@ def cross_entropy_fwd(
     1-element ``grad_scale``, into ``grad`` ``(N, V)`` (which may be ``logits``); a 2-element
     ``grad_scale`` also scales the z-loss by its second element (:func:`_z_scaled`). No checks.
     (:func:`cross_entropy_fwd_eager` with the scale given, nothing checked, nothing reduced.)"""
-    losses, lse, _ = cross_entropy_fwd_eager(logits, target, weight, grad, grad_scale, None,
-                                             "none", ignore_index, label_smoothing, z_loss,
-                                             softcap)  # fmt: skip
+    losses, lse, _ = cross_entropy_fwd_eager(
+        logits,
+        target,
+        weight,
+        grad,
+        grad_scale,
+        None,
+        "none",
+        ignore_index,
+        label_smoothing,
+        z_loss,
+        softcap,
+    )
     return losses, lse
 
 
@@ -74,22 +84,45 @@ def cross_entropy_fwd_eager(
     if n == 0:
         losses = logits.new_empty((0,), dtype=torch.float32)
         nothing = math.nan if mean else 0.0
-        return losses, torch.empty_like(losses), None if reduction == "none" else (
-            losses.new_full((), nothing))  # fmt: skip
+        return (
+            losses,
+            torch.empty_like(losses),
+            None if reduction == "none" else losses.new_full((), nothing),
+        )
     opts = (ignore_index, float(label_smoothing), float(z_loss), float(softcap))
-    key = ("eager", logits.device, logits.dtype, grad.dtype, target.dtype, n, v, logits.stride(),
-           grad.stride(), None if weight is None else weight.dtype, reduction,
-           None if grad_scale is None else grad_scale.numel(), bad is None,
-           _aligned(logits, target, weight, grad_scale, grad, bad), *opts)  # fmt: skip
-    run = _plans.made(key, _plan_eager, logits, target, weight, grad, grad_scale, bad,
-                      reduction, opts)  # fmt: skip
+    key = (
+        "eager",
+        logits.device,
+        logits.dtype,
+        grad.dtype,
+        target.dtype,
+        n,
+        v,
+        logits.stride(),
+        grad.stride(),
+        None if weight is None else weight.dtype,
+        reduction,
+        None if grad_scale is None else grad_scale.numel(),
+        bad is None,
+        _aligned(logits, target, weight, grad_scale, grad, bad),
+        *opts,
+    )
+    run = _plans.made(
+        key, _plan_eager, logits, target, weight, grad, grad_scale, bad, reduction, opts
+    )
     return run(logits, target, weight, grad, grad_scale, bad)
 
 
-def _plan_eager(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
-                grad: torch.Tensor, grad_scale: torch.Tensor | None, bad: torch.Tensor | None,
-                reduction: str, opts: tuple[int, float, float, float],
-                ) -> Callable[..., Any]:  # fmt: skip
+def _plan_eager(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    grad: torch.Tensor,
+    grad_scale: torch.Tensor | None,
+    bad: torch.Tensor | None,
+    reduction: str,
+    opts: tuple[int, float, float, float],
+) -> Callable[..., Any]:
     """``run(logits, target, weight, grad, grad_scale, bad)`` for :func:`cross_entropy_fwd_eager`
     calls like this one."""
     n, v = logits.shape
@@ -120,8 +153,7 @@ def _plan_eager(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor
         if grad_scale is None:
             grad_scale = unit
             if mean or bad is not None:
-                grad_scale = cross_entropy_scale(target, weight, v, opts[0], mean, bad,
-                                                 z_scale)  # fmt: skip
+                grad_scale = cross_entropy_scale(target, weight, v, opts[0], mean, bad, z_scale)
         losses = logits.new_empty((n,), dtype=torch.float32)
         lse = logits.new_empty((n,), dtype=torch.float32)
         fwd(logits, target, weight, grad_scale, grad, losses, lse)
@@ -144,8 +176,19 @@ def cross_entropy_bwd(grad: torch.Tensor, out: torch.Tensor, dloss: torch.Tensor
         d = d.float()
     stride_l = d.stride(0) if d.numel() > 1 else 0
     skip = out.data_ptr() == grad.data_ptr()
-    key = ("bwd", grad.device, grad.dtype, out.dtype, n, v, grad.stride(), out.stride(), stride_l,
-           skip, _aligned(grad, out, d))  # fmt: skip
+    key = (
+        "bwd",
+        grad.device,
+        grad.dtype,
+        out.dtype,
+        n,
+        v,
+        grad.stride(),
+        out.stride(),
+        stride_l,
+        skip,
+        _aligned(grad, out, d),
+    )
     _plans.made(key, _plan_bwd, grad, out, d, stride_l, skip)(grad, out, d)
     return out
 
@@ -179,37 +222,65 @@ def cross_entropy_scale(
     seen = _host_flag(bad) if bad is not None else scale
     bad = bad if bad is not None else scale
     rest = (n, n_classes, ignore_index)
-    key = ("scale", target.device, target.dtype, weight.dtype, *rest, mean, bad is not scale,
-           weight is not scale, z_scale, _aligned(target, weight, bad))  # fmt: skip
+    key = (
+        "scale",
+        target.device,
+        target.dtype,
+        weight.dtype,
+        *rest,
+        mean,
+        bad is not scale,
+        weight is not scale,
+        z_scale,
+        _aligned(target, weight, bad),
+    )
 
     def plan() -> Callable[..., None]:
-        options = dict(MEAN=mean, HAS_WEIGHT=weight is not scale, CHECK=bad is not scale,
-                       BLOCK=K.SCALE_BLOCK, Z_SCALE=z_scale, num_warps=4)  # fmt: skip
+        options = dict(
+            MEAN=mean,
+            HAS_WEIGHT=weight is not scale,
+            CHECK=bad is not scale,
+            BLOCK=K.SCALE_BLOCK,
+            Z_SCALE=z_scale,
+            num_warps=4,
+        )
         bound = _launch.launcher(K._cross_entropy_scale_kernel).bind(
-            (target, weight, scale, bad, bad, *rest), options)  # fmt: skip
+            (target, weight, scale, bad, bad, *rest), options
+        )
         return lambda *a: bound((1, 1, 1), *a, *rest)
 
     _plans.made(key, plan)(target, weight, scale, seen, bad)
     return scale
 
 
-def _scale_and_check(target: torch.Tensor, weight: torch.Tensor | None, n_classes: int,
-                     ignore_index: int, mean: bool, z_scale: bool = False,
-                     ) -> torch.Tensor:  # fmt: skip
+def _scale_and_check(
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    n_classes: int,
+    ignore_index: int,
+    mean: bool,
+    z_scale: bool = False,
+) -> torch.Tensor:
     """The gradient scale (:func:`cross_entropy_scale`) with the targets checked in the same
     launch, waited for: a bad target raises here (``validate="sync"``, CPU tensors and linear
     cross-entropy). A bad target an earlier call recorded is reported first, as that call's."""
     device = _backend.compute_device(target.device)
     _report_bad_targets(device, True, ignore_index, earlier=True)
-    scale = cross_entropy_scale(target, weight, n_classes, ignore_index, mean,
-                                _bad_record(device)[0], z_scale)  # fmt: skip
+    scale = cross_entropy_scale(
+        target, weight, n_classes, ignore_index, mean, _bad_record(device)[0], z_scale
+    )
     _report_bad_targets(device, True, ignore_index, earlier=False)
     return scale
 
 
-def _traced_scale(target: torch.Tensor, weight: torch.Tensor | None, n_classes: int,
-                  ignore_index: int, mean: bool, z_scale: bool = False,
-                  ) -> torch.Tensor:  # fmt: skip
+def _traced_scale(
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    n_classes: int,
+    ignore_index: int,
+    mean: bool,
+    z_scale: bool = False,
+) -> torch.Tensor:
     """:func:`cross_entropy_scale` without the check, in torch ops (what a trace can hold): the
     incoming gradient a unit loss sends each row, ``1/Σ`` of the kept targets' weights for a
     mean (torch's weighted mean), else 1; with ``z_scale``, and the z-loss's scale."""
@@ -237,8 +308,9 @@ def _z_ratio(target: torch.Tensor, denom: torch.Tensor, ignore_index: int) -> to
     return torch.where(count > 0, denom / count.clamp(min=1.0), 0.0)
 
 
-def _mean_divisor(target: torch.Tensor, weight: torch.Tensor | None, n_classes: int,
-                  ignore_index: int) -> torch.Tensor:  # fmt: skip
+def _mean_divisor(
+    target: torch.Tensor, weight: torch.Tensor | None, n_classes: int, ignore_index: int
+) -> torch.Tensor:
     """torch's divisor of a mean, in torch ops: the kept targets' count, or the sum of their
     class weights (a bad target's weight read at a clamped class: its row is NaN anyway)."""
     kept = target != ignore_index

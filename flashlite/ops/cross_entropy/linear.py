@@ -59,8 +59,9 @@ def _linear_chunks(
     if z_scale is None:
         unit = _unit_scale(hidden.device)
     else:  # (the kernel reads the z-loss's factor after the gradient's scale)
-        unit = torch.cat((torch.ones(1, dtype=torch.float32, device=hidden.device),
-                          z_scale.reshape(1).float()))  # fmt: skip
+        unit = torch.cat(
+            (torch.ones(1, dtype=torch.float32, device=hidden.device), z_scale.reshape(1).float())
+        )
     sliced = 0 < vocab_chunk < weight.shape[0]
     if n <= chunk and not sliced:
         # one chunk, the usual case: each result is made by its own product, nothing is
@@ -81,16 +82,25 @@ def _linear_chunks(
         rows = slice(r0, min(n, r0 + chunk))
         if sliced:
             losses[rows], lse[rows] = _vocab_sweep(
-                hidden[rows], weight, bias, target[rows], scale[rows], opts, vocab_chunk, grads,
-                rows, z_scale,
-            )  # fmt: skip
+                hidden[rows],
+                weight,
+                bias,
+                target[rows],
+                scale[rows],
+                opts,
+                vocab_chunk,
+                grads,
+                rows,
+                z_scale,
+            )
             continue
         h = hidden[rows]
         logits = h @ weight.t()
         if bias is not None:
             logits += bias
-        losses[rows], lse[rows] = cross_entropy_fwd(logits, target[rows], opts[0], unit, logits,
-                                                    *opts[1:])  # fmt: skip
+        losses[rows], lse[rows] = cross_entropy_fwd(
+            logits, target[rows], opts[0], unit, logits, *opts[1:]
+        )
         if grads is None:
             continue
         g = cross_entropy_bwd(logits, logits, scale[rows])  # ∂loss/∂logits, these tokens
@@ -228,20 +238,37 @@ def _linear_fwd(
     gradient buffers)."""
     opts = (class_weight, ignore_index, label_smoothing, z_loss, softcap)
     with torch.autocast(hidden.device.type, enabled=False):
-        losses, lse, grads = _linear_chunks(hidden, weight, bias, target, scale, opts, chunk,
-                                            with_grads, vocab_chunk, z_scale)  # fmt: skip
+        losses, lse, grads = _linear_chunks(
+            hidden, weight, bias, target, scale, opts, chunk, with_grads, vocab_chunk, z_scale
+        )
     if grads is None:  # (distinct empty tensors: an op's outputs may not alias)
         return losses, lse, *(hidden.new_empty((0,), dtype=torch.float32) for _ in range(3))
     return losses, lse, grads[0], grads[1], _no_bias(grads[2], hidden)
 
 
-def _linear_fwd_fake(hidden, weight, bias, target, class_weight, scale, ignore_index,  # type: ignore[no-untyped-def]
-                     label_smoothing, z_loss, softcap, chunk, vocab_chunk, with_grads,
-                     z_scale=None):  # fmt: skip
+def _linear_fwd_fake(  # type: ignore[no-untyped-def]
+    hidden,
+    weight,
+    bias,
+    target,
+    class_weight,
+    scale,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    chunk,
+    vocab_chunk,
+    with_grads,
+    z_scale=None,
+):
     losses = hidden.new_empty((hidden.shape[0],), dtype=torch.float32)
     if not with_grads:
-        return losses, torch.empty_like(losses), *(hidden.new_empty((0,), dtype=torch.float32)
-                                                   for _ in range(3))  # fmt: skip
+        return (
+            losses,
+            torch.empty_like(losses),
+            *(hidden.new_empty((0,), dtype=torch.float32) for _ in range(3)),
+        )
     return losses, torch.empty_like(losses), *_grads_fake(hidden, weight, bias)
 
 
@@ -268,28 +295,68 @@ def _linear_bwd(
     vocab_chunk: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``reduction="none"``'s backward: the sweep again, with each token's incoming gradient."""
-    _, _, dh, dw, db = _linear_fwd(hidden, weight, bias, target, class_weight, dloss.float(),
-                                   ignore_index, label_smoothing, z_loss, softcap, chunk,
-                                   vocab_chunk, True)  # fmt: skip
+    _, _, dh, dw, db = _linear_fwd(
+        hidden,
+        weight,
+        bias,
+        target,
+        class_weight,
+        dloss.float(),
+        ignore_index,
+        label_smoothing,
+        z_loss,
+        softcap,
+        chunk,
+        vocab_chunk,
+        True,
+    )
     return dh, dw, db
 
 
-def _linear_bwd_fake(hidden, weight, bias, target, class_weight, dloss, ignore_index,  # type: ignore[no-untyped-def]
-                     label_smoothing, z_loss, softcap, chunk, vocab_chunk):  # fmt: skip
+def _linear_bwd_fake(  # type: ignore[no-untyped-def]
+    hidden,
+    weight,
+    bias,
+    target,
+    class_weight,
+    dloss,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    chunk,
+    vocab_chunk,
+):
     return _grads_fake(hidden, weight, bias)
 
 
 #: ``flashlite::linear_cross_entropy_fwd``: the forward sweep (losses, LSE, and with
 #: ``with_grads`` the gradients for the given per-token scale).
-LINEAR_FWD = Op("linear_cross_entropy_fwd", _linear_fwd, fake=_linear_fwd_fake, inputs=6,
-                moves=False)  # fmt: skip
+LINEAR_FWD = Op(
+    "linear_cross_entropy_fwd", _linear_fwd, fake=_linear_fwd_fake, inputs=6, moves=False
+)
 #: ``flashlite::linear_cross_entropy_bwd``: ``reduction="none"``'s second sweep.
-LINEAR_BWD = Op("linear_cross_entropy_bwd", _linear_bwd, fake=_linear_bwd_fake, inputs=6,
-                moves=False)  # fmt: skip
+LINEAR_BWD = Op(
+    "linear_cross_entropy_bwd", _linear_bwd, fake=_linear_bwd_fake, inputs=6, moves=False
+)
 
 
-def _forward(ctx, hidden, weight, bias, target, class_weight, grad_scale, ignore_index,  # type: ignore[no-untyped-def]
-             label_smoothing, z_loss, softcap, reduction, chunk, vocab_chunk):  # fmt: skip
+def _forward(  # type: ignore[no-untyped-def]
+    ctx,
+    hidden,
+    weight,
+    bias,
+    target,
+    class_weight,
+    grad_scale,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    softcap,
+    reduction,
+    chunk,
+    vocab_chunk,
+):
     # grad_scale: what a unit loss sends each row, worked out by the front-end (a mean's 1/Σ,
     # with the z-loss's factor second when it has its own; else 1)
     n = hidden.shape[0]
@@ -298,8 +365,9 @@ def _forward(ctx, hidden, weight, bias, target, class_weight, grad_scale, ignore
     unit = grad_scale[0] if z_scale is not None else grad_scale.reshape(())
     need = any(ctx.needs_input_grad[:3])
     with_grads = need and reduction != "none"
-    losses, lse, dh, dw, db = LINEAR_FWD(hidden, weight, bias, target, class_weight,
-                                         unit.expand(n), *opts, with_grads, z_scale)  # fmt: skip
+    losses, lse, dh, dw, db = LINEAR_FWD(
+        hidden, weight, bias, target, class_weight, unit.expand(n), *opts, with_grads, z_scale
+    )
     ctx.mark_non_differentiable(lse)
     ctx.reduction, ctx.opts, ctx.has_bias = reduction, opts, bias is not None
     if with_grads:

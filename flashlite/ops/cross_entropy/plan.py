@@ -50,12 +50,17 @@ def _aligned(*tensors: torch.Tensor | None) -> bool | tuple[bool, ...]:
     return tuple(t is None or t.data_ptr() % 16 == 0 for t in tensors)
 
 
-def _gluon_applies(logits: torch.Tensor, weight: torch.Tensor | None, grad: torch.Tensor,
-                   softcap: float) -> bool:  # fmt: skip
+def _gluon_applies(
+    logits: torch.Tensor, weight: torch.Tensor | None, grad: torch.Tensor, softcap: float
+) -> bool:
     """Whether the Gluon prefetching team takes these logits: long plain rows (no class
     weights, no soft cap) on a GPU that runs it."""
-    return (weight is None and not softcap and logits.shape[1] >= KG.MIN_COLS
-            and prefetch_applies(logits, grad))  # fmt: skip
+    return (
+        weight is None
+        and not softcap
+        and logits.shape[1] >= KG.MIN_COLS
+        and prefetch_applies(logits, grad)
+    )
 
 
 def fwd_reads(n_cols: int, elem_bytes: int, prefetch: bool) -> tuple[int, int]:
@@ -69,23 +74,46 @@ def fwd_reads(n_cols: int, elem_bytes: int, prefetch: bool) -> tuple[int, int]:
     return (1 if K.ce_config(n_cols)["SINGLE"] else 2), 1
 
 
-def _plan_triton_fwd(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
-                     grad_scale: torch.Tensor, grad: torch.Tensor,
-                     opts: tuple[int, float, float, float],
-                     z_scale: bool = False) -> Callable[..., None]:  # fmt: skip
+def _plan_triton_fwd(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    grad_scale: torch.Tensor,
+    grad: torch.Tensor,
+    opts: tuple[int, float, float, float],
+    z_scale: bool = False,
+) -> Callable[..., None]:
     """The Triton kernel's ``run(logits, target, weight, grad_scale, grad, losses, lse)``;
     ``z_scale``: ``grad_scale`` holds the z-loss's scale too (:func:`_z_scaled`)."""
     ignore_index, label_smoothing, z_loss, softcap = opts
     n, v = logits.shape
     col64 = any((v - 1) * abs(t.stride(1)) >= _INT32_LIMIT for t in (logits, grad))
     rest = (v, *logits.stride(), *grad.stride(), ignore_index, label_smoothing, z_loss, softcap)
-    options = dict(HAS_WEIGHT=weight is not None, SOFTCAP=softcap > 0, SMOOTH=label_smoothing > 0,
-                   COL_INT64=col64, ROUND_BF16=_backend.round_bf16(logits.dtype), num_stages=1,
-                   Z_SCALE=z_scale, **K.ce_config(v))  # fmt: skip
+    options = dict(
+        HAS_WEIGHT=weight is not None,
+        SOFTCAP=softcap > 0,
+        SMOOTH=label_smoothing > 0,
+        COL_INT64=col64,
+        ROUND_BF16=_backend.round_bf16(logits.dtype),
+        num_stages=1,
+        Z_SCALE=z_scale,
+        **K.ce_config(v),
+    )
     stand_in = grad_scale  # (for the weights and their sum when there are none: never read)
     bound = _launch.launcher(K._cross_entropy_fwd_kernel).bind(
-        (logits, target, weight if weight is not None else stand_in, stand_in, grad_scale, grad,
-         stand_in, stand_in, *rest), options)  # fmt: skip
+        (
+            logits,
+            target,
+            weight if weight is not None else stand_in,
+            stand_in,
+            grad_scale,
+            grad,
+            stand_in,
+            stand_in,
+            *rest,
+        ),
+        options,
+    )
 
     def run(logits, target, weight, grad_scale, grad, losses, lse) -> None:  # noqa: ANN001
         if weight is None:
@@ -97,9 +125,13 @@ def _plan_triton_fwd(logits: torch.Tensor, target: torch.Tensor, weight: torch.T
     return run
 
 
-def _plan_prefetch(logits: torch.Tensor, target: torch.Tensor, grad: torch.Tensor,
-                   opts: tuple[int, float, float, float],
-                   mode: tuple[bool, bool, int]) -> Callable[..., None]:  # fmt: skip
+def _plan_prefetch(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    grad: torch.Tensor,
+    opts: tuple[int, float, float, float],
+    mode: tuple[bool, bool, int],
+) -> Callable[..., None]:
     """Long rows without class weights or a soft cap, on a GPU with Gluon: the prefetching
     team kernel (:mod:`flashlite.kernels.cross_entropy_gluon`), logits read once.
     ``mode = (count, check, reduce)``: the mean's divisor counted in the kernel (``grad_scale``
@@ -114,17 +146,34 @@ def _plan_prefetch(logits: torch.Tensor, target: torch.Tensor, grad: torch.Tenso
     options, n_chunks, size = prefetch_plan(logits, 2 if smooth else 1, control=2)
     device = logits.device
     vec = options["VEC"]  # lengths and strides in 16-byte vectors (prefetch_applies checked)
-    rest = (n, v, v // vec, logits.stride(0) // vec, grad.stride(0) // vec, n_chunks,
-            ignore_index, label_smoothing, z_loss)  # fmt: skip
+    rest = (
+        n,
+        v,
+        v // vec,
+        logits.stride(0) // vec,
+        grad.stride(0) // vec,
+        n_chunks,
+        ignore_index,
+        label_smoothing,
+        z_loss,
+    )
     # (stand-ins for the binding, which reads only their dtypes and alignment)
     f32, i64 = torch.empty(1, device=device), torch.empty(1, device=device, dtype=torch.int64)
     launch = _teams.bind_teams(
         KG._cross_entropy_prefetch_kernel,
         [logits, target, f32, grad, f32, f32, i64, i64, i64, f32, *rest],
-        {"SMOOTH": smooth, "COUNT": count, "CHECK": check, "REDUCE": reduce,
-         "EVEN": v % options["CHUNK"] == 0, **options},
-        n_chunks, n, device,
-    )  # fmt: skip
+        {
+            "SMOOTH": smooth,
+            "COUNT": count,
+            "CHECK": check,
+            "REDUCE": reduce,
+            "EVEN": v % options["CHUNK"] == 0,
+            **options,
+        },
+        n_chunks,
+        n,
+        device,
+    )
 
     def run(logits, target, grad_scale, grad, losses, lse, bad, out) -> None:  # noqa: ANN001
         words = prefetch_words(size, device)  # (the control words: no program in, none done)
@@ -132,8 +181,19 @@ def _plan_prefetch(logits: torch.Tensor, target: torch.Tensor, grad: torch.Tenso
             seen = bad = words
         else:
             seen = _host_flag(bad)
-        launch(logits, target, losses if grad_scale is None else grad_scale, grad, losses, lse,
-               words, seen, bad, losses if out is None else out, *rest)  # fmt: skip
+        launch(
+            logits,
+            target,
+            losses if grad_scale is None else grad_scale,
+            grad,
+            losses,
+            lse,
+            words,
+            seen,
+            bad,
+            losses if out is None else out,
+            *rest,
+        )
 
     return run
 
@@ -158,17 +218,26 @@ def bwd_tiling(n_rows: int, n_cols: int) -> tuple[int, int, tuple[int, int, int]
     return block, tiles, (min(n_rows, BWD_PROGRAMS), cdiv(n_cols, block * tiles), 1)
 
 
-def _plan_bwd(grad: torch.Tensor, out: torch.Tensor, d: torch.Tensor, stride_l: int,
-              skip: bool) -> Callable[..., None]:  # fmt: skip
+def _plan_bwd(
+    grad: torch.Tensor, out: torch.Tensor, d: torch.Tensor, stride_l: int, skip: bool
+) -> Callable[..., None]:
     n, v = grad.shape
     block, tiles, grid = bwd_tiling(n, v)
     col64 = (v - 1) * max(abs(grad.stride(1)), abs(out.stride(1))) >= _INT32_LIMIT
     rest = (n, v, *grad.stride(), *out.stride(), stride_l)
     bound = _launch.launcher(K._cross_entropy_bwd_kernel).bind(
         (grad, out, d, *rest),
-        dict(SCALAR=d.numel() == 1, SKIP_UNIT=skip, BLOCK_N=block, TILES=tiles, COL_INT64=col64,
-             ROUND_BF16=_backend.round_bf16(grad.dtype), num_warps=4, num_stages=1),
-    )  # fmt: skip
+        dict(
+            SCALAR=d.numel() == 1,
+            SKIP_UNIT=skip,
+            BLOCK_N=block,
+            TILES=tiles,
+            COL_INT64=col64,
+            ROUND_BF16=_backend.round_bf16(grad.dtype),
+            num_warps=4,
+            num_stages=1,
+        ),
+    )
     return lambda grad, out, d: bound(grid, grad, out, d, *rest)
 
 

@@ -201,8 +201,9 @@ def dram_flashlite_attention(
         num_warps, num_stages = cfg["num_warps"], cfg["num_stages"]
     issued = model_flashlite_attention(shape, block_m, block_n)
     device, l2 = GPUS[gpu], effective_l2(gpu, l2_bytes)
-    smem = smem_bytes(Config(block_m, block_n, num_warps, num_stages), block_d(shape.head_dim),
-                      shape.itemsize)  # fmt: skip
+    smem = smem_bytes(
+        Config(block_m, block_n, num_warps, num_stages), block_d(shape.head_dim), shape.itemsize
+    )
     b = shape.itemsize
     per_sm = max(1, min(device.smem_per_sm // max(smem, 1), 64 // num_warps))
     programs = device.sms * per_sm
@@ -213,8 +214,13 @@ def dram_flashlite_attention(
     working_set += programs * 2 * block_m * shape.head_dim * b  # Q and O tiles in flight
     waves = 1 if working_set <= l2 else triton.cdiv(n_m, programs)
     comp = compulsory_attention(shape)
-    t = Traffic(info={"programs_in_flight": programs, "kv_working_set": working_set,
-                      "kv_reads_per_head": waves})  # fmt: skip
+    t = Traffic(
+        info={
+            "programs_in_flight": programs,
+            "kv_working_set": working_set,
+            "kv_reads_per_head": waves,
+        }
+    )
     t.add("q", issued.parts["q"][0], 0)
     for name in ("k", "v"):  # never more than the kernel issues
         t.add(name, min(waves * comp.parts[name][0], issued.parts[name][0]), 0)
@@ -257,16 +263,21 @@ def dram_flashlite_attention_bwd(
 
 
 def dram_attention(
-    method: str, shape: AttentionShape, *, gpu: str = "h200", l2_bytes: int | None = None,
+    method: str,
+    shape: AttentionShape,
+    *,
+    gpu: str = "h200",
+    l2_bytes: int | None = None,
     **config: Any,
-) -> Traffic | None:  # fmt: skip
+) -> Traffic | None:
     """DRAM estimate of ``method`` (``naive`` or ``flashlite``); None for the sdpa-* methods."""
     if method == "naive":
         return dram_naive_attention(shape, gpu=gpu, l2_bytes=l2_bytes)
     if method == "flashlite":
         extra = {k: config[k] for k in ("num_warps", "num_stages") if k in config}
-        return dram_flashlite_attention(shape, config.get("BLOCK_M"), config.get("BLOCK_N"),
-                                        gpu=gpu, l2_bytes=l2_bytes, **extra)  # fmt: skip
+        return dram_flashlite_attention(
+            shape, config.get("BLOCK_M"), config.get("BLOCK_N"), gpu=gpu, l2_bytes=l2_bytes, **extra
+        )
     if method in ATTENTION_METHODS:
         return None
     raise ValueError(f"method={method!r} is not one of {', '.join(ATTENTION_METHODS)}")

@@ -61,8 +61,15 @@ class _Walk:
     scored: int = 0  # kernel tiles run (each runs the score function)
 
 
-def _walk(w: _Walk, classes: torch.Tensor, lq: int, lk: int, block: tuple[int, int],
-          kernel_block: tuple[int, int], varlen: bool) -> None:  # fmt: skip
+def _walk(
+    w: _Walk,
+    classes: torch.Tensor,
+    lq: int,
+    lk: int,
+    block: tuple[int, int],
+    kernel_block: tuple[int, int],
+    varlen: bool,
+) -> None:
     """Add to ``w`` the programs over ``classes[..., nQ, nK]`` (one ``(…)`` entry per (sequence,
     head)) for ``lq`` query rows and ``lk`` keys. ``varlen``: tiles past ``lk`` are skipped,
     else every listed kernel tile runs (its loads masked past ``lk``)."""
@@ -82,8 +89,9 @@ def _walk(w: _Walk, classes: torch.Tensor, lq: int, lk: int, block: tuple[int, i
         w.scored += int(((f + p) * subs).sum())
 
 
-def _bytes(shape: AttentionShape, w: _Walk, mask_tile: int | None, score_tile: int | None,
-           offsets: int = 0) -> Traffic:  # fmt: skip
+def _bytes(
+    shape: AttentionShape, w: _Walk, mask_tile: int | None, score_tile: int | None, offsets: int = 0
+) -> Traffic:
     e, D = shape.itemsize, shape.head_dim
     t = Traffic()
     if offsets:
@@ -105,19 +113,35 @@ def _counts(classes: torch.Tensor) -> dict[str, int]:
     return {"full": n_full, "partial": n_part, "empty": classes.numel() - n_full - n_part}
 
 
-def _info(classes: torch.Tensor, mask_tile: int | None, score_tile: int | None,
-          kernel_block: tuple[int, int]) -> dict[str, object]:  # fmt: skip
-    return {**_counts(classes), "mods_modelled": mask_tile is not None and score_tile is not None,
-            "tiles": kernel_block}  # fmt: skip
+def _info(
+    classes: torch.Tensor,
+    mask_tile: int | None,
+    score_tile: int | None,
+    kernel_block: tuple[int, int],
+) -> dict[str, object]:
+    return {
+        **_counts(classes),
+        "mods_modelled": mask_tile is not None and score_tile is not None,
+        "tiles": kernel_block,
+    }
 
 
-def _setup(shape: AttentionShape, block_mask: BlockMask, score_mod: ScoreMod | None,
-           kernel_block: tuple[int, int] | None) -> tuple[Any, ...]:  # fmt: skip
+def _setup(
+    shape: AttentionShape,
+    block_mask: BlockMask,
+    score_mod: ScoreMod | None,
+    kernel_block: tuple[int, int] | None,
+) -> tuple[Any, ...]:
     """``(table tile, kernel tile, mask and score bytes per kernel tile, classes)``."""
     block = block_mask.BLOCK_SIZE
     kernel_block = kernel_block or block
-    return (block, kernel_block, _tile_reads(block_mask.mask_mod, *kernel_block),
-            _tile_reads(score_mod, *kernel_block), _classes(shape, block_mask))  # fmt: skip
+    return (
+        block,
+        kernel_block,
+        _tile_reads(block_mask.mask_mod, *kernel_block),
+        _tile_reads(score_mod, *kernel_block),
+        _classes(shape, block_mask),
+    )
 
 
 def model_flex_attention(
@@ -132,8 +156,9 @@ def model_flex_attention(
     table's own, as in the interpreter). ``info`` holds the tile counts (``full``, ``partial``,
     ``empty``) and whether the mods' buffer reads are in the model.
     """
-    block, kernel_block, mask_tile, score_tile, classes = _setup(shape, block_mask, score_mod,
-                                                                 kernel_block)  # fmt: skip
+    block, kernel_block, mask_tile, score_tile, classes = _setup(
+        shape, block_mask, score_mod, kernel_block
+    )
     w = _Walk()
     _walk(w, classes, shape.seq_q, shape.nk, block, kernel_block, varlen=False)
     t = _bytes(shape, w, mask_tile, score_tile)
@@ -141,17 +166,23 @@ def model_flex_attention(
     return t
 
 
-def _check_lengths(shape: AttentionShape, lengths_q: Sequence[int],
-                   lengths_k: Sequence[int]) -> None:  # fmt: skip
+def _check_lengths(
+    shape: AttentionShape, lengths_q: Sequence[int], lengths_k: Sequence[int]
+) -> None:
     if not len(lengths_q) == len(lengths_k) == shape.batch:
-        raise ValueError(f"lengths_q and lengths_k must give shape.batch={shape.batch} sequences, "
-                         f"got {len(lengths_q)} and {len(lengths_k)}")  # fmt: skip
-    for name, lengths, most in (("lengths_q", lengths_q, shape.seq_q),
-                                ("lengths_k", lengths_k, shape.nk)):  # fmt: skip
+        raise ValueError(
+            f"lengths_q and lengths_k must give shape.batch={shape.batch} sequences, "
+            f"got {len(lengths_q)} and {len(lengths_k)}"
+        )
+    for name, lengths, most in (
+        ("lengths_q", lengths_q, shape.seq_q),
+        ("lengths_k", lengths_k, shape.nk),
+    ):
         bad = [n for n in lengths if not 0 <= n <= most]
         if bad:
-            raise ValueError(f"{name} must lie in [0, {most}] (the shape's longest sequence), "
-                             f"got {bad[0]}")  # fmt: skip
+            raise ValueError(
+                f"{name} must lie in [0, {most}] (the shape's longest sequence), got {bad[0]}"
+            )
 
 
 def model_flex_varlen(
@@ -173,8 +204,9 @@ def model_flex_varlen(
     (``tiles_run``) and whether the mods' buffer reads are in the model.
     """
     _check_lengths(shape, lengths_q, lengths_k)
-    block, kernel_block, mask_tile, score_tile, classes = _setup(shape, block_mask, score_mod,
-                                                                 kernel_block)  # fmt: skip
+    block, kernel_block, mask_tile, score_tile, classes = _setup(
+        shape, block_mask, score_mod, kernel_block
+    )
     w = _Walk()
     counts = {"full": 0, "partial": 0, "empty": 0}
     for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k, strict=True)):
@@ -184,15 +216,19 @@ def model_flex_varlen(
     # every program reads its sequence's offsets, also those past a shorter sequence's rows
     programs = shape.batch * shape.heads * classes.shape[-2] * (block[0] // kernel_block[0])
     t = _bytes(shape, w, mask_tile, score_tile, offsets=16 * programs)
-    t.info = {**_info(classes, mask_tile, score_tile, kernel_block), **counts,
-              "tiles_run": w.scored}  # fmt: skip
+    t.info = {
+        **_info(classes, mask_tile, score_tile, kernel_block),
+        **counts,
+        "tiles_run": w.scored,
+    }
     return t
 
 
 def _table_bytes(block_mask: BlockMask) -> int:
-    return sum(getattr(block_mask, n).numel() * 4 for n in ("kv_num_blocks", "kv_indices",
-                                                          "full_kv_num_blocks",
-                                                          "full_kv_indices"))  # fmt: skip
+    return sum(
+        getattr(block_mask, n).numel() * 4
+        for n in ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices")
+    )
 
 
 def _visited_keys(shape: AttentionShape, classes: torch.Tensor, lk: int, tbn: int) -> int:
@@ -227,8 +263,9 @@ def dram_flex_attention(shape: AttentionShape, block_mask: BlockMask) -> Traffic
     return _dram(shape, shape.batch * shape.heads * shape.seq_q, keys, _table_bytes(block_mask))
 
 
-def dram_flex_varlen(shape: AttentionShape, lengths_q: Sequence[int], lengths_k: Sequence[int],
-                     block_mask: BlockMask) -> Traffic:  # fmt: skip
+def dram_flex_varlen(
+    shape: AttentionShape, lengths_q: Sequence[int], lengths_k: Sequence[int], block_mask: BlockMask
+) -> Traffic:
     """:func:`dram_flex_attention` for packed sequences (``shape`` and the lengths as
     :func:`model_flex_varlen`'s): each sequence's Q, O and LSE rows once, the offsets and
     tables once, and K and V once per key block below the sequence's keys that a tile of its
@@ -236,7 +273,9 @@ def dram_flex_varlen(shape: AttentionShape, lengths_q: Sequence[int], lengths_k:
     _check_lengths(shape, lengths_q, lengths_k)
     classes = _classes(shape, block_mask)
     tbm, tbn = block_mask.BLOCK_SIZE
-    keys = sum(_visited_keys(shape, classes[b : b + 1, :, : cdiv(lq, tbm)], lk, tbn)
-               for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k, strict=True)))  # fmt: skip
+    keys = sum(
+        _visited_keys(shape, classes[b : b + 1, :, : cdiv(lq, tbm)], lk, tbn)
+        for b, (lq, lk) in enumerate(zip(lengths_q, lengths_k, strict=True))
+    )
     rows = shape.heads * sum(lengths_q)
     return _dram(shape, rows, keys, _table_bytes(block_mask), offsets=4 * (shape.batch + 1) * 2)

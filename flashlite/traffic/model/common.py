@@ -86,8 +86,14 @@ def flashlite_config(
     """
     if not device.startswith("cuda"):
         cfg, desc = counted_config(shape, gpu=gpu, config=config)
-        return {**cfg.constexprs(), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                "USE_DESC": desc, "gpu": gpu, "config": config_name(cfg)}  # fmt: skip
+        return {
+            **cfg.constexprs(),
+            "num_warps": cfg.num_warps,
+            "num_stages": cfg.num_stages,
+            "USE_DESC": desc,
+            "gpu": gpu,
+            "config": config_name(cfg),
+        }
     q, k, v = make_inputs(shape, device)
     _, _, info = attention_ops.attention_fwd(
         q, k, v, attention_ops.Request.of_mask(shape.mask, shape.head_dim**-0.5)
@@ -95,8 +101,14 @@ def flashlite_config(
     if info is None:  # empty problem: nothing launched
         return {"BLOCK_M": 1, "BLOCK_N": 1}
     cfg = info.config
-    return {**cfg.constexprs(), "num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-            "USE_DESC": info.use_desc, "gpu": device, "config": config_name(cfg)}  # fmt: skip
+    return {
+        **cfg.constexprs(),
+        "num_warps": cfg.num_warps,
+        "num_stages": cfg.num_stages,
+        "USE_DESC": info.use_desc,
+        "gpu": device,
+        "config": config_name(cfg),
+    }
 
 
 # =============================================================================== DRAM estimate

@@ -48,8 +48,9 @@ def decode_lanes(
         for c in range(splits):
             c0, c1 = c * split_len, (c + 1) * split_len
             start, end = min(max(lo, c0), c1), min(max(hi, c0), c1)
-            lanes += sum(max(0, min(j + block_n, Nk, k1) - max(j, k0))
-                         for j in range(start, end, block_n))  # fmt: skip
+            lanes += sum(
+                max(0, min(j + block_n, Nk, k1) - max(j, k0)) for j in range(start, end, block_n)
+            )
     return lanes
 
 

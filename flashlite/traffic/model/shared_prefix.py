@@ -11,6 +11,8 @@ from the plan functions the op calls (:func:`~flashlite.ops.attention.decode_til
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from flashlite.masking import masks
 from flashlite.ops.attention import DecodeConfig, decode_tiles, prefix_splits, splits_for
 from flashlite.traffic.model.decode import (
@@ -25,9 +27,16 @@ def prefix_pass_shape(shape: AttentionShape, n_prefix: int) -> AttentionShape:
     """The prefix pass as the decode kernel sees it: q viewed as ``(1, Hkv, B·Nq·G, D)`` (every
     request's rows of a KV head are one problem, G = Hq/Hkv) against ``Np`` keys, unmasked (every
     query sits after the prefix)."""
-    return AttentionShape(1, shape.hkv, shape.batch * decode_rows_per_head(shape),
-                          shape.head_dim, seq_k=n_prefix, kv_heads=shape.hkv, dtype=shape.dtype,
-                          causal=False)  # fmt: skip
+    return AttentionShape(
+        1,
+        shape.hkv,
+        shape.batch * decode_rows_per_head(shape),
+        shape.head_dim,
+        seq_k=n_prefix,
+        kv_heads=shape.hkv,
+        dtype=shape.dtype,
+        causal=False,
+    )
 
 
 def shared_prefix_tiles(
@@ -53,8 +62,9 @@ def shared_prefix_splits(
     programs per SM, from the tile it picks itself)."""
     rows = decode_rows_per_head(shape)
     suffix = splits_for(shape.batch * shape.hkv, rows, shape.nk, sms, suffix_block_m)
-    prefix = prefix_splits(shape.batch * rows, shape.hkv, n_prefix, shape.head_dim,
-                           shape.itemsize, sms)  # fmt: skip
+    prefix = prefix_splits(
+        shape.batch * rows, shape.hkv, n_prefix, shape.head_dim, shape.itemsize, sms
+    )
     return suffix, prefix
 
 
@@ -112,8 +122,13 @@ def model_flashlite_shared_prefix(
     group = shape.heads // shape.hkv
     copies = group > 1 and shape.batch * shape.seq_q > 1  # (else the reshape is a view)
     t.add("q copy", rows * D * b if copies else 0, rows * D * b if copies else 0)
-    prefix = model_flashlite_decode(prefix_pass_shape(shape, n_prefix), *prefix_tiles,
-                                    prefix_splits, mask=masks.NO_MASK, lengths=False)  # fmt: skip
+    prefix = model_flashlite_decode(
+        prefix_pass_shape(shape, n_prefix),
+        *prefix_tiles,
+        prefix_splits,
+        mask=masks.NO_MASK,
+        lengths=False,
+    )
     _renamed(prefix, "prefix", t)
     t.add("merge", rows * (2 * D * b + 8), rows * (D * b + 4))
     t.info = {
@@ -134,9 +149,7 @@ def model_kvcache_prefix_copies(
     with the shape's mask: :func:`~flashlite.traffic.model.model_flashlite_decode` at
     ``Nk = Np + L``, its K and V split into the prefix's keys (``"prefix k"``: read once per
     request, ``B·Hkv·Np·D·b`` when each row block sees every key) and the suffix's."""
-    whole = AttentionShape(shape.batch, shape.heads, shape.seq_q, shape.head_dim,
-                           seq_k=n_prefix + shape.nk, kv_heads=shape.hkv, dtype=shape.dtype,
-                           causal=shape.causal)  # fmt: skip
+    whole = replace(shape, seq_k=n_prefix + shape.nk, kv_heads=shape.hkv)
     model = model_flashlite_decode(whole, block_m, block_n, splits, mask=shape.mask)
     lanes = decode_lanes(whole, block_m, block_n, splits, shape.mask, keys=(0, n_prefix))
     prefix_kv = shape.batch * shape.hkv * lanes * shape.head_dim * shape.itemsize

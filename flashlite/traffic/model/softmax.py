@@ -43,6 +43,10 @@ def compulsory_softmax(rows: int, n: int, dtype: torch.dtype) -> Traffic:
     return t
 
 
+#: Reads of x per kernel: passes over each row.
+_PASSES = {"three_pass": 3, "online": 2, "single_read": 1, "split": 2, "team": 1, "prefetch": 1}
+
+
 def model_softmax(rows: int, n: int, dtype: torch.dtype, algorithm: str = "auto") -> Traffic:
     """Bytes the softmax forward kernels issue for ``(rows, n)`` (softmax and log_softmax alike).
 
@@ -62,9 +66,7 @@ def model_softmax(rows: int, n: int, dtype: torch.dtype, algorithm: str = "auto"
     algorithm, chunks = plan.kernel, plan.chunks
     e = rows * n * elem_bytes
     t = Traffic()
-    passes = {"three_pass": 3, "online": 2, "single_read": 1, "split": 2, "team": 1,
-              "prefetch": 1}[algorithm]  # fmt: skip
-    t.add("x", passes * e, 0)
+    t.add("x", _PASSES[algorithm] * e, 0)
     t.add("y", 0, e)
     if algorithm == "split":
         t.add("workspace", 8 * rows * chunks * chunks, 8 * rows * chunks)
