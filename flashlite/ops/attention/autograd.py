@@ -41,7 +41,8 @@ def _setup_context(ctx, inputs, request: Request, output) -> None:  # type: igno
     o, lse = output
     ctx.save_for_backward(q, k, v, o, lse, request.sinks)  # O(N) beyond the tensors: nothing N×N
     # (the split is the forward's alone; the sinks travel as a saved tensor)
-    ctx.request = request._replace(num_splits=None, sinks=None)
+    plain = request.num_splits is None and request.sinks is None
+    ctx.request = request if plain else request._replace(num_splits=None, sinks=None)
 
 
 def _backward(ctx, grad_o, grad_lse):  # type: ignore[no-untyped-def]

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from flashlite._caches import memo
 from flashlite.masking import masks
 from flashlite.ops.attention import checks
 
@@ -135,10 +136,28 @@ class Request(NamedTuple):
         usual = window is None and softcap is None and seqlens_k is None and sinks is None
         if usual and not num_splits:  # nothing to check or normalise
             return cls(scale, causal)
-        mask = masks.describe(causal, window, softcap)
+        mask = masks.describe(causal, window, softcap)  # (checked, unlimited sides None)
         lengths = checks.check_seqlens(seqlens_k, q, k)
         sink = checks.check_sinks(sinks, q, q.shape[1])
-        return cls.of_mask(mask, scale, seqlens_k=lengths, num_splits=num_splits, sinks=sink)
+        causal, left, right = mask.causal, mask.left, mask.right
+        if left is None and right == 0:  # (the normal form, as make() writes it: one path)
+            causal = True
+        if causal:
+            right = None
+        return cls(
+            scale,
+            causal,
+            left,
+            right,
+            mask.softcap,
+            lengths,
+            None,
+            None,
+            None,
+            None,
+            num_splits or None,
+            sink,
+        )
 
     @property
     def plain(self) -> bool:
@@ -171,7 +190,10 @@ class Request(NamedTuple):
     def only(self, *names: str) -> bool:
         """Whether no field beyond causal, the scale and ``names`` is set (a backend's test of
         whether it takes the request)."""
-        return all(f is None or n in names for n, f in zip(self._fields[2:], self[2:], strict=True))
+        for a, b in _unset_runs(names):  # noqa: SIM110  (a loop: no generator per call)
+            if self[a:b] != _NONES[a:b]:
+                return False
+        return True
 
     def given(self) -> list[str]:
         """The names of the fields set beyond causal and the scale (for refusals by name)."""
@@ -180,6 +202,8 @@ class Request(NamedTuple):
     def refuse(self, backend: str, supported: tuple[str, ...] = ()) -> None:
         """Raise a ``NotImplementedError`` naming every field set here that ``backend`` does
         not take (its ``supported`` fields aside): nothing is silently dropped."""
+        if self.only(*supported):
+            return
         missing = [name for name in self.given() if name not in supported]
         if missing:
             raise NotImplementedError(
@@ -189,6 +213,22 @@ class Request(NamedTuple):
 
 #: The tail of a plain request: every optional field unset.
 _PLAIN_TAIL = (None,) * (len(Request._fields) - 2)
+_NONES = (None,) * len(Request._fields)
+
+
+@memo("attention.request_runs")
+def _unset_runs(names: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
+    """The runs ``[a, b)`` of field positions (after causal and the scale) outside ``names``:
+    what :meth:`Request.only` needs unset."""
+    runs: list[tuple[int, int]] = []
+    for i, name in enumerate(Request._fields[2:], start=2):
+        if name in names:
+            continue
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return tuple(runs)
 
 
 def _kind(f: object) -> object:
