@@ -113,11 +113,11 @@ def _compiled_and_opcheck() -> None:
     for a, b in zip(*runs, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
     q, k, v = (t.transpose(1, 2) for t in mine)
-    args = (_group_name(None), True, 0.25, True)
-    opcheck(torch.ops.flashlite.ring_attention_fwd.default, (q, k, v, *args))
-    o, lse = torch.ops.flashlite.ring_attention_fwd.default(q, k, v, *args)
-    opcheck(torch.ops.flashlite.ring_attention_bwd.default,
-            (torch.randn_like(o), q, k, v, o, lse, None, *args))  # fmt: skip
+    fields = {"group_name": _group_name(None), "scale": 0.25, "causal": True, "zigzag": True}
+    opcheck(torch.ops.flashlite.ring_attention_fwd.default, (q, k, v), fields)
+    o, lse = torch.ops.flashlite.ring_attention_fwd.default(q, k, v, **fields)
+    grads = (torch.randn_like(o), q, k, v, o, lse, None)
+    opcheck(torch.ops.flashlite.ring_attention_bwd.default, grads, fields)
 
 
 def _worker(rank: int, world: int, port: int, cases: list) -> None:

@@ -20,6 +20,7 @@ attention and waited for after it, so the two overlap.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,12 @@ from flashlite.distributed.harness import comm_model as comm_model
 from flashlite.distributed.harness import count_p2p as count_p2p
 from flashlite.distributed.harness import free_port as free_port
 from flashlite.distributed.harness import init_for_tests as init_for_tests
+from flashlite.distributed.sequence import (
+    check_shards,
+    gather_sequence,
+    group_info,
+    shard_sequence,
+)
 from flashlite.masking import masks
 from flashlite.ops._dispatch import Op
 from flashlite.ops.attention import (
@@ -43,91 +50,6 @@ from flashlite.ops.attention.bwd import sink_grad
 from flashlite.ops.common import check_flags
 
 
-# ----------------------------------------------------------------------------- groups
-def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int, int, int]:
-    """``(rank, size, next, prev)``: this rank in ``group`` and its ring neighbours' global
-    ranks."""
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError(
-            "flashlite.distributed needs an initialised process group: call "
-            "torch.distributed.init_process_group('gloo' for CPU tensors, 'nccl' for CUDA) "
-            "first, e.g. under torchrun, or see flashlite.distributed.demo"
-        )
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    nxt = dist.get_global_rank(group, (rank + 1) % size) if group is not None else (rank + 1) % size
-    prv = dist.get_global_rank(group, (rank - 1) % size) if group is not None else (rank - 1) % size
-    return rank, size, nxt, prv
-
-
-def _check_shards(x: torch.Tensor, dim: int, group: dist.ProcessGroup | None, what: str) -> None:
-    """Every rank's shard has one length along ``dim`` and one device type (one small
-    all-gather)."""
-    size = dist.get_world_size(group)
-    mine = torch.tensor([x.shape[dim], 0 if x.device.type == "cpu" else 1], dtype=torch.int64)
-    if dist.get_backend(group) == "nccl":
-        mine = mine.to(x.device)
-    seen = [torch.empty_like(mine) for _ in range(size)]
-    dist.all_gather(seen, mine, group=group)
-    lengths = [int(t[0]) for t in seen]
-    kinds = {int(t[1]) for t in seen}
-    if len(set(lengths)) > 1:
-        raise ValueError(f"{what} shards must have one length on every rank; ranks hold {lengths}")
-    if len(kinds) > 1:
-        raise ValueError(
-            f"{what} shards must be on one kind of device on every rank (CPU with "
-            "gloo, CUDA with NCCL); the ranks mix them"
-        )
-
-
-# ----------------------------------------------------------------------------- sharding
-def shard_sequence(
-    x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None, zigzag: bool = True
-) -> torch.Tensor:
-    """This rank's shard of the full sequence ``x`` along ``dim``.
-
-    Args:
-        x: the whole sequence (every rank passes the same tensor).
-        dim: the sequence dimension (1 for ``b n h d``, 2 for ``b h n d``).
-        zigzag: chunks ``r`` and ``2P − 1 − r`` of ``2P`` (balances causal attention), else the
-            ``r``-th of ``P`` contiguous pieces.
-
-    Returns:
-        A contiguous tensor with ``N / P`` entries along ``dim``.
-
-    Raises:
-        ValueError: ``N`` not divisible by ``2P`` (zigzag) or ``P``.
-    """
-    rank, size, _, _ = _group_info(group)
-    n = x.shape[dim]
-    parts = 2 * size if zigzag else size
-    if n % parts:
-        raise ValueError(
-            f"sequence length {n} must divide by {'2P' if zigzag else 'P'} = "
-            f"{parts} for {'zigzag' if zigzag else 'contiguous'} shards"
-        )
-    chunks = x.chunk(parts, dim)
-    if not zigzag:
-        return chunks[rank].contiguous()
-    return torch.cat([chunks[rank], chunks[parts - 1 - rank]], dim).contiguous()
-
-
-def gather_sequence(
-    x: torch.Tensor, dim: int, group: dist.ProcessGroup | None = None, zigzag: bool = True
-) -> torch.Tensor:
-    """The full sequence from every rank's shard (:func:`shard_sequence`'s inverse: an
-    all-gather, then the chunks put back in order)."""
-    _, size, _, _ = _group_info(group)
-    x = x.contiguous()
-    shards = [torch.empty_like(x) for _ in range(size)]
-    dist.all_gather(shards, x, group=group)
-    if not zigzag:
-        return torch.cat(shards, dim)
-    halves = [s.chunk(2, dim) for s in shards]
-    order = [halves[r][0] for r in range(size)] + [halves[r][1] for r in reversed(range(size))]
-    return torch.cat(order, dim)
-
-
-# ----------------------------------------------------------------------------- the ring
 def _exchange(
     send: torch.Tensor, recv: torch.Tensor, nxt: int, prv: int, group: dist.ProcessGroup | None
 ) -> list:
@@ -172,7 +94,7 @@ def _ring_forward(
     """``(o, lse)`` of the local queries ``(B, Hq, n, D)`` against every rank's keys. The
     running result starts as the merge's identity (o = 0, lse = −inf), or with ``sinks`` as the
     sink's own state (o = 0, lse = sink): merged once, whichever shards arrive."""
-    rank, size, nxt, prv = _group_info(group)
+    rank, size, nxt, prv = group_info(group)
     n = q.shape[2]
     o = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     if sinks is None:
@@ -228,7 +150,7 @@ def _ring_backward(
     if sinks is not None:
         delta = (do.float() * o.float()).sum(-1)
         sink_grad(sinks, lse, delta if dlse is None else delta - dlse.float(), dsinks)
-    rank, size, nxt, prv = _group_info(group)
+    rank, size, nxt, prv = group_info(group)
     n = q.shape[2]
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     kv = torch.stack([k, v])
@@ -292,23 +214,33 @@ def _resolve(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
+class RingRequest(NamedTuple):
+    """One ring call beyond its shards, as the ring's ops take it by name: the process group
+    (by name: an op's arguments are plain values), the scale, causal, the zigzag layout and the
+    fp32 ``(Hq,)`` sinks."""
+
+    group_name: str
+    scale: float
+    causal: bool = False
+    zigzag: bool = True
+    sinks: torch.Tensor | None = None
+
+
 def _ring_fwd_body(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    group_name: str,
-    causal: bool,
-    scale: float,
-    zigzag: bool,
-    sinks: torch.Tensor | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: RingRequest
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward ring as an op (its collectives inside, opaque to tracing): ``(o, lse)``,
     ``o`` contiguous ``(B, Hq, n, D)``."""
-    o, lse = _ring_forward(q, k, v, _resolve(group_name), causal, scale, zigzag, sinks)
+    group = _resolve(request.group_name)
+    o, lse = _ring_forward(
+        q, k, v, group, request.causal, request.scale, request.zigzag, request.sinks
+    )
     return o.contiguous(), lse
 
 
-def _ring_fwd_fake(q, k, v, group_name, causal, scale, zigzag, sinks=None):  # type: ignore[no-untyped-def]
+def _ring_fwd_fake(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: RingRequest
+) -> tuple[torch.Tensor, torch.Tensor]:
     return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
@@ -320,49 +252,71 @@ def _ring_bwd_body(
     o: torch.Tensor,
     lse: torch.Tensor,
     dlse: torch.Tensor | None,
-    group_name: str,
-    causal: bool,
-    scale: float,
-    zigzag: bool,
-    sinks: torch.Tensor | None = None,
+    request: RingRequest,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The backward ring as an op: ``(dq, dk, dv)``, contiguous, and the sinks' fp32
     gradient (``(Hq,)``, or ``(0,)`` without sinks)."""
+    sinks = request.sinks
     dsinks = lse.new_empty((0,) if sinks is None else sinks.shape)
+    group = _resolve(request.group_name)
     grads = _ring_backward(
-        do, q, k, v, o, lse, dlse, _resolve(group_name), causal, scale, zigzag, sinks, dsinks
+        do,
+        q,
+        k,
+        v,
+        o,
+        lse,
+        dlse,
+        group,
+        request.causal,
+        request.scale,
+        request.zigzag,
+        sinks,
+        dsinks,
     )
     return (*(g.contiguous() for g in grads), dsinks)  # type: ignore[return-value]
 
 
-def _ring_bwd_fake(do, q, k, v, o, lse, dlse, group_name, causal, scale, zigzag, sinks=None):  # type: ignore[no-untyped-def]
-    dsinks = lse.new_empty((0,) if sinks is None else sinks.shape)
+def _ring_bwd_fake(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    request: RingRequest,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    dsinks = lse.new_empty((0,) if request.sinks is None else request.sinks.shape)
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape), dsinks
 
 
 #: ``flashlite::ring_attention_bwd``: the backward ring, ``(dq, dk, dv)`` contiguous and the
 #: sinks' gradient.
-RING_BWD = Op("ring_attention_bwd", _ring_bwd_body, fake=_ring_bwd_fake, inputs=7, moves=False)
+RING_BWD = Op(
+    "ring_attention_bwd",
+    _ring_bwd_body,
+    fake=_ring_bwd_fake,
+    inputs=7,
+    request=RingRequest,
+    moves=False,
+)
 
 
-def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    q, k, v, group_name, causal, scale, zigzag, *rest = inputs
+def _setup_context(ctx, inputs, request: RingRequest, output) -> None:  # type: ignore[no-untyped-def]
+    q, k, v = inputs
     o, lse = output
-    sinks = rest[0] if rest else None
-    ctx.save_for_backward(q, k, v, o, lse, sinks)
-    ctx.args = (group_name, causal, scale, zigzag)
-    ctx.n_args = len(inputs)
+    ctx.save_for_backward(q, k, v, o, lse, request.sinks)
+    ctx.request = request._replace(sinks=None)  # (the sinks travel as a saved tensor)
 
 
 def _backward(ctx, do, dlse):  # type: ignore[no-untyped-def]
     q, k, v, o, lse, sinks = ctx.saved_tensors
     if do is None:
         do = torch.zeros_like(o)
-    dq, dk, dv, dsinks = RING_BWD(do, q, k, v, o, lse, dlse, *ctx.args, sinks)
-    tail = (None,) * (ctx.n_args - 7)
-    if sinks is not None:
-        tail = (dsinks.to(sinks.dtype),)
-    return dq, dk, dv, None, None, None, None, *tail
+    request = ctx.request if sinks is None else ctx.request._replace(sinks=sinks)
+    dq, dk, dv, dsinks = RING_BWD(do, q, k, v, o, lse, dlse, request)
+    return (dq, dk, dv), {"sinks": None if sinks is None else dsinks.to(sinks.dtype)}
 
 
 #: ``flashlite::ring_attention_fwd``: the forward ring (its collectives inside, opaque to
@@ -372,11 +326,12 @@ RING_FWD = Op(
     _ring_fwd_body,
     fake=_ring_fwd_fake,
     inputs=3,
+    request=RingRequest,
+    grad_fields=("sinks",),
     setup_context=_setup_context,
     backward=_backward,
     materialize_grads=False,
     moves=False,
-    grad_inputs=(7,),
 )
 
 
@@ -421,7 +376,7 @@ def ring_attention(
             length for zigzag shards, and everything :func:`flashlite.attention` rejects.
     """
     check_flags(causal=causal, return_lse=return_lse, zigzag=zigzag, validate=validate)
-    _group_info(group)
+    group_info(group)
     sm_scale, qc, kc, vc = check_inputs(q, k, v, layout, scale)
     if qc.shape[2] != kc.shape[2]:
         raise ValueError(
@@ -430,12 +385,10 @@ def ring_attention(
     if zigzag and causal and qc.shape[2] % 2:
         raise ValueError(f"zigzag shards hold two equal chunks: local length {qc.shape[2]} is odd")
     if validate and not torch.compiler.is_compiling():
-        _check_shards(qc, 2, group, "q")
-    if sinks is None:
-        o, lse = RING_FWD(qc, kc, vc, _group_name(group), causal, sm_scale, zigzag)
-    else:
-        sink = check_sinks(sinks, qc, qc.shape[1])
-        o, lse = RING_FWD(qc, kc, vc, _group_name(group), causal, sm_scale, zigzag, sink)
+        check_shards(qc, 2, group, "q")
+    sink = None if sinks is None else check_sinks(sinks, qc, qc.shape[1])
+    request = RingRequest(_group_name(group), sm_scale, causal, zigzag, sink)
+    o, lse = RING_FWD(qc, kc, vc, request)
     if layout != "b h n d":
         o = o.transpose(1, 2)
     return (o, lse) if return_lse else o

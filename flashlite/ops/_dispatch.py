@@ -93,8 +93,6 @@ class Op:
         takes: the request's fields the op takes (None: all); the body refuses a request that
             sets another (:meth:`~flashlite.ops.attention.request.Request.refuse`).
         grad_fields: the request's tensor fields that may require grad (sinks).
-        grad_inputs: without a request, positions of later optional tensor arguments that may
-            require grad (the fast path looks at them too when the call passes them).
         setup_context, backward: the autograd formula, as ``torch.library.register_autograd``
             takes it; ``backward`` returns one gradient per argument. With a ``request``:
             ``setup_context(ctx, inputs, request, output)`` (``inputs`` the leading tensors) and
@@ -119,9 +117,8 @@ class Op:
         request: type[tuple] | None = None,
         takes: tuple[str, ...] | None = None,
         grad_fields: tuple[str, ...] = (),
-        grad_inputs: tuple[int, ...] = (),
     ) -> None:
-        self.name, self.inputs, self.grad_inputs = name, inputs, grad_inputs
+        self.name, self.inputs = name, inputs
         #: the request type whose fields are the op's named arguments (:class:`Fields`), or None
         self.fields = Fields(request, grad_fields, takes) if request is not None else None
         #: the body as the fast paths run it: on tensors where kernels run (calls whose tensors
@@ -180,11 +177,6 @@ class Op:
                     record = record or (grad and t.requires_grad)
             if record:
                 return self.apply(*args, *self.fields.grad_tensors(args[-1]))  # type: ignore[misc]
-        for i in self.grad_inputs:  # (optional tensors further on: the ring's sinks)
-            if i < len(args) and args[i] is not None:
-                if type(args[i]) is not torch.Tensor:
-                    return self.default(*args)
-                record = record or (grad and args[i].requires_grad)
         if record:
             return self.apply(*args)  # type: ignore[misc]
         out = self.body(*args)
