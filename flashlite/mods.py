@@ -1,6 +1,7 @@
 """Mask and score functions: a face; the code lives in :mod:`flashlite.masking.mods`."""
 
 from flashlite.masking import (
+    FAST_PATHS,
     MAX_BUFFERS,
     MaskMod,
     ScoreMod,
@@ -20,6 +21,7 @@ from flashlite.masking import (
 )
 
 __all__ = [
+    "FAST_PATHS",
     "MAX_BUFFERS",
     "MaskMod",
     "ScoreMod",

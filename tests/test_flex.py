@@ -1307,11 +1307,11 @@ def test_gpu_alibi_as_row_and_column_terms_keeps_its_precision() -> None:
     """The Hopper forward applies the gallery's ALiBi as a column term per score and a row term
     in each row's maximum. At 16k keys (biases up to 10^4, far past bf16's and near fp32's
     steps) its output and LSE on the last rows are within 2x the error of the same function
-    applied to every score (registered under another name: the general path), against fp64;
+    applied to every score (declaring no fast path: the general path), against fp64;
     forward + backward stays finite and close to the general path's."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs the Hopper (sm_90) kernels")
-    from flashlite.ops.attention.flex_plan import is_gallery_alibi
+    from flashlite.ops.attention.flex_plan import head_linear_bias
 
     n, h, d, rows = 16384, 8, 128, 64
     q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -1319,7 +1319,7 @@ def test_gpu_alibi_as_row_and_column_terms_keeps_its_precision() -> None:
     alibi = gallery.alibi(gallery.alibi_slopes(h).cuda())
     general = mods.score_mod(gallery._alibi, alibi.buffers[0], grad=gallery._alibi_grad,
                              torch_fn=gallery._alibi_t, name="tests.alibi_general")  # fmt: skip
-    assert is_gallery_alibi(alibi.op_args()) and not is_gallery_alibi(general.op_args())
+    assert head_linear_bias(alibi.op_args()) and not head_linear_bias(general.op_args())
     bm = flashlite.create_block_mask(gallery.causal(), None, None, n, n)
     out = {}
     for name, sm in (("split", alibi), ("general", general)):

@@ -8,6 +8,7 @@ import pkgutil
 import types
 
 import pytest
+import torch
 
 import flashlite
 from flashlite import masking
@@ -87,3 +88,37 @@ def test_moved_modules_left_no_copy(old: str) -> None:
     # (internal paths: their code lives in flashlite.masking only)
     with pytest.raises(ModuleNotFoundError):
         importlib.import_module(f"flashlite.{old}")
+
+
+def test_a_score_function_declares_its_fast_path() -> None:
+    # the Hopper forward's row and column terms are a property the mod declares, not a name
+    # the plan looks up: a mod of any name that declares it gets it, one that does not, not
+    from flashlite.masking import gallery
+    from flashlite.masking.mods import score_mod
+    from flashlite.ops.attention.flex_plan import head_linear_bias
+
+    slopes = gallery.alibi_slopes(4)
+    assert head_linear_bias(gallery.alibi(slopes).op_args())
+    mine = score_mod(
+        gallery._alibi,
+        slopes,
+        grad=gallery._alibi_grad,
+        torch_fn=gallery._alibi_t,
+        name="tests.my_alibi",
+        fast_path="head_linear_bias",
+    )
+    plain = score_mod(
+        gallery._alibi,
+        slopes,
+        grad=gallery._alibi_grad,
+        torch_fn=gallery._alibi_t,
+        name="tests.plain_alibi",
+    )
+    assert head_linear_bias(mine.op_args()) and not head_linear_bias(plain.op_args())
+    assert masking.split_spec(mine.op_args()[0]) == ("tests.my_alibi", "t")
+    with pytest.raises(ValueError, match="fast_path"):
+        score_mod(gallery._alibi, slopes, fast_path="alibi")
+    # (the Triton kernels call the function either way: the same result on CPU)
+    q, k, v = (torch.randn(1, 4, 20, 16) for _ in range(3))
+    outs = [flashlite.flex_attention(q, k, v, score_mod=m) for m in (mine, plain)]
+    torch.testing.assert_close(outs[0], outs[1])

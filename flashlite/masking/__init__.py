@@ -51,12 +51,14 @@ from flashlite.masking.mod_args import (
     ModArgs,
     Slots,
     check_mod,
+    declared_fast_path,
     spec_entry,
     spec_mod,
     split_spec,
     unspec_mod,
 )
 from flashlite.masking.mods import (
+    FAST_PATHS,
     MAX_BUFFERS,
     MaskMod,
     ScoreMod,
@@ -93,6 +95,7 @@ __all__ = [
     "visible_t",
     "window_bounds",
     # mods
+    "FAST_PATHS",
     "MAX_BUFFERS",
     "MaskMod",
     "ScoreMod",
@@ -117,6 +120,7 @@ __all__ = [
     "spec_mod",
     "split_spec",
     "unspec_mod",
+    "declared_fast_path",
     # block tables
     "EMPTY",
     "FULL",

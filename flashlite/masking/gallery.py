@@ -244,7 +244,8 @@ def alibi(slopes: torch.Tensor) -> ScoreMod:
         )
     slopes = slopes.float().contiguous()
     return score_mod(_alibi, slopes, grad=_alibi_grad, torch_fn=_alibi_t, name=ALIBI_NAME,
-                     tile_reads=lambda bm, bn: 4, limits=(None, len(slopes), None))  # fmt: skip
+                     tile_reads=lambda bm, bn: 4, limits=(None, len(slopes), None),
+                     fast_path="head_linear_bias")  # fmt: skip
 
 
 #: The name :func:`alibi` registers its score function under (the Hopper forward recognises it

@@ -11,7 +11,16 @@ import torch
 
 from flashlite.masking import mods as M
 
-__all__ = ["ModArgs", "spec_mod", "split_spec", "spec_entry", "unspec_mod", "Slots", "check_mod"]
+__all__ = [
+    "declared_fast_path",
+    "ModArgs",
+    "spec_mod",
+    "split_spec",
+    "spec_entry",
+    "unspec_mod",
+    "Slots",
+    "check_mod",
+]
 
 #: A mod as the ops carry it: ``(spec, tensors, numbers)`` (:func:`spec_mod`).
 ModArgs = tuple[str, list[torch.Tensor], list[float]]
@@ -24,9 +33,16 @@ def spec_mod(mod: M.MaskMod | M.ScoreMod | None) -> tuple[str, list[torch.Tensor
 
 
 def split_spec(spec: str) -> tuple[str, str]:
-    """A spec's ``(name, kinds)``: the name may hold colons, the kinds never do."""
+    """A spec's ``(name, kinds)``: the name may hold colons, the kinds never do (a declared
+    fast path follows them after ``|``: :func:`declared_fast_path`)."""
     name, _, kinds = spec.rpartition(":")
-    return name, kinds
+    return name, kinds.partition("|")[0]
+
+
+def declared_fast_path(spec: str) -> str | None:
+    """The shortcut a spec's score function declares (:data:`flashlite.masking.mods.FAST_PATHS`),
+    or None."""
+    return spec.rpartition(":")[2].partition("|")[2] or None
 
 
 def spec_entry(spec: str) -> tuple[Any, ...] | None:

@@ -49,6 +49,7 @@ from flashlite._launch import is_jit as _is_jit
 from flashlite._launch import python_fn as _python_fn
 
 __all__ = [
+    "FAST_PATHS",
     "MAX_BUFFERS",
     "MaskMod",
     "ScoreMod",
@@ -68,6 +69,8 @@ __all__ = [
 
 #: How many buffers a mod may read (the kernels pass this many slots).
 MAX_BUFFERS = 4
+#: Shortcuts a score function may declare (:func:`score_mod`'s ``fast_path``).
+FAST_PATHS = ("head_linear_bias",)
 
 Buffer = torch.Tensor | int | float
 #: Bytes one call of a mod on a ``(bm, bn)`` tile loads from its buffers (for the traffic model)
@@ -210,7 +213,9 @@ class _Mod:
         kinds = "".join("t" if isinstance(x, torch.Tensor) else "i" if isinstance(x, int)
                         else "f" for x in self.buffers)  # fmt: skip
         nums = [float(x) for x in self.buffers if not isinstance(x, torch.Tensor)]
-        made = (f"{self.name}:{kinds}", self.tensors(), nums)
+        fast = getattr(self, "fast_path", None)  # (declared by a score function)
+        spec = f"{self.name}:{kinds}" + (f"|{fast}" if fast else "")
+        made = (spec, self.tensors(), nums)
         if not torch.compiler.is_compiling():  # (kept by eager calls; a trace stays pure)
             self._op_args = made
         return made
@@ -236,13 +241,16 @@ class ScoreMod(_Mod):
     buffers. Calling it runs the twin (what torch's ``flex_attention`` calls). Make one with
     :func:`score_mod`."""
 
-    __slots__ = ("grad_fn", "__weakref__")
+    __slots__ = ("grad_fn", "fast_path", "__weakref__")
 
     def __init__(self, fn: Any, grad_fn: Any, torch_fn: Callable[..., Any],
                  buffers: tuple[Buffer, ...], name: str, tile_reads: TileReads | None = None,
-                 limits: Limits = (None, None, None)) -> None:  # fmt: skip
+                 limits: Limits = (None, None, None),
+                 fast_path: str | None = None) -> None:  # fmt: skip
         super().__init__(fn, torch_fn, buffers, name, tile_reads, limits)
         self.grad_fn = grad_fn
+        #: a shortcut the kernels may take instead of calling ``fn`` (:data:`FAST_PATHS`)
+        self.fast_path = fast_path
 
     def __call__(self, score: Any, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> Any:
         return self.torch_fn(score, b, h, q_idx, kv_idx, *self.buffers)
@@ -284,8 +292,8 @@ def mask_mod(fn: Any, *buffers: Buffer, torch_fn: Callable[..., Any] | None = No
 
 def score_mod(fn: Any, *buffers: Buffer, grad: Any = None,
               torch_fn: Callable[..., Any] | None = None, name: str | None = None,
-              tile_reads: TileReads | None = None,
-              limits: Limits | None = None) -> ScoreMod:  # fmt: skip
+              tile_reads: TileReads | None = None, limits: Limits | None = None,
+              fast_path: str | None = None) -> ScoreMod:  # fmt: skip
     """A score function with its derivative, twin and buffers.
 
     Args:
@@ -298,11 +306,18 @@ def score_mod(fn: Any, *buffers: Buffer, grad: Any = None,
         name: the name ops find it by (default: ``module.qualname`` of ``fn``).
         tile_reads: as :func:`mask_mod`'s (per tile ``fn`` runs on).
         limits: as :func:`mask_mod`'s.
+        fast_path: a shortcut ``fn`` declares it equals (:data:`FAST_PATHS`), which a kernel
+            may compute instead of calling ``fn``: ``"head_linear_bias"``, ``score +
+            buffers[0][h]·(kv_idx − q_idx)`` with an fp32 ``(H,)`` first buffer (ALiBi),
+            which the Hopper forward applies as a column term per score and a row term per
+            row. The declaration is a promise: the kernels do not check it.
 
     Raises:
         TypeError, ValueError: as :func:`mask_mod`, for ``fn`` and ``grad`` (the twin must
-            return a floating-point score).
+            return a floating-point score); a ``fast_path`` not in :data:`FAST_PATHS`.
     """
+    if fast_path is not None and fast_path not in FAST_PATHS:
+        raise ValueError(f"fast_path must be None or one of {FAST_PATHS}, got {fast_path!r}")
     buffers = _check_buffers(buffers, "score_mod")
     _check_fn(fn, "score_mod", 5, len(buffers))
     if grad is not None:
@@ -310,7 +325,7 @@ def score_mod(fn: Any, *buffers: Buffer, grad: Any = None,
     twin = torch_fn if torch_fn is not None else _python_fn(fn)
     name = name or _name_of(fn)
     mod = ScoreMod(fn, grad, twin, buffers, name, tile_reads,
-                   _check_limits_arg(limits, "score_mod"))  # fmt: skip
+                   _check_limits_arg(limits, "score_mod"), fast_path)  # fmt: skip
     if _REGISTRY.get(name) != (fn, twin, grad):
         _check_result(mod, "score_mod")
     _REGISTRY[name] = (fn, twin, grad)

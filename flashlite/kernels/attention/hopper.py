@@ -129,10 +129,11 @@ if GLUON_IMPORT_ERROR is None:
         is read from the tables (:func:`_tile_start`) only where a mod needs it — reading it
         ahead for every tile measured slower — and ``mask_mod`` masks; a score function sees
         the scores first, in natural units (``s·ln 2``: Q carries ``log2 e``), and its
-        result stays in them (:func:`_online_update` takes the units). ``ALIBI`` (the
-        gallery's ALiBi, recognised by the plan): the bias ``slope·(kv − q)``, in exp2 units
-        ``slope2·(kv − q)``, is split at the tile's first key ``k0`` into a column term
-        ``slope2·(kv − k0)`` (the same every tile: one add a score) and a row
+        result stays in them (:func:`_online_update` takes the units). ``ALIBI`` (a score
+        function that declares the head-linear bias, as ALiBi does): the bias
+        ``slope·(kv − q)``, in exp2 units ``slope2·(kv − q)``, is split at the tile's first key
+        ``k0`` into a column term ``slope2·(kv − k0)`` (the same every tile: one add a score)
+        and a row
         term ``slope2·(k0 − q)`` that shifts each row's maximum and reference; both stay small
         where the weights are, as ``slope·(kv − q)`` itself does."""
         shift = 0.0
@@ -322,8 +323,9 @@ if GLUON_IMPORT_ERROR is None:
         (:mod:`flashlite.block_mask`, blocks of ``BLOCK_M × BLOCK_N``), full ones first, and
         ``mask_mod`` / ``score_mod`` (:mod:`flashlite.mods`, buffers ``MB*`` / ``SB*``) shape
         the scores, as :mod:`.flex`'s Triton kernel does; otherwise the table arguments are
-        placeholders, never read. ``ALIBI``: the score function is the gallery's ALiBi (slopes
-        in ``SB0``), applied as a column and a row term (:func:`_fold`)."""
+        placeholders, never read. ``ALIBI``: the score function declares the head-linear bias
+        (:func:`flashlite.masking.mods.score_mod`'s ``fast_path``; slopes in ``SB0``), applied
+        as a column and a row term (:func:`_fold`)."""
         half: gl.constexpr = BLOCK_M // 2
         head_dim: gl.constexpr = q_desc.block_type.shape[3]
         qk_scale = sm_scale * LOG2E  # in fp32, as the Triton kernels and the backward take it

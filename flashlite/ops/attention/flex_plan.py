@@ -17,7 +17,14 @@ from flashlite._caches import Cache, register
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import flex as KF
 from flashlite.kernels.attention import hopper_bwd as KHB
-from flashlite.masking.mod_args import ModArgs, Slots, spec_entry, split_spec, unspec_mod
+from flashlite.masking.mod_args import (
+    ModArgs,
+    Slots,
+    declared_fast_path,
+    spec_entry,
+    split_spec,
+    unspec_mod,
+)
 from flashlite.ops.attention import hopper as HP
 from flashlite.ops.attention.bwd_launch import plan_preprocess
 from flashlite.ops.attention.plan import (
@@ -86,15 +93,12 @@ def mod_args(mask: ModArgs, score: ModArgs, grad: bool) -> tuple[list[Any], dict
     return [*mbufs, *sbufs], consts
 
 
-def is_gallery_alibi(score: ModArgs) -> bool:
-    """Whether the score function is :func:`flashlite.gallery.alibi`'s (its name and its jit
-    function: its one buffer is then the fp32 slopes), which the Hopper forward applies as a
-    column and a row term (:func:`flashlite.kernels.attention.hopper._fold`)."""
-    from flashlite.masking import gallery
-
-    entry = spec_entry(score[0])  # (None without a score function)
-    return (entry is not None and entry[0] is gallery._alibi
-            and split_spec(score[0])[0] == gallery.ALIBI_NAME)  # fmt: skip
+def head_linear_bias(score: ModArgs) -> bool:
+    """Whether the score function declares the ``"head_linear_bias"`` fast path
+    (:func:`flashlite.masking.mods.score_mod`'s ``fast_path``; the gallery's ALiBi does): its
+    first buffer is then the fp32 per-head slopes, which the Hopper forward applies as a column
+    and a row term (:func:`flashlite.kernels.attention.hopper._fold`) instead of calling it."""
+    return declared_fast_path(score[0]) == "head_linear_bias"
 
 
 def table_args(num: torch.Tensor, idx: torch.Tensor) -> tuple[int, ...]:
@@ -190,9 +194,10 @@ class FwdPlan:
         self.lse_shape = (b, hq, nq)
         self.tbm, self.tbn, self.scale, self.varlen = tbm, tbn, scale, varlen
         bufs, self.mods = mod_args(mask, score, grad=False)
-        # the Hopper forward also takes whether the score function is the gallery's ALiBi,
-        # which it applies as a column and a row term; the Triton kernel calls it as it is
-        self.hopper_mods = {**self.mods, "ALIBI": is_gallery_alibi(score)}
+        # the Hopper forward also takes whether the score function declares the head-linear
+        # bias (ALiBi), which it applies as a column and a row term; Triton calls it as it is
+
+        self.hopper_mods = {**self.mods, "ALIBI": head_linear_bias(score)}
         self.slots = Slots(bufs)
         self.strides = table_args(tables[0], tables[1])
         #: ``run(q, k, v, o, lse, tables, bufs)``, bound by the first call
