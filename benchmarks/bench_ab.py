@@ -13,6 +13,8 @@ ratio ``new / old`` (below 1: faster). Benchmarks and the metric read from each 
     attention-bwd  the same with --backward: ``ms`` of flashlite's points
     decode         bench_decode.py: ``ms`` of flashlite's rows
     mods           bench_mods.py --quick: ``ms["flashlite"]`` per point
+    probe          bench_ab_probe.py: a minute's probe of a few small calls' host-bound loop
+                   and a few large calls' kernel time (the quick check between the others)
 
 Writes ``benchmarks/results/ab-<device slug>.{json,png}`` and prints the table last.
 
@@ -36,6 +38,7 @@ from _common import device_name, device_slug, metadata, write_results
 from flashlite.plotting import Bars, Figure, Panel
 
 Row = dict[str, Any]
+HERE = Path(__file__).resolve().parent
 #: job → (script and arguments, results stem, the flashlite rows' key, their metric)
 JOBS: dict[str, tuple[list[str], str, Callable[[Row], Any], Callable[[Row], float | None]]] = {
     "overhead": (
@@ -75,6 +78,12 @@ JOBS: dict[str, tuple[list[str], str, Callable[[Row], Any], Callable[[Row], floa
         lambda r: (r["case"], r["provider"]) if r["provider"].startswith("flashlite") else None,
         lambda r: r.get("ms"),
     ),
+    "probe": (
+        ["bench_ab_probe.py"],
+        "ab-probe",
+        lambda r: (r["point"],),
+        lambda r: r.get("value"),
+    ),
     "mods": (
         ["bench_mods.py", "--quick"],
         "mods",
@@ -87,10 +96,12 @@ JOBS: dict[str, tuple[list[str], str, Callable[[Row], Any], Callable[[Row], floa
 def run_job(tree: Path, job: str) -> dict[Any, float]:
     """One run of ``job`` from ``tree``: its flashlite points' metric by key."""
     args, stem, key, metric = JOBS[job]
-    out = tree / "benchmarks" / "results" / f"{stem}-{device_slug()}.json"
+    # each tree's own benchmark scripts; the probe is this folder's, run on the tree's flashlite
+    scripts = HERE if job == "probe" else tree / "benchmarks"
+    out = scripts / "results" / f"{stem}-{device_slug()}.json"
     out.unlink(missing_ok=True)  # (a merging bench would otherwise keep older rows)
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    cmd = [sys.executable, str(tree / "benchmarks" / args[0]), *args[1:]]
+    cmd = [sys.executable, str(scripts / args[0]), *args[1:]]
     done = subprocess.run(cmd, cwd=tree, env=env, capture_output=True, text=True)
     if not out.exists():
         raise RuntimeError(
@@ -109,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", type=Path, required=True, help="the baseline tree")
     ap.add_argument("--new", type=Path, default=Path("."), help="the changed tree")
-    ap.add_argument("--jobs", nargs="+", choices=sorted(JOBS), default=sorted(JOBS))
+    ap.add_argument("--jobs", nargs="+", choices=sorted(JOBS), default=["probe"])
     ap.add_argument("--rounds", type=int, default=2, help="runs of each job from each tree")
     ap.add_argument("--name", default="ab", help="results file stem (before the device slug)")
     args = ap.parse_args(argv)

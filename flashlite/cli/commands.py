@@ -376,6 +376,10 @@ BENCHMARKS = (
     ("bench_ce_memory.py", "cross-entropy peak memory at flash-attn's test vocabularies"),
     ("bench_overhead.py", "per-call host cost at small shapes (loop, graph, do_bench)"),
     ("bench_ab.py", "two source trees side by side: new/old time of every flashlite point"),
+    (
+        "bench_ab_probe.py",
+        "one tree's quick probe for bench_ab: a few calls' host loop and kernels",
+    ),
     ("bench_models.py", "Hugging Face Llama training step and generation against SDPA"),
     ("bench_traffic.py", "measured DRAM bytes with Nsight Compute against the model"),
     ("bench_ring.py", "ring attention on two GPUs against one"),
