@@ -78,6 +78,7 @@ def attention_fwd(
         request.sinks,
     )
     if request.num_splits and varlen is None:  # few rows: packed GQA, split-KV, the exact merge
+        request.refuse("split-KV decoding", DECODE_FIELDS)
         o, lse, _ = attention_decode_fwd(
             q, k, v, seqlens_k, mask, scale, num_splits=request.num_splits, sinks=sinks
         )
@@ -155,6 +156,17 @@ def attention_fwd(
 
 #: The request fields the forward takes (a cache's are the decode step's).
 FWD_FIELDS = Request._fields[:12]
+#: The fields its split-KV path takes (not packed sequences: those run the forward kernel).
+DECODE_FIELDS = (
+    "scale",
+    "causal",
+    "window_left",
+    "window_right",
+    "softcap",
+    "seqlens_k",
+    "num_splits",
+    "sinks",
+)
 
 
 def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, bm: int,
@@ -235,6 +247,7 @@ def _attention_fwd_body(
             o, lse, _ = plan(q, k, v)
             return o, lse
     if request.num_splits and request.cu_seqlens_q is None:  # the decode kernel, planned
+        request.refuse("split-KV decoding", DECODE_FIELDS)
         found = planned_decode(
             q,
             k,
