@@ -78,8 +78,17 @@ if GLUON_IMPORT_ERROR is None:
         return gl.sum(gl.where(got, part, 0.0), axis=0)
 
     @gluon.jit
-    def _targets_share(T, SEEN, BAD, n_rows, n_cols, ignore_index, CHECK: gl.constexpr,
-                       BLOCK: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    def _targets_share(
+        T,
+        SEEN,
+        BAD,
+        n_rows,
+        n_cols,
+        ignore_index,
+        CHECK: gl.constexpr,
+        BLOCK: gl.constexpr,
+        layout: gl.constexpr,
+    ):
         """This program's share of the targets (blocks ``pid, pid + programs, …``): how many are
         kept (not ``ignore_index``), and with ``CHECK`` the first one outside ``[0, V)`` that
         is not ``ignore_index`` recorded in ``BAD = (flag, class, V)`` unless one is already,
@@ -117,8 +126,16 @@ if GLUON_IMPORT_ERROR is None:
         return gl.where(total > 0, 1.0 / gl.where(total > 0, total, 1.0), float("nan"))
 
     @gluon.jit
-    def _reduce_losses(LOSS, OUT, ctrl, n_rows, g_scale, SCALED: gl.constexpr,
-                       BLOCK: gl.constexpr, layout: gl.constexpr):  # fmt: skip
+    def _reduce_losses(
+        LOSS,
+        OUT,
+        ctrl,
+        n_rows,
+        g_scale,
+        SCALED: gl.constexpr,
+        BLOCK: gl.constexpr,
+        layout: gl.constexpr,
+    ):
         """The last program to finish (a count at ``ctrl``, −1 to start) sums the ``(N,)``
         losses in a fixed order (the same total every run) into ``OUT[0]``, times ``g_scale``
         with ``SCALED`` (a mean)."""
@@ -137,12 +154,37 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _cross_entropy_prefetch_kernel(
-        X, T, GSCALE, G, LOSS, LSE, W, SEEN, BAD, OUT, n_rows, n_cols, n_vecs, xv_stride, gv_stride,
-        n_chunks, ignore_index, smoothing, z_loss, n_teams,
-        SMOOTH: gl.constexpr, COUNT: gl.constexpr, CHECK: gl.constexpr, REDUCE: gl.constexpr,
-        EVEN: gl.constexpr, CHUNK: gl.constexpr, CHUNKS_PAD: gl.constexpr, STAGES: gl.constexpr,
-        VEC: gl.constexpr, NUM_WARPS: gl.constexpr,
-    ):  # fmt: skip
+        X,
+        T,
+        GSCALE,
+        G,
+        LOSS,
+        LSE,
+        W,
+        SEEN,
+        BAD,
+        OUT,
+        n_rows,
+        n_cols,
+        n_vecs,
+        xv_stride,
+        gv_stride,
+        n_chunks,
+        ignore_index,
+        smoothing,
+        z_loss,
+        n_teams,
+        SMOOTH: gl.constexpr,
+        COUNT: gl.constexpr,
+        CHECK: gl.constexpr,
+        REDUCE: gl.constexpr,
+        EVEN: gl.constexpr,
+        CHUNK: gl.constexpr,
+        CHUNKS_PAD: gl.constexpr,
+        STAGES: gl.constexpr,
+        VEC: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+    ):
         """Rows ``team, team + n_teams, …`` of the ``(N, V)`` logits ``X``: losses and LSE
         (fp32, ``(N,)``) and the gradient of a unit loss into ``G``, times ``GSCALE[0]``, or
         with ``COUNT`` times ``1/Σ`` over the kept targets, counted here. ``W`` holds
@@ -161,13 +203,25 @@ if GLUON_IMPORT_ERROR is None:
         stride_xm = xv_stride * VEC
         stride_gm = gv_stride * VEC
         slots, team, chunk, cols, in_row, n_mine, c = _team_setup(
-            X, n_rows, n_vecs, stride_xm, n_chunks, n_teams, CHUNK, CHUNKS_PAD, STAGES, VEC,
-            layout, part_layout)  # fmt: skip
+            X,
+            n_rows,
+            n_vecs,
+            stride_xm,
+            n_chunks,
+            n_teams,
+            CHUNK,
+            CHUNKS_PAD,
+            STAGES,
+            VEC,
+            layout,
+            part_layout,
+        )
         ctrl = W + n_rows.to(gl.int64) * n_chunks * WORDS
         inv_v = 1.0 / n_cols
         if COUNT or CHECK:  # (while the first rows load)
-            kept = _targets_share(T, SEEN, BAD, n_rows, n_cols, ignore_index, CHECK, TARGETS,
-                                  part_layout)  # fmt: skip
+            kept = _targets_share(
+                T, SEEN, BAD, n_rows, n_cols, ignore_index, CHECK, TARGETS, part_layout
+            )
         if COUNT:
             g_scale = _mean_scale(ctrl, kept)
         else:
@@ -236,5 +290,4 @@ if GLUON_IMPORT_ERROR is None:
             _prefetch(slots, i + STAGES - 1, X, team, n_teams, n_mine, stride_xm, cols, in_row)
         async_copy.wait_group(0)
         if REDUCE > 0:
-            _reduce_losses(LOSS, OUT, ctrl + 1, n_rows, g_scale, REDUCE == 2, TARGETS,
-                           part_layout)  # fmt: skip
+            _reduce_losses(LOSS, OUT, ctrl + 1, n_rows, g_scale, REDUCE == 2, TARGETS, part_layout)

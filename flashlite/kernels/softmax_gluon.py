@@ -86,8 +86,9 @@ if GLUON_IMPORT_ERROR is None:
         """The row's merged ``(m, s)`` from its team's words ``row_ptr[STRIDE·k]``."""
         got = c < n_chunks
         w = _await_words(row_ptr + STRIDE * c, got)
-        m_part = gl.where(got, (w & 0xFFFFFFFF).to(gl.int32).to(gl.float32, bitcast=True),
-                          float("-inf"))  # fmt: skip
+        m_part = gl.where(
+            got, (w & 0xFFFFFFFF).to(gl.int32).to(gl.float32, bitcast=True), float("-inf")
+        )
         s_part = gl.where(got, (w >> 32).to(gl.int32).to(gl.float32, bitcast=True), 0.0)
         return merge_partials(m_part, s_part, LOG2E)
 
@@ -101,8 +102,14 @@ if GLUON_IMPORT_ERROR is None:
             return gl.where(in_row, slot.load(layout).to(gl.float32), float("-inf"))
 
     @gluon.jit
-    def _chunk_pair(slots, i, in_row, layout: gl.constexpr, EVEN: gl.constexpr = False,
-                    FMA: gl.constexpr = False):  # fmt: skip
+    def _chunk_pair(
+        slots,
+        i,
+        in_row,
+        layout: gl.constexpr,
+        EVEN: gl.constexpr = False,
+        FMA: gl.constexpr = False,
+    ):
         """Row ``i``'s chunk once its copy has landed, and the chunk's pair
         (:func:`flashlite.stats_gluon.tile_stats`: ``m``, and ``s`` against it, 0 when
         ``m = −inf``; ``FMA``: fused exponents, for 16-bit rows)."""
@@ -122,9 +129,20 @@ if GLUON_IMPORT_ERROR is None:
         async_copy.commit_group()
 
     @gluon.jit
-    def _team_setup(X, n_rows, n_vecs, stride_xm, n_chunks, n_teams, CHUNK: gl.constexpr,
-                    CHUNKS_PAD: gl.constexpr, STAGES: gl.constexpr, VEC: gl.constexpr,
-                    layout: gl.constexpr, part_layout: gl.constexpr):  # fmt: skip
+    def _team_setup(
+        X,
+        n_rows,
+        n_vecs,
+        stride_xm,
+        n_chunks,
+        n_teams,
+        CHUNK: gl.constexpr,
+        CHUNKS_PAD: gl.constexpr,
+        STAGES: gl.constexpr,
+        VEC: gl.constexpr,
+        layout: gl.constexpr,
+        part_layout: gl.constexpr,
+    ):
         """This program's place in its team, the same in every prefetching kernel: its slots,
         team and chunk, its columns and which of them are in the row, how many rows the team
         has, the lanes the row's words are merged on; and the first ``STAGES − 1`` rows set
@@ -145,10 +163,22 @@ if GLUON_IMPORT_ERROR is None:
 
     @gluon.jit
     def _softmax_prefetch_team_kernel(
-        X, Y, W, n_rows, n_vecs, xv_stride, yv_stride, n_chunks, n_teams,
-        LOG: gl.constexpr, CHUNK: gl.constexpr, CHUNKS_PAD: gl.constexpr, STAGES: gl.constexpr,
-        VEC: gl.constexpr, NUM_WARPS: gl.constexpr,
-    ):  # fmt: skip
+        X,
+        Y,
+        W,
+        n_rows,
+        n_vecs,
+        xv_stride,
+        yv_stride,
+        n_chunks,
+        n_teams,
+        LOG: gl.constexpr,
+        CHUNK: gl.constexpr,
+        CHUNKS_PAD: gl.constexpr,
+        STAGES: gl.constexpr,
+        VEC: gl.constexpr,
+        NUM_WARPS: gl.constexpr,
+    ):
         """Rows ``team, team + n_teams, …`` of ``X`` (columns contiguous) into ``Y``; this
         program owns columns ``[chunk·CHUNK, (chunk + 1)·CHUNK)`` of each and word ``chunk``
         of each row's ``n_chunks`` in ``W``. Row lengths and row strides come in vectors of
@@ -162,8 +192,19 @@ if GLUON_IMPORT_ERROR is None:
         stride_xm = xv_stride * VEC
         stride_ym = yv_stride * VEC
         slots, team, chunk, cols, in_row, n_mine, c = _team_setup(
-            X, n_rows, n_vecs, stride_xm, n_chunks, n_teams, CHUNK, CHUNKS_PAD, STAGES, VEC,
-            layout, part_layout)  # fmt: skip
+            X,
+            n_rows,
+            n_vecs,
+            stride_xm,
+            n_chunks,
+            n_teams,
+            CHUNK,
+            CHUNKS_PAD,
+            STAGES,
+            VEC,
+            layout,
+            part_layout,
+        )
         for i in range(n_mine + 1):
             if i < n_mine:  # row i: this chunk's pair, published
                 _x, m, s = _chunk_pair(slots, i, in_row, layout)

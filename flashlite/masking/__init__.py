@@ -7,8 +7,9 @@ tests all ask here, so that they keep agreeing).
                 the jit range helpers (``key_range``, ``query_range``, ``visible``) and their
                 torch twins
 ``mods``        your own mask and score functions: :class:`MaskMod` / :class:`ScoreMod` (jit
-                function, torch twin, derivative, buffers, limits), the registry of mods by
-                name, the kernels' call helpers ``apply_mask`` / ``apply_score``
+                function, torch twin, derivative, buffers, limits), the registry of mods by name
+``mod_calls``   how a mod is called: the kernels' call helpers ``apply_mask`` / ``apply_score``
+                and their buffer slots, the twins' callers ``torch_mask`` / ``torch_score``
 ``mod_args``    a mod as the custom ops carry it (a spec string, tensors, numbers) and back; the
                 checks of a mod's buffers against a call
 ``block_mask``  :class:`BlockMask`: tile classes (empty, partial, full) as FlexAttention's tables
@@ -57,24 +58,26 @@ from flashlite.masking.mod_args import (
     split_spec,
     unspec_mod,
 )
-from flashlite.masking.mods import (
-    FAST_PATHS,
+from flashlite.masking.mod_calls import (
     MAX_BUFFERS,
-    MaskMod,
-    ScoreMod,
     apply_mask,
     apply_score,
+    kernel_buffers,
+    torch_indices,
+    torch_mask,
+    torch_score,
+)
+from flashlite.masking.mods import (
+    FAST_PATHS,
+    MaskMod,
+    ScoreMod,
     as_mask_mod,
     as_score_mod,
     check_limits,
-    kernel_buffers,
     mask_mod,
     registered,
     registered_as,
     score_mod,
-    torch_indices,
-    torch_mask,
-    torch_score,
 )
 from flashlite.masking.softcap import tanh
 
@@ -96,19 +99,20 @@ __all__ = [
     "window_bounds",
     # mods
     "FAST_PATHS",
-    "MAX_BUFFERS",
     "MaskMod",
     "ScoreMod",
-    "apply_mask",
-    "apply_score",
     "as_mask_mod",
     "as_score_mod",
     "check_limits",
-    "kernel_buffers",
     "mask_mod",
     "registered",
     "registered_as",
     "score_mod",
+    # mod_calls
+    "MAX_BUFFERS",
+    "apply_mask",
+    "apply_score",
+    "kernel_buffers",
     "torch_indices",
     "torch_mask",
     "torch_score",

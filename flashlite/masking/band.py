@@ -37,8 +37,9 @@ def _band_t(b, h, q_idx, kv_idx, lo, hi):  # type: ignore[no-untyped-def]
 _bands: Cache = Cache("attention.window_bands", 32)
 
 
-def band_tables(km: masks.KernelMask, nq: int, nk: int, block: tuple[int, int],
-                device: torch.device) -> BM.BlockMask:  # fmt: skip
+def band_tables(
+    km: masks.KernelMask, nq: int, nk: int, block: tuple[int, int], device: torch.device
+) -> BM.BlockMask:
     """The band of a window mask ``km`` (``WINDOW`` set: :meth:`~flashlite.masking.masks.Mask.
     kernel`, unlimited sides already far) as tables of ``block`` tiles on ``device``, its mask
     function with them; built once per (lengths, band, tile, device)."""
@@ -46,16 +47,20 @@ def band_tables(km: masks.KernelMask, nq: int, nk: int, block: tuple[int, int],
     return _bands.made((nq, nk, lo, hi, block, device), _make_band, nq, nk, lo, hi, block, device)
 
 
-def _make_band(nq: int, nk: int, lo: int, hi: int, block: tuple[int, int],
-               device: torch.device) -> BM.BlockMask:  # fmt: skip
-    mod = M.mask_mod(_band, lo, hi, torch_fn=_band_t, name="flashlite.window.band",
-                     tile_reads=lambda bm, bn: 0)  # fmt: skip
-    return BM.BlockMask.from_classes(band_classes(nq, nk, lo, hi, block, device), (nq, nk),
-                                     block, mod)  # fmt: skip
+def _make_band(
+    nq: int, nk: int, lo: int, hi: int, block: tuple[int, int], device: torch.device
+) -> BM.BlockMask:
+    mod = M.mask_mod(
+        _band, lo, hi, torch_fn=_band_t, name="flashlite.window.band", tile_reads=lambda bm, bn: 0
+    )
+    return BM.BlockMask.from_classes(
+        band_classes(nq, nk, lo, hi, block, device), (nq, nk), block, mod
+    )
 
 
-def band_classes(nq: int, nk: int, lo: int, hi: int, block: tuple[int, int],
-                 device: torch.device | str) -> torch.Tensor:  # fmt: skip
+def band_classes(
+    nq: int, nk: int, lo: int, hi: int, block: tuple[int, int], device: torch.device | str
+) -> torch.Tensor:
     """The classes of the band ``lo <= kv − q <= hi`` as :func:`~flashlite.masking.create.
     create_block_mask` makes them (rows past ``nq`` ignored, a tile crossing ``nk``
     never full), in closed form: a tile's pairs take every offset from its first key minus its

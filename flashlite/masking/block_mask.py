@@ -79,8 +79,13 @@ class BlockMask:
     mask_mod: MaskMod
 
     @classmethod
-    def from_classes(cls, classes: torch.Tensor, seq_lengths: tuple[int, int],
-                     block_size: tuple[int, int], mask_mod: MaskMod) -> BlockMask:  # fmt: skip
+    def from_classes(
+        cls,
+        classes: torch.Tensor,
+        seq_lengths: tuple[int, int],
+        block_size: tuple[int, int],
+        mask_mod: MaskMod,
+    ) -> BlockMask:
         """The tables of int8 classes ``(B, H, nQ, nK)`` (:data:`EMPTY`, :data:`PARTIAL`,
         :data:`FULL`)."""
         partial, full = classes == PARTIAL, classes == FULL
@@ -108,8 +113,9 @@ class BlockMask:
         return BlockMask(self.seq_lengths, self.BLOCK_SIZE, **moved, mask_mod=self.mask_mod)
 
     @classmethod
-    def from_torch(cls, block_mask: Any, mask_mod: Any = None,
-                   block_size: tuple[int, int] | None = None) -> BlockMask:  # fmt: skip
+    def from_torch(
+        cls, block_mask: Any, mask_mod: Any = None, block_size: tuple[int, int] | None = None
+    ) -> BlockMask:
         """Torch's ``BlockMask`` as flashlite's, re-tiled to ``block_size`` (default: its own).
 
         A finer tile inherits its block's class (a partial block's pieces stay partial: the
@@ -142,8 +148,16 @@ class BlockMask:
         return cls.from_classes(classes, (nq, nk), (bm, bn), mod)
 
 
-_TABLES = ("kv_num_blocks", "kv_indices", "full_kv_num_blocks", "full_kv_indices",
-           "q_num_blocks", "q_indices", "full_q_num_blocks", "full_q_indices")  # fmt: skip
+_TABLES = (
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+)
 
 
 def _classes_of(block_mask: Any) -> torch.Tensor:

@@ -19,11 +19,20 @@ __all__ = ["classify_tiles", "torch_classify"]
 
 @triton.jit(do_not_specialize=("seq_q", "seq_k", "n_kb", "B0", "B1", "B2", "B3"))
 def _classify_tiles_kernel(
-    CLS, n_heads, seq_q, seq_k, n_kb,
-    B0, B1, B2, B3,
-    MASK_MOD: tl.constexpr, N_BUF: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-):  # fmt: skip
+    CLS,
+    n_heads,
+    seq_q,
+    seq_k,
+    n_kb,
+    B0,
+    B1,
+    B2,
+    B3,
+    MASK_MOD: tl.constexpr,
+    N_BUF: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
     """Grid ``(nQ, B·H)``: one program per query block of one (batch, head), walking every key
     block. Rows past ``seq_q`` are ignored; a tile crossing ``seq_k`` is never full (full tiles
     run without bounds checks). The mask sees indices clamped into range, so that buffers
@@ -50,8 +59,15 @@ def _classify_tiles_kernel(
         tl.store(out + kb, cls.to(tl.int8))
 
 
-def torch_classify(mod: MaskMod, b: int, h: int, nq: int, nk: int, block: tuple[int, int],
-                   device: torch.device | str | None = None) -> torch.Tensor:  # fmt: skip
+def torch_classify(
+    mod: MaskMod,
+    b: int,
+    h: int,
+    nq: int,
+    nk: int,
+    block: tuple[int, int],
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
     """Twin of the classifier kernel: int8 classes ``(B, H, cdiv(Nq, bm), cdiv(Nk, bn))`` from
     the mask over every pair (rows past ``Nq`` ignored; tiles crossing ``Nk`` never full),
     evaluated a band of query blocks at a time (bounded memory at long lengths)."""

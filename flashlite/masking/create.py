@@ -24,12 +24,18 @@ __all__ = ["create_block_mask", "dense_block_mask", "block_mask_for"]
 
 def _check_block_size(block_size: object) -> tuple[int, int]:
     pair = (block_size, block_size) if isinstance(block_size, int) else block_size
-    ok = (isinstance(pair, (tuple, list)) and len(pair) == 2
-          and all(isinstance(x, int) and not isinstance(x, bool) and x >= 16 and x & (x - 1) == 0
-                  for x in pair))  # fmt: skip
+    ok = (
+        isinstance(pair, (tuple, list))
+        and len(pair) == 2
+        and all(
+            isinstance(x, int) and not isinstance(x, bool) and x >= 16 and x & (x - 1) == 0
+            for x in pair
+        )
+    )
     if not ok:
-        raise ValueError(f"BLOCK_SIZE must be a power of two >= 16 or a pair of them, got "
-                         f"{block_size!r}")  # fmt: skip
+        raise ValueError(
+            f"BLOCK_SIZE must be a power of two >= 16 or a pair of them, got {block_size!r}"
+        )
     return int(pair[0]), int(pair[1])
 
 
@@ -39,9 +45,15 @@ def _check_len(n: object, name: str) -> int:
     return n
 
 
-def create_block_mask(mask_mod: Any, B: int | None, H: int | None, Q_LEN: int, KV_LEN: int,
-                      device: torch.device | str | None = None,
-                      BLOCK_SIZE: int | tuple[int, int] = 128) -> BM.BlockMask:  # fmt: skip
+def create_block_mask(
+    mask_mod: Any,
+    B: int | None,
+    H: int | None,
+    Q_LEN: int,
+    KV_LEN: int,
+    device: torch.device | str | None = None,
+    BLOCK_SIZE: int | tuple[int, int] = 128,
+) -> BM.BlockMask:
     """Classify every tile of the score matrix as empty, full or partial for ``mask_mod``
     (torch's ``create_block_mask``, evaluated by a kernel on the device: one mask evaluation
     per (query, key) pair, no host sync).
@@ -87,8 +99,12 @@ def dense_block_mask(
 
 
 def _dense_tables(nq: int, nk: int, block: tuple[int, int], device: torch.device) -> BM.BlockMask:
-    classes = torch.full((1, 1, BM.cdiv(nq, block[0]), BM.cdiv(nk, block[1])), BM.FULL,
-                         dtype=torch.int8, device=device)  # fmt: skip
+    classes = torch.full(
+        (1, 1, BM.cdiv(nq, block[0]), BM.cdiv(nk, block[1])),
+        BM.FULL,
+        dtype=torch.int8,
+        device=device,
+    )
     if nk % block[1]:
         classes[..., -1] = BM.PARTIAL
     return BM.BlockMask.from_classes(classes, (nq, nk), block, _EVERYTHING)
@@ -115,10 +131,16 @@ def _check_tables(bm: BM.BlockMask) -> None:
     nq, nk = bm.seq_lengths
     nqb, nkb = BM.cdiv(nq, bq), BM.cdiv(nk, bk)
     lead = tuple(bm.kv_num_blocks.shape[:2])
-    want = {"kv_num_blocks": (*lead, nqb), "kv_indices": (*lead, nqb, nkb),
-            "full_kv_num_blocks": (*lead, nqb), "full_kv_indices": (*lead, nqb, nkb),
-            "q_num_blocks": (*lead, nkb), "q_indices": (*lead, nkb, nqb),
-            "full_q_num_blocks": (*lead, nkb), "full_q_indices": (*lead, nkb, nqb)}  # fmt: skip
+    want = {
+        "kv_num_blocks": (*lead, nqb),
+        "kv_indices": (*lead, nqb, nkb),
+        "full_kv_num_blocks": (*lead, nqb),
+        "full_kv_indices": (*lead, nqb, nkb),
+        "q_num_blocks": (*lead, nkb),
+        "q_indices": (*lead, nkb, nqb),
+        "full_q_num_blocks": (*lead, nkb),
+        "full_q_indices": (*lead, nkb, nqb),
+    }
     for name, shape in want.items():
         t = getattr(bm, name)
         if tuple(t.shape) != shape or t.dtype != torch.int32:
@@ -129,25 +151,33 @@ def _check_tables(bm: BM.BlockMask) -> None:
     _checked.add(bm)
 
 
-def block_mask_for(block_mask: Any, q: torch.Tensor, k: torch.Tensor,
-                   lengths: tuple[int, int] | None = None) -> BM.BlockMask:  # fmt: skip
+def block_mask_for(
+    block_mask: Any, q: torch.Tensor, k: torch.Tensor, lengths: tuple[int, int] | None = None
+) -> BM.BlockMask:
     """The tables a :func:`~flashlite.ops.attention.flex.flex_attention` call runs over: the
     dense tables for None, flashlite's own from torch's ``BlockMask``, checked against the
     call's lengths (``(Nq, Nk)``, default q's and k's) and device."""
     nq, nk = lengths if lengths is not None else (q.shape[2], k.shape[2])
     if block_mask is None:
-        return dense_block_mask(nq, nk, (128, 128) if not _backend.INTERPRETED else (32, 32),
-                                q.device)  # fmt: skip
+        return dense_block_mask(
+            nq, nk, (128, 128) if not _backend.INTERPRETED else (32, 32), q.device
+        )
     if not isinstance(block_mask, BM.BlockMask):
         if type(block_mask).__name__ != "BlockMask" or not hasattr(block_mask, "kv_indices"):
-            raise TypeError(f"block_mask must be a flashlite or torch BlockMask, got "
-                            f"{type(block_mask).__name__}")  # fmt: skip
+            raise TypeError(
+                f"block_mask must be a flashlite or torch BlockMask, got "
+                f"{type(block_mask).__name__}"
+            )
         block_mask = BM.BlockMask.from_torch(block_mask)
     _check_tables(block_mask)
     if tuple(block_mask.seq_lengths) != (nq, nk):
-        raise ValueError(f"block_mask was built for (Q_LEN, KV_LEN) = {block_mask.seq_lengths}, "
-                         f"the call has ({nq}, {nk})")  # fmt: skip
+        raise ValueError(
+            f"block_mask was built for (Q_LEN, KV_LEN) = {block_mask.seq_lengths}, "
+            f"the call has ({nq}, {nk})"
+        )
     if not _backend.same_device(block_mask.kv_indices, q):
-        raise ValueError(f"block_mask's tables are on {block_mask.kv_indices.device}, the call "
-                         f"on {q.device} (BlockMask.to(device))")  # fmt: skip
+        raise ValueError(
+            f"block_mask's tables are on {block_mask.kv_indices.device}, the call "
+            f"on {q.device} (BlockMask.to(device))"
+        )
     return block_mask

@@ -104,8 +104,9 @@ def sliding_window(window: int) -> MaskMod:
     ``window=(window, 0)``)."""
     if isinstance(window, bool) or not isinstance(window, int) or window < 0:
         raise ValueError(f"window must be an int >= 0, got {window!r}")
-    return mask_mod(_sliding_window, window, name="flashlite.gallery.sliding_window",
-                    tile_reads=_nothing)  # fmt: skip
+    return mask_mod(
+        _sliding_window, window, name="flashlite.gallery.sliding_window", tile_reads=_nothing
+    )
 
 
 def prefix_lm(prefix: int) -> MaskMod:
@@ -117,8 +118,10 @@ def prefix_lm(prefix: int) -> MaskMod:
 
 def _doc_ids(ids: torch.Tensor) -> tuple[torch.Tensor, int]:
     if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.dtype == torch.bool:
-        raise TypeError(f"ids must be an integer tensor (B, N) or (N,), got "
-                        f"{getattr(ids, 'dtype', type(ids).__name__)}")  # fmt: skip
+        raise TypeError(
+            f"ids must be an integer tensor (B, N) or (N,), got "
+            f"{getattr(ids, 'dtype', type(ids).__name__)}"
+        )
     if ids.dim() not in (1, 2):
         raise ValueError(f"ids must be (B, N) or (N,), got shape {tuple(ids.shape)}")
     ids = ids.contiguous()
@@ -167,9 +170,11 @@ def document_ids(cu_seqlens: torch.Tensor, total: int | None = None) -> torch.Te
         or cu_seqlens.dim() != 1
         or len(cu_seqlens) < 1
     ):
-        raise TypeError(f"cu_seqlens must be a 1-D integer tensor (batch + 1,), got "
-                        f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)} "
-                        f"{tuple(getattr(cu_seqlens, 'shape', ()))}")  # fmt: skip
+        raise TypeError(
+            f"cu_seqlens must be a 1-D integer tensor (batch + 1,), got "
+            f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)} "
+            f"{tuple(getattr(cu_seqlens, 'shape', ()))}"
+        )
     if total is None:
         total = int(cu_seqlens[-1])
     if isinstance(total, bool) or not isinstance(total, int) or total < 0:
@@ -183,16 +188,30 @@ def document(ids: torch.Tensor) -> MaskMod:
     """Packed sequences: a query sees the keys of its own document. ``ids`` ``(B, N)`` (or
     ``(N,)`` for every batch): the document of each token, for self-attention (``Nq = Nk = N``)."""
     ids, stride = _doc_ids(ids)
-    return mask_mod(_document, ids, stride, torch_fn=_document_t, name="flashlite.gallery.document",
-                    tile_reads=_id_reads(ids), limits=_id_limits(ids))  # fmt: skip
+    return mask_mod(
+        _document,
+        ids,
+        stride,
+        torch_fn=_document_t,
+        name="flashlite.gallery.document",
+        tile_reads=_id_reads(ids),
+        limits=_id_limits(ids),
+    )
 
 
 def document_causal(ids: torch.Tensor) -> MaskMod:
     """:func:`document` and causal: packed causal language modelling."""
     ids, stride = _doc_ids(ids)
     name = "flashlite.gallery.document_causal"
-    return mask_mod(_document_causal, ids, stride, torch_fn=_document_causal_t, name=name,
-                    tile_reads=_id_reads(ids), limits=_id_limits(ids))  # fmt: skip
+    return mask_mod(
+        _document_causal,
+        ids,
+        stride,
+        torch_fn=_document_causal_t,
+        name=name,
+        tile_reads=_id_reads(ids),
+        limits=_id_limits(ids),
+    )
 
 
 # --------------------------------------------------------------------------- scores
@@ -243,9 +262,16 @@ def alibi(slopes: torch.Tensor) -> ScoreMod:
             f"slopes must be a 1-D tensor (H,), got {getattr(slopes, 'shape', slopes)}"
         )
     slopes = slopes.float().contiguous()
-    return score_mod(_alibi, slopes, grad=_alibi_grad, torch_fn=_alibi_t, name=ALIBI_NAME,
-                     tile_reads=lambda bm, bn: 4, limits=(None, len(slopes), None),
-                     fast_path="head_linear_bias")  # fmt: skip
+    return score_mod(
+        _alibi,
+        slopes,
+        grad=_alibi_grad,
+        torch_fn=_alibi_t,
+        name=ALIBI_NAME,
+        tile_reads=lambda bm, bn: 4,
+        limits=(None, len(slopes), None),
+        fast_path="head_linear_bias",
+    )
 
 
 #: The name :func:`alibi` registers its score function under (the Hopper forward recognises it
@@ -291,11 +317,22 @@ def tanh_softcap(cap: float, approx: bool = False) -> ScoreMod:
     if isinstance(cap, bool) or not isinstance(cap, (int, float)) or not 0 < cap < math.inf:
         raise ValueError(f"cap must be a finite positive number, got {cap!r}")
     if approx:
-        return score_mod(_softcap_approx, float(cap), grad=_softcap_approx_grad,
-                         torch_fn=_softcap_t, name="flashlite.gallery.tanh_softcap_approx",
-                         tile_reads=_nothing)  # fmt: skip
-    return score_mod(_softcap, float(cap), grad=_softcap_grad, torch_fn=_softcap_t,
-                     name="flashlite.gallery.tanh_softcap", tile_reads=_nothing)  # fmt: skip
+        return score_mod(
+            _softcap_approx,
+            float(cap),
+            grad=_softcap_approx_grad,
+            torch_fn=_softcap_t,
+            name="flashlite.gallery.tanh_softcap_approx",
+            tile_reads=_nothing,
+        )
+    return score_mod(
+        _softcap,
+        float(cap),
+        grad=_softcap_grad,
+        torch_fn=_softcap_t,
+        name="flashlite.gallery.tanh_softcap",
+        tile_reads=_nothing,
+    )
 
 
 @triton.jit
@@ -321,11 +358,20 @@ def relative_bias(table: torch.Tensor) -> ScoreMod:
     ``r = clamp(kv_idx − q_idx, −R, R) + R`` for ``table`` fp32 ``(H, 2R + 1)``. The table gets
     no gradient here."""
     if not isinstance(table, torch.Tensor) or table.dim() != 2 or table.shape[1] % 2 != 1:
-        raise ValueError("table must be a 2-D tensor (H, 2R + 1) with an odd second size, got "
-                         f"{getattr(table, 'shape', table)}")  # fmt: skip
+        raise ValueError(
+            "table must be a 2-D tensor (H, 2R + 1) with an odd second size, got "
+            f"{getattr(table, 'shape', table)}"
+        )
     table = table.float().contiguous()
     reach = (table.shape[1] - 1) // 2
-    return score_mod(_relative, table, reach, table.shape[1], grad=_relative_grad,
-                     torch_fn=_relative_t, name="flashlite.gallery.relative_bias",
-                     tile_reads=lambda bm, bn: 4 * bm * bn,
-                     limits=(None, table.shape[0], None))  # fmt: skip
+    return score_mod(
+        _relative,
+        table,
+        reach,
+        table.shape[1],
+        grad=_relative_grad,
+        torch_fn=_relative_t,
+        name="flashlite.gallery.relative_bias",
+        tile_reads=lambda bm, bn: 4 * bm * bn,
+        limits=(None, table.shape[0], None),
+    )

@@ -84,8 +84,17 @@ def _window_range(first, last, lo_off, hi_off, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def key_range(start_m, seq_q, seq_k, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
+def key_range(
+    start_m,
+    seq_q,
+    seq_k,
+    left,
+    right,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
     """``(lo, full_lo, full_hi, hi)`` for the query block ``[start_m, start_m + BLOCK_M)``: key
     tiles ``[full_lo, full_hi)`` are seen whole by every row of the block (no mask arithmetic),
     ``[lo, full_lo)`` and ``[full_hi, hi)`` in part (masked), the rest not at all (never
@@ -95,8 +104,9 @@ def key_range(start_m, seq_q, seq_k, left, right, BLOCK_M: tl.constexpr, BLOCK_N
     past both lengths for an unlimited side); ``IS_CAUSAL`` is the window ``(∞, 0)``."""
     diag = seq_k - seq_q
     if WINDOW:  # row i sees keys [i + diag − left, i + diag + right]
-        lo, full_lo, full_hi, hi = _window_range(start_m, start_m + BLOCK_M - 1, diag - left,
-                                                 diag + right, seq_k, BLOCK_N)  # fmt: skip
+        lo, full_lo, full_hi, hi = _window_range(
+            start_m, start_m + BLOCK_M - 1, diag - left, diag + right, seq_k, BLOCK_N
+        )
     elif IS_CAUSAL:
         lo = start_m * 0
         full_lo = lo
@@ -114,8 +124,7 @@ def key_range(start_m, seq_q, seq_k, left, right, BLOCK_M: tl.constexpr, BLOCK_N
 
 
 @triton.jit
-def visible(rows, cols, seq_q, seq_k, left, right, IS_CAUSAL: tl.constexpr,
-            WINDOW: tl.constexpr):  # fmt: skip
+def visible(rows, cols, seq_q, seq_k, left, right, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
     """``[R, C]`` bools: query ``rows[r]`` sees key ``cols[c]`` (keys past ``seq_k`` never)."""
     seen = cols[None, :] < seq_k
     if WINDOW:
@@ -127,8 +136,7 @@ def visible(rows, cols, seq_q, seq_k, left, right, IS_CAUSAL: tl.constexpr,
 
 
 @triton.jit
-def visible_t(cols, rows, seq_q, seq_k, left, right, IS_CAUSAL: tl.constexpr,
-              WINDOW: tl.constexpr):  # fmt: skip
+def visible_t(cols, rows, seq_q, seq_k, left, right, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr):
     """:func:`visible` transposed: ``[C, R]`` bools for keys ``cols`` (down) and queries ``rows``
     (across), for the backward's keys-major tiles."""
     seen = cols[:, None] < seq_k
@@ -141,8 +149,17 @@ def visible_t(cols, rows, seq_q, seq_k, left, right, IS_CAUSAL: tl.constexpr,
 
 
 @triton.jit
-def query_range(start_n, seq_q, seq_k, left, right, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr):  # fmt: skip
+def query_range(
+    start_n,
+    seq_q,
+    seq_k,
+    left,
+    right,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
     """``(lo, full_lo, full_hi, hi)`` for the key block ``[start_n, start_n + BLOCK_N)``, the
     first three multiples of ``BLOCK_M`` (or ``seq_q``): query blocks ``[full_lo, full_hi)``
     see every key of the block below ``seq_k`` in every row (no mask), ``[lo, full_lo)`` and
@@ -152,8 +169,9 @@ def query_range(start_n, seq_q, seq_k, left, right, BLOCK_M: tl.constexpr,
     diag = seq_k - seq_q
     last_key = tl.minimum(start_n + BLOCK_N, seq_k) - 1
     if WINDOW:  # key j is seen by rows [j − diag − right, j − diag + left]
-        lo, full_lo, full_hi, hi = _window_range(start_n, last_key, -diag - right, left - diag,
-                                                 seq_q, BLOCK_M)  # fmt: skip
+        lo, full_lo, full_hi, hi = _window_range(
+            start_n, last_key, -diag - right, left - diag, seq_q, BLOCK_M
+        )
     else:
         if IS_CAUSAL:
             lo = (tl.maximum(start_n - diag, 0) // BLOCK_M) * BLOCK_M
@@ -233,8 +251,10 @@ def window_bounds(window: tuple[int, int] | None, causal: bool) -> tuple[int, in
         return (-1, 0) if causal else (-1, -1)
     if isinstance(window, torch.Tensor):
         if window.numel() != 2 or window.is_floating_point() or window.dtype == torch.bool:
-            raise TypeError(f"window must be a pair of ints (left, right); got a tensor of "
-                            f"shape {tuple(window.shape)} and dtype {window.dtype}")  # fmt: skip
+            raise TypeError(
+                f"window must be a pair of ints (left, right); got a tensor of "
+                f"shape {tuple(window.shape)} and dtype {window.dtype}"
+            )
         window = tuple(int(w) for w in window.reshape(2).tolist())
     if (
         not isinstance(window, (tuple, list))
@@ -315,12 +335,18 @@ class Mask(NamedTuple):
             return KernelMask(False, False, 0, 0, *cap)
         far = seq_q + seq_k
         right = 0 if self.causal else self.right
-        return KernelMask(False, True, far if self.left is None else self.left,
-                          far if right is None else right, *cap)  # fmt: skip
+        return KernelMask(
+            False,
+            True,
+            far if self.left is None else self.left,
+            far if right is None else right,
+            *cap,
+        )
 
     @classmethod
-    def of_op(cls, causal: bool, left: int | None, right: int | None,
-              softcap: float | None) -> Mask:  # fmt: skip
+    def of_op(
+        cls, causal: bool, left: int | None, right: int | None, softcap: float | None
+    ) -> Mask:
         """The mask from an op's arguments, once per op body (a graph compiled when unlimited
         sides were −1 and no cap was 0.0 may still pass those; a plain causal call passes no
         right side)."""
@@ -338,8 +364,9 @@ NO_MASK = Mask(False)
 CAUSAL = Mask(True, right=0)
 
 
-def describe(causal: bool, window: tuple[int, int] | None = None,
-             softcap: float | None = None) -> Mask:  # fmt: skip
+def describe(
+    causal: bool, window: tuple[int, int] | None = None, softcap: float | None = None
+) -> Mask:
     """The :class:`Mask` of a public call: ``window`` checked and aligned as
     :func:`window_bounds` says (``causal`` sets its right side to 0), ``softcap`` checked.
 
@@ -350,8 +377,9 @@ def describe(causal: bool, window: tuple[int, int] | None = None,
     if window is None and softcap is None:
         return CAUSAL if causal else NO_MASK
     left, right = window_bounds(window, causal)
-    return Mask(causal, None if left < 0 else left, None if right < 0 else right,
-                check_softcap(softcap))  # fmt: skip
+    return Mask(
+        causal, None if left < 0 else left, None if right < 0 else right, check_softcap(softcap)
+    )
 
 
 def check_softcap(softcap: object) -> float | None:

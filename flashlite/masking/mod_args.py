@@ -50,8 +50,9 @@ def spec_entry(spec: str) -> tuple[Any, ...] | None:
     return M.registered_as(split_spec(spec)[0]) if spec else None
 
 
-def unspec_mod(spec: str, tensors: list[torch.Tensor],
-               nums: list[float]) -> tuple[Any, list[Any], int]:  # fmt: skip
+def unspec_mod(
+    spec: str, tensors: list[torch.Tensor], nums: list[float]
+) -> tuple[Any, list[Any], int]:
     """``(registered functions, the kernels' four buffer slots, how many)`` of a spec
     (``None`` functions for an empty spec)."""
     if not spec:
@@ -84,8 +85,14 @@ class Slots:
         return bufs
 
 
-def check_mod(mod: M.MaskMod | M.ScoreMod, what: str, device: torch.device, batch: int | None,
-              heads: int | None, positions: int | None) -> None:  # fmt: skip
+def check_mod(
+    mod: M.MaskMod | M.ScoreMod,
+    what: str,
+    device: torch.device,
+    batch: int | None,
+    heads: int | None,
+    positions: int | None,
+) -> None:
     """ValueError unless each tensor buffer of ``mod`` (the argument ``what``) is on ``device``
     and a call of ``batch`` batches, ``heads`` query heads and ``positions`` positions stays
     within what its buffers hold (:func:`flashlite.masking.mods.check_limits`)."""

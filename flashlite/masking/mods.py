@@ -30,23 +30,31 @@ compiled graphs find a mod's functions by its name (:func:`registered`): a mod r
 when it is made.
 
 The kernels call a mod through :func:`apply_mask` and :func:`apply_score` (a score function's
-derivative too: it takes the same arguments), which pass up to :data:`MAX_BUFFERS` buffers.
+derivative too: it takes the same arguments), which pass up to :data:`MAX_BUFFERS` buffers; they
+and the twins' callers live in :mod:`flashlite.masking.mod_calls` and are re-exported here.
 """
 
 from __future__ import annotations
 
 import inspect
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 
 from flashlite._caches import register
 from flashlite._launch import is_jit as _is_jit
 from flashlite._launch import python_fn as _python_fn
+from flashlite.masking.mod_calls import (
+    MAX_BUFFERS,
+    apply_mask,
+    apply_score,
+    kernel_buffers,
+    torch_indices,
+    torch_mask,
+    torch_score,
+)
 
 __all__ = [
     "FAST_PATHS",
@@ -67,8 +75,6 @@ __all__ = [
     "torch_score",
 ]
 
-#: How many buffers a mod may read (the kernels pass this many slots).
-MAX_BUFFERS = 4
 #: Shortcuts a score function may declare (:func:`score_mod`'s ``fast_path``).
 FAST_PATHS = ("head_linear_bias",)
 
@@ -88,13 +94,16 @@ def _arity(fn: Callable[..., Any]) -> int:
 
 def _check_buffers(buffers: tuple[Any, ...], what: str) -> tuple[Buffer, ...]:
     if len(buffers) > MAX_BUFFERS:
-        raise ValueError(f"{what} reads {len(buffers)} buffers; at most {MAX_BUFFERS} are "
-                         "supported (pack tables into one tensor)")  # fmt: skip
+        raise ValueError(
+            f"{what} reads {len(buffers)} buffers; at most {MAX_BUFFERS} are "
+            "supported (pack tables into one tensor)"
+        )
     for i, x in enumerate(buffers):
         ok = isinstance(x, (torch.Tensor, int, float)) and not isinstance(x, bool)
         if not ok:
-            raise TypeError(f"{what}'s buffer {i} must be a tensor, int or float, got "
-                            f"{type(x).__name__}")  # fmt: skip
+            raise TypeError(
+                f"{what}'s buffer {i} must be a tensor, int or float, got {type(x).__name__}"
+            )
     return tuple(buffers)
 
 
@@ -106,23 +115,30 @@ def _check_limits_arg(limits: Any, what: str) -> Limits:
         return x is None or (isinstance(x, int) and not isinstance(x, bool) and x >= 1)
 
     if not (isinstance(limits, tuple) and len(limits) == 3 and all(map(count, limits))):
-        raise ValueError(f"{what}'s limits must be a tuple (B, H, N) of ints >= 1 or None, "
-                         f"got {limits!r}")  # fmt: skip
+        raise ValueError(
+            f"{what}'s limits must be a tuple (B, H, N) of ints >= 1 or None, got {limits!r}"
+        )
     return limits
 
 
-def check_limits(mod: _Mod, what: str, batch: int | None, heads: int | None,
-                 positions: int | None) -> None:  # fmt: skip
+def check_limits(
+    mod: _Mod, what: str, batch: int | None, heads: int | None, positions: int | None
+) -> None:
     """ValueError unless a call with ``batch`` batches (sequences), ``heads`` query heads and
     positions ``< positions`` stays within what ``mod``'s buffers hold (its ``limits``; a
     None here is not checked). ``what``: the argument, for the message. (Plain compares: it
     runs on every call's host path.)"""
     lb, lh, ln = mod.limits
-    for got, limit, noun in ((batch, lb, "batches"), (heads, lh, "query heads"),
-                             (positions, ln, "positions")):  # fmt: skip
+    for got, limit, noun in (
+        (batch, lb, "batches"),
+        (heads, lh, "query heads"),
+        (positions, ln, "positions"),
+    ):
         if limit is not None and got is not None and got > limit:
-            raise ValueError(f"{what} {mod.name} has buffer entries for {limit} {noun}, the "
-                             f"call has {got}: make its buffers for the call's {noun}")  # fmt: skip
+            raise ValueError(
+                f"{what} {mod.name} has buffer entries for {limit} {noun}, the "
+                f"call has {got}: make its buffers for the call's {noun}"
+            )
 
 
 def _check_fn(fn: object, what: str, indices: int, n_buffers: int) -> None:
@@ -182,8 +198,10 @@ def registered(name: str) -> tuple[Any, ...]:
     """
     entry = registered_as(name)
     if entry is None:
-        raise ValueError(f"no mask or score function is registered as {name!r}; make it with "
-                         "flashlite.mods.mask_mod / score_mod first")  # fmt: skip
+        raise ValueError(
+            f"no mask or score function is registered as {name!r}; make it with "
+            "flashlite.mods.mask_mod / score_mod first"
+        )
     return entry
 
 
@@ -193,9 +211,15 @@ class _Mod:
 
     __slots__ = ("fn", "torch_fn", "buffers", "name", "tile_reads", "limits", "_op_args")
 
-    def __init__(self, fn: Any, torch_fn: Callable[..., Any], buffers: tuple[Buffer, ...],
-                 name: str, tile_reads: TileReads | None = None,
-                 limits: Limits = (None, None, None)) -> None:  # fmt: skip
+    def __init__(
+        self,
+        fn: Any,
+        torch_fn: Callable[..., Any],
+        buffers: tuple[Buffer, ...],
+        name: str,
+        tile_reads: TileReads | None = None,
+        limits: Limits = (None, None, None),
+    ) -> None:
         self.fn, self.torch_fn, self.buffers, self.name = fn, torch_fn, buffers, name
         self.tile_reads, self.limits = tile_reads, limits
         self._op_args: tuple[str, list[torch.Tensor], list[float]] | None = None
@@ -210,8 +234,10 @@ class _Mod:
         (callers must not modify the lists)."""
         if self._op_args is not None:
             return self._op_args
-        kinds = "".join("t" if isinstance(x, torch.Tensor) else "i" if isinstance(x, int)
-                        else "f" for x in self.buffers)  # fmt: skip
+        kinds = "".join(
+            "t" if isinstance(x, torch.Tensor) else "i" if isinstance(x, int) else "f"
+            for x in self.buffers
+        )
         nums = [float(x) for x in self.buffers if not isinstance(x, torch.Tensor)]
         fast = getattr(self, "fast_path", None)  # (declared by a score function)
         spec = f"{self.name}:{kinds}" + (f"|{fast}" if fast else "")
@@ -243,10 +269,17 @@ class ScoreMod(_Mod):
 
     __slots__ = ("grad_fn", "fast_path", "__weakref__")
 
-    def __init__(self, fn: Any, grad_fn: Any, torch_fn: Callable[..., Any],
-                 buffers: tuple[Buffer, ...], name: str, tile_reads: TileReads | None = None,
-                 limits: Limits = (None, None, None),
-                 fast_path: str | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        fn: Any,
+        grad_fn: Any,
+        torch_fn: Callable[..., Any],
+        buffers: tuple[Buffer, ...],
+        name: str,
+        tile_reads: TileReads | None = None,
+        limits: Limits = (None, None, None),
+        fast_path: str | None = None,
+    ) -> None:
         super().__init__(fn, torch_fn, buffers, name, tile_reads, limits)
         self.grad_fn = grad_fn
         #: a shortcut the kernels may take instead of calling ``fn`` (:data:`FAST_PATHS`)
@@ -256,9 +289,14 @@ class ScoreMod(_Mod):
         return self.torch_fn(score, b, h, q_idx, kv_idx, *self.buffers)
 
 
-def mask_mod(fn: Any, *buffers: Buffer, torch_fn: Callable[..., Any] | None = None,
-             name: str | None = None, tile_reads: TileReads | None = None,
-             limits: Limits | None = None) -> MaskMod:  # fmt: skip
+def mask_mod(
+    fn: Any,
+    *buffers: Buffer,
+    torch_fn: Callable[..., Any] | None = None,
+    name: str | None = None,
+    tile_reads: TileReads | None = None,
+    limits: Limits | None = None,
+) -> MaskMod:
     """A mask function with its twin and buffers.
 
     Args:
@@ -290,10 +328,16 @@ def mask_mod(fn: Any, *buffers: Buffer, torch_fn: Callable[..., Any] | None = No
     return mod
 
 
-def score_mod(fn: Any, *buffers: Buffer, grad: Any = None,
-              torch_fn: Callable[..., Any] | None = None, name: str | None = None,
-              tile_reads: TileReads | None = None, limits: Limits | None = None,
-              fast_path: str | None = None) -> ScoreMod:  # fmt: skip
+def score_mod(
+    fn: Any,
+    *buffers: Buffer,
+    grad: Any = None,
+    torch_fn: Callable[..., Any] | None = None,
+    name: str | None = None,
+    tile_reads: TileReads | None = None,
+    limits: Limits | None = None,
+    fast_path: str | None = None,
+) -> ScoreMod:
     """A score function with its derivative, twin and buffers.
 
     Args:
@@ -324,8 +368,9 @@ def score_mod(fn: Any, *buffers: Buffer, grad: Any = None,
         _check_fn(grad, "score_mod's grad", 5, len(buffers))
     twin = torch_fn if torch_fn is not None else _python_fn(fn)
     name = name or _name_of(fn)
-    mod = ScoreMod(fn, grad, twin, buffers, name, tile_reads,
-                   _check_limits_arg(limits, "score_mod"), fast_path)  # fmt: skip
+    mod = ScoreMod(
+        fn, grad, twin, buffers, name, tile_reads, _check_limits_arg(limits, "score_mod"), fast_path
+    )
     if _REGISTRY.get(name) != (fn, twin, grad):
         _check_result(mod, "score_mod")
     _REGISTRY[name] = (fn, twin, grad)
@@ -349,8 +394,9 @@ def _check_result(mod: _Mod, what: str) -> None:
     try:
         with torch.no_grad():
             if is_score:
-                got = mod(torch.zeros((), dtype=torch.float32, device=idx.device), idx, idx, idx,
-                          idx)  # fmt: skip
+                got = mod(
+                    torch.zeros((), dtype=torch.float32, device=idx.device), idx, idx, idx, idx
+                )
             else:
                 got = mod(idx, idx, idx, idx)
     except Exception:  # noqa: BLE001 - the twin's own errors surface where it is called
@@ -358,11 +404,14 @@ def _check_result(mod: _Mod, what: str) -> None:
     if not isinstance(got, torch.Tensor):
         return  # (a Python number from a twin of constants: broadcast by the callers)
     if not is_score and got.dtype != torch.bool:
-        raise TypeError(f"{what} {mod.name} must return a bool tensor (which keys each query "
-                        f"sees), its twin returned {got.dtype}")  # fmt: skip
+        raise TypeError(
+            f"{what} {mod.name} must return a bool tensor (which keys each query "
+            f"sees), its twin returned {got.dtype}"
+        )
     if is_score and not got.is_floating_point():
-        raise TypeError(f"{what} {mod.name} must return a floating-point score, its twin "
-                        f"returned {got.dtype}")  # fmt: skip
+        raise TypeError(
+            f"{what} {mod.name} must return a floating-point score, its twin returned {got.dtype}"
+        )
 
 
 def as_mask_mod(mod: object) -> MaskMod:
@@ -378,72 +427,3 @@ def as_score_mod(mod: object) -> ScoreMod:
     if isinstance(mod, ScoreMod):
         return mod
     return score_mod(mod)
-
-
-# --------------------------------------------------------------------------- kernel side
-# Triton calls a function with a fixed number of arguments: one arm per buffer count (the
-# count is a constexpr, so only one arm is compiled).
-@triton.jit
-def apply_mask(MOD: tl.constexpr, b, h, q_idx, kv_idx, B0, B1, B2, B3, N_BUF: tl.constexpr):
-    """``MOD(b, h, q_idx, kv_idx, *buffers[:N_BUF])``."""
-    if N_BUF == 0:
-        r = MOD(b, h, q_idx, kv_idx)
-    elif N_BUF == 1:
-        r = MOD(b, h, q_idx, kv_idx, B0)
-    elif N_BUF == 2:
-        r = MOD(b, h, q_idx, kv_idx, B0, B1)
-    elif N_BUF == 3:
-        r = MOD(b, h, q_idx, kv_idx, B0, B1, B2)
-    else:
-        r = MOD(b, h, q_idx, kv_idx, B0, B1, B2, B3)
-    return r
-
-
-@triton.jit
-def apply_score(MOD: tl.constexpr, score, b, h, q_idx, kv_idx, B0, B1, B2, B3,
-                N_BUF: tl.constexpr):  # fmt: skip
-    """``MOD(score, b, h, q_idx, kv_idx, *buffers[:N_BUF])`` (also a score function's
-    derivative: same arguments)."""
-    if N_BUF == 0:
-        r = MOD(score, b, h, q_idx, kv_idx)
-    elif N_BUF == 1:
-        r = MOD(score, b, h, q_idx, kv_idx, B0)
-    elif N_BUF == 2:
-        r = MOD(score, b, h, q_idx, kv_idx, B0, B1)
-    elif N_BUF == 3:
-        r = MOD(score, b, h, q_idx, kv_idx, B0, B1, B2)
-    else:
-        r = MOD(score, b, h, q_idx, kv_idx, B0, B1, B2, B3)
-    return r
-
-
-def kernel_buffers(buffers: Sequence[Buffer]) -> tuple[list[Buffer], int]:
-    """A mod's buffers as the kernels' four slots (unused ones 0) and how many are used."""
-    return [*buffers] + [0] * (MAX_BUFFERS - len(buffers)), len(buffers)
-
-
-# --------------------------------------------------------------------------- torch twins
-def torch_indices(b: int, h: int, nq: int, nk: int,
-                  device: torch.device | str | None = None
-                  ) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """The index tensors a twin is called with: ``b`` ``(B, 1, 1, 1)``, ``h`` ``(1, H, 1, 1)``,
-    ``q_idx`` ``(1, 1, Nq, 1)``, ``kv_idx`` ``(1, 1, 1, Nk)``, broadcasting to the
-    ``(B, H, Nq, Nk)`` scores."""
-    ar = [torch.arange(n, device=device) for n in (b, h, nq, nk)]
-    return (ar[0].view(-1, 1, 1, 1), ar[1].view(1, -1, 1, 1), ar[2].view(1, 1, -1, 1),
-            ar[3].view(1, 1, 1, -1))  # fmt: skip
-
-
-def torch_mask(mod: MaskMod, b: int, h: int, nq: int, nk: int,
-               device: torch.device | str | None = None) -> torch.Tensor:  # fmt: skip
-    """Twin of :func:`apply_mask` over every pair: ``(B, H, Nq, Nk)`` bools (``B`` or ``H``
-    may be 1 to broadcast)."""
-    out = mod(*torch_indices(b, h, nq, nk, device))
-    return torch.as_tensor(out, device=device).to(torch.bool).expand(b, h, nq, nk)
-
-
-def torch_score(mod: ScoreMod, scores: torch.Tensor) -> torch.Tensor:
-    """Twin of :func:`apply_score` on ``(B, H, Nq, Nk)`` scores."""
-    b, h, nq, nk = scores.shape
-    out = mod(scores, *torch_indices(b, h, nq, nk, scores.device))
-    return torch.as_tensor(out, dtype=scores.dtype, device=scores.device).expand_as(scores)

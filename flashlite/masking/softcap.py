@@ -23,8 +23,9 @@ def tanh(x, FAST: tl.constexpr):
     (their own rounding is coarser); otherwise from one ``exp2`` and one division, ±1 (not
     NaN) where ``exp2`` overflows or underflows."""
     if FAST and HW_TANH:
-        t = tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
-                                      is_pure=True, pack=1)  # fmt: skip
+        t = tl.inline_asm_elementwise(
+            "tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1
+        )
     else:
         t = 1.0 - 2.0 / (tl.exp2(x * (2.0 * LOG2E)) + 1.0)
     return t

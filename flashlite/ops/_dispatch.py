@@ -217,8 +217,9 @@ def _function(
     return _function_class(name, forward, backward, doc)
 
 
-def _function_class(name: str, forward: Callable[..., Any], backward: Callable[..., Any],
-                    doc: str) -> type[torch.autograd.Function]:  # fmt: skip
+def _function_class(
+    name: str, forward: Callable[..., Any], backward: Callable[..., Any], doc: str
+) -> type[torch.autograd.Function]:
     """``<Name>Function``, an ``autograd.Function`` with this forward and backward."""
     title = "".join(part.title() for part in name.split("_"))
     members = {"forward": staticmethod(forward), "backward": staticmethod(backward), "__doc__": doc}
