@@ -138,8 +138,11 @@ def compute_device(device: torch.device) -> torch.device:
         return device
     if _CUDA0 is not None:
         return _CUDA0
-    why = f" (turning the interpreter on afterwards failed: {LATE_INTERPRETER_FAILED})" \
-        if LATE_INTERPRETER_FAILED else ""  # fmt: skip
+    why = (
+        f" (turning the interpreter on afterwards failed: {LATE_INTERPRETER_FAILED})"
+        if LATE_INTERPRETER_FAILED
+        else ""
+    )
     raise RuntimeError(
         "flashlite cannot run kernels in this process: there is no CUDA device, and `triton` "
         "was imported before flashlite with TRITON_INTERPRET unset or 0, so its functions were "

@@ -54,8 +54,14 @@ def teams_fit(n_chunks: int, device: torch.device) -> bool:
     return cooperative_launch_supported() and n_chunks <= num_sms(device.index or 0)
 
 
-def launch_teams(kernel: Any, args: list[Any], options: dict[str, Any], n_chunks: int,
-                 n_rows: int, device: torch.device) -> int:  # fmt: skip
+def launch_teams(
+    kernel: Any,
+    args: list[Any],
+    options: dict[str, Any],
+    n_chunks: int,
+    n_rows: int,
+    device: torch.device,
+) -> int:
     """Launch a kernel whose programs work in teams of ``n_chunks`` that wait for each other
     (the team softmax), over ``n_rows`` rows; its last argument is the number of
     teams, which this picks and returns.
@@ -76,8 +82,14 @@ def launch_teams(kernel: Any, args: list[Any], options: dict[str, Any], n_chunks
     return n_teams
 
 
-def bind_teams(kernel: Any, args: list[Any], options: dict[str, Any], n_chunks: int,
-               n_rows: int, device: torch.device) -> Callable[..., None]:  # fmt: skip
+def bind_teams(
+    kernel: Any,
+    args: list[Any],
+    options: dict[str, Any],
+    n_chunks: int,
+    n_rows: int,
+    device: torch.device,
+) -> Callable[..., None]:
     """:func:`launch_teams`, planned once: ``launch(*args)`` for calls whose arguments
     specialise as ``args`` do (the same tensor dtypes and 16-byte alignment, the same value of
     every other argument: the caller keeps it under a key that pins all that), without the

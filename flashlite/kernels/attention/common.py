@@ -14,9 +14,21 @@ from flashlite.stats import LOG2E, fixed_update, online_update, online_update_la
 
 
 @triton.jit
-def load_tile(src, b, h, row0, n_rows, stride_row, stride_d, offs_r, offs_d,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, USE_DESC: tl.constexpr,
-               CHECK_ROWS: tl.constexpr):  # fmt: skip
+def load_tile(
+    src,
+    b,
+    h,
+    row0,
+    n_rows,
+    stride_row,
+    stride_d,
+    offs_r,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_DESC: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+):
     """A ``[rows, BLOCK_D]`` tile of head (b, h) starting at row ``row0``; zeros past the ends.
 
     ``src`` is a 4-D ``(B, H, N, D)`` tensor descriptor (TMA; it pads out-of-bounds rows and
@@ -103,8 +115,9 @@ def cap_units(softcap, exp_scale, SOFTCAP: tl.constexpr):
 
 
 @triton.jit
-def sequence(b, seq_q, seq_k, SEQLENS_K, CU_Q, CU_K, HAS_SEQLENS: tl.constexpr,
-             VARLEN: tl.constexpr):  # fmt: skip
+def sequence(
+    b, seq_q, seq_k, SEQLENS_K, CU_Q, CU_K, HAS_SEQLENS: tl.constexpr, VARLEN: tl.constexpr
+):
     """Batch (or packed sequence) b's ``(q0, seq_q, k0, seq_k)``: the first query and key row of
     its sequence in memory and its lengths. ``VARLEN``: rows ``[CU_Q[b], CU_Q[b + 1])`` of the
     packed queries (``CU_K`` for the keys), the offsets clamped to the packed lengths ``seq_q``
@@ -124,25 +137,90 @@ def sequence(b, seq_q, seq_k, SEQLENS_K, CU_Q, CU_K, HAS_SEQLENS: tl.constexpr,
 
 
 @triton.jit
-def scores(q, k_src, b, h_kv, start_n, k_row, offs_m, offs_n, offs_d, seq_q, seq_k, left, right,
-            cap, stride_kn, stride_kd, MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr,
-            WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
-            BLOCK_D: tl.constexpr, USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):  # fmt: skip
+def scores(
+    q,
+    k_src,
+    b,
+    h_kv,
+    start_n,
+    k_row,
+    offs_m,
+    offs_n,
+    offs_d,
+    seq_q,
+    seq_k,
+    left,
+    right,
+    cap,
+    stride_kn,
+    stride_kd,
+    MASKED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_DESC: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """fp32 scores ``q·kᵀ`` of the key tile at ``start_n``, soft-capped with ``SOFTCAP``; on
     ``MASKED`` tiles the keys a row does not see (:func:`flashlite.masks.visible`) get −inf.
     ``k_row``: the sequence's first row in ``k_src`` (0 but for varlen descriptors)."""
-    k = load_tile(k_src, b, h_kv, k_row + start_n, k_row + seq_k, stride_kn, stride_kd, offs_n,
-                   offs_d, HEAD_DIM, BLOCK_D, USE_DESC, MASKED)  # fmt: skip
-    return score_tile(q, k, start_n, offs_m, offs_n, seq_q, seq_k, left, right, cap, MASKED,
-                      IS_CAUSAL, WINDOW, SOFTCAP, DOT_FP32, DOT_PRECISION)  # fmt: skip
+    k = load_tile(
+        k_src,
+        b,
+        h_kv,
+        k_row + start_n,
+        k_row + seq_k,
+        stride_kn,
+        stride_kd,
+        offs_n,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+        USE_DESC,
+        MASKED,
+    )
+    return score_tile(
+        q,
+        k,
+        start_n,
+        offs_m,
+        offs_n,
+        seq_q,
+        seq_k,
+        left,
+        right,
+        cap,
+        MASKED,
+        IS_CAUSAL,
+        WINDOW,
+        SOFTCAP,
+        DOT_FP32,
+        DOT_PRECISION,
+    )
 
 
 @triton.jit
-def score_tile(q, k, start_n, rows, offs_n, seq_q, seq_k, left, right, cap,
-               MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-               SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
-               DOT_PRECISION: tl.constexpr):  # fmt: skip
+def score_tile(
+    q,
+    k,
+    start_n,
+    rows,
+    offs_n,
+    seq_q,
+    seq_k,
+    left,
+    right,
+    cap,
+    MASKED: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """:func:`scores` of a loaded key tile ``k`` (in the inputs' dtype), for rows at query
     positions ``rows`` (the decode kernel's packed rows share positions)."""
     fast_tanh: tl.constexpr = k.dtype != tl.float32
@@ -158,8 +236,15 @@ def score_tile(q, k, start_n, rows, offs_n, seq_q, seq_k, left, right, cap,
 
 
 @triton.jit
-def update(m, s, qk, exp_scale, LAZY_RESCALE: tl.constexpr, FIXED_REF: tl.constexpr = False,
-           P_DTYPE: tl.constexpr = tl.float32):  # fmt: skip
+def update(
+    m,
+    s,
+    qk,
+    exp_scale,
+    LAZY_RESCALE: tl.constexpr,
+    FIXED_REF: tl.constexpr = False,
+    P_DTYPE: tl.constexpr = tl.float32,
+):
     """Fold a score tile into ``(m, s)``: ``(m, s, alpha, p, moved)``; the accumulator needs
     ``acc·alpha`` only where ``moved`` (always, unless the reference moves lazily or is fixed).
     ``FIXED_REF``: ``m`` is a fixed reference that bounds every score from above (a soft cap),
@@ -178,19 +263,51 @@ def update(m, s, qk, exp_scale, LAZY_RESCALE: tl.constexpr, FIXED_REF: tl.conste
 
 
 @triton.jit
-def accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, k_row, seq_k, stride_vn,
-                stride_vd, offs_n, offs_d, MASKED: tl.constexpr, HEAD_DIM: tl.constexpr,
-                BLOCK_D: tl.constexpr, USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
-                VARLEN: tl.constexpr):  # fmt: skip
+def accumulate(
+    acc,
+    alpha,
+    moved,
+    p,
+    v_src,
+    b,
+    h_kv,
+    start_n,
+    k_row,
+    seq_k,
+    stride_vn,
+    stride_vd,
+    offs_n,
+    offs_d,
+    MASKED: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_DESC: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
     """``acc·alpha + p·v`` for the value tile at ``start_n`` (the multiply only where
     :func:`update` says the reference ``moved``). ``k_row`` as in :func:`scores`; with
     ``VARLEN`` descriptors a masked tile's rows past the sequence (the next sequence's values)
     are zeroed, so that ``p = 0`` there cancels them even where they are not finite."""
     if moved:
         acc = acc * alpha[:, None]
-    v = load_tile(v_src, b, h_kv, k_row + start_n, k_row + seq_k, stride_vn, stride_vd, offs_n,
-                   offs_d, HEAD_DIM, BLOCK_D, USE_DESC, MASKED)  # fmt: skip
+    v = load_tile(
+        v_src,
+        b,
+        h_kv,
+        k_row + start_n,
+        k_row + seq_k,
+        stride_vn,
+        stride_vd,
+        offs_n,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+        USE_DESC,
+        MASKED,
+    )
     if VARLEN and USE_DESC and MASKED:
         v = tl.where((start_n + offs_n)[:, None] < seq_k, v, 0.0)
     p = cast(p, v.dtype, ROUND_BF16)  # tensor-core operands in the input precision

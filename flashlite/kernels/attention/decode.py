@@ -21,8 +21,8 @@ of its group. :func:`_attention_decode_kernel` fixes both:
   with :func:`flashlite.stats.merge_partials` and :func:`flashlite.stats.rescale`, the helpers
   the softmax kernels merge their chunks with.
 * **Paged caches.** Key ``j`` of batch ``b`` lives in page ``block_table[b, j // page_size]``;
-  each tile row finds its page (:func:`kv_tile`), so any page size from 16 up works with the
-  same tiles.
+  each tile row finds its page (:func:`~flashlite.kernels.attention.decode_parts.kv_tile`), so
+  any page size from 16 up works with the same tiles.
 """
 
 from __future__ import annotations
@@ -32,133 +32,89 @@ import triton.language as tl
 
 from flashlite.kernels.attention.common import (
     cap_units,
-    head_ptr,
-    load_tile,
     scale_q,
-    score_tile,
-    update,
 )
+from flashlite.kernels.attention.decode_parts import decode_attend as _decode_attend
 from flashlite.kernels.common import cast
 from flashlite.masking.masks import key_range
-from flashlite.masking.mods import apply_mask, apply_score
-from flashlite.stats import LN2, LOG2E, finalize_lse, merge_partials, rescale
-
-
-@triton.jit
-def kv_tile(X, TABLE, b, h_kv, start_n, offs_n, offs_d, seq_k, stride_b, stride_h, stride_n,
-            stride_d, stride_tb, num_pages, MASKED: tl.constexpr, PAGE_SIZE: tl.constexpr,
-            HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-            USE_DESC: tl.constexpr):  # fmt: skip
-    """The ``[BLOCK_N, BLOCK_D]`` tile of keys (or values) ``start_n + offs_n`` of KV head
-    ``(b, h_kv)``; zeros past ``seq_k`` on ``MASKED`` tiles.
-
-    ``X`` is a ``(B, Hkv, Ncap, D)`` cache (a tensor descriptor with ``USE_DESC``) or, with
-    ``PAGE_SIZE`` > 0, a paged one ``(num_pages, Hkv, PAGE_SIZE, D)`` whose key ``j`` of batch
-    b lives in page ``TABLE[b, j // PAGE_SIZE]``: each row finds its page, so tiles may span
-    pages of any size (a page id outside ``[0, num_pages)`` is clamped: a wrong answer, never
-    a read outside the cache).
-    """
-    if PAGE_SIZE > 0:
-        rows = start_n + offs_n
-        # tiles start at multiples of BLOCK_N: a page of a multiple of BLOCK_N keys holds a whole
-        # tile (one table read); any other page size (192 keys and 128-key tiles, say) may end
-        # inside a tile, so each row reads its own entry
-        if PAGE_SIZE % BLOCK_N == 0:
-            page = tl.load(TABLE + b.to(tl.int64) * stride_tb + start_n // PAGE_SIZE)
-            page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
-            row_off = page * stride_b + (rows % PAGE_SIZE).to(tl.int64) * stride_n
-        else:
-            page = tl.load(TABLE + b.to(tl.int64) * stride_tb + rows // PAGE_SIZE,
-                           mask=rows < seq_k, other=0)  # fmt: skip
-            page = tl.minimum(tl.maximum(page, 0), num_pages - 1).to(tl.int64)
-            row_off = page * stride_b + (rows % PAGE_SIZE).to(tl.int64) * stride_n
-        ptrs = X + h_kv.to(tl.int64) * stride_h + row_off[:, None] + offs_d[None, :] * stride_d
-        mask = offs_d[None, :] < HEAD_DIM
-        if MASKED:
-            mask = mask & (rows[:, None] < seq_k)
-        tile = tl.load(ptrs, mask=mask, other=0.0)
-    else:
-        src = X if USE_DESC else head_ptr(X, b, h_kv, stride_b, stride_h)
-        tile = load_tile(src, b, h_kv, start_n, seq_k, stride_n, stride_d, offs_n, offs_d,
-                         HEAD_DIM, BLOCK_D, USE_DESC, MASKED)  # fmt: skip
-    return tile
-
-
-@triton.jit
-def _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, head, lo, hi, pos, offs_n, offs_d,
-                   seq_q, seq_k, left, right, cap, exp_scale, stride_kb, stride_kh, stride_kn,
-                   stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, stride_tb, num_pages,
-                   MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, MASKED: tl.constexpr,
-                   IS_CAUSAL: tl.constexpr,
-                   WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-                   USE_DESC: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   ROUND_BF16: tl.constexpr, MASK_MOD: tl.constexpr,
-                   N_MASK_BUF: tl.constexpr, SCORE_MOD: tl.constexpr,
-                   N_SCORE_BUF: tl.constexpr):  # fmt: skip
-    """Fold key tiles ``[lo, hi)`` into ``(acc, m, s)``: the forward's loop body, with rows at
-    query positions ``pos`` (packed rows of several heads share positions) and K/V tiles from
-    :func:`kv_tile`. A ``MASK_MOD`` (:mod:`flashlite.mods`) masks every tile, called with each
-    row's query head ``head`` and its position in the sequence, ``seq_k − seq_q + pos``; a
-    ``SCORE_MOD`` rewrites the scores first, in natural units (``q·k·scale``), on the pairs
-    the built-in masks leave."""
-    for start_n in tl.range(lo, hi, BLOCK_N):
-        k = kv_tile(K, TABLE, b, h_kv, start_n, offs_n, offs_d, seq_k, stride_kb, stride_kh,
-                    stride_kn, stride_kd, stride_tb, num_pages, MASKED, PAGE_SIZE, HEAD_DIM,
-                    BLOCK_D, BLOCK_N, USE_DESC)  # fmt: skip
-        qk = score_tile(q, k, start_n, pos, offs_n, seq_q, seq_k, left, right, cap, MASKED,
-                        IS_CAUSAL, WINDOW, SOFTCAP, DOT_FP32, DOT_PRECISION)  # fmt: skip
-        keys = start_n + offs_n
-        q_idx = (seq_k - seq_q + tl.minimum(pos, seq_q - 1))[:, None]
-        if SCORE_MOD is not None:
-            units = exp_scale * LN2  # natural units per unit of qk (Q may be prescaled)
-            y = apply_score(SCORE_MOD, qk * units, b, head[:, None], q_idx,
-                            tl.minimum(keys, seq_k - 1)[None, :], SB0, SB1, SB2, SB3,
-                            N_SCORE_BUF)  # fmt: skip
-            # (pairs masked above stay masked whatever the function makes of −inf)
-            qk = tl.where(qk > float("-inf"), y * (1.0 / units), float("-inf"))
-        if MASK_MOD is not None:
-            seen = apply_mask(MASK_MOD, b, head[:, None], q_idx,
-                              tl.minimum(keys, seq_k - 1)[None, :], MB0, MB1, MB2, MB3,
-                              N_MASK_BUF)  # fmt: skip
-            qk = tl.where(seen & (keys < seq_k)[None, :], qk, float("-inf"))
-        m, s, alpha, p, _moved = update(m, s, qk, exp_scale, False)
-        v = kv_tile(V, TABLE, b, h_kv, start_n, offs_n, offs_d, seq_k, stride_vb, stride_vh,
-                    stride_vn, stride_vd, stride_tb, num_pages, MASKED, PAGE_SIZE, HEAD_DIM,
-                    BLOCK_D, BLOCK_N, USE_DESC)  # fmt: skip
-        p = cast(p, v.dtype, ROUND_BF16)
-        if DOT_FP32:
-            p, v = p.to(tl.float32), v.to(tl.float32)
-        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=DOT_PRECISION)
-    return acc, m, s
+from flashlite.stats import LOG2E, finalize_lse, merge_partials, rescale
 
 
 @triton.jit
 def _attention_decode_kernel(
-    Q, K, V, O, LSE,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    n_kv_heads, seq_q, seq_k, sm_scale, win_left, win_right, softcap, SEQLENS_K, TABLE, SINKS,
-    stride_tb, num_pages, split_len, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_SEQLENS: tl.constexpr, HAS_SINKS: tl.constexpr,
-    PAGE_SIZE: tl.constexpr, USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
-    MASK_MOD: tl.constexpr = None, N_MASK_BUF: tl.constexpr = 0,
-    SCORE_MOD: tl.constexpr = None, N_SCORE_BUF: tl.constexpr = 0,
-):  # fmt: skip
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    n_kv_heads,
+    seq_q,
+    seq_k,
+    sm_scale,
+    win_left,
+    win_right,
+    softcap,
+    SEQLENS_K,
+    TABLE,
+    SINKS,
+    stride_tb,
+    num_pages,
+    split_len,
+    MB0,
+    MB1,
+    MB2,
+    MB3,
+    SB0,
+    SB1,
+    SB2,
+    SB3,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    USE_DESC: tl.constexpr,
+    PRESCALE_Q: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    MASK_MOD: tl.constexpr = None,
+    N_MASK_BUF: tl.constexpr = 0,
+    SCORE_MOD: tl.constexpr = None,
+    N_SCORE_BUF: tl.constexpr = 0,
+):
     """Grid ``(cdiv(Nq·GROUP, BLOCK_M), B·Hkv, S)``: packed rows ``[pid0·BLOCK_M, +BLOCK_M)`` of
     KV head ``(b, h_kv)`` against keys ``[s·split_len, (s + 1)·split_len)``.
 
-    Q ``(B, Hq, Nq, D)``; K, V as :func:`kv_tile` reads them; O ``(S·B, Hq, Nq, D)`` and the
-    fp32 LSE ``(S·B·Hq, Nq)``: the partials of chunk s at batch rows ``s·B + b`` (with ``S = 1``
-    the result itself, in O's dtype). Masks, softcap, ``SEQLENS_K`` and ``SINKS`` as in the
-    forward kernel; the sink's state starts chunk 0 only, so the merge counts it once.
-    ``MASK_MOD``: a mask function with its buffers in ``MB0``–``MB3``; ``SCORE_MOD``: a score
-    function with its buffers in ``SB0``–``SB3`` (:func:`_decode_attend`).
+    Q ``(B, Hq, Nq, D)``; K, V as :func:`~flashlite.kernels.attention.decode_parts.kv_tile`
+    reads them; O ``(S·B, Hq, Nq, D)`` and the fp32 LSE ``(S·B·Hq, Nq)``: the partials of chunk s
+    at batch rows ``s·B + b`` (with ``S = 1`` the result itself, in O's dtype). Masks, softcap,
+    ``SEQLENS_K`` and ``SINKS`` as in the forward kernel; the sink's state starts chunk 0 only,
+    so the merge counts it once. ``MASK_MOD``: a mask function with its buffers in
+    ``MB0``–``MB3``; ``SCORE_MOD``: a score function with its buffers in ``SB0``–``SB3``
+    (:func:`~flashlite.kernels.attention.decode_parts.decode_attend`).
     """
     pid_bh = tl.program_id(1)
     b = pid_bh // n_kv_heads
@@ -174,8 +130,13 @@ def _attention_decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < seq_q * GROUP
-    q_ptrs = (Q + b.to(tl.int64) * stride_qb + head.to(tl.int64)[:, None] * stride_qh
-              + pos.to(tl.int64)[:, None] * stride_qm + offs_d[None, :] * stride_qd)  # fmt: skip
+    q_ptrs = (
+        Q
+        + b.to(tl.int64) * stride_qb
+        + head.to(tl.int64)[:, None] * stride_qh
+        + pos.to(tl.int64)[:, None] * stride_qm
+        + offs_d[None, :] * stride_qd
+    )
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     q, exp_scale = scale_q(q, sm_scale * LOG2E, PRESCALE_Q, ROUND_BF16)
     if DOT_FP32:
@@ -192,8 +153,9 @@ def _attention_decode_kernel(
     # The block's positions lie in [pos[0], pos[0] + BLOCK_M): key_range over that span is a
     # superset of what the rows see (the masked loops mask each row by its own position).
     first = tl.program_id(0) * BLOCK_M // GROUP
-    lo, full_lo, full_hi, hi = key_range(first, seq_q, seq_k, win_left, win_right, BLOCK_M,
-                                         BLOCK_N, IS_CAUSAL, WINDOW)  # fmt: skip
+    lo, full_lo, full_hi, hi = key_range(
+        first, seq_q, seq_k, win_left, win_right, BLOCK_M, BLOCK_N, IS_CAUSAL, WINDOW
+    )
     # this program's chunk of the keys (clamping keeps the four bounds in order)
     c0 = split * split_len
     c1 = c0 + split_len
@@ -202,30 +164,177 @@ def _attention_decode_kernel(
     full_hi = tl.minimum(tl.maximum(full_hi, c0), c1)
     hi = tl.minimum(tl.maximum(hi, c0), c1)
     if WINDOW:  # the window's left edge (without one, lo = full_lo)
-        acc, m, s = _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, head, lo, full_lo, pos,
-                                   offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap,
-                                   exp_scale, stride_kb, stride_kh, stride_kn, stride_kd,
-                                   stride_vb, stride_vh, stride_vn, stride_vd, stride_tb,
-                                   num_pages, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, True,
-                                   IS_CAUSAL, WINDOW, SOFTCAP, PAGE_SIZE, HEAD_DIM, BLOCK_D,
-                                   BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16,
-                                   MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF)  # fmt: skip
-    acc, m, s = _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, head, full_lo, full_hi,
-                               pos, offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap,
-                               exp_scale, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
-                               stride_vh, stride_vn, stride_vd, stride_tb, num_pages, MB0, MB1,
-                               MB2, MB3, SB0, SB1, SB2, SB3, False, IS_CAUSAL, WINDOW, SOFTCAP,
-                               PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
-                               DOT_PRECISION, ROUND_BF16, MASK_MOD, N_MASK_BUF, SCORE_MOD,
-                               N_SCORE_BUF)  # fmt: skip
-    acc, m, s = _decode_attend(acc, m, s, q, K, V, TABLE, b, h_kv, head, full_hi, hi, pos,
-                               offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap,
-                               exp_scale, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
-                               stride_vh, stride_vn, stride_vd, stride_tb, num_pages, MB0, MB1,
-                               MB2, MB3, SB0, SB1, SB2, SB3, True, IS_CAUSAL, WINDOW, SOFTCAP,
-                               PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
-                               DOT_PRECISION, ROUND_BF16, MASK_MOD, N_MASK_BUF, SCORE_MOD,
-                               N_SCORE_BUF)  # fmt: skip
+        acc, m, s = _decode_attend(
+            acc,
+            m,
+            s,
+            q,
+            K,
+            V,
+            TABLE,
+            b,
+            h_kv,
+            head,
+            lo,
+            full_lo,
+            pos,
+            offs_n,
+            offs_d,
+            seq_q,
+            seq_k,
+            win_left,
+            win_right,
+            cap,
+            exp_scale,
+            stride_kb,
+            stride_kh,
+            stride_kn,
+            stride_kd,
+            stride_vb,
+            stride_vh,
+            stride_vn,
+            stride_vd,
+            stride_tb,
+            num_pages,
+            MB0,
+            MB1,
+            MB2,
+            MB3,
+            SB0,
+            SB1,
+            SB2,
+            SB3,
+            True,
+            IS_CAUSAL,
+            WINDOW,
+            SOFTCAP,
+            PAGE_SIZE,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_N,
+            USE_DESC,
+            DOT_FP32,
+            DOT_PRECISION,
+            ROUND_BF16,
+            MASK_MOD,
+            N_MASK_BUF,
+            SCORE_MOD,
+            N_SCORE_BUF,
+        )
+    acc, m, s = _decode_attend(
+        acc,
+        m,
+        s,
+        q,
+        K,
+        V,
+        TABLE,
+        b,
+        h_kv,
+        head,
+        full_lo,
+        full_hi,
+        pos,
+        offs_n,
+        offs_d,
+        seq_q,
+        seq_k,
+        win_left,
+        win_right,
+        cap,
+        exp_scale,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_kd,
+        stride_vb,
+        stride_vh,
+        stride_vn,
+        stride_vd,
+        stride_tb,
+        num_pages,
+        MB0,
+        MB1,
+        MB2,
+        MB3,
+        SB0,
+        SB1,
+        SB2,
+        SB3,
+        False,
+        IS_CAUSAL,
+        WINDOW,
+        SOFTCAP,
+        PAGE_SIZE,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        USE_DESC,
+        DOT_FP32,
+        DOT_PRECISION,
+        ROUND_BF16,
+        MASK_MOD,
+        N_MASK_BUF,
+        SCORE_MOD,
+        N_SCORE_BUF,
+    )
+    acc, m, s = _decode_attend(
+        acc,
+        m,
+        s,
+        q,
+        K,
+        V,
+        TABLE,
+        b,
+        h_kv,
+        head,
+        full_hi,
+        hi,
+        pos,
+        offs_n,
+        offs_d,
+        seq_q,
+        seq_k,
+        win_left,
+        win_right,
+        cap,
+        exp_scale,
+        stride_kb,
+        stride_kh,
+        stride_kn,
+        stride_kd,
+        stride_vb,
+        stride_vh,
+        stride_vn,
+        stride_vd,
+        stride_tb,
+        num_pages,
+        MB0,
+        MB1,
+        MB2,
+        MB3,
+        SB0,
+        SB1,
+        SB2,
+        SB3,
+        True,
+        IS_CAUSAL,
+        WINDOW,
+        SOFTCAP,
+        PAGE_SIZE,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        USE_DESC,
+        DOT_FP32,
+        DOT_PRECISION,
+        ROUND_BF16,
+        MASK_MOD,
+        N_MASK_BUF,
+        SCORE_MOD,
+        N_SCORE_BUF,
+    )
 
     # rows that saw no key (a chunk past the sequence, causal with Nq > Nk): 0 and LSE −inf
     inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)
@@ -233,20 +342,39 @@ def _attention_decode_kernel(
     bh = part.to(tl.int64) * (n_kv_heads * GROUP) + head
     tl.store(LSE + bh * q_mem + pos, finalize_lse(m, s, exp_scale), mask=row_ok)
     o = cast(acc * inv_s[:, None], O.dtype.element_ty, ROUND_BF16)
-    o_ptrs = (O + part.to(tl.int64) * stride_ob + head.to(tl.int64)[:, None] * stride_oh
-              + pos.to(tl.int64)[:, None] * stride_om + offs_d[None, :] * stride_od)  # fmt: skip
+    o_ptrs = (
+        O
+        + part.to(tl.int64) * stride_ob
+        + head.to(tl.int64)[:, None] * stride_oh
+        + pos.to(tl.int64)[:, None] * stride_om
+        + offs_d[None, :] * stride_od
+    )
     tl.store(o_ptrs, o, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 
 @triton.jit
 def _split_kv_combine_kernel(
-    OP, LSEP, O, LSE,
-    stride_ps, stride_pb, stride_ph, stride_pm, stride_pd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    n_heads, seq_q, n_splits,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    OP,
+    LSEP,
+    O,
+    LSE,
+    stride_ps,
+    stride_pb,
+    stride_ph,
+    stride_pm,
+    stride_pd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    n_heads,
+    seq_q,
+    n_splits,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    SPLITS_PAD: tl.constexpr,
     ROUND_BF16: tl.constexpr,
-):  # fmt: skip
+):
     """Grid ``(Nq, B·Hq)``: merge the ``n_splits`` partials ``OP`` (fp32 ``(S, B, Hq, Nq, D)``)
     and ``LSEP`` (fp32 ``(S, B·Hq, Nq)``) of one row into ``O`` ``(B, Hq, Nq, D)`` and the LSE
     (fp32 ``(B·Hq, Nq)``). All partials are loaded at once (one round of loads, not S) and
@@ -260,18 +388,28 @@ def _split_kv_combine_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     n_bh = tl.num_programs(1)
     valid = split < n_splits
-    lse_s = tl.load(LSEP + (split * n_bh + pid_bh).to(tl.int64) * seq_q + i, mask=valid,
-                    other=float("-inf"))[None, :]  # fmt: skip
-    src = (OP + split.to(tl.int64)[:, None] * stride_ps + b.to(tl.int64) * stride_pb
-           + h.to(tl.int64) * stride_ph + i.to(tl.int64) * stride_pm
-           + offs_d[None, :] * stride_pd)  # fmt: skip
+    lse_s = tl.load(
+        LSEP + (split * n_bh + pid_bh).to(tl.int64) * seq_q + i, mask=valid, other=float("-inf")
+    )[None, :]
+    src = (
+        OP
+        + split.to(tl.int64)[:, None] * stride_ps
+        + b.to(tl.int64) * stride_pb
+        + h.to(tl.int64) * stride_ph
+        + i.to(tl.int64) * stride_pm
+        + offs_d[None, :] * stride_pd
+    )
     o_s = tl.load(src, mask=valid[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     m, s = merge_partials(lse_s, tl.where(valid, 1.0, 0.0)[None, :], LOG2E)
     weight = tl.trans(rescale(lse_s, m[:, None], LOG2E))  # [SPLITS_PAD, 1]
     inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)  # rows no chunk saw: 0, LSE −inf
     o = tl.sum(o_s * weight, 0) * inv_s
-    tl.store(LSE + pid_bh.to(tl.int64) * seq_q + i + tl.arange(0, 1),
-             finalize_lse(m, s, LOG2E))  # fmt: skip
-    dst = (O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-           + i.to(tl.int64) * stride_om + offs_d * stride_od)  # fmt: skip
+    tl.store(LSE + pid_bh.to(tl.int64) * seq_q + i + tl.arange(0, 1), finalize_lse(m, s, LOG2E))
+    dst = (
+        O
+        + b.to(tl.int64) * stride_ob
+        + h.to(tl.int64) * stride_oh
+        + i.to(tl.int64) * stride_om
+        + offs_d * stride_od
+    )
     tl.store(dst, cast(o, O.dtype.element_ty, ROUND_BF16), mask=offs_d < HEAD_DIM)

@@ -14,9 +14,8 @@ diagonal are never visited.
 
 Two loop variants, chosen per :class:`~flashlite.kernels.configs.Config`, give the same result:
 lazy rescaling (the accumulator is rescaled only on tiles that move a row's reference maximum)
-and the overlapped
-loop of :func:`_attend_overlapped` (each tile's ``p·v`` runs on the tensor cores while the next
-tile's softmax is computed).
+and the overlapped loop of :func:`~flashlite.kernels.attention.fwd_parts.attend_overlapped`
+(each tile's ``p·v`` runs on the tensor cores while the next tile's softmax is computed).
 
 Loads go through 4-D ``(B, H, N, D)`` tensor descriptors built on the host (TMA on Hopper;
 out-of-bounds rows and columns padded with zeros) when the strides are 16-byte aligned, else
@@ -29,16 +28,15 @@ import triton
 import triton.language as tl
 
 from flashlite.kernels.attention.common import (
-    accumulate,
     cap_units,
     load_tile,
     scale_q,
-    scores,
     seq_ptr,
     sequence,
     store_tile,
-    update,
 )
+from flashlite.kernels.attention.fwd_parts import attend as _attend
+from flashlite.kernels.attention.fwd_parts import attend_overlapped as _attend_overlapped
 from flashlite.kernels.common import cast
 from flashlite.masking.masks import key_range
 from flashlite.stats import LOG2E, finalize_lse
@@ -46,81 +44,60 @@ from flashlite.stats import LOG2E, finalize_lse
 
 # ----------------------------------------------------------------------------- kernel
 @triton.jit
-def _attend(acc, m, s, q, k_src, v_src, b, h_kv, k_row, lo, hi, offs_m, offs_n, offs_d, seq_q,
-            seq_k, left, right, cap, exp_scale, stride_kn, stride_kd, stride_vn, stride_vd,
-            MASKED: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr,
-            SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
-            BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
-            DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-            WARP_SPECIALIZE: tl.constexpr, ROUND_BF16: tl.constexpr,
-            VARLEN: tl.constexpr, FIXED_REF: tl.constexpr = False,
-            P_DTYPE: tl.constexpr = tl.float32):  # fmt: skip
-    """Fold key tiles ``[lo, hi)`` into ``(acc, m, s)``, one tile after the other: scores,
-    statistics, ``acc = acc·alpha + p·v``. ``k_row``: the sequence's first row in the K and V
-    sources (0 but for varlen descriptors)."""
-    for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WARP_SPECIALIZE):
-        qk = scores(q, k_src, b, h_kv, start_n, k_row, offs_m, offs_n, offs_d, seq_q, seq_k, left,
-                     right, cap, stride_kn, stride_kd, MASKED, IS_CAUSAL, WINDOW, SOFTCAP,
-                     HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32, DOT_PRECISION)  # fmt: skip
-        m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE, FIXED_REF, P_DTYPE)
-        acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, k_row, seq_k, stride_vn,
-                          stride_vd, offs_n, offs_d, MASKED, HEAD_DIM, BLOCK_D, USE_DESC,
-                          DOT_FP32, DOT_PRECISION, ROUND_BF16, VARLEN)  # fmt: skip
-    return acc, m, s
-
-
-@triton.jit
-def _attend_overlapped(acc, m, s, q, k_src, v_src, b, h_kv, k_row, lo, hi, offs_m, offs_n,
-                       offs_d, seq_q, seq_k, cap, exp_scale, stride_kn, stride_kd, stride_vn,
-                       stride_vd, SOFTCAP: tl.constexpr, HEAD_DIM: tl.constexpr,
-                       BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, USE_DESC: tl.constexpr,
-                       DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                       LAZY_RESCALE: tl.constexpr,
-                       ROUND_BF16: tl.constexpr, VARLEN: tl.constexpr,
-                       FIXED_REF: tl.constexpr = False,
-                       P_DTYPE: tl.constexpr = tl.float32):  # fmt: skip
-    """:func:`_attend` over unmasked tiles ``[lo, hi)`` (``hi > lo``), reordered so that the
-    tensor cores work while the statistics are computed: the loop computes tile j's softmax,
-    then tile j+1's scores, then issues tile j's ``p·v`` and moves on without waiting for it, so
-    that product runs under tile j+1's softmax. Same arithmetic, same order of accumulation."""
-    qk = scores(q, k_src, b, h_kv, lo, k_row, offs_m, offs_n, offs_d, seq_q, seq_k, 0, 0, cap,
-                 stride_kn, stride_kd, False, False, False, SOFTCAP, HEAD_DIM, BLOCK_D, USE_DESC,
-                 DOT_FP32, DOT_PRECISION)  # fmt: skip
-    for start_n in tl.range(lo, hi - BLOCK_N, BLOCK_N):
-        m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE, FIXED_REF, P_DTYPE)
-        # the next scores; Triton waits for this dot (and the p·v still running) right here
-        qk = scores(q, k_src, b, h_kv, start_n + BLOCK_N, k_row, offs_m, offs_n, offs_d, seq_q,
-                     seq_k, 0, 0, cap, stride_kn, stride_kd, False, False, False, SOFTCAP, HEAD_DIM,
-                     BLOCK_D, USE_DESC, DOT_FP32, DOT_PRECISION)  # fmt: skip
-        # the rescale reads acc after that wait; the product is left in flight: only the next
-        # iteration's score dot waits for it
-        acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, k_row, seq_k, stride_vn,
-                          stride_vd, offs_n, offs_d, False, HEAD_DIM, BLOCK_D, USE_DESC,
-                          DOT_FP32, DOT_PRECISION, ROUND_BF16, VARLEN)  # fmt: skip
-    m, s, alpha, p, moved = update(m, s, qk, exp_scale, LAZY_RESCALE, FIXED_REF, P_DTYPE)
-    acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, hi - BLOCK_N, k_row, seq_k,
-                      stride_vn, stride_vd, offs_n, offs_d, False, HEAD_DIM, BLOCK_D, USE_DESC,
-                      DOT_FP32, DOT_PRECISION, ROUND_BF16, VARLEN)  # fmt: skip
-    return acc, m, s
-
-
-@triton.jit
 def _attention_fwd_kernel(
-    Q, K, V, O, LSE,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    n_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap, SEQLENS_K, CU_Q, CU_K,
+    Q,
+    K,
+    V,
+    O,
+    LSE,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    n_heads,
+    group,
+    seq_q,
+    seq_k,
+    sm_scale,
+    win_left,
+    win_right,
+    softcap,
+    SEQLENS_K,
+    CU_Q,
+    CU_K,
     SINKS,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr, VARLEN: tl.constexpr, HAS_SINKS: tl.constexpr,
-    USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr,
-    OVERLAP: tl.constexpr, WARP_SPECIALIZE: tl.constexpr, ROUND_BF16: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr,
+    VARLEN: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+    USE_DESC: tl.constexpr,
+    PRESCALE_Q: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    LAZY_RESCALE: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
     FIXED_REF: tl.constexpr = False,
-):  # fmt: skip
+):
     """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``. Writes O ``(B, Hq, Nq, D)`` and fp32 LSE ``(B·Hq, Nq)``.
 
     Q, K, V, O are 4-D tensor descriptors when ``USE_DESC``, else tensors read through strides.
@@ -167,8 +144,21 @@ def _attention_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = load_tile(q_src, b_ld, h, q_row + start_m, q_row + seq_q, stride_qm, stride_qd,
-                   tl.arange(0, BLOCK_M), offs_d, HEAD_DIM, BLOCK_D, USE_DESC, True)  # fmt: skip
+    q = load_tile(
+        q_src,
+        b_ld,
+        h,
+        q_row + start_m,
+        q_row + seq_q,
+        stride_qm,
+        stride_qd,
+        tl.arange(0, BLOCK_M),
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+        USE_DESC,
+        True,
+    )
     qk_scale = sm_scale * LOG2E
     q, exp_scale = scale_q(q, qk_scale, PRESCALE_Q, ROUND_BF16)
     p_dtype = q.dtype  # the inputs' precision, that p·v multiplies p in
@@ -189,36 +179,175 @@ def _attention_fwd_kernel(
     # Key tiles [full_lo, full_hi) are seen by every row of the block and lie inside the
     # sequence; [lo, full_lo) (a window's left edge) and [full_hi, hi) (the diagonal and
     # boundary tiles) are masked; other tiles are never visited.
-    lo, full_lo, full_hi, hi = key_range(start_m, seq_q, seq_k, win_left, win_right, BLOCK_M,
-                                         BLOCK_N, IS_CAUSAL, WINDOW)  # fmt: skip
+    lo, full_lo, full_hi, hi = key_range(
+        start_m, seq_q, seq_k, win_left, win_right, BLOCK_M, BLOCK_N, IS_CAUSAL, WINDOW
+    )
     if WINDOW:  # (without a window lo = full_lo)
-        acc, m, s = _attend(acc, m, s, q, k_src, v_src, b_ld, h_kv, k_row, lo, full_lo, offs_m,
-                            offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale,
-                            stride_kn, stride_kd, stride_vn, stride_vd, True, IS_CAUSAL, WINDOW,
-                            SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
-                            DOT_PRECISION, LAZY_RESCALE, False, ROUND_BF16, VARLEN,
-                            FIXED_REF, p_dtype)  # fmt: skip
+        acc, m, s = _attend(
+            acc,
+            m,
+            s,
+            q,
+            k_src,
+            v_src,
+            b_ld,
+            h_kv,
+            k_row,
+            lo,
+            full_lo,
+            offs_m,
+            offs_n,
+            offs_d,
+            seq_q,
+            seq_k,
+            win_left,
+            win_right,
+            cap,
+            exp_scale,
+            stride_kn,
+            stride_kd,
+            stride_vn,
+            stride_vd,
+            True,
+            IS_CAUSAL,
+            WINDOW,
+            SOFTCAP,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_N,
+            USE_DESC,
+            DOT_FP32,
+            DOT_PRECISION,
+            LAZY_RESCALE,
+            False,
+            ROUND_BF16,
+            VARLEN,
+            FIXED_REF,
+            p_dtype,
+        )
     if OVERLAP:
         if full_hi > full_lo:
-            acc, m, s = _attend_overlapped(acc, m, s, q, k_src, v_src, b_ld, h_kv, k_row,
-                                           full_lo, full_hi,
-                                           offs_m, offs_n, offs_d, seq_q, seq_k, cap, exp_scale,
-                                           stride_kn, stride_kd, stride_vn, stride_vd, SOFTCAP,
-                                           HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
-                                           DOT_PRECISION, LAZY_RESCALE, ROUND_BF16,
-                                           VARLEN, FIXED_REF, p_dtype)  # fmt: skip
+            acc, m, s = _attend_overlapped(
+                acc,
+                m,
+                s,
+                q,
+                k_src,
+                v_src,
+                b_ld,
+                h_kv,
+                k_row,
+                full_lo,
+                full_hi,
+                offs_m,
+                offs_n,
+                offs_d,
+                seq_q,
+                seq_k,
+                cap,
+                exp_scale,
+                stride_kn,
+                stride_kd,
+                stride_vn,
+                stride_vd,
+                SOFTCAP,
+                HEAD_DIM,
+                BLOCK_D,
+                BLOCK_N,
+                USE_DESC,
+                DOT_FP32,
+                DOT_PRECISION,
+                LAZY_RESCALE,
+                ROUND_BF16,
+                VARLEN,
+                FIXED_REF,
+                p_dtype,
+            )
     else:
-        acc, m, s = _attend(acc, m, s, q, k_src, v_src, b_ld, h_kv, k_row, full_lo, full_hi, offs_m,
-                            offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale,
-                            stride_kn, stride_kd, stride_vn, stride_vd, False, IS_CAUSAL, WINDOW,
-                            SOFTCAP, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32,
-                            DOT_PRECISION, LAZY_RESCALE, WARP_SPECIALIZE, ROUND_BF16,
-                            VARLEN, FIXED_REF, p_dtype)  # fmt: skip
-    acc, m, s = _attend(acc, m, s, q, k_src, v_src, b_ld, h_kv, k_row, full_hi, hi, offs_m, offs_n,
-                        offs_d, seq_q, seq_k, win_left, win_right, cap, exp_scale, stride_kn,
-                        stride_kd, stride_vn, stride_vd, True, IS_CAUSAL, WINDOW, SOFTCAP,
-                        HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC, DOT_FP32, DOT_PRECISION,
-                        LAZY_RESCALE, False, ROUND_BF16, VARLEN, FIXED_REF, p_dtype)  # fmt: skip
+        acc, m, s = _attend(
+            acc,
+            m,
+            s,
+            q,
+            k_src,
+            v_src,
+            b_ld,
+            h_kv,
+            k_row,
+            full_lo,
+            full_hi,
+            offs_m,
+            offs_n,
+            offs_d,
+            seq_q,
+            seq_k,
+            win_left,
+            win_right,
+            cap,
+            exp_scale,
+            stride_kn,
+            stride_kd,
+            stride_vn,
+            stride_vd,
+            False,
+            IS_CAUSAL,
+            WINDOW,
+            SOFTCAP,
+            HEAD_DIM,
+            BLOCK_D,
+            BLOCK_N,
+            USE_DESC,
+            DOT_FP32,
+            DOT_PRECISION,
+            LAZY_RESCALE,
+            WARP_SPECIALIZE,
+            ROUND_BF16,
+            VARLEN,
+            FIXED_REF,
+            p_dtype,
+        )
+    acc, m, s = _attend(
+        acc,
+        m,
+        s,
+        q,
+        k_src,
+        v_src,
+        b_ld,
+        h_kv,
+        k_row,
+        full_hi,
+        hi,
+        offs_m,
+        offs_n,
+        offs_d,
+        seq_q,
+        seq_k,
+        win_left,
+        win_right,
+        cap,
+        exp_scale,
+        stride_kn,
+        stride_kd,
+        stride_vn,
+        stride_vd,
+        True,
+        IS_CAUSAL,
+        WINDOW,
+        SOFTCAP,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_N,
+        USE_DESC,
+        DOT_FP32,
+        DOT_PRECISION,
+        LAZY_RESCALE,
+        False,
+        ROUND_BF16,
+        VARLEN,
+        FIXED_REF,
+        p_dtype,
+    )
 
     # Rows that saw no key (causal with Nq > Nk) have s = 0: output 0 and LSE −inf, not NaN
     # (with a sink, s >= 1: output 0 and LSE = the sink).

@@ -20,8 +20,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _row_problem(SEQLENS, TABLE, b, n_new, capacity, num_pages, stride_table, max_pages,
-                 PAGE_SIZE: tl.constexpr, BLOCK_P: tl.constexpr):  # fmt: skip
+def _row_problem(
+    SEQLENS,
+    TABLE,
+    b,
+    n_new,
+    capacity,
+    num_pages,
+    stride_table,
+    max_pages,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
     """``(kind, j, value)`` of batch ``b``'s first bad value (kind 0: none)."""
     length = tl.load(SEQLENS + b).to(tl.int64)
     end = length + n_new
@@ -47,22 +57,62 @@ def _row_problem(SEQLENS, TABLE, b, n_new, capacity, num_pages, stride_table, ma
 
 @triton.jit
 def _kvcache_append_kernel(
-    K_CACHE, V_CACHE, K_NEW, V_NEW, SEQLENS, LENGTHS, TABLE, RECORD, HOST_FLAG,
-    stride_kc0, stride_kc1, stride_kch, stride_kcd,
-    stride_vc0, stride_vc1, stride_vch, stride_vcd,
-    stride_knb, stride_knn, stride_knh, stride_knd,
-    stride_vnb, stride_vnn, stride_vnh, stride_vnd,
-    stride_table, n_heads, head_dim, n_new, capacity, num_pages, max_pages,
-    PAGE_SIZE: tl.constexpr, CHECK: tl.constexpr, APPEND: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_P: tl.constexpr,
-):  # fmt: skip
+    K_CACHE,
+    V_CACHE,
+    K_NEW,
+    V_NEW,
+    SEQLENS,
+    LENGTHS,
+    TABLE,
+    RECORD,
+    HOST_FLAG,
+    stride_kc0,
+    stride_kc1,
+    stride_kch,
+    stride_kcd,
+    stride_vc0,
+    stride_vc1,
+    stride_vch,
+    stride_vcd,
+    stride_knb,
+    stride_knn,
+    stride_knh,
+    stride_knd,
+    stride_vnb,
+    stride_vnn,
+    stride_vnh,
+    stride_vnd,
+    stride_table,
+    n_heads,
+    head_dim,
+    n_new,
+    capacity,
+    num_pages,
+    max_pages,
+    PAGE_SIZE: tl.constexpr,
+    CHECK: tl.constexpr,
+    APPEND: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+):
     b = tl.program_id(0)
     n = tl.program_id(1)
     length = tl.load(SEQLENS + b).to(tl.int64)
     write = True
     if CHECK:
-        kind, j, value = _row_problem(SEQLENS, TABLE, b, n_new, capacity, num_pages,
-                                      stride_table, max_pages, PAGE_SIZE, BLOCK_P)  # fmt: skip
+        kind, j, value = _row_problem(
+            SEQLENS,
+            TABLE,
+            b,
+            n_new,
+            capacity,
+            num_pages,
+            stride_table,
+            max_pages,
+            PAGE_SIZE,
+            BLOCK_P,
+        )
         write = kind == 0
         zero = value * 0  # (an int64 0: the record's type; sizes of value 1 arrive as constants)
         if (n == 0) & (kind != 0):  # noqa: SIM102  (Triton's `and` would not short-circuit)
@@ -88,15 +138,25 @@ def _kvcache_append_kernel(
         mask = (h < n_heads) & (d < head_dim)
         src = b.to(tl.int64) * stride_knb + n.to(tl.int64) * stride_knn
         k = tl.load(K_NEW + src + h * stride_knh + d * stride_knd, mask=mask)
-        tl.store(K_CACHE + row * stride_kc0 + slot * stride_kc1 + h * stride_kch + d * stride_kcd,
-                 k, mask=mask)  # fmt: skip
+        tl.store(
+            K_CACHE + row * stride_kc0 + slot * stride_kc1 + h * stride_kch + d * stride_kcd,
+            k,
+            mask=mask,
+        )
         src = b.to(tl.int64) * stride_vnb + n.to(tl.int64) * stride_vnn
         v = tl.load(V_NEW + src + h * stride_vnh + d * stride_vnd, mask=mask)
-        tl.store(V_CACHE + row * stride_vc0 + slot * stride_vc1 + h * stride_vch + d * stride_vcd,
-                 v, mask=mask)  # fmt: skip
+        tl.store(
+            V_CACHE + row * stride_vc0 + slot * stride_vc1 + h * stride_vch + d * stride_vcd,
+            v,
+            mask=mask,
+        )
 
 
 def append_config(n_heads: int, head_dim: int) -> dict[str, int]:
     """Tiles of the append kernel: one token's ``(Hkv, D)`` block, the table in 256 entries."""
-    return {"BLOCK_H": triton.next_power_of_2(n_heads), "BLOCK_D": triton.next_power_of_2(head_dim),
-            "BLOCK_P": 256, "num_warps": 4}  # fmt: skip
+    return {
+        "BLOCK_H": triton.next_power_of_2(n_heads),
+        "BLOCK_D": triton.next_power_of_2(head_dim),
+        "BLOCK_P": 256,
+        "num_warps": 4,
+    }

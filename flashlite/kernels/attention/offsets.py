@@ -44,8 +44,9 @@ def _offsets_problem(CU, n_seq, total, max_len, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _offsets_check_kernel(CU_Q, CU_K, RECORD, HOST_FLAG, n_seq, total_q, total_k, max_q, max_k,
-                          BLOCK: tl.constexpr):  # fmt: skip
+def _offsets_check_kernel(
+    CU_Q, CU_K, RECORD, HOST_FLAG, n_seq, total_q, total_k, max_q, max_k, BLOCK: tl.constexpr
+):
     kind, index, value, limit = _offsets_problem(CU_Q, n_seq, total_q, max_q, BLOCK)
     zero = value * 0  # (an int64 0: the record's type; sizes of value 1 arrive as constants)
     which = zero

@@ -24,25 +24,72 @@ from flashlite.stats import LOG2E, finalize_lse, merge_pair, rescale
 
 
 @triton.jit
-def _row_pair(O, LSE, b, h, i, offs_d, stride_b, stride_h, stride_m, stride_d, stride_lb,
-              stride_lh, stride_lm, HEAD_DIM: tl.constexpr):  # fmt: skip
+def _row_pair(
+    O,
+    LSE,
+    b,
+    h,
+    i,
+    offs_d,
+    stride_b,
+    stride_h,
+    stride_m,
+    stride_d,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    HEAD_DIM: tl.constexpr,
+):
     """Row ``(b, h, i)`` of a partial: its output ``[BLOCK_D]`` (fp32) and LSE ``[1]``."""
-    lse = tl.load(LSE + b.to(tl.int64) * stride_lb + h.to(tl.int64) * stride_lh
-                  + i.to(tl.int64) * stride_lm + tl.arange(0, 1))  # fmt: skip
-    src = (O + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h + i.to(tl.int64) * stride_m
-           + offs_d * stride_d)  # fmt: skip
+    lse = tl.load(
+        LSE
+        + b.to(tl.int64) * stride_lb
+        + h.to(tl.int64) * stride_lh
+        + i.to(tl.int64) * stride_lm
+        + tl.arange(0, 1)
+    )
+    src = (
+        O
+        + b.to(tl.int64) * stride_b
+        + h.to(tl.int64) * stride_h
+        + i.to(tl.int64) * stride_m
+        + offs_d * stride_d
+    )
     return tl.load(src, mask=offs_d < HEAD_DIM, other=0.0).to(tl.float32), lse
 
 
 @triton.jit
 def _shared_prefix_merge_kernel(
-    OA, LSEA, OB, LSEB, O, LSE,
-    stride_ab, stride_ah, stride_am, stride_ad, stride_lab, stride_lah, stride_lam,
-    stride_bb, stride_bh, stride_bm, stride_bd, stride_lbb, stride_lbh, stride_lbm,
-    stride_ob, stride_oh, stride_om, stride_od,
-    n_heads, seq_q,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_BF16: tl.constexpr,
-):  # fmt: skip
+    OA,
+    LSEA,
+    OB,
+    LSEB,
+    O,
+    LSE,
+    stride_ab,
+    stride_ah,
+    stride_am,
+    stride_ad,
+    stride_lab,
+    stride_lah,
+    stride_lam,
+    stride_bb,
+    stride_bh,
+    stride_bm,
+    stride_bd,
+    stride_lbb,
+    stride_lbh,
+    stride_lbm,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    n_heads,
+    seq_q,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
     """Grid ``(B·Hq, Nq)``: row ``(b, h, i)`` of the partials A and B (any strides, outputs
     ``(B, Hq, Nq, D)``, LSEs ``(B, Hq, Nq)``) merged into ``O`` ``(B, Hq, Nq, D)`` (any strides)
     and the dense fp32 LSE ``(B, Hq, Nq)``."""
@@ -50,15 +97,48 @@ def _shared_prefix_merge_kernel(
     i = tl.program_id(1)
     b, h = pid_bh // n_heads, pid_bh % n_heads
     offs_d = tl.arange(0, BLOCK_D)
-    o_a, lse_a = _row_pair(OA, LSEA, b, h, i, offs_d, stride_ab, stride_ah, stride_am, stride_ad,
-                           stride_lab, stride_lah, stride_lam, HEAD_DIM)  # fmt: skip
-    o_b, lse_b = _row_pair(OB, LSEB, b, h, i, offs_d, stride_bb, stride_bh, stride_bm, stride_bd,
-                           stride_lbb, stride_lbh, stride_lbm, HEAD_DIM)  # fmt: skip
+    o_a, lse_a = _row_pair(
+        OA,
+        LSEA,
+        b,
+        h,
+        i,
+        offs_d,
+        stride_ab,
+        stride_ah,
+        stride_am,
+        stride_ad,
+        stride_lab,
+        stride_lah,
+        stride_lam,
+        HEAD_DIM,
+    )
+    o_b, lse_b = _row_pair(
+        OB,
+        LSEB,
+        b,
+        h,
+        i,
+        offs_d,
+        stride_bb,
+        stride_bh,
+        stride_bm,
+        stride_bd,
+        stride_lbb,
+        stride_lbh,
+        stride_lbm,
+        HEAD_DIM,
+    )
     one = tl.full([1], 1.0, tl.float32)
     m, s = merge_pair(lse_a, one, lse_b, one, LOG2E)
     inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)  # rows that saw nothing: 0 (and LSE −inf)
     o = (o_a * rescale(lse_a, m, LOG2E) + o_b * rescale(lse_b, m, LOG2E)) * inv_s
     tl.store(LSE + pid_bh.to(tl.int64) * seq_q + i + tl.arange(0, 1), finalize_lse(m, s, LOG2E))
-    dst = (O + b.to(tl.int64) * stride_ob + h.to(tl.int64) * stride_oh
-           + i.to(tl.int64) * stride_om + offs_d * stride_od)  # fmt: skip
+    dst = (
+        O
+        + b.to(tl.int64) * stride_ob
+        + h.to(tl.int64) * stride_oh
+        + i.to(tl.int64) * stride_om
+        + offs_d * stride_od
+    )
     tl.store(dst, cast(o, O.dtype.element_ty, ROUND_BF16), mask=offs_d < HEAD_DIM)
