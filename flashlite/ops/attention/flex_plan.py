@@ -97,7 +97,7 @@ def head_linear_bias(score: ModArgs) -> bool:
     """Whether the score function declares the ``"head_linear_bias"`` fast path
     (:func:`flashlite.masking.mods.score_mod`'s ``fast_path``; the gallery's ALiBi does): its
     first buffer is then the fp32 per-head slopes, which the Hopper forward applies as a column
-    and a row term (:func:`flashlite.kernels.attention.hopper._fold`) instead of calling it."""
+    and a row term (:func:`flashlite.kernels.attention.hopper_parts._fold`) instead of calling it."""
     return declared_fast_path(score[0]) == "head_linear_bias"
 
 
