@@ -27,6 +27,7 @@ from flashlite.masking import mods as M
 from flashlite.masking.create import block_mask_for
 from flashlite.masking.mod_args import ModArgs, check_mod, spec_mod
 from flashlite.ops._dispatch import Op
+from flashlite.ops.attention import flex_args as FA
 from flashlite.ops.attention import flex_plan as FP
 from flashlite.ops.attention.checks import check_inputs
 from flashlite.ops.attention.request import Request
@@ -83,7 +84,7 @@ def flex_fwd_body(
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
         return torch.zeros_like(q), lse.fill_(-math.inf)
     cu = _offsets(cu_q, request.cu_seqlens_k)
-    key = FP.call_key(q, k, v, tables, mask, score, tbm, tbn, request.scale, cu or ())
+    key = FA.call_key(q, k, v, tables, mask, score, tbm, tbn, request.scale, cu or ())
     key.append(None if cu is None else cu[0].shape)
     key = tuple(key)
     plan = FP.fwd_plans.get(key)
@@ -124,7 +125,7 @@ def flex_bwd_body(
     kv_tables, q_tables = tuple(tables[:4]), tuple(tables[4:])
     mask, score = _mods(request)
     cu = _offsets(request.cu_seqlens_q, request.cu_seqlens_k)
-    key = FP.call_key(
+    key = FA.call_key(
         q,
         k,
         v,
