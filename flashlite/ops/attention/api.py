@@ -208,8 +208,18 @@ def attention_varlen(
                 "write them as mods (flashlite.gallery: causal(), sliding_window(w), "
                 "tanh_softcap(c)) in the block mask and score function"
             )
-        o, lse = flex_varlen(qc, kc, vc, cu_q, cu_k, int(max_seqlen_q), int(max_seqlen_k),
-                             score_mod, block_mask, sm_scale)  # fmt: skip
+        o, lse = flex_varlen(
+            qc,
+            kc,
+            vc,
+            cu_q,
+            cu_k,
+            int(max_seqlen_q),
+            int(max_seqlen_k),
+            score_mod,
+            block_mask,
+            sm_scale,
+        )
     else:
         mask = masks.describe(causal, window, softcap)
         request = Request.of_mask(
@@ -312,8 +322,12 @@ def attention_kvcache(
     if plan is not None and plain_eager(q, k_cache, v_cache):  # a kind of call seen before
         o, lse = plan(*tensors) if sinks is None else plan(*tensors, sinks.float())
         return (o, lse) if return_lse else o
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
-                    ("cache_seqlens", cache_seqlens)):  # fmt: skip
+    for name, t in (
+        ("q", q),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("cache_seqlens", cache_seqlens),
+    ):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if (k_new is None) != (v_new is None):
@@ -321,26 +335,37 @@ def attention_kvcache(
     check_flags(causal=causal, return_lse=return_lse)
     if not (isinstance(validate, bool) or validate == "sync"):
         raise TypeError(f"validate must be True, False or 'sync', got {validate!r}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new),
-                    ("v_new", v_new)):  # fmt: skip
+    for name, t in (
+        ("q", q),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("k_new", k_new),
+        ("v_new", v_new),
+    ):
         if t is None:
             continue
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions (b n h d), got {tuple(t.shape)}")
         if t.dtype != q.dtype or t.dtype not in DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; q, the caches and k_new/v_new share "
-                            "one of torch.float16, torch.bfloat16, torch.float32")  # fmt: skip
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; q, the caches and k_new/v_new share "
+                "one of torch.float16, torch.bfloat16, torch.float32"
+            )
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
         _backend.check_device(t, name)
     bsz, nq, hq, d = q.shape
     if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} "
-                         f"and {tuple(v_cache.shape)}")  # fmt: skip
+        raise ValueError(
+            f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} "
+            f"and {tuple(v_cache.shape)}"
+        )
     hkv, dk = k_cache.shape[2], k_cache.shape[3]
     if dk != d or hkv == 0 or hq % hkv:
-        raise ValueError(f"the caches must be (.., .., Hkv, D={d}) with Hq={hq} a multiple of "
-                         f"Hkv; got {tuple(k_cache.shape)}")  # fmt: skip
+        raise ValueError(
+            f"the caches must be (.., .., Hkv, D={d}) with Hq={hq} a multiple of "
+            f"Hkv; got {tuple(k_cache.shape)}"
+        )
     if d > MAX_HEAD_DIM:
         raise NotImplementedError(f"head dim {d} is not supported: flashlite supports 1 to 256")
     for name, t, dims in (("cache_seqlens", cache_seqlens, 1), ("block_table", block_table, 2)):
@@ -350,8 +375,10 @@ def attention_kvcache(
             raise TypeError(f"{name} must have dtype torch.int32, got {t.dtype}")
         if t.dim() != dims or t.shape[0] != bsz or t.device != q.device:
             shape = "(B,)" if dims == 1 else "(B, max_pages)"
-            raise ValueError(f"{name} must be a {shape} tensor with B={bsz} on {q.device}, "
-                             f"got {tuple(t.shape)} on {t.device}")  # fmt: skip
+            raise ValueError(
+                f"{name} must be a {shape} tensor with B={bsz} on {q.device}, "
+                f"got {tuple(t.shape)} on {t.device}"
+            )
     if block_table is None and k_cache.shape[0] != bsz:
         raise ValueError(f"k_cache must be (B={bsz}, Ncap, Hkv, D), got {tuple(k_cache.shape)}")
     if block_table is not None:
@@ -360,8 +387,10 @@ def attention_kvcache(
     if k_new is not None:
         want = (bsz, n_new, hkv, d)
         if k_new.shape != want or v_new.shape != want:  # type: ignore[union-attr]
-            raise ValueError(f"k_new and v_new must be (B, Nnew, Hkv, D) = {want}, got "
-                             f"{tuple(k_new.shape)} and {tuple(v_new.shape)}")  # type: ignore[union-attr]  # fmt: skip
+            raise ValueError(
+                f"k_new and v_new must be (B, Nnew, Hkv, D) = {want}, got "
+                f"{tuple(k_new.shape)} and {tuple(v_new.shape)}"  # type: ignore[union-attr]
+            )
         _check_writable(k_cache, v_cache)
     splits = _check_splits(num_splits)
     mask = masks.describe(causal, window, softcap)
@@ -379,8 +408,10 @@ def attention_kvcache(
             )
         if score_mod is not None:
             if softcap is not None:
-                raise ValueError("attention_kvcache takes score_mod without softcap: write the "
-                                 "cap as flashlite.gallery.tanh_softcap(c) in it")  # fmt: skip
+                raise ValueError(
+                    "attention_kvcache takes score_mod without softcap: write the "
+                    "cap as flashlite.gallery.tanh_softcap(c) in it"
+                )
             sm = mods.as_score_mod(score_mod)
             check_mod(sm, "score_mod", q.device, bsz, hq, capacity)
             mods_given.update(

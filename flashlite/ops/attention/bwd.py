@@ -131,8 +131,9 @@ BWD_FIELDS = (
 )
 
 
-def sink_grad(sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor,
-              out: torch.Tensor | None) -> None:  # fmt: skip
+def sink_grad(
+    sinks: torch.Tensor, lse: torch.Tensor, delta: torch.Tensor, out: torch.Tensor | None
+) -> None:
     """The sinks' gradient into ``out`` (fp32 ``(Hq,)``): ``dsink_h = −Σ p_sink·delta`` over
     the batch and rows of head h, where ``p_sink = e^(sink_h − lse)`` is the probability the
     softmax gave the sink and ``delta = rowsum(dO ∘ O) − dlse`` the preprocess's (``lse``,
@@ -159,14 +160,29 @@ def _bwd_key(
     LSE are read as k, q and q's rows are), every tensor's strides and dtype (do's are o's, which
     :func:`_check_bwd_grads` checks), q's device, each tensor's 16-byte alignment (one flag when
     all are aligned, the usual case), and the switches that choose the kernels."""
-    ptrs = (do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(),
-            lse.data_ptr())  # fmt: skip
+    ptrs = (do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr())
     aligned = not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5]) & 15
-    return (q.shape, q.stride(), k.shape, k.stride(), v.stride(), o.stride(), do.stride(),
-            lse.stride(), _meta(dlse), q.dtype, k.dtype, v.dtype,
-            o.dtype, lse.dtype, q.device, True if aligned else tuple(p % 16 for p in ptrs),
-            request.key, torch.are_deterministic_algorithms_enabled(),
-            _backend.getenv(HOPPER_ENV))  # fmt: skip
+    return (
+        q.shape,
+        q.stride(),
+        k.shape,
+        k.stride(),
+        v.stride(),
+        o.stride(),
+        do.stride(),
+        lse.stride(),
+        _meta(dlse),
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        o.dtype,
+        lse.dtype,
+        q.device,
+        True if aligned else tuple(p % 16 for p in ptrs),
+        request.key,
+        torch.are_deterministic_algorithms_enabled(),
+        _backend.getenv(HOPPER_ENV),
+    )
 
 
 #: :class:`BwdPlan` per kind of plain backward (every tensor's shape, strides, dtype, device and
@@ -192,10 +208,18 @@ class BwdPlan:
         #: preprocess), or None: decided at the first call
         self.acc_shape: tuple[int, ...] | None = None
 
-    def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
-                 sinks: torch.Tensor | None = None, dsinks: torch.Tensor | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    def __call__(
+        self,
+        do: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        o: torch.Tensor,
+        lse: torch.Tensor,
+        dlse: torch.Tensor | None,
+        sinks: torch.Tensor | None = None,
+        dsinks: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
         # 16-bit inputs: the preprocess writes Qs (Q·scale·log2 e, as the forward rounded it)
         # into dq's memory; the dQ kernel reads each block of it before overwriting it with dQ
@@ -231,30 +255,58 @@ class BwdPlan:
         return dq, dk, dv
 
 
-def _plan_pair(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-               lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
-               dv: torch.Tensor, causal: bool, scale: float,
-               cfg: C.BwdConfig) -> Callable[..., None]:  # fmt: skip
+def _plan_pair(
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    causal: bool,
+    scale: float,
+    cfg: C.BwdConfig,
+) -> Callable[..., None]:
     """``main(qs, k, v, do, lse, delta, dq, dk, dv)`` of the Triton pair (:func:`plan_dkdv`,
     then :func:`plan_dq`) for tensors of these kinds."""
     dkdv = plan_dkdv(qs, k, v, do, lse, delta, dk, dv, causal, scale, cfg)
     dq_run = plan_dq(qs, k, v, do, lse, delta, dq, causal, scale, cfg)
 
-    def main(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-             lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
-             dv: torch.Tensor) -> None:  # fmt: skip
+    def main(
+        qs: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        do: torch.Tensor,
+        lse: torch.Tensor,
+        delta: torch.Tensor,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+    ) -> None:
         dkdv(qs, k, v, do, lse, delta, dk, dv)
         dq_run(qs, k, v, do, lse, delta, dq)
 
     return main
 
 
-def _attention_bwd_masked(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                          o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
-                          mask: masks.Mask, scale: float, seqlens_k: torch.Tensor | None,
-                          varlen: Varlen | None, config: C.BwdConfig | None,
-                          sinks: torch.Tensor | None = None, dsinks: torch.Tensor | None = None,
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+def _attention_bwd_masked(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    mask: masks.Mask,
+    scale: float,
+    seqlens_k: torch.Tensor | None,
+    varlen: Varlen | None,
+    config: C.BwdConfig | None,
+    sinks: torch.Tensor | None = None,
+    dsinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A backward with a window, soft cap, lengths, packing or a pinned config: the preprocess
     and the Triton pair, launched per call."""
     dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
@@ -264,8 +316,7 @@ def _attention_bwd_masked(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
     lse = lse.contiguous()
     if sinks is not None:
         sink_grad(sinks, lse, delta, dsinks)
-    bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, mask, scale, cfg, seqlens_k=seqlens_k,
-             varlen=varlen)  # fmt: skip
+    bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, mask, scale, cfg, seqlens_k=seqlens_k, varlen=varlen)
     bwd_dq(qs, k, v, do, lse, delta, dq, mask, scale, cfg, seqlens_k=seqlens_k, varlen=varlen)
     return dq, dk, dv
 
@@ -274,10 +325,20 @@ def _attention_bwd_masked(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v:
 _hopper_bwd_failed: set[tuple] = register("attention.hopper_bwd_failed", set())
 
 
-def _run_hopper_bwd(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-                    lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, dk: torch.Tensor,
-                    dv: torch.Tensor, acc: torch.Tensor, causal: bool,
-                    scale: float) -> Callable[..., None] | None:  # fmt: skip
+def _run_hopper_bwd(
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    acc: torch.Tensor,
+    causal: bool,
+    scale: float,
+) -> Callable[..., None] | None:
     """Plan and launch the fused Gluon backward (``acc``: its zeroed dQ accumulator): its
     ``run`` for later calls of this kind, or None (after one warning) if it fails to build
     here."""

@@ -41,10 +41,17 @@ def _bwd_args(
     }
 
 
-def plan_preprocess(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None,
-                    delta: torch.Tensor, q: torch.Tensor, qs: torch.Tensor, scale: float,
-                    acc: torch.Tensor | None = None, prescale_q: bool | None = None,
-                    ) -> Callable[..., None]:  # fmt: skip
+def plan_preprocess(
+    o: torch.Tensor,
+    do: torch.Tensor,
+    dlse: torch.Tensor | None,
+    delta: torch.Tensor,
+    q: torch.Tensor,
+    qs: torch.Tensor,
+    scale: float,
+    acc: torch.Tensor | None = None,
+    prescale_q: bool | None = None,
+) -> Callable[..., None]:
     """``run(o, do, dlse, delta, q, qs, acc=None)`` for tensors of these kinds (``dlse`` dense
     fp32 or None): :func:`bwd_preprocess` into ``delta`` (and ``qs``), and, where ``acc`` is
     given (the fused kernel's dense fp32 dQ accumulator), zeros into it; its launch bound
@@ -54,20 +61,49 @@ def plan_preprocess(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None
     bm = 64 if d <= 128 else 32
     grid = (C.cdiv(nq, bm), b * hq, 1)
     tail = (*o.stride(), *do.stride(), *q.stride(), *qs.stride(), hq, nq, scale)
-    options = {"HEAD_DIM": d, "BLOCK_D": C.block_d(d), "BLOCK_M": bm,
-               "HAS_DLSE": dlse is not None,
-               "PRESCALE_Q": _prescale_q(q) if prescale_q is None else prescale_q,
-               "ROUND_BF16": _backend.round_bf16(q.dtype), "ZERO_ACC": acc is not None,
-               "num_warps": 4, "num_stages": 1}  # fmt: skip
-    args = (o, do, dlse if dlse is not None else delta, delta, q, qs,
-            acc if acc is not None else delta, *tail)  # fmt: skip
+    options = {
+        "HEAD_DIM": d,
+        "BLOCK_D": C.block_d(d),
+        "BLOCK_M": bm,
+        "HAS_DLSE": dlse is not None,
+        "PRESCALE_Q": _prescale_q(q) if prescale_q is None else prescale_q,
+        "ROUND_BF16": _backend.round_bf16(q.dtype),
+        "ZERO_ACC": acc is not None,
+        "num_warps": 4,
+        "num_stages": 1,
+    }
+    args = (
+        o,
+        do,
+        dlse if dlse is not None else delta,
+        delta,
+        q,
+        qs,
+        acc if acc is not None else delta,
+        *tail,
+    )
     bound = _launch.launcher(KB._attention_bwd_preprocess_kernel).bind(args, options)
 
-    def run(o: torch.Tensor, do: torch.Tensor, dlse: torch.Tensor | None, delta: torch.Tensor,
-            q: torch.Tensor, qs: torch.Tensor,
-            acc: torch.Tensor | None = None) -> None:  # fmt: skip
-        bound(grid, o, do, dlse if dlse is not None else delta, delta, q, qs,
-              acc if acc is not None else delta, *tail)  # fmt: skip
+    def run(
+        o: torch.Tensor,
+        do: torch.Tensor,
+        dlse: torch.Tensor | None,
+        delta: torch.Tensor,
+        q: torch.Tensor,
+        qs: torch.Tensor,
+        acc: torch.Tensor | None = None,
+    ) -> None:
+        bound(
+            grid,
+            o,
+            do,
+            dlse if dlse is not None else delta,
+            delta,
+            q,
+            qs,
+            acc if acc is not None else delta,
+            *tail,
+        )
 
     return run
 
@@ -96,10 +132,20 @@ def bwd_preprocess(
 
 
 def _dkdv_launch(
-    qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
-    delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, mask: masks.Mask, scale: float,
-    cfg: C.BwdConfig, seqlens_k: torch.Tensor | None, varlen: Varlen | None,
-) -> tuple[tuple[int, int, int], tuple, dict]:  # fmt: skip
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    mask: masks.Mask,
+    scale: float,
+    cfg: C.BwdConfig,
+    seqlens_k: torch.Tensor | None,
+    varlen: Varlen | None,
+) -> tuple[tuple[int, int, int], tuple, dict]:
     """The dK/dV kernel's grid, arguments (descriptors of ``qs``, ``do`` where TMA reads them)
     and options."""
     b, hq, nq, d = qs.shape
@@ -107,38 +153,88 @@ def _dkdv_launch(
     srcs, use_desc = _tile_sources(cfg.use_desc and varlen is None, (qs, do), cfg.kv_block_m, d)
     extra, flags = _bwd_args(qs, k, mask, seqlens_k, varlen, lse)
     rows, seqs = (varlen[3], varlen[0].shape[0] - 1) if varlen is not None else (nk, b)
-    args = (srcs[0], k, v, srcs[1], lse, delta, dk, dv, *qs.stride(), *k.stride(), *v.stride(),
-            *do.stride(), *dk.stride(), *dv.stride(), hq, hkv, hq // hkv, nq, nk, scale,
-            *extra)  # fmt: skip
+    args = (
+        srcs[0],
+        k,
+        v,
+        srcs[1],
+        lse,
+        delta,
+        dk,
+        dv,
+        *qs.stride(),
+        *k.stride(),
+        *v.stride(),
+        *do.stride(),
+        *dk.stride(),
+        *dv.stride(),
+        hq,
+        hkv,
+        hq // hkv,
+        nq,
+        nk,
+        scale,
+        *extra,
+    )
     grid = (C.cdiv(rows, cfg.kv_block_n), seqs * hkv, 1)
     return grid, args, {"USE_DESC": use_desc, **flags, **cfg.dkdv()}
 
 
 def bwd_dkdv(
-    qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
-    delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor, mask: masks.Mask, scale: float,
-    cfg: C.BwdConfig, *, seqlens_k: torch.Tensor | None = None, varlen: Varlen | None = None,
-) -> None:  # fmt: skip
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    mask: masks.Mask,
+    scale: float,
+    cfg: C.BwdConfig,
+    *,
+    seqlens_k: torch.Tensor | None = None,
+    varlen: Varlen | None = None,
+) -> None:
     """The dK/dV kernel into ``dk``, ``dv``; ``qs`` as :func:`bwd_preprocess` left it (``lse``,
     ``delta`` dense ``(B, Hq, Nq)``)."""
-    grid, args, options = _dkdv_launch(qs, k, v, do, lse, delta, dk, dv, mask, scale, cfg,
-                                       seqlens_k, varlen)  # fmt: skip
+    grid, args, options = _dkdv_launch(
+        qs, k, v, do, lse, delta, dk, dv, mask, scale, cfg, seqlens_k, varlen
+    )
     _launch.launcher(KB._attention_bwd_dkdv_kernel).bind(args, options)(grid, *args)
 
 
-def plan_dkdv(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-              lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor, dv: torch.Tensor,
-              causal: bool, scale: float, cfg: C.BwdConfig) -> Callable[..., None]:  # fmt: skip
+def plan_dkdv(
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    causal: bool,
+    scale: float,
+    cfg: C.BwdConfig,
+) -> Callable[..., None]:
     """``run(qs, k, v, do, lse, delta, dk, dv)``: :func:`bwd_dkdv` of a plain backward for
     tensors of these kinds, its launch bound once."""
-    grid, args, options = _dkdv_launch(qs, k, v, do, lse, delta, dk, dv, masks.describe(causal),
-                                       scale, cfg, None, None)  # fmt: skip
+    grid, args, options = _dkdv_launch(
+        qs, k, v, do, lse, delta, dk, dv, masks.describe(causal), scale, cfg, None, None
+    )
     bound = _launch.launcher(KB._attention_bwd_dkdv_kernel).bind_tensors(args, options)
     tail = args[8:-3]  # strides, sizes, scale, mask values (then three placeholder pointers)
 
-    def run(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-            lse: torch.Tensor, delta: torch.Tensor, dk: torch.Tensor,
-            dv: torch.Tensor) -> None:  # fmt: skip
+    def run(
+        qs: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        do: torch.Tensor,
+        lse: torch.Tensor,
+        delta: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+    ) -> None:
         bound(grid, qs, k, v, do, lse, delta, dk, dv, *tail, lse, lse, lse)
 
     return run
@@ -158,10 +254,19 @@ def _tile_sources(
 
 
 def _dq_launch(
-    qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
-    delta: torch.Tensor, dq: torch.Tensor, mask: masks.Mask, scale: float, cfg: C.BwdConfig,
-    seqlens_k: torch.Tensor | None, varlen: Varlen | None,
-) -> tuple[tuple[int, int, int], tuple, dict]:  # fmt: skip
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    mask: masks.Mask,
+    scale: float,
+    cfg: C.BwdConfig,
+    seqlens_k: torch.Tensor | None,
+    varlen: Varlen | None,
+) -> tuple[tuple[int, int, int], tuple, dict]:
     """The dQ kernel's grid, arguments (descriptors of ``k``, ``v`` where TMA reads them) and
     options."""
     b, hq, nq, d = qs.shape
@@ -169,36 +274,81 @@ def _dq_launch(
     srcs, use_desc = _tile_sources(cfg.use_desc and varlen is None, (k, v), cfg.q_block_n, d)
     extra, flags = _bwd_args(qs, k, mask, seqlens_k, varlen, lse)
     rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
-    args = (qs, *srcs, do, lse, delta, dq, *qs.stride(), *k.stride(), *v.stride(), *do.stride(),
-            *dq.stride(), hq, hq // hkv, nq, nk, scale, *extra)  # fmt: skip
+    args = (
+        qs,
+        *srcs,
+        do,
+        lse,
+        delta,
+        dq,
+        *qs.stride(),
+        *k.stride(),
+        *v.stride(),
+        *do.stride(),
+        *dq.stride(),
+        hq,
+        hq // hkv,
+        nq,
+        nk,
+        scale,
+        *extra,
+    )
     grid = (C.cdiv(rows, cfg.q_block_m), seqs * hq, 1)
     return grid, args, {"USE_DESC": use_desc, **flags, **cfg.dq()}
 
 
 def bwd_dq(
-    qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, lse: torch.Tensor,
-    delta: torch.Tensor, dq: torch.Tensor, mask: masks.Mask, scale: float, cfg: C.BwdConfig, *,
-    seqlens_k: torch.Tensor | None = None, varlen: Varlen | None = None,
-) -> None:  # fmt: skip
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    mask: masks.Mask,
+    scale: float,
+    cfg: C.BwdConfig,
+    *,
+    seqlens_k: torch.Tensor | None = None,
+    varlen: Varlen | None = None,
+) -> None:
     """The dQ kernel into ``dq``; ``qs`` as :func:`bwd_preprocess` left it, possibly ``dq``
     itself (``lse``, ``delta`` dense ``(B, Hq, Nq)``)."""
-    grid, args, options = _dq_launch(qs, k, v, do, lse, delta, dq, mask, scale, cfg, seqlens_k,
-                                     varlen)  # fmt: skip
+    grid, args, options = _dq_launch(
+        qs, k, v, do, lse, delta, dq, mask, scale, cfg, seqlens_k, varlen
+    )
     _launch.launcher(KB._attention_bwd_dq_kernel).bind(args, options)(grid, *args)
 
 
-def plan_dq(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-            lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor, causal: bool,
-            scale: float, cfg: C.BwdConfig) -> Callable[..., None]:  # fmt: skip
+def plan_dq(
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    causal: bool,
+    scale: float,
+    cfg: C.BwdConfig,
+) -> Callable[..., None]:
     """``run(qs, k, v, do, lse, delta, dq)``: :func:`bwd_dq` of a plain backward for tensors of
     these kinds, its launch bound once."""
-    grid, args, options = _dq_launch(qs, k, v, do, lse, delta, dq, masks.describe(causal),
-                                     scale, cfg, None, None)  # fmt: skip
+    grid, args, options = _dq_launch(
+        qs, k, v, do, lse, delta, dq, masks.describe(causal), scale, cfg, None, None
+    )
     bound = _launch.launcher(KB._attention_bwd_dq_kernel).bind_tensors(args, options)
     tail = args[7:-3]  # strides, sizes, scale, mask values (then three placeholder pointers)
 
-    def run(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-            lse: torch.Tensor, delta: torch.Tensor, dq: torch.Tensor) -> None:  # fmt: skip
+    def run(
+        qs: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        do: torch.Tensor,
+        lse: torch.Tensor,
+        delta: torch.Tensor,
+        dq: torch.Tensor,
+    ) -> None:
         bound(grid, qs, k, v, do, lse, delta, dq, *tail, lse, lse, lse)
 
     return run

@@ -25,8 +25,14 @@ def _check(
     """Validate the public arguments; return the softmax scale and q, k, v as ``b h n d`` views."""
     # the usual call, in a few tests (host time); anything else, every error included, takes
     # the checks of _check_all, from the caller's tensors
-    if (type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-            and q.dim() == 4 and k.dim() == 4 and layout in LAYOUTS):  # fmt: skip
+    if (
+        type(q) is torch.Tensor
+        and type(k) is torch.Tensor
+        and type(v) is torch.Tensor
+        and q.dim() == 4
+        and k.dim() == 4
+        and layout in LAYOUTS
+    ):
         views = (q, k, v)
         if layout == "b n h d":
             views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
@@ -39,9 +45,15 @@ def _usual(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Whether 4-D ``b h n d`` views pass every check of :func:`_check_all` (one dtype and device
     flashlite runs on, shapes that agree, GQA heads, a head dim from 1 to 256)."""
     qs, ks, dt = q.shape, k.shape, q.dtype
-    if not (ks == v.shape and dt in DTYPES and k.dtype == dt and v.dtype == dt
-            and (q.is_cuda or q.is_cpu) and _backend.same_device(k, q)
-            and _backend.same_device(v, q)):  # fmt: skip
+    if not (
+        ks == v.shape
+        and dt in DTYPES
+        and k.dtype == dt
+        and v.dtype == dt
+        and (q.is_cuda or q.is_cpu)
+        and _backend.same_device(k, q)
+        and _backend.same_device(v, q)
+    ):
         return False
     (b, hq, _, d), (bk, hkv, _, dk) = qs, ks
     return bk == b and dk == d and 0 < d <= MAX_HEAD_DIM and hkv > 0 and hq % hkv == 0
@@ -235,8 +247,10 @@ def _check_writable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     else:
         same = k_cache.data_ptr() == v_cache.data_ptr() and k_cache.stride() == v_cache.stride()
     if same:
-        raise ValueError("k_cache and v_cache are the same memory: k_new and v_new would be "
-                         "written over each other; pass two caches")  # fmt: skip
+        raise ValueError(
+            "k_cache and v_cache are the same memory: k_new and v_new would be "
+            "written over each other; pass two caches"
+        )
 
 
 def _check_cache_values(
@@ -264,16 +278,20 @@ def _check_cache_values(
         b = int(where.nonzero()[0, 0])
         value = int(cache_seqlens[b])
         if is_negative:
-            raise ValueError(f"cache_seqlens must be >= 0 (keys already in the cache); got "
-                             f"cache_seqlens[{b}] = {value}")  # fmt: skip
+            raise ValueError(
+                f"cache_seqlens must be >= 0 (keys already in the cache); got "
+                f"cache_seqlens[{b}] = {value}"
+            )
         raise ValueError(
             f"cache_seqlens + Nnew must be at most {capacity} (the cache's capacity); got "
             f"cache_seqlens[{b}] = {value}, Nnew = {n_new}"
         )
     if page_wrong:
         b, j = (int(i) for i in bad.nonzero()[0])  # type: ignore[union-attr]
-        raise ValueError(f"block_table holds pages outside [0, {num_pages}) among the pages "
-                         f"in use: block_table[{b}, {j}] = {int(block_table[b, j])}")  # type: ignore[index]  # fmt: skip
+        raise ValueError(
+            f"block_table holds pages outside [0, {num_pages}) among the pages "
+            f"in use: block_table[{b}, {j}] = {int(block_table[b, j])}"  # type: ignore[index]
+        )
 
 
 def _check_splits(num_splits: object) -> int | None:
@@ -301,22 +319,34 @@ def _report_kv_problems(device: torch.device, wait: bool, earlier: bool) -> None
         return
     _, kind, b, j, value, n_new, limit = words
     if kind == 1:
-        what = (f"cache_seqlens must be >= 0 (keys already in the cache); got "
-                f"cache_seqlens[{b}] = {value}")  # fmt: skip
+        what = (
+            f"cache_seqlens must be >= 0 (keys already in the cache); got "
+            f"cache_seqlens[{b}] = {value}"
+        )
     elif kind == 2:
-        what = (f"cache_seqlens + Nnew must be at most {limit} (the cache's capacity); got "
-                f"cache_seqlens[{b}] = {value}, Nnew = {n_new}")  # fmt: skip
+        what = (
+            f"cache_seqlens + Nnew must be at most {limit} (the cache's capacity); got "
+            f"cache_seqlens[{b}] = {value}, Nnew = {n_new}"
+        )
     else:
-        what = (f"block_table holds pages outside [0, {limit}) among the pages in use: "
-                f"block_table[{b}, {j}] = {value}")  # fmt: skip
-    _raise_recorded(f"{what} (batch {b} was not written)", earlier, device, "attention_kvcache",
-                    f"a bad value: {what}. That call wrote no new key for that batch and its "
-                    "output for it is not meaningful",
-                    "checks them before anything is written")  # fmt: skip
+        what = (
+            f"block_table holds pages outside [0, {limit}) among the pages in use: "
+            f"block_table[{b}, {j}] = {value}"
+        )
+    _raise_recorded(
+        f"{what} (batch {b} was not written)",
+        earlier,
+        device,
+        "attention_kvcache",
+        f"a bad value: {what}. That call wrote no new key for that batch and its "
+        "output for it is not meaningful",
+        "checks them before anything is written",
+    )
 
 
-def _check_offsets_on_device(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int,
-                             max_q: int, max_k: int) -> bool:  # fmt: skip
+def _check_offsets_on_device(
+    cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, max_q: int, max_k: int
+) -> bool:
     """Launch the offsets check (:mod:`flashlite.kernels.attention.offsets`): no host sync, a
     problem recorded for a later call to raise (:func:`_report_offsets_problems`). False, after
     one warning, when this Triton cannot build the kernel (the caller checks on the host)."""
@@ -335,9 +365,12 @@ def _check_offsets_on_device(cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: in
         if device in _offsets_checked:  # it built before: a real failure
             raise
         _offsets_failed.add(device)
-        warnings.warn(f"flashlite: the device check of cu_seqlens failed to build ({err!r:.300}); "
-                      "the offsets are checked on the host instead (one sync per call)",
-                      RuntimeWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"flashlite: the device check of cu_seqlens failed to build ({err!r:.300}); "
+            "the offsets are checked on the host instead (one sync per call)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return False
     _offsets_checked.add(device)
     return True
@@ -361,19 +394,26 @@ def _report_offsets_problems(device: torch.device, wait: bool, earlier: bool) ->
     elif kind == 2:
         what = f"{name} must end at the packed length {limit}; got {name}[{index}] = {value}"
     elif kind == 3:
-        what = (f"{name} must never decrease; got {name}[{index + 1}] - {name}[{index}] = "
-                f"{value}")  # fmt: skip
+        what = f"{name} must never decrease; got {name}[{index + 1}] - {name}[{index}] = {value}"
     else:
-        what = (f"max_seqlen ({limit}) is below the longest sequence of {name} (sequence "
-                f"{index} has {value})")  # fmt: skip
-    _raise_recorded(what, earlier, device, "attention_varlen",
-                    f"bad offsets: {what}. That call's rows are not meaningful (the kernels clamp "
-                    "offsets: nothing was read or written outside the tensors)",
-                    "checks them at the call")  # fmt: skip
+        what = (
+            f"max_seqlen ({limit}) is below the longest sequence of {name} (sequence "
+            f"{index} has {value})"
+        )
+    _raise_recorded(
+        what,
+        earlier,
+        device,
+        "attention_varlen",
+        f"bad offsets: {what}. That call's rows are not meaningful (the kernels clamp "
+        "offsets: nothing was read or written outside the tensors)",
+        "checks them at the call",
+    )
 
 
-def _raise_recorded(what: str, earlier: bool, device: torch.device, fn: str, consequence: str,
-                    strict: str) -> None:  # fmt: skip
+def _raise_recorded(
+    what: str, earlier: bool, device: torch.device, fn: str, consequence: str, strict: str
+) -> None:
     """The ``ValueError`` for a value a device check recorded: ``what`` as it is for this call's
     own record, or, for an ``earlier`` call's, the same named as that call's, with what it did
     (``consequence``) and what ``validate="sync"`` does instead (``strict``)."""

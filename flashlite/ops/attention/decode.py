@@ -65,29 +65,55 @@ def attention_decode_fwd(
     """
     o = empty_output(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    key = _decode_key(q, k, v, seqlens_k, block_table, mask, scale, num_splits, config, use_desc,
-                      _meta(sinks))  # fmt: skip
-    plan = _decode_plans.made(key, DecodePlan, q, k, v, o, seqlens_k, block_table, mask, scale,
-                              num_splits, config, use_desc, sinks is not None)  # fmt: skip
+    key = _decode_key(
+        q, k, v, seqlens_k, block_table, mask, scale, num_splits, config, use_desc, _meta(sinks)
+    )
+    plan = _decode_plans.made(
+        key,
+        DecodePlan,
+        q,
+        k,
+        v,
+        o,
+        seqlens_k,
+        block_table,
+        mask,
+        scale,
+        num_splits,
+        config,
+        use_desc,
+        sinks is not None,
+    )
     return o, lse, plan(q, k, v, seqlens_k, block_table, o, lse, sinks)
 
 
-def _decode_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seqlens_k: torch.Tensor | None,
-                block_table: torch.Tensor | None, *options: object) -> tuple:  # fmt: skip
+def _decode_key(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seqlens_k: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+    *options: object,
+) -> tuple:
     """What a :class:`DecodePlan` depends on: every tensor's :func:`_meta` and every option (o is
     fresh and strided from q: q's entry pins it)."""
     return (_meta(q), _meta(k), _meta(v), _meta(seqlens_k), _meta(block_table), *options)
 
 
-def planned_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   seqlens_k: torch.Tensor | None, mask: masks.Mask, scale: float,
-                   num_splits: int, sinks: torch.Tensor | None = None,
-                   ) -> tuple[torch.Tensor, torch.Tensor] | None:  # fmt: skip
+def planned_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seqlens_k: torch.Tensor | None,
+    mask: masks.Mask,
+    scale: float,
+    num_splits: int,
+    sinks: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`attention_decode_fwd`'s ``(O, LSE)`` for a call without block table or pinned
     config, when a call of its kind was planned before; else None, nothing launched (plans
     exist only for tensors where kernels run: nothing needs moving)."""
-    key = _decode_key(q, k, v, seqlens_k, None, mask, scale, num_splits, None, None,
-                      _meta(sinks))  # fmt: skip
+    key = _decode_key(q, k, v, seqlens_k, None, mask, scale, num_splits, None, None, _meta(sinks))
     plan = _decode_plans.get(key)
     if plan is None:
         return None
@@ -137,11 +163,13 @@ class DecodePlan:
             return
         group = hq // hkv
         if config is None:
-            config = decode_tiles(nq * group, b * hkv, d, q.element_size(),
-                                  _backend.kernels_interpreted())  # fmt: skip
+            config = decode_tiles(
+                nq * group, b * hkv, d, q.element_size(), _backend.kernels_interpreted()
+            )
         if num_splits is None:  # (paged tiles load one after the other: two programs per SM)
-            num_splits = _default_splits(q.device, b * hkv, nq * group, nk, config.block_m,
-                                         2 if page_size else 1)  # fmt: skip
+            num_splits = _default_splits(
+                q.device, b * hkv, nq * group, nk, config.block_m, 2 if page_size else 1
+            )
         bn = config.block_n
         split_len, splits = key_chunks(nk, bn, num_splits)
         self.splits = splits
@@ -151,13 +179,21 @@ class DecodePlan:
         self.desc_block = [1, 1, bn, C.block_d(d)]
         km = mask.kernel(nq, nk)
         self.options = {
-            "GROUP": group, "HEAD_DIM": d, "BLOCK_D": C.block_d(d), "BLOCK_M": config.block_m,
-            "BLOCK_N": bn, **km.constexprs(), "HAS_SEQLENS": seqlens_k is not None,
+            "GROUP": group,
+            "HEAD_DIM": d,
+            "BLOCK_D": C.block_d(d),
+            "BLOCK_M": config.block_m,
+            "BLOCK_N": bn,
+            **km.constexprs(),
+            "HAS_SEQLENS": seqlens_k is not None,
             "HAS_SINKS": sinks,
-            "PAGE_SIZE": page_size, "USE_DESC": self.use_desc,
-            "PRESCALE_Q": _prescale_q(q), **_dot_flags(q.dtype),
-            "num_warps": config.num_warps, "num_stages": config.num_stages,
-        }  # fmt: skip
+            "PAGE_SIZE": page_size,
+            "USE_DESC": self.use_desc,
+            "PRESCALE_Q": _prescale_q(q),
+            **_dot_flags(q.dtype),
+            "num_warps": config.num_warps,
+            "num_stages": config.num_stages,
+        }
         if mask_fn is not None:
             self.options.update(MASK_MOD=mask_fn[0], N_MASK_BUF=mask_fn[1])
         if score_fn is not None:
@@ -168,19 +204,36 @@ class DecodePlan:
         self.parts_split = -(-(splits * b * hq * nq * d) // 4) * 4
         self.parts_size = self.parts_split + splits * b * hq * nq if splits > 1 else None
         parts_stride = (hq * nq * d, nq * d, d, 1)
-        self.head = (*q.stride(), *k.stride(), *v.stride(),
-                     *(parts_stride if self.parts_size else o.stride()), hkv, nq, nk, scale,
-                     km.left, km.right, km.softcap)  # fmt: skip
+        self.head = (
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *(parts_stride if self.parts_size else o.stride()),
+            hkv,
+            nq,
+            nk,
+            scale,
+            km.left,
+            km.right,
+            km.softcap,
+        )
         # the mods' eight buffer slots: zeros here without one, else each call's
         no_mods = mask_fn is None and score_fn is None
-        self.tail = (block_table.stride(0) if block_table is not None else 0, k.shape[0],
-                     split_len, *((0,) * 8 if no_mods else ()))  # fmt: skip
+        self.tail = (
+            block_table.stride(0) if block_table is not None else 0,
+            k.shape[0],
+            split_len,
+            *((0,) * 8 if no_mods else ()),
+        )
         self.combine_head = (b * hq * nq * d, *parts_stride, *o.stride(), hq, nq, splits)
         self.combine_options = {
-            "HEAD_DIM": d, "BLOCK_D": C.block_d(d),
+            "HEAD_DIM": d,
+            "BLOCK_D": C.block_d(d),
             "SPLITS_PAD": max(2, 1 << (splits - 1).bit_length()),
-            "ROUND_BF16": _backend.round_bf16(o.dtype), "num_warps": 4, "num_stages": 1,
-        }  # fmt: skip
+            "ROUND_BF16": _backend.round_bf16(o.dtype),
+            "num_warps": 4,
+            "num_stages": 1,
+        }
         self.combine_grid = (nq, b * hq, 1)
         self._decode = self._combine = None  # bound at the first run (its tensors specialise)
 
@@ -215,9 +268,19 @@ class DecodePlan:
         if self.use_desc:  # (descriptors hold the data pointer: built per call)
             k = TensorDescriptor(k, list(k.shape), list(k.stride()), self.desc_block)
             v = TensorDescriptor(v, list(v.shape), list(v.stride()), self.desc_block)
-        args = (q, k, v, o_out, lse_out, *self.head, lse if seqlens_k is None else seqlens_k,
-                lse if block_table is None else block_table, lse if sinks is None else sinks,
-                *self.tail, *(mod_buffers or ()))  # fmt: skip
+        args = (
+            q,
+            k,
+            v,
+            o_out,
+            lse_out,
+            *self.head,
+            lse if seqlens_k is None else seqlens_k,
+            lse if block_table is None else block_table,
+            lse if sinks is None else sinks,
+            *self.tail,
+            *(mod_buffers or ()),
+        )
         if self._decode is None:
             self._decode = _launch.launcher(KD._attention_decode_kernel).bind(args, self.options)
         self._decode(self.grid, *args)
@@ -251,10 +314,22 @@ def combine_splits(
     splits, b, h, nq, d = o_parts.shape
     combine = _launch.launcher(KD._split_kv_combine_kernel)
     combine[(nq, b * h)](
-        o_parts, lse_parts, o, lse, *o_parts.stride(), *o.stride(), h, nq, splits, HEAD_DIM=d,
-        BLOCK_D=C.block_d(d), SPLITS_PAD=max(2, 1 << (splits - 1).bit_length()),
-        ROUND_BF16=_backend.round_bf16(o.dtype), num_warps=4, num_stages=1,
-    )  # fmt: skip
+        o_parts,
+        lse_parts,
+        o,
+        lse,
+        *o_parts.stride(),
+        *o.stride(),
+        h,
+        nq,
+        splits,
+        HEAD_DIM=d,
+        BLOCK_D=C.block_d(d),
+        SPLITS_PAD=max(2, 1 << (splits - 1).bit_length()),
+        ROUND_BF16=_backend.round_bf16(o.dtype),
+        num_warps=4,
+        num_stages=1,
+    )
 
 
 #: :class:`DecodePlan` per kind of :func:`attention_decode_fwd` call.

@@ -27,6 +27,7 @@ from flashlite.masking import mods as M
 from flashlite.masking.create import block_mask_for
 from flashlite.masking.mod_args import ModArgs, check_mod, spec_mod
 from flashlite.ops._dispatch import Op
+from flashlite.ops.attention import flex_args as FA
 from flashlite.ops.attention import flex_plan as FP
 from flashlite.ops.attention.checks import check_inputs
 from flashlite.ops.attention.request import Request
@@ -83,7 +84,7 @@ def flex_fwd_body(
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
         return torch.zeros_like(q), lse.fill_(-math.inf)
     cu = _offsets(cu_q, request.cu_seqlens_k)
-    key = FP.call_key(q, k, v, tables, mask, score, tbm, tbn, request.scale, cu or ())
+    key = FA.call_key(q, k, v, tables, mask, score, tbm, tbn, request.scale, cu or ())
     key.append(None if cu is None else cu[0].shape)
     key = tuple(key)
     plan = FP.fwd_plans.get(key)
@@ -124,7 +125,7 @@ def flex_bwd_body(
     kv_tables, q_tables = tuple(tables[:4]), tuple(tables[4:])
     mask, score = _mods(request)
     cu = _offsets(request.cu_seqlens_q, request.cu_seqlens_k)
-    key = FP.call_key(
+    key = FA.call_key(
         q,
         k,
         v,
@@ -225,8 +226,12 @@ def compiled_variants() -> int:
     a loop over sequence lengths should not grow; 0 in the interpreter, which compiles
     nothing). With Gluon, the Hopper kernels' variants count too (the plain attention's
     among them)."""
-    kernels = [KF._flex_fwd_kernel, KF._flex_bwd_dkdv_kernel, KF._flex_bwd_dq_kernel,
-               KB._classify_tiles_kernel]  # fmt: skip
+    kernels = [
+        KF._flex_fwd_kernel,
+        KF._flex_bwd_dkdv_kernel,
+        KF._flex_bwd_dq_kernel,
+        KB._classify_tiles_kernel,
+    ]
     if KH.available():
         kernels.append(KH._attention_fwd_hopper_kernel)
     if KHB.available():
@@ -235,10 +240,18 @@ def compiled_variants() -> int:
 
 
 # --------------------------------------------------------------------------- public
-def flex_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                   score_mod: Any = None, block_mask: Any = None, scale: float | None = None,
-                   enable_gqa: bool = False, return_lse: bool = False, *,
-                   layout: str = "b h n d") -> Any:  # fmt: skip
+def flex_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    score_mod: Any = None,
+    block_mask: Any = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    return_lse: bool = False,
+    *,
+    layout: str = "b h n d",
+) -> Any:
     """Attention with your own mask and score function (``torch.nn.attention.flex_attention``'s
     signature), differentiable in query, key and value.
 
@@ -300,18 +313,24 @@ def _request(
     check_mod(bm.mask_mod, "block_mask's mask_mod", q.device, batch, hq, positions)
     tb, th = bm.kv_num_blocks.shape[:2]
     if tb not in (1, batch) or th not in (1, hq):
-        raise ValueError(f"block_mask was built for B={tb}, H={th}; the call has B={batch}, "
-                         f"H={hq} (build it with these, or None to broadcast)")  # fmt: skip
+        raise ValueError(
+            f"block_mask was built for B={tb}, H={th}; the call has B={batch}, "
+            f"H={hq} (build it with these, or None to broadcast)"
+        )
     # one table for every batch (head) holds batch (head) 0's tiles: wrong for a mask whose
     # buffers differ per batch (head), whose other tiles would be skipped or left unmasked
     limits = bm.mask_mod.limits
-    for shared, call, limit, arg, nouns in ((tb == 1, batch, limits[0], "B", "batches"),
-                                            (th == 1, hq, limits[1], "H", "heads")):  # fmt: skip
+    for shared, call, limit, arg, nouns in (
+        (tb == 1, batch, limits[0], "B", "batches"),
+        (th == 1, hq, limits[1], "H", "heads"),
+    ):
         if shared and call > 1 and limit is not None and limit > 1:
-            raise ValueError(f"block_mask was built with {arg}=None (the first one's tiles for "
-                             f"all), but its mask_mod {bm.mask_mod.name} holds entries for "
-                             f"{limit} {nouns} and may differ between them: build it with "
-                             f"{arg}={call}")  # fmt: skip
+            raise ValueError(
+                f"block_mask was built with {arg}=None (the first one's tiles for "
+                f"all), but its mask_mod {bm.mask_mod.name} holds entries for "
+                f"{limit} {nouns} and may differ between them: build it with "
+                f"{arg}={call}"
+            )
     return table_request(bm, scale, smod, **fields)
 
 
@@ -329,9 +348,18 @@ def table_request(bm: Any, scale: float, smod: M.ScoreMod | None = None, **field
     return Request(scale, block_tables=tables, block_size=list(bm.BLOCK_SIZE), **mods, **fields)
 
 
-def flex_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
-                cu_k: torch.Tensor, max_q: int, max_k: int, score_mod: Any, block_mask: Any,
-                scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def flex_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_q: torch.Tensor,
+    cu_k: torch.Tensor,
+    max_q: int,
+    max_k: int,
+    score_mod: Any,
+    block_mask: Any,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`flashlite.attention_varlen` with a score function or block mask: the flex
     kernels over packed ``(1, H, total, D)`` views, sequence b as batch b of the tables and
     the mods (positions from its start). Returns ``(o, lse)`` as the views."""

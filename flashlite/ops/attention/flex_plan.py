@@ -1,8 +1,8 @@
 """What a :func:`~flashlite.ops.attention.flex.flex_attention` call runs, planned once per kind of
 call (:class:`FwdPlan`, :class:`BwdPlan`): the kernels (the Hopper ones where they apply, else
 Triton's), their options, the block tables' strides, the mods' buffer slots and the bound
-launches. A kind is everything a plan pins (:func:`call_key`); a later call of the kind
-allocates its outputs and launches, nothing more (the host path's cost, docs/host-path.md)."""
+launches. A kind is everything a plan pins (:func:`.flex_args.call_key`); a later call of the
+kind allocates its outputs and launches, nothing more (the host path's cost, docs/host-path.md)."""
 
 from __future__ import annotations
 
@@ -12,23 +12,23 @@ from typing import Any, NamedTuple
 import torch
 import triton
 
-from flashlite import _backend, _launch
+from flashlite import _backend
 from flashlite._caches import Cache, register
-from flashlite.kernels import configs as C
 from flashlite.kernels.attention import flex as KF
 from flashlite.kernels.attention import hopper_bwd as KHB
-from flashlite.masking.mod_args import (
-    ModArgs,
-    Slots,
-    declared_fast_path,
-    spec_entry,
-    split_spec,
-    unspec_mod,
-)
+from flashlite.masking.mod_args import ModArgs, Slots
 from flashlite.ops.attention import hopper as HP
 from flashlite.ops.attention.bwd_launch import plan_preprocess
+from flashlite.ops.attention.flex_args import (
+    bind_triton,
+    grid_batch,
+    grid_blocks,
+    head_linear_bias,
+    mod_args,
+    table_args,
+    triton_fwd_tiles,
+)
 from flashlite.ops.attention.plan import (
-    HOPPER_ENV,
     _descriptor_ok,
     hopper_bwd_applies,
     hopper_config,
@@ -40,84 +40,14 @@ Grads = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 #: Varlen's offsets ``(cu_seqlens_q, cu_seqlens_k)``, or None.
 Offsets = tuple[torch.Tensor, torch.Tensor] | None
 
-#: :class:`FwdPlan` and :class:`BwdPlan` per kind of call (:func:`call_key`).
+#: :class:`FwdPlan` and :class:`BwdPlan` per kind of call (:func:`.flex_args.call_key`).
 fwd_plans = Cache("flex.fwd", 256)
 bwd_plans = Cache("flex.bwd", 256)
 
 
-def call_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-             tables: tuple[torch.Tensor, ...], mask: ModArgs, score: ModArgs, tbm: int, tbn: int,
-             scale: float, more: tuple[torch.Tensor | None, ...] = ()) -> list[Any]:  # fmt: skip
-    """What a plan depends on: q's, k's and v's shapes and strides, the dtype and device, the
-    tables' shapes and strides, each mod's spec (its name and buffer kinds), registry entry
-    and numbers, its tensors' dtypes, the scale, the switches that choose kernels, and every
-    tensor's 16-byte alignment (one flag when all are aligned, the usual case), ``more``'s
-    tensors' too (None where absent). The caller appends what else its plan pins."""
-    key: list[Any] = [q.shape, q.stride(), k.shape, k.stride(), v.stride(), q.dtype, q.device,
-                      tbm, tbn, scale, _backend.getenv(HOPPER_ENV), C.pinned_text()]  # fmt: skip
-    ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr()
-    for t in tables:
-        ptrs |= t.data_ptr()
-        key.append(t.shape)
-        key.append(t.stride())
-    for spec, tensors, nums in (mask, score):
-        key.append(spec)
-        key.append(spec_entry(spec))
-        key.extend(nums)
-        for t in tensors:
-            ptrs |= t.data_ptr()
-            key.append(t.dtype)
-    for t in more:
-        if t is not None:
-            ptrs |= t.data_ptr()
-    if ptrs & 15:  # (rare: then each pointer's own)
-        every = (q, k, v, *tables, *mask[1], *score[1], *(t for t in more if t is not None))
-        key.append(tuple(t.data_ptr() % 16 for t in every))
-    return key
-
-
-def mod_args(mask: ModArgs, score: ModArgs, grad: bool) -> tuple[list[Any], dict[str, Any]]:
-    """The kernels' eight buffer slots and their mod constexprs (``SCORE_GRAD`` with ``grad``;
-    an absent score function's slots hold the mask, never called)."""
-    (mfn, *_), mbufs, n_mbuf = unspec_mod(*mask)
-    sfns, sbufs, n_sbuf = unspec_mod(*score)
-    if grad and sfns is not None and sfns[2] is None:
-        raise NotImplementedError(
-            f"score_mod {split_spec(score[0])[0]} has no derivative: make it with "
-            "flashlite.mods.score_mod(fn, ..., grad=...) to differentiate through it"
-        )
-    consts = {"MASK_MOD": mfn, "N_MASK_BUF": n_mbuf, "SCORE_MOD": sfns[0] if sfns else mfn,
-              "N_SCORE_BUF": n_sbuf, "HAS_SCORE": sfns is not None}  # fmt: skip
-    if grad:
-        consts["SCORE_GRAD"] = sfns[2] if sfns else mfn
-    return [*mbufs, *sbufs], consts
-
-
-def head_linear_bias(score: ModArgs) -> bool:
-    """Whether the score function declares the ``"head_linear_bias"`` fast path
-    (:func:`flashlite.masking.mods.score_mod`'s ``fast_path``; the gallery's ALiBi does): its
-    first buffer is then the fp32 per-head slopes, which the Hopper forward applies as a column
-    and a row term (:func:`flashlite.kernels.attention.hopper_parts._fold`) instead of calling it."""
-    return declared_fast_path(score[0]) == "head_linear_bias"
-
-
-def table_args(num: torch.Tensor, idx: torch.Tensor) -> tuple[int, ...]:
-    """Strides of ``(B|1, H|1, n)`` counts and ``(B|1, H|1, n, m)`` indices as ``(B, H, …)``
-    views take them: 0 along a broadcast (size 1) dimension, as ``expand`` would give."""
-    ns, is_ = num.stride(), idx.stride()
-    one_b, one_h = num.shape[0] == 1, num.shape[1] == 1
-    return (0 if one_b else ns[0], 0 if one_h else ns[1], ns[2], 0 if one_b else is_[0],
-            0 if one_h else is_[1], is_[2])  # fmt: skip
-
-
-def triton_fwd_tiles(d: int, table: tuple[int, int], varlen: bool) -> tuple[int, int]:
-    """The Triton forward's ``(BLOCK_M, BLOCK_N)`` on a GPU for head dim ``d`` and tables of
-    ``table`` tiles (the traffic model takes them from here)."""
-    return min(table[0], 128), min(table[1], 32 if varlen and d > 64 else 64)
-
-
-def _options(q: torch.Tensor, tbm: int, tbn: int, bwd: bool,
-             varlen: bool = False) -> dict[str, Any]:  # fmt: skip
+def _options(
+    q: torch.Tensor, tbm: int, tbn: int, bwd: bool, varlen: bool = False
+) -> dict[str, Any]:
     """The Triton kernels' tiles (dividing the table's) and numerics. Varlen at head dims
     above 64: 32-key tiles (and 8 warps backward), which built for sm_90 with at most 56 bytes
     of spills where 64-key tiles spilled 136–216 B forward and 0.9–4 KB backward (Triton 3.9's
@@ -133,49 +63,18 @@ def _options(q: torch.Tensor, tbm: int, tbn: int, bwd: bool,
         bm, bn = triton_fwd_tiles(d, (tbm, tbn), varlen)
         warps, stages = (8 if d > 64 else 4), 3
     return {
-        "HEAD_DIM": d, "BLOCK_D": max(16, triton.next_power_of_2(d)), "BLOCK_M": bm,
-        "BLOCK_N": bn, "TBM": tbm, "TBN": tbn, "DOT_FP32": _backend.dot_upcast(q.dtype),
+        "HEAD_DIM": d,
+        "BLOCK_D": max(16, triton.next_power_of_2(d)),
+        "BLOCK_M": bm,
+        "BLOCK_N": bn,
+        "TBM": tbm,
+        "TBN": tbn,
+        "DOT_FP32": _backend.dot_upcast(q.dtype),
         "DOT_PRECISION": "tf32x3" if q.dtype == torch.float32 else "tf32",
-        "ROUND_BF16": _backend.round_bf16(q.dtype), "num_warps": warps, "num_stages": stages,
-    }  # fmt: skip
-
-
-def _blocks(n: int, num: torch.Tensor, table_block: int, block: int, varlen: bool) -> int:
-    """Programs along ``n`` rows (or keys) in blocks of ``block``; varlen: along the tables'
-    ``(…, rows)`` counts of ``table_block`` (the longest sequence's; ``block`` divides it),
-    programs past a shorter sequence returning at once."""
-    return num.shape[-1] * (table_block // block) if varlen else triton.cdiv(n, block)
-
-
-def _batch(q: torch.Tensor, cu: tuple[torch.Tensor, torch.Tensor], varlen: bool) -> int:
-    """The grid's batch: q's, or varlen's number of sequences."""
-    return cu[0].shape[0] - 1 if varlen else q.shape[0]
-
-
-#: (kernel, mods, head dim, dtype) launched with one stage: see :func:`_bind_triton`.
-_one_stage: set[tuple[Any, ...]] = register("flex.one_stage", set())
-
-
-def _bind_triton(kernel: Any, grid: tuple[int, int, int], args: tuple[Any, ...],
-                 mods: dict[str, Any], opts: dict[str, Any]) -> Callable[..., None]:  # fmt: skip
-    """Launch a Triton flex kernel once and return its bound launch for later calls of the
-    kind. Triton's software pipeliner stages a loop's loads in shared memory, a mod's gathers
-    too (a bias table read per score): those can outgrow it. Then the kernel runs (this time
-    and for later calls of the mod) with one stage, unpipelined."""
-    key = (kernel, *mods.values(), opts["HEAD_DIM"], args[0].dtype)
-    if key in _one_stage:
-        opts = {**opts, "num_stages": 1}
-    launcher = _launch.launcher(kernel)
-    try:
-        bound = launcher.bind(args, {**mods, **opts})
-        bound(grid, *args)
-    except triton.OutOfResources:
-        if opts["num_stages"] == 1:
-            raise
-        _one_stage.add(key)
-        bound = launcher.bind(args, {**mods, **opts, "num_stages": 1})
-        bound(grid, *args)
-    return bound
+        "ROUND_BF16": _backend.round_bf16(q.dtype),
+        "num_warps": warps,
+        "num_stages": stages,
+    }
 
 
 # --------------------------------------------------------------------------- forward
@@ -187,25 +86,39 @@ class FwdPlan:
     """A flex forward for one kind of call: ``(o, lse)`` from q, k, v, the ``kv_*`` tables and
     the mods' tensors. Its first call chooses the kernel and binds its launch."""
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, tables: tuple[torch.Tensor, ...],
-                 mask: ModArgs, score: ModArgs, tbm: int, tbn: int, scale: float,
-                 varlen: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        tables: tuple[torch.Tensor, ...],
+        mask: ModArgs,
+        score: ModArgs,
+        tbm: int,
+        tbn: int,
+        scale: float,
+        varlen: bool = False,
+    ) -> None:
         b, hq, nq, _ = q.shape
         self.lse_shape = (b, hq, nq)
         self.tbm, self.tbn, self.scale, self.varlen = tbm, tbn, scale, varlen
         bufs, self.mods = mod_args(mask, score, grad=False)
         # the Hopper forward also takes whether the score function declares the head-linear
         # bias (ALiBi), which it applies as a column and a row term; Triton calls it as it is
-
         self.hopper_mods = {**self.mods, "ALIBI": head_linear_bias(score)}
         self.slots = Slots(bufs)
         self.strides = table_args(tables[0], tables[1])
         #: ``run(q, k, v, o, lse, tables, bufs)``, bound by the first call
         self.run: Callable[..., None] | None = None
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 tables: tuple[torch.Tensor, ...], tensors: list[torch.Tensor],
-                 cu: Offsets = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        tables: tuple[torch.Tensor, ...],
+        tensors: list[torch.Tensor],
+        cu: Offsets = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         o = torch.empty_like(q)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         bufs = self.slots(tensors)
@@ -216,45 +129,85 @@ class FwdPlan:
             self.run(q, k, v, o, lse, tables, bufs, cu)
         return o, lse
 
-    def _first(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-               lse: torch.Tensor, tables: tuple[torch.Tensor, ...], bufs: list[Any],
-               cu: tuple[torch.Tensor, torch.Tensor]) -> Callable[..., None]:  # fmt: skip
+    def _first(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        o: torch.Tensor,
+        lse: torch.Tensor,
+        tables: tuple[torch.Tensor, ...],
+        bufs: list[Any],
+        cu: tuple[torch.Tensor, torch.Tensor],
+    ) -> Callable[..., None]:
         """Launch this call; the launch later calls repeat. The Gluon (Hopper) kernel where it
         applies: a compiled sm_90 device, 16-bit inputs TMA can read, a head dim with a
         measured config whose tiles are the tables' blocks, not varlen; else (or after one
         warning if it failed to build) the Triton kernel."""
         config = None if self.varlen else hopper_config(q, k.shape[2])
-        if (config is not None and (self.tbm, self.tbn) == (config.block_m, config.block_n)
-                and _descriptor_ok(q, k, v, o)):  # fmt: skip
+        if (
+            config is not None
+            and (self.tbm, self.tbn) == (config.block_m, config.block_n)
+            and _descriptor_ok(q, k, v, o)
+        ):
             key = (q.dtype, q.shape[-1], *self.hopper_mods.values())
 
             def build() -> Callable[..., None]:
-                return HP.plan_flex_fwd(q, k, v, o, lse, tables, self.strides, self.scale,
-                                        config, bufs, self.hopper_mods)  # fmt: skip
+                return HP.plan_flex_fwd(
+                    q,
+                    k,
+                    v,
+                    o,
+                    lse,
+                    tables,
+                    self.strides,
+                    self.scale,
+                    config,
+                    bufs,
+                    self.hopper_mods,
+                )
 
             run = HP.first_build(hopper_failed, key, "flex", build, stacklevel=6)
             if run is not None:
 
-                def hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                           lse: torch.Tensor, tables: tuple[torch.Tensor, ...], bufs: list[Any],
-                           cu: tuple[torch.Tensor, torch.Tensor]) -> None:  # fmt: skip
+                def hopper(
+                    q: torch.Tensor,
+                    k: torch.Tensor,
+                    v: torch.Tensor,
+                    o: torch.Tensor,
+                    lse: torch.Tensor,
+                    tables: tuple[torch.Tensor, ...],
+                    bufs: list[Any],
+                    cu: tuple[torch.Tensor, torch.Tensor],
+                ) -> None:
                     run(q, k, v, o, lse, tables, bufs)
 
                 return hopper
         hq, nq = q.shape[1], q.shape[2]
         hkv, nk = k.shape[1], k.shape[2]
         opts = _options(q, self.tbm, self.tbn, bwd=False, varlen=self.varlen)
-        grid = (_blocks(nq, tables[0], self.tbm, opts["BLOCK_M"], self.varlen),
-                _batch(q, cu, self.varlen) * hq, 1)  # fmt: skip
+        grid = (
+            grid_blocks(nq, tables[0], self.tbm, opts["BLOCK_M"], self.varlen),
+            grid_batch(q, cu, self.varlen) * hq,
+            1,
+        )
         mid = (*q.stride(), *k.stride(), *v.stride(), *o.stride())
         tail = (*self.strides, hq, hq // hkv, nq, nk, self.scale)
         args = (q, k, v, o, lse, *mid, *tables, *tail, *cu, *bufs)
-        bound = _bind_triton(KF._flex_fwd_kernel, grid, args, self.mods,
-                             {**opts, "VARLEN": self.varlen})  # fmt: skip
+        bound = bind_triton(
+            KF._flex_fwd_kernel, grid, args, self.mods, {**opts, "VARLEN": self.varlen}
+        )
 
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                lse: torch.Tensor, tables: tuple[torch.Tensor, ...], bufs: list[Any],
-                cu: tuple[torch.Tensor, torch.Tensor]) -> None:  # fmt: skip
+        def run(
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            o: torch.Tensor,
+            lse: torch.Tensor,
+            tables: tuple[torch.Tensor, ...],
+            bufs: list[Any],
+            cu: tuple[torch.Tensor, torch.Tensor],
+        ) -> None:
             bound(grid, q, k, v, o, lse, *mid, *tables, *tail, *cu, *bufs)
 
         return run
@@ -291,9 +244,19 @@ class BwdPlan:
     (and its gradient), the ``q_*`` and ``kv_*`` tables and the mods' tensors. Its first call
     chooses the kernels (the fused Hopper one, or the Triton pair) and binds their launches."""
 
-    def __init__(self, q: torch.Tensor, k: torch.Tensor, q_tables: tuple[torch.Tensor, ...],
-                 kv_tables: tuple[torch.Tensor, ...], mask: ModArgs, score: ModArgs, tbm: int,
-                 tbn: int, scale: float, varlen: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        q_tables: tuple[torch.Tensor, ...],
+        kv_tables: tuple[torch.Tensor, ...],
+        mask: ModArgs,
+        score: ModArgs,
+        tbm: int,
+        tbn: int,
+        scale: float,
+        varlen: bool = False,
+    ) -> None:
         b, hq, nq, d = q.shape
         self.delta_shape, self.acc_shape = (b, hq, nq), (b, hq, nq, d)
         self.tbm, self.tbn, self.scale, self.varlen = tbm, tbn, scale, varlen
@@ -304,15 +267,26 @@ class BwdPlan:
         #: ``run(call)`` (:class:`BwdCall`), bound by the first call
         self.run: Callable[[BwdCall], None] | None = None
 
-    def __call__(self, do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
-                 q_tables: tuple[torch.Tensor, ...], kv_tables: tuple[torch.Tensor, ...],
-                 tensors: list[torch.Tensor], cu: Offsets = None) -> Grads:  # fmt: skip
+    def __call__(
+        self,
+        do: torch.Tensor,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        o: torch.Tensor,
+        lse: torch.Tensor,
+        dlse: torch.Tensor | None,
+        q_tables: tuple[torch.Tensor, ...],
+        kv_tables: tuple[torch.Tensor, ...],
+        tensors: list[torch.Tensor],
+        cu: Offsets = None,
+    ) -> Grads:
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         # an expanded or strided dlse (autograd may hand one over) is made dense, O(N)
         dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
-        call = BwdCall(do, q, k, v, o, lse, dlse, dq, dk, dv, q_tables, kv_tables,
-                       self.slots(tensors), cu or (q_tables[0], q_tables[0]))  # fmt: skip
+        bufs = self.slots(tensors)
+        cu = cu or (q_tables[0], q_tables[0])  # (placeholders, never read)
+        call = BwdCall(do, q, k, v, o, lse, dlse, dq, dk, dv, q_tables, kv_tables, bufs, cu)
         if self.run is None:
             self.run = self._first(call)
         else:
@@ -337,14 +311,29 @@ class BwdPlan:
         key = (c.q.dtype, c.q.shape[-1], *self.mods.values())
         acc = torch.empty(self.acc_shape, device=c.q.device, dtype=torch.float32)
         delta = torch.empty(self.delta_shape, device=c.q.device, dtype=torch.float32)
-        prep = plan_preprocess(c.o, c.do, c.dlse, delta, c.q, c.dq, self.scale, acc,
-                               prescale_q=True)  # fmt: skip
+        prep = plan_preprocess(
+            c.o, c.do, c.dlse, delta, c.q, c.dq, self.scale, acc, prescale_q=True
+        )
         prep(c.o, c.do, c.dlse, delta, c.q, c.dq, acc)
 
         def build() -> Callable[..., None]:
-            return HP.plan_flex_bwd(c.dq, c.k, c.v, c.do, c.lse, delta, c.dq, c.dk, c.dv, acc,
-                                    c.q_tables, self.q_strides, self.scale, c.bufs,
-                                    self.mods)  # fmt: skip
+            return HP.plan_flex_bwd(
+                c.dq,
+                c.k,
+                c.v,
+                c.do,
+                c.lse,
+                delta,
+                c.dq,
+                c.dk,
+                c.dv,
+                acc,
+                c.q_tables,
+                self.q_strides,
+                self.scale,
+                c.bufs,
+                self.mods,
+            )
 
         main = HP.first_build(hopper_bwd_failed, key, "flex backward", build, stacklevel=7)
         if main is None:
@@ -362,7 +351,7 @@ class BwdPlan:
     def _first_triton(self, c: BwdCall) -> Callable[[BwdCall], None]:
         hq, nq = c.q.shape[1], c.q.shape[2]
         hkv, nk = c.k.shape[1], c.k.shape[2]
-        b = _batch(c.q, c.cu, self.varlen)
+        b = grid_batch(c.q, c.cu, self.varlen)
         opts = {
             **_options(c.q, self.tbm, self.tbn, bwd=True, varlen=self.varlen),
             "VARLEN": self.varlen,
@@ -375,25 +364,87 @@ class BwdPlan:
         strides = (*c.q.stride(), *c.k.stride(), *c.v.stride(), *c.do.stride())
         dkdv_mid = (*strides, *c.dk.stride(), *c.dv.stride())
         dkdv_tail = (*self.q_strides, hkv, *sizes[1:])
-        dkdv_grid = (_blocks(nk, c.q_tables[0], self.tbn, opts["BLOCK_N"], self.varlen),
-                     b * hkv, 1)  # fmt: skip
-        dkdv = _bind_triton(KF._flex_bwd_dkdv_kernel, dkdv_grid, (
-            c.q, c.k, c.v, c.do, c.dk, c.dv, c.lse, delta, *dkdv_mid, *c.q_tables, *dkdv_tail,
-            *c.cu, *c.bufs), self.mods, opts)  # fmt: skip
+        k_blocks = grid_blocks(nk, c.q_tables[0], self.tbn, opts["BLOCK_N"], self.varlen)
+        dkdv_grid = (k_blocks, b * hkv, 1)
+        dkdv = bind_triton(
+            KF._flex_bwd_dkdv_kernel,
+            dkdv_grid,
+            (
+                c.q,
+                c.k,
+                c.v,
+                c.do,
+                c.dk,
+                c.dv,
+                c.lse,
+                delta,
+                *dkdv_mid,
+                *c.q_tables,
+                *dkdv_tail,
+                *c.cu,
+                *c.bufs,
+            ),
+            self.mods,
+            opts,
+        )
         dq_mid = (*strides, *c.dq.stride())
         dq_tail = (*self.kv_strides, *sizes)
-        dq_grid = (_blocks(nq, c.kv_tables[0], self.tbm, opts["BLOCK_M"], self.varlen),
-                   b * hq, 1)  # fmt: skip
-        dq_run = _bind_triton(KF._flex_bwd_dq_kernel, dq_grid, (
-            c.q, c.k, c.v, c.do, c.dq, c.lse, delta, *dq_mid, *c.kv_tables, *dq_tail, *c.cu,
-            *c.bufs), self.mods, opts)  # fmt: skip
+        q_blocks = grid_blocks(nq, c.kv_tables[0], self.tbm, opts["BLOCK_M"], self.varlen)
+        dq_grid = (q_blocks, b * hq, 1)
+        dq_run = bind_triton(
+            KF._flex_bwd_dq_kernel,
+            dq_grid,
+            (
+                c.q,
+                c.k,
+                c.v,
+                c.do,
+                c.dq,
+                c.lse,
+                delta,
+                *dq_mid,
+                *c.kv_tables,
+                *dq_tail,
+                *c.cu,
+                *c.bufs,
+            ),
+            self.mods,
+            opts,
+        )
 
         def run(c: BwdCall) -> None:
             delta = torch.empty(delta_shape, device=c.q.device, dtype=torch.float32)
             prep(c.o, c.do, c.dlse, delta, c.q, c.q)
-            dkdv(dkdv_grid, c.q, c.k, c.v, c.do, c.dk, c.dv, c.lse, delta, *dkdv_mid,
-                 *c.q_tables, *dkdv_tail, *c.cu, *c.bufs)  # fmt: skip
-            dq_run(dq_grid, c.q, c.k, c.v, c.do, c.dq, c.lse, delta, *dq_mid, *c.kv_tables,
-                   *dq_tail, *c.cu, *c.bufs)  # fmt: skip
+            dkdv(
+                dkdv_grid,
+                c.q,
+                c.k,
+                c.v,
+                c.do,
+                c.dk,
+                c.dv,
+                c.lse,
+                delta,
+                *dkdv_mid,
+                *c.q_tables,
+                *dkdv_tail,
+                *c.cu,
+                *c.bufs,
+            )
+            dq_run(
+                dq_grid,
+                c.q,
+                c.k,
+                c.v,
+                c.do,
+                c.dq,
+                c.lse,
+                delta,
+                *dq_mid,
+                *c.kv_tables,
+                *dq_tail,
+                *c.cu,
+                *c.bufs,
+            )
 
         return run

@@ -112,10 +112,22 @@ def attention_fwd(
             if planned:  # (it built and ran: later calls of this kind go straight to it)
                 _fwd_plans.put(key, _Planned(run, q.shape[:3], info))
             return o, lse, info
-    config, launch = _plan(dev, q.dtype, d, km.IS_CAUSAL, small and not use_desc, use_desc,
-                           prescale_q, config, km.WINDOW, km.SOFTCAP, seqlens_k is not None,
-                           varlen is not None, _fixed_reference(q.dtype, mask.softcap, sinks),
-                           sinks is not None)  # fmt: skip
+    config, launch = _plan(
+        dev,
+        q.dtype,
+        d,
+        km.IS_CAUSAL,
+        small and not use_desc,
+        use_desc,
+        prescale_q,
+        config,
+        km.WINDOW,
+        km.SOFTCAP,
+        seqlens_k is not None,
+        varlen is not None,
+        _fixed_reference(q.dtype, mask.softcap, sinks),
+        sinks is not None,
+    )
     block_d = launch["BLOCK_D"]
     if use_desc:  # block shapes are set per config (set_block_shapes), placeholders here
         bm, bn = (config.block_m, config.block_n) if config is not None else (16, 16)
@@ -124,11 +136,25 @@ def attention_fwd(
             srcs[3] = o
     else:
         srcs = [q, k, v, o]
-    args = (*srcs, lse, *q.stride(), *k.stride(), *v.stride(), *o.stride(),
-            hq, hq // hkv, nq, nk, scale, km.left, km.right, km.softcap,
-            seqlens_k if seqlens_k is not None else lse,
-            *(varlen[:2] if varlen is not None else (lse, lse)),
-            sinks if sinks is not None else lse)  # fmt: skip
+    args = (
+        *srcs,
+        lse,
+        *q.stride(),
+        *k.stride(),
+        *v.stride(),
+        *o.stride(),
+        hq,
+        hq // hkv,
+        nq,
+        nk,
+        scale,
+        km.left,
+        km.right,
+        km.softcap,
+        seqlens_k if seqlens_k is not None else lse,
+        *(varlen[:2] if varlen is not None else (lse, lse)),
+        sinks if sinks is not None else lse,
+    )
     # packed sequences: one program row per sequence, as many query blocks as the longest has
     rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
     if config is not None:
@@ -143,8 +169,9 @@ def attention_fwd(
         tail = args[5:-4]  # strides, sizes, scale, mask values (then four placeholders)
         bound(grid, q, k, v, o, lse, *tail, lse, lse, lse, lse)
 
-        def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                lse: torch.Tensor) -> None:  # fmt: skip
+        def run(
+            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
+        ) -> None:
             bound(grid, q, k, v, o, lse, *tail, lse, lse, lse, lse)
 
         _fwd_plans.put(key, _Planned(run, q.shape[:3], info))
@@ -169,12 +196,21 @@ DECODE_FIELDS = (
 )
 
 
-def _descriptors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, bm: int,
-                 bn: int, block_d: int) -> list[TensorDescriptor]:  # fmt: skip
+def _descriptors(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    bm: int,
+    bn: int,
+    block_d: int,
+) -> list[TensorDescriptor]:
     """The forward kernel's 4-D TMA descriptors of q, k, v, o (``[1, 1, rows, BLOCK_D]``
     blocks: ``bm`` query rows, ``bn`` keys)."""
-    return [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])
-            for t, r in ((q, bm), (k, bn), (v, bn), (o, bm))]  # fmt: skip
+    return [
+        TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])
+        for t, r in ((q, bm), (k, bn), (v, bn), (o, bm))
+    ]
 
 
 #: The plain forward's plans per kind of q, k, v (shapes, strides, dtype, device, alignment,
@@ -204,12 +240,14 @@ def _fwd_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request
 class _Planned:
     """A planned plain forward: allocates ``O`` (in q's layout) and the LSE, launches ``run``."""
 
-    def __init__(self, run: Callable[..., None], lse_shape: tuple[int, ...],
-                 info: LaunchInfo) -> None:  # fmt: skip
+    def __init__(
+        self, run: Callable[..., None], lse_shape: tuple[int, ...], info: LaunchInfo
+    ) -> None:
         self.run, self.lse_shape, self.info = run, lse_shape, info
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor,
-                 v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, LaunchInfo]:  # fmt: skip
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, LaunchInfo]:
         o = empty_output(q)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         self.run(q, k, v, o, lse)
@@ -221,9 +259,17 @@ class _Planned:
 _hopper_failed: set[tuple] = register("attention.hopper_failed", set())
 
 
-def _run_hopper(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
-                lse: torch.Tensor, causal: bool, scale: float, config: KH.HopperConfig,
-                sinks: torch.Tensor | None = None) -> Callable[..., None] | None:  # fmt: skip
+def _run_hopper(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    scale: float,
+    config: KH.HopperConfig,
+    sinks: torch.Tensor | None = None,
+) -> Callable[..., None] | None:
     """Plan and launch the Gluon kernel: its ``run`` for later calls of this kind, or None
     (after one warning) if it fails to compile here."""
     key = (q.dtype, causal, config, sinks is not None)

@@ -62,8 +62,13 @@ class KVCachePlan:
     made dense per call (``B`` or ``B·max_pages`` ints, a no-op when they are dense already;
     cheaper than two more strides through every tile load of the decode kernel)."""
 
-    def __init__(self, args: tuple, sinks: bool = False, mask: ModArgs | None = None,
-                 score: ModArgs | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        args: tuple,
+        sinks: bool = False,
+        mask: ModArgs | None = None,
+        score: ModArgs | None = None,
+    ) -> None:
         q, k_cache, v_cache, cache_seqlens, k_new, _, block_table = args[:_TENSORS]
         causal, scale, window_left, window_right, softcap, num_splits, validate = args[_TENSORS:]
         self.validate = validate
@@ -78,8 +83,12 @@ class KVCachePlan:
         # the append kernel runs when there is something to write or to check on the device
         self.prepare = self.n_new > 0 or self.device_check
         hkv, d = k_cache.shape[2], k_cache.shape[3]
-        self.prepare_options = {**KKV.append_config(hkv, d), "PAGE_SIZE": self.page_size,
-                                "CHECK": self.device_check, "APPEND": self.n_new > 0}  # fmt: skip
+        self.prepare_options = {
+            **KKV.append_config(hkv, d),
+            "PAGE_SIZE": self.page_size,
+            "CHECK": self.device_check,
+            "APPEND": self.n_new > 0,
+        }
         self.prepare_grid = (self.bsz, max(self.n_new, 1), 1)
         self.sizes = (hkv, d, self.n_new, self.capacity, self.num_pages, self.max_pages)
         self._prepare: Any = None  # bound at the first run (its tensors specialise)
@@ -87,11 +96,21 @@ class KVCachePlan:
             block_table = block_table.contiguous()
         o = torch.empty_like(q)  # (as each call makes it: strided like q, which the key pins)
         self.decode = DecodePlan(
-            q.transpose(1, 2), k_cache.transpose(1, 2), v_cache.transpose(1, 2),
-            o.transpose(1, 2), cache_seqlens.contiguous(), block_table,
-            masks.Mask.of_op(causal, window_left, window_right, softcap), scale,
-            num_splits or None, None, None, sinks, _mod_fn(mask), _mod_fn(score),
-        )  # fmt: skip
+            q.transpose(1, 2),
+            k_cache.transpose(1, 2),
+            v_cache.transpose(1, 2),
+            o.transpose(1, 2),
+            cache_seqlens.contiguous(),
+            block_table,
+            masks.Mask.of_op(causal, window_left, window_right, softcap),
+            scale,
+            num_splits or None,
+            None,
+            None,
+            sinks,
+            _mod_fn(mask),
+            _mod_fn(score),
+        )
         # the mods' eight buffer slots, their numbers fixed (None: no mod)
         self.mod_slots = None
         if mask is not None or score is not None:
@@ -113,14 +132,14 @@ class KVCachePlan:
         """Run on tensors of the planned kind: ``out`` ``(B, Nq, Hq, D)``, LSE ``(B, Hq, Nq)``
         (``sinks``, ``mask`` and ``score`` given iff planned with them)."""
         if self.validate == "sync":  # every value check before anything is written (a sync)
-            _check_cache_values(cache_seqlens, self.n_new, self.capacity, block_table,
-                                self.slots, self.num_pages)  # fmt: skip
+            _check_cache_values(
+                cache_seqlens, self.n_new, self.capacity, block_table, self.slots, self.num_pages
+            )
         lengths = cache_seqlens = cache_seqlens.contiguous()
         if block_table is not None:
             block_table = block_table.contiguous()
         if self.prepare:
-            lengths = self._run_prepare(k_cache, v_cache, cache_seqlens, k_new, v_new,
-                                        block_table)  # fmt: skip
+            lengths = self._run_prepare(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
         o = torch.empty_like(q)  # (empty_like: less host time than a shape, dtype and device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         bufs = None
@@ -129,10 +148,15 @@ class KVCachePlan:
         self.decode(q, k_cache, v_cache, lengths, block_table, o, lse, sinks, bufs)
         return o, lse
 
-    def _run_prepare(self, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                     cache_seqlens: torch.Tensor, k_new: torch.Tensor | None,
-                     v_new: torch.Tensor | None, block_table: torch.Tensor | None,
-                     ) -> torch.Tensor:  # fmt: skip
+    def _run_prepare(
+        self,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        k_new: torch.Tensor | None,
+        v_new: torch.Tensor | None,
+        block_table: torch.Tensor | None,
+    ) -> torch.Tensor:
         """The append kernel (checks included with device validation): the new lengths."""
         device = cache_seqlens.device
         if self.device_check:  # a bad value an earlier call recorded: reported first
@@ -145,9 +169,22 @@ class KVCachePlan:
         v_src = v_new if v_new is not None else v_cache
         new_strides = (k_src.stride() + v_src.stride()) if k_new is not None else (0,) * 8
         table = block_table if block_table is not None else cache_seqlens
-        args = (k_cache, v_cache, k_src, v_src, cache_seqlens, lengths, table, record, host,
-                *k_cache.stride(), *v_cache.stride(), *new_strides,
-                block_table.stride(0) if block_table is not None else 0, *self.sizes)  # fmt: skip
+        args = (
+            k_cache,
+            v_cache,
+            k_src,
+            v_src,
+            cache_seqlens,
+            lengths,
+            table,
+            record,
+            host,
+            *k_cache.stride(),
+            *v_cache.stride(),
+            *new_strides,
+            block_table.stride(0) if block_table is not None else 0,
+            *self.sizes,
+        )
         if self._prepare is None:
             self._prepare = _launch.launcher(KKV._kvcache_append_kernel).bind(
                 args, self.prepare_options
@@ -184,14 +221,23 @@ def _mod_key(mod: ModArgs | None) -> tuple | None:
     return None if mod is None else (mod[0], *map(_meta, mod[1]), *mod[2])
 
 
-def _kvcache_plan(args: tuple, sinks: torch.Tensor | None = None, mask: ModArgs | None = None,
-                  score: ModArgs | None = None) -> KVCachePlan:  # fmt: skip
+def _kvcache_plan(
+    args: tuple,
+    sinks: torch.Tensor | None = None,
+    mask: ModArgs | None = None,
+    score: ModArgs | None = None,
+) -> KVCachePlan:
     """The :class:`KVCachePlan` of :func:`_kvcache`'s (checked) arguments, made on first use
     (``sinks``: the calls' sink logits, whose kind the plan pins, or None; ``mask`` and
     ``score``: a mask and a score function, whose names, buffers' kinds and numbers it
     pins)."""
-    key = (*map(_meta, args[:_TENSORS]), *args[_TENSORS:], _meta(sinks), _mod_key(mask),
-           _mod_key(score))  # fmt: skip
+    key = (
+        *map(_meta, args[:_TENSORS]),
+        *args[_TENSORS:],
+        _meta(sinks),
+        _mod_key(mask),
+        _mod_key(score),
+    )
     return _kvcache_plans.made(key, KVCachePlan, args, sinks is not None, mask, score)
 
 
@@ -273,9 +319,13 @@ def _mod_args(spec: str | None, tensors: list | None, nums: list | None) -> ModA
     return None if spec is None else (spec, list(tensors or ()), list(nums or ()))
 
 
-def _kvcache_moved(args: tuple, dev: torch.device, sinks: torch.Tensor | None = None,
-                   mask: ModArgs | None = None,
-                   score: ModArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _kvcache_moved(
+    args: tuple,
+    dev: torch.device,
+    sinks: torch.Tensor | None = None,
+    mask: ModArgs | None = None,
+    score: ModArgs | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_kvcache` of CPU tensors in a process whose kernels run on the GPU ``dev``: the
     step runs on copies there, and the caches it wrote are copied back. A bad value the device
     check finds is raised by this call (the copy back waits for the device anyway)."""
@@ -287,8 +337,10 @@ def _kvcache_moved(args: tuple, dev: torch.device, sinks: torch.Tensor | None = 
     k_moved, v_moved, k_new = tensors[1], tensors[2], tensors[4]
     try:
         sinks = moved(sinks, dev)
-        mask, score = (None if m is None else (m[0], [moved(t, dev) for t in m[1]], m[2])
-                       for m in (mask, score))  # fmt: skip
+        mask, score = (
+            None if m is None else (m[0], [moved(t, dev) for t in m[1]], m[2])
+            for m in (mask, score)
+        )
         o, lse = _kvcache_plan((*tensors, *args[_TENSORS:]), sinks, mask, score)(
             *tensors, sinks, mask, score
         )

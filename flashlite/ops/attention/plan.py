@@ -190,8 +190,14 @@ def _on_hopper(t: torch.Tensor, gluon_ok: bool) -> bool:
     return _backend.capability(index)[0] == 9
 
 
-def hopper_bwd_applies(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor,
-                       dk: torch.Tensor, dv: torch.Tensor) -> bool:  # fmt: skip
+def hopper_bwd_applies(
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+) -> bool:
     """Whether a plain backward (causal or not, GQA; no window, soft cap, per-batch lengths or
     packed sequences: the caller checks those) of these ``(B, H, N, D)`` tensors takes the fused
     Gluon kernel (:mod:`flashlite.kernels.attention.hopper_bwd`): a CUDA sm_90 device with
@@ -255,8 +261,9 @@ def splits_for(programs: int, rows: int, nk: int, sms: int, block_m: int, per_sm
     return max(1, min(per_sm * sms // blocks, C.cdiv(nk, 256), 64))
 
 
-def prefix_splits(rows: int, hkv: int, n_keys: int, head_dim: int, elem_bytes: int,
-                  sms: int) -> int:  # fmt: skip
+def prefix_splits(
+    rows: int, hkv: int, n_keys: int, head_dim: int, elem_bytes: int, sms: int
+) -> int:
     """Key chunks of :func:`flashlite.attention_shared_prefix`'s prefix pass (``rows`` query rows
     per KV head, all requests together, against ``n_keys`` shared keys) on a GPU of ``sms`` SMs:
     two programs per SM, where a single decode step's one per SM leaves its few programs
@@ -266,8 +273,9 @@ def prefix_splits(rows: int, hkv: int, n_keys: int, head_dim: int, elem_bytes: i
     return splits_for(hkv, rows, n_keys, sms, block_m, per_sm=2)
 
 
-def _fixed_reference(dtype: torch.dtype, softcap: float | None,
-                     sinks: torch.Tensor | None = None) -> bool:  # fmt: skip
+def _fixed_reference(
+    dtype: torch.dtype, softcap: float | None, sinks: torch.Tensor | None = None
+) -> bool:
     """Whether the forward drops the running maximum for a fixed reference (no row max, no
     rescale of the accumulator: softcap's time drops to about that of no cap on the H200).
 
@@ -297,8 +305,23 @@ def _plan(
 ) -> tuple[C.Config | None, dict]:
     """The config and the kernel's keyword arguments for one kind of call, worked out once per
     kind (small problems feel every microsecond of host work)."""
-    key = (dev, dtype, d, causal, small, use_desc, prescale_q, config, window, softcap, seqlens,
-           varlen, fixed_ref, sinks, C.pinned_text())  # fmt: skip
+    key = (
+        dev,
+        dtype,
+        d,
+        causal,
+        small,
+        use_desc,
+        prescale_q,
+        config,
+        window,
+        softcap,
+        seqlens,
+        varlen,
+        fixed_ref,
+        sinks,
+        C.pinned_text(),
+    )
     plan = _plans.get(key)
     if plan is not None:
         return plan
@@ -337,16 +360,18 @@ def bwd_config(dev: torch.device, dtype: torch.dtype, head_dim: int, causal: boo
     return bwd_tiles(dtype.itemsize, head_dim, causal, _backend.capability(dev.index or 0))
 
 
-def bwd_tiles(elem_bytes: int, head_dim: int, causal: bool,
-              capability: tuple[int, int]) -> C.BwdConfig:  # fmt: skip
+def bwd_tiles(
+    elem_bytes: int, head_dim: int, causal: bool, capability: tuple[int, int]
+) -> C.BwdConfig:
     """The backward's config on a GPU of this compute capability, from the problem alone: what
     the backward plan runs there (:func:`bwd_config`) and what :mod:`flashlite.traffic` counts
     and models (the H200's, ``(9, 0)``, on any machine)."""
     return C.bwd_config(elem_bytes, head_dim, causal, capability)
 
 
-def decode_tiles(rows: int, programs: int, head_dim: int, elem_bytes: int,
-                 interpreted: bool = False) -> C.DecodeConfig:  # fmt: skip
+def decode_tiles(
+    rows: int, programs: int, head_dim: int, elem_bytes: int, interpreted: bool = False
+) -> C.DecodeConfig:
     """The decode kernel's tile for ``rows`` packed query rows per KV head (``Nq·Hq/Hkv``) over
     ``programs`` = B·Hkv of them: what :class:`~flashlite.ops.attention.DecodePlan` runs (the
     interpreter's small tile where ``interpreted``) and what :mod:`flashlite.traffic` counts

@@ -96,8 +96,18 @@ def attention_shared_prefix(
             ``(Hq,)`` fp32/q's dtype on q's device. Every check comes before anything is
             written into the caches.
     """
-    tensors = (q, prefix_k, prefix_v, k_cache, v_cache, cache_seqlens, k_new, v_new,
-               block_table, sinks)  # fmt: skip
+    tensors = (
+        q,
+        prefix_k,
+        prefix_v,
+        k_cache,
+        v_cache,
+        cache_seqlens,
+        k_new,
+        v_new,
+        block_table,
+        sinks,
+    )
     options = (causal, scale, window, softcap, num_splits, validate)
     key = _kvcache_key(tensors, options)  # (None while tracing, or for inputs that need grad)
     step = _checked.get(key) if key is not None else None
@@ -119,14 +129,15 @@ def _checked_step(tensors: tuple, options: tuple, return_lse: object) -> _Step:
     """Every argument check that does not read values, then the :class:`_Step` of this kind."""
     q, prefix_k, prefix_v, k_cache, v_cache, _, k_new, v_new, block_table, sinks = tensors
     causal, scale, window, softcap, num_splits, _ = options
-    for name, t in (("q", q), ("prefix_k", prefix_k), ("prefix_v", prefix_v),
-                    ("k_cache", k_cache)):  # fmt: skip
+    for name, t in (("q", q), ("prefix_k", prefix_k), ("prefix_v", prefix_v), ("k_cache", k_cache)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     check_flags(causal=causal, return_lse=return_lse)
     if q.dim() != 4 or k_cache.dim() != 4:
-        raise ValueError(f"q and k_cache must have 4 dimensions (b n h d), got "
-                         f"{tuple(q.shape)} and {tuple(k_cache.shape)}")  # fmt: skip
+        raise ValueError(
+            f"q and k_cache must have 4 dimensions (b n h d), got "
+            f"{tuple(q.shape)} and {tuple(k_cache.shape)}"
+        )
     hq, hkv = q.shape[2], k_cache.shape[2]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"q's Hq={hq} must be a multiple of the caches' Hkv={hkv}")
@@ -146,9 +157,17 @@ class _Step:
     row sees and those only some see (:func:`_spans`), the prefix pass's key chunks and the
     merge's bound launch. Called with the step's tensors."""
 
-    def __init__(self, q: torch.Tensor, prefix_k: torch.Tensor, mask: masks.Mask, scale: float,
-                 splits: int | None, n_new: int, capacity: int,
-                 options: tuple) -> None:  # fmt: skip
+    def __init__(
+        self,
+        q: torch.Tensor,
+        prefix_k: torch.Tensor,
+        mask: masks.Mask,
+        scale: float,
+        splits: int | None,
+        n_new: int,
+        capacity: int,
+        options: tuple,
+    ) -> None:
         self.mask, self.scale, self.n_new, self.options = mask, scale, n_new, options
         self.n_prefix = prefix_k.shape[0]
         self.bulk, self.edges = _spans(self.n_prefix, q.shape[1], n_new, capacity, mask)
@@ -156,27 +175,50 @@ class _Step:
         self.splits = splits if splits is not None else _prefix_splits(q, prefix_k, self.bulk)
         self._merge: Any = None  # bound at the first run (its tensors specialise)
 
-    def __call__(self, q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
-                 k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens: torch.Tensor,
-                 k_new: torch.Tensor | None, v_new: torch.Tensor | None,
-                 block_table: torch.Tensor | None, sinks: torch.Tensor | None) -> Pair:  # fmt: skip
+    def __call__(
+        self,
+        q: torch.Tensor,
+        prefix_k: torch.Tensor,
+        prefix_v: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        cache_seqlens: torch.Tensor,
+        k_new: torch.Tensor | None,
+        v_new: torch.Tensor | None,
+        block_table: torch.Tensor | None,
+        sinks: torch.Tensor | None,
+    ) -> Pair:
         causal, scale, window, softcap, num_splits, validate = self.options
         nq = q.shape[1]
         # the suffix pass first: attention_kvcache checks its own arguments before its append,
         # and nothing after it can fail a check (the prefix pass's inputs passed them)
-        o_s, lse_s = attention_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
-                                       k_new=k_new, v_new=v_new, block_table=block_table,
-                                       causal=causal, scale=scale, window=window,
-                                       softcap=softcap, num_splits=num_splits, return_lse=True,
-                                       validate=validate, sinks=sinks)  # fmt: skip
+        o_s, lse_s = attention_kvcache(
+            q,
+            k_cache,
+            v_cache,
+            cache_seqlens=cache_seqlens,
+            k_new=k_new,
+            v_new=v_new,
+            block_table=block_table,
+            causal=causal,
+            scale=scale,
+            window=window,
+            softcap=softcap,
+            num_splits=num_splits,
+            return_lse=True,
+            validate=validate,
+            sinks=sinks,
+        )
         parts = []
         if self.bulk[0] < self.bulk[1]:
             parts.append(self._prefix_pass(q, prefix_k, prefix_v))
         if self.edges:  # (request b's queries sit at Np + cache_seqlens[b] + Nnew − Nq + i)
-            pos = (cache_seqlens.unsqueeze(1) + (self.n_prefix + self.n_new - nq)
-                   + torch.arange(nq, device=q.device))  # fmt: skip
-            parts.append(_edge_pass(q, prefix_k, prefix_v, self.edges, pos, self.scale,
-                                    self.mask))  # fmt: skip
+            pos = (
+                cache_seqlens.unsqueeze(1)
+                + (self.n_prefix + self.n_new - nq)
+                + torch.arange(nq, device=q.device)
+            )
+            parts.append(_edge_pass(q, prefix_k, prefix_v, self.edges, pos, self.scale, self.mask))
         if len(parts) == 2:  # (the exact path's partial folded into the shared pass's)
             parts = [stats.merge_attention(parts[0][0].float(), parts[0][1], *parts[1])]
         if not parts:  # (the whole prefix is out of every row's window)
@@ -189,8 +231,7 @@ class _Step:
             return merge_kernel(parts[0], parts[1], torch.empty_like(q))
         return self.merge(parts[0], parts[1], torch.empty_like(q))
 
-    def _prefix_pass(self, q: torch.Tensor, prefix_k: torch.Tensor,
-                     prefix_v: torch.Tensor) -> Pair:  # fmt: skip
+    def _prefix_pass(self, q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor) -> Pair:
         """The prefix keys every row sees against every row, unmasked: ``(B, Hq, Nq, D)`` and
         LSE views. All ``B·Nq·G`` rows of a KV head are one problem of the decode kernel."""
         bsz, nq, hq, d = q.shape
@@ -201,11 +242,19 @@ class _Step:
         qg = q.permute(2, 0, 1, 3).reshape(1, hkv, bsz * nq * hq // hkv, d)
         k, v = (t[lo:hi].unsqueeze(0).transpose(1, 2) for t in (prefix_k, prefix_v))
         if torch.compiler.is_compiling():  # (the op, which the tracer sees through)
-            o, lse = attention(qg, k, v, scale=self.scale, softcap=self.mask.softcap,
-                               num_splits=self.splits, return_lse=True)  # fmt: skip
+            o, lse = attention(
+                qg,
+                k,
+                v,
+                scale=self.scale,
+                softcap=self.mask.softcap,
+                num_splits=self.splits,
+                return_lse=True,
+            )
         else:  # (the launcher itself: the inputs passed every check the op would make)
-            o, lse, _ = attention_decode_fwd(qg, k, v, None, self.prefix_mask, self.scale,
-                                             num_splits=self.splits)  # fmt: skip
+            o, lse, _ = attention_decode_fwd(
+                qg, k, v, None, self.prefix_mask, self.scale, num_splits=self.splits
+            )
         return o.reshape(hq, bsz, nq, d).transpose(0, 1), lse.reshape(hq, bsz, nq).transpose(0, 1)
 
     def merge(self, a: Pair, b: Pair, out: torch.Tensor) -> Pair:
@@ -224,21 +273,28 @@ def _check_inputs(
     d = q.shape[3]
     for name, t in (("prefix_k", prefix_k), ("prefix_v", prefix_v)):
         if t.dim() != 3 or t.shape[1:] != (hkv, d):
-            raise ValueError(f"{name} must be (Np, Hkv={hkv}, D={d}) like the caches' heads, "
-                             f"got {tuple(t.shape)}")  # fmt: skip
+            raise ValueError(
+                f"{name} must be (Np, Hkv={hkv}, D={d}) like the caches' heads, "
+                f"got {tuple(t.shape)}"
+            )
         if t.dtype != q.dtype or t.dtype not in DTYPES:
-            raise TypeError(f"{name} has dtype {t.dtype}; q, the prefix and the caches share "
-                            "one of torch.float16, torch.bfloat16, torch.float32")  # fmt: skip
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; q, the prefix and the caches share "
+                "one of torch.float16, torch.bfloat16, torch.float32"
+            )
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
     if prefix_k.shape != prefix_v.shape:
-        raise ValueError(f"prefix_k and prefix_v must have one shape, got "
-                         f"{tuple(prefix_k.shape)} and {tuple(prefix_v.shape)}")  # fmt: skip
+        raise ValueError(
+            f"prefix_k and prefix_v must have one shape, got "
+            f"{tuple(prefix_k.shape)} and {tuple(prefix_v.shape)}"
+        )
     check_sinks(sinks, q, q.shape[2])
 
 
-def _spans(n_prefix: int, nq: int, n_new: int, capacity: int,
-           mask: masks.Mask) -> tuple[tuple[int, int], list[tuple[int, int]]]:  # fmt: skip
+def _spans(
+    n_prefix: int, nq: int, n_new: int, capacity: int, mask: masks.Mask
+) -> tuple[tuple[int, int], list[tuple[int, int]]]:
     """The prefix keys every row sees, ``[lo, hi)``, and the spans some rows see, from sizes
     alone: query positions ``P = Np + c − Nq + i`` with ``c = cache_seqlens[b] + Nnew`` in
     ``[Nnew, capacity]``; P sees ``[P − left, P + right]``."""
@@ -249,8 +305,9 @@ def _spans(n_prefix: int, nq: int, n_new: int, capacity: int,
 
     left, right = mask.left, mask.right
     lo, hi = (0, 0) if left is None else (clamp(p_hi - left), clamp(p_lo - left))
-    end_lo, end_hi = (n_prefix,) * 2 if right is None else (clamp(p_lo + right + 1),
-                                                            clamp(p_hi + right + 1))  # fmt: skip
+    end_lo, end_hi = (
+        (n_prefix,) * 2 if right is None else (clamp(p_lo + right + 1), clamp(p_hi + right + 1))
+    )
     if lo >= end_lo:  # no key seen by every row: all that some see is one span
         return (0, 0), [(hi, end_hi)] if hi < end_hi else []
     return (lo, end_lo), [s for s in ((hi, lo), (end_lo, end_hi)) if s[0] < s[1]]
@@ -262,13 +319,25 @@ def _prefix_splits(q: torch.Tensor, prefix_k: torch.Tensor, bulk: tuple[int, int
         return 1
     bsz, nq, hq, d = q.shape
     hkv = prefix_k.shape[1]
-    return prefix_splits(bsz * nq * hq // hkv, hkv, bulk[1] - bulk[0], d, q.element_size(),
-                         _backend.num_sms(q.device.index or 0))  # fmt: skip
+    return prefix_splits(
+        bsz * nq * hq // hkv,
+        hkv,
+        bulk[1] - bulk[0],
+        d,
+        q.element_size(),
+        _backend.num_sms(q.device.index or 0),
+    )
 
 
-def _edge_pass(q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
-               spans: list[tuple[int, int]], pos: torch.Tensor, scale: float,
-               mask: masks.Mask) -> Pair:  # fmt: skip
+def _edge_pass(
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    spans: list[tuple[int, int]],
+    pos: torch.Tensor,
+    scale: float,
+    mask: masks.Mask,
+) -> Pair:
     """The prefix keys in ``spans`` against every row, each masked by its own position ``pos``
     ``(B, Nq)`` (torch, fp32, materialised: the slower exact path)."""
     bsz, nq, hq, d = q.shape
@@ -313,8 +382,13 @@ def _bound_merge(a: Pair, b: Pair, out: torch.Tensor) -> Callable[[Pair, Pair, t
     bsz, nq, hq, d = out.shape
     o_strides = (out.stride(0), out.stride(2), out.stride(1), out.stride(3))
     rest = (*a[0].stride(), *a[1].stride(), *b[0].stride(), *b[1].stride(), *o_strides, hq, nq)
-    options = {"HEAD_DIM": d, "BLOCK_D": C.block_d(d), "ROUND_BF16": _backend.round_bf16(out.dtype),
-               "num_warps": 4, "num_stages": 1}  # fmt: skip
+    options = {
+        "HEAD_DIM": d,
+        "BLOCK_D": C.block_d(d),
+        "ROUND_BF16": _backend.round_bf16(out.dtype),
+        "num_warps": 4,
+        "num_stages": 1,
+    }
     grid = (bsz * hq, nq, 1)  # (B·Hq first: the grid's first axis has no 65535 limit)
     lse = torch.empty(bsz, hq, nq, dtype=torch.float32, device=out.device)
     bound = _launch.launcher(KSP._shared_prefix_merge_kernel).bind(

@@ -46,25 +46,41 @@ def fwd_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> KH.HopperCo
     return hopper_config(q, k.shape[2])
 
 
-def bwd_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              do: torch.Tensor) -> tuple[int, int] | None:  # fmt: skip
+def bwd_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
+) -> tuple[int, int] | None:
     """The tables' tile where a window backward of these views runs the fused flex backward
     (:func:`~flashlite.ops.attention.plan.hopper_bwd_applies`; its gradients are allocated
     like ``q``, ``k`` and ``v``), else None."""
     return (2 * KHB.BLOCK_M, KHB.BLOCK_N) if hopper_bwd_applies(q, k, v, do, k, v) else None
 
 
-def window_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, km: masks.KernelMask,
-               scale: float, block: tuple[int, int]) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def window_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    km: masks.KernelMask,
+    scale: float,
+    block: tuple[int, int],
+) -> tuple[torch.Tensor, ...]:
     """``(o, lse)`` of a window forward on ``(B, H, N, D)`` views: flex's forward over the band's
     tables of ``block`` tiles."""
     band = band_tables(km, q.shape[2], k.shape[2], block, q.device)
     return flex_fwd_body(q, k, v, table_request(band, scale))
 
 
-def window_bwd(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None,
-               km: masks.KernelMask, scale: float, block: tuple[int, int]) -> Grads:  # fmt: skip
+def window_bwd(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    km: masks.KernelMask,
+    scale: float,
+    block: tuple[int, int],
+) -> Grads:
     """``(dq, dk, dv)`` of a window backward: flex's backward over the band's tables."""
     band = band_tables(km, q.shape[2], k.shape[2], block, q.device)
     return flex_bwd_body(do, q, k, v, o, lse, dlse, table_request(band, scale))
