@@ -1311,7 +1311,7 @@ def test_gpu_alibi_as_row_and_column_terms_keeps_its_precision() -> None:
     forward + backward stays finite and close to the general path's."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs the Hopper (sm_90) kernels")
-    from flashlite.ops.attention.flex_plan import head_linear_bias
+    from flashlite.ops.attention.flex_args import head_linear_bias
 
     n, h, d, rows = 16384, 8, 128, 64
     q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
