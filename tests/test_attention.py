@@ -401,7 +401,7 @@ def test_hopper_kernel_that_fails_to_build_falls_back(monkeypatch) -> None:
     def broken(*args, **kwargs):
         raise TypeError("warp_specialize() got an unexpected keyword argument")
 
-    monkeypatch.setattr(ops, "hopper_config", lambda q, n: KH.HopperConfig(128, 128, 3))
+    monkeypatch.setattr(ops.planner, "hopper_config", lambda q, n: KH.HopperConfig(128, 128, 3))
     monkeypatch.setattr(ops.HP, "plan_fwd_hopper", broken)
     monkeypatch.setattr(ops, "_hopper_failed", set())
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
@@ -516,7 +516,7 @@ def test_hopper_kernel_only_takes_plain_forwards(monkeypatch) -> None:
     import flashlite.ops.attention.fwd as ops
 
     calls = []
-    monkeypatch.setattr(ops, "hopper_config", lambda q, n: KH.HopperConfig(128, 128, 3))
+    monkeypatch.setattr(ops.planner, "hopper_config", lambda q, n: KH.HopperConfig(128, 128, 3))
     monkeypatch.setattr(ops, "_run_hopper", lambda *a: calls.append(a) or False)
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
     seqlens = torch.tensor([30], dtype=torch.int32)

@@ -920,7 +920,7 @@ def test_hopper_build_failures_fall_back_to_the_triton_kernels(monkeypatch) -> N
     _caches.clear()  # (the reference calls planned the Triton kernels)
     monkeypatch.setattr(FP, "hopper_config", lambda *a: KH.HopperConfig(128, 128, 3))
     monkeypatch.setattr(FP, "hopper_bwd_applies", lambda *a: True)
-    monkeypatch.setattr(FP, "_descriptor_ok", lambda *a: True)
+    monkeypatch.setattr(FP, "descriptor_ok", lambda *a: True)
     monkeypatch.setattr(FP.HP, "plan_flex_fwd", broken)
     monkeypatch.setattr(FP.HP, "plan_flex_bwd", broken)
     monkeypatch.setattr(FP, "hopper_failed", set())
@@ -963,7 +963,7 @@ def test_fused_backward_receives_what_its_kernel_reads(monkeypatch) -> None:  # 
         return lambda *a: None  # (the plan's launch for later calls: none here)
 
     monkeypatch.setattr(FP, "hopper_bwd_applies", lambda *a: True)
-    monkeypatch.setattr(FP, "_descriptor_ok", lambda *a: True)
+    monkeypatch.setattr(FP, "descriptor_ok", lambda *a: True)
     monkeypatch.setattr(FP.HP, "plan_flex_bwd", stand_in)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     o, lse = flashlite.flex_attention(*leaves, block_mask=bm, return_lse=True)

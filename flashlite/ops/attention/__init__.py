@@ -6,10 +6,14 @@
 ``request``     :class:`Request`: one call described once (mask, lengths, sinks, splits,
                 scale); the one plainness test and the one source of plan keys
 ``checks``      argument checks (types, shapes, layouts, lengths, offsets, the cache's values)
-``plan``        what a call runs: tile configs, descriptor or pointer loads, the Gluon kernels'
-                applicability, split-KV chunks, the plan caches
-``fwd``         the forward launcher, the forward op's body and fake
-``bwd``         the backward: which kernels run (:class:`BwdPlan`), the op's body and fake
+``planner``     which backend runs a call (split-KV, tables, Hopper, Triton): the forward's and
+                the backward's decision trees, each branch saying why
+``plan``        tile configs, descriptor or pointer loads, the Gluon kernels' applicability,
+                split-KV chunks
+``fwd``         the forward launcher (carries out the planner's choice; plans of plain calls
+                kept per kind of tensors), the forward op's body and fake
+``bwd``         the backward launcher (:class:`BwdPlan` for plain calls), the op's body and fake
+``flex_args``   flex's plan keys and kernel arguments; ``flex_plan`` its plans
 ``bwd_launch``  the backward's launchers: the preprocess and the Triton pair (dK/dV, dQ)
 ``autograd``    the two ops stated once (``flashlite::attention_fwd``/``_bwd``, autograd included)
 ``decode``      the decode kernel's plan and launch (GQA packing, split-KV, the exact merge)

@@ -13,8 +13,8 @@ import torch
 from flashlite import _backend
 from flashlite._caches import Cache, register
 from flashlite.kernels import configs as C
-from flashlite.masking import masks
 from flashlite.ops.attention import hopper as HP
+from flashlite.ops.attention import planner
 from flashlite.ops.attention import window as W
 from flashlite.ops.attention.bwd_launch import (
     bwd_dkdv,
@@ -27,7 +27,6 @@ from flashlite.ops.attention.bwd_launch import (
 from flashlite.ops.attention.checks import _check_bwd_grads
 from flashlite.ops.attention.plan import (
     HOPPER_ENV,
-    Varlen,
     _meta,
     _prescale_q,
     bwd_config,
@@ -78,41 +77,26 @@ def attention_bwd(
         plan = _bwd_plans.get(key)
         if plan is not None:
             return plan(do, q, k, v, o, lse, dlse, sinks, dsinks)
-    b, hq, nq, d = q.shape
-    nk = k.shape[2]
-    if b * hq * nq == 0 or nk == 0:
+    # (a pinned config: the Triton kernels, whatever the planner would choose)
+    choice = planner.backward(q, k, v, do, request) if config is None else _TRITON
+    if choice.backend == "empty":
         if sinks is not None:  # no key: every row's probability is all the sink's
             delta = (do.float() * o.float()).sum(-1)
             sink_grad(sinks, lse, delta if dlse is None else delta - dlse, dsinks)
         return empty_output(q).zero_(), empty_output(k).zero_(), empty_output(v).zero_()
-    if plain:
+    if choice.backend == "hopper":  # the plain backward, planned at its first call
         plan = BwdPlan(q, k, request.causal, request.scale)
         out = plan(do, q, k, v, o, lse, dlse, sinks, dsinks)
         _bwd_plans.put(key, plan)
         return out
-    mask, scale = request.mask, request.scale
-    km = mask.kernel(nq, nk)
-    if request.only("window_left", "window_right") and config is None:
-        # a plain window: the fused flex backward over its band's tables, where it applies
-        block = W.bwd_block(q, k, v, do)
-        if block is not None:
-            return W.window_bwd(do, q, k, v, o, lse, dlse, km, scale, block)
-    return _attention_bwd_masked(
-        do,
-        q,
-        k,
-        v,
-        o,
-        lse,
-        dlse,
-        mask,
-        scale,
-        request.seqlens_k,
-        request.varlen,
-        config,
-        sinks,
-        dsinks,
-    )
+    km = request.mask.kernel(q.shape[2], k.shape[2])
+    if choice.backend == "tables":
+        return W.window_bwd(do, q, k, v, o, lse, dlse, km, request.scale, choice.tile)
+    return _attention_bwd_masked(do, q, k, v, o, lse, dlse, request, config, dsinks)
+
+
+#: The Triton kernels' choice (a pinned config takes no other).
+_TRITON = planner.Choice("triton")
 
 
 #: The request fields the backward takes (the split is the forward's alone).
@@ -299,16 +283,14 @@ def _attention_bwd_masked(
     o: torch.Tensor,
     lse: torch.Tensor,
     dlse: torch.Tensor | None,
-    mask: masks.Mask,
-    scale: float,
-    seqlens_k: torch.Tensor | None,
-    varlen: Varlen | None,
+    request: Request,
     config: C.BwdConfig | None,
-    sinks: torch.Tensor | None = None,
     dsinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A backward with a window, soft cap, lengths, packing or a pinned config: the preprocess
     and the Triton pair, launched per call."""
+    mask, scale, sinks = request.mask, request.scale, request.sinks
+    lengths = {"seqlens_k": request.seqlens_k, "varlen": request.varlen}
     dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
     cfg = config or bwd_config(q.device, q.dtype, q.shape[-1], mask.is_causal)
     qs = dq if _prescale_q(q) else q
@@ -316,8 +298,8 @@ def _attention_bwd_masked(
     lse = lse.contiguous()
     if sinks is not None:
         sink_grad(sinks, lse, delta, dsinks)
-    bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, mask, scale, cfg, seqlens_k=seqlens_k, varlen=varlen)
-    bwd_dq(qs, k, v, do, lse, delta, dq, mask, scale, cfg, seqlens_k=seqlens_k, varlen=varlen)
+    bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, mask, scale, cfg, **lengths)
+    bwd_dq(qs, k, v, do, lse, delta, dq, mask, scale, cfg, **lengths)
     return dq, dk, dv
 
 

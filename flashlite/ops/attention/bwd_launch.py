@@ -14,7 +14,7 @@ from flashlite import _backend, _launch
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import bwd as KB
 from flashlite.masking import masks
-from flashlite.ops.attention.plan import Varlen, _descriptor_ok, _dot_flags, _prescale_q
+from flashlite.ops.attention.plan import Varlen, _dot_flags, _prescale_q, descriptor_ok
 
 
 def _bwd_args(
@@ -246,7 +246,7 @@ def _tile_sources(
     """``(sources, use_desc)``: 4-D TMA descriptors over the ``(B, H, N, D)`` tensors with
     ``[1, 1, rows, BLOCK_D]`` blocks when ``want`` and the tensors allow it (always in the
     interpreter), else the tensors themselves."""
-    if not want or not (_backend.kernels_interpreted() or _descriptor_ok(*tensors)):
+    if not want or not (_backend.kernels_interpreted() or descriptor_ok(*tensors)):
         return tensors, False
     block = [1, 1, rows, C.block_d(head_dim)]
     descs = tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in tensors)

@@ -18,11 +18,11 @@ from flashlite.kernels.attention import decode as KD
 from flashlite.masking import masks
 from flashlite.ops.attention.plan import (
     _default_splits,
-    _descriptor_ok,
     _dot_flags,
     _meta,
     _prescale_q,
     decode_tiles,
+    descriptor_ok,
     empty_output,
 )
 from flashlite.ops.common import on_compute_device
@@ -175,7 +175,7 @@ class DecodePlan:
         self.splits = splits
         if use_desc is None:
             use_desc = config.use_desc
-        self.use_desc = use_desc and block_table is None and _descriptor_ok(k, v)
+        self.use_desc = use_desc and block_table is None and descriptor_ok(k, v)
         self.desc_block = [1, 1, bn, C.block_d(d)]
         km = mask.kernel(nq, nk)
         self.options = {

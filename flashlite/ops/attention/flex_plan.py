@@ -29,7 +29,7 @@ from flashlite.ops.attention.flex_args import (
     triton_fwd_tiles,
 )
 from flashlite.ops.attention.plan import (
-    _descriptor_ok,
+    descriptor_ok,
     hopper_bwd_applies,
     hopper_config,
 )
@@ -148,7 +148,7 @@ class FwdPlan:
         if (
             config is not None
             and (self.tbm, self.tbn) == (config.block_m, config.block_n)
-            and _descriptor_ok(q, k, v, o)
+            and descriptor_ok(q, k, v, o)
         ):
             key = (q.dtype, q.shape[-1], *self.hopper_mods.values())
 
@@ -301,7 +301,7 @@ class BwdPlan:
         one kernel adds every gradient. Else (or after one warning if it failed to build) the
         preprocess and the two Triton kernels (they overwrite ``dq``)."""
         fused = (self.tbm, self.tbn) == (2 * KHB.BLOCK_M, KHB.BLOCK_N) and not self.varlen
-        if fused and hopper_bwd_applies(c.q, c.k, c.v, c.do, c.dk, c.dv) and _descriptor_ok(c.dq):
+        if fused and hopper_bwd_applies(c.q, c.k, c.v, c.do, c.dk, c.dv) and descriptor_ok(c.dq):
             run = self._first_fused(c)
             if run is not None:
                 return run

@@ -14,19 +14,19 @@ from flashlite._caches import Cache, register
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import fwd as K
 from flashlite.kernels.attention import hopper as KH
+from flashlite.masking import masks
 from flashlite.ops.attention import hopper as HP
+from flashlite.ops.attention import planner
 from flashlite.ops.attention import window as W
 from flashlite.ops.attention.decode import attention_decode_fwd, planned_decode
 from flashlite.ops.attention.plan import (
     DESC_MIN_WORK,
     LaunchInfo,
-    _descriptor_ok,
     _fixed_reference,
     _hopper_launch_config,
     _plan,
     _tuned_kernel,
     empty_output,
-    hopper_config,
 )
 from flashlite.ops.attention.request import Request
 from flashlite.ops.common import on_compute_device
@@ -64,56 +64,79 @@ def attention_fwd(
     """
     pinned = config is not None or use_desc is not None or prescale_q is not None
     planned = request.plain and not pinned
+    key = None
     if planned:  # the plain call: planned once per kind of q, k, v (:data:`_fwd_plans`)
         key = _fwd_key(q, k, v, request)
         plan = _fwd_plans.get(key)
         if plan is not None:
             return plan(q, k, v)
     request.refuse("the attention forward", FWD_FIELDS)
-    mask, scale, seqlens_k, varlen, sinks = (
-        request.mask,
-        request.scale,
-        request.seqlens_k,
-        request.varlen,
-        request.sinks,
+    choice = planner.forward(
+        q, k, v, request, config=config, use_desc=use_desc, prescale_q=prescale_q
     )
-    if request.num_splits and varlen is None:  # few rows: packed GQA, split-KV, the exact merge
-        request.refuse("split-KV decoding", DECODE_FIELDS)
+    if choice.backend == "split_kv":
         o, lse, _ = attention_decode_fwd(
-            q, k, v, seqlens_k, mask, scale, num_splits=request.num_splits, sinks=sinks
+            q,
+            k,
+            v,
+            request.seqlens_k,
+            request.mask,
+            request.scale,
+            num_splits=request.num_splits,
+            sinks=request.sinks,
         )
         return o, lse, None
-    dev = q.device
-    b, hq, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
-    km = mask.kernel(nq, nk)
-    if not request.plain and request.only("window_left", "window_right") and not pinned:
-        hopper = W.fwd_config(q, k, v)
-        if hopper is not None:  # a plain window: the flex Hopper kernel over its band's tables
-            o, lse = W.window_fwd(q, k, v, km, scale, (hopper.block_m, hopper.block_n))
-            return o, lse, LaunchInfo(_hopper_launch_config(hopper), d, True)
+    if choice.backend == "tables":
+        hopper = choice.tile
+        km = request.mask.kernel(q.shape[2], k.shape[2])
+        o, lse = W.window_fwd(q, k, v, km, request.scale, (hopper.block_m, hopper.block_n))
+        return o, lse, LaunchInfo(_hopper_launch_config(hopper), q.shape[-1], True)
     o = empty_output(q)
-    lse = q.new_empty((b, hq, nq), dtype=torch.float32)
-    if b * hq * nq == 0:
-        return o, lse, None
-    if nk == 0:  # no key at all: every row sees nothing (but its sink)
-        if sinks is not None:
-            return o.zero_(), lse.copy_(sinks.view(1, hq, 1).expand(b, hq, nq)), None
-        return o.zero_(), lse.fill_(-math.inf), None
-
-    small = b * hq * nq * nk * d < DESC_MIN_WORK
-    if use_desc is None:
-        use_desc = not small and _descriptor_ok(q, k, v, o)
-    if request.only("sinks") and use_desc and config is None and prescale_q is not False:
-        hopper = hopper_config(q, nk)
-        run = _run_hopper(q, k, v, o, lse, km.IS_CAUSAL, scale, hopper, sinks) if hopper else None
+    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+    if choice.backend == "empty":
+        return _empty(o, lse, request.sinks)
+    if choice.backend == "hopper":
+        hopper = choice.tile
+        causal = request.mask.is_causal
+        run = _run_hopper(q, k, v, o, lse, causal, request.scale, hopper, request.sinks)
         if run is not None:
-            info = LaunchInfo(_hopper_launch_config(hopper), d, True)
-            if planned:  # (it built and ran: later calls of this kind go straight to it)
+            info = LaunchInfo(_hopper_launch_config(hopper), q.shape[-1], True)
+            if key is not None:  # (it built and ran: later calls of this kind go straight to it)
                 _fwd_plans.put(key, _Planned(run, q.shape[:3], info))
             return o, lse, info
+    return _run_triton(q, k, v, o, lse, request, choice.use_desc, config, prescale_q, key)
+
+
+def _empty(
+    o: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor, None]:
+    """No rows, or no key at all: every row sees nothing (but its sink)."""
+    if sinks is not None:
+        return o.zero_(), lse.copy_(sinks.view(1, -1, 1).expand(lse.shape)), None
+    return o.zero_(), lse.fill_(-math.inf), None
+
+
+def _run_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    request: Request,
+    use_desc: bool,
+    config: C.Config | None,
+    prescale_q: bool | None,
+    key: tuple | None,
+) -> tuple[torch.Tensor, torch.Tensor, LaunchInfo]:
+    """The Triton forward kernel: its config (pinned, the measured table or the autotuner),
+    bound and kept under ``key`` for a plain call (None: launched once)."""
+    b, hq, nq, d = q.shape
+    nk = k.shape[2]
+    km = request.mask.kernel(nq, nk)
+    seqlens_k, varlen, sinks = request.seqlens_k, request.varlen, request.sinks
+    small = b * hq * nq * nk * d < DESC_MIN_WORK
     config, launch = _plan(
-        dev,
+        q.device,
         q.dtype,
         d,
         km.IS_CAUSAL,
@@ -125,7 +148,7 @@ def attention_fwd(
         km.SOFTCAP,
         seqlens_k is not None,
         varlen is not None,
-        _fixed_reference(q.dtype, mask.softcap, sinks),
+        _fixed_reference(q.dtype, request.softcap, sinks),
         sinks is not None,
     )
     block_d = launch["BLOCK_D"]
@@ -136,64 +159,67 @@ def attention_fwd(
             srcs[3] = o
     else:
         srcs = [q, k, v, o]
-    args = (
-        *srcs,
-        lse,
-        *q.stride(),
-        *k.stride(),
-        *v.stride(),
-        *o.stride(),
-        hq,
-        hq // hkv,
-        nq,
-        nk,
-        scale,
-        km.left,
-        km.right,
-        km.softcap,
-        seqlens_k if seqlens_k is not None else lse,
-        *(varlen[:2] if varlen is not None else (lse, lse)),
-        sinks if sinks is not None else lse,
-    )
+    args = _kernel_args(srcs, q, k, v, o, lse, km, request)
     # packed sequences: one program row per sequence, as many query blocks as the longest has
     rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
-    if config is not None:
-        grid = (C.cdiv(rows, config.block_m), seqs * hq, 1)
-        launcher = _launch.launcher(K._attention_fwd_kernel)
-        info = LaunchInfo(config, block_d, use_desc)
-        if not planned:
-            launcher.bind(args, launch)(grid, *args)
-            return o, lse, info
-        # the plan's launch takes q, k, v, o themselves where its descriptors read them
-        bound = launcher.bind_tensors(args, launch)
-        tail = args[5:-4]  # strides, sizes, scale, mask values (then four placeholders)
+    if config is None:  # no measured entry here: the autotuner, per length bucket
+        tuned = _tuned_kernel(rows, nk)
+        tuned[lambda meta: (C.cdiv(rows, meta["BLOCK_M"]), seqs * hq)](*args, **launch)  # type: ignore[index]
+        return o, lse, LaunchInfo(C.Config.of(tuned.best_config), block_d, use_desc)  # type: ignore[attr-defined]
+    grid = (C.cdiv(rows, config.block_m), seqs * hq, 1)
+    launcher = _launch.launcher(K._attention_fwd_kernel)
+    info = LaunchInfo(config, block_d, use_desc)
+    if key is None:
+        launcher.bind(args, launch)(grid, *args)
+        return o, lse, info
+    # the plan's launch takes q, k, v, o themselves where its descriptors read them
+    bound = launcher.bind_tensors(args, launch)
+    tail = args[5:-4]  # strides, sizes, scale, mask values (then four placeholders)
+
+    def run(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
+    ) -> None:
         bound(grid, q, k, v, o, lse, *tail, lse, lse, lse, lse)
 
-        def run(
-            q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
-        ) -> None:
-            bound(grid, q, k, v, o, lse, *tail, lse, lse, lse, lse)
-
-        _fwd_plans.put(key, _Planned(run, q.shape[:3], info))
-        return o, lse, info
-    tuned = _tuned_kernel(rows, nk)
-    tuned[lambda meta: (C.cdiv(rows, meta["BLOCK_M"]), seqs * hq)](*args, **launch)  # type: ignore[index]
-    return o, lse, LaunchInfo(C.Config.of(tuned.best_config), block_d, use_desc)  # type: ignore[attr-defined]
+    run(q, k, v, o, lse)
+    _fwd_plans.put(key, _Planned(run, q.shape[:3], info))
+    return o, lse, info
 
 
 #: The request fields the forward takes (a cache's are the decode step's).
 FWD_FIELDS = Request._fields[:12]
-#: The fields its split-KV path takes (not packed sequences: those run the forward kernel).
-DECODE_FIELDS = (
-    "scale",
-    "causal",
-    "window_left",
-    "window_right",
-    "softcap",
-    "seqlens_k",
-    "num_splits",
-    "sinks",
-)
+
+
+def _kernel_args(
+    srcs: list,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    km: masks.KernelMask,
+    request: Request,
+) -> tuple:
+    """The forward kernel's arguments: q, k, v, o (or their descriptors ``srcs``), the LSE,
+    strides, sizes, the scale, the mask's values, then lengths, offsets and sinks (the LSE
+    stands in for an absent one: never read)."""
+    hq, nq, nk = q.shape[1], q.shape[2], k.shape[2]
+    seqlens_k, varlen, sinks = request.seqlens_k, request.varlen, request.sinks
+    lengths = seqlens_k if seqlens_k is not None else lse
+    offsets = varlen[:2] if varlen is not None else (lse, lse)
+    strides = (*q.stride(), *k.stride(), *v.stride(), *o.stride())
+    sizes = (hq, hq // k.shape[1], nq, nk)
+    mask = (request.scale, km.left, km.right, km.softcap)
+    return (
+        *srcs,
+        lse,
+        *strides,
+        *sizes,
+        *mask,
+        lengths,
+        *offsets,
+        sinks if sinks is not None else lse,
+    )
 
 
 def _descriptors(
@@ -293,7 +319,7 @@ def _attention_fwd_body(
             o, lse, _ = plan(q, k, v)
             return o, lse
     if request.num_splits and request.cu_seqlens_q is None:  # the decode kernel, planned
-        request.refuse("split-KV decoding", DECODE_FIELDS)
+        request.refuse("split-KV decoding", planner.DECODE_FIELDS)
         found = planned_decode(
             q,
             k,

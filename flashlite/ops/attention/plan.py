@@ -38,7 +38,7 @@ class LaunchInfo:
     use_desc: bool
 
 
-def _descriptor_ok(*tensors: torch.Tensor) -> bool:
+def descriptor_ok(*tensors: torch.Tensor) -> bool:
     """TMA descriptors need a CUDA tensor, unit stride along D, 16-byte aligned base and strides."""
     for t in tensors:
         if t.device.type != "cuda" or t.stride(-1) != 1 or t.data_ptr() % 16:
@@ -210,7 +210,7 @@ def hopper_bwd_applies(
     if torch.are_deterministic_algorithms_enabled() or _backend.getenv(HOPPER_ENV) == "0":
         return False
     units = dk.stride(-1) == 1 and dv.stride(-1) == 1
-    return _on_hopper(qs, KHB.available()) and _descriptor_ok(qs, k, v, do) and units
+    return _on_hopper(qs, KHB.available()) and descriptor_ok(qs, k, v, do) and units
 
 
 def _hopper_entry(dtype: torch.dtype, head_dim: int, n_keys: int) -> KH.HopperConfig | None:

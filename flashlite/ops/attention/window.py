@@ -28,7 +28,7 @@ from flashlite.ops.attention.flex import flex_bwd_body, flex_fwd_body, table_req
 from flashlite.ops.attention.flex_plan import Grads
 from flashlite.ops.attention.plan import (
     DESC_MIN_WORK,
-    _descriptor_ok,
+    descriptor_ok,
     hopper_bwd_applies,
     hopper_config,
 )
@@ -41,7 +41,7 @@ def fwd_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> KH.HopperCo
     the flex Hopper kernel, else None: the dense forward's rule (enough work for TMA to pay,
     tensors TMA can read, :func:`~flashlite.ops.attention.plan.hopper_config`)."""
     b, h, nq, d = q.shape
-    if b * h * nq * k.shape[2] * d < DESC_MIN_WORK or not _descriptor_ok(q, k, v):
+    if b * h * nq * k.shape[2] * d < DESC_MIN_WORK or not descriptor_ok(q, k, v):
         return None
     return hopper_config(q, k.shape[2])
 

@@ -1,0 +1,112 @@
+"""Which backend runs an attention call: the forward's and the backward's decision trees, each
+read top to bottom, each branch saying why.
+
+A :class:`~flashlite.ops.attention.request.Request` and the tensors' facts (shapes, device,
+strides, alignment) go in; a :class:`Choice` comes out, which the launchers
+(:func:`~flashlite.ops.attention.fwd.attention_fwd`,
+:func:`~flashlite.ops.attention.bwd.attention_bwd`) carry out. The backends:
+
+==============  ==============================================================================
+``split_kv``    the decode kernel: few query rows (GQA heads packed), the keys split across
+                programs, the partial results merged exactly (:mod:`.decode`)
+``tables``      flex's Gluon kernels over a block table; the built-in window as its band's
+                table (:mod:`.window`)
+``hopper``      the dense Gluon kernels (sm_90; :mod:`.hopper`); a variant that fails to build
+                here falls back to ``triton`` after one warning
+``triton``      the Triton kernels: every option, every GPU and the CPU's interpreter
+``empty``       nothing to compute (no rows, or no keys: rows see only their sinks)
+==============  ==============================================================================
+
+Each backend takes only the requests it is written for (:meth:`Request.only`), so a new option
+falls to the Triton kernels until a faster one supports it, and is never dropped.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from flashlite.kernels.attention import hopper as KH
+from flashlite.ops.attention import window as W
+from flashlite.ops.attention.plan import DESC_MIN_WORK, descriptor_ok, hopper_config
+from flashlite.ops.attention.request import Request
+
+#: The fields the split-KV path takes (not packed sequences: those run the forward kernel).
+DECODE_FIELDS = (
+    "scale",
+    "causal",
+    "window_left",
+    "window_right",
+    "softcap",
+    "seqlens_k",
+    "num_splits",
+    "sinks",
+)
+
+
+class Choice(NamedTuple):
+    """What runs a call: the backend, whether the kernel loads through TMA descriptors, and the
+    Gluon kernels' tile (a forward's :class:`~flashlite.kernels.attention.hopper.HopperConfig`,
+    the backward's table block ``(block_m, block_n)``)."""
+
+    backend: str
+    use_desc: bool = False
+    tile: KH.HopperConfig | tuple[int, int] | None = None
+
+
+def forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    request: Request,
+    *,
+    config: object = None,
+    use_desc: bool | None = None,
+    prescale_q: bool | None = None,
+) -> Choice:
+    """The forward's backend for ``(B, H, N, D)`` views (``config``, ``use_desc``,
+    ``prescale_q``: the caller's pins, which the fast paths leave to the Triton kernel)."""
+    pinned = config is not None or use_desc is not None or prescale_q is not None
+    b, hq, nq, d = q.shape
+    nk = k.shape[2]
+    if request.num_splits and request.varlen is None:
+        # few query rows against many keys: one tile of a GQA group's heads, the keys split
+        request.refuse("split-KV decoding", DECODE_FIELDS)
+        return Choice("split_kv")
+    if not pinned and not request.plain and request.only("window_left", "window_right"):
+        # a window and nothing else: on Hopper, flex's Gluon kernel over the band's tables
+        hopper = W.fwd_config(q, k, v)
+        if hopper is not None:
+            return Choice("tables", True, hopper)
+    if b * hq * nq == 0 or nk == 0:
+        return Choice("empty")
+    if use_desc is None:
+        # descriptors cost host time per call: they pay from about a billion multiply-adds
+        small = b * hq * nq * nk * d < DESC_MIN_WORK
+        use_desc = not small and descriptor_ok(q, k, v)
+    if request.only("sinks") and use_desc and config is None and prescale_q is not False:
+        # plain (or causal, sinks allowed) on sm_90: the dense Gluon kernel, where it builds
+        hopper = hopper_config(q, nk)
+        if hopper is not None:
+            return Choice("hopper", True, hopper)
+    return Choice("triton", use_desc)
+
+
+def backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, request: Request
+) -> Choice:
+    """The backward's backend (the caller has taken pinned configs to ``triton``): ``hopper``
+    stands for the planned plain backward, whose first call picks the fused Gluon kernel or the
+    Triton pair (:class:`~flashlite.ops.attention.bwd.BwdPlan`)."""
+    if q.shape[0] * q.shape[1] * q.shape[2] == 0 or k.shape[2] == 0:
+        return Choice("empty")
+    if request.only("sinks"):
+        # plain (sinks' gradient beside it): planned once per kind of tensors
+        return Choice("hopper")
+    if request.only("window_left", "window_right"):
+        # a window and nothing else: the fused flex backward over its band, where it applies
+        block = W.bwd_block(q, k, v, do)
+        if block is not None:
+            return Choice("tables", True, block)
+    return Choice("triton")
