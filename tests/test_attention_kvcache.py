@@ -158,16 +158,16 @@ def test_repeated_calls_reuse_the_plan_and_still_check_values() -> None:
     from flashlite.ops.attention import kvcache as ops
 
     q, k, v, new, seqlens = _case(torch.float32, 1, 1, [40, 10, 3])
-    ops._checked_kvcache.clear()
+    ops.checked_kvcache.clear()
     first = flashlite.attention_kvcache(q, k.clone(), v.clone(), cache_seqlens=seqlens,
                                         k_new=new[0], v_new=new[1])  # fmt: skip
-    assert len(ops._checked_kvcache) == 1
+    assert len(ops.checked_kvcache) == 1
     q2, k2, v2 = (torch.randn_like(t) for t in (q, k, v))
     lens2 = torch.tensor([95, 0, 7], dtype=torch.int32)
     kc, vc = k2.clone(), v2.clone()
     out = flashlite.attention_kvcache(q2, kc, vc, cache_seqlens=lens2, k_new=new[0],
                                       v_new=new[1])  # fmt: skip
-    assert len(ops._checked_kvcache) == 1  # the same plan, other data
+    assert len(ops.checked_kvcache) == 1  # the same plan, other data
     ka, va = _appended(k2, v2, new, lens2)
     assert torch.equal(kc, ka) and torch.equal(vc, va)
     want = _reference(q2, ka, va, lens2 + 1, True, causal=True)
@@ -375,7 +375,7 @@ def test_device_check_reports_an_earlier_calls_bad_value(monkeypatch: pytest.Mon
     from flashlite.ops.attention import checks
 
     q, k, v, new, seqlens = _case(torch.float32, 1, 1, [4, 5, 6])
-    record, host, _ = checks._kv_record(q.device)
+    record, host, _ = checks.kv_record(q.device)
     record.copy_(torch.tensor([1, 2, 1, 0, 95, 2, 96]))  # flag, kind, b, j, value, Nnew, limit
     with pytest.raises(ValueError, match=r"an earlier flashlite.attention_kvcache call.*"
                        r"cache_seqlens\[1\] = 95, Nnew = 2"):  # fmt: skip

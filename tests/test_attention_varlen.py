@@ -263,17 +263,17 @@ def test_offsets_checked_on_the_device(cu_q: list, cu_k: list, max_q: int,
     from flashlite.ops.common import take_record
 
     q_off, k_off = (torch.tensor(c, dtype=torch.int32) for c in (cu_q, cu_k))
-    assert checks._check_offsets_on_device(q_off, k_off, 9, 9, max_q, 8)
+    assert checks.check_offsets_on_device(q_off, k_off, 9, 9, max_q, 8)
     if message is None:
         checks._report_offsets_problems(q_off.device, True, earlier=False)  # nothing recorded
         return
     with pytest.raises(ValueError, match=message):
         checks._report_offsets_problems(q_off.device, True, earlier=False)
     assert take_record("offsets", q_off.device, True) is None  # cleared
-    assert checks._check_offsets_on_device(q_off, k_off, 9, 9, max_q, 8)  # records it again
+    assert checks.check_offsets_on_device(q_off, k_off, 9, 9, max_q, 8)  # records it again
     good = torch.tensor([0, 4, 9], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"an earlier flashlite.attention_varlen call.*" + message):
-        checks._check_offsets_on_device(good, good, 9, 9, 8, 8)
+        checks.check_offsets_on_device(good, good, 9, 9, 8, 8)
 
 
 def test_varlen_validate_takes_true_false_or_sync() -> None:

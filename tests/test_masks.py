@@ -24,7 +24,7 @@ from flashlite.masking.masks import (
     visible_t,
     window_bounds,
 )
-from flashlite.ops.attention.plan import _tuned_kernel
+from flashlite.ops.attention.plan import tuned_kernel
 from flashlite.reference import attention as ref_attention
 
 #: (causal, window) pairs every helper is checked on: none, causal, and windows of each shape
@@ -101,9 +101,9 @@ def test_key_range_covers_exactly_the_visible_keys(nq: int, nk: int, mask: tuple
 
 def test_autotuning_is_per_length_bucket_not_per_length() -> None:
     # a decoding or varlen loop over 100 lengths gets a handful of autotuners, not 100
-    tuners = {id(_tuned_kernel(1, nk)) for nk in range(100, 200)}
+    tuners = {id(tuned_kernel(1, nk)) for nk in range(100, 200)}
     assert len(tuners) <= 2
-    assert _tuned_kernel(1, 129) is _tuned_kernel(1, 255)
+    assert tuned_kernel(1, 129) is tuned_kernel(1, 255)
 
 
 @triton.jit

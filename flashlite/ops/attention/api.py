@@ -15,26 +15,26 @@ from flashlite.ops.attention.autograd import ATTENTION_FWD
 from flashlite.ops.attention.checks import (
     DTYPES,
     MAX_HEAD_DIM,
-    _check,
-    _check_cu_seqlens,
-    _check_cu_values,
-    _check_offsets_on_device,
-    _check_page_size,
-    _check_scale,
-    _check_splits,
-    _check_writable,
+    check_cu_seqlens,
+    check_cu_values,
+    check_offsets_on_device,
+    check_page_size,
+    check_scale,
     check_sinks,
+    check_splits,
+    check_views,
+    check_writable,
 )
 from flashlite.ops.attention.flex import flex_varlen
 from flashlite.ops.attention.kvcache import (
     KVCACHE,
     VALIDATE_MODES,
-    _checked_kvcache,
-    _kvcache_key,
-    _kvcache_plan,
+    checked_kvcache,
     kvcache_args,
+    kvcache_key,
+    kvcache_plan,
 )
-from flashlite.ops.attention.plan import _decode_splits
+from flashlite.ops.attention.plan import chosen_splits
 from flashlite.ops.attention.request import Request
 from flashlite.ops.common import check_flags, moved_call_device
 
@@ -105,10 +105,10 @@ def attention(
             sinks that are not a float ``(Hq,)`` tensor on q's device.
         NotImplementedError: head dim above 256.
     """
-    sm_scale, qc, kc, vc = _check(q, k, v, layout, scale)
+    sm_scale, qc, kc, vc = check_views(q, k, v, layout, scale)
     if type(causal) is not bool or type(return_lse) is not bool:
         check_flags(causal=causal, return_lse=return_lse)
-    splits = _decode_splits(qc, kc, _check_splits(num_splits))
+    splits = chosen_splits(qc, kc, check_splits(num_splits))
     request = Request.of_call(causal, sm_scale, window, softcap, seqlens_k, splits, sinks, qc, kc)
     o, lse = ATTENTION_FWD(qc, kc, vc, request)
     if layout != "b h n d":
@@ -186,9 +186,11 @@ def attention_varlen(
     if not (isinstance(validate, bool) or validate == "sync"):
         raise TypeError(f"validate must be True, False or 'sync', got {validate!r}")
     # (1, H, total, D) views: one 'batch' in the layout the kernels read, no copy
-    sm_scale, qc, kc, vc = _check(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), "b n h d", scale)
-    cu_q = _check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q, max_seqlen_q)
-    cu_k = _check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q, max_seqlen_k)
+    sm_scale, qc, kc, vc = check_views(
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), "b n h d", scale
+    )
+    cu_q = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q, max_seqlen_q)
+    cu_k = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q, max_seqlen_k)
     if cu_q.shape != cu_k.shape:
         raise ValueError(
             f"cu_seqlens_q and cu_seqlens_k must describe the same number of sequences, got "
@@ -197,8 +199,8 @@ def attention_varlen(
     if validate and not torch.compiler.is_compiling():
         sizes = (q.shape[0], k.shape[0], int(max_seqlen_q), int(max_seqlen_k))
         on_device = validate is True and cu_q.device.type == "cuda"  # (a CPU check costs no sync)
-        if not (on_device and _check_offsets_on_device(cu_q, cu_k, *sizes)):
-            _check_cu_values(cu_q, cu_k, *sizes)
+        if not (on_device and check_offsets_on_device(cu_q, cu_k, *sizes)):
+            check_cu_values(cu_q, cu_k, *sizes)
     if score_mod is not None or block_mask is not None:
         builtin = {"causal": causal or None, "window": window, "softcap": softcap, "sinks": sinks}
         given = [name for name, x in builtin.items() if x is not None]
@@ -317,8 +319,8 @@ def attention_kvcache(
     """
     tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     options = (causal, scale, window, softcap, num_splits, validate, mask_mod, score_mod)
-    key = _kvcache_key((*tensors, sinks), options)  # (None with a mask function: checked each call)
-    plan = _checked_kvcache.get(key) if key is not None else None
+    key = kvcache_key((*tensors, sinks), options)  # (None with a mask function: checked each call)
+    plan = checked_kvcache.get(key) if key is not None else None
     if plan is not None and plain_eager(q, k_cache, v_cache):  # a kind of call seen before
         o, lse = plan(*tensors) if sinks is None else plan(*tensors, sinks.float())
         return (o, lse) if return_lse else o
@@ -382,7 +384,7 @@ def attention_kvcache(
     if block_table is None and k_cache.shape[0] != bsz:
         raise ValueError(f"k_cache must be (B={bsz}, Ncap, Hkv, D), got {tuple(k_cache.shape)}")
     if block_table is not None:
-        _check_page_size(k_cache.shape[1])
+        check_page_size(k_cache.shape[1])
     n_new = 0 if k_new is None else k_new.shape[1]
     if k_new is not None:
         want = (bsz, n_new, hkv, d)
@@ -391,10 +393,10 @@ def attention_kvcache(
                 f"k_new and v_new must be (B, Nnew, Hkv, D) = {want}, got "
                 f"{tuple(k_new.shape)} and {tuple(v_new.shape)}"  # type: ignore[union-attr]
             )
-        _check_writable(k_cache, v_cache)
-    splits = _check_splits(num_splits)
+        check_writable(k_cache, v_cache)
+    splits = check_splits(num_splits)
     mask = masks.describe(causal, window, softcap)
-    sm_scale = _check_scale(scale, d)
+    sm_scale = check_scale(scale, d)
     sink = check_sinks(sinks, q, hq)  # (fp32: what the plan's key pins, whatever came in)
     mods_given: dict[str, object] = {}
     if mask_mod is not None or score_mod is not None:
@@ -430,8 +432,8 @@ def attention_kvcache(
     if not mods_given and key is not None and moved_call_device(q.device) is None:
         # these arguments passed every check above: next time, skip them (and the op layer:
         # CPU tensors whose kernels run on a GPU take the op's moving path every time)
-        _checked_kvcache.put(
-            key, _kvcache_plan(kvcache_args(q, k_cache, v_cache, k_new, v_new, request), sink)
+        checked_kvcache.put(
+            key, kvcache_plan(kvcache_args(q, k_cache, v_cache, k_new, v_new, request), sink)
         )
     o, lse = KVCACHE(q, k_cache, v_cache, k_new, v_new, request)
     return (o, lse) if return_lse else o

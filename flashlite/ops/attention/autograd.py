@@ -8,8 +8,8 @@ from __future__ import annotations
 import torch
 
 from flashlite.ops._dispatch import Op
-from flashlite.ops.attention.bwd import BWD_FIELDS, _attention_bwd_body, _attention_bwd_fake
-from flashlite.ops.attention.fwd import FWD_FIELDS, _attention_fwd_body, _attention_fwd_fake
+from flashlite.ops.attention.bwd import BWD_FIELDS, attention_bwd_body, attention_bwd_fake
+from flashlite.ops.attention.fwd import FWD_FIELDS, attention_fwd_body, attention_fwd_fake
 from flashlite.ops.attention.request import Request
 
 
@@ -25,8 +25,8 @@ def _no_second_derivative(ctx, *grads):  # type: ignore[no-untyped-def]
 #: refuses (clearer than torch's "no autograd formula" for op authors).
 ATTENTION_BWD = Op(
     "attention_bwd",
-    _attention_bwd_body,
-    fake=_attention_bwd_fake,
+    attention_bwd_body,
+    fake=attention_bwd_fake,
     inputs=7,
     request=Request,
     takes=BWD_FIELDS,
@@ -59,8 +59,8 @@ def _backward(ctx, grad_o, grad_lse):  # type: ignore[no-untyped-def]
 #: q, k, v, the sinks and through the LSE (an unused LSE's gradient stays None).
 ATTENTION_FWD = Op(
     "attention_fwd",
-    _attention_fwd_body,
-    fake=_attention_fwd_fake,
+    attention_fwd_body,
+    fake=attention_fwd_fake,
     inputs=3,
     request=Request,
     takes=FWD_FIELDS,

@@ -24,14 +24,14 @@ from flashlite.ops.attention.bwd_launch import (
     plan_dq,
     plan_preprocess,
 )
-from flashlite.ops.attention.checks import _check_bwd_grads
+from flashlite.ops.attention.checks import check_bwd_grads
 from flashlite.ops.attention.plan import (
     HOPPER_ENV,
-    _meta,
-    _prescale_q,
     bwd_config,
     empty_output,
     hopper_bwd_applies,
+    prescales_q,
+    tensor_meta,
 )
 from flashlite.ops.attention.request import Request
 from flashlite.ops.common import on_compute_device
@@ -142,7 +142,7 @@ def _bwd_key(
 ) -> tuple:
     """What a :class:`BwdPlan` depends on: the shapes it reads (q's and k's; v, o, do and the
     LSE are read as k, q and q's rows are), every tensor's strides and dtype (do's are o's, which
-    :func:`_check_bwd_grads` checks), q's device, each tensor's 16-byte alignment (one flag when
+    :func:`check_bwd_grads` checks), q's device, each tensor's 16-byte alignment (one flag when
     all are aligned, the usual case), and the switches that choose the kernels."""
     ptrs = (do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr())
     aligned = not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5]) & 15
@@ -155,7 +155,7 @@ def _bwd_key(
         o.stride(),
         do.stride(),
         lse.stride(),
-        _meta(dlse),
+        tensor_meta(dlse),
         q.dtype,
         k.dtype,
         v.dtype,
@@ -182,7 +182,7 @@ class BwdPlan:
     def __init__(self, q: torch.Tensor, k: torch.Tensor, causal: bool, scale: float) -> None:
         b, hq, nq, d = q.shape
         self.causal, self.scale = causal, scale  # (causal: as the caller normalised it)
-        self.prescale = _prescale_q(q)
+        self.prescale = prescales_q(q)
         self.delta_shape = (b, hq, nq)
         self.cfg = bwd_config(q.device, q.dtype, d, causal)
         self.prep: Callable[..., None] | None = None
@@ -293,7 +293,7 @@ def _attention_bwd_masked(
     lengths = {"seqlens_k": request.seqlens_k, "varlen": request.varlen}
     dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
     cfg = config or bwd_config(q.device, q.dtype, q.shape[-1], mask.is_causal)
-    qs = dq if _prescale_q(q) else q
+    qs = dq if prescales_q(q) else q
     delta = bwd_preprocess(o, do, lse, dlse, q, qs, scale)
     lse = lse.contiguous()
     if sinks is not None:
@@ -334,7 +334,7 @@ def _run_hopper_bwd(
     return HP.first_build(_hopper_bwd_failed, key, "fused attention backward", build, stacklevel=4)
 
 
-def _attention_bwd_body(
+def attention_bwd_body(
     do: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -345,7 +345,7 @@ def _attention_bwd_body(
     request: Request,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     # (returns dq, dk, dv and the sinks' fp32 gradient: (Hq,), or (0,) without sinks)
-    _check_bwd_grads(do, o, lse, dlse)
+    check_bwd_grads(do, o, lse, dlse)
     dsinks = lse.new_empty((0,) if request.sinks is None else request.sinks.shape)
     if request.plain:  # a plain backward of a kind planned before: straight to its plan
         plan = _bwd_plans.get(_bwd_key(do, q, k, v, o, lse, dlse, request))
@@ -355,7 +355,7 @@ def _attention_bwd_body(
     return (*grads, dsinks)
 
 
-def _attention_bwd_fake(
+def attention_bwd_fake(
     do: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
@@ -365,6 +365,6 @@ def _attention_bwd_fake(
     dlse: torch.Tensor | None,
     request: Request,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _check_bwd_grads(do, o, lse, dlse)
+    check_bwd_grads(do, o, lse, dlse)
     dsinks = lse.new_empty((0,) if request.sinks is None else request.sinks.shape)
     return empty_output(q), empty_output(k), empty_output(v), dsinks

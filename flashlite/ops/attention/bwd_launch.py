@@ -14,7 +14,7 @@ from flashlite import _backend, _launch
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import bwd as KB
 from flashlite.masking import masks
-from flashlite.ops.attention.plan import Varlen, _dot_flags, _prescale_q, descriptor_ok
+from flashlite.ops.attention.plan import Varlen, descriptor_ok, dot_flags, prescales_q
 
 
 def _bwd_args(
@@ -36,8 +36,8 @@ def _bwd_args(
         "HEAD_DIM": q.shape[-1],
         "BLOCK_D": C.block_d(q.shape[-1]),
         **km.constexprs(),
-        "PRESCALE_Q": _prescale_q(q),
-        **_dot_flags(q.dtype),
+        "PRESCALE_Q": prescales_q(q),
+        **dot_flags(q.dtype),
     }
 
 
@@ -66,7 +66,7 @@ def plan_preprocess(
         "BLOCK_D": C.block_d(d),
         "BLOCK_M": bm,
         "HAS_DLSE": dlse is not None,
-        "PRESCALE_Q": _prescale_q(q) if prescale_q is None else prescale_q,
+        "PRESCALE_Q": prescales_q(q) if prescale_q is None else prescale_q,
         "ROUND_BF16": _backend.round_bf16(q.dtype),
         "ZERO_ACC": acc is not None,
         "num_warps": 4,

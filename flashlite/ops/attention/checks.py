@@ -19,7 +19,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 
 
-def _check(
+def check_views(
     q: object, k: object, v: object, layout: object, scale: object
 ) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validate the public arguments; return the softmax scale and q, k, v as ``b h n d`` views."""
@@ -37,7 +37,7 @@ def _check(
         if layout == "b n h d":
             views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         if _usual(*views):
-            return _check_scale(scale, q.shape[-1]), *views
+            return check_scale(scale, q.shape[-1]), *views
     return _check_all(q, k, v, layout, scale)
 
 
@@ -62,7 +62,7 @@ def _usual(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def _check_all(
     q: object, k: object, v: object, layout: object, scale: object
 ) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_check`, every test in order, each failure with its own message."""
+    """:func:`check_views`, every test in order, each failure with its own message."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -106,7 +106,7 @@ def _check_all(
         raise ValueError("head dim must be at least 1, got 0")
     if d > MAX_HEAD_DIM:
         raise NotImplementedError(f"head dim {d} is not supported: flashlite supports 1 to 256")
-    return _check_scale(scale, d), q, k, v
+    return check_scale(scale, d), q, k, v
 
 
 def check_inputs(
@@ -114,10 +114,10 @@ def check_inputs(
 ) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`attention`'s argument checks for other front-ends (ring attention): the softmax
     scale and ``b h n d`` views of q, k and v, or the errors :func:`attention` raises."""
-    return _check(q, k, v, layout, scale)
+    return check_views(q, k, v, layout, scale)
 
 
-def _check_scale(scale: object, head_dim: int) -> float:
+def check_scale(scale: object, head_dim: int) -> float:
     """The softmax scale: ``scale`` validated, or ``1/sqrt(D)`` for None."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
@@ -128,7 +128,7 @@ def _check_scale(scale: object, head_dim: int) -> float:
     return float(scale)
 
 
-def _check_bwd_grads(
+def check_bwd_grads(
     do: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, dlse: torch.Tensor | None
 ) -> None:
     # autograd already matches shapes (and casts dtypes) for `out.backward(grad)`; this guards
@@ -183,7 +183,7 @@ def check_sinks(sinks: object, q: torch.Tensor, n_heads: int) -> torch.Tensor | 
     return sinks.float().contiguous()
 
 
-def _check_cu_seqlens(cu: object, name: str, q: torch.Tensor, max_seqlen: object) -> torch.Tensor:
+def check_cu_seqlens(cu: object, name: str, q: torch.Tensor, max_seqlen: object) -> torch.Tensor:
     """``cu``'s type, shape and device checked: int32 ``(batch + 1,)`` on q's device."""
     if not isinstance(cu, torch.Tensor):
         raise TypeError(f"{name} must be an int32 torch.Tensor, got {type(cu).__name__}")
@@ -200,7 +200,7 @@ def _check_cu_seqlens(cu: object, name: str, q: torch.Tensor, max_seqlen: object
     return cu.contiguous()
 
 
-def _check_cu_values(
+def check_cu_values(
     cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, max_q: int, max_k: int
 ) -> None:
     """Both offset tensors' values: from 0 to the packed length, never decreasing, no sequence
@@ -225,14 +225,14 @@ def _check_cu_values(
             )
 
 
-def _check_page_size(slots: int) -> None:
+def check_page_size(slots: int) -> None:
     """A paged cache's page size: a positive multiple of 16, of any size (the decode kernel reads
     one table entry per tile where the page holds whole tiles, one per key row elsewhere)."""
     if slots < 16 or slots % 16:
         raise ValueError(f"page size {slots}: must be a positive multiple of 16")
 
 
-def _check_writable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+def check_writable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
     """The caches ``k_new``/``v_new`` are written into: no two elements of one cache may share
     memory, and the two caches may not be one tensor (torch's in-place ops refuse the same)."""
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -253,7 +253,7 @@ def _check_writable(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         )
 
 
-def _check_cache_values(
+def check_cache_values(
     cache_seqlens: torch.Tensor,
     n_new: int,
     capacity: int,
@@ -294,7 +294,7 @@ def _check_cache_values(
         )
 
 
-def _check_splits(num_splits: object) -> int | None:
+def check_splits(num_splits: object) -> int | None:
     """``num_splits`` checked: None (choose) or an int >= 1."""
     if num_splits is None:
         return None
@@ -303,14 +303,14 @@ def _check_splits(num_splits: object) -> int | None:
     return num_splits
 
 
-def _kv_record(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
+def kv_record(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, Any]:
     """Where the append kernel records a bad cache value on ``device``, ``(flag, kind, b, j,
     value, Nnew, limit)`` (:mod:`flashlite.kernels.attention.kvcache`), with its host flag
     (:func:`flashlite.ops.common.value_record`)."""
     return value_record("kvcache", device, 7)
 
 
-def _report_kv_problems(device: torch.device, wait: bool, earlier: bool) -> None:
+def report_kv_problems(device: torch.device, wait: bool, earlier: bool) -> None:
     """Raise the ``ValueError`` for a bad cache value recorded on ``device``: with ``wait`` once
     the device has finished, else only when the host flag already shows one (no sync).
     ``earlier``: the record is an earlier call's (this call's kernel has not run yet)."""
@@ -344,7 +344,7 @@ def _report_kv_problems(device: torch.device, wait: bool, earlier: bool) -> None
     )
 
 
-def _check_offsets_on_device(
+def check_offsets_on_device(
     cu_q: torch.Tensor, cu_k: torch.Tensor, total_q: int, total_k: int, max_q: int, max_k: int
 ) -> bool:
     """Launch the offsets check (:mod:`flashlite.kernels.attention.offsets`): no host sync, a
@@ -383,7 +383,7 @@ _offsets_failed: set[torch.device] = register("attention.offsets_failed", set())
 
 def _report_offsets_problems(device: torch.device, wait: bool, earlier: bool) -> None:
     """Raise the ``ValueError`` for bad offsets recorded on ``device`` (as
-    :func:`_report_kv_problems` does for the KV cache)."""
+    :func:`report_kv_problems` does for the KV cache)."""
     words = take_record("offsets", device, wait)
     if words is None:
         return

@@ -17,13 +17,13 @@ from flashlite.kernels import configs as C
 from flashlite.kernels.attention import decode as KD
 from flashlite.masking import masks
 from flashlite.ops.attention.plan import (
-    _default_splits,
-    _dot_flags,
-    _meta,
-    _prescale_q,
     decode_tiles,
+    default_splits,
     descriptor_ok,
+    dot_flags,
     empty_output,
+    prescales_q,
+    tensor_meta,
 )
 from flashlite.ops.common import on_compute_device
 
@@ -66,7 +66,17 @@ def attention_decode_fwd(
     o = empty_output(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     key = _decode_key(
-        q, k, v, seqlens_k, block_table, mask, scale, num_splits, config, use_desc, _meta(sinks)
+        q,
+        k,
+        v,
+        seqlens_k,
+        block_table,
+        mask,
+        scale,
+        num_splits,
+        config,
+        use_desc,
+        tensor_meta(sinks),
     )
     plan = _decode_plans.made(
         key,
@@ -95,9 +105,16 @@ def _decode_key(
     block_table: torch.Tensor | None,
     *options: object,
 ) -> tuple:
-    """What a :class:`DecodePlan` depends on: every tensor's :func:`_meta` and every option (o is
-    fresh and strided from q: q's entry pins it)."""
-    return (_meta(q), _meta(k), _meta(v), _meta(seqlens_k), _meta(block_table), *options)
+    """What a :class:`DecodePlan` depends on: every tensor's :func:`tensor_meta` and every
+    option (o is fresh and strided from q: q's entry pins it)."""
+    return (
+        tensor_meta(q),
+        tensor_meta(k),
+        tensor_meta(v),
+        tensor_meta(seqlens_k),
+        tensor_meta(block_table),
+        *options,
+    )
 
 
 def planned_decode(
@@ -113,7 +130,9 @@ def planned_decode(
     """:func:`attention_decode_fwd`'s ``(O, LSE)`` for a call without block table or pinned
     config, when a call of its kind was planned before; else None, nothing launched (plans
     exist only for tensors where kernels run: nothing needs moving)."""
-    key = _decode_key(q, k, v, seqlens_k, None, mask, scale, num_splits, None, None, _meta(sinks))
+    key = _decode_key(
+        q, k, v, seqlens_k, None, mask, scale, num_splits, None, None, tensor_meta(sinks)
+    )
     plan = _decode_plans.get(key)
     if plan is None:
         return None
@@ -129,7 +148,7 @@ class DecodePlan:
     — made once per kind of call and reused: a decode loop calls one shape thousands of times,
     and at B=8 the host's per-call work was twice the GPU's (``benchmarks/NOTES.md``).
 
-    The caller's key pins what the plan read (:func:`_meta` of every tensor, every option).
+    The caller's key pins what the plan read (:func:`tensor_meta` of every tensor, every option).
     ``o`` and ``lse`` must be fresh allocations strided like the ones it was made with.
     ``mask_fn``, ``score_fn``: a mask function's and a score function's ``@triton.jit``
     function and how many buffers it takes (:mod:`flashlite.mods`); with either, each call
@@ -167,7 +186,7 @@ class DecodePlan:
                 nq * group, b * hkv, d, q.element_size(), _backend.kernels_interpreted()
             )
         if num_splits is None:  # (paged tiles load one after the other: two programs per SM)
-            num_splits = _default_splits(
+            num_splits = default_splits(
                 q.device, b * hkv, nq * group, nk, config.block_m, 2 if page_size else 1
             )
         bn = config.block_n
@@ -189,8 +208,8 @@ class DecodePlan:
             "HAS_SINKS": sinks,
             "PAGE_SIZE": page_size,
             "USE_DESC": self.use_desc,
-            "PRESCALE_Q": _prescale_q(q),
-            **_dot_flags(q.dtype),
+            "PRESCALE_Q": prescales_q(q),
+            **dot_flags(q.dtype),
             "num_warps": config.num_warps,
             "num_stages": config.num_stages,
         }

@@ -22,11 +22,11 @@ from flashlite.ops.attention.decode import attention_decode_fwd, planned_decode
 from flashlite.ops.attention.plan import (
     DESC_MIN_WORK,
     LaunchInfo,
-    _fixed_reference,
-    _hopper_launch_config,
-    _plan,
-    _tuned_kernel,
     empty_output,
+    fixed_reference,
+    hopper_launch_config,
+    triton_plan,
+    tuned_kernel,
 )
 from flashlite.ops.attention.request import Request
 from flashlite.ops.common import on_compute_device
@@ -90,7 +90,7 @@ def attention_fwd(
         hopper = choice.tile
         km = request.mask.kernel(q.shape[2], k.shape[2])
         o, lse = W.window_fwd(q, k, v, km, request.scale, (hopper.block_m, hopper.block_n))
-        return o, lse, LaunchInfo(_hopper_launch_config(hopper), q.shape[-1], True)
+        return o, lse, LaunchInfo(hopper_launch_config(hopper), q.shape[-1], True)
     o = empty_output(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     if choice.backend == "empty":
@@ -100,7 +100,7 @@ def attention_fwd(
         causal = request.mask.is_causal
         run = _run_hopper(q, k, v, o, lse, causal, request.scale, hopper, request.sinks)
         if run is not None:
-            info = LaunchInfo(_hopper_launch_config(hopper), q.shape[-1], True)
+            info = LaunchInfo(hopper_launch_config(hopper), q.shape[-1], True)
             if key is not None:  # (it built and ran: later calls of this kind go straight to it)
                 _fwd_plans.put(key, _Planned(run, q.shape[:3], info))
             return o, lse, info
@@ -135,7 +135,7 @@ def _run_triton(
     km = request.mask.kernel(nq, nk)
     seqlens_k, varlen, sinks = request.seqlens_k, request.varlen, request.sinks
     small = b * hq * nq * nk * d < DESC_MIN_WORK
-    config, launch = _plan(
+    config, launch = triton_plan(
         q.device,
         q.dtype,
         d,
@@ -148,7 +148,7 @@ def _run_triton(
         km.SOFTCAP,
         seqlens_k is not None,
         varlen is not None,
-        _fixed_reference(q.dtype, request.softcap, sinks),
+        fixed_reference(q.dtype, request.softcap, sinks),
         sinks is not None,
     )
     block_d = launch["BLOCK_D"]
@@ -163,7 +163,7 @@ def _run_triton(
     # packed sequences: one program row per sequence, as many query blocks as the longest has
     rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
     if config is None:  # no measured entry here: the autotuner, per length bucket
-        tuned = _tuned_kernel(rows, nk)
+        tuned = tuned_kernel(rows, nk)
         tuned[lambda meta: (C.cdiv(rows, meta["BLOCK_M"]), seqs * hq)](*args, **launch)  # type: ignore[index]
         return o, lse, LaunchInfo(C.Config.of(tuned.best_config), block_d, use_desc)  # type: ignore[attr-defined]
     grid = (C.cdiv(rows, config.block_m), seqs * hq, 1)
@@ -308,7 +308,7 @@ def _run_hopper(
     return HP.first_build(_hopper_failed, key, "attention", build, stacklevel=4)
 
 
-def _attention_fwd_body(
+def attention_fwd_body(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # a call of a kind planned before goes straight to its plan (plans exist only for tensors
@@ -336,7 +336,7 @@ def _attention_fwd_body(
     return o, lse
 
 
-def _attention_fwd_fake(
+def attention_fwd_fake(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return empty_output(q), q.new_empty(q.shape[:3], dtype=torch.float32)

@@ -14,15 +14,15 @@ from flashlite.kernels.attention import kvcache as KKV
 from flashlite.masking import masks
 from flashlite.masking.mod_args import ModArgs, Slots, unspec_mod
 from flashlite.ops._dispatch import Op
-from flashlite.ops.attention.checks import _check_cache_values, _kv_record, _report_kv_problems
+from flashlite.ops.attention.checks import check_cache_values, kv_record, report_kv_problems
 from flashlite.ops.attention.decode import DecodePlan
-from flashlite.ops.attention.plan import _meta
+from flashlite.ops.attention.plan import tensor_meta
 from flashlite.ops.attention.request import Request
 from flashlite.ops.common import moved, moved_call_device
 
 
-def _kvcache_key(tensors: tuple, options: tuple) -> tuple | None:
-    """What :func:`attention_kvcache`'s checks read — each tensor's :func:`_meta` (plain
+def kvcache_key(tensors: tuple, options: tuple) -> tuple | None:
+    """What :func:`attention_kvcache`'s checks read — each tensor's :func:`tensor_meta` (plain
     ``torch.Tensor`` s only) and each option's type and value — or None where an option is not
     a plain value (those calls are checked every time), and None while tracing."""
     if torch.compiler.is_compiling():
@@ -31,7 +31,7 @@ def _kvcache_key(tensors: tuple, options: tuple) -> tuple | None:
     for t in tensors:
         if t is not None and (type(t) is not torch.Tensor or t.requires_grad):
             return None  # (a tensor that requires grad: refused, or not, by the checks each time)
-        key.append(_meta(t))
+        key.append(tensor_meta(t))
     for x in options:
         kind = type(x)
         if kind is tuple:
@@ -43,9 +43,9 @@ def _kvcache_key(tensors: tuple, options: tuple) -> tuple | None:
     return tuple(key)
 
 
-#: :func:`attention_kvcache`'s plans by its own arguments (:func:`_kvcache_key`): a call that
+#: :func:`attention_kvcache`'s plans by its own arguments (:func:`kvcache_key`): a call that
 #: matches passed every check before.
-_checked_kvcache = Cache("attention.kvcache_checked", 1024)
+checked_kvcache = Cache("attention.kvcache_checked", 1024)
 
 
 class KVCachePlan:
@@ -132,7 +132,7 @@ class KVCachePlan:
         """Run on tensors of the planned kind: ``out`` ``(B, Nq, Hq, D)``, LSE ``(B, Hq, Nq)``
         (``sinks``, ``mask`` and ``score`` given iff planned with them)."""
         if self.validate == "sync":  # every value check before anything is written (a sync)
-            _check_cache_values(
+            check_cache_values(
                 cache_seqlens, self.n_new, self.capacity, block_table, self.slots, self.num_pages
             )
         lengths = cache_seqlens = cache_seqlens.contiguous()
@@ -160,8 +160,8 @@ class KVCachePlan:
         """The append kernel (checks included with device validation): the new lengths."""
         device = cache_seqlens.device
         if self.device_check:  # a bad value an earlier call recorded: reported first
-            _report_kv_problems(device, False, earlier=True)
-            record, host = _kv_record(device)[:2]
+            report_kv_problems(device, False, earlier=True)
+            record, host = kv_record(device)[:2]
         else:
             record = host = cache_seqlens  # (stand-ins: never read)
         lengths = torch.empty_like(cache_seqlens)  # (dense int32 (B,), as made above)
@@ -191,7 +191,7 @@ class KVCachePlan:
             )
         self._prepare(self.prepare_grid, *args)
         if self.device_check and device.type != "cuda":  # no sync to save: reported here
-            _report_kv_problems(device, True, earlier=False)
+            report_kv_problems(device, True, earlier=False)
         return lengths
 
 
@@ -218,10 +218,10 @@ def _slots_of(mod: ModArgs | None) -> list[Any]:
 
 
 def _mod_key(mod: ModArgs | None) -> tuple | None:
-    return None if mod is None else (mod[0], *map(_meta, mod[1]), *mod[2])
+    return None if mod is None else (mod[0], *map(tensor_meta, mod[1]), *mod[2])
 
 
-def _kvcache_plan(
+def kvcache_plan(
     args: tuple,
     sinks: torch.Tensor | None = None,
     mask: ModArgs | None = None,
@@ -232,9 +232,9 @@ def _kvcache_plan(
     ``score``: a mask and a score function, whose names, buffers' kinds and numbers it
     pins)."""
     key = (
-        *map(_meta, args[:_TENSORS]),
+        *map(tensor_meta, args[:_TENSORS]),
         *args[_TENSORS:],
-        _meta(sinks),
+        tensor_meta(sinks),
         _mod_key(mask),
         _mod_key(score),
     )
@@ -262,7 +262,7 @@ def _kvcache(
     dev = moved_call_device(q.device)
     if dev is not None:
         return _kvcache_moved(args, dev, request.sinks, mask, score)
-    plan = _kvcache_plan(args, request.sinks, mask, score)
+    plan = kvcache_plan(args, request.sinks, mask, score)
     return plan(*args[:_TENSORS], request.sinks, mask, score)
 
 
@@ -332,7 +332,7 @@ def _kvcache_moved(
     q, k_cache, v_cache = args[:3]
     validate = args[-1]
     if validate == "device":  # (a record left on the caller's device: reported first)
-        _report_kv_problems(q.device, False, earlier=True)
+        report_kv_problems(q.device, False, earlier=True)
     tensors = tuple(moved(t, dev) for t in args[:_TENSORS])
     k_moved, v_moved, k_new = tensors[1], tensors[2], tensors[4]
     try:
@@ -341,7 +341,7 @@ def _kvcache_moved(
             None if m is None else (m[0], [moved(t, dev) for t in m[1]], m[2])
             for m in (mask, score)
         )
-        o, lse = _kvcache_plan((*tensors, *args[_TENSORS:]), sinks, mask, score)(
+        o, lse = kvcache_plan((*tensors, *args[_TENSORS:]), sinks, mask, score)(
             *tensors, sinks, mask, score
         )
     finally:  # what the append wrote (the good rows, when a bad one is reported)
@@ -349,7 +349,7 @@ def _kvcache_moved(
             k_cache.copy_(k_moved)
             v_cache.copy_(v_moved)
     if validate == "device":
-        _report_kv_problems(dev, True, earlier=False)
+        report_kv_problems(dev, True, earlier=False)
     return o.to(q.device), lse.to(q.device)
 
 

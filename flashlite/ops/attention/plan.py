@@ -51,7 +51,7 @@ def descriptor_ok(*tensors: torch.Tensor) -> bool:
 _tuned = Cache("attention.tuned", 64)
 
 
-def _tuned_kernel(seq_q: int, seq_k: int) -> object:
+def tuned_kernel(seq_q: int, seq_k: int) -> object:
     """The kernel with its filtered autotune list, one per power-of-two length bucket: a
     config tuned at one length serves every length of its bucket, so a decoding or varlen loop
     over many lengths tunes a handful of times, not once per length."""
@@ -149,7 +149,7 @@ def gpu_config(
     use_desc = b * hq * nq * nk * d >= DESC_MIN_WORK
     hopper = _hopper_entry(dtype, d, nk) if gpu == "h200" and use_desc else None
     if hopper is not None:
-        return _hopper_launch_config(hopper), True
+        return hopper_launch_config(hopper), True
     config = C.pinned_config() or _table_entry(block_d, causal, dtype, not use_desc, gpu == "h200")
     return config or C.default_config(block_d, dtype.itemsize, use_desc), use_desc
 
@@ -225,20 +225,20 @@ def _hopper_entry(dtype: torch.dtype, head_dim: int, n_keys: int) -> KH.HopperCo
     return config if config is not None and n_keys >= config.min_keys else None
 
 
-def _hopper_launch_config(config: KH.HopperConfig) -> C.Config:
+def hopper_launch_config(config: KH.HopperConfig) -> C.Config:
     """How launches of the Gluon kernel are reported (``LaunchInfo``, the traffic tools): its
     tiles, its 4-warp consumers and ring slots, ``warp_specialize`` on."""
     return C.Config(config.block_m, config.block_n, 4, config.stages, warp_specialize=True)
 
 
-def _meta(t: torch.Tensor | None) -> tuple | None:
+def tensor_meta(t: torch.Tensor | None) -> tuple | None:
     """What a launch plan depends on in a tensor: shape, strides, dtype, device, alignment."""
     if t is None:
         return None
     return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)
 
 
-def _default_splits(
+def default_splits(
     dev: torch.device, programs: int, rows: int, nk: int, block_m: int, per_sm: int = 1
 ) -> int:
     """Key chunks per row block on this device: :func:`splits_for` on a GPU, 1 in the
@@ -273,7 +273,7 @@ def prefix_splits(
     return splits_for(hkv, rows, n_keys, sms, block_m, per_sm=2)
 
 
-def _fixed_reference(
+def fixed_reference(
     dtype: torch.dtype, softcap: float | None, sinks: torch.Tensor | None = None
 ) -> bool:
     """Whether the forward drops the running maximum for a fixed reference (no row max, no
@@ -287,7 +287,7 @@ def _fixed_reference(
     return softcap is not None and softcap <= 50.0 and dtype != torch.float16 and sinks is None
 
 
-def _plan(
+def triton_plan(
     dev: torch.device,
     dtype: torch.dtype,
     d: int,
@@ -343,7 +343,7 @@ def _plan(
         "USE_DESC": use_desc,
         # fold the scale into Q for 16-bit inputs (see the kernel)
         "PRESCALE_Q": dtype != torch.float32 if prescale_q is None else prescale_q,
-        **_dot_flags(dtype),
+        **dot_flags(dtype),
     }
     if config is not None:
         launch |= config.constexprs()
@@ -379,7 +379,7 @@ def decode_tiles(
     return C.decode_config(rows, interpreted, programs, C.block_d(head_dim), elem_bytes)
 
 
-def _dot_flags(dtype: torch.dtype) -> dict[str, object]:
+def dot_flags(dtype: torch.dtype) -> dict[str, object]:
     """The attention kernels' precision constexprs for inputs of ``dtype``: fp32 operands for
     ``tl.dot`` where the backend needs them (the interpreter's bf16), three TF32 passes for fp32
     inputs (about fp32 accuracy on tensor cores), and the store-side bf16 rounding."""
@@ -390,11 +390,11 @@ def _dot_flags(dtype: torch.dtype) -> dict[str, object]:
     }
 
 
-def _prescale_q(q: torch.Tensor) -> bool:
+def prescales_q(q: torch.Tensor) -> bool:
     return q.dtype != torch.float32  # as the forward computed the scores
 
 
-def _decode_splits(q: torch.Tensor, k: torch.Tensor, num_splits: int | None) -> int:
+def chosen_splits(q: torch.Tensor, k: torch.Tensor, num_splits: int | None) -> int:
     """The op's ``num_splits`` for :func:`attention`'s: 0 runs the forward kernel, n >= 1 the
     decode kernel with n key chunks. ``None`` takes the decode kernel on a GPU when the packed
     query rows per KV head (``Nq·Hq/Hkv``) fit one of its tiles, with the chunks that fill the
@@ -412,11 +412,11 @@ def _decode_splits(q: torch.Tensor, k: torch.Tensor, num_splits: int | None) -> 
     found = _splits.get(key)
     if found is None:
         block_m = decode_tiles(rows, b * hkv, q.shape[3], q.element_size()).block_m
-        found = _splits.put(key, _default_splits(q.device, b * hkv, rows, nk, block_m))
+        found = _splits.put(key, default_splits(q.device, b * hkv, rows, nk, block_m))
     return found
 
 
-#: :func:`_decode_splits` per decode shape (a decode loop asks once per step).
+#: :func:`chosen_splits` per decode shape (a decode loop asks once per step).
 _splits = Cache("attention.decode_splits", 1024)
 
 

@@ -29,9 +29,9 @@ from flashlite.kernels.attention import shared_prefix as KSP
 from flashlite.masking import masks
 from flashlite.ops._dispatch import forward_only, plain_eager
 from flashlite.ops.attention.api import attention, attention_kvcache
-from flashlite.ops.attention.checks import DTYPES, _check_scale, _check_splits, check_sinks
+from flashlite.ops.attention.checks import DTYPES, check_scale, check_sinks, check_splits
 from flashlite.ops.attention.decode import attention_decode_fwd
-from flashlite.ops.attention.kvcache import _kvcache_key
+from flashlite.ops.attention.kvcache import kvcache_key
 from flashlite.ops.attention.plan import prefix_splits
 from flashlite.ops.common import check_flags, moved_call_device, on_compute_device
 
@@ -109,7 +109,7 @@ def attention_shared_prefix(
         sinks,
     )
     options = (causal, scale, window, softcap, num_splits, validate)
-    key = _kvcache_key(tensors, options)  # (None while tracing, or for inputs that need grad)
+    key = kvcache_key(tensors, options)  # (None while tracing, or for inputs that need grad)
     step = _checked.get(key) if key is not None else None
     if step is None or not plain_eager(q, prefix_k, prefix_v):
         step = _checked_step(tensors, options, return_lse)
@@ -120,7 +120,7 @@ def attention_shared_prefix(
     return (o, lse) if return_lse else o
 
 
-#: :class:`_Step` per kind of call that passed every check (:func:`_kvcache_key` of its
+#: :class:`_Step` per kind of call that passed every check (:func:`kvcache_key` of its
 #: arguments: shapes, strides, dtypes, devices, alignment and options)
 _checked = Cache("attention.shared_prefix_checked", 256)
 
@@ -143,8 +143,8 @@ def _checked_step(tensors: tuple, options: tuple, return_lse: object) -> _Step:
         raise ValueError(f"q's Hq={hq} must be a multiple of the caches' Hkv={hkv}")
     _check_inputs(q, prefix_k, prefix_v, hkv, sinks)
     mask = masks.describe(causal, window, softcap)
-    sm_scale = _check_scale(scale, q.shape[3])
-    splits = _check_splits(num_splits)
+    sm_scale = check_scale(scale, q.shape[3])
+    splits = check_splits(num_splits)
     # (sizes only: attention_kvcache checks these arguments)
     n_new = k_new.shape[1] if isinstance(k_new, torch.Tensor) and k_new.dim() == 4 else 0
     paged = isinstance(block_table, torch.Tensor) and block_table.dim() == 2
