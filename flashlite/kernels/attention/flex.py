@@ -33,125 +33,42 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashlite.kernels.attention.common import (
-    accumulate,
-    load_tile,
-    seq_ptr,
-    sequence,
-    store_tile,
-    update,
-)
+from flashlite.kernels.attention.common import load_tile, seq_ptr, sequence, store_tile
+from flashlite.kernels.attention.flex_bwd_parts import dkdv_step as _dkdv_step
+from flashlite.kernels.attention.flex_bwd_parts import dq_step as _dq_step
+from flashlite.kernels.attention.flex_parts import fold_tile as _fold_tile
+from flashlite.kernels.attention.flex_parts import listed as _listed
+from flashlite.kernels.attention.flex_parts import lse_row as _lse_row
+from flashlite.kernels.attention.flex_parts import table_row as _table_row
 from flashlite.kernels.common import cast
-from flashlite.masking.mods import apply_mask, apply_score
-from flashlite.stats import LOG2E, finalize_lse, probs_from_lse, probs_from_lse_t
-
-
-@triton.jit
-def _mod_scores(x, b, h, q_idx, kv_idx, in_range, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
-                MASK_MOD: tl.constexpr, N_MASK_BUF: tl.constexpr, SCORE_MOD: tl.constexpr,
-                N_SCORE_BUF: tl.constexpr, HAS_SCORE: tl.constexpr, MASKED: tl.constexpr,
-                BOUNDED: tl.constexpr = False):  # fmt: skip
-    """Natural-unit scores ``x`` after ``score_mod`` and (``MASKED``) ``mask_mod``: pairs a
-    query does not see, or past the keys (``in_range`` false), become −inf. ``BOUNDED``
-    without ``MASKED``: the keys' bounds only (varlen's full tiles, listed for the longest
-    sequence). ``q_idx`` and ``kv_idx`` broadcast against each other (either way round: the
-    dK/dV loop is keys-major)."""
-    y = x
-    if HAS_SCORE:
-        y = apply_score(SCORE_MOD, x, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3, N_SCORE_BUF)
-    if MASKED:
-        seen = apply_mask(MASK_MOD, b, h, q_idx, kv_idx, MB0, MB1, MB2, MB3, N_MASK_BUF)
-        y = tl.where(seen & in_range, y, float("-inf"))
-    elif BOUNDED:
-        y = tl.where(in_range, y, float("-inf"))
-    return y
-
-
-@triton.jit
-def _table_row(b, h, block, stride_tb, stride_th, stride_tr, stride_ib, stride_ih, stride_ir):
-    """Offsets of a program's row in the count tables and in the index tables (64-bit)."""
-    trow = b * stride_tb + h * stride_th + block * stride_tr
-    irow = b.to(tl.int64) * stride_ib + h * stride_ih + block * stride_ir
-    return trow, irow
-
-
-@triton.jit
-def _listed(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, trow, irow, PART: tl.constexpr):
-    """``(how many, where their indices start)`` of the row's full (``PART`` 0) or partial
-    (``PART`` 1) blocks."""
-    if PART == 0:
-        n_blocks = tl.load(FULL_NUM + trow)
-        idx_row = FULL_IDX + irow
-    else:
-        n_blocks = tl.load(PART_NUM + trow)
-        idx_row = PART_IDX + irow
-    return n_blocks, idx_row
-
-
-@triton.jit
-def _lse_row(pid_bh, h, q0, q_mem, VARLEN: tl.constexpr):
-    """Offset of a program's first row in the LSE (and delta): ``(B·Hq, Nq)``, or for varlen
-    the packed ``(Hq, total)`` at the sequence's first row ``q0``."""
-    if VARLEN:
-        row = h.to(tl.int64) * q_mem + q0
-    else:
-        row = pid_bh.to(tl.int64) * q_mem
-    return row
-
-
-@triton.jit
-def _scored_tile(q, k_src, b, h, h_kv, start_n, q_idx, offs_n, offs_d, seq_k, sm_scale,
-                 stride_kn, stride_kd, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
-                 MASK_MOD: tl.constexpr, N_MASK_BUF: tl.constexpr, SCORE_MOD: tl.constexpr,
-                 N_SCORE_BUF: tl.constexpr, HAS_SCORE: tl.constexpr, MASKED: tl.constexpr,
-                 BOUNDED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                 DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):  # fmt: skip
-    """The key tile at ``start_n`` (``k``), its natural-unit scores ``x = q·kᵀ·scale`` and the
-    scores the softmax takes, ``y`` (:func:`_mod_scores`; ``BOUNDED``: keys past ``seq_k``
-    masked on full tiles too), and the tile's key positions."""
-    k = load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, offs_n, offs_d, HEAD_DIM,
-                  BLOCK_D, False, MASKED | BOUNDED)  # fmt: skip
-    if DOT_FP32:
-        k = k.to(tl.float32)
-    x = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * sm_scale
-    cols = start_n + offs_n
-    kv_idx = tl.minimum(cols, seq_k - 1)[None, :]
-    y = _mod_scores(x, b, h, q_idx, kv_idx, (cols < seq_k)[None, :], MB0, MB1, MB2, MB3, SB0, SB1,
-                    SB2, SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF, HAS_SCORE,
-                    MASKED, BOUNDED)  # fmt: skip
-    return k, x, y, kv_idx
-
+from flashlite.stats import LOG2E, finalize_lse
 
 #: Arguments that change with the sequence length (the lengths, the tables' strides, a mod's
 #: numbers such as a document-id row stride) are not specialised on (multiple of 16 or not,
 #: equal to 1 or not): a loop over lengths compiles no new variants.
 _MOD_ARGS = ("MB0", "MB1", "MB2", "MB3", "SB0", "SB1", "SB2", "SB3")
-_BY_QUERY_BLOCK = ("seq_q", "seq_k", "stride_tb", "stride_th", "stride_tm", "stride_ib",
-                   "stride_ih", "stride_im", *_MOD_ARGS)  # fmt: skip
-_BY_KEY_BLOCK = ("seq_q", "seq_k", "stride_tb", "stride_th", "stride_tn", "stride_ib",
-                 "stride_ih", "stride_in", *_MOD_ARGS)  # fmt: skip
-
-
-@triton.jit
-def _fold_tile(m, s, acc, q, k_src, v_src, b, h, h_kv, start_n, q_idx, offs_n, offs_d, seq_k,
-               sm_scale, stride_kn, stride_kd, stride_vn, stride_vd, MB0, MB1, MB2, MB3, SB0,
-               SB1, SB2, SB3, MASK_MOD: tl.constexpr, N_MASK_BUF: tl.constexpr,
-               SCORE_MOD: tl.constexpr, N_SCORE_BUF: tl.constexpr, HAS_SCORE: tl.constexpr,
-               MASKED: tl.constexpr, BOUNDED: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-               ROUND_BF16: tl.constexpr):  # fmt: skip
-    """The forward's step: the key tile at ``start_n`` scored (:func:`_scored_tile`), folded
-    into ``(m, s)`` and ``acc += p·v``."""
-    _k, _x, y, _kv = _scored_tile(q, k_src, b, h, h_kv, start_n, q_idx, offs_n, offs_d, seq_k,
-                                  sm_scale, stride_kn, stride_kd, MB0, MB1, MB2, MB3, SB0, SB1,
-                                  SB2, SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF,
-                                  HAS_SCORE, MASKED, BOUNDED, HEAD_DIM, BLOCK_D, DOT_FP32,
-                                  DOT_PRECISION)  # fmt: skip
-    m, s, alpha, p, moved = update(m, s, y, LOG2E, False)
-    acc = accumulate(acc, alpha, moved, p, v_src, b, h_kv, start_n, 0, seq_k, stride_vn,
-                     stride_vd, offs_n, offs_d, MASKED | BOUNDED, HEAD_DIM, BLOCK_D, False,
-                     DOT_FP32, DOT_PRECISION, ROUND_BF16, False)  # fmt: skip
-    return m, s, acc
+_BY_QUERY_BLOCK = (
+    "seq_q",
+    "seq_k",
+    "stride_tb",
+    "stride_th",
+    "stride_tm",
+    "stride_ib",
+    "stride_ih",
+    "stride_im",
+    *_MOD_ARGS,
+)
+_BY_KEY_BLOCK = (
+    "seq_q",
+    "seq_k",
+    "stride_tb",
+    "stride_th",
+    "stride_tn",
+    "stride_ib",
+    "stride_ih",
+    "stride_in",
+    *_MOD_ARGS,
+)
 
 
 @triton.jit(do_not_specialize=_BY_QUERY_BLOCK)
@@ -231,44 +148,6 @@ def _flex_fwd_kernel(
                stride_om, stride_od, offs_d, HEAD_DIM)  # fmt: skip
 
 
-@triton.jit
-def _dkdv_step(dk, dv, k, v, q_src, g_src, LSE, DELTA, bh_rows, b, h, start_m, offs_r, offs_d,
-               kv_idx, in_range, seq_q, sm_scale, stride_qm, stride_qd, stride_gm, stride_gd,
-               MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, MASK_MOD: tl.constexpr,
-               N_MASK_BUF: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
-               N_SCORE_BUF: tl.constexpr, HAS_SCORE: tl.constexpr, MASKED: tl.constexpr,
-               HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
-               DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
-    """Add the query rows ``[start_m, start_m + BLOCK_M)`` of head ``h`` into ``(dk, dv)``,
-    keys-major: ``Pᵀ`` from the saved LSE, ``dV += Pᵀ·dO``, ``dSᵀ = Pᵀ ∘ (dPᵀ − delta)``
-    (times the score function's derivative), ``dK += dSᵀ·Q``."""
-    rows = start_m + offs_r
-    q = load_tile(q_src, b, h, start_m, seq_q, stride_qm, stride_qd, offs_r, offs_d, HEAD_DIM,
-                  BLOCK_D, False, True)  # fmt: skip
-    do = load_tile(g_src, b, h, start_m, seq_q, stride_gm, stride_gd, offs_r, offs_d, HEAD_DIM,
-                   BLOCK_D, False, True)  # fmt: skip
-    if DOT_FP32:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
-    # rows past seq_q: LSE +inf makes their probabilities 0
-    lse = tl.load(LSE + bh_rows + rows, mask=rows < seq_q, other=float("inf"))
-    delta = tl.load(DELTA + bh_rows + rows, mask=rows < seq_q, other=0.0)
-    xt = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * sm_scale
-    q_idx = tl.minimum(rows, seq_q - 1)[None, :]
-    yt = _mod_scores(xt, b, h, q_idx, kv_idx, in_range, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
-                     MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF, HAS_SCORE,
-                     MASKED)  # fmt: skip
-    pt = probs_from_lse_t(yt, lse, LOG2E)
-    dv = tl.dot(cast(pt, do.dtype, ROUND_BF16), do, dv, input_precision=DOT_PRECISION)
-    dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-    dst = pt * (dpt - delta[None, :])
-    if HAS_SCORE:
-        dst = dst * apply_score(SCORE_GRAD, xt, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3,
-                                N_SCORE_BUF)  # fmt: skip
-    dk = tl.dot(cast(dst, q.dtype, ROUND_BF16), q, dk, input_precision=DOT_PRECISION)
-    return dk, dv
-
-
 @triton.jit(do_not_specialize=_BY_KEY_BLOCK)
 def _flex_bwd_dkdv_kernel(
     Q, K, V, DO, DK, DV, LSE, DELTA,
@@ -345,33 +224,6 @@ def _flex_bwd_dkdv_kernel(
     dv = cast(dv, DV.dtype.element_ty, ROUND_BF16)
     store_tile(seq_ptr(DV, b, h_kv, k0, stride_dvb, stride_dvh, stride_dvn, VARLEN), dv, offs_n,
                seq_k, stride_dvn, stride_dvd, offs_d, HEAD_DIM)  # fmt: skip
-
-
-@triton.jit
-def _dq_step(dq, q, do, lse, delta, k_src, v_src, b, h, h_kv, start_n, q_idx, offs_n, offs_d,
-             seq_k, sm_scale, stride_kn, stride_kd, stride_vn, stride_vd, MB0, MB1, MB2, MB3,
-             SB0, SB1, SB2, SB3, MASK_MOD: tl.constexpr, N_MASK_BUF: tl.constexpr,
-             SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, N_SCORE_BUF: tl.constexpr,
-             HAS_SCORE: tl.constexpr, MASKED: tl.constexpr, BOUNDED: tl.constexpr,
-             HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_FP32: tl.constexpr,
-             DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr):  # fmt: skip
-    """Add the key tile at ``start_n`` into ``dq``: P from the saved LSE, ``dS = P ∘ (dP −
-    delta)`` (times the score function's derivative), ``dQ += dS·K``."""
-    k, x, y, kv_idx = _scored_tile(q, k_src, b, h, h_kv, start_n, q_idx, offs_n, offs_d, seq_k,
-                                   sm_scale, stride_kn, stride_kd, MB0, MB1, MB2, MB3, SB0, SB1,
-                                   SB2, SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF,
-                                   HAS_SCORE, MASKED, BOUNDED, HEAD_DIM, BLOCK_D, DOT_FP32,
-                                   DOT_PRECISION)  # fmt: skip
-    v = load_tile(v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, offs_n, offs_d, HEAD_DIM,
-                  BLOCK_D, False, MASKED | BOUNDED)  # fmt: skip
-    if DOT_FP32:
-        v = v.to(tl.float32)
-    p = probs_from_lse(y, lse, LOG2E)
-    dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
-    ds = p * (dp - delta[:, None])
-    if HAS_SCORE:
-        ds = ds * apply_score(SCORE_GRAD, x, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3, N_SCORE_BUF)
-    return tl.dot(cast(ds, k.dtype, ROUND_BF16), k, dq, input_precision=DOT_PRECISION)
 
 
 @triton.jit(do_not_specialize=_BY_QUERY_BLOCK)
