@@ -18,6 +18,7 @@
 ``autograd``    the two ops stated once (``flashlite::attention_fwd``/``_bwd``, autograd included)
 ``decode``      the decode kernel's plan and launch (GQA packing, split-KV, the exact merge)
 ``kvcache``     the KV-cache step: value checks, append, decode; ``flashlite::attention_kvcache``
+``cache_checks``  :func:`attention_kvcache`'s argument checks (tensors, mask and score functions)
 ``shared_prefix``  cascade decoding over one shared prefix: prefix pass, suffix pass, merge
 ``flex``        your own masks and score functions: :func:`flex_attention` and its ops
                 ``flashlite::flex_attention_*`` (Triton, or the Hopper kernels, over tables)

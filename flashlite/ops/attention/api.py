@@ -7,23 +7,18 @@ from typing import Any
 
 import torch
 
-from flashlite import _backend
-from flashlite.masking import masks, mods
-from flashlite.masking.mod_args import check_mod, spec_mod
+from flashlite.masking import masks
 from flashlite.ops._dispatch import forward_only, plain_eager
 from flashlite.ops.attention.autograd import ATTENTION_FWD
+from flashlite.ops.attention.cache_checks import cache_mods, check_call
 from flashlite.ops.attention.checks import (
-    DTYPES,
-    MAX_HEAD_DIM,
     check_cu_seqlens,
     check_cu_values,
     check_offsets_on_device,
-    check_page_size,
     check_scale,
     check_sinks,
     check_splits,
     check_views,
-    check_writable,
 )
 from flashlite.ops.attention.flex import flex_varlen
 from flashlite.ops.attention.kvcache import (
@@ -337,88 +332,12 @@ def attention_kvcache(
     check_flags(causal=causal, return_lse=return_lse)
     if not (isinstance(validate, bool) or validate == "sync"):
         raise TypeError(f"validate must be True, False or 'sync', got {validate!r}")
-    for name, t in (
-        ("q", q),
-        ("k_cache", k_cache),
-        ("v_cache", v_cache),
-        ("k_new", k_new),
-        ("v_new", v_new),
-    ):
-        if t is None:
-            continue
-        if t.dim() != 4:
-            raise ValueError(f"{name} must have 4 dimensions (b n h d), got {tuple(t.shape)}")
-        if t.dtype != q.dtype or t.dtype not in DTYPES:
-            raise TypeError(
-                f"{name} has dtype {t.dtype}; q, the caches and k_new/v_new share "
-                "one of torch.float16, torch.bfloat16, torch.float32"
-            )
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
-        _backend.check_device(t, name)
-    bsz, nq, hq, d = q.shape
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} "
-            f"and {tuple(v_cache.shape)}"
-        )
-    hkv, dk = k_cache.shape[2], k_cache.shape[3]
-    if dk != d or hkv == 0 or hq % hkv:
-        raise ValueError(
-            f"the caches must be (.., .., Hkv, D={d}) with Hq={hq} a multiple of "
-            f"Hkv; got {tuple(k_cache.shape)}"
-        )
-    if d > MAX_HEAD_DIM:
-        raise NotImplementedError(f"head dim {d} is not supported: flashlite supports 1 to 256")
-    for name, t, dims in (("cache_seqlens", cache_seqlens, 1), ("block_table", block_table, 2)):
-        if t is None:
-            continue
-        if t.dtype != torch.int32:
-            raise TypeError(f"{name} must have dtype torch.int32, got {t.dtype}")
-        if t.dim() != dims or t.shape[0] != bsz or t.device != q.device:
-            shape = "(B,)" if dims == 1 else "(B, max_pages)"
-            raise ValueError(
-                f"{name} must be a {shape} tensor with B={bsz} on {q.device}, "
-                f"got {tuple(t.shape)} on {t.device}"
-            )
-    if block_table is None and k_cache.shape[0] != bsz:
-        raise ValueError(f"k_cache must be (B={bsz}, Ncap, Hkv, D), got {tuple(k_cache.shape)}")
-    if block_table is not None:
-        check_page_size(k_cache.shape[1])
-    n_new = 0 if k_new is None else k_new.shape[1]
-    if k_new is not None:
-        want = (bsz, n_new, hkv, d)
-        if k_new.shape != want or v_new.shape != want:  # type: ignore[union-attr]
-            raise ValueError(
-                f"k_new and v_new must be (B, Nnew, Hkv, D) = {want}, got "
-                f"{tuple(k_new.shape)} and {tuple(v_new.shape)}"  # type: ignore[union-attr]
-            )
-        check_writable(k_cache, v_cache)
+    check_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     splits = check_splits(num_splits)
     mask = masks.describe(causal, window, softcap)
-    sm_scale = check_scale(scale, d)
-    sink = check_sinks(sinks, q, hq)  # (fp32: what the plan's key pins, whatever came in)
-    mods_given: dict[str, object] = {}
-    if mask_mod is not None or score_mod is not None:
-        # (the positions a mod may see: the cache's capacity per sequence)
-        capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
-        if mask_mod is not None:
-            mm = mods.as_mask_mod(mask_mod)
-            check_mod(mm, "mask_mod", q.device, bsz, hq, capacity)
-            mods_given.update(
-                zip(("mask_mod", "mask_tensors", "mask_nums"), spec_mod(mm), strict=True)
-            )
-        if score_mod is not None:
-            if softcap is not None:
-                raise ValueError(
-                    "attention_kvcache takes score_mod without softcap: write the "
-                    "cap as flashlite.gallery.tanh_softcap(c) in it"
-                )
-            sm = mods.as_score_mod(score_mod)
-            check_mod(sm, "score_mod", q.device, bsz, hq, capacity)
-            mods_given.update(
-                zip(("score_mod", "score_tensors", "score_nums"), spec_mod(sm), strict=True)
-            )
+    sm_scale = check_scale(scale, q.shape[3])
+    sink = check_sinks(sinks, q, q.shape[2])  # (fp32: what the plan's key pins, whatever came in)
+    mods_given = cache_mods(mask_mod, score_mod, softcap, q, k_cache, block_table)
     request = Request.of_mask(
         mask,
         sm_scale,

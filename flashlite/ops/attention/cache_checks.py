@@ -1,0 +1,120 @@
+""":func:`~flashlite.attention_kvcache`'s argument checks: its tensors (layout ``b n h d``,
+dtypes, devices, the caches' shapes, lengths and pages, new keys and values) and its mask and
+score functions. Every check comes before anything is written into the caches."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from flashlite import _backend
+from flashlite.masking import mods
+from flashlite.masking.mod_args import check_mod, spec_mod
+from flashlite.ops.attention.checks import DTYPES, MAX_HEAD_DIM, check_page_size, check_writable
+
+
+def check_call(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    k_new: torch.Tensor | None,
+    v_new: torch.Tensor | None,
+    block_table: torch.Tensor | None,
+) -> None:
+    """TypeError, ValueError or NotImplementedError naming the argument, unless the tensors
+    make one decode step (q ``(B, Nq, Hq, D)``, caches ``(B, Ncap, Hkv, D)`` or paged, int32
+    lengths and pages, ``k_new``/``v_new`` ``(B, Nnew, Hkv, D)`` into writable caches)."""
+    for name, t in (
+        ("q", q),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("k_new", k_new),
+        ("v_new", v_new),
+    ):
+        if t is None:
+            continue
+        if t.dim() != 4:
+            raise ValueError(f"{name} must have 4 dimensions (b n h d), got {tuple(t.shape)}")
+        if t.dtype != q.dtype or t.dtype not in DTYPES:
+            raise TypeError(
+                f"{name} has dtype {t.dtype}; q, the caches and k_new/v_new share "
+                "one of torch.float16, torch.bfloat16, torch.float32"
+            )
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+        _backend.check_device(t, name)
+    bsz, nq, hq, d = q.shape
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"k_cache and v_cache must have one shape, got {tuple(k_cache.shape)} "
+            f"and {tuple(v_cache.shape)}"
+        )
+    hkv, dk = k_cache.shape[2], k_cache.shape[3]
+    if dk != d or hkv == 0 or hq % hkv:
+        raise ValueError(
+            f"the caches must be (.., .., Hkv, D={d}) with Hq={hq} a multiple of "
+            f"Hkv; got {tuple(k_cache.shape)}"
+        )
+    if d > MAX_HEAD_DIM:
+        raise NotImplementedError(f"head dim {d} is not supported: flashlite supports 1 to 256")
+    for name, t, dims in (("cache_seqlens", cache_seqlens, 1), ("block_table", block_table, 2)):
+        if t is None:
+            continue
+        if t.dtype != torch.int32:
+            raise TypeError(f"{name} must have dtype torch.int32, got {t.dtype}")
+        if t.dim() != dims or t.shape[0] != bsz or t.device != q.device:
+            shape = "(B,)" if dims == 1 else "(B, max_pages)"
+            raise ValueError(
+                f"{name} must be a {shape} tensor with B={bsz} on {q.device}, "
+                f"got {tuple(t.shape)} on {t.device}"
+            )
+    if block_table is None and k_cache.shape[0] != bsz:
+        raise ValueError(f"k_cache must be (B={bsz}, Ncap, Hkv, D), got {tuple(k_cache.shape)}")
+    if block_table is not None:
+        check_page_size(k_cache.shape[1])
+    n_new = 0 if k_new is None else k_new.shape[1]
+    if k_new is not None:
+        want = (bsz, n_new, hkv, d)
+        if k_new.shape != want or v_new.shape != want:  # type: ignore[union-attr]
+            raise ValueError(
+                f"k_new and v_new must be (B, Nnew, Hkv, D) = {want}, got "
+                f"{tuple(k_new.shape)} and {tuple(v_new.shape)}"  # type: ignore[union-attr]
+            )
+        check_writable(k_cache, v_cache)
+
+
+def cache_mods(
+    mask_mod: Any,
+    score_mod: Any,
+    softcap: float | None,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor | None,
+) -> dict[str, object]:
+    """The request fields of a decode step's mask and score functions, each checked against
+    the call (its buffers on q's device, the batch, heads and positions they hold)."""
+    bsz, hq = q.shape[0], q.shape[2]
+    mods_given: dict[str, object] = {}
+    if mask_mod is not None or score_mod is not None:
+        # (the positions a mod may see: the cache's capacity per sequence)
+        capacity = k_cache.shape[1] * (1 if block_table is None else block_table.shape[1])
+        if mask_mod is not None:
+            mm = mods.as_mask_mod(mask_mod)
+            check_mod(mm, "mask_mod", q.device, bsz, hq, capacity)
+            mods_given.update(
+                zip(("mask_mod", "mask_tensors", "mask_nums"), spec_mod(mm), strict=True)
+            )
+        if score_mod is not None:
+            if softcap is not None:
+                raise ValueError(
+                    "attention_kvcache takes score_mod without softcap: write the "
+                    "cap as flashlite.gallery.tanh_softcap(c) in it"
+                )
+            sm = mods.as_score_mod(score_mod)
+            check_mod(sm, "score_mod", q.device, bsz, hq, capacity)
+            mods_given.update(
+                zip(("score_mod", "score_tensors", "score_nums"), spec_mod(sm), strict=True)
+            )
+    return mods_given
