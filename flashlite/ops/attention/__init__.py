@@ -15,7 +15,7 @@
 ``bwd``         the backward launcher (:class:`BwdPlan` for plain calls), the op's body and fake
 ``flex_args``   flex's plan keys and kernel arguments; ``flex_plan`` its plans
 ``bwd_launch``  the backward's launchers: the preprocess and the Triton pair (dK/dV, dQ)
-``autograd``    the two ops stated once (``flashlite::attention_fwd``/``_bwd``, autograd included)
+``ops``         the two ops stated once (``flashlite::attention_fwd``/``_bwd``, autograd included)
 ``decode``      the decode kernel's plan and launch (GQA packing, split-KV, the exact merge)
 ``kvcache``     the KV-cache step: value checks, append, decode; ``flashlite::attention_kvcache``
 ``cache_checks``  :func:`attention_kvcache`'s argument checks (tensors, mask and score functions)

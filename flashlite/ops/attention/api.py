@@ -9,7 +9,6 @@ import torch
 
 from flashlite.masking import masks
 from flashlite.ops._dispatch import forward_only, plain_eager
-from flashlite.ops.attention.autograd import ATTENTION_FWD
 from flashlite.ops.attention.cache_checks import cache_mods, check_call
 from flashlite.ops.attention.checks import (
     check_cu_seqlens,
@@ -29,6 +28,7 @@ from flashlite.ops.attention.kvcache import (
     kvcache_key,
     kvcache_plan,
 )
+from flashlite.ops.attention.ops import ATTENTION_FWD
 from flashlite.ops.attention.plan import chosen_splits
 from flashlite.ops.attention.request import Request
 from flashlite.ops.common import check_flags, moved_call_device
