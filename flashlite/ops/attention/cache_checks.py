@@ -10,8 +10,9 @@ import torch
 
 from flashlite import _backend
 from flashlite.masking import mods
-from flashlite.masking.mod_args import check_mod, spec_mod
+from flashlite.masking.mod_args import check_mod
 from flashlite.ops.attention.checks import DTYPES, MAX_HEAD_DIM, check_page_size, check_writable
+from flashlite.ops.attention.request import mod_fields
 
 
 def check_call(
@@ -103,9 +104,7 @@ def cache_mods(
         if mask_mod is not None:
             mm = mods.as_mask_mod(mask_mod)
             check_mod(mm, "mask_mod", q.device, bsz, hq, capacity)
-            mods_given.update(
-                zip(("mask_mod", "mask_tensors", "mask_nums"), spec_mod(mm), strict=True)
-            )
+            mods_given.update(mod_fields("mask", mm))
         if score_mod is not None:
             if softcap is not None:
                 raise ValueError(
@@ -114,7 +113,5 @@ def cache_mods(
                 )
             sm = mods.as_score_mod(score_mod)
             check_mod(sm, "score_mod", q.device, bsz, hq, capacity)
-            mods_given.update(
-                zip(("score_mod", "score_tensors", "score_nums"), spec_mod(sm), strict=True)
-            )
+            mods_given.update(mod_fields("score", sm))
     return mods_given

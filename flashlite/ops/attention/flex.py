@@ -30,7 +30,7 @@ from flashlite.ops._dispatch import Op
 from flashlite.ops.attention import flex_args as FA
 from flashlite.ops.attention import flex_plan as FP
 from flashlite.ops.attention.checks import check_inputs
-from flashlite.ops.attention.request import Request
+from flashlite.ops.attention.request import Request, mod_fields
 
 __all__ = ["flex_attention", "compiled_variants"]
 
@@ -55,14 +55,7 @@ FLEX_FIELDS = (
 
 def _mods(request: Request) -> tuple[ModArgs, ModArgs]:
     """The request's mask and score function as the plans take them (``""``: none)."""
-    return (
-        (request.mask_mod or "", list(request.mask_tensors or ()), list(request.mask_nums or ())),
-        (
-            request.score_mod or "",
-            list(request.score_tensors or ()),
-            list(request.score_nums or ()),
-        ),
-    )
+    return request.mask_args or spec_mod(None), request.score_args or spec_mod(None)
 
 
 def _taken(request: Request) -> tuple[list[torch.Tensor], list[int]]:
@@ -339,11 +332,7 @@ def table_request(bm: Any, scale: float, smod: M.ScoreMod | None = None, **field
     :class:`~flashlite.masking.block_mask.BlockMask`), ``scale`` and a score function: the
     eight tables, the block size and both mods as the ops carry them
     (:func:`~flashlite.masking.mod_args.spec_mod`), and ``fields`` (packed sequences)."""
-    mods: dict[str, Any] = {}
-    for prefix, mod in (("mask", bm.mask_mod), ("score", smod)):
-        if mod is not None:
-            names = (f"{prefix}_mod", f"{prefix}_tensors", f"{prefix}_nums")
-            mods.update(zip(names, spec_mod(mod), strict=True))
+    mods = {**mod_fields("mask", bm.mask_mod), **mod_fields("score", smod)}
     tables = [getattr(bm, name) for name in BM._TABLES]
     return Request(scale, block_tables=tables, block_size=list(bm.BLOCK_SIZE), **mods, **fields)
 

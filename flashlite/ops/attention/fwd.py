@@ -20,11 +20,11 @@ from flashlite.ops.attention import planner
 from flashlite.ops.attention import window as W
 from flashlite.ops.attention.decode import attention_decode_fwd, planned_decode
 from flashlite.ops.attention.plan import (
-    DESC_MIN_WORK,
     LaunchInfo,
     empty_output,
     fixed_reference,
     hopper_launch_config,
+    small_problem,
     triton_plan,
     tuned_kernel,
 )
@@ -134,7 +134,7 @@ def _run_triton(
     nk = k.shape[2]
     km = request.mask.kernel(nq, nk)
     seqlens_k, varlen, sinks = request.seqlens_k, request.varlen, request.sinks
-    small = b * hq * nq * nk * d < DESC_MIN_WORK
+    small = small_problem(q, k)
     config, launch = triton_plan(
         q.device,
         q.dtype,

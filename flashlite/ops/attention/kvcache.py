@@ -257,8 +257,7 @@ def _kvcache(
     if request.cache_seqlens is None:
         raise ValueError("flashlite::attention_kvcache needs cache_seqlens")
     args = kvcache_args(q, k_cache, v_cache, k_new, v_new, request)
-    mask = _mod_args(request.mask_mod, request.mask_tensors, request.mask_nums)
-    score = _mod_args(request.score_mod, request.score_tensors, request.score_nums)
+    mask, score = request.mask_args, request.score_args
     dev = moved_call_device(q.device)
     if dev is not None:
         return _kvcache_moved(args, dev, request.sinks, mask, score)
@@ -313,10 +312,6 @@ KVCACHE_FIELDS = (
     "score_tensors",
     "score_nums",
 )
-
-
-def _mod_args(spec: str | None, tensors: list | None, nums: list | None) -> ModArgs | None:
-    return None if spec is None else (spec, list(tensors or ()), list(nums or ()))
 
 
 def _kvcache_moved(

@@ -38,6 +38,13 @@ class LaunchInfo:
     use_desc: bool
 
 
+def small_problem(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """Too little work for TMA descriptors to pay (fewer than :data:`DESC_MIN_WORK`
+    multiply-adds ``B·Hq·Nq·Nk·D`` for ``(B, H, N, D)`` views): pointer loads."""
+    b, hq, nq, d = q.shape
+    return b * hq * nq * k.shape[2] * d < DESC_MIN_WORK
+
+
 def descriptor_ok(*tensors: torch.Tensor) -> bool:
     """TMA descriptors need a CUDA tensor, unit stride along D, 16-byte aligned base and strides."""
     for t in tensors:

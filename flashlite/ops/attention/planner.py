@@ -29,7 +29,7 @@ import torch
 
 from flashlite.kernels.attention import hopper as KH
 from flashlite.ops.attention import window as W
-from flashlite.ops.attention.plan import DESC_MIN_WORK, descriptor_ok, hopper_config
+from flashlite.ops.attention.plan import descriptor_ok, hopper_config, small_problem
 from flashlite.ops.attention.request import Request
 
 #: The fields the split-KV path takes (not packed sequences: those run the forward kernel).
@@ -68,8 +68,6 @@ def forward(
     """The forward's backend for ``(B, H, N, D)`` views (``config``, ``use_desc``,
     ``prescale_q``: the caller's pins, which the fast paths leave to the Triton kernel)."""
     pinned = config is not None or use_desc is not None or prescale_q is not None
-    b, hq, nq, d = q.shape
-    nk = k.shape[2]
     if request.num_splits and request.varlen is None:
         # few query rows against many keys: one tile of a GQA group's heads, the keys split
         request.refuse("split-KV decoding", DECODE_FIELDS)
@@ -79,15 +77,14 @@ def forward(
         hopper = W.fwd_config(q, k, v)
         if hopper is not None:
             return Choice("tables", True, hopper)
-    if b * hq * nq == 0 or nk == 0:
+    if _nothing(q, k):
         return Choice("empty")
     if use_desc is None:
         # descriptors cost host time per call: they pay from about a billion multiply-adds
-        small = b * hq * nq * nk * d < DESC_MIN_WORK
-        use_desc = not small and descriptor_ok(q, k, v)
+        use_desc = not small_problem(q, k) and descriptor_ok(q, k, v)
     if request.only("sinks") and use_desc and config is None and prescale_q is not False:
         # plain (or causal, sinks allowed) on sm_90: the dense Gluon kernel, where it builds
-        hopper = hopper_config(q, nk)
+        hopper = hopper_config(q, k.shape[2])
         if hopper is not None:
             return Choice("hopper", True, hopper)
     return Choice("triton", use_desc)
@@ -99,7 +96,7 @@ def backward(
     """The backward's backend (the caller has taken pinned configs to ``triton``): ``hopper``
     stands for the planned plain backward, whose first call picks the fused Gluon kernel or the
     Triton pair (:class:`~flashlite.ops.attention.bwd.BwdPlan`)."""
-    if q.shape[0] * q.shape[1] * q.shape[2] == 0 or k.shape[2] == 0:
+    if _nothing(q, k):
         return Choice("empty")
     if request.only("sinks"):
         # plain (sinks' gradient beside it): planned once per kind of tensors
@@ -110,3 +107,8 @@ def backward(
         if block is not None:
             return Choice("tables", True, block)
     return Choice("triton")
+
+
+def _nothing(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """No query row, or no key (rows then see only their sinks)."""
+    return q.shape[0] * q.shape[1] * q.shape[2] == 0 or k.shape[2] == 0

@@ -10,13 +10,16 @@ makes a call non-plain without any other line changing, and the ops' schemas gai
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
 from flashlite._caches import memo
 from flashlite.masking import masks
+from flashlite.masking.mod_args import ModArgs, spec_mod
+from flashlite.masking.mods import MaskMod, ScoreMod
 from flashlite.ops.attention import checks
+from flashlite.ops.attention.plan import tensor_meta
 
 
 class Request(NamedTuple):
@@ -92,10 +95,7 @@ class Request(NamedTuple):
             window_left = None
         if window_right is not None and window_right < 0:
             window_right = None
-        if window_left is None and window_right == 0:
-            causal = True
-        if causal:
-            window_right = None
+        causal, window_left, window_right = _normal(causal, window_left, window_right)
         request = cls(
             float(scale),
             bool(causal),
@@ -139,11 +139,7 @@ class Request(NamedTuple):
         mask = masks.describe(causal, window, softcap)  # (checked, unlimited sides None)
         lengths = checks.check_seqlens(seqlens_k, q, k)
         sink = checks.check_sinks(sinks, q, q.shape[1])
-        causal, left, right = mask.causal, mask.left, mask.right
-        if left is None and right == 0:  # (the normal form, as make() writes it: one path)
-            causal = True
-        if causal:
-            right = None
+        causal, left, right = _normal(mask.causal, mask.left, mask.right)
         return cls(
             scale,
             causal,
@@ -186,6 +182,21 @@ class Request(NamedTuple):
         if self.cu_seqlens_q is None or self.cu_seqlens_k is None:
             return None
         return self.cu_seqlens_q, self.cu_seqlens_k, self.max_seqlen_q or 0, self.max_seqlen_k or 0
+
+    @property
+    def mask_args(self) -> ModArgs | None:
+        """The mask function as the plans take it (:data:`~flashlite.masking.mod_args.ModArgs`),
+        or None."""
+        if self.mask_mod is None:
+            return None
+        return self.mask_mod, list(self.mask_tensors or ()), list(self.mask_nums or ())
+
+    @property
+    def score_args(self) -> ModArgs | None:
+        """The score function as the plans take it, or None."""
+        if self.score_mod is None:
+            return None
+        return self.score_mod, list(self.score_tensors or ()), list(self.score_nums or ())
 
     def only(self, *names: str) -> bool:
         """Whether no field beyond causal, the scale and ``names`` is set (a backend's test of
@@ -231,10 +242,31 @@ def _unset_runs(names: tuple[str, ...]) -> tuple[tuple[int, int], ...]:
     return tuple(runs)
 
 
+def mod_fields(prefix: str, mod: MaskMod | ScoreMod | None) -> dict[str, Any]:
+    """A mask (``prefix="mask"``) or score function (``"score"``) as the Request's three
+    fields: its spec, tensors and numbers (:func:`~flashlite.masking.mod_args.spec_mod`); none
+    for None."""
+    if mod is None:
+        return {}
+    names = (f"{prefix}_mod", f"{prefix}_tensors", f"{prefix}_nums")
+    return dict(zip(names, spec_mod(mod), strict=True))
+
+
+def _normal(
+    causal: bool, left: int | None, right: int | None
+) -> tuple[bool, int | None, int | None]:
+    """The window's normal form (unlimited sides already None): ``(unlimited, 0)`` is causal,
+    and causal needs no right side."""
+    if left is None and right == 0:
+        causal = True
+    return causal, left, None if causal else right
+
+
 def _kind(f: object) -> object:
-    """A field as a plan key holds it: a tensor's kind, a list's items so, else the value."""
+    """A field as a plan key holds it: a tensor's :func:`~flashlite.ops.attention.plan.tensor_meta`
+    (its kind and alignment, never its contents), a list's items so, else the value."""
     if isinstance(f, torch.Tensor):
-        return (f.dtype, f.shape, f.stride(), f.device)
+        return tensor_meta(f)
     if isinstance(f, list):
         return tuple(_kind(x) for x in f)
     return f

@@ -27,10 +27,10 @@ from flashlite.masking.band import band_tables
 from flashlite.ops.attention.flex import flex_bwd_body, flex_fwd_body, table_request
 from flashlite.ops.attention.flex_plan import Grads
 from flashlite.ops.attention.plan import (
-    DESC_MIN_WORK,
     descriptor_ok,
     hopper_bwd_applies,
     hopper_config,
+    small_problem,
 )
 
 __all__ = ["fwd_config", "bwd_block", "window_fwd", "window_bwd"]
@@ -40,8 +40,7 @@ def fwd_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> KH.HopperCo
     """The Gluon forward's config where a window forward of these ``(B, H, N, D)`` views runs
     the flex Hopper kernel, else None: the dense forward's rule (enough work for TMA to pay,
     tensors TMA can read, :func:`~flashlite.ops.attention.plan.hopper_config`)."""
-    b, h, nq, d = q.shape
-    if b * h * nq * k.shape[2] * d < DESC_MIN_WORK or not descriptor_ok(q, k, v):
+    if small_problem(q, k) or not descriptor_ok(q, k, v):
         return None
     return hopper_config(q, k.shape[2])
 
