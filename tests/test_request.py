@@ -207,3 +207,17 @@ def test_the_cache_op_refuses_fields_it_does_not_take() -> None:
     request = Request.make(True, 0.25, seqlens_k=lens, cache_seqlens=lens)
     with pytest.raises(NotImplementedError, match="seqlens_k"):  # the eager path: by name too
         KVCACHE(q, k, v, None, None, request)
+
+
+def test_an_empty_backward_with_a_pinned_config_launches_nothing() -> None:
+    # the planner's backward tree asks "anything to compute?" before the pinned config
+    from flashlite.kernels import configs as C
+
+    q = torch.randn(1, 2, 0, 16)
+    k, v = (torch.randn(1, 2, 5, 16) for _ in range(2))
+    o, lse, _ = attention_fwd(q, k, v, Request(0.25))
+    grads = attention_bwd(
+        torch.ones_like(o), q, k, v, o, lse, None, Request(0.25), config=C.CPU_BWD_CONFIG
+    )
+    assert [tuple(g.shape) for g in grads] == [(1, 2, 0, 16), (1, 2, 5, 16), (1, 2, 5, 16)]
+    assert not grads[1].any() and not grads[2].any()

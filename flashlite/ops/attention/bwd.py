@@ -77,14 +77,13 @@ def attention_bwd(
         plan = _bwd_plans.get(key)
         if plan is not None:
             return plan(do, q, k, v, o, lse, dlse, sinks, dsinks)
-    # (a pinned config: the Triton kernels, whatever the planner would choose)
-    choice = planner.backward(q, k, v, do, request) if config is None else _TRITON
+    choice = planner.backward(q, k, v, do, request, pinned=config is not None)
     if choice.backend == "empty":
         if sinks is not None:  # no key: every row's probability is all the sink's
             delta = (do.float() * o.float()).sum(-1)
             sink_grad(sinks, lse, delta if dlse is None else delta - dlse, dsinks)
         return empty_output(q).zero_(), empty_output(k).zero_(), empty_output(v).zero_()
-    if choice.backend == "hopper":  # the plain backward, planned at its first call
+    if choice.backend == "plain":  # planned at its first call: fused Gluon or the Triton pair
         plan = BwdPlan(q, k, request.causal, request.scale)
         out = plan(do, q, k, v, o, lse, dlse, sinks, dsinks)
         _bwd_plans.put(key, plan)
@@ -93,10 +92,6 @@ def attention_bwd(
     if choice.backend == "tables":
         return W.window_bwd(do, q, k, v, o, lse, dlse, km, request.scale, choice.tile)
     return _attention_bwd_masked(do, q, k, v, o, lse, dlse, request, config, dsinks)
-
-
-#: The Triton kernels' choice (a pinned config takes no other).
-_TRITON = planner.Choice("triton")
 
 
 #: The request fields the backward takes (the split is the forward's alone).

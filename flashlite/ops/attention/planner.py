@@ -14,6 +14,8 @@ strides, alignment) go in; a :class:`Choice` comes out, which the launchers
 ``hopper``      the dense Gluon kernels (sm_90; :mod:`.hopper`); a variant that fails to build
                 here falls back to ``triton`` after one warning
 ``triton``      the Triton kernels: every option, every GPU and the CPU's interpreter
+``plain``       (backward) the plain backward, planned at its first call: the fused Gluon
+                kernel where it builds, else the Triton pair
 ``empty``       nothing to compute (no rows, or no keys: rows see only their sinks)
 ==============  ==============================================================================
 
@@ -91,16 +93,24 @@ def forward(
 
 
 def backward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, request: Request
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    request: Request,
+    *,
+    pinned: bool = False,
 ) -> Choice:
-    """The backward's backend (the caller has taken pinned configs to ``triton``): ``hopper``
-    stands for the planned plain backward, whose first call picks the fused Gluon kernel or the
-    Triton pair (:class:`~flashlite.ops.attention.bwd.BwdPlan`)."""
+    """The backward's backend (``pinned``: the caller's tile config, which only the Triton pair
+    takes): ``plain`` is the planned plain backward, whose first call picks the fused Gluon
+    kernel or the Triton pair (:class:`~flashlite.ops.attention.bwd.BwdPlan`)."""
     if _nothing(q, k):
         return Choice("empty")
+    if pinned:
+        return Choice("triton")
     if request.only("sinks"):
         # plain (sinks' gradient beside it): planned once per kind of tensors
-        return Choice("hopper")
+        return Choice("plain")
     if request.only("window_left", "window_right"):
         # a window and nothing else: the fused flex backward over its band, where it applies
         block = W.bwd_block(q, k, v, do)
