@@ -245,11 +245,13 @@ def test_describe_normalises_the_public_mask_once() -> None:
     assert describe(False, (3, -1), 2) == Mask(False, 3, None, 2.0)
     assert describe(True, (5, 7)).right == 0
     assert describe(False, (-1, 0)) == Mask(False, None, 0)
-    # what a graph compiled with the old sentinels still passes means the same, and a plain
-    # causal call (no window arguments in the op) is causal's mask
-    assert Mask.of_op(False, -1, -1, 0.0) == Mask(False)
-    assert Mask.of_op(True, None, None, None) == CAUSAL
-    assert Mask.of_op(True, 4, None, 2.0) == Mask(True, 4, 0, 2.0)
+    # an op's request in its normal form gives the same masks: the old sentinels (−1 sides,
+    # a 0.0 cap) mean none, and a plain causal call (no window arguments) is causal's mask
+    from flashlite.ops.attention.request import Request
+
+    assert Request.make(False, 1.0, -1, -1, 0.0).mask == Mask(False)
+    assert Request.make(True, 1.0, None, None, None).mask == CAUSAL
+    assert Request.make(True, 1.0, 4, None, 2.0).mask == Mask(True, 4, 0, 2.0)
     with pytest.raises(TypeError, match="softcap"):
         describe(False, None, "big")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="softcap"):

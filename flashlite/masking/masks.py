@@ -343,21 +343,6 @@ class Mask(NamedTuple):
             *cap,
         )
 
-    @classmethod
-    def of_op(
-        cls, causal: bool, left: int | None, right: int | None, softcap: float | None
-    ) -> Mask:
-        """The mask from an op's arguments, once per op body (a graph compiled when unlimited
-        sides were −1 and no cap was 0.0 may still pass those; a plain causal call passes no
-        right side)."""
-        if left is not None and left < 0:
-            left = None
-        if causal:
-            right = 0
-        elif right is not None and right < 0:
-            right = None
-        return cls(causal, left, right, softcap or None)
-
 
 #: the masks of plain calls (no window, no cap), shared: :func:`describe` returns them
 NO_MASK = Mask(False)

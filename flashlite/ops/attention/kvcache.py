@@ -11,7 +11,6 @@ import torch
 from flashlite import _launch
 from flashlite._caches import Cache
 from flashlite.kernels.attention import kvcache as KKV
-from flashlite.masking import masks
 from flashlite.masking.mod_args import ModArgs, Slots, unspec_mod
 from flashlite.ops._dispatch import Op
 from flashlite.ops.attention.checks import check_cache_values, kv_record, report_kv_problems
@@ -70,7 +69,7 @@ class KVCachePlan:
         score: ModArgs | None = None,
     ) -> None:
         q, k_cache, v_cache, cache_seqlens, k_new, _, block_table = args[:_TENSORS]
-        causal, scale, window_left, window_right, softcap, num_splits, validate = args[_TENSORS:]
+        which, scale, num_splits, validate = args[_TENSORS:]  # (which keys: a masks.Mask)
         self.validate = validate
         self.slots, self.num_pages = k_cache.shape[1], k_cache.shape[0]
         self.page_size = self.slots if block_table is not None else 0
@@ -102,7 +101,7 @@ class KVCachePlan:
             o.transpose(1, 2),
             cache_seqlens.contiguous(),
             block_table,
-            masks.Mask.of_op(causal, window_left, window_right, softcap),
+            which,
             scale,
             num_splits or None,
             None,
@@ -283,11 +282,8 @@ def kvcache_args(
         k_new,
         v_new,
         request.block_table,
-        request.causal,
+        request.mask,
         request.scale,
-        request.window_left,
-        request.window_right,
-        request.softcap,
         request.num_splits,
         request.validate or "device",
     )
