@@ -36,7 +36,7 @@ from flashlite.ops.attention import (
     empty_output,
     hopper_config,
 )
-from flashlite.ops.attention import hopper as HP
+from flashlite.ops.attention.backends import hopper as HP
 from flashlite.reference import attention as ref_attention
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
@@ -402,8 +402,8 @@ def test_hopper_kernel_that_fails_to_build_falls_back(monkeypatch) -> None:
         raise TypeError("warp_specialize() got an unexpected keyword argument")
 
     monkeypatch.setattr(ops.planner, "hopper_config", lambda q, n: KH.HopperConfig(128, 128, 3))
-    monkeypatch.setattr(ops.HP, "plan_fwd_hopper", broken)
-    monkeypatch.setattr(ops, "_hopper_failed", set())
+    monkeypatch.setattr(ops.hopper, "plan_fwd_hopper", broken)
+    monkeypatch.setattr(ops.hopper, "fwd_failed", set())
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
     with pytest.warns(RuntimeWarning, match="Hopper attention kernel failed to build"):
         out, lse, info = attention_fwd(q, k, v, Request.of_mask(CAUSAL, 0.25), use_desc=True)
@@ -422,7 +422,8 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 from flashlite.kernels.attention import hopper as H
-from flashlite.ops.attention import hopper as HP
+from flashlite.ops.attention.backends import common_gluon as CG
+from flashlite.ops.attention.backends import hopper as HP
 
 d, causal = int(sys.argv[1]), sys.argv[2] == "1"
 cfg = H.CONFIGS[d]
@@ -430,7 +431,7 @@ x = torch.empty(2, 4, 256, d, dtype=torch.bfloat16)
 fn = H._attention_fwd_hopper_kernel
 names = list(fn.arg_names)
 rows = (cfg.block_m // 2, cfg.block_n, cfg.block_n, cfg.block_m // 2)
-sig = {n: mangle_type(HP._descriptor(x, r)) for n, r in zip(names[:4], rows)}
+sig = {n: mangle_type(CG.descriptor(x, r)) for n, r in zip(names[:4], rows)}
 sig.update(LSE="*fp32", SINKS="*fp32", n_heads="i32", group="i32", seq_q="i32", seq_k="i32",
            sm_scale="fp32")
 consts = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, STAGES=cfg.stages, IS_CAUSAL=causal,
@@ -512,12 +513,12 @@ def test_hopper_kernel_builds_for_sm90_without_spills_or_serialised_wgmma(
 def test_hopper_kernel_only_takes_plain_forwards(monkeypatch) -> None:
     # windows, soft caps, per-batch lengths, packed sequences, pinned configs and pointer loads
     # never take the dense Gluon kernel (a default window call takes flex's Hopper kernels
-    # instead, where they apply: ops/attention/window.py, tested in test_flex.py)
+    # instead, where they apply: the tables backend, tested in test_flex.py)
     import flashlite.ops.attention.fwd as ops
 
     calls = []
     monkeypatch.setattr(ops.planner, "hopper_config", lambda q, n: KH.HopperConfig(128, 128, 3))
-    monkeypatch.setattr(ops, "_run_hopper", lambda *a: calls.append(a) or False)
+    monkeypatch.setattr(ops.hopper, "run_fwd", lambda *a: calls.append(a) or False)
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
     seqlens = torch.tensor([30], dtype=torch.int32)
     for mask, kwargs in ((describe(True, (8, 0)), {}), (describe(True, None, 5.0), {}),

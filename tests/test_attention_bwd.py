@@ -141,7 +141,7 @@ def test_non_contiguous_grad_output() -> None:
 def test_descriptor_loads(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     # BwdConfig.use_desc: the loops' tiles through TMA descriptors (the interpreter runs them on
     # CPU tensors), ragged lengths and GQA, against the same fp64 rule
-    from flashlite.ops.attention import bwd_launch as ops
+    from flashlite.ops.attention.backends.triton import bwd as ops
 
     made: list[object] = []
 
@@ -353,16 +353,16 @@ def test_gpu_every_backward_config(config: C.BwdConfig, d: int) -> None:
 def test_fused_hopper_backward_only_takes_plain_backwards(monkeypatch: pytest.MonkeyPatch) -> None:
     # soft caps, per-batch lengths and pinned configs keep the Triton kernels even where the
     # fused Gluon kernel would run, and a plain window takes the fused flex kernel over its
-    # band (ops/attention/window.py); a plain one (causal as a window too) asks for it, and a
+    # band (the tables backend); a plain one (causal as a window too) asks for it, and a
     # launch that declines leaves the Triton kernels' answer
     import flashlite.ops.attention.bwd as ops
     from flashlite.ops.attention import attention_fwd
 
     calls, folded = [], []
     monkeypatch.setattr(ops, "hopper_bwd_applies", lambda *a: True)
-    monkeypatch.setattr(ops.W, "hopper_bwd_applies", lambda *a: True)  # (the window's gate)
-    monkeypatch.setattr(ops, "_run_hopper_bwd", lambda *a: calls.append(a) or False)
-    monkeypatch.setattr(ops.W, "window_bwd", lambda *a: folded.append(a[-1]) or a[1:4])
+    monkeypatch.setattr(ops.planner, "hopper_bwd_applies", lambda *a: True)  # (the window's gate)
+    monkeypatch.setattr(ops.hopper, "run_bwd", lambda *a: calls.append(a) or False)
+    monkeypatch.setattr(ops, "window_bwd", lambda *a: folded.append(a[-1]) or a[1:4])
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
     o, lse, _ = attention_fwd(q, k, v, Request.of_mask(CAUSAL, 0.25))
     do = torch.randn_like(o)
@@ -425,8 +425,8 @@ def test_fused_hopper_backward_that_fails_to_build_falls_back(
         raise AttributeError("module 'triton.experimental.gluon.language' has no attribute")
 
     monkeypatch.setattr(ops, "hopper_bwd_applies", lambda *a: True)
-    monkeypatch.setattr(ops.HP, "plan_bwd_hopper", broken)
-    monkeypatch.setattr(ops, "_hopper_bwd_failed", set())
+    monkeypatch.setattr(ops.hopper, "plan_bwd_hopper", broken)
+    monkeypatch.setattr(ops.hopper, "bwd_failed", set())
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
     o, lse, _ = attention_fwd(q, k, v, Request.of_mask(CAUSAL, 0.25))
     do = torch.randn_like(o)
@@ -450,16 +450,16 @@ from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import mangle_type
 from flashlite.kernels.attention import hopper_bwd as H
-from flashlite.ops.attention import hopper as HP
+from flashlite.ops.attention.backends import common_gluon as CG
 
 d, causal = int(sys.argv[1]), sys.argv[2] == "1"
 x = torch.empty(2, 4, 256, d, dtype=torch.bfloat16)
 acc = torch.empty(2, 4, 256, d, dtype=torch.float32)
 fn = H._attention_bwd_hopper_kernel
 names = list(fn.arg_names)
-descs = [HP._descriptor(x, H.BLOCK_M, d), HP._descriptor(x, H.BLOCK_M, d),
-         HP._descriptor(x, H.BLOCK_N, d), HP._descriptor(x, H.BLOCK_N, d),
-         HP._descriptor(acc, H.BLOCK_M, d // 2)]
+descs = [CG.descriptor(x, H.BLOCK_M, d), CG.descriptor(x, H.BLOCK_M, d),
+         CG.descriptor(x, H.BLOCK_N, d), CG.descriptor(x, H.BLOCK_N, d),
+         CG.descriptor(acc, H.BLOCK_M, d // 2)]
 sig = {n: mangle_type(t) for n, t in zip(names[:5], descs)}
 sig.update(LSE="*fp32", DELTA="*fp32", DK="*bf16", DV="*bf16", sm_scale="fp32")
 consts = dict(STAGES=H.STAGES, GROUP_H=H.CAUSAL_GROUP_H, IS_CAUSAL=causal, LISTED=False,

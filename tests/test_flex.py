@@ -234,14 +234,16 @@ def test_window_folds_into_the_flex_kernels_where_they_apply(
     the tables."""
     from flashlite.kernels.attention.hopper import HopperConfig
     from flashlite.masking import band
-    from flashlite.ops.attention import window as W
+    from flashlite.ops.attention import bwd as B
+    from flashlite.ops.attention import fwd as F
+    from flashlite.ops.attention import planner as W
 
     ran: list[str] = []
-    fwd, bwd = W.window_fwd, W.window_bwd
-    monkeypatch.setattr(W, "fwd_config", lambda q, k, v: HopperConfig(BLOCK, BLOCK, 2))
-    monkeypatch.setattr(W, "bwd_block", lambda q, k, v, do: (BLOCK, BLOCK))
-    monkeypatch.setattr(W, "window_fwd", lambda *a: ran.append("fwd") or fwd(*a))
-    monkeypatch.setattr(W, "window_bwd", lambda *a: ran.append("bwd") or bwd(*a))
+    fwd, bwd = F.window_fwd, B.window_bwd
+    monkeypatch.setattr(W, "window_fwd_config", lambda q, k, v: HopperConfig(BLOCK, BLOCK, 2))
+    monkeypatch.setattr(W, "window_bwd_block", lambda q, k, v, do: (BLOCK, BLOCK))
+    monkeypatch.setattr(F, "window_fwd", lambda *a: ran.append("fwd") or fwd(*a))
+    monkeypatch.setattr(B, "window_bwd", lambda *a: ran.append("bwd") or bwd(*a))
     q = torch.randn(2, 4, nq, D, requires_grad=True)
     k, v = (torch.randn(2, 2, nk, D, requires_grad=True) for _ in range(2))
     out = flashlite.attention(q, k, v, causal=causal, window=window, return_lse=True)
@@ -293,13 +295,13 @@ def test_window_fold_reads_either_layout(monkeypatch: pytest.MonkeyPatch) -> Non
     the same bits as the ``b h n d`` call and as a compiled call, and the Triton kernel's
     answer to rounding."""
     from flashlite.kernels.attention.hopper import HopperConfig
-    from flashlite.ops.attention import window as W
+    from flashlite.ops.attention import planner as W
 
     qkv = torch.randn(2, N, 3, 4, D)  # (B, N, q/k/v, H, D): strided views, heads second to last
     q, k, v = qkv.unbind(2)
     kw = {"window": (11, 4), "layout": "b n h d", "return_lse": True}
     triton_o, triton_lse = flashlite.attention(q, k, v, **kw)
-    monkeypatch.setattr(W, "fwd_config", lambda q, k, v: HopperConfig(BLOCK, BLOCK, 2))
+    monkeypatch.setattr(W, "window_fwd_config", lambda q, k, v: HopperConfig(BLOCK, BLOCK, 2))
     o, lse = flashlite.attention(q, k, v, **kw)
     heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v)]
     o2, lse2 = flashlite.attention(*heads_first, window=(11, 4), return_lse=True)
@@ -315,17 +317,19 @@ def test_window_stays_on_the_triton_kernels_elsewhere(monkeypatch: pytest.Monkey
     """Where the Hopper kernels do not apply (here: the CPU, and a soft cap or pinned config
     beside a forced gate), a window never reaches the fold."""
     from flashlite.kernels.attention.hopper import HopperConfig
-    from flashlite.ops.attention import window as W
+    from flashlite.ops.attention import bwd as B
+    from flashlite.ops.attention import fwd as F
+    from flashlite.ops.attention import planner as W
 
     def refuse(*args: object) -> None:
         raise AssertionError("folded")
 
-    monkeypatch.setattr(W, "window_fwd", refuse)
-    monkeypatch.setattr(W, "window_bwd", refuse)
+    monkeypatch.setattr(F, "window_fwd", refuse)
+    monkeypatch.setattr(B, "window_bwd", refuse)
     q, k, v = (torch.randn(1, 2, N, D, requires_grad=True) for _ in range(3))
     flashlite.attention(q, k, v, window=(9, 5)).sum().backward()
-    monkeypatch.setattr(W, "fwd_config", lambda q, k, v: HopperConfig(BLOCK, BLOCK, 2))
-    monkeypatch.setattr(W, "bwd_block", lambda q, k, v, do: (BLOCK, BLOCK))
+    monkeypatch.setattr(W, "window_fwd_config", lambda q, k, v: HopperConfig(BLOCK, BLOCK, 2))
+    monkeypatch.setattr(W, "window_bwd_block", lambda q, k, v, do: (BLOCK, BLOCK))
     flashlite.attention(q, k, v, window=(9, 5), softcap=5.0).sum().backward()
     flashlite.attention(q, k, v, window=(9, 5), sinks=torch.zeros(2)).sum().backward()
 
@@ -578,7 +582,9 @@ from triton.compiler import ASTSource
 from flashlite.masking import gallery
 from flashlite.kernels.attention import decode as KD
 from flashlite.kernels.attention import flex as KF
-from flashlite.ops.attention import flex_plan as FP
+from flashlite.ops.attention.backends.tables import args as FA
+from flashlite.ops.attention.backends.tables import bwd as TB
+from flashlite.ops.attention.backends.tables import fwd as TF
 
 which = sys.argv[1]
 kernel = {"fwd": KF._flex_fwd_kernel, "dkdv": KF._flex_bwd_dkdv_kernel,
@@ -594,7 +600,7 @@ if which == "decode":
     options = {"num_warps": 4, "num_stages": 3}
 else:  # varlen, with the options the plans give D 128 bf16
     bwd = which != "fwd"
-    opts = FP._options(torch.empty(1, 1, 1, 128, dtype=torch.bfloat16), 128, 128, bwd, True)
+    opts = FA.plan_options(torch.empty(1, 1, 1, 128, dtype=torch.bfloat16), 128, 128, bwd, True)
     options = {k: opts.pop(k) for k in ("num_warps", "num_stages")}
     consts = dict(HAS_SCORE=True, VARLEN=True, **opts, **mods)
     if bwd:
@@ -850,7 +856,7 @@ def test_bad_block_masks_raise_clear_errors() -> None:
 def test_plans_follow_a_name_registered_again_and_serve_later_calls() -> None:
     """A call of a planned kind makes no new plan; a score function registered again under its
     name (a notebook cell run again) gets its own plan, never the old function's."""
-    from flashlite.ops.attention import flex_plan as FP
+    from flashlite.ops.attention.backends.tables import args as FA
 
     gen = torch.Generator().manual_seed(7)
     q, k, v = (torch.randn(1, 2, 40, 16, generator=gen) for _ in range(3))
@@ -863,10 +869,10 @@ def test_plans_follow_a_name_registered_again_and_serve_later_calls() -> None:
 
     first = mods.score_mod(bias, name="tests.flex.redefined")
     out1 = flashlite.flex_attention(q, k, v, score_mod=first, block_mask=bm)
-    planned = len(FP.fwd_plans)
+    planned = len(FA.fwd_plans)
     again = flashlite.flex_attention(q.clone(), k.clone(), v.clone(), score_mod=first,
                                      block_mask=bm)  # fmt: skip
-    assert len(FP.fwd_plans) == planned and torch.equal(again, out1)
+    assert len(FA.fwd_plans) == planned and torch.equal(again, out1)
 
     @triton.jit
     def bias2(score, b, h, q_idx, kv_idx):
@@ -884,7 +890,7 @@ def test_plans_follow_a_name_registered_again_and_serve_later_calls() -> None:
 def test_table_strides_are_the_broadcast_views(lead: tuple[int, int]) -> None:
     """The kernels' table strides are those of the tables expanded to the call's (B, H): 0 along
     a dimension the mask ignores."""
-    from flashlite.ops.attention.flex_plan import table_args
+    from flashlite.ops.attention.backends.tables.args import table_args
 
     num = torch.zeros(*lead, 5, dtype=torch.int32)
     idx = torch.zeros(*lead, 5, 7, dtype=torch.int32)
@@ -899,7 +905,8 @@ def test_hopper_build_failures_fall_back_to_the_triton_kernels(monkeypatch) -> N
 
     from flashlite import _caches
     from flashlite.kernels.attention import hopper as KH
-    from flashlite.ops.attention import flex_plan as FP
+    from flashlite.ops.attention.backends.tables import bwd as TB
+    from flashlite.ops.attention.backends.tables import fwd as TF
 
     q, k, v = (torch.randn(1, 2, 40, 16, generator=torch.Generator().manual_seed(i))
                for i in range(3))  # fmt: skip
@@ -918,13 +925,14 @@ def test_hopper_build_failures_fall_back_to_the_triton_kernels(monkeypatch) -> N
         raise AttributeError("module 'triton.experimental.gluon.language' has no attribute")
 
     _caches.clear()  # (the reference calls planned the Triton kernels)
-    monkeypatch.setattr(FP, "hopper_config", lambda *a: KH.HopperConfig(128, 128, 3))
-    monkeypatch.setattr(FP, "hopper_bwd_applies", lambda *a: True)
-    monkeypatch.setattr(FP, "descriptor_ok", lambda *a: True)
-    monkeypatch.setattr(FP.HP, "plan_flex_fwd", broken)
-    monkeypatch.setattr(FP.HP, "plan_flex_bwd", broken)
-    monkeypatch.setattr(FP, "hopper_failed", set())
-    monkeypatch.setattr(FP, "hopper_bwd_failed", set())
+    monkeypatch.setattr(TF, "hopper_config", lambda *a: KH.HopperConfig(128, 128, 3))
+    monkeypatch.setattr(TB, "hopper_bwd_applies", lambda *a: True)
+    monkeypatch.setattr(TF, "descriptor_ok", lambda *a: True)
+    monkeypatch.setattr(TB, "descriptor_ok", lambda *a: True)
+    monkeypatch.setattr(TF, "plan_flex_fwd", broken)
+    monkeypatch.setattr(TB, "plan_flex_bwd", broken)
+    monkeypatch.setattr(TF, "hopper_failed", set())
+    monkeypatch.setattr(TB, "hopper_bwd_failed", set())
     with pytest.warns(RuntimeWarning) as caught:
         got = run()
     said = sorted(
@@ -944,7 +952,8 @@ def test_fused_backward_receives_what_its_kernel_reads(monkeypatch) -> None:  # 
     stand-in: it gets ``Qs = Q·scale·log2 e`` (as the forward rounded it) in dQ's memory, delta,
     a zeroed accumulator, the ``q_*`` tables with their strides and the mods; what it writes is
     what the call returns, and an LSE gradient reaches delta."""
-    from flashlite.ops.attention import flex_plan as FP
+    from flashlite.ops.attention.backends.tables import args as FA
+    from flashlite.ops.attention.backends.tables import bwd as TB
 
     gen = torch.Generator().manual_seed(4)
     b, h, n, d = 2, 2, 40, 16
@@ -962,9 +971,9 @@ def test_fused_backward_receives_what_its_kernel_reads(monkeypatch) -> None:  # 
         dq.fill_(1.0), dk.fill_(2.0), dv.fill_(3.0)
         return lambda *a: None  # (the plan's launch for later calls: none here)
 
-    monkeypatch.setattr(FP, "hopper_bwd_applies", lambda *a: True)
-    monkeypatch.setattr(FP, "descriptor_ok", lambda *a: True)
-    monkeypatch.setattr(FP.HP, "plan_flex_bwd", stand_in)
+    monkeypatch.setattr(TB, "hopper_bwd_applies", lambda *a: True)
+    monkeypatch.setattr(TB, "descriptor_ok", lambda *a: True)
+    monkeypatch.setattr(TB, "plan_flex_bwd", stand_in)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     o, lse = flashlite.flex_attention(*leaves, block_mask=bm, return_lse=True)
     dq, dk, dv = torch.autograd.grad((o * go).sum() + (lse * gl).sum(), leaves)
@@ -976,7 +985,7 @@ def test_fused_backward_receives_what_its_kernel_reads(monkeypatch) -> None:  # 
     torch.testing.assert_close(seen["delta"], want_delta, atol=2e-3, rtol=2e-3)
     assert all(a is w for a, w in zip(seen["tables"], (bm.q_num_blocks, bm.q_indices,
                bm.full_q_num_blocks, bm.full_q_indices), strict=True))  # fmt: skip
-    assert seen["strides"] == FP.table_args(bm.q_num_blocks, bm.q_indices)
+    assert seen["strides"] == FA.table_args(bm.q_num_blocks, bm.q_indices)
     assert seen["mods"]["MASK_MOD"] is mm.fn and not seen["mods"]["HAS_SCORE"]
 
 
@@ -1176,7 +1185,7 @@ def test_gpu_flex_backward_on_the_fused_hopper_kernel(name: str, monkeypatch) ->
     backward over the tables: its error against fp64 is within 2x that of the Triton flex
     kernels (deterministic algorithms select them) on the same call."""
     from flashlite.kernels.attention import hopper_bwd as KHB
-    from flashlite.ops.attention import hopper as HP
+    from flashlite.ops.attention.backends.tables import bwd as HP
 
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs the Hopper (sm_90) kernel")
@@ -1311,7 +1320,7 @@ def test_gpu_alibi_as_row_and_column_terms_keeps_its_precision() -> None:
     forward + backward stays finite and close to the general path's."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs the Hopper (sm_90) kernels")
-    from flashlite.ops.attention.flex_args import head_linear_bias
+    from flashlite.ops.attention.backends.tables.args import head_linear_bias
 
     n, h, d, rows = 16384, 8, 128, 64
     q, k, v = (torch.randn(1, h, n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -1364,12 +1373,12 @@ def test_gpu_hand_written_window_matches_the_built_in_bit_for_bit() -> None:
     kernel) are within 2x torch's bf16 error."""
     if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("needs the Hopper (sm_90) kernel")
-    from flashlite.ops.attention import window as W
+    from flashlite.ops.attention import planner as W
 
     for n in (2048, 3000):
         q, k, v = (torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))  # fmt: skip
-        assert W.fwd_config(q, k, v) is not None
+        assert W.window_fwd_config(q, k, v) is not None
         bm = flashlite.create_block_mask(gallery.sliding_window(256), None, None, n, n)
         o = flashlite.attention(q, k, v, causal=True, window=(256, 0))
         assert torch.equal(flashlite.flex_attention(q, k, v, block_mask=bm), o)

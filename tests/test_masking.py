@@ -95,7 +95,7 @@ def test_a_score_function_declares_its_fast_path() -> None:
     # the plan looks up: a mod of any name that declares it gets it, one that does not, not
     from flashlite.masking import gallery
     from flashlite.masking.mods import score_mod
-    from flashlite.ops.attention.flex_args import head_linear_bias
+    from flashlite.ops.attention.backends.tables.args import head_linear_bias
 
     slopes = gallery.alibi_slopes(4)
     assert head_linear_bias(gallery.alibi(slopes).op_args())

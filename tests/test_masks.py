@@ -24,7 +24,7 @@ from flashlite.masking.masks import (
     visible_t,
     window_bounds,
 )
-from flashlite.ops.attention.plan import tuned_kernel
+from flashlite.ops.attention.backends.triton.config import tuned_kernel
 from flashlite.reference import attention as ref_attention
 
 #: (causal, window) pairs every helper is checked on: none, causal, and windows of each shape

@@ -183,7 +183,7 @@ def _varlen(
     :func:`flashlite.attention_varlen` with the gallery's causal mask (``document_causal``) or
     every tile (``document``), its tables the longest document's. ``kernel_block`` None: the
     table's tiles (the interpreter's), else the GPU's Triton forward's."""
-    from flashlite.ops.attention.flex_plan import triton_fwd_tiles
+    from flashlite.ops.attention.backends.tables.args import triton_fwd_tiles
     from flashlite.traffic.count_sparse import count_flex_varlen
     from flashlite.traffic.model import dram_flex_varlen, model_flex_varlen
 

@@ -10,7 +10,7 @@ moves onto it with its own weight::
     (m, s) = merge((lse_a, 1), (lse_b, 1))
     o = (e^(lse_a − m)·o_a + e^(lse_b − m)·o_b) / s,      lse = m + ln s
 
-Its torch twin is :func:`flashlite.ops.attention.shared_prefix.merge_torch`
+Its torch twin is :func:`flashlite.ops.attention.backends.split_kv.merge.merge_torch`
 (:func:`flashlite.stats.merge_attention`).
 """
 

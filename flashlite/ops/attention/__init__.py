@@ -1,29 +1,29 @@
 """Tiled attention front-end, one module per idea:
 
-==============  ==================================================================================
-``api``         the public functions: :func:`attention`, :func:`attention_varlen`,
-                :func:`attention_kvcache`
-``request``     :class:`Request`: one call described once (mask, lengths, sinks, splits,
-                scale); the one plainness test and the one source of plan keys
-``checks``      argument checks (types, shapes, layouts, lengths, offsets, the cache's values)
-``planner``     which backend runs a call (split-KV, tables, Hopper, Triton): the forward's and
-                the backward's decision trees, each branch saying why
-``plan``        tile configs, descriptor or pointer loads, the Gluon kernels' applicability,
-                split-KV chunks
-``fwd``         the forward launcher (carries out the planner's choice; plans of plain calls
-                kept per kind of tensors), the forward op's body and fake
-``bwd``         the backward launcher (:class:`BwdPlan` for plain calls), the op's body and fake
-``flex_args``   flex's plan keys and kernel arguments; ``flex_plan`` its plans
-``bwd_launch``  the backward's launchers: the preprocess and the Triton pair (dK/dV, dQ)
-``ops``         the two ops stated once (``flashlite::attention_fwd``/``_bwd``, autograd included)
-``decode``      the decode kernel's plan and launch (GQA packing, split-KV, the exact merge)
-``kvcache``     the KV-cache step: value checks, append, decode; ``flashlite::attention_kvcache``
-``cache_checks``  :func:`attention_kvcache`'s argument checks (tensors, mask and score functions)
-``shared_prefix``  cascade decoding over one shared prefix: prefix pass, suffix pass, merge
-``flex``        your own masks and score functions: :func:`flex_attention` and its ops
-                ``flashlite::flex_attention_*`` (Triton, or the Hopper kernels, over tables)
-``window``      the built-in sliding window on flex's Hopper kernels, over its band's tables
-==============  ==================================================================================
+==================  ==============================================================================
+``api``             the public functions over whole sequences: :func:`attention`,
+                    :func:`attention_varlen`
+``kvcache``         decoding against a cache: :func:`attention_kvcache`, its checks (with
+                    ``cache_checks``) and ``flashlite::attention_kvcache``
+``shared_prefix``   cascade decoding over one shared prefix: prefix pass, suffix pass, merge
+``flex``            your own masks and score functions: :func:`flex_attention` and its ops
+                    ``flashlite::flex_attention_*``
+``request``         :class:`Request`: one call described once (mask, lengths, sinks, splits,
+                    scale); the one plainness test and the one source of plan keys
+``checks``          argument checks (types, shapes, layouts, lengths, offsets, the cache's values)
+``ops``             the two ops stated once (``flashlite::attention_fwd``/``_bwd``, autograd
+                    included)
+``fwd``, ``bwd``    the planner's choice carried out; plain calls' plans kept per kind of tensors
+                    (:class:`BwdPlan`); the ops' bodies and fakes
+``planner``         which backend runs a call (split-KV, tables, Hopper, Triton): the forward's
+                    and the backward's decision trees, each branch saying why
+``backends/``       what runs a call, one folder or file per backend, each importing kernels,
+                    the request and what backends share (``common``), never the planner or
+                    another backend: ``triton`` (every option, every GPU, the interpreter),
+                    ``hopper`` (the dense Gluon kernels), ``tables`` (flex's kernels over block
+                    tables; the built-in window as its band's tables), ``split_kv`` (decode, the
+                    cache step, the merge of partial results)
+==================  ==============================================================================
 
 The kernels live in :mod:`flashlite.kernels.attention` and their tile tables in
 :mod:`flashlite.kernels.configs`; which keys a query sees (masks, mods, block tables and
@@ -45,32 +45,42 @@ from flashlite.kernels.configs import (
     smem_bytes,
 )
 from flashlite.masking.create import create_block_mask, dense_block_mask
-from flashlite.ops.attention.api import attention, attention_kvcache, attention_varlen
-from flashlite.ops.attention.bwd import attention_bwd
-from flashlite.ops.attention.bwd_launch import bwd_dkdv, bwd_dq, bwd_preprocess
-from flashlite.ops.attention.checks import check_inputs, check_sinks
-from flashlite.ops.attention.decode import DecodePlan, attention_decode_fwd, combine_splits
-from flashlite.ops.attention.flex import compiled_variants, flex_attention
-from flashlite.ops.attention.fwd import attention_fwd
-from flashlite.ops.attention.kvcache import KVCachePlan
-from flashlite.ops.attention.plan import (
-    DECODE_MAX_ROWS,
+from flashlite.ops.attention.api import attention, attention_varlen
+from flashlite.ops.attention.backends.common import (
     DESC_MIN_WORK,
-    GPU_TABLES,
     HOPPER_ENV,
-    SMALL_CONFIG,
     LaunchInfo,
-    bwd_config,
-    bwd_tiles,
-    decode_tiles,
+    bwd_preprocess,
     empty_output,
-    fixed_config,
-    gpu_config,
     hopper_bwd_applies,
     hopper_config,
+)
+from flashlite.ops.attention.backends.split_kv.cache import KVCachePlan
+from flashlite.ops.attention.backends.split_kv.decode import (
+    DecodePlan,
+    attention_decode_fwd,
+    combine_splits,
+)
+from flashlite.ops.attention.backends.split_kv.splits import (
+    DECODE_MAX_ROWS,
+    decode_tiles,
     prefix_splits,
     splits_for,
 )
+from flashlite.ops.attention.backends.triton.bwd import bwd_dkdv, bwd_dq
+from flashlite.ops.attention.backends.triton.config import (
+    GPU_TABLES,
+    SMALL_CONFIG,
+    bwd_config,
+    bwd_tiles,
+    fixed_config,
+    gpu_config,
+)
+from flashlite.ops.attention.bwd import attention_bwd
+from flashlite.ops.attention.checks import check_inputs, check_sinks
+from flashlite.ops.attention.flex import compiled_variants, flex_attention
+from flashlite.ops.attention.fwd import attention_fwd
+from flashlite.ops.attention.kvcache import attention_kvcache
 from flashlite.ops.attention.request import Request
 from flashlite.ops.attention.shared_prefix import attention_shared_prefix
 

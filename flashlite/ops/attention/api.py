@@ -1,5 +1,5 @@
-"""The public attention functions: :func:`attention`, :func:`attention_varlen` and
-:func:`attention_kvcache`."""
+"""The public attention functions over whole sequences: :func:`attention` and
+:func:`attention_varlen` (decoding against a cache is :mod:`.kvcache`'s)."""
 
 from __future__ import annotations
 
@@ -8,30 +8,20 @@ from typing import Any
 import torch
 
 from flashlite.masking import masks
-from flashlite.ops._dispatch import forward_only, plain_eager
-from flashlite.ops.attention.cache_checks import cache_mods, check_call
+from flashlite.ops.attention.backends.split_kv.splits import chosen_splits
 from flashlite.ops.attention.checks import (
     check_cu_seqlens,
     check_cu_values,
     check_offsets_on_device,
-    check_scale,
+    check_seqlens,
     check_sinks,
     check_splits,
     check_views,
 )
 from flashlite.ops.attention.flex import flex_varlen
-from flashlite.ops.attention.kvcache import (
-    KVCACHE,
-    VALIDATE_MODES,
-    checked_kvcache,
-    kvcache_args,
-    kvcache_key,
-    kvcache_plan,
-)
 from flashlite.ops.attention.ops import ATTENTION_FWD
-from flashlite.ops.attention.plan import chosen_splits
 from flashlite.ops.attention.request import Request
-from flashlite.ops.common import check_flags, moved_call_device
+from flashlite.ops.common import check_flags
 
 
 def attention(
@@ -104,7 +94,11 @@ def attention(
     if type(causal) is not bool or type(return_lse) is not bool:
         check_flags(causal=causal, return_lse=return_lse)
     splits = chosen_splits(qc, kc, check_splits(num_splits))
-    request = Request.of_call(causal, sm_scale, window, softcap, seqlens_k, splits, sinks, qc, kc)
+    if seqlens_k is not None:
+        seqlens_k = check_seqlens(seqlens_k, qc, kc)
+    if sinks is not None:
+        sinks = check_sinks(sinks, qc, qc.shape[1])
+    request = Request.of_call(causal, sm_scale, window, softcap, seqlens_k, splits, sinks)
     o, lse = ATTENTION_FWD(qc, kc, vc, request)
     if layout != "b h n d":
         o = o.transpose(1, 2)
@@ -231,128 +225,3 @@ def attention_varlen(
         o, lse = ATTENTION_FWD(qc, kc, vc, request)
     o = o.transpose(1, 2).squeeze(0)
     return (o, lse.squeeze(0)) if return_lse else o
-
-
-@forward_only
-def attention_kvcache(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    *,
-    cache_seqlens: torch.Tensor,
-    k_new: torch.Tensor | None = None,
-    v_new: torch.Tensor | None = None,
-    block_table: torch.Tensor | None = None,
-    causal: bool = True,
-    scale: float | None = None,
-    window: tuple[int, int] | None = None,
-    softcap: float | None = None,
-    num_splits: int | None = None,
-    return_lse: bool = False,
-    validate: bool | str = True,
-    sinks: torch.Tensor | None = None,
-    mask_mod: Any = None,
-    score_mod: Any = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Decoding against a KV cache (layout ``b n h d``), optionally paged: the query heads of a
-    GQA group share one K/V read, the keys are split across programs (flash-decoding). Forward
-    only.
-
-    Args:
-        q: ``(B, Nq, Hq, D)``, the new tokens' queries.
-        k_cache, v_cache: ``(B, Ncap, Hkv, D)``, or with ``block_table`` a paged cache
-            ``(num_pages, page_size, Hkv, D)``, page size any multiple of 16 (flash-attn's
-            multiples of 256 included). Any
-            strides; expanded (stride-0) or otherwise overlapping caches are read, but refused
-            when ``k_new`` is to be written into them.
-        cache_seqlens: int32 ``(B,)``: keys already in the cache per batch (any stride).
-        k_new, v_new: ``(B, Nnew, Hkv, D)``, written into the cache in place at
-            ``cache_seqlens[b]`` before attending (both or neither).
-        block_table: int32 ``(B, max_pages)``: batch b's key j lives in page
-            ``block_table[b, j // page_size]`` (vLLM's convention; any strides).
-        causal, scale, window, softcap: as :func:`attention`, aligned bottom-right to
-            ``cache_seqlens[b] + Nnew`` keys (so with ``causal`` query i of Nq sees keys up to
-            ``cache_seqlens[b] + Nnew − Nq + i``).
-        num_splits: key chunks per block of query rows (None: one chunk per SM,
-            :func:`splits_for`; 1 on CPU).
-        return_lse: also return the fp32 LSE ``(B, Hq, Nq)``.
-        validate: check the values of ``cache_seqlens`` and of the block table's pages in use.
-            ``True`` (the default): on the device, in the launch that appends ``k_new``, with
-            no host sync (CUDA graphs capture the call as it is). A batch row with a bad value
-            writes no key, and the error is raised by this call on the CPU, by a *later*
-            ``attention_kvcache`` call on a GPU (the first that finds the check done).
-            ``"sync"``: on the host before anything is written (one sync per call).
-            ``False``: no check. Without a check a bad value still never reads or writes
-            outside the caches: lengths are clamped to the capacity and page ids to the pool,
-            so bad values give wrong results.
-        sinks: ``(Hq,)`` sink logits, as :func:`attention` (merged once, whatever the split).
-        mask_mod: a mask function (:func:`flashlite.mods.mask_mod`, e.g. from
-            :mod:`flashlite.gallery`) that narrows what ``causal`` and ``window`` let each
-            query see. It is called with ``q_idx`` the query's position in its sequence,
-            ``cache_seqlens[b] + Nnew − Nq + i`` (the key index it would have), ``kv_idx`` the
-            key's, and ``h`` the query head; its tensor buffers on q's device. Every key tile is
-            evaluated (decoding has no block tables).
-        score_mod: a score function (:func:`flashlite.mods.score_mod`, e.g.
-            :func:`flashlite.gallery.alibi`) applied to each scaled score ``q·k·scale`` that
-            ``causal``, ``window`` and ``mask_mod`` leave, with the same indices; not with
-            ``softcap`` (write the cap as :func:`flashlite.gallery.tanh_softcap`).
-
-    Returns:
-        ``out`` ``(B, Nq, Hq, D)`` (and the LSE). Forward only: given tensors that require
-        grad (grad mode on), it computes the forward all the same, and a backward that
-        reaches its outputs raises a ``RuntimeError`` (decode under ``torch.no_grad()``).
-
-    Raises:
-        TypeError: non-tensors, mixed or unsupported dtypes, index tensors that are not int32,
-            flags that are not bools, ``validate`` not True, False or ``"sync"``.
-        ValueError: shapes, devices, ``k_new``
-            with caches whose elements overlap (expanded, stride 0) or that are one tensor;
-            with ``validate``, a negative ``cache_seqlens``, ``cache_seqlens + Nnew`` past the
-            cache's capacity or a block-table entry outside ``[0, num_pages)`` among the pages
-            in use (raised when ``validate`` says); ``score_mod`` with ``softcap``. Every
-            argument check comes before anything is written.
-    """
-    tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-    options = (causal, scale, window, softcap, num_splits, validate, mask_mod, score_mod)
-    key = kvcache_key((*tensors, sinks), options)  # (None with a mask function: checked each call)
-    plan = checked_kvcache.get(key) if key is not None else None
-    if plan is not None and plain_eager(q, k_cache, v_cache):  # a kind of call seen before
-        o, lse = plan(*tensors) if sinks is None else plan(*tensors, sinks.float())
-        return (o, lse) if return_lse else o
-    for name, t in (
-        ("q", q),
-        ("k_cache", k_cache),
-        ("v_cache", v_cache),
-        ("cache_seqlens", cache_seqlens),
-    ):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if (k_new is None) != (v_new is None):
-        raise ValueError("k_new and v_new come together: pass both or neither")
-    check_flags(causal=causal, return_lse=return_lse)
-    if not (isinstance(validate, bool) or validate == "sync"):
-        raise TypeError(f"validate must be True, False or 'sync', got {validate!r}")
-    check_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-    splits = check_splits(num_splits)
-    mask = masks.describe(causal, window, softcap)
-    sm_scale = check_scale(scale, q.shape[3])
-    sink = check_sinks(sinks, q, q.shape[2])  # (fp32: what the plan's key pins, whatever came in)
-    mods_given = cache_mods(mask_mod, score_mod, softcap, q, k_cache, block_table)
-    request = Request.of_mask(
-        mask,
-        sm_scale,
-        num_splits=splits,
-        sinks=sink,
-        cache_seqlens=cache_seqlens,
-        block_table=block_table,
-        validate=VALIDATE_MODES[validate],
-        **mods_given,
-    )
-    if not mods_given and key is not None and moved_call_device(q.device) is None:
-        # these arguments passed every check above: next time, skip them (and the op layer:
-        # CPU tensors whose kernels run on a GPU take the op's moving path every time)
-        checked_kvcache.put(
-            key, kvcache_plan(kvcache_args(q, k_cache, v_cache, k_new, v_new, request), sink)
-        )
-    o, lse = KVCACHE(q, k_cache, v_cache, k_new, v_new, request)
-    return (o, lse) if return_lse else o

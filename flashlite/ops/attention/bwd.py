@@ -1,7 +1,7 @@
-"""The backward :func:`attention_bwd`: the preprocess (delta, Qs), then on Hopper the fused Gluon
-kernel or elsewhere the Triton pair (dK/dV, dQ; their launchers in
-:mod:`~flashlite.ops.attention.bwd_launch`), planned once per kind of call (:class:`BwdPlan`);
-and the body of its custom op ``flashlite::attention_bwd``."""
+"""The backward :func:`attention_bwd`: the planner's choice carried out. The preprocess (delta,
+Qs) first, then the fused Gluon kernel where it builds or the Triton pair (dK/dV, dQ), a plain
+call planned once per kind of tensors (:class:`BwdPlan`); the window's tables backend; and the body
+of the custom op ``flashlite::attention_bwd``."""
 
 from __future__ import annotations
 
@@ -11,29 +11,23 @@ from collections.abc import Callable
 import torch
 
 from flashlite import _backend
-from flashlite._caches import Cache, register
+from flashlite._caches import Cache
 from flashlite.kernels import configs as C
-from flashlite.ops.attention import hopper as HP
 from flashlite.ops.attention import planner
-from flashlite.ops.attention import window as W
-from flashlite.ops.attention.bwd_launch import (
-    bwd_dkdv,
-    bwd_dq,
-    bwd_preprocess,
-    plan_dkdv,
-    plan_dq,
-    plan_preprocess,
-)
-from flashlite.ops.attention.checks import check_bwd_grads
-from flashlite.ops.attention.plan import (
+from flashlite.ops.attention.backends import hopper
+from flashlite.ops.attention.backends.common import (
     HOPPER_ENV,
-    bwd_config,
+    bwd_preprocess,
     empty_output,
     hopper_bwd_applies,
+    plan_preprocess,
     prescales_q,
-    tensor_meta,
 )
-from flashlite.ops.attention.request import Request
+from flashlite.ops.attention.backends.tables.bwd import window_bwd
+from flashlite.ops.attention.backends.triton.bwd import bwd_dkdv, bwd_dq, plan_pair
+from flashlite.ops.attention.backends.triton.config import bwd_config
+from flashlite.ops.attention.checks import check_bwd_grads
+from flashlite.ops.attention.request import Request, tensor_meta
 from flashlite.ops.common import on_compute_device
 
 
@@ -90,7 +84,7 @@ def attention_bwd(
         return out
     km = request.mask.kernel(q.shape[2], k.shape[2])
     if choice.backend == "tables":
-        return W.window_bwd(do, q, k, v, o, lse, dlse, km, request.scale, choice.tile)
+        return window_bwd(do, q, k, v, o, lse, dlse, km, request.scale, choice.tile)
     return _attention_bwd_masked(do, q, k, v, o, lse, dlse, request, config, dsinks)
 
 
@@ -220,54 +214,18 @@ class BwdPlan:
         grads = (qs, k, v, do, lse, delta, dq, dk, dv)
         if self.main is None:
             if acc is not None:  # planned and run once, if it builds
-                ran = _run_hopper_bwd(*grads, acc, self.causal, self.scale)
+                ran = hopper.run_bwd(*grads, acc, self.causal, self.scale)
                 if ran:
                     self.main = ran
                     return dq, dk, dv
                 # the Triton pair needs no accumulator (nor, from the next call, its zeros)
                 self.acc_shape, self.prep, acc = None, None, None
-            self.main = _plan_pair(*grads, self.causal, self.scale, self.cfg)
+            self.main = plan_pair(*grads, self.causal, self.scale, self.cfg)
         if acc is None:
             self.main(*grads)
         else:
             self.main(*grads, acc)
         return dq, dk, dv
-
-
-def _plan_pair(
-    qs: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    do: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    causal: bool,
-    scale: float,
-    cfg: C.BwdConfig,
-) -> Callable[..., None]:
-    """``main(qs, k, v, do, lse, delta, dq, dk, dv)`` of the Triton pair (:func:`plan_dkdv`,
-    then :func:`plan_dq`) for tensors of these kinds."""
-    dkdv = plan_dkdv(qs, k, v, do, lse, delta, dk, dv, causal, scale, cfg)
-    dq_run = plan_dq(qs, k, v, do, lse, delta, dq, causal, scale, cfg)
-
-    def main(
-        qs: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        do: torch.Tensor,
-        lse: torch.Tensor,
-        delta: torch.Tensor,
-        dq: torch.Tensor,
-        dk: torch.Tensor,
-        dv: torch.Tensor,
-    ) -> None:
-        dkdv(qs, k, v, do, lse, delta, dk, dv)
-        dq_run(qs, k, v, do, lse, delta, dq)
-
-    return main
 
 
 def _attention_bwd_masked(
@@ -296,37 +254,6 @@ def _attention_bwd_masked(
     bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, mask, scale, cfg, **lengths)
     bwd_dq(qs, k, v, do, lse, delta, dq, mask, scale, cfg, **lengths)
     return dq, dk, dv
-
-
-#: Fused-backward variants whose first launch failed to build: the Triton kernels run them.
-_hopper_bwd_failed: set[tuple] = register("attention.hopper_bwd_failed", set())
-
-
-def _run_hopper_bwd(
-    qs: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    do: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    acc: torch.Tensor,
-    causal: bool,
-    scale: float,
-) -> Callable[..., None] | None:
-    """Plan and launch the fused Gluon backward (``acc``: its zeroed dQ accumulator): its
-    ``run`` for later calls of this kind, or None (after one warning) if it fails to build
-    here."""
-    key = (qs.dtype, qs.shape[-1], causal)
-
-    def build() -> Callable[..., None]:
-        run = HP.plan_bwd_hopper(qs, k, do, dk, dv, causal, scale)
-        run(qs, k, v, do, lse, delta, dq, dk, dv, acc)
-        return run
-
-    return HP.first_build(_hopper_bwd_failed, key, "fused attention backward", build, stacklevel=4)
 
 
 def attention_bwd_body(

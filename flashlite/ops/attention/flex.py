@@ -3,7 +3,7 @@
 Hopper kernels on an sm_90 device), over the tables of
 :func:`~flashlite.ops.attention.block_mask.create_block_mask`.
 
-What a call runs is planned once per kind of call (:mod:`~flashlite.ops.attention.flex_plan`).
+What a call runs is planned once per kind of call (:mod:`~flashlite.ops.attention.backends.tables`).
 The ops ``flashlite::flex_attention_fwd``/``_bwd`` carry a mod as its registered name
 (:func:`flashlite.mods.registered`), its tensor buffers and its numbers, so that
 ``torch.compile(fullgraph=True)`` traces a call like any other custom op, and the block tables
@@ -12,7 +12,6 @@ as tensors: a new sequence length is new table shapes, never a new kernel.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -21,142 +20,24 @@ from flashlite import _backend, _launch
 from flashlite.kernels.attention import flex as KF
 from flashlite.kernels.attention import hopper as KH
 from flashlite.kernels.attention import hopper_bwd as KHB
-from flashlite.masking import block_mask as BM
 from flashlite.masking import classify as KB
 from flashlite.masking import mods as M
 from flashlite.masking.create import block_mask_for
-from flashlite.masking.mod_args import ModArgs, check_mod, spec_mod
+from flashlite.masking.mod_args import check_mod
 from flashlite.ops._dispatch import Op
-from flashlite.ops.attention import flex_args as FA
-from flashlite.ops.attention import flex_plan as FP
+from flashlite.ops.attention.backends.tables.args import FLEX_FIELDS, table_request
+from flashlite.ops.attention.backends.tables.bwd import flex_bwd_body
+from flashlite.ops.attention.backends.tables.fwd import flex_fwd_body
 from flashlite.ops.attention.checks import check_inputs
-from flashlite.ops.attention.request import Request, mod_fields
+from flashlite.ops.attention.request import Request
 
 __all__ = ["flex_attention", "compiled_variants"]
-
-
-# --------------------------------------------------------------------------- the ops
-#: The request fields the flex ops take: the tables, the mods, the scale and packed sequences.
-FLEX_FIELDS = (
-    "scale",
-    "causal",
-    "cu_seqlens_q",
-    "cu_seqlens_k",
-    "block_tables",
-    "block_size",
-    "mask_mod",
-    "mask_tensors",
-    "mask_nums",
-    "score_mod",
-    "score_tensors",
-    "score_nums",
-)
-
-
-def _mods(request: Request) -> tuple[ModArgs, ModArgs]:
-    """The request's mask and score function as the plans take them (``""``: none)."""
-    return request.mask_args or spec_mod(None), request.score_args or spec_mod(None)
-
-
-def _taken(request: Request) -> tuple[list[torch.Tensor], list[int]]:
-    """The request's tables and block size, after refusing what flex does not take."""
-    request.refuse("flex attention", FLEX_FIELDS)
-    if request.causal or request.block_tables is None or request.block_size is None:
-        raise ValueError("the flex ops take a block mask's tables and block size, not causal")
-    return request.block_tables, request.block_size
-
-
-def flex_fwd_body(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request
-) -> tuple[torch.Tensor, torch.Tensor]:
-    tables, (tbm, tbn) = _taken(request)
-    tables = tuple(tables[:4])
-    mask, score = _mods(request)
-    cu_q = request.cu_seqlens_q
-    if q.numel() == 0 or (cu_q is not None and k.shape[2] == 0):
-        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-        return torch.zeros_like(q), lse.fill_(-math.inf)
-    cu = _offsets(cu_q, request.cu_seqlens_k)
-    key = FA.call_key(q, k, v, tables, mask, score, tbm, tbn, request.scale, cu or ())
-    key.append(None if cu is None else cu[0].shape)
-    key = tuple(key)
-    plan = FP.fwd_plans.get(key)
-    if plan is None:
-        plan = FP.fwd_plans.put(
-            key,
-            FP.FwdPlan(q, k, tables, mask, score, tbm, tbn, request.scale, varlen=cu is not None),
-        )
-    return plan(q, k, v, tables, [*mask[1], *score[1]], cu)
-
-
-def _offsets(cu_q: torch.Tensor | None, cu_k: torch.Tensor | None) -> FP.Offsets:
-    """Varlen's offsets as the plans take them (both or neither)."""
-    if cu_q is None or cu_k is None:
-        return None
-    return cu_q, cu_k
 
 
 def _fwd_fake(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
-
-
-def flex_bwd_body(
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    dlse: torch.Tensor | None,
-    request: Request,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    tables, (tbm, tbn) = _taken(request)
-    if q.numel() == 0 or k.numel() == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    kv_tables, q_tables = tuple(tables[:4]), tuple(tables[4:])
-    mask, score = _mods(request)
-    cu = _offsets(request.cu_seqlens_q, request.cu_seqlens_k)
-    key = FA.call_key(
-        q,
-        k,
-        v,
-        (*kv_tables, *q_tables),
-        mask,
-        score,
-        tbm,
-        tbn,
-        request.scale,
-        (do, o, lse, dlse, *(cu or ())),
-    )
-    key += (
-        do.stride(),
-        o.stride(),
-        lse.stride(),
-        dlse is None,
-        torch.are_deterministic_algorithms_enabled(),
-        None if cu is None else cu[0].shape,
-    )
-    key = tuple(key)
-    plan = FP.bwd_plans.get(key)
-    if plan is None:
-        plan = FP.bwd_plans.put(
-            key,
-            FP.BwdPlan(
-                q,
-                k,
-                q_tables,
-                kv_tables,
-                mask,
-                score,
-                tbm,
-                tbn,
-                request.scale,
-                varlen=cu is not None,
-            ),
-        )
-    return plan(do, q, k, v, o, lse, dlse, q_tables, kv_tables, [*mask[1], *score[1]], cu)
 
 
 def _bwd_fake(
@@ -325,16 +206,6 @@ def _request(
                 f"{arg}={call}"
             )
     return table_request(bm, scale, smod, **fields)
-
-
-def table_request(bm: Any, scale: float, smod: M.ScoreMod | None = None, **fields: Any) -> Request:
-    """The :class:`Request` of checked tables ``bm`` (a
-    :class:`~flashlite.masking.block_mask.BlockMask`), ``scale`` and a score function: the
-    eight tables, the block size and both mods as the ops carry them
-    (:func:`~flashlite.masking.mod_args.spec_mod`), and ``fields`` (packed sequences)."""
-    mods = {**mod_fields("mask", bm.mask_mod), **mod_fields("score", smod)}
-    tables = [getattr(bm, name) for name in BM._TABLES]
-    return Request(scale, block_tables=tables, block_size=list(bm.BLOCK_SIZE), **mods, **fields)
 
 
 def flex_varlen(

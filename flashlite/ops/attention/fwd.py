@@ -1,5 +1,6 @@
-"""The forward launcher :func:`attention_fwd` (the Triton kernel, or on Hopper the Gluon one) and
-its custom op ``flashlite::attention_fwd``."""
+"""The forward :func:`attention_fwd`: the planner's choice carried out (the split-KV decode kernel,
+the tables backend's window, the dense Gluon kernel or the Triton kernel), a plain call's plan kept
+per kind of q, k, v; and the body of the custom op ``flashlite::attention_fwd``."""
 
 from __future__ import annotations
 
@@ -7,27 +8,15 @@ import math
 from collections.abc import Callable
 
 import torch
-from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashlite import _launch
-from flashlite._caches import Cache, register
+from flashlite._caches import Cache
 from flashlite.kernels import configs as C
-from flashlite.kernels.attention import fwd as K
-from flashlite.kernels.attention import hopper as KH
-from flashlite.masking import masks
-from flashlite.ops.attention import hopper as HP
 from flashlite.ops.attention import planner
-from flashlite.ops.attention import window as W
-from flashlite.ops.attention.decode import attention_decode_fwd, planned_decode
-from flashlite.ops.attention.plan import (
-    LaunchInfo,
-    empty_output,
-    fixed_reference,
-    hopper_launch_config,
-    small_problem,
-    triton_plan,
-    tuned_kernel,
-)
+from flashlite.ops.attention.backends import hopper
+from flashlite.ops.attention.backends.common import LaunchInfo, empty_output, hopper_launch_config
+from flashlite.ops.attention.backends.split_kv.decode import attention_decode_fwd, planned_decode
+from flashlite.ops.attention.backends.tables.fwd import window_fwd
+from flashlite.ops.attention.backends.triton.fwd import run_triton
 from flashlite.ops.attention.request import Request
 from flashlite.ops.common import on_compute_device
 
@@ -87,24 +76,29 @@ def attention_fwd(
         )
         return o, lse, None
     if choice.backend == "tables":
-        hopper = choice.tile
+        tile = choice.tile
         km = request.mask.kernel(q.shape[2], k.shape[2])
-        o, lse = W.window_fwd(q, k, v, km, request.scale, (hopper.block_m, hopper.block_n))
-        return o, lse, LaunchInfo(hopper_launch_config(hopper), q.shape[-1], True)
+        o, lse = window_fwd(q, k, v, km, request.scale, (tile.block_m, tile.block_n))
+        return o, lse, LaunchInfo(hopper_launch_config(tile), q.shape[-1], True)
     o = empty_output(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     if choice.backend == "empty":
         return _empty(o, lse, request.sinks)
     if choice.backend == "hopper":
-        hopper = choice.tile
+        tile = choice.tile
         causal = request.mask.is_causal
-        run = _run_hopper(q, k, v, o, lse, causal, request.scale, hopper, request.sinks)
+        run = hopper.run_fwd(q, k, v, o, lse, causal, request.scale, tile, request.sinks)
         if run is not None:
-            info = LaunchInfo(hopper_launch_config(hopper), q.shape[-1], True)
+            info = LaunchInfo(hopper_launch_config(tile), q.shape[-1], True)
             if key is not None:  # (it built and ran: later calls of this kind go straight to it)
                 _fwd_plans.put(key, _Planned(run, q.shape[:3], info))
             return o, lse, info
-    return _run_triton(q, k, v, o, lse, request, choice.use_desc, config, prescale_q, key)
+    o, lse, info, run = run_triton(
+        q, k, v, o, lse, request, choice.use_desc, config, prescale_q, key is not None
+    )
+    if run is not None:  # (bound for later calls of this kind)
+        _fwd_plans.put(key, _Planned(run, q.shape[:3], info))
+    return o, lse, info
 
 
 def _empty(
@@ -116,127 +110,8 @@ def _empty(
     return o.zero_(), lse.fill_(-math.inf), None
 
 
-def _run_triton(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    request: Request,
-    use_desc: bool,
-    config: C.Config | None,
-    prescale_q: bool | None,
-    key: tuple | None,
-) -> tuple[torch.Tensor, torch.Tensor, LaunchInfo]:
-    """The Triton forward kernel: its config (pinned, the measured table or the autotuner),
-    bound and kept under ``key`` for a plain call (None: launched once)."""
-    b, hq, nq, d = q.shape
-    nk = k.shape[2]
-    km = request.mask.kernel(nq, nk)
-    seqlens_k, varlen, sinks = request.seqlens_k, request.varlen, request.sinks
-    small = small_problem(q, k)
-    config, launch = triton_plan(
-        q.device,
-        q.dtype,
-        d,
-        km.IS_CAUSAL,
-        small and not use_desc,
-        use_desc,
-        prescale_q,
-        config,
-        km.WINDOW,
-        km.SOFTCAP,
-        seqlens_k is not None,
-        varlen is not None,
-        fixed_reference(q.dtype, request.softcap, sinks),
-        sinks is not None,
-    )
-    block_d = launch["BLOCK_D"]
-    if use_desc:  # block shapes are set per config (set_block_shapes), placeholders here
-        bm, bn = (config.block_m, config.block_n) if config is not None else (16, 16)
-        srcs = _descriptors(q, k, v, o, bm, bn, block_d)
-        if varlen is not None:  # O is stored through pointers (blocks cross sequences)
-            srcs[3] = o
-    else:
-        srcs = [q, k, v, o]
-    args = _kernel_args(srcs, q, k, v, o, lse, km, request)
-    # packed sequences: one program row per sequence, as many query blocks as the longest has
-    rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
-    if config is None:  # no measured entry here: the autotuner, per length bucket
-        tuned = tuned_kernel(rows, nk)
-        tuned[lambda meta: (C.cdiv(rows, meta["BLOCK_M"]), seqs * hq)](*args, **launch)  # type: ignore[index]
-        return o, lse, LaunchInfo(C.Config.of(tuned.best_config), block_d, use_desc)  # type: ignore[attr-defined]
-    grid = (C.cdiv(rows, config.block_m), seqs * hq, 1)
-    launcher = _launch.launcher(K._attention_fwd_kernel)
-    info = LaunchInfo(config, block_d, use_desc)
-    if key is None:
-        launcher.bind(args, launch)(grid, *args)
-        return o, lse, info
-    # the plan's launch takes q, k, v, o themselves where its descriptors read them
-    bound = launcher.bind_tensors(args, launch)
-    tail = args[5:-4]  # strides, sizes, scale, mask values (then four placeholders)
-
-    def run(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
-    ) -> None:
-        bound(grid, q, k, v, o, lse, *tail, lse, lse, lse, lse)
-
-    run(q, k, v, o, lse)
-    _fwd_plans.put(key, _Planned(run, q.shape[:3], info))
-    return o, lse, info
-
-
 #: The request fields the forward takes (a cache's are the decode step's).
 FWD_FIELDS = Request._fields[:12]
-
-
-def _kernel_args(
-    srcs: list,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    km: masks.KernelMask,
-    request: Request,
-) -> tuple:
-    """The forward kernel's arguments: q, k, v, o (or their descriptors ``srcs``), the LSE,
-    strides, sizes, the scale, the mask's values, then lengths, offsets and sinks (the LSE
-    stands in for an absent one: never read)."""
-    hq, nq, nk = q.shape[1], q.shape[2], k.shape[2]
-    seqlens_k, varlen, sinks = request.seqlens_k, request.varlen, request.sinks
-    lengths = seqlens_k if seqlens_k is not None else lse
-    offsets = varlen[:2] if varlen is not None else (lse, lse)
-    strides = (*q.stride(), *k.stride(), *v.stride(), *o.stride())
-    sizes = (hq, hq // k.shape[1], nq, nk)
-    mask = (request.scale, km.left, km.right, km.softcap)
-    return (
-        *srcs,
-        lse,
-        *strides,
-        *sizes,
-        *mask,
-        lengths,
-        *offsets,
-        sinks if sinks is not None else lse,
-    )
-
-
-def _descriptors(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    bm: int,
-    bn: int,
-    block_d: int,
-) -> list[TensorDescriptor]:
-    """The forward kernel's 4-D TMA descriptors of q, k, v, o (``[1, 1, rows, BLOCK_D]``
-    blocks: ``bm`` query rows, ``bn`` keys)."""
-    return [
-        TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])
-        for t, r in ((q, bm), (k, bn), (v, bn), (o, bm))
-    ]
 
 
 #: The plain forward's plans per kind of q, k, v (shapes, strides, dtype, device, alignment,
@@ -278,34 +153,6 @@ class _Planned:
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         self.run(q, k, v, o, lse)
         return o, lse, self.info
-
-
-#: Kernel variants whose first launch failed (a Triton whose Gluon differs): the Triton kernel
-#: runs them instead, after one warning.
-_hopper_failed: set[tuple] = register("attention.hopper_failed", set())
-
-
-def _run_hopper(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool,
-    scale: float,
-    config: KH.HopperConfig,
-    sinks: torch.Tensor | None = None,
-) -> Callable[..., None] | None:
-    """Plan and launch the Gluon kernel: its ``run`` for later calls of this kind, or None
-    (after one warning) if it fails to compile here."""
-    key = (q.dtype, causal, config, sinks is not None)
-
-    def build() -> Callable[..., None]:
-        run = HP.plan_fwd_hopper(q, k, causal, scale, config, sinks is not None)
-        run(q, k, v, o, lse, sinks)
-        return run
-
-    return HP.first_build(_hopper_failed, key, "attention", build, stacklevel=4)
 
 
 def attention_fwd_body(

@@ -1,6 +1,7 @@
-"""The KV-cache decode step behind :func:`flashlite.attention_kvcache`: the value checks, the
-append of ``k_new``/``v_new`` and the decode kernel, planned once per kind of call
-(:class:`KVCachePlan`), and its custom op ``flashlite::attention_kvcache``."""
+"""Decoding against a KV cache: :func:`attention_kvcache`, its checks (once per kind of call),
+and its custom op ``flashlite::attention_kvcache``, which runs the split-KV backend's cache step
+(the value checks, the append of ``k_new``/``v_new`` and the decode kernel,
+:class:`~flashlite.ops.attention.backends.split_kv.cache.KVCachePlan`)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,20 @@ from typing import Any
 
 import torch
 
-from flashlite import _launch
 from flashlite._caches import Cache
-from flashlite.kernels.attention import kvcache as KKV
-from flashlite.masking.mod_args import ModArgs, Slots, unspec_mod
-from flashlite.ops._dispatch import Op
-from flashlite.ops.attention.checks import check_cache_values, kv_record, report_kv_problems
-from flashlite.ops.attention.decode import DecodePlan
-from flashlite.ops.attention.plan import tensor_meta
-from flashlite.ops.attention.request import Request
-from flashlite.ops.common import moved, moved_call_device
+from flashlite.masking import masks
+from flashlite.masking.mod_args import ModArgs
+from flashlite.ops._dispatch import Op, forward_only, plain_eager
+from flashlite.ops.attention.backends.split_kv.cache import TENSORS, kvcache_args, kvcache_plan
+from flashlite.ops.attention.cache_checks import cache_mods, check_call
+from flashlite.ops.attention.checks import (
+    check_scale,
+    check_sinks,
+    check_splits,
+    report_kv_problems,
+)
+from flashlite.ops.attention.request import Request, tensor_meta
+from flashlite.ops.common import check_flags, moved, moved_call_device
 
 
 def kvcache_key(tensors: tuple, options: tuple) -> tuple | None:
@@ -47,199 +52,6 @@ def kvcache_key(tensors: tuple, options: tuple) -> tuple | None:
 checked_kvcache = Cache("attention.kvcache_checked", 1024)
 
 
-class KVCachePlan:
-    """:func:`_kvcache` for one kind of call (shapes, strides, dtypes and options): the value
-    checks, the append and a :class:`DecodePlan` over the caches' ``b h n d`` views. Made from
-    :func:`_kvcache`'s argument tuple (:data:`_TENSORS` tensors, then its options).
-
-    ``validate``: ``"device"`` checks the values on the device, in the append kernel
-    (:mod:`flashlite.kernels.attention.kvcache`), without a host sync: a bad value is reported
-    by this call on the CPU, by a later call on a GPU; ``"sync"`` checks them on the host first
-    (one sync), before anything is written; ``"off"`` checks nothing (values clamped).
-
-    The kernels index ``cache_seqlens`` and the block table's rows densely: other strides are
-    made dense per call (``B`` or ``B·max_pages`` ints, a no-op when they are dense already;
-    cheaper than two more strides through every tile load of the decode kernel)."""
-
-    def __init__(
-        self,
-        args: tuple,
-        sinks: bool = False,
-        mask: ModArgs | None = None,
-        score: ModArgs | None = None,
-    ) -> None:
-        q, k_cache, v_cache, cache_seqlens, k_new, _, block_table = args[:_TENSORS]
-        which, scale, num_splits, validate = args[_TENSORS:]  # (which keys: a masks.Mask)
-        self.validate = validate
-        self.slots, self.num_pages = k_cache.shape[1], k_cache.shape[0]
-        self.page_size = self.slots if block_table is not None else 0
-        self.capacity = block_table.shape[1] * self.slots if block_table is not None else self.slots
-        self.max_pages = block_table.shape[1] if block_table is not None else 0
-        self.n_new = 0 if k_new is None else k_new.shape[1]
-        self.bsz = q.shape[0]
-        self.lse_shape = (q.shape[0], q.shape[2], q.shape[1])
-        self.device_check = validate == "device"
-        # the append kernel runs when there is something to write or to check on the device
-        self.prepare = self.n_new > 0 or self.device_check
-        hkv, d = k_cache.shape[2], k_cache.shape[3]
-        self.prepare_options = {
-            **KKV.append_config(hkv, d),
-            "PAGE_SIZE": self.page_size,
-            "CHECK": self.device_check,
-            "APPEND": self.n_new > 0,
-        }
-        self.prepare_grid = (self.bsz, max(self.n_new, 1), 1)
-        self.sizes = (hkv, d, self.n_new, self.capacity, self.num_pages, self.max_pages)
-        self._prepare: Any = None  # bound at the first run (its tensors specialise)
-        if block_table is not None:
-            block_table = block_table.contiguous()
-        o = torch.empty_like(q)  # (as each call makes it: strided like q, which the key pins)
-        self.decode = DecodePlan(
-            q.transpose(1, 2),
-            k_cache.transpose(1, 2),
-            v_cache.transpose(1, 2),
-            o.transpose(1, 2),
-            cache_seqlens.contiguous(),
-            block_table,
-            which,
-            scale,
-            num_splits or None,
-            None,
-            None,
-            sinks,
-            _mod_fn(mask),
-            _mod_fn(score),
-        )
-        # the mods' eight buffer slots, their numbers fixed (None: no mod)
-        self.mod_slots = None
-        if mask is not None or score is not None:
-            self.mod_slots = Slots([*_slots_of(mask), *_slots_of(score)])
-
-    def __call__(
-        self,
-        q: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        cache_seqlens: torch.Tensor,
-        k_new: torch.Tensor | None,
-        v_new: torch.Tensor | None,
-        block_table: torch.Tensor | None,
-        sinks: torch.Tensor | None = None,
-        mask: ModArgs | None = None,
-        score: ModArgs | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Run on tensors of the planned kind: ``out`` ``(B, Nq, Hq, D)``, LSE ``(B, Hq, Nq)``
-        (``sinks``, ``mask`` and ``score`` given iff planned with them)."""
-        if self.validate == "sync":  # every value check before anything is written (a sync)
-            check_cache_values(
-                cache_seqlens, self.n_new, self.capacity, block_table, self.slots, self.num_pages
-            )
-        lengths = cache_seqlens = cache_seqlens.contiguous()
-        if block_table is not None:
-            block_table = block_table.contiguous()
-        if self.prepare:
-            lengths = self._run_prepare(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
-        o = torch.empty_like(q)  # (empty_like: less host time than a shape, dtype and device)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
-        bufs = None
-        if self.mod_slots is not None:  # this call's tensors, mask's first
-            bufs = self.mod_slots([*(mask[1] if mask else ()), *(score[1] if score else ())])
-        self.decode(q, k_cache, v_cache, lengths, block_table, o, lse, sinks, bufs)
-        return o, lse
-
-    def _run_prepare(
-        self,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        cache_seqlens: torch.Tensor,
-        k_new: torch.Tensor | None,
-        v_new: torch.Tensor | None,
-        block_table: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """The append kernel (checks included with device validation): the new lengths."""
-        device = cache_seqlens.device
-        if self.device_check:  # a bad value an earlier call recorded: reported first
-            report_kv_problems(device, False, earlier=True)
-            record, host = kv_record(device)[:2]
-        else:
-            record = host = cache_seqlens  # (stand-ins: never read)
-        lengths = torch.empty_like(cache_seqlens)  # (dense int32 (B,), as made above)
-        k_src = k_new if k_new is not None else k_cache
-        v_src = v_new if v_new is not None else v_cache
-        new_strides = (k_src.stride() + v_src.stride()) if k_new is not None else (0,) * 8
-        table = block_table if block_table is not None else cache_seqlens
-        args = (
-            k_cache,
-            v_cache,
-            k_src,
-            v_src,
-            cache_seqlens,
-            lengths,
-            table,
-            record,
-            host,
-            *k_cache.stride(),
-            *v_cache.stride(),
-            *new_strides,
-            block_table.stride(0) if block_table is not None else 0,
-            *self.sizes,
-        )
-        if self._prepare is None:
-            self._prepare = _launch.launcher(KKV._kvcache_append_kernel).bind(
-                args, self.prepare_options
-            )
-        self._prepare(self.prepare_grid, *args)
-        if self.device_check and device.type != "cuda":  # no sync to save: reported here
-            report_kv_problems(device, True, earlier=False)
-        return lengths
-
-
-#: :class:`KVCachePlan` per kind of :func:`_kvcache` call.
-_kvcache_plans = Cache("attention.kvcache", 1024)
-
-
-#: The tensors that lead :func:`_kvcache`'s arguments (q, the caches, lengths, new keys and
-#: values, the block table); the options follow.
-_TENSORS = 7
-
-
-def _mod_fn(mod: ModArgs | None) -> tuple[Any, int] | None:
-    """A mod's ``(@triton.jit function, buffer count)``, or None."""
-    if mod is None:
-        return None
-    fns, _, n_buf = unspec_mod(*mod)
-    return fns[0], n_buf
-
-
-def _slots_of(mod: ModArgs | None) -> list[Any]:
-    """A mod's four buffer slots (zeros for None)."""
-    return unspec_mod(*mod)[1] if mod is not None else [0] * 4
-
-
-def _mod_key(mod: ModArgs | None) -> tuple | None:
-    return None if mod is None else (mod[0], *map(tensor_meta, mod[1]), *mod[2])
-
-
-def kvcache_plan(
-    args: tuple,
-    sinks: torch.Tensor | None = None,
-    mask: ModArgs | None = None,
-    score: ModArgs | None = None,
-) -> KVCachePlan:
-    """The :class:`KVCachePlan` of :func:`_kvcache`'s (checked) arguments, made on first use
-    (``sinks``: the calls' sink logits, whose kind the plan pins, or None; ``mask`` and
-    ``score``: a mask and a score function, whose names, buffers' kinds and numbers it
-    pins)."""
-    key = (
-        *map(tensor_meta, args[:_TENSORS]),
-        *args[_TENSORS:],
-        tensor_meta(sinks),
-        _mod_key(mask),
-        _mod_key(score),
-    )
-    return _kvcache_plans.made(key, KVCachePlan, args, sinks is not None, mask, score)
-
-
 def _kvcache(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -261,32 +73,7 @@ def _kvcache(
     if dev is not None:
         return _kvcache_moved(args, dev, request.sinks, mask, score)
     plan = kvcache_plan(args, request.sinks, mask, score)
-    return plan(*args[:_TENSORS], request.sinks, mask, score)
-
-
-def kvcache_args(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    k_new: torch.Tensor | None,
-    v_new: torch.Tensor | None,
-    request: Request,
-) -> tuple:
-    """The step's tensors (:data:`_TENSORS` of them) and options, as :class:`KVCachePlan`
-    takes them."""
-    return (
-        q,
-        k_cache,
-        v_cache,
-        request.cache_seqlens,
-        k_new,
-        v_new,
-        request.block_table,
-        request.mask,
-        request.scale,
-        request.num_splits,
-        request.validate or "device",
-    )
+    return plan(*args[:TENSORS], request.sinks, mask, score)
 
 
 #: The request fields the cache step takes.
@@ -324,7 +111,7 @@ def _kvcache_moved(
     validate = args[-1]
     if validate == "device":  # (a record left on the caller's device: reported first)
         report_kv_problems(q.device, False, earlier=True)
-    tensors = tuple(moved(t, dev) for t in args[:_TENSORS])
+    tensors = tuple(moved(t, dev) for t in args[:TENSORS])
     k_moved, v_moved, k_new = tensors[1], tensors[2], tensors[4]
     try:
         sinks = moved(sinks, dev)
@@ -332,7 +119,7 @@ def _kvcache_moved(
             None if m is None else (m[0], [moved(t, dev) for t in m[1]], m[2])
             for m in (mask, score)
         )
-        o, lse = kvcache_plan((*tensors, *args[_TENSORS:]), sinks, mask, score)(
+        o, lse = kvcache_plan((*tensors, *args[TENSORS:]), sinks, mask, score)(
             *tensors, sinks, mask, score
         )
     finally:  # what the append wrote (the good rows, when a bad one is reported)
@@ -371,3 +158,128 @@ KVCACHE = Op(
 
 #: what ``validate`` becomes in the op (a string: the schema holds one type)
 VALIDATE_MODES = {True: "device", False: "off", "sync": "sync"}
+
+
+@forward_only
+def attention_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *,
+    cache_seqlens: torch.Tensor,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
+    block_table: torch.Tensor | None = None,
+    causal: bool = True,
+    scale: float | None = None,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    num_splits: int | None = None,
+    return_lse: bool = False,
+    validate: bool | str = True,
+    sinks: torch.Tensor | None = None,
+    mask_mod: Any = None,
+    score_mod: Any = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Decoding against a KV cache (layout ``b n h d``), optionally paged: the query heads of a
+    GQA group share one K/V read, the keys are split across programs (flash-decoding). Forward
+    only.
+
+    Args:
+        q: ``(B, Nq, Hq, D)``, the new tokens' queries.
+        k_cache, v_cache: ``(B, Ncap, Hkv, D)``, or with ``block_table`` a paged cache
+            ``(num_pages, page_size, Hkv, D)``, page size any multiple of 16 (flash-attn's
+            multiples of 256 included). Any
+            strides; expanded (stride-0) or otherwise overlapping caches are read, but refused
+            when ``k_new`` is to be written into them.
+        cache_seqlens: int32 ``(B,)``: keys already in the cache per batch (any stride).
+        k_new, v_new: ``(B, Nnew, Hkv, D)``, written into the cache in place at
+            ``cache_seqlens[b]`` before attending (both or neither).
+        block_table: int32 ``(B, max_pages)``: batch b's key j lives in page
+            ``block_table[b, j // page_size]`` (vLLM's convention; any strides).
+        causal, scale, window, softcap: as :func:`attention`, aligned bottom-right to
+            ``cache_seqlens[b] + Nnew`` keys (so with ``causal`` query i of Nq sees keys up to
+            ``cache_seqlens[b] + Nnew − Nq + i``).
+        num_splits: key chunks per block of query rows (None: one chunk per SM,
+            :func:`splits_for`; 1 on CPU).
+        return_lse: also return the fp32 LSE ``(B, Hq, Nq)``.
+        validate: check the values of ``cache_seqlens`` and of the block table's pages in use.
+            ``True`` (the default): on the device, in the launch that appends ``k_new``, with
+            no host sync (CUDA graphs capture the call as it is). A batch row with a bad value
+            writes no key, and the error is raised by this call on the CPU, by a *later*
+            ``attention_kvcache`` call on a GPU (the first that finds the check done).
+            ``"sync"``: on the host before anything is written (one sync per call).
+            ``False``: no check. Without a check a bad value still never reads or writes
+            outside the caches: lengths are clamped to the capacity and page ids to the pool,
+            so bad values give wrong results.
+        sinks: ``(Hq,)`` sink logits, as :func:`attention` (merged once, whatever the split).
+        mask_mod: a mask function (:func:`flashlite.mods.mask_mod`, e.g. from
+            :mod:`flashlite.gallery`) that narrows what ``causal`` and ``window`` let each
+            query see. It is called with ``q_idx`` the query's position in its sequence,
+            ``cache_seqlens[b] + Nnew − Nq + i`` (the key index it would have), ``kv_idx`` the
+            key's, and ``h`` the query head; its tensor buffers on q's device. Every key tile is
+            evaluated (decoding has no block tables).
+        score_mod: a score function (:func:`flashlite.mods.score_mod`, e.g.
+            :func:`flashlite.gallery.alibi`) applied to each scaled score ``q·k·scale`` that
+            ``causal``, ``window`` and ``mask_mod`` leave, with the same indices; not with
+            ``softcap`` (write the cap as :func:`flashlite.gallery.tanh_softcap`).
+
+    Returns:
+        ``out`` ``(B, Nq, Hq, D)`` (and the LSE). Forward only: given tensors that require
+        grad (grad mode on), it computes the forward all the same, and a backward that
+        reaches its outputs raises a ``RuntimeError`` (decode under ``torch.no_grad()``).
+
+    Raises:
+        TypeError: non-tensors, mixed or unsupported dtypes, index tensors that are not int32,
+            flags that are not bools, ``validate`` not True, False or ``"sync"``.
+        ValueError: shapes, devices, ``k_new``
+            with caches whose elements overlap (expanded, stride 0) or that are one tensor;
+            with ``validate``, a negative ``cache_seqlens``, ``cache_seqlens + Nnew`` past the
+            cache's capacity or a block-table entry outside ``[0, num_pages)`` among the pages
+            in use (raised when ``validate`` says); ``score_mod`` with ``softcap``. Every
+            argument check comes before anything is written.
+    """
+    tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+    options = (causal, scale, window, softcap, num_splits, validate, mask_mod, score_mod)
+    key = kvcache_key((*tensors, sinks), options)  # (None with a mask function: checked each call)
+    plan = checked_kvcache.get(key) if key is not None else None
+    if plan is not None and plain_eager(q, k_cache, v_cache):  # a kind of call seen before
+        o, lse = plan(*tensors) if sinks is None else plan(*tensors, sinks.float())
+        return (o, lse) if return_lse else o
+    for name, t in (
+        ("q", q),
+        ("k_cache", k_cache),
+        ("v_cache", v_cache),
+        ("cache_seqlens", cache_seqlens),
+    ):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if (k_new is None) != (v_new is None):
+        raise ValueError("k_new and v_new come together: pass both or neither")
+    check_flags(causal=causal, return_lse=return_lse)
+    if not (isinstance(validate, bool) or validate == "sync"):
+        raise TypeError(f"validate must be True, False or 'sync', got {validate!r}")
+    check_call(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+    splits = check_splits(num_splits)
+    mask = masks.describe(causal, window, softcap)
+    sm_scale = check_scale(scale, q.shape[3])
+    sink = check_sinks(sinks, q, q.shape[2])  # (fp32: what the plan's key pins, whatever came in)
+    mods_given = cache_mods(mask_mod, score_mod, softcap, q, k_cache, block_table)
+    request = Request.of_mask(
+        mask,
+        sm_scale,
+        num_splits=splits,
+        sinks=sink,
+        cache_seqlens=cache_seqlens,
+        block_table=block_table,
+        validate=VALIDATE_MODES[validate],
+        **mods_given,
+    )
+    if not mods_given and key is not None and moved_call_device(q.device) is None:
+        # these arguments passed every check above: next time, skip them (and the op layer:
+        # CPU tensors whose kernels run on a GPU take the op's moving path every time)
+        checked_kvcache.put(
+            key, kvcache_plan(kvcache_args(q, k_cache, v_cache, k_new, v_new, request), sink)
+        )
+    o, lse = KVCACHE(q, k_cache, v_cache, k_new, v_new, request)
+    return (o, lse) if return_lse else o

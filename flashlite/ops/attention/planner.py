@@ -8,12 +8,13 @@ strides, alignment) go in; a :class:`Choice` comes out, which the launchers
 
 ==============  ==============================================================================
 ``split_kv``    the decode kernel: few query rows (GQA heads packed), the keys split across
-                programs, the partial results merged exactly (:mod:`.decode`)
+                programs, the partial results merged exactly (:mod:`.backends.split_kv`)
 ``tables``      flex's Gluon kernels over a block table; the built-in window as its band's
-                table (:mod:`.window`)
-``hopper``      the dense Gluon kernels (sm_90; :mod:`.hopper`); a variant that fails to build
-                here falls back to ``triton`` after one warning
+                table (:mod:`.backends.tables`)
+``hopper``      the dense Gluon kernels (sm_90; :mod:`.backends.hopper`); a variant that
+                fails to build here falls back to ``triton`` after one warning
 ``triton``      the Triton kernels: every option, every GPU and the CPU's interpreter
+                (:mod:`.backends.triton`)
 ``plain``       (backward) the plain backward, planned at its first call: the fused Gluon
                 kernel where it builds, else the Triton pair
 ``empty``       nothing to compute (no rows, or no keys: rows see only their sinks)
@@ -30,8 +31,13 @@ from typing import NamedTuple
 import torch
 
 from flashlite.kernels.attention import hopper as KH
-from flashlite.ops.attention import window as W
-from flashlite.ops.attention.plan import descriptor_ok, hopper_config, small_problem
+from flashlite.kernels.attention import hopper_bwd as KHB
+from flashlite.ops.attention.backends.common import (
+    descriptor_ok,
+    hopper_bwd_applies,
+    hopper_config,
+    small_problem,
+)
 from flashlite.ops.attention.request import Request
 
 #: The fields the split-KV path takes (not packed sequences: those run the forward kernel).
@@ -76,7 +82,7 @@ def forward(
         return Choice("split_kv")
     if not pinned and not request.plain and request.only("window_left", "window_right"):
         # a window and nothing else: on Hopper, flex's Gluon kernel over the band's tables
-        hopper = W.fwd_config(q, k, v)
+        hopper = window_fwd_config(q, k, v)
         if hopper is not None:
             return Choice("tables", True, hopper)
     if _nothing(q, k):
@@ -113,7 +119,7 @@ def backward(
         return Choice("plain")
     if request.only("window_left", "window_right"):
         # a window and nothing else: the fused flex backward over its band, where it applies
-        block = W.bwd_block(q, k, v, do)
+        block = window_bwd_block(q, k, v, do)
         if block is not None:
             return Choice("tables", True, block)
     return Choice("triton")
@@ -122,3 +128,21 @@ def backward(
 def _nothing(q: torch.Tensor, k: torch.Tensor) -> bool:
     """No query row, or no key (rows then see only their sinks)."""
     return q.shape[0] * q.shape[1] * q.shape[2] == 0 or k.shape[2] == 0
+
+
+def window_fwd_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> KH.HopperConfig | None:
+    """The Gluon forward's config where a window forward of these ``(B, H, N, D)`` views runs
+    the flex Hopper kernel, else None: the dense forward's rule (enough work for TMA to pay,
+    tensors TMA can read, :func:`~flashlite.ops.attention.backends.common.hopper_config`)."""
+    if small_problem(q, k) or not descriptor_ok(q, k, v):
+        return None
+    return hopper_config(q, k.shape[2])
+
+
+def window_bwd_block(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor
+) -> tuple[int, int] | None:
+    """The tables' tile where a window backward of these views runs the fused flex backward
+    (:func:`~flashlite.ops.attention.backends.common.hopper_bwd_applies`; its gradients are
+    allocated like ``q``, ``k`` and ``v``), else None."""
+    return (2 * KHB.BLOCK_M, KHB.BLOCK_N) if hopper_bwd_applies(q, k, v, do, k, v) else None

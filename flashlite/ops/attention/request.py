@@ -18,8 +18,6 @@ from flashlite._caches import memo
 from flashlite.masking import masks
 from flashlite.masking.mod_args import ModArgs, spec_mod
 from flashlite.masking.mods import MaskMod, ScoreMod
-from flashlite.ops.attention import checks
-from flashlite.ops.attention.plan import tensor_meta
 
 
 class Request(NamedTuple):
@@ -125,20 +123,16 @@ class Request(NamedTuple):
         scale: float,
         window: tuple[int, int] | None,
         softcap: float | None,
-        seqlens_k: object,
+        seqlens_k: torch.Tensor | None,
         num_splits: int,
-        sinks: object,
-        q: torch.Tensor,
-        k: torch.Tensor,
+        sinks: torch.Tensor | None,
     ) -> Request:
-        """The Request of :func:`flashlite.attention`'s public options, each checked (``q``,
-        ``k``: the checked ``(B, H, N, D)`` views they are checked against)."""
+        """The Request of :func:`flashlite.attention`'s public options (``seqlens_k`` and
+        ``sinks`` already checked; the window and soft cap checked here)."""
         usual = window is None and softcap is None and seqlens_k is None and sinks is None
         if usual and not num_splits:  # nothing to check or normalise
             return cls(scale, causal)
         mask = masks.describe(causal, window, softcap)  # (checked, unlimited sides None)
-        lengths = checks.check_seqlens(seqlens_k, q, k)
-        sink = checks.check_sinks(sinks, q, q.shape[1])
         causal, left, right = _normal(mask.causal, mask.left, mask.right)
         return cls(
             scale,
@@ -146,13 +140,13 @@ class Request(NamedTuple):
             left,
             right,
             mask.softcap,
-            lengths,
+            seqlens_k,
             None,
             None,
             None,
             None,
             num_splits or None,
-            sink,
+            sinks,
         )
 
     @property
@@ -263,10 +257,17 @@ def _normal(
 
 
 def _kind(f: object) -> object:
-    """A field as a plan key holds it: a tensor's :func:`~flashlite.ops.attention.plan.tensor_meta`
+    """A field as a plan key holds it: a tensor's :func:`tensor_meta`
     (its kind and alignment, never its contents), a list's items so, else the value."""
     if isinstance(f, torch.Tensor):
         return tensor_meta(f)
     if isinstance(f, list):
         return tuple(_kind(x) for x in f)
     return f
+
+
+def tensor_meta(t: torch.Tensor | None) -> tuple | None:
+    """What a launch plan depends on in a tensor: shape, strides, dtype, device, alignment."""
+    if t is None:
+        return None
+    return (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16)

@@ -17,25 +17,27 @@ one prompt attend to it through two attentions and one merge (FlashInfer's casca
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from flashlite import _backend, _launch, stats
+from flashlite import _backend, stats
 from flashlite._caches import Cache
-from flashlite.kernels import configs as C
-from flashlite.kernels.attention import shared_prefix as KSP
 from flashlite.masking import masks
 from flashlite.ops._dispatch import forward_only, plain_eager
-from flashlite.ops.attention.api import attention, attention_kvcache
+from flashlite.ops.attention.backends.split_kv.decode import attention_decode_fwd
+from flashlite.ops.attention.backends.split_kv.merge import (
+    Pair,
+    bound_merge,
+    merge_kernel,
+    merge_torch,
+)
+from flashlite.ops.attention.backends.split_kv.splits import prefix_splits
 from flashlite.ops.attention.checks import DTYPES, check_scale, check_sinks, check_splits
-from flashlite.ops.attention.decode import attention_decode_fwd
-from flashlite.ops.attention.kvcache import kvcache_key
-from flashlite.ops.attention.plan import prefix_splits
-from flashlite.ops.common import check_flags, moved_call_device, on_compute_device
-
-Pair = tuple[torch.Tensor, torch.Tensor]
+from flashlite.ops.attention.kvcache import attention_kvcache, kvcache_key
+from flashlite.ops.attention.ops import ATTENTION_FWD
+from flashlite.ops.attention.request import Request
+from flashlite.ops.common import check_flags, moved_call_device
 
 
 @forward_only
@@ -242,15 +244,11 @@ class _Step:
         qg = q.permute(2, 0, 1, 3).reshape(1, hkv, bsz * nq * hq // hkv, d)
         k, v = (t[lo:hi].unsqueeze(0).transpose(1, 2) for t in (prefix_k, prefix_v))
         if torch.compiler.is_compiling():  # (the op, which the tracer sees through)
-            o, lse = attention(
-                qg,
-                k,
-                v,
-                scale=self.scale,
-                softcap=self.mask.softcap,
-                num_splits=self.splits,
-                return_lse=True,
+            splits = 0 if self.splits == 1 else self.splits  # (1: the forward kernel)
+            request = Request.of_call(
+                False, self.scale, None, self.mask.softcap, None, splits, None
             )
+            o, lse = ATTENTION_FWD(qg, k, v, request)
         else:  # (the launcher itself: the inputs passed every check the op would make)
             o, lse, _ = attention_decode_fwd(
                 qg, k, v, None, self.prefix_mask, self.scale, num_splits=self.splits
@@ -260,7 +258,7 @@ class _Step:
     def merge(self, a: Pair, b: Pair, out: torch.Tensor) -> Pair:
         """:func:`merge_kernel`, its launch bound once for this kind of step."""
         if self._merge is None:
-            self._merge = _bound_merge(a, b, out)
+            self._merge = bound_merge(a, b, out)
         return self._merge(a, b, out)
 
 
@@ -356,49 +354,3 @@ def _edge_pass(
     lse = torch.logsumexp(s, -1)
     o = torch.einsum("bkgne,ekd->bkgnd", stats.torch_probs_from_lse(s, lse), v)
     return o.reshape(bsz, hq, nq, d), lse.reshape(bsz, hq, nq)
-
-
-def merge_torch(parts: list[Pair]) -> Pair:
-    """:func:`merge_kernel`'s torch twin: partials ``(B, Hq, Nq, D)`` / ``(B, Hq, Nq)`` over
-    disjoint keys folded by :func:`flashlite.stats.merge_attention`; the output in the last
-    partial's dtype."""
-    o, lse = parts[-1]
-    for o_a, lse_a in parts[:-1]:
-        o, lse = stats.merge_attention(o, lse, o_a, lse_a)
-    return o, lse
-
-
-@on_compute_device
-def merge_kernel(a: Pair, b: Pair, out: torch.Tensor) -> Pair:
-    """Merge partials ``a`` and ``b`` (outputs ``(B, Hq, Nq, D)``, LSEs ``(B, Hq, Nq)``, any
-    strides) into ``out`` ``(B, Nq, Hq, D)`` in one launch: ``(out, lse)``, the LSE fp32
-    ``(B, Hq, Nq)``."""
-    return _bound_merge(a, b, out)(a, b, out)
-
-
-def _bound_merge(a: Pair, b: Pair, out: torch.Tensor) -> Callable[[Pair, Pair, torch.Tensor], Pair]:
-    """:func:`merge_kernel` for partials and outputs strided as these are, its launch bound
-    once (the caller keeps it for tensors of this kind)."""
-    bsz, nq, hq, d = out.shape
-    o_strides = (out.stride(0), out.stride(2), out.stride(1), out.stride(3))
-    rest = (*a[0].stride(), *a[1].stride(), *b[0].stride(), *b[1].stride(), *o_strides, hq, nq)
-    options = {
-        "HEAD_DIM": d,
-        "BLOCK_D": C.block_d(d),
-        "ROUND_BF16": _backend.round_bf16(out.dtype),
-        "num_warps": 4,
-        "num_stages": 1,
-    }
-    grid = (bsz * hq, nq, 1)  # (B·Hq first: the grid's first axis has no 65535 limit)
-    lse = torch.empty(bsz, hq, nq, dtype=torch.float32, device=out.device)
-    bound = _launch.launcher(KSP._shared_prefix_merge_kernel).bind(
-        (a[0], a[1], b[0], b[1], out, lse, *rest), options
-    )
-
-    def run(a: Pair, b: Pair, out: torch.Tensor) -> Pair:
-        lse = torch.empty(bsz, hq, nq, dtype=torch.float32, device=out.device)
-        if lse.numel():
-            bound(grid, a[0], a[1], b[0], b[1], out, lse, *rest)
-        return out, lse
-
-    return run

@@ -5,7 +5,7 @@ from __future__ import annotations
 import triton
 
 from flashlite.masking import masks
-from flashlite.ops.attention.decode import key_chunks
+from flashlite.ops.attention.backends.split_kv.decode import key_chunks
 from flashlite.traffic.shapes import (
     AttentionShape,
     Traffic,

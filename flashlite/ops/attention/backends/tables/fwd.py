@@ -1,0 +1,228 @@
+"""The forward over block tables: flex's kernels (the Hopper one where it applies, else Triton's),
+planned once per kind of call (:class:`FwdPlan`); the body of ``flashlite::flex_attention_fwd``
+(:func:`flex_fwd_body`) and the built-in window as its band's tables (:func:`window_fwd`)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from flashlite._caches import register
+from flashlite.kernels.attention import flex as KF
+from flashlite.kernels.attention import hopper as KH
+from flashlite.masking import masks
+from flashlite.masking.band import band_tables
+from flashlite.masking.mod_args import ModArgs, Slots
+from flashlite.ops.attention.backends.common import descriptor_ok, hopper_config
+from flashlite.ops.attention.backends.common_gluon import first_build
+from flashlite.ops.attention.backends.tables import args as FA
+from flashlite.ops.attention.backends.tables.args import (
+    Offsets,
+    bind_triton,
+    grid_batch,
+    grid_blocks,
+    head_linear_bias,
+    mod_args,
+    plan_options,
+    table_args,
+    table_request,
+)
+from flashlite.ops.attention.backends.tables.gluon import plan_flex_fwd
+from flashlite.ops.attention.request import Request
+
+
+def flex_fwd_body(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request
+) -> tuple[torch.Tensor, torch.Tensor]:
+    tables, (tbm, tbn) = FA.taken(request)
+    tables = tuple(tables[:4])
+    mask, score = FA.mods_of(request)
+    cu_q = request.cu_seqlens_q
+    if q.numel() == 0 or (cu_q is not None and k.shape[2] == 0):
+        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+        return torch.zeros_like(q), lse.fill_(-math.inf)
+    cu = FA.offsets(cu_q, request.cu_seqlens_k)
+    key = FA.call_key(q, k, v, tables, mask, score, tbm, tbn, request.scale, cu or ())
+    key.append(None if cu is None else cu[0].shape)
+    key = tuple(key)
+    plan = FA.fwd_plans.get(key)
+    if plan is None:
+        plan = FA.fwd_plans.put(
+            key,
+            FwdPlan(q, k, tables, mask, score, tbm, tbn, request.scale, varlen=cu is not None),
+        )
+    return plan(q, k, v, tables, [*mask[1], *score[1]], cu)
+
+
+def window_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    km: masks.KernelMask,
+    scale: float,
+    block: tuple[int, int],
+) -> tuple[torch.Tensor, ...]:
+    """``(o, lse)`` of a window forward on ``(B, H, N, D)`` views: flex's forward over the band's
+    tables of ``block`` tiles."""
+    band = band_tables(km, q.shape[2], k.shape[2], block, q.device)
+    return flex_fwd_body(q, k, v, table_request(band, scale))
+
+
+# --------------------------------------------------------------------------- forward
+#: Variants whose first Hopper launch failed to build (the Triton kernel runs them).
+hopper_failed: set[tuple[Any, ...]] = register("flex.hopper_failed", set())
+
+
+class FwdPlan:
+    """A flex forward for one kind of call: ``(o, lse)`` from q, k, v, the ``kv_*`` tables and
+    the mods' tensors. Its first call chooses the kernel and binds its launch."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        tables: tuple[torch.Tensor, ...],
+        mask: ModArgs,
+        score: ModArgs,
+        tbm: int,
+        tbn: int,
+        scale: float,
+        varlen: bool = False,
+    ) -> None:
+        b, hq, nq, _ = q.shape
+        self.lse_shape = (b, hq, nq)
+        self.tbm, self.tbn, self.scale, self.varlen = tbm, tbn, scale, varlen
+        bufs, self.mods = mod_args(mask, score, grad=False)
+        # the Hopper forward also takes whether the score function declares the head-linear
+        # bias (ALiBi), which it applies as a column and a row term; Triton calls it as it is
+        self.hopper_mods = {**self.mods, "ALIBI": head_linear_bias(score)}
+        self.slots = Slots(bufs)
+        self.strides = table_args(tables[0], tables[1])
+        #: ``run(q, k, v, o, lse, tables, bufs)``, bound by the first call
+        self.run: Callable[..., None] | None = None
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        tables: tuple[torch.Tensor, ...],
+        tensors: list[torch.Tensor],
+        cu: Offsets = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        o = torch.empty_like(q)
+        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        bufs = self.slots(tensors)
+        cu = cu or (tables[0], tables[0])  # (placeholders, never read)
+        if self.run is None:
+            self.run = self._first(q, k, v, o, lse, tables, bufs, cu)
+        else:
+            self.run(q, k, v, o, lse, tables, bufs, cu)
+        return o, lse
+
+    def _first(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        o: torch.Tensor,
+        lse: torch.Tensor,
+        tables: tuple[torch.Tensor, ...],
+        bufs: list[Any],
+        cu: tuple[torch.Tensor, torch.Tensor],
+    ) -> Callable[..., None]:
+        """Launch this call; the launch later calls repeat. The Gluon (Hopper) kernel where it
+        applies: a compiled sm_90 device, 16-bit inputs TMA can read, a head dim with a
+        measured config whose tiles are the tables' blocks, not varlen; else (or after one
+        warning if it failed to build) the Triton kernel."""
+        config = None if self.varlen else hopper_config(q, k.shape[2])
+        if (
+            config is not None
+            and (self.tbm, self.tbn) == (config.block_m, config.block_n)
+            and descriptor_ok(q, k, v, o)
+        ):
+            run = self._first_hopper(q, k, v, o, lse, tables, bufs, config)
+            if run is not None:
+                return run
+        return self._first_triton(q, k, v, o, lse, tables, bufs, cu)
+
+    def _first_hopper(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        o: torch.Tensor,
+        lse: torch.Tensor,
+        tables: tuple[torch.Tensor, ...],
+        bufs: list[Any],
+        config: KH.HopperConfig,
+    ) -> Callable[..., None] | None:
+        """The Gluon kernel, built and launched (None, after one warning, where it fails to
+        build here)."""
+        key = (q.dtype, q.shape[-1], *self.hopper_mods.values())
+        scale, mods = self.scale, self.hopper_mods
+
+        def build() -> Callable[..., None]:
+            return plan_flex_fwd(q, k, v, o, lse, tables, self.strides, scale, config, bufs, mods)
+
+        run = first_build(hopper_failed, key, "flex", build, stacklevel=7)
+        if run is None:
+            return None
+
+        def hopper(
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            o: torch.Tensor,
+            lse: torch.Tensor,
+            tables: tuple[torch.Tensor, ...],
+            bufs: list[Any],
+            cu: tuple[torch.Tensor, torch.Tensor],
+        ) -> None:
+            run(q, k, v, o, lse, tables, bufs)
+
+        return hopper
+
+    def _first_triton(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        o: torch.Tensor,
+        lse: torch.Tensor,
+        tables: tuple[torch.Tensor, ...],
+        bufs: list[Any],
+        cu: tuple[torch.Tensor, torch.Tensor],
+    ) -> Callable[..., None]:
+        """The Triton kernel, launched, and its bound launch."""
+        hq, nq = q.shape[1], q.shape[2]
+        hkv, nk = k.shape[1], k.shape[2]
+        opts = plan_options(q, self.tbm, self.tbn, bwd=False, varlen=self.varlen)
+        grid = (
+            grid_blocks(nq, tables[0], self.tbm, opts["BLOCK_M"], self.varlen),
+            grid_batch(q, cu, self.varlen) * hq,
+            1,
+        )
+        mid = (*q.stride(), *k.stride(), *v.stride(), *o.stride())
+        tail = (*self.strides, hq, hq // hkv, nq, nk, self.scale)
+        args = (q, k, v, o, lse, *mid, *tables, *tail, *cu, *bufs)
+        bound = bind_triton(
+            KF._flex_fwd_kernel, grid, args, self.mods, {**opts, "VARLEN": self.varlen}
+        )
+
+        def run(
+            q: torch.Tensor,
+            k: torch.Tensor,
+            v: torch.Tensor,
+            o: torch.Tensor,
+            lse: torch.Tensor,
+            tables: tuple[torch.Tensor, ...],
+            bufs: list[Any],
+            cu: tuple[torch.Tensor, torch.Tensor],
+        ) -> None:
+            bound(grid, q, k, v, o, lse, *mid, *tables, *tail, *cu, *bufs)
+
+        return run

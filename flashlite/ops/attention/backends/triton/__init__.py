@@ -1,0 +1,2 @@
+"""The Triton kernels' backend: the forward (:mod:`.fwd`), the backward pair (:mod:`.bwd`) and
+their tiles (:mod:`.config`)."""

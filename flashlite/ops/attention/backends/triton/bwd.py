@@ -1,0 +1,299 @@
+"""The Triton backward pair (dK/dV, then dQ), each as a one-off launch (``bwd_*``, masked
+backwards) and as a plan bound once (``plan_*``); the preprocess before them is
+:mod:`~flashlite.ops.attention.backends.common`'s."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from flashlite import _backend, _launch
+from flashlite.kernels import configs as C
+from flashlite.kernels.attention import bwd as KB
+from flashlite.masking import masks
+from flashlite.ops.attention.backends.common import Varlen, descriptor_ok, dot_flags, prescales_q
+
+
+def _bwd_args(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    mask: masks.Mask,
+    seqlens_k: torch.Tensor | None,
+    varlen: Varlen | None,
+    lse: torch.Tensor,
+) -> tuple[tuple[object, ...], dict[str, object]]:
+    """The backward kernels' mask arguments ``(win_left, win_right, softcap, SEQLENS_K, CU_Q,
+    CU_K)`` (the last three: tensors, ``lse`` where there is none) and flags."""
+    km = mask.kernel(q.shape[2], k.shape[2])
+    lengths = seqlens_k if seqlens_k is not None else lse  # (a placeholder pointer)
+    cu = varlen[:2] if varlen is not None else (lse, lse)
+    return (km.left, km.right, km.softcap, lengths, *cu), {
+        "HAS_SEQLENS": seqlens_k is not None,
+        "VARLEN": varlen is not None,
+        "HEAD_DIM": q.shape[-1],
+        "BLOCK_D": C.block_d(q.shape[-1]),
+        **km.constexprs(),
+        "PRESCALE_Q": prescales_q(q),
+        **dot_flags(q.dtype),
+    }
+
+
+def _dkdv_launch(
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    mask: masks.Mask,
+    scale: float,
+    cfg: C.BwdConfig,
+    seqlens_k: torch.Tensor | None,
+    varlen: Varlen | None,
+) -> tuple[tuple[int, int, int], tuple, dict]:
+    """The dK/dV kernel's grid, arguments (descriptors of ``qs``, ``do`` where TMA reads them)
+    and options."""
+    b, hq, nq, d = qs.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    srcs, use_desc = _tile_sources(cfg.use_desc and varlen is None, (qs, do), cfg.kv_block_m, d)
+    extra, flags = _bwd_args(qs, k, mask, seqlens_k, varlen, lse)
+    rows, seqs = (varlen[3], varlen[0].shape[0] - 1) if varlen is not None else (nk, b)
+    args = (
+        srcs[0],
+        k,
+        v,
+        srcs[1],
+        lse,
+        delta,
+        dk,
+        dv,
+        *qs.stride(),
+        *k.stride(),
+        *v.stride(),
+        *do.stride(),
+        *dk.stride(),
+        *dv.stride(),
+        hq,
+        hkv,
+        hq // hkv,
+        nq,
+        nk,
+        scale,
+        *extra,
+    )
+    grid = (C.cdiv(rows, cfg.kv_block_n), seqs * hkv, 1)
+    return grid, args, {"USE_DESC": use_desc, **flags, **cfg.dkdv()}
+
+
+def bwd_dkdv(
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    mask: masks.Mask,
+    scale: float,
+    cfg: C.BwdConfig,
+    *,
+    seqlens_k: torch.Tensor | None = None,
+    varlen: Varlen | None = None,
+) -> None:
+    """The dK/dV kernel into ``dk``, ``dv``; ``qs`` as :func:`bwd_preprocess` left it (``lse``,
+    ``delta`` dense ``(B, Hq, Nq)``)."""
+    grid, args, options = _dkdv_launch(
+        qs, k, v, do, lse, delta, dk, dv, mask, scale, cfg, seqlens_k, varlen
+    )
+    _launch.launcher(KB._attention_bwd_dkdv_kernel).bind(args, options)(grid, *args)
+
+
+def plan_dkdv(
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    causal: bool,
+    scale: float,
+    cfg: C.BwdConfig,
+) -> Callable[..., None]:
+    """``run(qs, k, v, do, lse, delta, dk, dv)``: :func:`bwd_dkdv` of a plain backward for
+    tensors of these kinds, its launch bound once."""
+    grid, args, options = _dkdv_launch(
+        qs, k, v, do, lse, delta, dk, dv, masks.describe(causal), scale, cfg, None, None
+    )
+    bound = _launch.launcher(KB._attention_bwd_dkdv_kernel).bind_tensors(args, options)
+    tail = args[8:-3]  # strides, sizes, scale, mask values (then three placeholder pointers)
+
+    def run(
+        qs: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        do: torch.Tensor,
+        lse: torch.Tensor,
+        delta: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+    ) -> None:
+        bound(grid, qs, k, v, do, lse, delta, dk, dv, *tail, lse, lse, lse)
+
+    return run
+
+
+def _tile_sources(
+    want: bool, tensors: tuple[torch.Tensor, ...], rows: int, head_dim: int
+) -> tuple[tuple[torch.Tensor | TensorDescriptor, ...], bool]:
+    """``(sources, use_desc)``: 4-D TMA descriptors over the ``(B, H, N, D)`` tensors with
+    ``[1, 1, rows, BLOCK_D]`` blocks when ``want`` and the tensors allow it (always in the
+    interpreter), else the tensors themselves."""
+    if not want or not (_backend.kernels_interpreted() or descriptor_ok(*tensors)):
+        return tensors, False
+    block = [1, 1, rows, C.block_d(head_dim)]
+    descs = tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in tensors)
+    return descs, True
+
+
+def _dq_launch(
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    mask: masks.Mask,
+    scale: float,
+    cfg: C.BwdConfig,
+    seqlens_k: torch.Tensor | None,
+    varlen: Varlen | None,
+) -> tuple[tuple[int, int, int], tuple, dict]:
+    """The dQ kernel's grid, arguments (descriptors of ``k``, ``v`` where TMA reads them) and
+    options."""
+    b, hq, nq, d = qs.shape
+    hkv, nk = k.shape[1], k.shape[2]
+    srcs, use_desc = _tile_sources(cfg.use_desc and varlen is None, (k, v), cfg.q_block_n, d)
+    extra, flags = _bwd_args(qs, k, mask, seqlens_k, varlen, lse)
+    rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
+    args = (
+        qs,
+        *srcs,
+        do,
+        lse,
+        delta,
+        dq,
+        *qs.stride(),
+        *k.stride(),
+        *v.stride(),
+        *do.stride(),
+        *dq.stride(),
+        hq,
+        hq // hkv,
+        nq,
+        nk,
+        scale,
+        *extra,
+    )
+    grid = (C.cdiv(rows, cfg.q_block_m), seqs * hq, 1)
+    return grid, args, {"USE_DESC": use_desc, **flags, **cfg.dq()}
+
+
+def bwd_dq(
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    mask: masks.Mask,
+    scale: float,
+    cfg: C.BwdConfig,
+    *,
+    seqlens_k: torch.Tensor | None = None,
+    varlen: Varlen | None = None,
+) -> None:
+    """The dQ kernel into ``dq``; ``qs`` as :func:`bwd_preprocess` left it, possibly ``dq``
+    itself (``lse``, ``delta`` dense ``(B, Hq, Nq)``)."""
+    grid, args, options = _dq_launch(
+        qs, k, v, do, lse, delta, dq, mask, scale, cfg, seqlens_k, varlen
+    )
+    _launch.launcher(KB._attention_bwd_dq_kernel).bind(args, options)(grid, *args)
+
+
+def plan_dq(
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    causal: bool,
+    scale: float,
+    cfg: C.BwdConfig,
+) -> Callable[..., None]:
+    """``run(qs, k, v, do, lse, delta, dq)``: :func:`bwd_dq` of a plain backward for tensors of
+    these kinds, its launch bound once."""
+    grid, args, options = _dq_launch(
+        qs, k, v, do, lse, delta, dq, masks.describe(causal), scale, cfg, None, None
+    )
+    bound = _launch.launcher(KB._attention_bwd_dq_kernel).bind_tensors(args, options)
+    tail = args[7:-3]  # strides, sizes, scale, mask values (then three placeholder pointers)
+
+    def run(
+        qs: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        do: torch.Tensor,
+        lse: torch.Tensor,
+        delta: torch.Tensor,
+        dq: torch.Tensor,
+    ) -> None:
+        bound(grid, qs, k, v, do, lse, delta, dq, *tail, lse, lse, lse)
+
+    return run
+
+
+def plan_pair(
+    qs: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    lse: torch.Tensor,
+    delta: torch.Tensor,
+    dq: torch.Tensor,
+    dk: torch.Tensor,
+    dv: torch.Tensor,
+    causal: bool,
+    scale: float,
+    cfg: C.BwdConfig,
+) -> Callable[..., None]:
+    """``main(qs, k, v, do, lse, delta, dq, dk, dv)`` of the Triton pair (:func:`plan_dkdv`,
+    then :func:`plan_dq`) for tensors of these kinds."""
+    dkdv = plan_dkdv(qs, k, v, do, lse, delta, dk, dv, causal, scale, cfg)
+    dq_run = plan_dq(qs, k, v, do, lse, delta, dq, causal, scale, cfg)
+
+    def main(
+        qs: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        do: torch.Tensor,
+        lse: torch.Tensor,
+        delta: torch.Tensor,
+        dq: torch.Tensor,
+        dk: torch.Tensor,
+        dv: torch.Tensor,
+    ) -> None:
+        dkdv(qs, k, v, do, lse, delta, dk, dv)
+        dq_run(qs, k, v, do, lse, delta, dq)
+
+    return main
