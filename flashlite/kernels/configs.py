@@ -1,7 +1,8 @@
 """Tile configs of the attention kernels: one ``Config`` type, one measured table per GPU family,
 the autotuner's list for shapes without an entry, and the filter that drops configs a shape
-cannot fit. Host-side only (no ``@triton.jit`` here); the front-end (``ops/attention/plan.py``)
-picks.
+cannot fit. Host-side only (no ``@triton.jit`` here); the front-end picks (the Triton kernels'
+tiles in ``ops/attention/backends/triton/config.py``, the decode kernel's in
+``ops/attention/backends/split_kv/splits.py``).
 """
 
 from __future__ import annotations

@@ -1,9 +1,10 @@
 """The sliding window as a band of the score matrix, in block tables: query i sees key j iff
 ``lo <= j − i <= hi``. Its tables list, per query block, the few key tiles the band crosses (full
 inside it, partial on its edges), with a mask function for the partial ones, so that flex's
-kernels walk the band as the Triton window kernel does, tile by tile
-(:mod:`flashlite.ops.attention.window` runs them). Because both are the flex kernels over the
-same tables, a window written as a mask function
+kernels walk the band as the Triton window kernel does, tile by tile (the tables backend runs
+them: :func:`~flashlite.ops.attention.backends.tables.fwd.window_fwd` and
+:func:`~flashlite.ops.attention.backends.tables.bwd.window_bwd`). Because both are the flex
+kernels over the same tables, a window written as a mask function
 (:func:`flashlite.masking.gallery.sliding_window`) gives the built-in's bits. The tables are
 built once per shape and band (:func:`band_tables`, on the device, in closed form:
 :func:`band_classes`).
