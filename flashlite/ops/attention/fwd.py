@@ -1,5 +1,5 @@
 """The forward :func:`attention_fwd`: the planner's choice carried out (the split-KV decode kernel,
-the tables backend's window, the dense Gluon kernel or the Triton kernel), a plain call's plan kept
+the tables backend's window, the dense Gluon kernel or the Triton kernel), a call's plan kept
 per kind of q, k, v; and the body of the custom op ``flashlite::attention_fwd``."""
 
 from __future__ import annotations
@@ -52,10 +52,10 @@ def attention_fwd(
         kernels run on the GPU: moved there once, results moved back.
     """
     pinned = config is not None or use_desc is not None or prescale_q is not None
-    planned = request.plain and not pinned
+    scalars = None if pinned else request.scalar_key
     key = None
-    if planned:  # the plain call: planned once per kind of q, k, v (:data:`_fwd_plans`)
-        key = _fwd_key(q, k, v, request)
+    if scalars is not None:  # mask scalars only: planned once per kind of call (:data:`_fwd_plans`)
+        key = _fwd_key(q, k, v, scalars)
         plan = _fwd_plans.get(key)
         if plan is not None:
             return plan(q, k, v)
@@ -114,15 +114,15 @@ def _empty(
 FWD_FIELDS = Request._fields[:12]
 
 
-#: The plain forward's plans per kind of q, k, v (shapes, strides, dtype, device, alignment,
-#: causal, scale): what :func:`attention_fwd` decided and bound the first time.
+#: The forward's plans per kind of q, k, v (shapes, strides, dtype, device, alignment,
+#: the request's mask scalars): what :func:`attention_fwd` decided and bound the first time.
 _fwd_plans = Cache("attention.fwd", 1024)
 
 
-def _fwd_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request) -> tuple:
-    """What a plain forward's plan depends on (:data:`_fwd_plans`): shapes, strides, dtype,
+def _fwd_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalars: tuple) -> tuple:
+    """What a planned forward's plan depends on (:data:`_fwd_plans`): shapes, strides, dtype,
     device, each tensor's 16-byte alignment (one flag when all are aligned, the usual case), and
-    the request's key."""
+    the request's scalars (:attr:`Request.scalar_key`)."""
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
     aligned = not (ptrs[0] | ptrs[1] | ptrs[2]) & 15
     return (
@@ -134,12 +134,13 @@ def _fwd_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request
         q.dtype,
         q.device,
         True if aligned else tuple(p % 16 for p in ptrs),
-        request.key,
+        scalars,
     )
 
 
 class _Planned:
-    """A planned plain forward: allocates ``O`` (in q's layout) and the LSE, launches ``run``."""
+    """A planned forward (mask scalars only): allocates ``O`` (in q's layout) and the LSE,
+    launches ``run``."""
 
     def __init__(
         self, run: Callable[..., None], lse_shape: tuple[int, ...], info: LaunchInfo
@@ -160,8 +161,9 @@ def attention_fwd_body(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # a call of a kind planned before goes straight to its plan (plans exist only for tensors
     # where kernels run, so nothing needs moving)
-    if request.plain:
-        plan = _fwd_plans.get(_fwd_key(q, k, v, request))
+    scalars = request.scalar_key
+    if scalars is not None:
+        plan = _fwd_plans.get(_fwd_key(q, k, v, scalars))
         if plan is not None:
             o, lse, _ = plan(q, k, v)
             return o, lse

@@ -130,8 +130,8 @@ class Request(NamedTuple):
         """The Request of :func:`flashlite.attention`'s public options (``seqlens_k`` and
         ``sinks`` already checked; the window and soft cap checked here)."""
         usual = window is None and softcap is None and seqlens_k is None and sinks is None
-        if usual and not num_splits:  # nothing to check or normalise
-            return cls(scale, causal)
+        if usual and not num_splits:  # nothing to check or normalise (tuple's own new: no
+            return _new(cls, (scale, causal) + _PLAIN_TAIL)  # Python-level defaults)
         mask = masks.describe(causal, window, softcap)  # (checked, unlimited sides None)
         causal, left, right = _normal(mask.causal, mask.left, mask.right)
         return cls(
@@ -156,11 +156,18 @@ class Request(NamedTuple):
         return self[2:] == _PLAIN_TAIL
 
     @property
+    def scalar_key(self) -> tuple | None:
+        """The key of a request with no field beyond causal, the scale, the window and the soft
+        cap (its five scalars), else None. Every argument of such a forward's launch is known
+        from its plan key, so its launch is bound once per kind of call."""
+        return self[:5] if self[5:] == _SCALAR_TAIL else None
+
+    @property
     def key(self) -> tuple:
         """What a plan depends on in this request: its values, each tensor field as its kind
         (dtype, shape, strides, device), never its contents. Every field is in it."""
-        if self[2:] == _PLAIN_TAIL:
-            return self
+        if self[5:] == _SCALAR_TAIL:  # (no tensor field: its five scalars, a short hash)
+            return self[:5]
         return tuple(_kind(f) for f in self)
 
     @property
@@ -219,6 +226,8 @@ class Request(NamedTuple):
 #: The tail of a plain request: every optional field unset.
 _PLAIN_TAIL = (None,) * (len(Request._fields) - 2)
 _NONES = (None,) * len(Request._fields)
+_SCALAR_TAIL = (None,) * (len(Request._fields) - 5)
+_new = tuple.__new__
 
 
 @memo("attention.request_runs")

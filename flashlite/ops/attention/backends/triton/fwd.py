@@ -1,5 +1,5 @@
 """The Triton forward kernel's launch: its config (pinned, the measured table or the autotuner), its
-arguments (descriptors or pointers), bound once for a plain call."""
+arguments (descriptors or pointers), bound once for a call of mask scalars only."""
 
 from __future__ import annotations
 
@@ -34,8 +34,8 @@ def run_triton(
     bind: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, LaunchInfo, Callable[..., None] | None]:
     """The Triton forward kernel, launched: its config (pinned, the measured table or the
-    autotuner); with ``bind`` (a plain call) also its bound ``run(q, k, v, o, lse)`` for later
-    calls of this kind (else None)."""
+    autotuner); with ``bind`` (a call of mask scalars only) also its bound
+    ``run(q, k, v, o, lse)`` for later calls of this kind (else None)."""
     b, hq, nq, d = q.shape
     nk = k.shape[2]
     km = request.mask.kernel(nq, nk)
