@@ -219,25 +219,10 @@ def linear_cross_entropy(
                 chunk_size=chunk_size,
                 vocab_chunk_size=vocab_chunk_size,
             )
-    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1] or hidden.dim() not in (2, 3):
-        raise ValueError(
-            f"hidden (N, H) or (B, T, H) and weight (V, H) must agree on H, got "
-            f"{tuple(hidden.shape)} and {tuple(weight.shape)}"
-        )
-    if hidden.dtype != weight.dtype:
-        raise TypeError(
-            f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}"
-        )
-    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]):
-        raise ValueError(f"bias must be a ({weight.shape[0]},) tensor")
-    if not (isinstance(validate, bool) or validate == "sync"):
-        raise ValueError(f"validate must be True, False or 'sync', got {validate!r}")
+    _check_linear(hidden, weight, bias, validate, chunk_size, vocab_chunk_size)
     v = weight.shape[0]
     fake = hidden.new_empty((1,) * hidden.dim()).expand(*hidden.shape[:-1], v)  # (no storage)
     _check(fake, target, class_weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
-    for name, size in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
-        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
-            raise ValueError(f"{name} must be None or an int >= 1, got {size!r}")
     dev = moved_call_device(hidden.device)
     if dev is not None:  # the whole call on the GPU, CPU tensors' rule kept: a bad one raises
         out = linear_cross_entropy(
@@ -291,6 +276,33 @@ def linear_cross_entropy(
     if reduction == "none":
         loss = loss.view(target.shape)
     return (loss, lse.view(target.shape)) if return_lse else loss
+
+
+def _check_linear(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    validate: bool | str,
+    chunk_size: int | None,
+    vocab_chunk_size: int | None,
+) -> None:
+    """:func:`linear_cross_entropy`'s own arguments (the loss's are :func:`_check`'s)."""
+    if weight.dim() != 2 or hidden.shape[-1] != weight.shape[1] or hidden.dim() not in (2, 3):
+        raise ValueError(
+            f"hidden (N, H) or (B, T, H) and weight (V, H) must agree on H, got "
+            f"{tuple(hidden.shape)} and {tuple(weight.shape)}"
+        )
+    if hidden.dtype != weight.dtype:
+        raise TypeError(
+            f"hidden and weight must share a dtype, got {hidden.dtype} and {weight.dtype}"
+        )
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.shape != weight.shape[:1]):
+        raise ValueError(f"bias must be a ({weight.shape[0]},) tensor")
+    if not (isinstance(validate, bool) or validate == "sync"):
+        raise ValueError(f"validate must be True, False or 'sync', got {validate!r}")
+    for name, size in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
+        if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
+            raise ValueError(f"{name} must be None or an int >= 1, got {size!r}")
 
 
 _Maybe = torch.Tensor | None
