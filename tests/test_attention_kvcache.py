@@ -151,6 +151,39 @@ def test_bad_kvcache_arguments_write_nothing() -> None:
     assert torch.equal(kc, k) and torch.equal(vc, v) and not kp.any()
 
 
+def test_shapes_that_are_not_b_n_h_d_say_the_layout() -> None:
+    """The cache call's layout is fixed at b n h d: a q (or caches) given as b h n d is told
+    so, with the shapes expected and given and the transposes that fix it."""
+    q, k, v, _, seqlens = _case(torch.float32, 1, 0, [10, 20, 30])  # q (3, 1, 4, 32), Hkv 2
+    qb, kb = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()  # as b h n d
+    head = r"layout is fixed at 'b n h d': q must be \(B, Nq, Hq, D\) and k_cache, v_cache "
+    cases = (  # (q, caches, what the message ends with)
+        (qb, k, r"\(B, Ncap, Hkv, D\).*got q \(3, 4, 1, 32\) and k_cache \(3, 96, 2, 32\) "
+         r"\(read as Hq=1, Hkv=2: Hq is not a multiple of Hkv\); q looks like 'b h n d': "
+         r"pass q.transpose\(1, 2\)$"),
+        (q, kb, r"; k_cache and v_cache look like 'b h n d': pass "
+         r"k_cache.transpose\(1, 2\), v_cache.transpose\(1, 2\)$"),
+        (qb, kb, r"; q, k_cache and v_cache look like 'b h n d'"),
+        (qb[:, :1], k, r"\(read as Hq=1, Hkv=2: Hq is not a multiple of Hkv\)$"),  # no hint
+        (q, k[..., :16], r"\(q's D=32, the caches' D=16\)$"),
+        (q, k[:2], r"\(q's B=3, the caches' B=2\)$"),
+    )  # fmt: skip
+    for qq, kk, tail in cases:
+        with pytest.raises(ValueError, match=head + ".*" + tail):
+            flashlite.attention_kvcache(qq, kk, kk.clone(), cache_seqlens=seqlens)
+    kp = torch.zeros(4, 16, HKV, D)  # paged: (num_pages, page_size, Hkv, D)
+    table = torch.zeros(B, 2, dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"k_cache, v_cache \(num_pages, page_size, Hkv, D\).*"
+                       r"q looks like 'b h n d'"):  # fmt: skip
+        flashlite.attention_kvcache(qb, kp, kp.clone(), cache_seqlens=seqlens, block_table=table)
+    # the fix the message names gives the b n h d call's result
+    want = flashlite.attention_kvcache(q, k, v, cache_seqlens=seqlens)
+    got = flashlite.attention_kvcache(qb.transpose(1, 2), kb.transpose(1, 2),
+                                      v.transpose(1, 2).contiguous().transpose(1, 2),
+                                      cache_seqlens=seqlens)  # fmt: skip
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
 def test_repeated_calls_reuse_the_plan_and_still_check_values() -> None:
     """A decode loop's second call of one kind runs the plan made by the first (its argument
     checks skipped: they read only what the plan's key pins), on the new tensors' data; value

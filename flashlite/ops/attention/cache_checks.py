@@ -53,11 +53,11 @@ def check_call(
             f"and {tuple(v_cache.shape)}"
         )
     hkv, dk = k_cache.shape[2], k_cache.shape[3]
-    if dk != d or hkv == 0 or hq % hkv:
-        raise ValueError(
-            f"the caches must be (.., .., Hkv, D={d}) with Hq={hq} a multiple of "
-            f"Hkv; got {tuple(k_cache.shape)}"
-        )
+    if dk != d:
+        raise _layout_error(q, k_cache, block_table is not None, f"q's D={d}, the caches' D={dk}")
+    if hkv == 0 or hq % hkv:
+        problem = f"read as Hq={hq}, Hkv={hkv}: Hq is not a multiple of Hkv"
+        raise _layout_error(q, k_cache, block_table is not None, problem)
     if d > MAX_HEAD_DIM:
         raise NotImplementedError(f"head dim {d} is not supported: flashlite supports 1 to 256")
     for name, t, dims in (("cache_seqlens", cache_seqlens, 1), ("block_table", block_table, 2)):
@@ -72,7 +72,8 @@ def check_call(
                 f"got {tuple(t.shape)} on {t.device}"
             )
     if block_table is None and k_cache.shape[0] != bsz:
-        raise ValueError(f"k_cache must be (B={bsz}, Ncap, Hkv, D), got {tuple(k_cache.shape)}")
+        problem = f"q's B={bsz}, the caches' B={k_cache.shape[0]}"
+        raise _layout_error(q, k_cache, False, problem)
     if block_table is not None:
         check_page_size(k_cache.shape[1])
     n_new = 0 if k_new is None else k_new.shape[1]
@@ -84,6 +85,39 @@ def check_call(
                 f"{tuple(k_new.shape)} and {tuple(v_new.shape)}"  # type: ignore[union-attr]
             )
         check_writable(k_cache, v_cache)
+
+
+def _layout_error(q: torch.Tensor, k_cache: torch.Tensor, paged: bool, problem: str) -> ValueError:
+    """The ValueError for q and caches that do not make one ``b n h d`` call: the layout, the
+    shapes expected and given, and the transposes that fix tensors given as ``b h n d``."""
+    cache = "(num_pages, page_size, Hkv, D)" if paged else "(B, Ncap, Hkv, D)"
+    msg = (
+        f"attention_kvcache's layout is fixed at 'b n h d': q must be (B, Nq, Hq, D) and "
+        f"k_cache, v_cache {cache}, with one D and Hq a multiple of Hkv; got q "
+        f"{tuple(q.shape)} and k_cache {tuple(k_cache.shape)} ({problem})"
+    )
+    fix = _transposes(q.shape, k_cache.shape, paged)
+    if fix:
+        verb = "looks" if len(fix) == 1 else "look"
+        calls = ", ".join(f"{n}.transpose(1, 2)" for n in fix)
+        names = fix[0] if len(fix) == 1 else f"{', '.join(fix[:-1])} and {fix[-1]}"
+        msg += f"; {names} {verb} like 'b h n d': pass {calls}"
+    return ValueError(msg)
+
+
+def _transposes(qs: torch.Size, ks: torch.Size, paged: bool) -> list[str]:
+    """The fewest of q and the caches that, read as ``b h n d``, make the heads agree (none
+    when the head dims differ or no reading does)."""
+    if ks[3] != qs[3] or (ks[2] > 0 and qs[2] % ks[2] == 0):  # (the heads agree as given)
+        return []
+    readings = [(["q"], qs[1], ks[2])]
+    if not paged:  # (a paged cache's second dimension is its page size, never its heads)
+        readings.append((["k_cache", "v_cache"], qs[2], ks[1]))
+        readings.append((["q", "k_cache", "v_cache"], qs[1], ks[1]))
+    for names, hq, hkv in readings:
+        if hkv > 0 and hq % hkv == 0:
+            return names
+    return []
 
 
 def cache_mods(

@@ -181,9 +181,18 @@ def attention_kvcache(
     mask_mod: Any = None,
     score_mod: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Decoding against a KV cache (layout ``b n h d``), optionally paged: the query heads of a
-    GQA group share one K/V read, the keys are split across programs (flash-decoding). Forward
-    only.
+    """Decoding against a KV cache, optionally paged: the query heads of a GQA group share one
+    K/V read, the keys are split across programs (flash-decoding).
+
+    The layout is fixed at ``b n h d`` (there is no ``layout`` keyword): q ``(B, Nq, Hq, D)``,
+    the caches ``(B, Ncap, Hkv, D)`` or paged ``(num_pages, page_size, Hkv, D)``; a ``b h n d``
+    tensor goes in as ``t.transpose(1, 2)`` (a view). ``cache_seqlens`` is int32 ``(B,)``.
+    Forward only: call it under ``torch.no_grad()`` (a backward that reaches its outputs
+    raises).
+
+    Keywords: ``cache_seqlens`` (required), ``k_new``, ``v_new``, ``block_table``, ``causal``,
+    ``scale``, ``window``, ``softcap``, ``num_splits``, ``return_lse``, ``validate``,
+    ``sinks``, ``mask_mod``, ``score_mod``.
 
     Args:
         q: ``(B, Nq, Hq, D)``, the new tokens' queries.
@@ -232,7 +241,8 @@ def attention_kvcache(
     Raises:
         TypeError: non-tensors, mixed or unsupported dtypes, index tensors that are not int32,
             flags that are not bools, ``validate`` not True, False or ``"sync"``.
-        ValueError: shapes, devices, ``k_new``
+        ValueError: shapes (the message shows the ``b n h d`` shapes expected and the
+            transposes that fix ``b h n d`` tensors), devices, ``k_new``
             with caches whose elements overlap (expanded, stride 0) or that are one tensor;
             with ``validate``, a negative ``cache_seqlens``, ``cache_seqlens + Nnew`` past the
             cache's capacity or a block-table entry outside ``[0, num_pages)`` among the pages
