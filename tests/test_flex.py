@@ -718,6 +718,14 @@ def _needs_table(score, b, h, q_idx, kv_idx, table):
 def test_bad_mods_raise_clear_errors() -> None:
     with pytest.raises(TypeError, match="mask_mod must be a @triton.jit function"):
         flashlite.create_block_mask(lambda b, h, q, k: q >= k, None, None, 8, 8, device="cpu")
+    # a gallery maker passed without calling it
+    with pytest.raises(TypeError, match=r"got function.*did you mean `gallery\.causal\(\)`\?"):
+        flashlite.create_block_mask(gallery.causal, None, None, 8, 8, device="cpu")
+    with pytest.raises(TypeError, match=r"did you mean `gallery\.sliding_window\(window\)`\?"):
+        flashlite.create_block_mask(gallery.sliding_window, None, None, 8, 8, device="cpu")
+    with pytest.raises(TypeError, match=r"score_mod .*did you mean `gallery\.tanh_softcap\(cap\)`"):
+        q = torch.randn(1, 1, 16, 16)
+        flashlite.flex_attention(q, q, q, score_mod=gallery.tanh_softcap)
     with pytest.raises(TypeError, match="takes 3 arguments.*must take 4"):
         mods.mask_mod(_three_args)
     with pytest.raises(TypeError, match="takes 6 arguments; with 0 buffers it must take 5"):

@@ -146,7 +146,8 @@ def _check_fn(fn: object, what: str, indices: int, n_buffers: int) -> None:
     if not _is_jit(fn):
         raise TypeError(
             f"{what} must be a @triton.jit function (it runs inside the kernels), got "
-            f"{type(fn).__name__}; flashlite.mods.mask_mod / score_mod pair one with its torch twin"
+            f"{type(fn).__name__}; flashlite.mods.mask_mod / score_mod pair one with its torch "
+            f"twin{_not_jit_hint(fn, indices)}"
         )
     want = indices + n_buffers
     got = _arity(_python_fn(fn))
@@ -156,6 +157,21 @@ def _check_fn(fn: object, what: str, indices: int, n_buffers: int) -> None:
             f"{what} {_python_fn(fn).__name__} takes {got} arguments; with {n_buffers} buffers "
             f"it must take {want}: {names}{', *buffers' if n_buffers else ''})"
         )
+
+
+def _not_jit_hint(fn: object, indices: int) -> str:
+    """What a plain function given as a mod was likely meant as: a maker not called (one with
+    fewer required arguments than the indices, e.g. ``gallery.causal``), or a mod in Python."""
+    if not inspect.isfunction(fn):
+        return ""
+    params = inspect.signature(fn).parameters.values()
+    needed = [p.name for p in params if p.default is p.empty and p.kind <= p.POSITIONAL_OR_KEYWORD]
+    if len(needed) >= indices:  # (a mod written in Python: plain operators jit as they are)
+        return "; a body of plain operators (q_idx >= kv_idx) works as it is under @triton.jit"
+    if not fn.__name__.isidentifier():  # (a lambda: no name to call it by)
+        return ""
+    owner = "gallery." if fn.__module__ == "flashlite.masking.gallery" else ""
+    return f"; did you mean `{owner}{fn.__name__}({', '.join(needed)})`?"
 
 
 #: name -> (fn, torch_fn) or (fn, torch_fn, grad_fn); a redefined function (a notebook cell
