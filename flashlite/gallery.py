@@ -5,6 +5,7 @@ from flashlite.masking.gallery import (
     alibi,
     alibi_slopes,
     causal,
+    causal_lower_right,
     document,
     document_causal,
     document_ids,
@@ -18,6 +19,7 @@ from flashlite.masking.gallery import (
 __all__ = [
     "ALIBI_NAME",
     "causal",
+    "causal_lower_right",
     "sliding_window",
     "prefix_lm",
     "document",

@@ -214,6 +214,22 @@ def test_hand_written_causal_and_window_match_the_built_ins() -> None:
         torch.testing.assert_close(o, flashlite.attention(q, k, v, **kw), atol=2e-6, rtol=1e-5)
 
 
+def test_causal_lower_right_is_the_built_in_causal_and_causal_is_top_left() -> None:
+    """``attention(causal=True)`` is bottom-right aligned: ``gallery.causal_lower_right(Nq,
+    Nk)`` gives it for any lengths, ``gallery.causal()`` (top-left) only when Nq == Nk."""
+    for nq, nk in ((20, 64), (40, 40)):
+        q = torch.randn(1, 2, nq, 16)
+        k, v = (torch.randn(1, 2, nk, 16) for _ in range(2))
+        want = flashlite.attention(q, k, v, causal=True)
+        for mm, agrees in ((gallery.causal_lower_right(nq, nk), True),
+                           (gallery.causal(), nq == nk)):  # fmt: skip
+            bm = flashlite.create_block_mask(mm, None, None, nq, nk, device="cpu", BLOCK_SIZE=16)
+            got = flashlite.flex_attention(q, k, v, block_mask=bm)
+            assert torch.allclose(got, want, atol=2e-6, rtol=1e-5) == agrees, (mm.name, nq, nk)
+    with pytest.raises(ValueError, match="n_k must be an int >= 1, got 0"):
+        gallery.causal_lower_right(4, 0)
+
+
 @triton.jit
 def _band_by_hand(b, h, q_idx, kv_idx, lo, hi):
     return (kv_idx - q_idx >= lo) & (kv_idx - q_idx <= hi)

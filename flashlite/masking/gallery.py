@@ -5,20 +5,23 @@ function with its torch twin and, for scores, its derivative. Each maker returns
 ``create_block_mask`` and ``flex_attention``: calling one runs its twin).
 
 Positions are top-left aligned as in FlexAttention (``q_idx >= kv_idx`` is causal); flashlite's
-built-in ``causal=True`` is bottom-right aligned, the same when ``Nq == Nk``.
+built-in ``causal=True`` is bottom-right aligned (flash-attn's: query ``i`` sees keys
+``j <= i + Nk − Nq``), the same when ``Nq == Nk``. :func:`causal_lower_right` is the built-in's
+alignment as a mask function, for any ``Nq`` and ``Nk``.
 
-=====================  =====================================================================
-maker                  keeps / adds
-=====================  =====================================================================
-``causal()``           ``q_idx >= kv_idx``
-``sliding_window(w)``  causal, and ``q_idx − kv_idx <= w`` (``window=(w, 0)`` built in)
-``prefix_lm(n)``       keys below ``n`` for everyone, causal after
-``document(ids)``      ``ids[b, q_idx] == ids[b, kv_idx]`` (packed sequences)
-``document_causal``    document and causal (ids from varlen offsets: ``document_ids``)
-``alibi(slopes)``      ``score + slopes[h]·(kv_idx − q_idx)``
-``tanh_softcap(c)``    ``c·tanh(score / c)``
-``relative_bias(t)``   ``score + t[h, clamp(kv_idx − q_idx, ±R) + R]``, ``t`` ``(H, 2R + 1)``
-=====================  =====================================================================
+==============================  ==============================================================
+maker                           keeps / adds
+==============================  ==============================================================
+``causal()``                    ``q_idx >= kv_idx`` (top-left, FlexAttention's)
+``causal_lower_right(nq, nk)``  ``kv_idx <= q_idx + nk − nq`` (bottom-right, ``causal=True``)
+``sliding_window(w)``           causal, and ``q_idx − kv_idx <= w`` (``window=(w, 0)`` built in)
+``prefix_lm(n)``                keys below ``n`` for everyone, causal after
+``document(ids)``               ``ids[b, q_idx] == ids[b, kv_idx]`` (packed sequences)
+``document_causal``             document and causal (ids from varlen offsets: ``document_ids``)
+``alibi(slopes)``               ``score + slopes[h]·(kv_idx − q_idx)``
+``tanh_softcap(c)``             ``c·tanh(score / c)``
+``relative_bias(t)``            ``score + t[h, clamp(kv_idx − q_idx, ±R) + R]``, ``t`` ``(H, 2R+1)``
+==============================  ==============================================================
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from flashlite.masking.softcap import tanh
 
 __all__ = [
     "causal",
+    "causal_lower_right",
     "sliding_window",
     "prefix_lm",
     "document",
@@ -62,6 +66,11 @@ def _id_reads(ids: torch.Tensor) -> Callable[[int, int], int]:
 @triton.jit
 def _causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
+
+
+@triton.jit
+def _causal_lower_right(b, h, q_idx, kv_idx, offset):
+    return kv_idx <= q_idx + offset
 
 
 @triton.jit
@@ -95,8 +104,27 @@ def _document_causal_t(b, h, q_idx, kv_idx, ids, stride_b):  # type: ignore[no-u
 
 
 def causal() -> MaskMod:
-    """Causal, top-left aligned: query ``i`` sees keys ``j <= i``."""
+    """Causal, top-left aligned (FlexAttention's): query ``i`` sees keys ``j <= i``, whatever
+    ``Nq`` and ``Nk``. Equal to ``attention(causal=True)`` (bottom-right aligned) only when
+    ``Nq == Nk``; for fewer queries than keys use :func:`causal_lower_right`."""
     return mask_mod(_causal, name="flashlite.gallery.causal", tile_reads=_nothing)
+
+
+def causal_lower_right(n_q: int, n_k: int) -> MaskMod:
+    """Causal, bottom-right aligned (flash-attn's, and ``attention(causal=True)``'s): of
+    ``n_q`` queries against ``n_k`` keys, query ``i`` sees keys ``j <= i + n_k − n_q`` (the
+    last query sees every key; with ``n_q > n_k`` the first ``n_q − n_k`` see none). A mask
+    function is not told the sequence lengths, so the maker takes them: build it for the
+    call's ``(Nq, Nk)``. Equal to :func:`causal` when ``n_q == n_k``."""
+    for name, n in (("n_q", n_q), ("n_k", n_k)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {n!r}")
+    return mask_mod(
+        _causal_lower_right,
+        n_k - n_q,
+        name="flashlite.gallery.causal_lower_right",
+        tile_reads=_nothing,
+    )
 
 
 def sliding_window(window: int) -> MaskMod:

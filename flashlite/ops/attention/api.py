@@ -47,6 +47,8 @@ def attention(
             repeating k and v in memory. Any strides: slices of a packed qkv buffer work.
         causal: bottom-right aligned mask (flash-attn >= 2.1, ``causal_lower_right``): query i
             sees key j iff ``j <= i + Nk - Nq``. Rows that see no key give 0 and LSE −inf.
+            As a mask function: ``flashlite.gallery.causal_lower_right(Nq, Nk)``
+            (``gallery.causal()`` is top-left aligned, ``j <= i``: the same when Nq == Nk).
         scale: multiplies ``QKᵀ`` before the softmax; defaults to ``1/sqrt(D)``; must be > 0.
         layout: ``"b h n d"`` or ``"b n h d"`` (einops notation).
         return_lse: also return the natural-log LSE of the scaled scores.
