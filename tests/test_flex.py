@@ -383,6 +383,47 @@ def test_torch_block_mask_gives_identical_results(torch_block: int) -> None:
         assert torch.equal(a, flashlite.flex_attention(q, k, v, block_mask=theirs))
 
 
+def _py_causal(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
+    return q_idx >= kv_idx
+
+
+_jit_causal = triton.jit(_py_causal)
+
+
+def test_torch_block_mask_of_a_python_mask_says_what_works() -> None:
+    """torch's BlockMask of a plain Python mask is refused with the routes flex_attention's
+    real signature offers (it has no mask_mod keyword); each route named works."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create
+
+    n = 40
+    q, k, v = (torch.randn(1, 2, n, 16) for _ in range(3))
+    theirs = torch_create(_py_causal, None, None, n, n, device="cpu", BLOCK_SIZE=16)
+    with pytest.raises(TypeError, match=r"plain Python mask \(_py_causal\).*@triton\.jit.*"
+                       r"block_mask=flashlite\.create_block_mask\(fn, B, H, Q_LEN, KV_LEN\).*"
+                       r"flashlite\.BlockMask\.from_torch\(block_mask, mask_mod=fn\)"):  # fmt: skip
+        flashlite.flex_attention(q, k, v, block_mask=theirs)
+    want = flashlite.attention(q, k, v, causal=True)
+    routes = (
+        flashlite.create_block_mask(_jit_causal, None, None, n, n, device="cpu", BLOCK_SIZE=16),
+        torch_create(flashlite.mods.mask_mod(_jit_causal), None, None, n, n, device="cpu",
+                     BLOCK_SIZE=16),
+        flashlite.BlockMask.from_torch(theirs, mask_mod=_jit_causal),
+    )  # fmt: skip
+    for bm in routes:
+        got = flashlite.flex_attention(q, k, v, block_mask=bm)
+        torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+
+
+def test_block_mask_repr_is_a_short_summary() -> None:
+    bm = flashlite.create_block_mask(gallery.causal(), 2, None, 256, 256, device="cpu",
+                                     BLOCK_SIZE=16)  # fmt: skip
+    text = repr(bm)
+    assert len(text) < 400, text
+    assert text == ("BlockMask(shape=(2, 1, 256, 256), BLOCK_SIZE=(16, 16), sparsity=46.88%, "
+                    "mask_mod=flashlite.gallery.causal)")  # fmt: skip
+    assert bm.classes().shape == (2, 1, 16, 16)  # (the detailed view)
+
+
 def test_compiled_matches_eager_without_recompiling_per_length() -> None:
     """fullgraph compile; new lengths are new table shapes, not new graphs (dynamic shapes)."""
     sm = gallery.alibi(gallery.alibi_slopes(2))

@@ -51,9 +51,12 @@ def tables(selected: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return num, key.argsort(dim=-1).to(torch.int32).contiguous()
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True, eq=False, repr=False)
 class BlockMask:
     """Which tiles a mask leaves empty, full or partial, as index tables (FlexAttention's names).
+
+    Its ``repr`` is a one-line summary (shape, tile, sparsity, the mask's name), short at any
+    size; :meth:`classes` gives every tile's class and the attributes the tables themselves.
 
     Attributes:
         seq_lengths: ``(Nq, Nk)`` it was built for.
@@ -107,6 +110,15 @@ class BlockMask:
         """The fraction of tiles that are empty (never visited)."""
         return float((self.classes() == EMPTY).float().mean())
 
+    def __repr__(self) -> str:
+        name = self.mask_mod.name
+        if len(name) > 120:  # (a deeply nested qualname: its tail names it)
+            name = "..." + name[-117:]
+        return (
+            f"BlockMask(shape={self.shape}, BLOCK_SIZE={tuple(self.BLOCK_SIZE)}, "
+            f"sparsity={self.sparsity():.2%}, mask_mod={name})"
+        )
+
     def to(self, device: torch.device | str) -> BlockMask:
         """The tables on ``device`` (the mask's buffers stay where they are)."""
         moved = {k: getattr(self, k).to(device) for k in _TABLES}
@@ -130,10 +142,15 @@ class BlockMask:
         """
         mod = mask_mod if mask_mod is not None else getattr(block_mask, "mask_mod", None)
         if not isinstance(mod, MaskMod) and not _is_jit(mod):
+            name = getattr(mod, "__name__", type(mod).__name__)
             raise TypeError(
-                "block_mask is torch's BlockMask built from a plain Python mask; build it "
-                "from a flashlite.mods.MaskMod (which torch calls as its twin), or pass "
-                "mask_mod= (the jit function the kernels evaluate on partial tiles)"
+                f"block_mask is torch's BlockMask built from a plain Python mask ({name}), "
+                "which flashlite's kernels cannot evaluate on its partial tiles. Write the "
+                "mask as a @triton.jit function fn (a body of plain operators such as "
+                "q_idx >= kv_idx is its own torch twin) and pass flashlite.flex_attention "
+                "block_mask=flashlite.create_block_mask(fn, B, H, Q_LEN, KV_LEN), or torch's "
+                "create_block_mask(flashlite.mods.mask_mod(fn), ...), or "
+                "flashlite.BlockMask.from_torch(block_mask, mask_mod=fn)"
             )
         mod = as_mask_mod(mod)
         nq, nk = (int(n) for n in block_mask.seq_lengths)
