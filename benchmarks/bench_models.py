@@ -8,7 +8,7 @@
 
 Every pair of runs uses the same weights; the first step or generation of each is a warm-up.
 
-    python benchmarks/bench_models.py            # a GPU, transformers installed (flashlite[hf])
+    python benchmarks/bench_models.py            # a GPU and transformers (flashlite-attn[hf])
     python benchmarks/bench_models.py --smoke    # a tiny model on CPU: the script's logic only
 
 The training batch is the largest from ``--batch`` (halving) whose step fits in memory; each

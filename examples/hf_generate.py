@@ -1,7 +1,7 @@
 """Build a Hugging Face model from a config (random weights, nothing downloaded), switch it to
 flashlite's attention, and generate greedily next to the same model under SDPA.
 
-    pip install "flashlite[hf]"
+    pip install "flashlite-attn[hf]"
     python examples/hf_generate.py                 # tiny Llama on CPU (the interpreter)
     python examples/hf_generate.py --family qwen2 --width 1024 --device cuda
 """

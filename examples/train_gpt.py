@@ -169,7 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loss", choices=["torch", "flashlite", "both"], default="torch")
     p.add_argument("--model", choices=["gpt", "llama"], default="gpt",
                    help="gpt: the plain torch.nn decoder; llama: transformers' Llama (needs "
-                   "flashlite[hf]) on flashlite's attention through its integration")  # fmt: skip
+                   "flashlite-attn[hf]) on flashlite's attention through its "
+                   "integration")  # fmt: skip
     p.add_argument("--layers", type=int, default=6)
     p.add_argument("--width", type=int, default=384)
     p.add_argument("--heads", type=int, default=6)

@@ -26,7 +26,7 @@ from flashlite.ops.cross_entropy import cross_entropy, linear_cross_entropy
 from flashlite.ops.softmax import log_softmax, softmax
 
 try:
-    __version__ = version("flashlite")
+    __version__ = version("flashlite-attn")  # the distribution's name
 except PackageNotFoundError:  # a source tree on PYTHONPATH, not installed
     __version__ = "0+unknown"
 

@@ -110,7 +110,7 @@ def save(figure: Figure, path: str | Path) -> Path:
     """Draw ``figure`` and write it to ``path`` (format from the suffix); returns the path.
 
     Raises:
-        ImportError: matplotlib is not installed (``pip install flashlite[bench]``).
+        ImportError: matplotlib is not installed (``pip install "flashlite-attn[bench]"``).
         ValueError: the panel rows have different lengths, or bars without matching categories.
     """
     nrows = len(figure.panels)

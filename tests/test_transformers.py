@@ -117,7 +117,8 @@ def test_unsupported_features_raise() -> None:
 def test_register_without_transformers_names_the_extra() -> None:
     code = ("import sys; sys.modules['transformers'] = None\n"
             "from flashlite.integrations.transformers import register\n"
-            "try:\n    register()\nexcept ImportError as e:\n    assert 'flashlite[hf]' in str(e)\n"
+            "try:\n    register()\nexcept ImportError as e:\n"
+            "    assert 'flashlite-attn[hf]' in str(e)\n"
             "else:\n    raise SystemExit('no ImportError')")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True)
 

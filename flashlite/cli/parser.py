@@ -111,7 +111,7 @@ def _plot_path(value: str) -> Path:
         from matplotlib.backend_bases import FigureCanvasBase
     except ImportError as err:
         raise argparse.ArgumentTypeError(
-            "plots need matplotlib: pip install matplotlib (or flashlite[bench])"
+            'plots need matplotlib: pip install matplotlib (or pip install "flashlite-attn[bench]")'
         ) from err
     formats = FigureCanvasBase.get_supported_filetypes()
     if path.suffix.lstrip(".").lower() not in formats:

@@ -1,4 +1,5 @@
-"""Hugging Face ``transformers`` models on flashlite's kernels (``pip install flashlite[hf]``).
+"""Hugging Face ``transformers`` models on flashlite's kernels
+(``pip install "flashlite-attn[hf]"``).
 
     from flashlite.integrations.transformers import register
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation=register())
@@ -170,7 +171,7 @@ def register() -> str:
     except ImportError as err:
         raise ImportError(
             "flashlite.integrations.transformers needs Hugging Face transformers >= 5: "
-            "pip install 'flashlite[hf]'"
+            'pip install "flashlite-attn[hf]"'
         ) from err
 
     AttentionInterface.register(NAME, _attention)
