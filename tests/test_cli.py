@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from flashlite import cli
+from flashlite.cli import commands
 
 TRAFFIC_KEYS = {
     "method",
@@ -53,13 +54,15 @@ def test_traffic_table_model_only(capsys: pytest.CaptureFixture[str]) -> None:
     assert "vs compulsory" in out and "flashlite" in out and "naive" in out
 
 
-def test_traffic_measure_without_gpu_does_not_crash(
+def test_traffic_measure_that_measured_nothing_exits_2(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import torch
+    # past the usage checks, ncu can still fail (no permission to read the counters): then a
+    # table and a note, and exit status 2, as --measure was the whole job and measured nothing
+    from flashlite.cli import checks
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    # a table and a note, and exit status 2: --measure was the whole job and measured nothing
+    monkeypatch.setattr(checks, "_check_measure", lambda table: None)
     assert cli.main(["traffic", "--seq", "64", "--measure", "--json", "--quiet"]) == 2
     captured = capsys.readouterr()
     assert "no CUDA device" in captured.err
@@ -77,12 +80,16 @@ def test_traffic_measure_without_gpu_does_not_crash(
 def test_softmax_json(capsys: pytest.CaptureFixture[str]) -> None:
     r = _json(capsys, ["softmax", "--rows", "3", "--n", "50", "--algorithm", "online", "--json"])
     assert isinstance(r, dict) and r["max_abs_error"] < 1e-5 and r["algorithm"] == "online"
+    assert r["tolerance"] == {"atol": 1e-5, "rtol": 1e-5, "rule": commands.TOLERANCE_RULE}
 
 
 def test_attention_json(capsys: pytest.CaptureFixture[str]) -> None:
     r = _json(capsys, ["attention", "--seq", "20", "--seq-k", "30", "--causal", "--json"])
     assert isinstance(r, dict) and r["max_abs_error"] < 1e-4 and r["seq_k"] == 30
-    assert r["ok"] is True and r["max_abs_error"] <= r["tolerance"]
+    tol = r["tolerance"]  # the shape softmax's has: the bound is atol (2x torch's + a floor)
+    assert set(tol) == {"atol", "rtol", "rule"} and tol["rtol"] == 0.0 and "tolerance_rule" not in r
+    assert tol["rule"].startswith(commands.TOLERANCE_RULE) and "torch's own" in tol["rule"]
+    assert r["ok"] is True and r["max_abs_error"] <= tol["atol"]
     # defaults are printed as the values they stand for, not null
     r = _json(capsys, ["attention", "--seq", "12", "--heads", "4", "--json"])
     assert r["seq_k"] == 12 and r["kv_heads"] == 4 and None not in r.values()
@@ -92,15 +99,14 @@ def test_accuracy_verdicts_set_the_exit_status(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # each accuracy line states its tolerance and a verdict; a FAIL exits 1
-    from flashlite.cli import commands
-
     assert cli.main(["softmax", "--rows", "2", "--n", "40", "--dtype", "bfloat16"]) == 0
     out = capsys.readouterr().out
     assert "tolerance atol 0.008 + rtol 0.016" in out and out.rstrip().split(": ")[-1].startswith(
         "ok"
     )
     assert cli.main(["attention", "--seq", "9", "--dtype", "float16"]) == 0
-    assert "(2x torch's own error + floor): ok" in capsys.readouterr().out
+    assert "tolerance atol " in (out := capsys.readouterr().out)
+    assert "(2x torch's own error + floor): ok" in out
     monkeypatch.setitem(commands.SOFTMAX_TOL, torch.float32, (0.0, 0.0))
     monkeypatch.setitem(commands.ATTENTION_FLOOR, torch.float32, -1.0)
     assert cli.main(["softmax", "--rows", "3", "--n", "333"]) == 1
@@ -208,11 +214,9 @@ def test_help_is_plain_text_and_states_every_default(
             assert all(m in entry for m in ("naive", "flashlite", "sdpa-flash", "sdpa-cudnn"))
 
 
-def test_bench_and_usage(capsys: pytest.CaptureFixture[str]) -> None:
+def test_bench(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["bench"]) == 0
     assert "bench_traffic.py" in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        cli.main([])
 
 
 def test_counting_commands_rerun_where_kernels_are_interpreted(
@@ -264,10 +268,12 @@ def test_traffic_softmax_and_measure_exit_codes(capsys: pytest.CaptureFixture[st
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "flashlite-three_pass" in out and "flashlite-team" in out and "DRAM est MB" in out
-    if not torch.cuda.is_available():  # --measure alone measured nothing: exit 2, with a note
-        assert cli.main(["traffic", "--softmax", "--rows", "8", "--n", "500", "--measure"]) == 2
-        assert "no CUDA device" in capsys.readouterr().err
-        assert cli.main(["traffic", "--seq", "64", "--measure", "--count", "--quiet"]) == 0
+    if not torch.cuda.is_available():  # --measure without a GPU: refused before it starts
+        for extra in ([], ["--count"]):
+            with pytest.raises(SystemExit) as exc:
+                cli.main(["traffic", "--softmax", "--rows", "8", "--n", "500", "--measure", *extra])
+            assert exc.value.code == 2
+            assert "--measure needs a CUDA GPU" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -292,10 +298,21 @@ def test_bad_numbers_are_usage_errors(
 ) -> None:
     # every numeric option is checked by argparse: a usage error naming the option and the
     # accepted range (exit 2), never a traceback or a run on nonsense sizes
+    _usage_error(capsys, argv, message)
+
+
+def _usage_error(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> str:
+    """Run ``argv``, expect a usage error of its sub-command naming ``message``; its stderr."""
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)
     assert exc.value.code == 2
-    assert message in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    command = argv[0]
+    # the sub-command's usage, not the top level's, and its name before the error
+    assert err.startswith(f"usage: flashlite {command} [-h]"), err
+    assert f"\nflashlite {command}: error: " in err and message in err, err
+    assert out == "" and "Traceback" not in err
+    return err
 
 
 def test_a_cuda_device_without_cuda_is_one_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -307,3 +324,96 @@ def test_a_cuda_device_without_cuda_is_one_usage_error(capsys: pytest.CaptureFix
         assert exc.value.code == 2
         err = capsys.readouterr().err
         assert "argument --device: 'cuda': this torch" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["attention", "--heads", "3", "--kv-heads", "2"], "--kv-heads=2 must divide --heads=3"),
+        (["attention", "--bogus"], "unrecognized arguments: --bogus"),
+        (["ring", "--seq", "3"], "--seq=3 must be a multiple of 4: 2 ranks hold two zigzag"),
+        (["ring", "--contiguous", "--nproc", "3", "--seq", "8"], "--seq=8 must be a multiple of 3"),
+        (["ring", "--heads", "4", "--kv-heads", "3"], "--kv-heads=3 must divide --heads=4"),
+        (["traffic", "--softmax", "--decode"], "--softmax and --decode show different tables"),
+        (["traffic", "--mask", "causal", "--ce", "--backward"], "--ce and --mask and --backward"),
+        (["traffic", "--backward", "--plot", "x.png"], "--plot applies to the attention forward"),
+        (["traffic", "--decode", "--methods", "naive"], "--methods applies to the attention"),
+        (["traffic", "--softmax", "--config", "64x64"], "--config applies to the attention"),
+        (["traffic", "--ce-weight"], "--ce-weight needs --ce"),
+        (["traffic", "--shared-prefix", "8", "--decode-q", "2"], "--decode-q=2 with --shared-pre"),
+        (["traffic", "--ce", "--measure"], "--measure does not cover --ce"),
+        (["traffic", "--shared-prefix", "8", "--measure"], "--measure does not cover --shared"),
+        (["traffic", "--config", "48x64"], "argument --config: config='48x64': BM and BN must"),
+        (["demo", "--config", "1x2"], "argument --config: "),
+    ],
+)
+def test_usage_errors_name_the_option_under_the_commands_usage(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    message: str,
+) -> None:
+    # options that do not go together or sizes that do not fit: checked before any work, and
+    # reported as argparse reports a bad number (exit 2, the sub-command's usage and name)
+    monkeypatch.chdir(tmp_path)
+    _usage_error(capsys, argv, message)
+
+
+@pytest.mark.parametrize("missing", ["cuda", "ncu"])  # ("gpu" would be the gpu marker)
+def test_traffic_measure_refuses_without_a_gpu_or_ncu(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, missing: str
+) -> None:
+    # --measure without what it needs stops before any progress bar or table, saying what is
+    # missing (with or without --count: a half-done --measure is not what was asked for)
+    import flashlite.traffic
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: missing != "cuda")
+    monkeypatch.setattr(flashlite.traffic, "find_ncu", lambda: None)
+    want = "--measure needs a CUDA GPU" if missing == "cuda" else "--measure needs Nsight Compute"
+    for extra in ([], ["--count"], ["--backward"], ["--mask", "causal"], ["--decode"]):
+        err = _usage_error(capsys, ["traffic", "--seq", "64", "--measure", *extra], want)
+        assert "%" not in err and "note:" not in err  # no progress bar, no notes
+
+
+def test_bare_flashlite_prints_help_and_exits_0(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("usage: flashlite [-h]") and "commands:" in out and "examples:" in out
+    assert err == ""
+    with pytest.raises(SystemExit) as exc:  # an unknown top-level option is still an error
+        cli.main(["--bogus"])
+    assert exc.value.code == 2
+    assert "flashlite: error: unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_python_dash_m_flashlite_runs_the_command() -> None:
+    import os
+    import subprocess
+    import sys
+
+    root = Path(__file__).parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    done = subprocess.run(
+        [sys.executable, "-m", "flashlite"], cwd=root, env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("usage: flashlite [-h]")
+    done = subprocess.run(
+        [sys.executable, "-m", "flashlite", "ring", "--seq", "3"],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2 and "flashlite ring: error: --seq=3" in done.stderr
+
+
+def test_ring_demo_alone_reports_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    # `python -m flashlite.distributed.demo` (or under torchrun) checks the same way
+    from flashlite.distributed import demo
+
+    with pytest.raises(SystemExit) as exc:
+        demo.main(["--seq", "6", "--nproc", "2"])
+    assert exc.value.code == 2
+    assert "flashlite ring: error: --seq=6 must be a multiple of 4" in capsys.readouterr().err

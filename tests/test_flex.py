@@ -1497,18 +1497,25 @@ def test_traffic_cli_mask_counts(mask: str, capsys: pytest.CaptureFixture[str]) 
         assert flex < dense
 
 
-def test_traffic_cli_mask_measure_without_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
-    """--measure with --mask on a machine without CUDA: the model's rows, nothing measured,
-    the reason on stderr, exit status 2 (as the other tables)."""
-    import json
-
+def test_traffic_cli_mask_measure_without_a_gpu(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--measure with --mask on a machine without CUDA: the library gives the model's rows,
+    nothing measured, a note saying why; the command refuses before it starts (exit 2)."""
     from flashlite.cli import main
+    from flashlite.traffic import AttentionShape, block_sparse_rows
 
-    code = main(["traffic", "--mask", "causal", "--seq", "256", "--measure", "--json", "--quiet"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    shape = AttentionShape(1, 2, 256, 16)
+    rows, notes = block_sparse_rows([shape], "causal", measure=True, show_progress=False)
+    assert [r["method"] for r in rows] == ["flex-causal", "flex-dense", "naive"]
+    assert all(r["measured_bytes"] is None for r in rows)
+    assert any("no CUDA device" in n for n in notes)
+    with pytest.raises(SystemExit) as exc:
+        main(["traffic", "--mask", "causal", "--seq", "256", "--measure", "--json", "--quiet"])
     out = capsys.readouterr()
-    rows = json.loads(out.out)
-    assert code == 2 and [r["method"] for r in rows] == ["flex-causal", "flex-dense", "naive"]
-    assert all(r["measured_bytes"] is None for r in rows) and "no CUDA device" in out.err
+    assert exc.value.code == 2 and out.out == ""
+    assert "flashlite traffic: error: --measure needs a CUDA GPU" in out.err
 
 
 @pytest.mark.parametrize("name", ["causal+alibi", "window+relative bias", "document per sequence"])

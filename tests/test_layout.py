@@ -36,6 +36,7 @@ FLOORS = {
     "flashlite.nn": 3,
     "flashlite.plotting": 3,
     "flashlite.cli": 4,
+    "flashlite.__main__": 4,  # `python -m flashlite`: the command
 }
 
 

@@ -17,6 +17,12 @@ import torch
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+class UsageError(Exception):
+    """A command line its sub-command cannot run (options that do not go together, sizes that
+    do not fit): :func:`flashlite.cli.main` reports it through that sub-command's parser, as
+    argparse does its own errors (usage, ``flashlite <command>: error: ...``, exit status 2)."""
+
+
 # =============================================================================== helpers
 def _max_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     diff = (out.double() - ref.double()).abs()
@@ -32,6 +38,14 @@ SOFTMAX_TOL = {
     torch.bfloat16: (8e-3, 1.6e-2),
 }
 ATTENTION_FLOOR = {torch.float32: 2e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+#: how every ``--json`` result states its tolerance: ``{"atol", "rtol", "rule"}``
+TOLERANCE_RULE = "|out - ref| <= atol + rtol*|ref| elementwise"
+
+
+def _tolerance(atol: float, rtol: float, why: str = "") -> dict[str, Any]:
+    return {"atol": atol, "rtol": rtol, "rule": TOLERANCE_RULE + why}
 
 
 def _verdict(ok: bool) -> str:
@@ -67,7 +81,7 @@ def _run_softmax(
         "algorithm": algorithm,
         "device": device,
         "max_abs_error": _max_error(y, ref),
-        "tolerance": {"atol": atol, "rtol": rtol, "rule": "|y - ref| <= atol + rtol*|ref|"},
+        "tolerance": _tolerance(atol, rtol),
         "ok": ok,
         "seconds": elapsed,
     }
@@ -83,8 +97,9 @@ def _run_attention(shape: Any, device: str) -> dict[str, Any]:
     elapsed = time.perf_counter() - t0
     ref = reference.attention(q, k, v, causal=shape.causal, upcast=True)
     torch_error = _max_error(reference.attention(q, k, v, causal=shape.causal), ref)
-    tol = 2 * torch_error + ATTENTION_FLOOR[q.dtype]
+    atol = 2 * torch_error + ATTENTION_FLOOR[q.dtype]
     err = _max_error(o, ref)
+    why = "; atol = 2 x torch's own largest error in the input dtype + a floor (flash-attn's rule)"
     return {
         "op": "attention",
         # (the defaults as the values they stand for: keys = queries, KV heads = heads)
@@ -93,9 +108,8 @@ def _run_attention(shape: Any, device: str) -> dict[str, Any]:
         "kv_heads": shape.hkv,
         "device": device,
         "max_abs_error": err,
-        "tolerance": tol,
-        "tolerance_rule": "2 x torch's own error in the input dtype + floor",
-        "ok": err <= tol,
+        "tolerance": _tolerance(atol, 0.0, why),
+        "ok": err <= atol,
         "seconds": elapsed,
     }
 
@@ -140,7 +154,7 @@ def cmd_attention(args: argparse.Namespace) -> int:
             f"attention B={shape.batch} H={shape.heads} Hkv={shape.hkv} Nq={shape.seq_q} "
             f"Nk={shape.nk} D={shape.head_dim} {args.dtype} causal={shape.causal} on "
             f"{args.device}: max |error| vs reference (fp64) = {r['max_abs_error']:.3g}, "
-            f"tolerance {r['tolerance']:.3g} (2x torch's own error + floor): "
+            f"tolerance atol {r['tolerance']['atol']:.3g} (2x torch's own error + floor): "
             f"{_verdict(r['ok'])} ({r['seconds']:.2f} s)"
         ],
     )
@@ -170,19 +184,17 @@ def _cmd_softmax_traffic(args: argparse.Namespace) -> int:
 def _unmeasured_rows(
     args: argparse.Namespace, option: str, make: Callable[[], Any], fmt: Callable[[Any], str]
 ) -> int:
-    """A traffic table that ``--measure`` does not cover (``option``): the rows ``make()``
-    returns (a ValueError from it is the command's error), its notes on stderr, the table."""
-    try:  # (a shape the model leaves out fails before any counting)
+    """A traffic table that ``--measure`` does not cover (``option``; the usage checks refuse
+    the pair): the rows ``make()`` returns, its notes on stderr, the table. A ValueError from
+    ``make()`` (a shape the model leaves out, before any counting) is a usage error."""
+    try:
         rows, notes = make()
     except ValueError as err:
-        print(f"flashlite traffic: error: {err}", file=sys.stderr)
-        return 2
-    if args.measure:
-        notes.append(f"--measure does not cover {option}: model and count only")
+        raise UsageError(f"{option}: {err}") from None
     for note in dict.fromkeys(notes):
         print(f"note: {note}", file=sys.stderr)
     _emit(args, rows, [fmt(rows)])
-    return _measure_status(args, rows)
+    return 0
 
 
 def _cmd_shared_prefix_traffic(args: argparse.Namespace) -> int:
@@ -216,8 +228,7 @@ def _cmd_block_sparse_traffic(args: argparse.Namespace) -> int:
             show_progress=not args.quiet,
         )
     except ValueError as err:
-        print(f"flashlite traffic: error: {err}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--mask: {err}") from None
     for note in dict.fromkeys(notes):
         print(f"note: {note}", file=sys.stderr)
     _emit(args, rows, [format_block_sparse_table(rows)])
@@ -225,7 +236,9 @@ def _cmd_block_sparse_traffic(args: argparse.Namespace) -> int:
 
 
 def _measure_status(args: argparse.Namespace, rows: Sequence[dict[str, Any]]) -> int:
-    """2 when --measure was the whole job and measured nothing (no GPU or ncu), else 0."""
+    """2 when --measure was the whole job and measured nothing, else 0 (the usage checks have
+    refused a machine without a GPU or ncu: here ncu ran and failed, e.g. no permission to
+    read the GPU's counters)."""
     nothing = all(r.get("measured_bytes") is None for r in rows)
     return 2 if args.measure and nothing and not args.count else 0
 
@@ -330,7 +343,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         failed += not r["ok"]
         print(
             f"  B=1 H=2 Nq=50 Nk=70 D=16 fp32 causal={causal!s:<5}  "
-            f"max |error| = {r['max_abs_error']:.2e}  tolerance {r['tolerance']:.1e}  "
+            f"max |error| = {r['max_abs_error']:.2e}  atol {r['tolerance']['atol']:.1e}  "
             f"{_verdict(r['ok'])}"
         )
     print("\n== softmax kernels: counted bytes (interpreter) vs model, (8, 3000) fp16")

@@ -311,7 +311,7 @@ def _traffic_tables(t: argparse.ArgumentParser) -> None:
         "--decode-q",
         type=_COUNT,
         default=1,
-        help="queries per sequence (with --decode or --shared-prefix)",
+        help="queries per sequence, with --decode (--shared-prefix models one)",
     )
     _option(
         t,
@@ -346,9 +346,18 @@ def _traffic_tables(t: argparse.ArgumentParser) -> None:
     _option(t, "--ce-weight", action="store_true", help="with --ce: class weights")
 
 
-def build_parser() -> argparse.ArgumentParser:
+class CommandParser(argparse.ArgumentParser):
+    """The `flashlite` parser: ``commands[name]`` is a sub-command's own parser, whose
+    ``error`` prints that sub-command's usage and ``flashlite <name>: error: ...``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.commands: dict[str, argparse.ArgumentParser] = {}
+
+
+def build_parser() -> CommandParser:
     """The argparse tree of the `flashlite` command."""
-    p = argparse.ArgumentParser(
+    p = CommandParser(
         prog="flashlite",
         description=texts.DESCRIPTION,
         epilog=texts.EXAMPLES,
@@ -357,7 +366,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--version", action=_Version, help="print the flashlite, torch and triton versions and exit"
     )
-    sub = p.add_subparsers(dest="command", required=True, title="commands")
+    # not required: a bare `flashlite` prints the help (flashlite.cli.main)
+    sub = p.add_subparsers(dest="command", title="commands", parser_class=argparse.ArgumentParser)
     _add_demo(sub)
     _add_softmax(sub)
     summary = "flashlite.attention vs the fp64 reference"
@@ -375,4 +385,5 @@ def build_parser() -> argparse.ArgumentParser:
     )
     ring_demo.add_options(r)
     r.set_defaults(func=cmd_ring)
+    p.commands.update(sub.choices)  # (the sub-commands' parsers by name)
     return p

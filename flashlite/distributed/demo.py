@@ -166,14 +166,44 @@ def _print(results: list[dict[str, Any]], as_json: bool) -> None:
         )
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Options that do not go together, checked before any process starts.
+
+    Raises:
+        ValueError: ``--kv-heads`` does not divide ``--heads``, or ``--seq`` does not split
+            into the shards the ranks hold (two per rank when zigzag, one when contiguous);
+            the message names the options.
+    """
+    if args.heads % args.kv_heads:
+        raise ValueError(
+            f"--kv-heads={args.kv_heads} must divide --heads={args.heads} (grouped-query heads)"
+        )
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        ranks = int(os.environ["WORLD_SIZE"])  # torchrun decides the ranks, not --nproc
+    else:
+        ranks = args.nproc
+    parts = ranks if args.contiguous else 2 * ranks
+    if args.seq % parts:
+        each = "one shard" if args.contiguous else "two zigzag shards"
+        raise ValueError(
+            f"--seq={args.seq} must be a multiple of {parts}: {ranks} ranks hold {each} each"
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
-    return run(build_parser().parse_args(argv))
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        check_args(args)
+    except ValueError as err:
+        parser.error(str(err))  # usage, "flashlite ring: error: ...", exit status 2
+    return run(args)
 
 
 def run(args: argparse.Namespace) -> int:
-    """Start ``args.nproc`` gloo processes (or, under torchrun, be one rank) and print."""
-    if args.nproc < 1:
-        raise SystemExit("--nproc must be >= 1")
+    """Start ``args.nproc`` gloo processes (or, under torchrun, be one rank) and print
+    (``args`` as :func:`check_args` accepts them)."""
+    check_args(args)
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # started by torchrun
         import torch.distributed as dist
 
@@ -186,9 +216,6 @@ def run(args: argparse.Namespace) -> int:
             dist.destroy_process_group()
         _print([result], args.json)
         return 0
-    parts = 2 * args.nproc if not args.contiguous else args.nproc
-    if args.seq % parts:
-        raise SystemExit(f"--seq {args.seq} must divide by {parts} for {args.nproc} ranks")
     from flashlite.distributed.ring import free_port
 
     progress(args)(

@@ -1,0 +1,7 @@
+"""`python -m flashlite`: the `flashlite` command."""
+
+import sys
+
+from flashlite.cli import main
+
+sys.exit(main())
