@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
         tail = max(1, min(20, args.steps // 10))  # final loss: mean of the last steps
         finals = [sum(r["losses"][-tail:]) / tail for r in results]
         summary["final_loss_difference"] = abs(finals[0] - finals[1])
+    if torch.device(args.device).type == "cpu" and "flashlite" in attentions + loss_fns:
+        print("note: on a CPU flashlite's kernels run in Triton's interpreter: its tokens/s "
+              "measure the interpreter, not speed, and are not comparable with SDPA's")  # fmt: skip
     for r in results:
         tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.0f}"
         print(f"{_label(r):>19}: first loss {r['losses'][0]:.4f}, last {r['losses'][-1]:.4f},"

@@ -20,13 +20,17 @@ def _load(name: str):  # noqa: ANN202
 
 
 @pytest.mark.interpreter
-def test_train_gpt_tiny_flashlite_matches_sdpa(tmp_path: Path) -> None:
+def test_train_gpt_tiny_flashlite_matches_sdpa(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     train_gpt = _load("train_gpt")
     out = tmp_path / "gpt.json"
     argv = ["--layers", "2", "--context", "32", "--width", "64", "--heads", "2", "--steps", "3",
             "--batch", "4", "--corpus-mib", "1", "--device", "cpu", "--log-every", "0",
             "--json", str(out)]  # fmt: skip
     assert train_gpt.main(argv) == 0
+    # a CPU run says, once, that its tokens/s time the interpreter
+    assert capsys.readouterr().out.count("tokens/s measure the interpreter, not speed") == 1
     runs = {r["attention"]: r["losses"] for r in json.loads(out.read_text())["runs"]}
     flash, sdpa = runs["flashlite"], runs["sdpa"]
     assert len(flash) == len(sdpa) == 3
