@@ -1,8 +1,8 @@
 """What attention sinks cost: the same call with and without ``sinks=`` (GPU).
 
 A sink starts each row's online-softmax state at ``(sink, 1)`` instead of ``(−inf, 0)``
-(docs/attention.md §6a), so its forward should cost nothing, and its backward only the sink's
-gradient, ``−Σ p_sink·delta``, a few elementwise ops over the LSE. Points (bf16):
+(docs/how-it-works/attention.md §6a), so its forward should cost nothing, and its backward only
+the sink's gradient, ``−Σ p_sink·delta``, a few elementwise ops over the LSE. Points (bf16):
 
     attention    B·N = 16k tokens, H = 2048 / D, D ∈ {64, 128}, N ∈ {4k, 16k}, causal and not:
                  forward, and forward + backward (the points of bench_attention.py)

@@ -5,7 +5,7 @@ the pair with one rescale, two pairs over disjoint sets merge associatively::
 
     m = max(m1, m2);  s = s1·e^(m1 − m) + s2·e^(m2 − m);   identity (−inf, 0)
 
-and ``lse = m + log s`` finalises it. ``docs/online-softmax.md`` derives all of this.
+and ``lse = m + log s`` finalises it. ``docs/how-it-works/online-softmax.md`` derives all of this.
 
 Triton helpers (``@triton.jit``, called from kernels):
 

@@ -216,8 +216,8 @@ def test_reference_rows_outside_every_window_give_zero() -> None:
 
 
 def test_mask_gallery_example_runs_and_draws_the_ranges(capsys: pytest.CaptureFixture) -> None:
-    # examples/masks.py (docs/attention.md §5): every seen pair is drawn '#' or '+', skipped
-    # tiles are blank, and the CLI form runs
+    # examples/masks.py (docs/how-it-works/attention.md §5): every seen pair is drawn '#' or '+',
+    # skipped tiles are blank, and the CLI form runs
     import importlib.util
     import pathlib
 

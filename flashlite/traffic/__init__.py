@@ -22,7 +22,7 @@ Three independent ways to get the bytes a call moves between DRAM (HBM) and the 
 ``flashlite traffic`` command (:mod:`~flashlite.traffic.report_decode` its decoding rows,
 :mod:`~flashlite.traffic.report_sparse` its block-sparse rows).
 Counted equals the model exactly for flashlite kernels; measured differs from both (L2 reuse
-of K/V across query blocks, caches, ECC, prefetch): ``docs/hbm-traffic.md`` explains.
+of K/V across query blocks, caches, ECC, prefetch): ``docs/how-it-works/hbm-traffic.md`` explains.
 """
 
 from flashlite.traffic.count import (

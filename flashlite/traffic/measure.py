@@ -3,7 +3,7 @@
 ``ncu`` runs a child process (:func:`_child_main`) that calls the method once per shape inside
 its own NVTX range, and reads ``dram__bytes_read.sum`` / ``dram__bytes_write.sum`` of the
 kernels in those ranges. Measured differs from the model and the count (L2 reuse of K/V across
-query blocks, caches, ECC, prefetch): ``docs/hbm-traffic.md`` explains.
+query blocks, caches, ECC, prefetch): ``docs/how-it-works/hbm-traffic.md`` explains.
 """
 
 from __future__ import annotations

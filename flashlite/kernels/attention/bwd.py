@@ -36,7 +36,7 @@ inputs keep Q as it is (the forward did not prescale them) and ``scale·log2 e``
 Loads go through pointers, or (``BwdConfig.use_desc``) the loops' tiles through TMA
 descriptors. Sliding windows (``WINDOW``) change only the ranges the masks helpers return and
 the masked tiles' test; a soft cap (``SOFTCAP``) recomputes the capped scores and multiplies
-``dS`` by the cap's derivative ``1 − tanh²`` (docs/attention.md §5a).
+``dS`` by the cap's derivative ``1 − tanh²`` (docs/how-it-works/attention.md §5a).
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def attention(
             state starts from the sink's, ``(m, s) = (sink, 1)``, instead of ``(−inf, 0)``: exact
             (the merge is associative) and free (no extra tile). A row that sees no key gives 0
             and LSE = its sink. Differentiable: ``dsink_h = −Σ_rows p_sink·delta``
-            (docs/attention.md).
+            (docs/how-it-works/attention.md).
 
     Returns:
         ``out`` in ``q``'s layout and dtype, or ``(out, lse)`` with ``lse`` fp32 ``(B, Hq, Nq)``.

@@ -113,9 +113,10 @@ def flashlite_config(
 
 # =============================================================================== DRAM estimate
 #: The share of L2 that holds a kernel's working set, fitted to the H200 measurements in
-#: ``benchmarks/results/traffic-nvidia-h200.json`` (docs/hbm-traffic.md): the dirty bytes left in
-#: L2 when a streaming kernel ends, and the working set past which K/V tiles miss, both behave as
-#: if about 0.65 of the 60 MiB were available (the rest holds lines of the other partition).
+#: ``benchmarks/results/traffic-nvidia-h200.json`` (docs/how-it-works/hbm-traffic.md): the dirty
+#: bytes left in L2 when a streaming kernel ends, and the working set past which K/V tiles miss,
+#: both behave as if about 0.65 of the 60 MiB were available (the rest holds lines of the other
+#: partition).
 L2_EFFECTIVE = 0.65
 
 
