@@ -226,7 +226,7 @@ def test_bad_arguments_raise_and_write_nothing() -> None:
         ({"cache_seqlens": seqlens[:2]}, ValueError, "cache_seqlens"),
         ({"k_new": new[0][:2], "v_new": new[1][:2]}, ValueError, "k_new and v_new"),
         ({"q": q[:2]}, ValueError, r"cache_seqlens must be a \(B,\) tensor with B=2"),
-        (two, ValueError, r"k_cache must be \(B=2"),  # (2 requests, 3 caches)
+        (two, ValueError, r"q's B=2, the caches' B=3"),  # (2 requests, 3 caches)
         ({"q": torch.zeros(B, 1, 3, D)}, ValueError, "multiple"),
         ({"num_splits": 0}, ValueError, "num_splits"),
     ]
