@@ -111,6 +111,8 @@ def test_minimum_triton_version_is_enforced_and_declared() -> None:
     assert deps is not None, "pyproject.toml states its dependencies on one line"
     declared = re.findall(r'"(triton[^"]*)"', deps.group(1))
     assert declared == [f"triton>={'.'.join(map(str, _backend.MIN_TRITON))}"]
+    # Triton's interpreter (every kernel on a CPU) imports numpy, which torch does not install
+    assert re.search(r'"numpy[>=<]', deps.group(1)), "numpy must be a dependency"
 
 
 def test_other_devices_get_a_clear_error() -> None:
