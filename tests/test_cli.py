@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,11 +134,26 @@ def test_demo_writes_plot_where_asked_and_says_so(
 def test_demo_out_default_and_alias_are_absolute(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from flashlite.cli import commands
+
     monkeypatch.chdir(tmp_path)
     parser = cli.build_parser()
-    assert parser.parse_args(["demo"]).out == tmp_path.resolve() / "flashlite-traffic.png"
+    assert parser.parse_args(["demo"]).out is None  # (the default is chosen when it runs)
+    assert commands._default_plot() == tmp_path.resolve() / "flashlite-traffic.png"
     assert parser.parse_args(["demo", "--plot", "a.svg"]).out == tmp_path.resolve() / "a.svg"
     assert parser.parse_args(["traffic"]).plot is None
+
+
+def test_demo_runs_without_matplotlib(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a bare install has no matplotlib: the demo runs its checks and says there is no plot
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # (import matplotlib raises)
+    assert cli.main(["demo"]) == 0
+    out = capsys.readouterr().out
+    assert "no plot: matplotlib is not installed" in out and "ok" in out
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize(

@@ -10,6 +10,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -368,11 +369,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
         l2_bytes=None if args.l2_mib is None else int(args.l2_mib * 2**20),
     )
     print(format_table(rows))
-    plot_traffic(rows, str(args.out), "B=1 H=2 D=16 fp32 causal (CPU: model and counted)")
-    print(f"\nwrote plot: {args.out}")
+    out = args.out if args.out is not None else _default_plot()
+    if out is None:
+        print('\nno plot: matplotlib is not installed (pip install "flashlite-attn[bench]")')
+    else:
+        plot_traffic(rows, str(out), "B=1 H=2 D=16 fp32 causal (CPU: model and counted)")
+        print(f"\nwrote plot: {out}")
     if failed:
         print(f"FAIL: {failed} accuracy check(s) outside their tolerance", file=sys.stderr)
     return 1 if failed else 0
+
+
+#: The demo's plot when no ``--out`` is given (written only where matplotlib is installed).
+DEMO_PLOT = "flashlite-traffic.png"
+
+
+def _default_plot() -> Path | None:
+    """The demo's plot path without ``--out``: ``flashlite-traffic.png`` in the current folder,
+    or None where matplotlib is not installed (a bare install: the demo runs, without a plot)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return None
+    return Path(DEMO_PLOT).resolve()
 
 
 #: The scripts in ``benchmarks/`` (run from a clone; each needs a GPU) and what each measures:

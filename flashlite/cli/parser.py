@@ -12,6 +12,7 @@ import torch
 
 from flashlite.cli import texts
 from flashlite.cli.commands import (
+    DEMO_PLOT,
     DTYPES,
     cmd_attention,
     cmd_bench,
@@ -197,10 +198,11 @@ def _add_demo(sub: Any) -> None:
         "--plot",
         dest="out",
         type=_plot_path,
-        default="flashlite-traffic.png",
+        default=None,
         metavar="PATH",
         help="where to write the plot (.png, .svg, .pdf, ...); relative paths are taken from "
-        "the current folder and the absolute path is printed (default: %(default)s)",
+        "the current folder and the absolute path is printed (default: "
+        f"{DEMO_PLOT}, or no plot where matplotlib is not installed)",
     )
     _tile_options(d)
     d.set_defaults(func=cmd_demo)
