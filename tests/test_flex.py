@@ -256,7 +256,7 @@ def test_window_folds_into_the_flex_kernels_where_they_apply(
 
     ran: list[str] = []
     fwd, bwd = F.window_fwd, B.window_bwd
-    monkeypatch.setattr(W, "window_fwd_config", lambda q, k, v: HopperConfig(BLOCK, BLOCK, 2))
+    monkeypatch.setattr(W, "window_fwd_config", lambda facts: HopperConfig(BLOCK, BLOCK, 2))
     monkeypatch.setattr(W, "window_bwd_block", lambda q, k, v, do: (BLOCK, BLOCK))
     monkeypatch.setattr(F, "window_fwd", lambda *a: ran.append("fwd") or fwd(*a))
     monkeypatch.setattr(B, "window_bwd", lambda *a: ran.append("bwd") or bwd(*a))
@@ -319,7 +319,7 @@ def test_window_fold_reads_either_layout(monkeypatch: pytest.MonkeyPatch) -> Non
     kw = {"window": (11, 4), "layout": "b n h d", "return_lse": True}
     triton_o, triton_lse = flashlite.attention(q, k, v, **kw)
     _caches.clear()  # (that call's plan would serve the next one: a window's plan is kept too)
-    monkeypatch.setattr(W, "window_fwd_config", lambda q, k, v: HopperConfig(BLOCK, BLOCK, 2))
+    monkeypatch.setattr(W, "window_fwd_config", lambda facts: HopperConfig(BLOCK, BLOCK, 2))
     o, lse = flashlite.attention(q, k, v, **kw)
     heads_first = [t.transpose(1, 2).contiguous() for t in (q, k, v)]
     o2, lse2 = flashlite.attention(*heads_first, window=(11, 4), return_lse=True)
@@ -346,7 +346,7 @@ def test_window_stays_on_the_triton_kernels_elsewhere(monkeypatch: pytest.Monkey
     monkeypatch.setattr(B, "window_bwd", refuse)
     q, k, v = (torch.randn(1, 2, N, D, requires_grad=True) for _ in range(3))
     flashlite.attention(q, k, v, window=(9, 5)).sum().backward()
-    monkeypatch.setattr(W, "window_fwd_config", lambda q, k, v: HopperConfig(BLOCK, BLOCK, 2))
+    monkeypatch.setattr(W, "window_fwd_config", lambda facts: HopperConfig(BLOCK, BLOCK, 2))
     monkeypatch.setattr(W, "window_bwd_block", lambda q, k, v, do: (BLOCK, BLOCK))
     flashlite.attention(q, k, v, window=(9, 5), softcap=5.0).sum().backward()
     flashlite.attention(q, k, v, window=(9, 5), sinks=torch.zeros(2)).sum().backward()
@@ -1445,7 +1445,7 @@ def test_gpu_hand_written_window_matches_the_built_in_bit_for_bit() -> None:
     for n in (2048, 3000):
         q, k, v = (torch.randn(1, 8, n, 128, device="cuda", dtype=torch.bfloat16,
                                requires_grad=True) for _ in range(3))  # fmt: skip
-        assert W.window_fwd_config(q, k, v) is not None
+        assert W.window_fwd_config(W.Facts.of(q, k, v)) is not None
         bm = flashlite.create_block_mask(gallery.sliding_window(256), None, None, n, n)
         o = flashlite.attention(q, k, v, causal=True, window=(256, 0))
         assert torch.equal(flashlite.flex_attention(q, k, v, block_mask=bm), o)

@@ -74,13 +74,13 @@ from flashlite.ops.attention.backends.triton.config import (
     bwd_config,
     bwd_tiles,
     fixed_config,
-    gpu_config,
 )
 from flashlite.ops.attention.bwd import attention_bwd
 from flashlite.ops.attention.checks import check_inputs, check_sinks
 from flashlite.ops.attention.flex import compiled_variants, flex_attention
 from flashlite.ops.attention.fwd import attention_fwd
 from flashlite.ops.attention.kvcache import attention_kvcache
+from flashlite.ops.attention.planner import gpu_config
 from flashlite.ops.attention.request import Request
 from flashlite.ops.attention.shared_prefix import attention_shared_prefix
 

@@ -30,14 +30,19 @@ from typing import NamedTuple
 
 import torch
 
+from flashlite.kernels import configs as C
 from flashlite.kernels.attention import hopper as KH
 from flashlite.kernels.attention import hopper_bwd as KHB
 from flashlite.ops.attention.backends.common import (
+    DESC_MIN_WORK,
     descriptor_ok,
     hopper_bwd_applies,
     hopper_config,
+    hopper_entry,
+    hopper_launch_config,
     small_problem,
 )
+from flashlite.ops.attention.backends.triton.config import GPU_TABLES, table_config
 from flashlite.ops.attention.request import Request
 
 #: The fields the split-KV path takes (not packed sequences: those run the forward kernel).
@@ -63,6 +68,39 @@ class Choice(NamedTuple):
     tile: KH.HopperConfig | tuple[int, int] | None = None
 
 
+class Facts(NamedTuple):
+    """What the forward's tree reads of a call: of its tensors (:meth:`of`, the launcher's) or
+    of a GPU it models (:meth:`on_gpu`, the traffic tools'), so both read one decision."""
+
+    #: no query row, or no key (rows then see only their sinks)
+    empty: bool
+    #: enough work for TMA descriptors to pay: ``B·Hq·Nq·Nk·D`` of at least ``DESC_MIN_WORK``
+    tma_pays: bool
+    #: tensors TMA can read: on a CUDA device, unit stride along D, 16-byte aligned
+    tma_reads: bool
+    #: the dense Gluon forward's tile where it builds for this problem (sm_90), else None
+    gluon: KH.HopperConfig | None
+
+    @classmethod
+    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Facts:
+        """The facts of ``(B, H, N, D)`` views on this machine."""
+        return cls(
+            _nothing(q, k),
+            not small_problem(q, k),
+            descriptor_ok(q, k, v),
+            hopper_config(q, k.shape[2]),
+        )
+
+    @classmethod
+    def on_gpu(cls, gpu: str, shape: tuple[int, int, int, int, int], dtype: torch.dtype) -> Facts:
+        """The facts of a problem ``(B, Hq, Nq, Nk, D)`` of dense, aligned tensors on ``gpu``
+        (:data:`GPU_TABLES`: ``"h200"`` runs the Gluon kernels where they apply)."""
+        b, hq, nq, nk, d = shape
+        work = b * hq * nq * nk * d
+        gluon = hopper_entry(dtype, d, nk) if gpu == "h200" else None
+        return cls(work == 0, work >= DESC_MIN_WORK, True, gluon)
+
+
 def forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -75,27 +113,68 @@ def forward(
 ) -> Choice:
     """The forward's backend for ``(B, H, N, D)`` views (``config``, ``use_desc``,
     ``prescale_q``: the caller's pins, which the fast paths leave to the Triton kernel)."""
-    pinned = config is not None or use_desc is not None or prescale_q is not None
     if request.num_splits and request.varlen is None:
         # few query rows against many keys: one tile of a GQA group's heads, the keys split
         request.refuse("split-KV decoding", DECODE_FIELDS)
         return Choice("split_kv")
+    pins = (config, use_desc, prescale_q)
+    return dense(Facts.of(q, k, v), request, *pins)
+
+
+def dense(
+    facts: Facts,
+    request: Request,
+    config: object = None,
+    use_desc: bool | None = None,
+    prescale_q: bool | None = None,
+) -> Choice:
+    """The forward's tree past split-KV, from the call's :class:`Facts` alone."""
+    pinned = config is not None or use_desc is not None or prescale_q is not None
     if not pinned and not request.plain and request.only("window_left", "window_right"):
         # a window and nothing else: on Hopper, flex's Gluon kernel over the band's tables
-        hopper = window_fwd_config(q, k, v)
-        if hopper is not None:
-            return Choice("tables", True, hopper)
-    if _nothing(q, k):
+        tile = window_fwd_config(facts)
+        if tile is not None:
+            return Choice("tables", True, tile)
+    if facts.empty:
         return Choice("empty")
     if use_desc is None:
         # descriptors cost host time per call: they pay from about a billion multiply-adds
-        use_desc = not small_problem(q, k) and descriptor_ok(q, k, v)
-    if request.only("sinks") and use_desc and config is None and prescale_q is not False:
+        use_desc = facts.tma_pays and facts.tma_reads
+    unpinned = config is None and prescale_q is not False
+    if request.only("sinks") and use_desc and unpinned and facts.gluon is not None:
         # plain (or causal, sinks allowed) on sm_90: the dense Gluon kernel, where it builds
-        hopper = hopper_config(q, k.shape[2])
-        if hopper is not None:
-            return Choice("hopper", True, hopper)
+        return Choice("hopper", True, facts.gluon)
     return Choice("triton", use_desc)
+
+
+def gpu_config(
+    shape: tuple[int, int, int, int, int],
+    dtype: torch.dtype,
+    causal: bool,
+    gpu: str = "h200",
+) -> tuple[C.Config, bool]:
+    """The tile config a GPU runs for a plain (or causal) forward, known without one: what the
+    traffic tools count and model (the interpreter runs any tile), read from :func:`dense`'s
+    choice on :meth:`Facts.on_gpu`.
+
+    Args:
+        shape: ``(B, Hq, Nq, Nk, D)``.
+        dtype: the inputs' dtype.
+        causal: the mask.
+        gpu: ``"h200"`` or ``"generic"`` (:data:`GPU_TABLES`).
+
+    Returns:
+        The config (the pinned one when ``$FLASHLITE_ATTENTION_CONFIG`` is set) and whether that
+        GPU loads through tensor descriptors. Where the H200 runs the Gluon kernel, its tiles as
+        a ``warp_specialize`` config: the Triton kernel with those tiles issues the same bytes
+        (Q and O once, K and V once per 128-row block), so the interpreter counts them.
+    """
+    if gpu not in GPU_TABLES:
+        raise ValueError(f"gpu={gpu!r} is not one of {', '.join(map(repr, GPU_TABLES))}")
+    choice = dense(Facts.on_gpu(gpu, shape, dtype), Request(1.0, causal))  # (scale: no choice)
+    if choice.backend == "hopper":
+        return hopper_launch_config(choice.tile), True  # type: ignore[arg-type]
+    return table_config(shape[4], causal, dtype, choice.use_desc, gpu == "h200"), choice.use_desc
 
 
 def backward(
@@ -130,13 +209,11 @@ def _nothing(q: torch.Tensor, k: torch.Tensor) -> bool:
     return q.shape[0] * q.shape[1] * q.shape[2] == 0 or k.shape[2] == 0
 
 
-def window_fwd_config(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> KH.HopperConfig | None:
-    """The Gluon forward's config where a window forward of these ``(B, H, N, D)`` views runs
-    the flex Hopper kernel, else None: the dense forward's rule (enough work for TMA to pay,
-    tensors TMA can read, :func:`~flashlite.ops.attention.backends.common.hopper_config`)."""
-    if small_problem(q, k) or not descriptor_ok(q, k, v):
-        return None
-    return hopper_config(q, k.shape[2])
+def window_fwd_config(facts: Facts) -> KH.HopperConfig | None:
+    """The Gluon forward's config where a window forward runs the flex Hopper kernel over its
+    band's tables, else None: the dense forward's rule (enough work for TMA to pay, tensors TMA
+    can read, the Gluon kernel built for the problem)."""
+    return facts.gluon if facts.tma_pays and facts.tma_reads else None
 
 
 def window_bwd_block(

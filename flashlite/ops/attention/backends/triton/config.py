@@ -12,10 +12,7 @@ from flashlite._caches import Cache
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import fwd as K
 from flashlite.ops.attention.backends.common import (
-    DESC_MIN_WORK,
     dot_flags,
-    hopper_entry,
-    hopper_launch_config,
 )
 
 #: The tile small problems run on a GPU (few programs: a 64-row tile keeps more SMs busy).
@@ -94,38 +91,15 @@ def _table_entry(
 GPU_TABLES = ("h200", "generic")
 
 
-def gpu_config(
-    shape: tuple[int, int, int, int, int],
-    dtype: torch.dtype,
-    causal: bool,
-    gpu: str = "h200",
-) -> tuple[C.Config, bool]:
-    """The tile config a GPU runs for a problem, known without one (what the traffic tools count
-    and model; the interpreter runs any tile).
-
-    Args:
-        shape: ``(B, Hq, Nq, Nk, D)``.
-        dtype: the inputs' dtype.
-        causal: the mask.
-        gpu: ``"h200"`` or ``"generic"`` (:data:`GPU_TABLES`).
-
-    Returns:
-        The config (the pinned one when ``$FLASHLITE_ATTENTION_CONFIG`` is set) and whether that
-        GPU loads through tensor descriptors (problems past :data:`DESC_MIN_WORK`). Where the
-        H200 runs the Gluon kernel (:func:`hopper_config`, with Triton 3.6's Gluon), its tiles as
-        a ``warp_specialize`` config: the Triton kernel with those tiles issues the same bytes
-        (Q and O once, K and V once per 128-row block), so the interpreter counts them.
-    """
-    if gpu not in GPU_TABLES:
-        raise ValueError(f"gpu={gpu!r} is not one of {', '.join(map(repr, GPU_TABLES))}")
-    b, hq, nq, nk, d = shape
-    block_d = C.block_d(d)
-    use_desc = b * hq * nq * nk * d >= DESC_MIN_WORK
-    hopper = hopper_entry(dtype, d, nk) if gpu == "h200" and use_desc else None
-    if hopper is not None:
-        return hopper_launch_config(hopper), True
-    config = C.pinned_config() or _table_entry(block_d, causal, dtype, not use_desc, gpu == "h200")
-    return config or C.default_config(block_d, dtype.itemsize, use_desc), use_desc
+def table_config(
+    head_dim: int, causal: bool, dtype: torch.dtype, use_desc: bool, h200: bool
+) -> C.Config:
+    """The Triton forward's tile for a problem a GPU runs (:func:`~flashlite.ops.attention.
+    planner.gpu_config`): the pinned config (``$FLASHLITE_ATTENTION_CONFIG``), else the H200's
+    or the generic table's entry, else the default."""
+    block_d = C.block_d(head_dim)
+    config = C.pinned_config() or _table_entry(block_d, causal, dtype, not use_desc, h200)
+    return config or C.default_config(block_d, dtype.itemsize, use_desc)
 
 
 _plans = Cache("attention.configs", 1024)
