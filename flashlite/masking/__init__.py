@@ -2,26 +2,28 @@
 idea, this file its one public face (kernels, ops, the traffic model, the reference and the
 tests all ask here, so that they keep agreeing).
 
-==============  ==================================================================================
-``masks``       the built-in masks (causal, window, soft cap): :func:`describe` → :class:`Mask`,
-                the jit range helpers (``key_range``, ``query_range``, ``visible``) and their
-                torch twins
-``mods``        your own mask and score functions: :class:`MaskMod` / :class:`ScoreMod` (jit
-                function, torch twin, derivative, buffers, limits), the registry of mods by name
-``mod_calls``   how a mod is called: the kernels' call helpers ``apply_mask`` / ``apply_score``
-                and their buffer slots, the twins' callers ``torch_mask`` / ``torch_score``
-``mod_args``    a mod as the custom ops carry it (a spec string, tensors, numbers) and back; the
-                checks of a mod's buffers against a call
-``block_mask``  :class:`BlockMask`: tile classes (empty, partial, full) as FlexAttention's tables
-``classify``    the tile classifier: its kernel, its torch twin, and the launch of one or the
-                other (:func:`classify_tiles`)
-``create``      :func:`create_block_mask`, the tables of no mask (:func:`dense_block_mask`), the
-                checks a call's block mask passes (:func:`block_mask_for`)
-``band``        the sliding window as a band of tables with its mask function (what flex's
-                Hopper kernels run for ``window=``)
-``softcap``     the soft cap's jit ``tanh`` (scores and logits)
-``gallery``     mask and score functions ready to use (``gallery.causal()``, ``gallery.alibi``)
-==============  ==================================================================================
+================  ==================================================================================
+``masks``         the built-in masks (causal, window, soft cap): :func:`describe` → :class:`Mask`,
+                  the jit range helpers (``key_range``, ``query_range``, ``visible``) and their
+                  torch twins
+``mods``          your own mask and score functions: :class:`MaskMod` / :class:`ScoreMod` (jit
+                  function, torch twin, derivative, buffers, limits), the registry of mods by name
+``mod_calls``     how a mod is called: the kernels' call helpers ``apply_mask`` / ``apply_score``
+                  and their buffer slots, the twins' callers ``torch_mask`` / ``torch_score``
+``mod_args``      a mod as the custom ops carry it (a spec string, tensors, numbers) and back; the
+                  checks of a mod's buffers against a call
+``block_mask``    :class:`BlockMask`: tile classes (empty, partial, full) as FlexAttention's tables
+``classify``      the tile classifier: its kernel, its torch twin, and the launch of one or the
+                  other (:func:`classify_tiles`)
+``python_masks``  plain Python mask functions: evaluated once per block mask, partial tiles
+                  kept as bits that one registered jit mask (``flashlite.bits``) reads
+``create``        :func:`create_block_mask`, the tables of no mask (:func:`dense_block_mask`), the
+                  checks a call's block mask passes (:func:`block_mask_for`)
+``band``          the sliding window as a band of tables with its mask function (what flex's
+                  Hopper kernels run for ``window=``)
+``softcap``       the soft cap's jit ``tanh`` (scores and logits)
+``gallery``       mask and score functions ready to use (``gallery.causal()``, ``gallery.alibi``)
+================  ==================================================================================
 
 The older module paths ``flashlite.masks``, ``flashlite.mods``, ``flashlite.block_mask`` and
 ``flashlite.gallery`` are faces of these modules and give the same objects.

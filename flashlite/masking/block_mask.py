@@ -130,32 +130,25 @@ class BlockMask:
     ) -> BlockMask:
         """Torch's ``BlockMask`` as flashlite's, re-tiled to ``block_size`` (default: its own).
 
-        A finer tile inherits its block's class (a partial block's pieces stay partial: the
-        kernels evaluate the mask there); a coarser tile is empty or full when all its blocks
-        are, else partial. Partial tiles need the mask as a jit function: ``mask_mod`` (a
-        :class:`~flashlite.mods.MaskMod` or jit function), or torch's mask itself when it was
-        built from a flashlite ``MaskMod``.
+        With a jit mask (``mask_mod``, a :class:`~flashlite.mods.MaskMod` or jit function, or
+        torch's mask itself when it was built from a flashlite ``MaskMod``) a finer tile
+        inherits its block's class (a partial block's pieces stay partial: the kernels evaluate
+        the mask there); a coarser tile is empty or full when all its blocks are, else partial.
+        A plain Python mask (torch's own ``mask_mod``, as FlexAttention users write it) is
+        evaluated again over torch's batches, heads and lengths and kept as bits
+        (:mod:`flashlite.masking.python_masks`).
 
         Raises:
-            TypeError: no jit mask is known for it.
+            TypeError: a mask that is neither a jit mask nor a function of four indices.
             ValueError: block sizes that do not divide one another.
         """
         mod = mask_mod if mask_mod is not None else getattr(block_mask, "mask_mod", None)
-        if not isinstance(mod, MaskMod) and not _is_jit(mod):
-            name = getattr(mod, "__name__", type(mod).__name__)
-            raise TypeError(
-                f"block_mask is torch's BlockMask built from a plain Python mask ({name}), "
-                "which flashlite's kernels cannot evaluate on its partial tiles. Write the "
-                "mask as a @triton.jit function fn (a body of plain operators such as "
-                "q_idx >= kv_idx is its own torch twin) and pass flashlite.flex_attention "
-                "block_mask=flashlite.create_block_mask(fn, B, H, Q_LEN, KV_LEN), or torch's "
-                "create_block_mask(flashlite.mods.mask_mod(fn), ...), or "
-                "flashlite.BlockMask.from_torch(block_mask, mask_mod=fn)"
-            )
-        mod = as_mask_mod(mod)
         nq, nk = (int(n) for n in block_mask.seq_lengths)
         tbm, tbn = (int(s) for s in block_mask.BLOCK_SIZE)
         bm, bn = block_size if block_size is not None else (tbm, tbn)
+        if not isinstance(mod, MaskMod) and not _is_jit(mod):
+            return _from_python(block_mask, mod, (nq, nk), (bm, bn))
+        mod = as_mask_mod(mod)
         classes = _classes_of(block_mask)
         classes = _retile(classes, tbm, bm, nq, dim=2)
         classes = _retile(classes, tbn, bn, nk, dim=3)
@@ -163,6 +156,27 @@ class BlockMask:
             last = classes[..., -1]
             classes[..., -1] = torch.where(last == FULL, PARTIAL, last)
         return cls.from_classes(classes, (nq, nk), (bm, bn), mod)
+
+
+def _from_python(
+    block_mask: Any, fn: Any, lengths: tuple[int, int], block: tuple[int, int]
+) -> BlockMask:
+    """torch's block mask of a plain Python mask ``fn``, evaluated over its batches and heads
+    on its tables' device and held to its tables (a hand-made one's empty blocks see nothing
+    and full blocks everything, as in torch). Imported here: python_masks builds on this
+    module."""
+    from flashlite.masking import python_masks
+
+    if not python_masks.is_python_mask(fn):
+        name = getattr(fn, "__name__", type(fn).__name__)
+        raise TypeError(
+            f"block_mask's mask_mod {name} is neither a mask function (b, h, q_idx, kv_idx) "
+            "nor a @triton.jit mask; pass BlockMask.from_torch(block_mask, mask_mod=fn)"
+        )
+    classes = _classes_of(block_mask)  # (torch's tables hold the mask: see python_block_mask)
+    b, h = classes.shape[:2]
+    given = (classes, tuple(int(s) for s in block_mask.BLOCK_SIZE))
+    return python_masks.python_block_mask(fn, b, h, lengths, block, classes.device, given)
 
 
 _TABLES = (

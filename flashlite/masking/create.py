@@ -16,6 +16,7 @@ from flashlite import _backend
 from flashlite._caches import Cache, register
 from flashlite.masking import block_mask as BM
 from flashlite.masking import mods as M
+from flashlite.masking import python_masks as PM
 from flashlite.masking.classify import classify_tiles
 from flashlite.masking.mod_args import check_mod
 
@@ -55,12 +56,16 @@ def create_block_mask(
     BLOCK_SIZE: int | tuple[int, int] = 128,
 ) -> BM.BlockMask:
     """Classify every tile of the score matrix as empty, full or partial for ``mask_mod``
-    (torch's ``create_block_mask``, evaluated by a kernel on the device: one mask evaluation
-    per (query, key) pair, no host sync).
+    (torch's ``create_block_mask``). A jit mask is evaluated by a kernel on the device (one
+    evaluation per (query, key) pair, no host sync) and again by the attention kernels on
+    partial tiles; a plain Python mask is evaluated once here, on ``device``, and its partial
+    tiles kept as bits that the attention kernels read (:mod:`flashlite.masking.python_masks`).
 
     Args:
         mask_mod: a :class:`~flashlite.masking.mods.MaskMod` (:mod:`flashlite.masking.gallery`,
-            :func:`flashlite.masking.mods.mask_mod`) or a bare ``@triton.jit`` mask.
+            :func:`flashlite.masking.mods.mask_mod`), a bare ``@triton.jit`` mask, or a plain
+            Python function ``(b, h, q_idx, kv_idx) -> bool tensor`` in torch ops (closing over
+            tensors on ``device`` if it likes), as torch's ``create_block_mask`` takes it.
         B, H: batch and heads the mask depends on; None: it does not (one table, broadcast).
         Q_LEN, KV_LEN: the sequence lengths.
         device: where the tables live (default: the current CUDA device, else CPU).
@@ -70,11 +75,13 @@ def create_block_mask(
         A :class:`~flashlite.masking.block_mask.BlockMask`.
 
     Raises:
-        TypeError: ``mask_mod`` is not a jit mask (or has the wrong arity).
+        TypeError: ``mask_mod`` is neither a mask function of four indices nor a jit mask
+            (or has the wrong arity); a Python mask returns something other than bools.
         ValueError: bad lengths or block size, a buffer on another device, more batches,
             heads or positions than the mod's buffers hold (its ``limits``).
     """
-    mod = M.as_mask_mod(mask_mod)
+    python = PM.is_python_mask(mask_mod)
+    mod = None if python else M.as_mask_mod(mask_mod)
     b = 1 if B is None else _check_len(B, "B")
     h = 1 if H is None else _check_len(H, "H")
     nq, nk = _check_len(Q_LEN, "Q_LEN"), _check_len(KV_LEN, "KV_LEN")
@@ -82,6 +89,8 @@ def create_block_mask(
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
+    if mod is None:  # (evaluated here once, kept as bits: python_masks)
+        return PM.python_block_mask(mask_mod, b, h, (nq, nk), (bm, bn), device)
     check_mod(mod, "mask_mod", device, B, H, max(nq, nk))
     classes = classify_tiles(mod, b, h, nq, nk, (bm, bn), device)
     return BM.BlockMask.from_classes(classes, (nq, nk), (bm, bn), mod)
@@ -151,6 +160,23 @@ def _check_tables(bm: BM.BlockMask) -> None:
     _checked.add(bm)
 
 
+#: torch's block masks of plain Python masks, converted (evaluating one costs a pass over every
+#: pair: a model calling flex_attention with the same torch BlockMask pays it once)
+_CONVERTED: weakref.WeakKeyDictionary[Any, BM.BlockMask] = register(
+    "flex.converted_python_masks", weakref.WeakKeyDictionary()
+)
+
+
+def _from_torch(block_mask: Any) -> BM.BlockMask:
+    fn = getattr(block_mask, "mask_mod", None)
+    if not PM.is_python_mask(fn):  # (jit masks convert cheaply: tables only, no evaluation)
+        return BM.BlockMask.from_torch(block_mask)
+    found = _CONVERTED.get(block_mask)
+    if found is None:
+        found = _CONVERTED[block_mask] = BM.BlockMask.from_torch(block_mask)
+    return found
+
+
 def block_mask_for(
     block_mask: Any, q: torch.Tensor, k: torch.Tensor, lengths: tuple[int, int] | None = None
 ) -> BM.BlockMask:
@@ -168,7 +194,7 @@ def block_mask_for(
                 f"block_mask must be a flashlite or torch BlockMask, got "
                 f"{type(block_mask).__name__}"
             )
-        block_mask = BM.BlockMask.from_torch(block_mask)
+        block_mask = _from_torch(block_mask)
     _check_tables(block_mask)
     if tuple(block_mask.seq_lengths) != (nq, nk):
         raise ValueError(
