@@ -221,3 +221,30 @@ def test_torch_block_mask_of_a_python_mask_is_accepted() -> None:
     )
     dense = (torch.arange(N) < BLOCK).expand(B, HQ, N, N)
     _check_against_fp64(hand, dense)
+
+
+def test_the_gluon_kernels_do_not_take_bits_yet(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the Hopper flex kernels would run (forced here on the CPU), a plain Python mask's
+    call runs the Triton flex kernels: the Gluon ones have not read its bits on a GPU yet."""
+    from flashlite import _caches
+    from flashlite.kernels.attention.hopper import HopperConfig
+    from flashlite.ops.attention.backends.tables import bwd as TB
+    from flashlite.ops.attention.backends.tables import fwd as TF
+
+    called: list[str] = []
+    _caches.clear()
+    monkeypatch.setattr(TF, "hopper_config", lambda *a: HopperConfig(128, 128, 3))
+    monkeypatch.setattr(TF, "descriptor_ok", lambda *a: True)
+    monkeypatch.setattr(TF, "plan_flex_fwd", lambda *a, **k: called.append("fwd"))
+    monkeypatch.setattr(TB, "hopper_bwd_applies", lambda *a: True)
+    monkeypatch.setattr(TB, "descriptor_ok", lambda *a: True)
+    monkeypatch.setattr(TB, "plan_flex_bwd", lambda *a, **k: called.append("bwd"))
+    n = 130  # (a ragged second tile of the 128 x 128 tables the Hopper kernels take)
+    bm = flashlite.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, n, n)
+    assert bm.mask_mod.name == BITS_NAME
+    q, k, v = (torch.randn(1, 2, n, D, requires_grad=True) for _ in range(3))
+    out = flashlite.flex_attention(q, k, v, block_mask=bm)
+    out.sum().backward()
+    ref = reference.attention(*(t.detach().double() for t in (q, k, v)), causal=True)
+    torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
+    assert called == []

@@ -81,9 +81,25 @@ from flashlite.masking.mods import (
     registered_as,
     score_mod,
 )
+from flashlite.masking.python_masks import (
+    BITS_NAME,
+    EMPTY_SLOT,
+    FULL_SLOT,
+    bits_mask,
+    evaluate_mask,
+    is_python_mask,
+    python_block_mask,
+)
 from flashlite.masking.softcap import tanh
 
 __all__ = [
+    "BITS_NAME",
+    "EMPTY_SLOT",
+    "FULL_SLOT",
+    "bits_mask",
+    "evaluate_mask",
+    "is_python_mask",
+    "python_block_mask",
     # masks
     "CAUSAL",
     "NO_MASK",

@@ -36,7 +36,7 @@ __all__ = [
     "FULL_SLOT",
     "BITS_NAME",
     "is_python_mask",
-    "evaluate",
+    "evaluate_mask",
     "bits_mask",
     "python_block_mask",
 ]
@@ -92,7 +92,7 @@ def _call(fn: Callable[..., Any], idx: tuple[torch.Tensor, ...]) -> torch.Tensor
     return got
 
 
-def evaluate(
+def evaluate_mask(
     fn: Callable[..., Any], b: int, h: int, rows: tuple[int, int], nk: int, device: torch.device
 ) -> torch.Tensor:
     """``fn`` over batches ``< b``, heads ``< h``, queries ``rows[0] <= q_idx < rows[1]`` and
@@ -172,7 +172,7 @@ def _tables(
         r1 = min(nqb, r0 + band)
         q0, q1 = r0 * bm, min(nq, r1 * bm)
         seen = torch.zeros(b, h, (r1 - r0) * bm, nkb * bn, dtype=torch.bool, device=device)
-        got = evaluate(fn, b, h, (q0, q1), nk, device)
+        got = evaluate_mask(fn, b, h, (q0, q1), nk, device)
         seen[:, :, : q1 - q0, :nk] = got if given is None else _within(got, given, q0)
         n_rows = (nq - torch.arange(r0, r1, device=device) * bm).clamp(max=bm)
         cls, mixed, tiles = _band(seen, n_rows, nk, block)

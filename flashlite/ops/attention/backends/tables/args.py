@@ -25,6 +25,7 @@ from flashlite.masking.mod_args import (
     split_spec,
     unspec_mod,
 )
+from flashlite.masking.python_masks import BITS_NAME
 from flashlite.ops.attention.backends.common import HOPPER_ENV
 from flashlite.ops.attention.request import Request, mod_fields
 
@@ -235,6 +236,13 @@ def bind_triton(
         bound = launcher.bind(args, {**mods, **opts, "num_stages": 1})
         bound(grid, *args)
     return bound
+
+
+def gluon_takes(mask: ModArgs) -> bool:
+    """Whether the Hopper (Gluon) flex kernels take this mask: not yet a plain Python mask's
+    bits (:data:`flashlite.masking.python_masks.BITS_NAME`), whose reads in the Gluon kernels
+    have not run on a GPU; those calls run the Triton flex kernels."""
+    return split_spec(mask[0])[0] != BITS_NAME
 
 
 def plan_options(

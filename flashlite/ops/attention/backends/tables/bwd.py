@@ -27,6 +27,7 @@ from flashlite.ops.attention.backends.tables.args import (
     Grads,
     Offsets,
     bind_triton,
+    gluon_takes,
     grid_batch,
     grid_blocks,
     mod_args,
@@ -160,6 +161,7 @@ class BwdPlan:
         self.delta_shape, self.acc_shape = (b, hq, nq), (b, hq, nq, d)
         self.tbm, self.tbn, self.scale, self.varlen = tbm, tbn, scale, varlen
         bufs, self.mods = mod_args(mask, score, grad=True)
+        self.gluon = gluon_takes(mask)
         self.slots = Slots(bufs)
         self.q_strides = table_args(q_tables[0], q_tables[1])
         self.kv_strides = table_args(kv_tables[0], kv_tables[1])
@@ -199,7 +201,8 @@ class BwdPlan:
         writes delta, ``Qs`` into ``dq``'s memory and zeros into dQ's fp32 accumulator, then
         one kernel adds every gradient. Else (or after one warning if it failed to build) the
         preprocess and the two Triton kernels (they overwrite ``dq``)."""
-        fused = (self.tbm, self.tbn) == (2 * KHB.BLOCK_M, KHB.BLOCK_N) and not self.varlen
+        tiles = (self.tbm, self.tbn) == (2 * KHB.BLOCK_M, KHB.BLOCK_N)
+        fused = tiles and not self.varlen and self.gluon
         if fused and hopper_bwd_applies(c.q, c.k, c.v, c.do, c.dk, c.dv) and descriptor_ok(c.dq):
             run = self._first_fused(c)
             if run is not None:

@@ -22,6 +22,7 @@ from flashlite.ops.attention.backends.tables import args as FA
 from flashlite.ops.attention.backends.tables.args import (
     Offsets,
     bind_triton,
+    gluon_takes,
     grid_batch,
     grid_blocks,
     head_linear_bias,
@@ -99,6 +100,7 @@ class FwdPlan:
         # the Hopper forward also takes whether the score function declares the head-linear
         # bias (ALiBi), which it applies as a column and a row term; Triton calls it as it is
         self.hopper_mods = {**self.mods, "ALIBI": head_linear_bias(score)}
+        self.gluon = gluon_takes(mask)
         self.slots = Slots(bufs)
         self.strides = table_args(tables[0], tables[1])
         #: ``run(q, k, v, o, lse, tables, bufs)``, bound by the first call
@@ -138,7 +140,7 @@ class FwdPlan:
         applies: a compiled sm_90 device, 16-bit inputs TMA can read, a head dim with a
         measured config whose tiles are the tables' blocks, not varlen; else (or after one
         warning if it failed to build) the Triton kernel."""
-        config = None if self.varlen else hopper_config(q, k.shape[2])
+        config = None if self.varlen or not self.gluon else hopper_config(q, k.shape[2])
         if (
             config is not None
             and (self.tbm, self.tbn) == (config.block_m, config.block_n)
