@@ -59,6 +59,33 @@ def _classify_tiles_kernel(
         tl.store(out + kb, cls.to(tl.int8))
 
 
+#: mask evaluations per band of query blocks (bounded memory at long lengths)
+BAND_PAIRS = 1 << 24
+
+
+def band_blocks(b: int, h: int, block: tuple[int, int], nkb: int) -> int:
+    """Query blocks per band when a mask is evaluated in torch over ``nkb`` key blocks."""
+    return max(1, BAND_PAIRS // max(1, b * h * block[0] * nkb * block[1]))
+
+
+def classify_band(
+    seen: torch.Tensor, n_rows: torch.Tensor, nk: int, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One band's tiles from its seen pairs ``(B, H, R·bm, nK·bn)`` (padded to whole tiles;
+    ``n_rows`` ``(R,)``: each query block's rows in range): int8 classes ``(B, H, R, nK)``
+    (a tile crossing ``Nk`` is never full: full tiles run without bounds checks), the tiles'
+    pairs ``(B, H, R, nK, bm, bn)``, how many pairs each sees and how many are in range."""
+    bm, bn = block
+    b, h, r, nkb = seen.shape[0], seen.shape[1], seen.shape[2] // bm, seen.shape[3] // bn
+    tiles = seen.view(b, h, r, bm, nkb, bn).permute(0, 1, 2, 4, 3, 5)
+    n_seen = tiles.sum((4, 5))
+    n_cols = (nk - torch.arange(nkb, device=seen.device) * bn).clamp(max=bn)
+    in_range = n_rows.view(-1, 1) * n_cols.view(1, -1)
+    full = (n_seen == in_range) & (n_cols == bn)
+    cls = torch.where(full, FULL, torch.where(n_seen > 0, PARTIAL, EMPTY)).to(torch.int8)
+    return cls, tiles, n_seen, in_range
+
+
 def torch_classify(
     mod: MaskMod,
     b: int,
@@ -70,13 +97,11 @@ def torch_classify(
 ) -> torch.Tensor:
     """Twin of the classifier kernel: int8 classes ``(B, H, cdiv(Nq, bm), cdiv(Nk, bn))`` from
     the mask over every pair (rows past ``Nq`` ignored; tiles crossing ``Nk`` never full),
-    evaluated a band of query blocks at a time (bounded memory at long lengths)."""
+    evaluated a band of query blocks at a time (:func:`classify_band`)."""
     bm, bn = block
     nqb, nkb = cdiv(nq, bm), cdiv(nk, bn)
     out = torch.empty(b, h, nqb, nkb, dtype=torch.int8, device=device)
-    band = max(1, (1 << 24) // max(1, b * h * bm * nkb * bn))  # query blocks per band
-    ragged_k = torch.zeros(nkb, dtype=torch.bool, device=device)
-    ragged_k[-1] = nk % bn != 0
+    band = band_blocks(b, h, block, nkb)
     for r0 in range(0, nqb, band):
         r1 = min(nqb, r0 + band)
         q0, q1 = r0 * bm, min(nq, r1 * bm)
@@ -84,11 +109,8 @@ def torch_classify(
         seen = torch.zeros(b, h, (r1 - r0) * bm, nkb * bn, dtype=torch.bool, device=device)
         got = mod(idx[0], idx[1], idx[2] + q0, idx[3])
         seen[:, :, : q1 - q0, :nk] = torch.as_tensor(got, device=device).to(torch.bool)
-        n_seen = seen.view(b, h, r1 - r0, bm, nkb, bn).sum((3, 5))
-        rows = torch.tensor([min(bm, nq - r * bm) for r in range(r0, r1)], device=device)
-        full = (n_seen == rows.view(-1, 1) * bn) & ~ragged_k
-        cls = torch.where(n_seen > 0, PARTIAL, EMPTY)
-        out[:, :, r0:r1] = torch.where(full, FULL, cls)
+        rows = (nq - torch.arange(r0, r1, device=device) * bm).clamp(max=bm)
+        out[:, :, r0:r1] = classify_band(seen, rows, nk, block)[0]
     return out
 
 

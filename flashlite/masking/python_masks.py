@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from flashlite.masking.block_mask import EMPTY, FULL, PARTIAL, BlockMask, cdiv
+from flashlite.masking.block_mask import FULL, PARTIAL, BlockMask, cdiv
+from flashlite.masking.classify import band_blocks, classify_band
 from flashlite.masking.mods import MaskMod, mask_mod
 
 __all__ = [
@@ -48,8 +49,6 @@ BITS_NAME = "flashlite.bits"
 #: ``META`` entries: batch and head strides of ``SLOT`` (0: broadcast), its key blocks, the
 #: tile, the words per tile row, the lengths.
 _META = ("stride_b", "stride_h", "n_kb", "bm", "bn", "words", "nq", "nk")
-#: mask evaluations per band of query blocks (bounded memory at long lengths)
-_BAND_PAIRS = 1 << 24
 
 
 def is_python_mask(fn: object) -> bool:
@@ -103,25 +102,6 @@ def evaluate_mask(
         return _call(fn, (*ar, q, torch.arange(nk, device=device)))
 
 
-def _band(
-    seen: torch.Tensor, n_rows: torch.Tensor, nk: int, block: tuple[int, int]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One band's ``(classes, mixed, tiles)``: int8 classes ``(B, H, R, nK)``, which tiles keep
-    bits, and every tile's bits ``(B, H, R, nK, bm, bn)`` of ``seen`` (padded to whole tiles)."""
-    bm, bn = block
-    b, h, r = seen.shape[0], seen.shape[1], seen.shape[2] // bm
-    nkb = seen.shape[3] // bn
-    tiles = seen.view(b, h, r, bm, nkb, bn).permute(0, 1, 2, 4, 3, 5)
-    n_seen = tiles.sum((4, 5))
-    n_cols = (nk - torch.arange(nkb, device=seen.device) * bn).clamp(max=bn)
-    in_range = n_rows.view(-1, 1) * n_cols.view(1, -1)
-    ragged = n_cols < bn  # (a tile crossing Nk is never full: full tiles run without bounds)
-    cls = torch.where(n_seen > 0, PARTIAL, EMPTY)
-    cls = torch.where((n_seen == in_range) & ~ragged, FULL, cls).to(torch.int8)
-    mixed = (n_seen > 0) & (n_seen < in_range)
-    return cls, mixed, tiles
-
-
 def _pack(tiles: torch.Tensor) -> torch.Tensor:
     """Bool tiles ``(n, bm, bn)`` as int32 words ``(n, bm, cdiv(bn, 32))``, key ``j`` of a row
     in bit ``j % 32`` of word ``j // 32``."""
@@ -167,7 +147,7 @@ def _tables(
     slot = torch.empty(b, h, nqb, nkb, dtype=torch.int32, device=device)
     words: list[torch.Tensor] = []
     stored = 0
-    band = max(1, _BAND_PAIRS // max(1, b * h * bm * nkb * bn))
+    band = band_blocks(b, h, block, nkb)
     for r0 in range(0, nqb, band):
         r1 = min(nqb, r0 + band)
         q0, q1 = r0 * bm, min(nq, r1 * bm)
@@ -175,7 +155,8 @@ def _tables(
         got = evaluate_mask(fn, b, h, (q0, q1), nk, device)
         seen[:, :, : q1 - q0, :nk] = got if given is None else _within(got, given, q0)
         n_rows = (nq - torch.arange(r0, r1, device=device) * bm).clamp(max=bm)
-        cls, mixed, tiles = _band(seen, n_rows, nk, block)
+        cls, tiles, n_seen, in_range = classify_band(seen, n_rows, nk, block)
+        mixed = (n_seen > 0) & (n_seen < in_range)
         classes[:, :, r0:r1] = cls
         picked = tiles[mixed]  # (row-major over (b, h, q block, k block): the slots' order)
         here = torch.full(cls.shape, EMPTY_SLOT, dtype=torch.int32, device=device)

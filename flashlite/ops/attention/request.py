@@ -166,9 +166,8 @@ class Request(NamedTuple):
     def key(self) -> tuple:
         """What a plan depends on in this request: its values, each tensor field as its kind
         (dtype, shape, strides, device), never its contents. Every field is in it."""
-        if self[5:] == _SCALAR_TAIL:  # (no tensor field: its five scalars, a short hash)
-            return self[:5]
-        return tuple(_kind(f) for f in self)
+        scalars = self.scalar_key  # (no tensor field: its five scalars, a short hash)
+        return scalars if scalars is not None else tuple(_kind(f) for f in self)
 
     @property
     def mask(self) -> masks.Mask:
