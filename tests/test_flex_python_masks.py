@@ -283,3 +283,16 @@ def test_compiled_matches_eager_and_passes_opcheck() -> None:
     fields, named = FLEX_FWD.fields.flat(table_request(bm, 0.25))
     args = (q.detach(), k.detach(), v.detach(), *fields)
     opcheck(torch.ops.flashlite.flex_attention_fwd.default, args, named)
+
+
+def test_traffic_model_equals_count() -> None:
+    """The tables' model of the forward's bytes, the bits' reads included (a slot and a word
+    per pair on partial tiles, as issued), equals the interpreter's count."""
+    from flashlite.traffic import AttentionShape, count_flex_attention, model_flex_attention
+
+    shape = AttentionShape(B, HQ, N, D, kv_heads=HKV, dtype=torch.float16)
+    fn = _masks()["document_causal"][0]
+    bm = flashlite.create_block_mask(fn, B, None, N, N, BLOCK_SIZE=BLOCK)
+    model, counted = model_flex_attention(shape, bm), count_flex_attention(shape, bm)
+    assert (model.read, model.write) == (counted.read, counted.write)
+    assert model.info["mods_modelled"] and model.info["empty"] > 0

@@ -203,8 +203,9 @@ def _bits_t(b, h, q_idx, kv_idx, SLOT, BITS, META):  # type: ignore[no-untyped-d
 
 
 def _bits_reads(bm: int, bn: int) -> int:
-    # a slot and a word per pair, as issued (a tile mostly hits one slot and few words)
-    return bm * bn * 8
+    # a slot and a word per pair, as issued (a tile mostly hits one slot and few words), and
+    # the META sizes, read once per tile
+    return bm * bn * 8 + 4 * len(_META)
 
 
 def bits_mask(
