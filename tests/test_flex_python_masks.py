@@ -10,6 +10,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import triton
+from conftest import TOL
 
 import flashlite
 from flashlite import reference
@@ -24,11 +25,12 @@ B, HQ, HKV = 2, 4, 2
 Fn = Callable[..., torch.Tensor]
 
 
-def _masks() -> dict[str, tuple[Fn, bool, bool]]:
-    """name -> (mask, depends on b, depends on h)."""
+def _masks(n: int = N, device: str = "cpu") -> dict[str, tuple[Fn, bool, bool]]:
+    """name -> (mask, depends on b, depends on h), for length ``n``; closures over tensors on
+    ``device``."""
     gen = torch.Generator().manual_seed(3)
-    ids = torch.sort(torch.randint(0, 4, (B, N), generator=gen), dim=1).values
-    rand = torch.rand(B, HQ, N, N, generator=gen) < 0.3
+    ids = torch.sort(torch.randint(0, 4, (B, n), generator=gen), dim=1).values.to(device)
+    rand = (torch.rand(B, HQ, n, n, generator=gen) < 0.3).to(device)
     side = 8  # N = 72 tokens: a 9 x 8 image, row-major
 
     def neighbourhood(b, h, q_idx, kv_idx):  # noqa: ANN001, ANN202
@@ -51,8 +53,8 @@ def _masks() -> dict[str, tuple[Fn, bool, bool]]:
 NAMES = list(_masks())
 
 
-def _dense(fn: Fn, b: int, h: int, nq: int = N, nk: int = N) -> torch.Tensor:
-    return torch.as_tensor(fn(*torch_indices(b, h, nq, nk))).expand(b, h, nq, nk)
+def _dense(fn: Fn, b: int, h: int, nq: int = N, nk: int = N, device: str = "cpu") -> torch.Tensor:
+    return torch.as_tensor(fn(*torch_indices(b, h, nq, nk, device))).expand(b, h, nq, nk)
 
 
 @triton.jit
@@ -296,3 +298,69 @@ def test_traffic_model_equals_count() -> None:
     model, counted = model_flex_attention(shape, bm), count_flex_attention(shape, bm)
     assert (model.read, model.write) == (counted.read, counted.write)
     assert model.info["mods_modelled"] and model.info["empty"] > 0
+
+
+# --------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("gluon", [False, True], ids=["triton", "gluon"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("name", NAMES)
+def test_gpu_python_mask_against_fp64(
+    name: str, dtype: torch.dtype, gluon: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The attention-gym set as plain Python on the GPU, GQA, a ragged last tile, forward and
+    backward: the error against fp64 is within 2x that of torch's SDPA on the same dense mask.
+    ``gluon``: the Hopper flex kernels may read the bits (D 128; taken on sm_90), else the
+    Triton flex kernels (D 64)."""
+    import torch.nn.functional as F
+
+    from flashlite import _caches
+    from flashlite.ops.attention.backends.tables import args as TA
+    from flashlite.ops.attention.backends.tables import fwd as TF
+
+    n, d = 1000, (128 if gluon else 64)
+    monkeypatch.setattr(TA, "GLUON_TAKES_BITS", gluon)
+    _caches.clear()
+    gluon_fwd: list[int] = []
+    plan = TF.plan_flex_fwd
+    monkeypatch.setattr(TF, "plan_flex_fwd", lambda *a, **k: gluon_fwd.append(1) or plan(*a, **k))
+    fn, by_b, by_h = _masks(n, "cuda")[name]
+    bm = flashlite.create_block_mask(fn, B if by_b else None, HQ if by_h else None, n, n)
+    assert bm.mask_mod.name == BITS_NAME
+    dense = _dense(fn, B, HQ, n, n, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    shapes = [(B, HQ, n, d), (B, HKV, n, d), (B, HKV, n, d)]
+    base = [torch.randn(s, device="cuda", dtype=dtype, generator=gen) for s in shapes]
+    do = torch.randn_like(base[0])
+    ours = [t.clone().requires_grad_() for t in base]
+    sdpa = [t.clone().requires_grad_() for t in base]
+    exact = [t.double().requires_grad_() for t in base]
+    o = flashlite.flex_attention(*ours, block_mask=bm)
+    t_o = F.scaled_dot_product_attention(*sdpa, attn_mask=dense, enable_gqa=True)
+    e_o = reference.attention(*exact, mask_mod=_dense_mod(dense))
+    for out in (o, t_o, e_o):
+        out.backward(do.to(out.dtype))
+    floor = TOL[dtype].floor
+    assert (o.double() - e_o).abs().max() <= 2 * (t_o.double() - e_o).abs().max() + floor
+    for a, t, e in zip(ours, sdpa, exact, strict=True):
+        err = (a.grad.double() - e.grad).abs().max()
+        assert err <= 2 * (t.grad.double() - e.grad).abs().max() + 4 * floor
+    if torch.cuda.get_device_capability() == (9, 0):  # (the Gluon flex kernels are sm_90's)
+        assert bool(gluon_fwd) == gluon
+
+
+@pytest.mark.gpu
+def test_gpu_torch_block_mask_of_a_python_mask() -> None:
+    """torch's BlockMask of a plain Python mask, made on the GPU, runs as flashlite's own."""
+    from torch.nn.attention.flex_attention import create_block_mask as torch_create
+
+    n, d = 1000, 64
+    fn, _, _ = _masks(n, "cuda")["document_causal"]
+    theirs = torch_create(fn, B, None, n, n, device="cuda")
+    ours = flashlite.create_block_mask(fn, B, None, n, n)
+    q = torch.randn(B, HQ, n, d, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, HKV, n, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    a = flashlite.flex_attention(q, k, v, block_mask=ours)
+    tol = TOL[torch.bfloat16]
+    b = flashlite.flex_attention(q, k, v, block_mask=theirs)
+    torch.testing.assert_close(b, a, atol=tol.atol, rtol=tol.rtol)

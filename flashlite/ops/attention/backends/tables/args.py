@@ -238,11 +238,15 @@ def bind_triton(
     return bound
 
 
+#: Whether the Hopper (Gluon) flex kernels read a plain Python mask's bits
+#: (:data:`flashlite.masking.python_masks.BITS_NAME`); while False those calls run the Triton
+#: flex kernels. (Plans are kept per kind of call: clear them after changing it.)
+GLUON_TAKES_BITS = False
+
+
 def gluon_takes(mask: ModArgs) -> bool:
-    """Whether the Hopper (Gluon) flex kernels take this mask: not yet a plain Python mask's
-    bits (:data:`flashlite.masking.python_masks.BITS_NAME`), whose reads in the Gluon kernels
-    have not run on a GPU; those calls run the Triton flex kernels."""
-    return split_spec(mask[0])[0] != BITS_NAME
+    """Whether the Hopper (Gluon) flex kernels take this mask (:data:`GLUON_TAKES_BITS`)."""
+    return GLUON_TAKES_BITS or split_spec(mask[0])[0] != BITS_NAME
 
 
 def plan_options(
