@@ -8,6 +8,8 @@ ratio ``new / old`` (below 1: faster). Benchmarks and the metric read from each 
 
     overhead       bench_overhead.py --no-compile --cases <words>: ``loop_us`` of flashlite's rows
                    (the host-bound loop: what a small call costs)
+    loops          this folder's bench_overhead.py --metrics loop --providers flashlite on each
+                   tree: the loop column of every case, flashlite's rows alone
     attention      bench_attention.py --no-flex --seqs 4096 16384: ``ms`` of flashlite's
                    forward points
     attention-bwd  the same with --backward: ``ms`` of flashlite's points
@@ -45,6 +47,12 @@ JOBS: dict[str, tuple[list[str], str, Callable[[Row], Any], Callable[[Row], floa
         ["bench_overhead.py", "--no-compile", "--cases", "attn", "decode", "window"],
         "overhead",
         lambda r: (r["case"], r["provider"]) if r["provider"].startswith("flashlite") else None,
+        lambda r: r.get("loop_us"),
+    ),
+    "loops": (
+        ["bench_overhead.py", "--metrics", "loop", "--providers", "flashlite"],
+        "overhead",
+        lambda r: (r["case"],) if r["provider"] == "flashlite" else None,
         lambda r: r.get("loop_us"),
     ),
     "attention": (
@@ -93,11 +101,16 @@ JOBS: dict[str, tuple[list[str], str, Callable[[Row], Any], Callable[[Row], floa
 }
 
 
+#: Jobs whose script is this folder's for both trees (run on each tree's flashlite), so that
+#: both run the same measurement.
+FROM_HERE = ("probe", "loops")
+
+
 def run_job(tree: Path, job: str) -> dict[Any, float]:
     """One run of ``job`` from ``tree``: its flashlite points' metric by key."""
     args, stem, key, metric = JOBS[job]
-    # each tree's own benchmark scripts; the probe is this folder's, run on the tree's flashlite
-    scripts = HERE if job == "probe" else tree / "benchmarks"
+    # each tree's own benchmark scripts; probe and loops are this folder's, on the tree's flashlite
+    scripts = HERE if job in FROM_HERE else tree / "benchmarks"
     out = scripts / "results" / f"{stem}-{device_slug()}.json"
     out.unlink(missing_ok=True)  # (a merging bench would otherwise keep older rows)
     env = {**os.environ, "PYTHONPATH": str(tree)}

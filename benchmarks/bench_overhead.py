@@ -53,6 +53,7 @@ versions) and the other rows stay; ``meta["merged"]`` says which rows came from 
     python benchmarks/bench_overhead.py                      # every case
     python benchmarks/bench_overhead.py --cases grad decode  # cases whose name holds a word
     python benchmarks/bench_overhead.py --no-compile         # skip the torch.compile column
+    python benchmarks/bench_overhead.py --metrics loop --providers flashlite  # bench_ab's job
 """
 
 from __future__ import annotations
@@ -316,7 +317,7 @@ def flex_case(name: str, b: int, h: int, n: int, d: int, grad: bool) -> Case:
     from torch.nn.attention.flex_attention import create_block_mask as torch_block_mask
     from torch.nn.attention.flex_attention import flex_attention as torch_flex
 
-    from flashlite.masking import gallery
+    from flashlite import gallery  # (where every tree bench_ab compares has it)
 
     g = torch.Generator(device="cuda").manual_seed(4)
     q, k, v, do = (torch.randn(b, h, n, d, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -563,10 +564,12 @@ def warm_up(all_cases: list[Case], seconds: float = 3.0) -> None:
 
 # =============================================================================== main
 def run(metrics: tuple[str, ...], words: list[str] | None = None,
-        ) -> tuple[list[dict[str, Any]], list[str]]:  # fmt: skip
+        providers: list[str] | None = None) -> tuple[list[dict[str, Any]], list[str]]:  # fmt: skip
     rows: list[dict[str, Any]] = []
     failures: list[str] = []
     all_cases = [c for c in cases() if not words or any(w in c.name for w in words)]
+    for case in all_cases if providers else ():
+        case.providers = {p: f for p, f in case.providers.items() if p in providers}
     table: dict[tuple[str, str], dict[str, Any]] = {}
     for case in all_cases:  # eager outputs first: a wrong provider is never timed
         for provider, fn in case.providers.items():
@@ -788,6 +791,16 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="only the cases whose name holds one of these words (default: all)",
     )
+    parser.add_argument(
+        "--metrics", nargs="+", choices=METRICS, default=None, help="only these metrics"
+    )
+    parser.add_argument(
+        "--providers",
+        nargs="+",
+        metavar="NAME",
+        default=None,
+        help="only these providers (e.g. flashlite: the loop column alone, as bench_ab runs it)",
+    )
     parser.add_argument("-v", action="store_true", help="print tracebacks of skipped metrics")
     parser.add_argument(
         "--replot", metavar="JSON", help="redraw the PNG of a results file, run nothing"
@@ -807,8 +820,8 @@ def main(argv: list[str] | None = None) -> int:
         print("bench_overhead needs CUDA (a GPU): nothing to time on this machine")
         return 2
     t0 = time.perf_counter()
-    metrics = tuple(m for m in METRICS if not (args.no_compile and m == "compile"))
-    rows, failures = run(metrics, args.cases)
+    metrics = tuple(m for m in args.metrics or METRICS if not (args.no_compile and m == "compile"))
+    rows, failures = run(metrics, args.cases, args.providers)
     name = device_name()
     meta = metadata(
         dtype="bfloat16 (softmax also float32)",
