@@ -145,6 +145,18 @@ def main(argv: list[str] | None = None) -> int:
                 for k, m in run_job(trees[side], job).items():
                     times.setdefault((job, k), {"old": [], "new": []})[side].append(m)
             print(f"{job}: round {r + 1} done", flush=True)
+            # (written after every round: a run cut short by a time limit keeps what it measured)
+            table = report(times, trees, args)
+    print(table)
+    return 0
+
+
+def report(
+    times: dict[tuple[str, Any], dict[str, list[float]]],
+    trees: dict[str, Path],
+    args: argparse.Namespace,
+) -> str:
+    """Writes the results file of the points measured so far from both trees; the table."""
     rows = []
     for (job, k), t in times.items():
         if not (t["old"] and t["new"]):
@@ -165,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         what="new/old per flashlite point, both trees run alternately in one session",
         trees={s: str(p) for s, p in trees.items()},
         rounds=args.rounds,
+        jobs=args.jobs,
     )
     labels = [f"{r['job']}: {r['point']}" for r in rows]
     panel = Panel(
@@ -180,10 +193,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     write_results(f"{args.name}-{device_slug()}", rows, meta, figure=figure)
     width = max((len(s) for s in labels), default=10)
-    print(f"{'point':<{width}}  {'old':>10}  {'new':>10}  new/old")
+    lines = [f"{'point':<{width}}  {'old':>10}  {'new':>10}  new/old"]
     for label, r in zip(labels, rows, strict=True):
-        print(f"{label:<{width}}  {r['old']:>10.4g}  {r['new']:>10.4g}  {r['ratio']:.3f}")
-    return 0
+        lines.append(f"{label:<{width}}  {r['old']:>10.4g}  {r['new']:>10.4g}  {r['ratio']:.3f}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
