@@ -16,8 +16,10 @@ import datetime as dt
 import json
 import platform
 import re
+import statistics
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ import torch
 
 import flashlite
 from flashlite import plotting
+from flashlite.masking import torch_indices
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
@@ -32,11 +35,17 @@ REPO = Path(__file__).resolve().parent.parent
 __all__ = [
     "RESULTS",
     "PeerUnavailableError",
+    "Setup",
     "bench",
     "device_name",
     "device_slug",
     "flex_attention",
+    "fwd_bwd",
     "metadata",
+    "rows_reference",
+    "timed",
+    "timed_kinds",
+    "useful_pairs",
     "write_results",
 ]
 
@@ -104,6 +113,96 @@ def bench(fn: Callable[[], Any], *, warmup: int = 25, rep: int = 100) -> float:
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+
+
+def timed(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """Interleaved rounds of :func:`bench` medians; the median per name."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            times[name].append(bench(fn))
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+# =============================================================================== masked attention
+@dataclass(frozen=True)
+class Setup:
+    """The attention shape of bench_mods and its siblings' points (and where they run): the
+    defaults are the GPU's; a dry run on the CPU passes tiny ones."""
+
+    heads: int = 16
+    head_dim: int = 128
+    dtype: torch.dtype = torch.bfloat16
+    device: str = "cuda"
+
+    def inputs(self, n: int, seed: int, packed: bool = False) -> list[torch.Tensor]:
+        """q, k, v and an output gradient: ``(1, H, N, D)``, or ``(N, H, D)`` when ``packed``."""
+        gen = torch.Generator(device=self.device).manual_seed(seed)
+        shape = (n, self.heads, self.head_dim) if packed else (1, self.heads, n, self.head_dim)
+        return [
+            torch.randn(shape, device=self.device, dtype=self.dtype, generator=gen)
+            for _ in range(4)
+        ]
+
+
+def useful_pairs(bm: flashlite.BlockMask, device: str = "cuda") -> int:
+    """Visible (query, key) pairs of a mask, from its twin over bands of rows."""
+    mod, (nq, nk) = bm.mask_mod, bm.seq_lengths
+    total, band = 0, 2048
+    for r0 in range(0, nq, band):
+        b, h, q_idx, kv = torch_indices(1, 1, min(band, nq - r0), nk, device)
+        total += int(mod(b, h, q_idx + r0, kv).sum())
+    return total
+
+
+def rows_reference(q, k, v, mm, sm, rows: int = 128):  # noqa: ANN001, ANN201
+    """fp64 attention of the last ``rows`` queries of ``(B, H, N, D)`` inputs under the mask
+    function ``mm`` and score function ``sm`` (either None; twins, dense over their keys)."""
+    q0 = q.shape[2] - rows
+    s = q[:, :, q0:].double() @ k.double().transpose(-1, -2) * q.shape[-1] ** -0.5
+    b, h, q_idx, kv = torch_indices(1, q.shape[1], rows, k.shape[2], q.device)
+    q_idx = q_idx + q0
+    if sm is not None:
+        s = sm(s, b, h, q_idx, kv)
+    if mm is not None:
+        s = torch.where(mm(b, h, q_idx, kv), s, float("-inf"))
+    return torch.softmax(s, -1).nan_to_num(0.0) @ v.double()
+
+
+def fwd_bwd(call, leaves, do, into_grad: bool = False):  # noqa: ANN001, ANN201
+    """One forward + backward: ``torch.autograd.grad`` of the three inputs (what the attention
+    computes), or (``into_grad``) ``.backward()``, which also adds the gradients into the
+    leaves' ``.grad``, three elementwise additions of Q's size each, the same for every
+    engine."""
+
+    def run() -> None:
+        if into_grad:
+            call(*leaves).backward(do)
+        else:
+            torch.autograd.grad(call(*leaves), leaves, do)
+
+    return run
+
+
+def timed_kinds(
+    calls: dict[str, Callable[..., torch.Tensor]],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    leaves: list[torch.Tensor],
+    do: torch.Tensor,
+    rounds: int,
+    kinds: tuple[str, ...] = ("fwd", "fwd+bwd"),
+) -> Iterator[tuple[str, dict]]:
+    """``(kind, median ms per call name)`` for each of ``kinds``: the forward, forward +
+    backward, and forward + backward into ``.grad`` (:func:`fwd_bwd`)."""
+    for kind in kinds:
+        if kind == "fwd":
+            fns = {name: (lambda c=c: c(q, k, v)) for name, c in calls.items()}
+        else:
+            into = kind == "fwd+bwd into .grad"
+            fns = {name: fwd_bwd(c, leaves, do, into) for name, c in calls.items()}
+        yield kind, timed(fns, rounds)
 
 
 # =============================================================================== peers

@@ -24,7 +24,8 @@ Points (bf16, D 128, H 16, B 1):
     varlen       (``--only varlen``) 8 random-length documents packed into N ∈ {8k, 32k}:
                  attention_varlen with a causal mask function (and with ALiBi too), against
                  attention_varlen(causal=True) and flex_attention's document-causal tables
-                 over the packed sequence. Writes ``mods-varlen-<device>.{json,png}``.
+                 over the packed sequence. Writes ``mods-varlen-<device>.{json,png}``
+                 (the code: ``_mods_varlen.py``).
 
 Every timed result is checked first: flashlite against Flex (both bf16) and against an fp64
 reference on the last 128 query rows. Times are medians of interleaved rounds of
@@ -44,75 +45,27 @@ import sys
 import time
 
 import torch
-from _common import bench, device_name, device_slug, max_rel_err, metadata, replot, write_results
+from _common import (
+    Setup,
+    device_name,
+    device_slug,
+    max_rel_err,
+    metadata,
+    replot,
+    rows_reference,
+    timed_kinds,
+    useful_pairs,
+    write_results,
+)
+from _mods_varlen import run_varlen, varlen_figure
 
 import flashlite
-from flashlite.masking import gallery, torch_indices
+from flashlite.masking import gallery
 from flashlite.ops.attention import compiled_variants
 from flashlite.plotting import Bars, Figure, Panel
 
 H, D = 16, 128
 DTYPE = torch.bfloat16
-
-
-def useful_pairs(bm: flashlite.BlockMask) -> int:
-    """Visible (query, key) pairs of a mask, from its twin over bands of rows."""
-    mod, (nq, nk) = bm.mask_mod, bm.seq_lengths
-    total, band = 0, 2048
-    for r0 in range(0, nq, band):
-        b, h, q_idx, kv = torch_indices(1, 1, min(band, nq - r0), nk, "cuda")
-        total += int(mod(b, h, q_idx + r0, kv).sum())
-    return total
-
-
-def rows_reference(q, k, v, mm, sm, rows: int = 128):  # noqa: ANN001, ANN201
-    """fp64 attention of the last ``rows`` queries (twins, dense over their keys)."""
-    q0 = q.shape[2] - rows
-    s = q[:, :, q0:].double() @ k.double().transpose(-1, -2) * D**-0.5
-    b, h, q_idx, kv = torch_indices(1, q.shape[1], rows, k.shape[2], "cuda")
-    q_idx = q_idx + q0
-    if sm is not None:
-        s = sm(s, b, h, q_idx, kv)
-    if mm is not None:
-        s = torch.where(mm(b, h, q_idx, kv), s, float("-inf"))
-    return torch.softmax(s, -1).nan_to_num(0.0) @ v.double()
-
-
-def timed(fns: dict, rounds: int) -> dict[str, float]:
-    """Interleaved rounds of do_bench medians; the median per name."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            times[name].append(bench(fn))
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
-def fwd_bwd(call, leaves, do, into_grad: bool = False):  # noqa: ANN001, ANN201
-    """One forward + backward: ``torch.autograd.grad`` of the three inputs (what the attention
-    computes), or (``into_grad``) ``.backward()``, which also adds the gradients into the
-    leaves' ``.grad``, three elementwise additions of Q's size each, the same for every
-    engine."""
-
-    def run() -> None:
-        if into_grad:
-            call(*leaves).backward(do)
-        else:
-            torch.autograd.grad(call(*leaves), leaves, do)
-
-    return run
-
-
-def timed_kinds(calls: dict, q, k, v, leaves, do, rounds: int,  # noqa: ANN001, ANN201
-                kinds: tuple[str, ...] = ("fwd", "fwd+bwd")):  # fmt: skip
-    """``(kind, median ms per call name)`` for each of ``kinds``: the forward, forward +
-    backward, and forward + backward into ``.grad`` (:func:`fwd_bwd`)."""
-    for kind in kinds:
-        if kind == "fwd":
-            fns = {name: (lambda c=c: c(q, k, v)) for name, c in calls.items()}
-        else:
-            into = kind == "fwd+bwd into .grad"
-            fns = {name: fwd_bwd(c, leaves, do, into) for name, c in calls.items()}
-        yield kind, timed(fns, rounds)
 
 
 def document_points(rows: list[dict], rounds: int, lengths: list[int]) -> None:
@@ -346,78 +299,6 @@ def block_mask_point(rows: list[dict], n: int) -> None:
     )
 
 
-def varlen_points(rows: list[dict], rounds: int, lengths: list[int]) -> None:
-    for n in lengths:
-        ids = gallery.random_documents(1, n, 8, seed=n)[0]
-        lens = torch.bincount(ids.long()).tolist()
-        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-        cu, longest = cu.cuda(), max(lens)
-        gen = torch.Generator(device="cuda").manual_seed(n)
-        q, k, v, do = (
-            torch.randn(n, H, D, device="cuda", dtype=DTYPE, generator=gen) for _ in range(4)
-        )
-        causal = flashlite.create_block_mask(gallery.causal(), None, None, longest, longest,
-                                             device="cuda")  # fmt: skip
-        docs = flashlite.create_block_mask(gallery.document_causal(ids[None].cuda()), 1, None, n,
-                                           n, device="cuda")  # fmt: skip
-        alibi = gallery.alibi(gallery.alibi_slopes(H).cuda())
-
-        def packed(fn):  # noqa: ANN001, ANN202  (flex over the (1, H, N, D) view)
-            return lambda a, b, c: fn(*(t.transpose(0, 1)[None] for t in (a, b, c)))[0].transpose(
-                0, 1
-            )
-
-        calls = {
-            "varlen, causal mod": lambda a, b, c: flashlite.attention_varlen(
-                a, b, c, cu, cu, longest, longest, block_mask=causal
-            ),
-            "varlen, causal mod + ALiBi": lambda a, b, c: flashlite.attention_varlen(
-                a, b, c, cu, cu, longest, longest, block_mask=causal, score_mod=alibi
-            ),
-            "varlen causal=True": lambda a, b, c: flashlite.attention_varlen(
-                a, b, c, cu, cu, longest, longest, causal=True
-            ),
-            "flex, document-causal": packed(
-                lambda a, b, c: flashlite.flex_attention(a, b, c, block_mask=docs)
-            ),
-        }
-        ref = calls["varlen causal=True"](q, k, v)
-        errs = {name: max_rel_err(fn(q, k, v), ref) for name, fn in calls.items()}
-        errs.pop("varlen, causal mod + ALiBi")  # (another function)
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        for kind, ms in timed_kinds(calls, q, k, v, leaves, do, rounds):
-            row = {
-                "group": "varlen",
-                "point": f"varlen N{n // 1024}k {kind}",
-                "n": n,
-                "kind": kind,
-                "lengths": lens,
-                "ms": ms,
-                "vs_builtin": {m: ms[m] / ms["varlen causal=True"] for m in ms},
-                "max_rel_err": errs,
-            }
-            rows.append(row)
-            print(
-                f"{row['point']:22s} "
-                + ", ".join(f"{m} {t:.3f} ms" for m, t in ms.items())
-                + f"; err vs built-in {max(errs.values()):.1e}",
-                flush=True,
-            )
-
-
-def varlen_figure(rows: list[dict], device: str) -> Figure:
-    """Milliseconds per engine for the packed documents."""
-    pts = [r for r in rows if r["group"] == "varlen"]
-    names = list(pts[0]["ms"])
-    panel = Panel(
-        bars=[Bars([r["ms"][m] for r in pts], m) for m in names],
-        categories=[r["point"].replace("varlen ", "") for r in pts],
-        ylabel="ms",
-        title="8 documents packed, bf16, H 16, D 128",
-    )
-    return Figure([[panel]], title=f"varlen with mask functions on {device}", panel_size=(9, 4.5))
-
-
 def _short(point: str) -> str:
     """A tick label: ``doc-causal N32k fwd+bwd`` → ``32k f+b``, ``alibi N16k fwd`` → ``alibi f``."""
     words = point.replace("fwd+bwd", "f+b").replace("fwd", "f").split()
@@ -465,20 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     rounds = 1 if args.quick else args.rounds
     lengths = [8192] if args.quick else [8192, 32768, 65536]
-    rows: list[dict] = []
     if args.only == "varlen":
-        varlen_points(rows, rounds, lengths[:2])
-        meta = metadata(dtype="bfloat16", heads=H, head_dim=D, command=" ".join(sys.argv))
-        paths = write_results(f"mods-varlen-{device_slug()}", rows, meta,
-                              figure=varlen_figure(rows, device_name()))  # fmt: skip
-        for r in rows:
-            print(f"{r['point']:22s} " + ", ".join(f"{m} {x:.2f}x" for m, x in
-                                                    r["vs_builtin"].items()))  # fmt: skip
-        print("wrote", paths["json"])
-        bad = [r["point"] for r in rows if max(r["max_rel_err"].values()) > 2e-2]
-        if bad:
-            print("WRONG RESULTS:", bad)
-        return 1 if bad else 0
+        return run_varlen(rounds, lengths[:2], Setup())
+    rows: list[dict] = []
     document_points(rows, rounds, lengths)
     ratio_points(rows, rounds)
     lengths_point(rows)
