@@ -26,13 +26,22 @@ Points (bf16, D 128, H 16, B 1):
                  attention_varlen(causal=True) and flex_attention's document-causal tables
                  over the packed sequence. Writes ``mods-varlen-<device>.{json,png}``
                  (the code: ``_mods_varlen.py``).
+    python mask  (``--only python``, the code: ``_mods_python.py``) the document-causal mask
+                 written as plain Python, ``(ids[b, q_idx] == ids[b, kv_idx]) & (q_idx >=
+                 kv_idx)``: against the same mask as the gallery's jit function over 8
+                 random-length documents, N ∈ {8k, 32k}, forward and forward + backward
+                 (python ÷ jit time).
+    document 1k, and forward + backward against Flex with torch's block mask of the same
+    document 2k  Python function, fixed-length documents: 1k tokens at N 8k, 2k tokens at
+                 N 8k and 32k (Flex ÷ flashlite time; the jit mask beside it). Writes
+                 ``mods-python-<device>.{json,png}``.
 
 Every timed result is checked first: flashlite against Flex (both bf16) and against an fp64
-reference on the last 128 query rows. Times are medians of interleaved rounds of
-``triton.testing.do_bench`` medians. Writes ``benchmarks/results/mods-<device>.{json,png}``
-and prints a table last.
+reference on the last 128 query rows (the python points: their gradients too). Times are
+medians of interleaved rounds of ``triton.testing.do_bench`` medians. Writes
+``benchmarks/results/mods-<device>.{json,png}`` and prints a table last.
 
-    python benchmarks/bench_mods.py [--rounds 3] [--quick] [--only varlen]
+    python benchmarks/bench_mods.py [--rounds 3] [--quick] [--only {varlen,python}]
     python benchmarks/bench_mods.py --replot benchmarks/results/<file>.json   # PNG only
 """
 
@@ -57,6 +66,7 @@ from _common import (
     useful_pairs,
     write_results,
 )
+from _mods_python import python_figure, run_python, sizes
 from _mods_varlen import run_varlen, varlen_figure
 
 import flashlite
@@ -335,11 +345,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="8k only, one round")
-    ap.add_argument("--only", choices=["varlen"], help="run only this group (own results file)")
+    ap.add_argument(
+        "--only", choices=["varlen", "python"], help="run only this group (own results file)"
+    )
     ap.add_argument("--replot", metavar="JSON", help="redraw a results JSON's PNG, run nothing")
     args = ap.parse_args(argv)
     if args.replot:
-        replot(args.replot, varlen_figure if "mods-varlen" in args.replot else figure)
+        own = {"mods-varlen": varlen_figure, "mods-python": python_figure}
+        replot(args.replot, next((f for k, f in own.items() if k in args.replot), figure))
         return 0
     if not torch.cuda.is_available():
         print("bench_mods needs a CUDA device")
@@ -348,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
     lengths = [8192] if args.quick else [8192, 32768, 65536]
     if args.only == "varlen":
         return run_varlen(rounds, lengths[:2], Setup())
+    if args.only == "python":
+        return run_python(rounds, Setup(), *sizes(args.quick))
     rows: list[dict] = []
     document_points(rows, rounds, lengths)
     ratio_points(rows, rounds)
