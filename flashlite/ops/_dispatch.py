@@ -28,6 +28,7 @@ computes, and a backward that reaches it raises.
 
 from __future__ import annotations
 
+import collections
 import functools
 import inspect
 from collections.abc import Callable
@@ -94,9 +95,12 @@ class Op:
             sets another (:meth:`~flashlite.ops.attention.request.Request.refuse`).
         grad_fields: the request's tensor fields that may require grad (sinks).
         setup_context, backward: the autograd formula, as ``torch.library.register_autograd``
-            takes it; ``backward`` returns one gradient per argument. With a ``request``:
-            ``setup_context(ctx, inputs, request, output)`` (``inputs`` the leading tensors) and
-            ``backward`` returns ``(input gradients, {field name: gradient})``.
+            takes it; ``backward`` returns one gradient per argument. Without a ``request``,
+            ``setup_context(ctx, inputs, output)`` gets ``inputs`` as a ``NamedTuple`` named by
+            the body's parameters (``inputs.dim``; :func:`_inputs_type`), on either path. With
+            a ``request``: ``setup_context(ctx, inputs, request, output)`` (``inputs`` the
+            leading tensors) and ``backward`` returns ``(input gradients, {field name:
+            gradient})``.
         materialize_grads: whether ``backward`` receives zeros (True) or None for outputs that got
             no gradient (as the custom op's autograd does with False).
         mutates_args: arguments the body writes (an op that mutates has no autograd here).
@@ -137,8 +141,11 @@ class Op:
         if backward is not None:
             assert setup_context is not None, "an autograd formula needs its setup_context"
             if self.fields is None:
-                op.register_autograd(backward, setup_context=setup_context)
-                self.function = _function(name, body, setup_context, backward, materialize_grads)
+                named = _inputs_type(name, body)
+                op.register_autograd(backward, setup_context=_by_name(setup_context, named))
+                self.function = _function(
+                    name, body, setup_context, backward, materialize_grads, named
+                )
             else:
                 self.fields.register_autograd(op, inputs, setup_context, backward)
                 pair = self.fields.autograd(
@@ -196,21 +203,44 @@ class Op:
         return f"Op(flashlite::{self.name})"
 
 
+def _inputs_type(name: str, body: Callable[..., Any]) -> type[tuple]:
+    """``<Name>Inputs``, a ``NamedTuple`` whose fields are ``body``'s parameters: what the
+    ``setup_context`` of an op without a request receives as ``inputs``. Built with
+    ``tuple.__new__`` (no length check), so the body takes no defaults: every call passes
+    every argument."""
+    params = inspect.signature(body).parameters.values()
+    assert all(p.default is p.empty for p in params), f"{name}: setup_context needs no defaults"
+    return collections.namedtuple(f"{_title(name)}Inputs", [p.name for p in params])
+
+
+def _by_name(setup_context: Callable[..., None], named: type[tuple]) -> Callable[..., None]:
+    """``setup_context`` as ``register_autograd`` calls it (by keyword, every argument given),
+    handed the inputs as ``named``."""
+    new = tuple.__new__
+
+    def setup(ctx: Any, inputs: tuple, output: Any) -> None:
+        setup_context(ctx, new(named, inputs), output)
+
+    return setup
+
+
 def _function(
     name: str,
     body: Callable[..., Any],
     setup_context: Callable[..., None],
     backward: Callable[..., Any],
     materialize_grads: bool,
+    named: type[tuple],
 ) -> type[torch.autograd.Function]:
     """An ``autograd.Function`` with the op's own formula around its body (the fast path of a
-    call that records autograd)."""
+    call that records autograd); ``setup_context`` gets the inputs as ``named``."""
+    new = tuple.__new__  # (one C call per call: no _make, no Python frame)
 
     def forward(ctx: Any, *args: Any) -> Any:
         if not materialize_grads:
             ctx.set_materialize_grads(False)
         out = body(*args)
-        setup_context(ctx, args, out)
+        setup_context(ctx, new(named, args), out)
         return out
 
     doc = f"Eager autograd of ``flashlite::{name}`` (made by :class:`Op`)."
@@ -221,9 +251,12 @@ def _function_class(
     name: str, forward: Callable[..., Any], backward: Callable[..., Any], doc: str
 ) -> type[torch.autograd.Function]:
     """``<Name>Function``, an ``autograd.Function`` with this forward and backward."""
-    title = "".join(part.title() for part in name.split("_"))
     members = {"forward": staticmethod(forward), "backward": staticmethod(backward), "__doc__": doc}
-    return type(f"{title}Function", (torch.autograd.Function,), members)
+    return type(f"{_title(name)}Function", (torch.autograd.Function,), members)
+
+
+def _title(name: str) -> str:
+    return "".join(part.title() for part in name.split("_"))
 
 
 def differentiable(

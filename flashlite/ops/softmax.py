@@ -190,10 +190,10 @@ def _softmax_bwd_fake(y: torch.Tensor, dy: torch.Tensor, dim: int, log: bool) ->
     return _empty_rows(y.reshape(1), 0)[0].reshape(()) if y.dim() == 0 else _empty_rows(y, dim)[0]
 
 
-def _bwd_setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    y, dy, dim, log = inputs
-    ctx.save_for_backward(y, dy)
-    ctx.dim, ctx.log = dim, log
+def _bwd_setup_context(ctx, args, output) -> None:  # type: ignore[no-untyped-def]
+    # (args: _softmax_backward's arguments by name, from Op)
+    ctx.save_for_backward(args.y, args.dy)
+    ctx.dim, ctx.log = args.dim, args.log
 
 
 def _bwd_backward(ctx, ddx):  # type: ignore[no-untyped-def]
@@ -230,10 +230,10 @@ SOFTMAX_BWD = Op(
 )
 
 
-def _setup_context(ctx, inputs, output) -> None:  # type: ignore[no-untyped-def]
-    _, dim, _, log = inputs
+def _setup_context(ctx, args, output) -> None:  # type: ignore[no-untyped-def]
+    # (args: _softmax_forward's arguments by name, from Op)
     ctx.save_for_backward(output)
-    ctx.dim, ctx.log = dim, log
+    ctx.dim, ctx.log = args.dim, args.log
 
 
 def _backward(ctx, dy):  # type: ignore[no-untyped-def]
