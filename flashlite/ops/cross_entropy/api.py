@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from flashlite.ops._dispatch import eager_apply, plain_eager
@@ -27,6 +29,8 @@ from flashlite.ops.cross_entropy.linear import (
 from flashlite.ops.cross_entropy.plan import _unit_scale
 
 _CE_APPLY = eager_apply(CrossEntropyFunction)
+#: what :func:`linear_cross_entropy` enters when autocast is off (reusable, reentrant)
+_NO_CONTEXT = contextlib.nullcontext()
 _LINEAR_APPLY = eager_apply(LinearCrossEntropyFunction)
 
 
@@ -45,77 +49,56 @@ def cross_entropy(
     validate: bool | str = True,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax cross-entropy with its gradient computed in the same pass (the softmax is never
-    stored).
+    stored). The options at length: ``docs/guides/cross-entropy.md``.
 
     Args:
-        logits: ``(N, V)`` or ``(B, T, V)``: classes on the *last* dim (the language-model
-            layout; torch's ``cross_entropy`` wants them on dim 1). fp16, bf16 or fp32.
+        logits: ``(N, V)`` or ``(B, T, V)``: classes on the *last* dim (torch's
+            ``cross_entropy`` wants them on dim 1). fp16, bf16 or fp32.
         target: ``(N,)`` or ``(B, T)`` class indices (int64 or int32).
         weight: ``(V,)`` per-class weights (torch's ``weight``, its weighted mean included).
         ignore_index: targets equal to it add nothing (any integer, even a valid class).
-        reduction: ``"mean"`` (over the non-ignored targets, weighted by ``weight``: torch's
-            rule, NaN when every target is ignored), ``"sum"`` or ``"none"``.
-        label_smoothing: ε in [0, 1], as torch defines it: the target mixes ``1 − ε`` of the
+        reduction: ``"mean"`` (over the non-ignored targets, weighted by ``weight``; NaN when
+            all are ignored, as torch), ``"sum"`` or ``"none"``.
+        label_smoothing: ε in [0, 1], torch's definition: the target mixes ``1 − ε`` of the
             one-hot with ``ε/V`` everywhere (weighted by ``weight``).
-        z_loss: adds ``z_loss·lse²`` to each non-ignored token's loss (PaLM). A ``mean``
-            divides the z-loss by the number of non-ignored targets, also with ``weight``
-            (it bounds each row's LSE, whatever the target's class: Liger's convention).
+        z_loss: adds ``z_loss·lse²`` to each non-ignored token's loss (PaLM); ``mean`` divides
+            it by the number of non-ignored targets, with ``weight`` too (Liger's convention).
         softcap: logits become ``softcap·tanh(logits/softcap)`` first; the loss, z-loss and LSE
             use the capped logits.
-        inplace_backward: write the gradient over ``logits`` (no extra memory; Liger's trick,
-            flash-attn's flag). The forward consumes the logits' values: from this call on they
-            hold the gradient (scaled by the incoming one in the backward), which is also what
-            the backward hands over: a leaf's ``.grad`` is that memory's values. Nothing else may
-            need the logits afterwards (a node that saved them for its own backward makes
-            torch raise "modified by an inplace operation"), and their elements must not share
-            memory.
+        inplace_backward: write the gradient over ``logits`` (no extra memory): from this call
+            on they hold it, so nothing else may need them, and their elements must not overlap.
         return_lse: also return the fp32 LSE per token (``target``'s shape; no gradient).
-        validate: check that every target is in ``[0, V)`` or ``ignore_index``. A bad target
-            always gives a NaN loss and gradient row, never a read outside the tensors; the
-            check turns it into a ``ValueError``. ``True``: on the device, inside the
-            forward's launches (the one that computes the mean's divisor; for rows of 16k
-            logits and more on a GPU, the forward kernel itself), without stopping the host.
-            On a GPU the error is then raised by a *later* ``cross_entropy`` call on that
-            device, the first that finds the check finished (on the CPU, by this call).
-            ``"sync"``: by this call, before the forward runs, after a host sync (for
-            debugging; about 0.2 ms a step at 128k–256k classes on the H200).
-            ``False``: no check.
-            Skipped inside ``torch.compile``.
+        validate: check that every target is in ``[0, V)`` or ``ignore_index`` (a bad one gives
+            a NaN loss and gradient row, never a read outside the tensors). ``True``: on the
+            device, no host sync: a *later* call on that GPU raises (on the CPU, this call).
+            ``"sync"``: this call raises, after a host sync. ``False``: no check. Skipped
+            inside ``torch.compile``.
 
     Returns:
-        The loss in **fp32** whatever the logits' dtype (a bf16 sum over thousands of tokens
-        loses the digits training curves compare): a scalar for ``mean``/``sum``, ``target``'s
-        shape for ``none``; and the LSE with ``return_lse``. The backward runs once per forward.
+        The loss in **fp32** whatever the logits' dtype: a scalar for ``mean``/``sum``,
+        ``target``'s shape for ``none``; and the LSE with ``return_lse``. One backward per call.
 
     Raises:
         TypeError: non-tensors, unsupported dtypes, float targets, non-numeric options.
         ValueError: shape or device mismatch, a bad reduction, ``label_smoothing`` outside
-            [0, 1], a negative ``z_loss``, a non-positive ``softcap``, ``validate`` not one of
-            True, False, "sync"; ``inplace_backward`` on logits whose elements overlap; with
-            ``validate``, a target outside ``[0, V)`` that is not ``ignore_index`` (see
-            ``validate`` for which call raises it).
+            [0, 1], a negative ``z_loss``, a non-positive ``softcap``, ``validate`` not True,
+            False or "sync", ``inplace_backward`` on overlapping logits; with ``validate``, a
+            bad target (raised by the call ``validate`` says).
     """
     _check(logits, target, weight, ignore_index, reduction, label_smoothing, z_loss, softcap)
-    if not (isinstance(validate, bool) or validate == "sync"):
-        raise ValueError(f"validate must be True, False or 'sync', got {validate!r}")
-    if inplace_backward:  # (before a move: a refused call copies nothing)
-        _check_inplace(logits)
+    opts = _options(
+        logits,
+        ignore_index,
+        reduction,
+        label_smoothing,
+        z_loss,
+        softcap,
+        inplace_backward,
+        validate,
+    )
     dev = moved_call_device(logits.device)
     if dev is not None:  # the whole call on the GPU, CPU tensors' rule kept: a bad one raises
-        out = cross_entropy(
-            logits.to(dev),
-            target.to(dev),
-            moved(weight, dev),
-            ignore_index=ignore_index,
-            reduction=reduction,
-            label_smoothing=label_smoothing,
-            z_loss=z_loss,
-            softcap=softcap,
-            inplace_backward=inplace_backward,
-            return_lse=return_lse,
-            validate="sync" if validate else False,
-        )
-        return moved(out, logits.device)
+        return _moved_call(dev, logits, target, weight, opts, return_lse, validate)
     v = logits.shape[-1]
     # (2-D logits and 1-D targets as they are: a reshape would add a view to the autograd graph)
     x2 = logits if logits.dim() == 2 else logits.reshape(-1, v)
@@ -124,14 +107,6 @@ def cross_entropy(
     # (no scale yet: the forward's own launch works it out, and checks the targets into `bad`)
     grad_scale, bad = _scale_or_record(
         plain, t1, weight, v, ignore_index, reduction, z_loss, validate
-    )
-    opts = (
-        ignore_index,
-        float(label_smoothing),
-        float(z_loss),
-        check_softcap(softcap),
-        bool(inplace_backward),
-        reduction,
     )
     apply = _CE_APPLY if plain else CrossEntropyFunction.apply
     loss, lse = apply(x2, t1, weight, grad_scale, bad, opts)
@@ -158,21 +133,11 @@ def linear_cross_entropy(
     vocab_chunk_size: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`cross_entropy` of the output layer's logits ``hidden·weightᵀ + bias``, never
-    materialising the ``(N, V)`` logits.
-
-    The tokens are swept in chunks: each chunk's logits come from ``torch.matmul`` (tensor
-    cores, cuBLAS's tuned GEMMs), the fused kernel turns them into that chunk's losses and
-    writes their gradient over them, and the gradients of hidden, weight and bias are folded in
-    with two more matmuls, all in the same sweep. At most one chunk of logits exists at a time
-    (:data:`LINEAR_CHUNK_BYTES`, 256 MiB by default), plus the gradients themselves. When even
-    :data:`LINEAR_MIN_TOKENS` tokens of whole-vocabulary logits would not fit that budget, or
-    with ``vocab_chunk_size``, each token chunk's vocabulary is swept in slices too: their
-    ``(m, s)`` pairs merged with :func:`flashlite.stats.merge`, then the gradient from the
-    finished LSE, slice by slice (one more product per slice).
-
-    Under ``torch.autocast`` the products run in autocast's dtype, as ``hidden @ weight.T``
-    would: hidden, weight and bias are cast to it (differentiably, so their gradients come back
-    in their own dtypes); the loss is fp32 as always.
+    materialising the ``(N, V)`` logits: the tokens are swept in chunks, at most one chunk of
+    logits existing at a time (:data:`LINEAR_CHUNK_BYTES`), and the vocabulary in slices too
+    where even :data:`LINEAR_MIN_TOKENS` tokens would not fit. Under ``torch.autocast`` the
+    products run in autocast's dtype, as ``hidden @ weight.T`` would (the gradients come back
+    in the inputs' dtypes). The sweep at length: ``docs/guides/cross-entropy.md``.
 
     Args:
         hidden: ``(N, H)`` or ``(B, T, H)``.
@@ -180,45 +145,69 @@ def linear_cross_entropy(
         target: ``(N,)`` or ``(B, T)`` class indices.
         bias: ``(V,)`` or None.
         class_weight: ``(V,)`` per-class weights (torch's ``weight``).
-        ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse: as
-            :func:`cross_entropy`.
-        validate: as :func:`cross_entropy`: ``True`` checks the targets on the device, in the
-            launch that computes the mean's divisor, and a later call on that device reports a
-            bad one (on the CPU, this call); ``"sync"`` reports it at this call; ``False``
-            does not check.
+        ignore_index, reduction, label_smoothing, z_loss, softcap, return_lse, validate: as
+            :func:`cross_entropy` (``validate=True`` checks in the launch that computes the
+            mean's divisor).
         chunk_size: tokens per chunk (default: as many as fit :data:`LINEAR_CHUNK_BYTES`).
         vocab_chunk_size: classes per vocabulary slice (default: the whole vocabulary, unless
             it does not fit the budget as said above).
 
     Returns:
         The fp32 loss (and the LSE per token), as :func:`cross_entropy`.
+
+    Raises:
+        TypeError, ValueError: as :func:`cross_entropy`; also hidden and weight that disagree
+            on H or dtype, a bias that is not ``(V,)``, a chunk size that is not an int >= 1.
     """
     for name, t in (("hidden", hidden), ("weight", weight)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     device_type = hidden.device.type  # (other devices fail the checks below)
+    autocast_off = _NO_CONTEXT
     if device_type in ("cuda", "cpu") and torch.is_autocast_enabled(device_type):
         # as torch.matmul under autocast: the products in autocast's dtype (differentiable
         # casts: the gradients come back in the leaves' dtypes), the loss fp32; the sweep then
         # runs with autocast off, so that its products and its buffers agree on one dtype
         dtype = torch.get_autocast_dtype(device_type)
-        with torch.autocast(device_type, enabled=False):
-            return linear_cross_entropy(
-                _autocast(hidden, dtype),
-                _autocast(weight, dtype),
-                target,
-                bias=_autocast(bias, dtype),
-                class_weight=class_weight,
-                ignore_index=ignore_index,
-                reduction=reduction,
-                label_smoothing=label_smoothing,
-                z_loss=z_loss,
-                softcap=softcap,
-                return_lse=return_lse,
-                validate=validate,
-                chunk_size=chunk_size,
-                vocab_chunk_size=vocab_chunk_size,
-            )
+        hidden, weight, bias = (_autocast(t, dtype) for t in (hidden, weight, bias))
+        autocast_off = torch.autocast(device_type, enabled=False)
+    with autocast_off:
+        return _linear_cross_entropy(
+            hidden,
+            weight,
+            target,
+            bias,
+            class_weight,
+            ignore_index,
+            reduction,
+            label_smoothing,
+            z_loss,
+            softcap,
+            return_lse,
+            validate,
+            chunk_size,
+            vocab_chunk_size,
+        )
+
+
+def _linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    bias: torch.Tensor | None,
+    class_weight: torch.Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float | None,
+    return_lse: bool,
+    validate: bool | str,
+    chunk_size: int | None,
+    vocab_chunk_size: int | None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`linear_cross_entropy` once its tensors are cast for autocast (autocast off): the
+    checks, the move of CPU tensors to where kernels run, the sweep."""
     _check_linear(hidden, weight, bias, validate, chunk_size, vocab_chunk_size)
     v = weight.shape[0]
     fake = hidden.new_empty((1,) * hidden.dim()).expand(*hidden.shape[:-1], v)  # (no storage)
@@ -278,6 +267,34 @@ def linear_cross_entropy(
     return (loss, lse.view(target.shape)) if return_lse else loss
 
 
+def _moved_call(
+    dev: torch.device,
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None,
+    opts: tuple,
+    return_lse: bool,
+    validate: bool | str,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`cross_entropy` of CPU tensors in a process whose kernels run on the GPU ``dev``:
+    the whole call there, and a bad target raised by this call (``validate="sync"``)."""
+    ignore_index, label_smoothing, z_loss, softcap, inplace_backward, reduction = opts
+    out = cross_entropy(
+        logits.to(dev),
+        target.to(dev),
+        moved(weight, dev),
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+        z_loss=z_loss,
+        softcap=softcap,
+        inplace_backward=inplace_backward,
+        return_lse=return_lse,
+        validate="sync" if validate else False,
+    )
+    return moved(out, logits.device)
+
+
 def _check_linear(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -303,6 +320,27 @@ def _check_linear(
     for name, size in (("chunk_size", chunk_size), ("vocab_chunk_size", vocab_chunk_size)):
         if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 1):
             raise ValueError(f"{name} must be None or an int >= 1, got {size!r}")
+
+
+def _options(
+    logits: torch.Tensor,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+    z_loss: float,
+    softcap: float | None,
+    inplace_backward: bool,
+    validate: bool | str,
+) -> tuple:
+    """:func:`cross_entropy`'s options as :class:`CrossEntropyFunction` takes them, after the
+    checks of its own flags (the loss's are :func:`_check`'s). Before a move: a refused call
+    copies nothing."""
+    if not (isinstance(validate, bool) or validate == "sync"):
+        raise ValueError(f"validate must be True, False or 'sync', got {validate!r}")
+    if inplace_backward:
+        _check_inplace(logits)
+    opts = (float(label_smoothing), float(z_loss), check_softcap(softcap), bool(inplace_backward))
+    return (ignore_index, *opts, reduction)
 
 
 _Maybe = torch.Tensor | None
