@@ -70,11 +70,9 @@ def attention(
             split that fills the GPU (:func:`splits_for`); otherwise no split.
         sinks: ``(Hq,)`` attention-sink logits in the scaled-score space (gpt-oss), fp32 or
             q's dtype: one more logit in every row's softmax, with no value, so it takes
-            probability from the keys and is dropped from the output. Each row's online-softmax
-            state starts from the sink's, ``(m, s) = (sink, 1)``, instead of ``(−inf, 0)``: exact
-            (the merge is associative) and free (no extra tile). A row that sees no key gives 0
-            and LSE = its sink. Differentiable: ``dsink_h = −Σ_rows p_sink·delta``
-            (docs/how-it-works/attention.md).
+            probability from the keys and is dropped from the output. A row that sees no key
+            gives 0 and LSE = its sink. Differentiable (how a row's state starts from the sink,
+            and its gradient: docs/how-it-works/attention.md §6a).
 
     Returns:
         ``out`` in ``q``'s layout and dtype, or ``(out, lse)`` with ``lse`` fp32 ``(B, Hq, Nq)``.
@@ -128,32 +126,24 @@ def attention_varlen(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed sequences of different lengths (flash-attn's varlen convention),
     without padding: sequence b is rows ``[cu_seqlens_q[b], cu_seqlens_q[b + 1])`` of q and
-    ``[cu_seqlens_k[b], cu_seqlens_k[b + 1])`` of k and v.
+    ``[cu_seqlens_k[b], cu_seqlens_k[b + 1])`` of k and v. Guide: docs/guides/attention.md.
 
     Args:
         q: ``(total_q, Hq, D)``; k, v: ``(total_k, Hkv, D)``, ``Hq % Hkv == 0``.
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` offsets: start at 0, non-decreasing,
             last entry the packed length.
-        max_seqlen_q, max_seqlen_k: the longest sequence's lengths (at least the true maxima;
-            the grid is sized by them).
-        causal, scale, window, softcap: as :func:`attention`, per sequence (causal and window
-            aligned bottom-right to each sequence's own lengths).
+        max_seqlen_q, max_seqlen_k: at least the longest sequence's lengths (they size the grid).
+        causal, scale, window, softcap, sinks: as :func:`attention`, per sequence (causal and
+            window aligned bottom-right to each sequence's own lengths).
         return_lse: also return the fp32 LSE, ``(Hq, total_q)``.
-        validate: check the values of the offsets. ``True`` (the default): on a GPU in one
-            small launch, with no host sync, bad offsets raised by a *later* varlen call on that
-            device (the first that finds the check done); on the CPU by this call.
-            ``"sync"``: by this call, after a host sync. ``False``: no check. Skipped inside
-            ``torch.compile``. The kernels clamp the offsets to the packed lengths either way,
-            so bad ones give wrong rows, never reads or writes outside the tensors.
-        sinks: ``(Hq,)`` sink logits, as :func:`attention`.
-        score_mod, block_mask: your own score function and mask, as :func:`flex_attention`'s,
-            per sequence: the mods see sequence b as batch ``b`` and positions counted from
-            its start; ``block_mask`` comes from :func:`create_block_mask` with
-            ``B = batch`` (or None to broadcast), ``Q_LEN = max_seqlen_q`` and
-            ``KV_LEN = max_seqlen_k``. Not with ``causal``, ``window``, ``softcap`` or
-            ``sinks``: write those as mods (:mod:`flashlite.gallery`'s ``causal()`` is
-            top-left aligned, the same as ``causal=True`` where a sequence's query and key
-            lengths are equal).
+        validate: check the offsets' values (bad ones are clamped anyway: wrong rows, never an
+            access outside the tensors). ``True``: on a GPU in one launch, no host sync, raised
+            by a *later* varlen call there; on the CPU by this call. ``"sync"``: by this call,
+            after a host sync. ``False``: no check. Skipped inside ``torch.compile``.
+        score_mod, block_mask: your own score function and mask per sequence, as
+            :func:`flex_attention`'s: sequence b is batch ``b``, positions from its start, the
+            mask built with ``B = batch`` (or None), ``Q_LEN``/``KV_LEN`` ``max_seqlen_q/_k``.
+            Not with ``causal``, ``window``, ``softcap`` or ``sinks``: write them as mods.
 
     Returns:
         ``out`` ``(total_q, Hq, D)`` (and the LSE). Differentiable in q, k, v, the sinks (and
@@ -163,10 +153,10 @@ def attention_varlen(
     Raises:
         TypeError: non-tensors, wrong dtypes (cu_seqlens must be int32), flags that are not
             bools, as :func:`attention`; ``validate`` not True, False or ``"sync"``.
-        ValueError: shapes, devices; with ``validate``, cu_seqlens that do not start at 0,
-            decrease or do not end at the packed length, max_seqlen below a sequence's length
-            (raised when ``validate`` says); ``score_mod`` or ``block_mask`` with ``causal``,
-            ``window``, ``softcap`` or ``sinks``, or a block mask of other lengths or batch.
+        ValueError: shapes, devices; with ``validate`` (raised when it says), cu_seqlens that
+            do not start at 0, decrease or miss the packed length, a max_seqlen below a length;
+            mods with ``causal``, ``window``, ``softcap`` or ``sinks``, a block mask of other
+            lengths or batch.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -174,6 +164,43 @@ def attention_varlen(
         if t.dim() != 3:
             raise ValueError(f"{name} must be (total, heads, head_dim), got {tuple(t.shape)}")
     check_flags(causal=causal, return_lse=return_lse)
+    sm_scale, qc, kc, vc, cu_q, cu_k = _check_varlen(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, validate
+    )
+    if score_mod is not None or block_mask is not None:
+        _refuse_builtins(causal, window, softcap, sinks)
+        sizes = int(max_seqlen_q), int(max_seqlen_k)
+        o, lse = flex_varlen(qc, kc, vc, cu_q, cu_k, *sizes, score_mod, block_mask, sm_scale)
+    else:
+        mask = masks.describe(causal, window, softcap)
+        request = Request.of_mask(
+            mask,
+            sm_scale,
+            cu_seqlens_q=cu_q,
+            cu_seqlens_k=cu_k,
+            max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k,
+            sinks=check_sinks(sinks, qc, qc.shape[1]),
+        )
+        o, lse = ATTENTION_FWD(qc, kc, vc, request)
+    o = o.transpose(1, 2).squeeze(0)
+    return (o, lse.squeeze(0)) if return_lse else o
+
+
+def _check_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    scale: float | None,
+    validate: bool | str,
+) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`attention_varlen`'s checks after its tensors' ranks and flags: ``validate``, the
+    ``(1, total, H, D)`` views (:func:`check_views`), the offsets, and their values as
+    ``validate`` says. Returns ``(scale, q, k, v, cu_seqlens_q, cu_seqlens_k)`` as checked."""
     if not (isinstance(validate, bool) or validate == "sync"):
         raise TypeError(f"validate must be True, False or 'sync', got {validate!r}")
     # (1, H, total, D) views: one 'batch' in the layout the kernels read, no copy
@@ -192,38 +219,16 @@ def attention_varlen(
         on_device = validate is True and cu_q.device.type == "cuda"  # (a CPU check costs no sync)
         if not (on_device and check_offsets_on_device(cu_q, cu_k, *sizes)):
             check_cu_values(cu_q, cu_k, *sizes)
-    if score_mod is not None or block_mask is not None:
-        builtin = {"causal": causal or None, "window": window, "softcap": softcap, "sinks": sinks}
-        given = [name for name, x in builtin.items() if x is not None]
-        if given:
-            raise ValueError(
-                f"attention_varlen takes score_mod and block_mask without {', '.join(given)}: "
-                "write them as mods (flashlite.gallery: causal(), sliding_window(w), "
-                "tanh_softcap(c)) in the block mask and score function"
-            )
-        o, lse = flex_varlen(
-            qc,
-            kc,
-            vc,
-            cu_q,
-            cu_k,
-            int(max_seqlen_q),
-            int(max_seqlen_k),
-            score_mod,
-            block_mask,
-            sm_scale,
+    return sm_scale, qc, kc, vc, cu_q, cu_k
+
+
+def _refuse_builtins(causal: bool, window: Any, softcap: Any, sinks: Any) -> None:
+    """:func:`attention_varlen`'s mods come without its built-in masks and sinks."""
+    builtin = {"causal": causal or None, "window": window, "softcap": softcap, "sinks": sinks}
+    given = [name for name, x in builtin.items() if x is not None]
+    if given:
+        raise ValueError(
+            f"attention_varlen takes score_mod and block_mask without {', '.join(given)}: "
+            "write them as mods (flashlite.gallery: causal(), sliding_window(w), "
+            "tanh_softcap(c)) in the block mask and score function"
         )
-    else:
-        mask = masks.describe(causal, window, softcap)
-        request = Request.of_mask(
-            mask,
-            sm_scale,
-            cu_seqlens_q=cu_q,
-            cu_seqlens_k=cu_k,
-            max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k,
-            sinks=check_sinks(sinks, qc, qc.shape[1]),
-        )
-        o, lse = ATTENTION_FWD(qc, kc, vc, request)
-    o = o.transpose(1, 2).squeeze(0)
-    return (o, lse.squeeze(0)) if return_lse else o

@@ -182,71 +182,53 @@ def attention_kvcache(
     score_mod: Any = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decoding against a KV cache, optionally paged: the query heads of a GQA group share one
-    K/V read, the keys are split across programs (flash-decoding).
-
-    The layout is fixed at ``b n h d`` (there is no ``layout`` keyword): q ``(B, Nq, Hq, D)``,
-    the caches ``(B, Ncap, Hkv, D)`` or paged ``(num_pages, page_size, Hkv, D)``; a ``b h n d``
-    tensor goes in as ``t.transpose(1, 2)`` (a view). ``cache_seqlens`` is int32 ``(B,)``.
-    Forward only: call it under ``torch.no_grad()`` (a backward that reaches its outputs
-    raises).
-
-    Keywords: ``cache_seqlens`` (required), ``k_new``, ``v_new``, ``block_table``, ``causal``,
-    ``scale``, ``window``, ``softcap``, ``num_splits``, ``return_lse``, ``validate``,
-    ``sinks``, ``mask_mod``, ``score_mod``.
+    K/V read, the keys are split across programs (flash-decoding). Layout ``b n h d`` only (no
+    ``layout`` keyword: pass a ``b h n d`` tensor as ``t.transpose(1, 2)``, a view). Forward
+    only: call it under ``torch.no_grad()``. Guide: docs/guides/decoding.md.
 
     Args:
         q: ``(B, Nq, Hq, D)``, the new tokens' queries.
         k_cache, v_cache: ``(B, Ncap, Hkv, D)``, or with ``block_table`` a paged cache
-            ``(num_pages, page_size, Hkv, D)``, page size any multiple of 16 (flash-attn's
-            multiples of 256 included). Any
-            strides; expanded (stride-0) or otherwise overlapping caches are read, but refused
-            when ``k_new`` is to be written into them.
-        cache_seqlens: int32 ``(B,)``: keys already in the cache per batch (any stride).
+            ``(num_pages, page_size, Hkv, D)``, page size any multiple of 16. Any strides;
+            expanded or overlapping caches are read, but refused when ``k_new`` is written.
+        cache_seqlens: int32 ``(B,)``, required: keys already in the cache per batch (any
+            stride).
         k_new, v_new: ``(B, Nnew, Hkv, D)``, written into the cache in place at
             ``cache_seqlens[b]`` before attending (both or neither).
         block_table: int32 ``(B, max_pages)``: batch b's key j lives in page
             ``block_table[b, j // page_size]`` (vLLM's convention; any strides).
         causal, scale, window, softcap: as :func:`attention`, aligned bottom-right to
-            ``cache_seqlens[b] + Nnew`` keys (so with ``causal`` query i of Nq sees keys up to
+            ``cache_seqlens[b] + Nnew`` keys (with ``causal`` query i of Nq sees keys up to
             ``cache_seqlens[b] + Nnew − Nq + i``).
-        num_splits: key chunks per block of query rows (None: one chunk per SM,
+        num_splits: key chunks per block of query rows (None: one per SM,
             :func:`splits_for`; 1 on CPU).
         return_lse: also return the fp32 LSE ``(B, Hq, Nq)``.
-        validate: check the values of ``cache_seqlens`` and of the block table's pages in use.
-            ``True`` (the default): on the device, in the launch that appends ``k_new``, with
-            no host sync (CUDA graphs capture the call as it is). A batch row with a bad value
-            writes no key, and the error is raised by this call on the CPU, by a *later*
-            ``attention_kvcache`` call on a GPU (the first that finds the check done).
-            ``"sync"``: on the host before anything is written (one sync per call).
-            ``False``: no check. Without a check a bad value still never reads or writes
-            outside the caches: lengths are clamped to the capacity and page ids to the pool,
-            so bad values give wrong results.
+        validate: check ``cache_seqlens`` and the block table's pages in use (bad values are
+            clamped anyway: wrong results, never an access outside the caches). ``True``: on
+            the device, in the append's launch, no host sync; a bad batch row writes no key,
+            raised by this call on the CPU, by a *later* call on a GPU. ``"sync"``: on the
+            host before anything is written. ``False``: no check.
         sinks: ``(Hq,)`` sink logits, as :func:`attention` (merged once, whatever the split).
-        mask_mod: a mask function (:func:`flashlite.mods.mask_mod`, e.g. from
-            :mod:`flashlite.gallery`) that narrows what ``causal`` and ``window`` let each
-            query see. It is called with ``q_idx`` the query's position in its sequence,
-            ``cache_seqlens[b] + Nnew − Nq + i`` (the key index it would have), ``kv_idx`` the
-            key's, and ``h`` the query head; its tensor buffers on q's device. Every key tile is
-            evaluated (decoding has no block tables).
+        mask_mod: a mask function (:func:`flashlite.mods.mask_mod`, :mod:`flashlite.gallery`)
+            narrowing what ``causal`` and ``window`` let each query see, its buffers on q's
+            device; ``q_idx`` is ``cache_seqlens[b] + Nnew − Nq + i``, ``h`` the query head.
         score_mod: a score function (:func:`flashlite.mods.score_mod`, e.g.
-            :func:`flashlite.gallery.alibi`) applied to each scaled score ``q·k·scale`` that
-            ``causal``, ``window`` and ``mask_mod`` leave, with the same indices; not with
-            ``softcap`` (write the cap as :func:`flashlite.gallery.tanh_softcap`).
+            :func:`flashlite.gallery.alibi`) on each scaled score ``q·k·scale`` the masks
+            leave, with the same indices; not with ``softcap`` (use
+            :func:`flashlite.gallery.tanh_softcap`).
 
     Returns:
-        ``out`` ``(B, Nq, Hq, D)`` (and the LSE). Forward only: given tensors that require
-        grad (grad mode on), it computes the forward all the same, and a backward that
-        reaches its outputs raises a ``RuntimeError`` (decode under ``torch.no_grad()``).
+        ``out`` ``(B, Nq, Hq, D)`` (and the LSE). Given tensors that require grad it computes
+        all the same, and a backward that reaches its outputs raises a ``RuntimeError``.
 
     Raises:
         TypeError: non-tensors, mixed or unsupported dtypes, index tensors that are not int32,
             flags that are not bools, ``validate`` not True, False or ``"sync"``.
         ValueError: shapes (the message shows the ``b n h d`` shapes expected and the
-            transposes that fix ``b h n d`` tensors), devices, ``k_new``
-            with caches whose elements overlap (expanded, stride 0) or that are one tensor;
-            with ``validate``, a negative ``cache_seqlens``, ``cache_seqlens + Nnew`` past the
-            cache's capacity or a block-table entry outside ``[0, num_pages)`` among the pages
-            in use (raised when ``validate`` says); ``score_mod`` with ``softcap``. Every
+            transposes that fix ``b h n d`` tensors), devices, ``k_new`` with overlapping caches
+            or one tensor as both; with ``validate`` (raised when it says), a negative
+            ``cache_seqlens``, ``cache_seqlens + Nnew`` past the capacity, a page id outside
+            ``[0, num_pages)`` among the pages in use; ``score_mod`` with ``softcap``. Every
             argument check comes before anything is written.
     """
     tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
@@ -256,6 +238,19 @@ def attention_kvcache(
     if plan is not None and plain_eager(q, k_cache, v_cache):  # a kind of call seen before
         o, lse = plan(*tensors) if sinks is None else plan(*tensors, sinks.float())
         return (o, lse) if return_lse else o
+    request = _checked_request(tensors, options, return_lse, sinks, key)
+    o, lse = KVCACHE(q, k_cache, v_cache, k_new, v_new, request)
+    return (o, lse) if return_lse else o
+
+
+def _checked_request(
+    tensors: tuple, options: tuple, return_lse: bool, sinks: torch.Tensor | None, key: tuple | None
+) -> Request:
+    """:func:`attention_kvcache`'s argument checks, for a kind of call not seen before (or one
+    with a mask function), and its request; a plain call's plan is kept under ``key``, so the
+    next call of that kind skips them."""
+    q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table = tensors
+    causal, scale, window, softcap, num_splits, validate, mask_mod, score_mod = options
     for name, t in (
         ("q", q),
         ("k_cache", k_cache),
@@ -291,5 +286,4 @@ def attention_kvcache(
         checked_kvcache.put(
             key, kvcache_plan(kvcache_args(q, k_cache, v_cache, k_new, v_new, request), sink)
         )
-    o, lse = KVCACHE(q, k_cache, v_cache, k_new, v_new, request)
-    return (o, lse) if return_lse else o
+    return request
