@@ -53,13 +53,8 @@ def attention(
     mask_mod: MaskMod | None = None,
     score_mod: ScoreMod | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Naive attention that materialises ``S = Q Kᵀ`` and ``P = softmax(S)`` (layout b h n d).
-
-    The ops, in the order the traffic model counts them: ``S = Q Kᵀ`` (matmul), ``S·scale``,
-    the causal mask (``torch.where``, when causal), ``P = softmax(S)``, ``O = P V`` (matmul).
-    With ``softcap`` the scaled scores become ``softcap·tanh(S/softcap)`` before the mask; with
-    ``window`` the mask is :func:`flashlite.masks.torch_visible`'s window (the traffic model
-    does not count those two yet).
+    """Naive attention that materialises ``S = Q Kᵀ`` and ``P = softmax(S)`` (layout b h n d),
+    one torch op per step: the traffic model counts them (docs/how-it-works/hbm-traffic.md).
 
     Args:
         q: ``(B, Hq, Nq, D)``.
@@ -69,13 +64,14 @@ def attention(
         upcast: compute in fp64 (the accurate reference) instead of the input dtype.
         return_lse: also return the fp32 ``(B, Hq, Nq)`` natural-log LSE of the scaled scores.
         window: ``(left, right)`` keys around the bottom-right diagonal, −1 unlimited
-            (flash-attn's ``window_size``; with ``causal`` right is 0).
-        softcap: cap ``c > 0`` of Gemma 2's ``c·tanh(s/c)`` on the scaled scores.
-        seqlens_k: ``(B,)`` ints: batch b has only its first ``seqlens_k[b]`` keys (the mask
-            of each batch is built for that length, so causal and window align to it).
+            (flash-attn's ``window_size``; with ``causal`` right is 0), as
+            :func:`flashlite.masks.torch_visible` builds it.
+        softcap: cap ``c > 0`` of Gemma 2's ``c·tanh(s/c)`` on the scaled scores, before the
+            mask.
+        seqlens_k: ``(B,)`` ints: batch b has only its first ``seqlens_k[b]`` keys (causal and
+            window align to that length).
         sinks: ``(Hq,)`` sink logits in the scaled-score space (gpt-oss): one more column of
-            each head's scores, with no value; it joins the softmax's denominator and is
-            dropped from the output (differentiable, as every other input here).
+            each head's scores, with no value, in the softmax's denominator (differentiable).
         mask_mod, score_mod: your own mask and score function (:mod:`flashlite.mods`), their
             torch twins applied to the ``(B, Hq, Nq, Nk)`` scores: the score function after the
             cap, then the mask.
@@ -88,7 +84,7 @@ def attention(
     if upcast:
         q, k, v = q.double(), k.double(), v.double()
     b, hq, nq, d = q.shape
-    hkv, nk = k.shape[1], k.shape[2]
+    hkv = k.shape[1]
     # GQA: view q as (B, Hkv, group, Nq, D) and broadcast k, v over the group (torch.matmul
     # materialises that broadcast when B·Hkv > 1; the traffic model counts the copy)
     if hq != hkv:
@@ -99,23 +95,9 @@ def attention(
     s = s * scale
     if softcap is not None:
         s = softcap * torch.tanh(s / softcap)
-    if score_mod is not None or mask_mod is not None:  # the twins see (B, Hq, Nq, Nk)
-        s4 = s.reshape(b, hq, nq, nk)
-        if score_mod is not None:
-            s4 = torch_score(score_mod, s4)
-        if mask_mod is not None:
-            s4 = torch.where(torch_mask(mask_mod, b, hq, nq, nk, q.device), s4, -math.inf)
-        s = s4.reshape(s.shape)
     masked = causal or window is not None or seqlens_k is not None or mask_mod is not None
-    if seqlens_k is not None:  # one (Nq, Nk) mask per batch, broadcast over the heads
-        seen = torch.zeros(b, nq, nk, dtype=torch.bool, device=q.device)
-        for i, n in enumerate(seqlens_k.tolist()):
-            seen[i, :, :n] = torch_visible(nq, n, causal, window=window, device=q.device)
-        seen = seen.view(b, *([1] * (s.dim() - 3)), nq, nk)
-        s = torch.where(seen, s, -math.inf)
-    elif masked:
-        seen = torch_visible(nq, nk, causal, window=window, device=q.device)
-        s = torch.where(seen, s, -math.inf)
+    if masked or score_mod is not None:
+        s = _masked(s, hq, causal, window, seqlens_k, mask_mod, score_mod)
     if sinks is not None:  # the sink's column, per query head, broadcast over batch and rows
         sink = sinks.to(s.dtype).reshape(*([hkv, hq // hkv] if hq != hkv else [hq]), 1, 1)
         s = torch.cat([s, sink.expand(*s.shape[:-1], 1)], dim=-1)
@@ -129,6 +111,37 @@ def attention(
         return o
     lse = torch.logsumexp(s.float() if not upcast else s, dim=-1).reshape(b, hq, nq).float()
     return o, lse
+
+
+def _masked(
+    s: torch.Tensor,
+    hq: int,
+    causal: bool,
+    window: tuple[int, int] | None,
+    seqlens_k: torch.Tensor | None,
+    mask_mod: MaskMod | None,
+    score_mod: ScoreMod | None,
+) -> torch.Tensor:
+    """:func:`attention`'s scaled (and capped) scores ``s``, ``(B, Hq, Nq, Nk)`` or with GQA
+    ``(B, Hkv, group, Nq, Nk)``, through the score function, then every mask: −inf where a
+    query does not see a key."""
+    b, nq, nk, device = s.shape[0], s.shape[-2], s.shape[-1], s.device
+    if score_mod is not None or mask_mod is not None:  # the twins see (B, Hq, Nq, Nk)
+        s4 = s.reshape(b, hq, nq, nk)
+        if score_mod is not None:
+            s4 = torch_score(score_mod, s4)
+        if mask_mod is not None:
+            s4 = torch.where(torch_mask(mask_mod, b, hq, nq, nk, device), s4, -math.inf)
+        s = s4.reshape(s.shape)
+    if seqlens_k is not None:  # one (Nq, Nk) mask per batch, broadcast over the heads
+        seen = torch.zeros(b, nq, nk, dtype=torch.bool, device=device)
+        for i, n in enumerate(seqlens_k.tolist()):
+            seen[i, :, :n] = torch_visible(nq, n, causal, window=window, device=device)
+        seen = seen.view(b, *([1] * (s.dim() - 3)), nq, nk)
+        s = torch.where(seen, s, -math.inf)
+    elif causal or window is not None or mask_mod is not None:
+        s = torch.where(torch_visible(nq, nk, causal, window=window, device=device), s, -math.inf)
+    return s
 
 
 def sdpa(
