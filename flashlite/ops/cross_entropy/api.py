@@ -278,7 +278,8 @@ def _moved_call(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`cross_entropy` of CPU tensors in a process whose kernels run on the GPU ``dev``:
     the whole call there, and a bad target raised by this call (``validate="sync"``)."""
-    ignore_index, label_smoothing, z_loss, softcap, inplace_backward, reduction = opts
+    ignore_index, label_smoothing, z_loss, cap, inplace_backward, reduction = opts
+    softcap = cap or None  # (the kernels' 0.0 for no cap; the public call takes None)
     out = cross_entropy(
         logits.to(dev),
         target.to(dev),
