@@ -168,8 +168,7 @@ def test_merge_attention_with_empty_parts() -> None:
 # Test kernels: one [R, C] (or [R]) tile, row-major and contiguous, one program.
 @triton.jit
 def _tile_stats_kernel(X, M, S, P, R: tl.constexpr, C: tl.constexpr, SCALE: tl.constexpr):
-    r = tl.arange(0, R)
-    c = tl.arange(0, C)
+    r, c = tl.arange(0, R), tl.arange(0, C)
     offs = r[:, None] * C + c[None, :]
     m, s, p = tile_stats(tl.load(X + offs), SCALE)
     tl.store(M + r, m)
@@ -181,8 +180,7 @@ def _tile_stats_kernel(X, M, S, P, R: tl.constexpr, C: tl.constexpr, SCALE: tl.c
 def _online_update_kernel(
     M0, S0, X, M, S, ALPHA, P, R: tl.constexpr, C: tl.constexpr, SCALE: tl.constexpr
 ):
-    r = tl.arange(0, R)
-    c = tl.arange(0, C)
+    r, c = tl.arange(0, R), tl.arange(0, C)
     offs = r[:, None] * C + c[None, :]
     m, s, alpha, p = online_update(tl.load(M0 + r), tl.load(S0 + r), tl.load(X + offs), SCALE)
     tl.store(M + r, m)
@@ -243,8 +241,7 @@ def _merge_pair_kernel(MA, SA, MB, SB, M, S, R: tl.constexpr, SCALE: tl.constexp
 
 @triton.jit
 def _merge_partials_kernel(MP, SP, M, S, R: tl.constexpr, C: tl.constexpr, SCALE: tl.constexpr):
-    r = tl.arange(0, R)
-    c = tl.arange(0, C)
+    r, c = tl.arange(0, R), tl.arange(0, C)
     offs = r[:, None] * C + c[None, :]
     m, s = merge_partials(tl.load(MP + offs), tl.load(SP + offs), SCALE)
     tl.store(M + r, m)
@@ -257,7 +254,6 @@ def _finalize_lse_kernel(M, S, LSE, R: tl.constexpr, SCALE: tl.constexpr):
     tl.store(LSE + r, finalize_lse(tl.load(M + r), tl.load(S + r), SCALE))
 
 
-DEVICE = torch.device("cpu")
 R, C = 4, 8
 # Softmax passes SCALE = LOG2E (c = 1); attention folds a score scale c into it.
 SCALES = [pytest.param(1.0, id="softmax"), pytest.param(0.35, id="scaled")]
@@ -281,8 +277,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, tol: float = 2e-6) -> N
 
 
 def _no_nan(*ts: torch.Tensor) -> None:
-    for t in ts:
-        assert not torch.isnan(t).any()
+    assert not any(torch.isnan(t).any() for t in ts)
 
 
 @pytest.mark.parametrize("c", SCALES)
