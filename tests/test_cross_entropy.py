@@ -238,3 +238,38 @@ def test_no_targets() -> None:
     loss = flashlite.cross_entropy(x, t, reduction="sum")
     loss.backward()
     assert loss.item() == 0.0 and x.grad.shape == (0, 5)
+
+
+@pytest.mark.parametrize("softcap", [None, 4.0])
+def test_the_moved_call_path_on_the_cpu(softcap: float | None, monkeypatch) -> None:  # noqa: ANN001
+    """CPU tensors in a process whose kernels run on a GPU re-call the function with the moved
+    tensors (the GPU's path). Here the CPU stands in for that GPU, once per call: the re-call
+    takes the same options (the defaults included) and gives the plain call's result."""
+    from flashlite.ops.cross_entropy import api
+
+    real = api.moved_call_device
+    pending: list[bool] = []
+
+    def once(device: torch.device) -> torch.device | None:
+        if pending:
+            pending.clear()
+            return torch.device("cpu")
+        return real(device)
+
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(5, 40, generator=gen)
+    target = torch.randint(0, 40, (5,), generator=gen)
+    hidden, weight = torch.randn(5, 8, generator=gen), torch.randn(40, 8, generator=gen)
+    want = (
+        flashlite.cross_entropy(logits, target, softcap=softcap),
+        flashlite.linear_cross_entropy(hidden, weight, target, softcap=softcap),
+    )
+    monkeypatch.setattr(api, "moved_call_device", once)
+    pending.append(True)
+    got_ce = flashlite.cross_entropy(logits, target, softcap=softcap)
+    assert not pending  # (the moved path ran)
+    pending.append(True)
+    got_linear = flashlite.linear_cross_entropy(hidden, weight, target, softcap=softcap)
+    assert not pending
+    torch.testing.assert_close(got_ce, want[0])
+    torch.testing.assert_close(got_linear, want[1])
