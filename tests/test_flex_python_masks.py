@@ -225,15 +225,19 @@ def test_torch_block_mask_of_a_python_mask_is_accepted() -> None:
     _check_against_fp64(hand, dense)
 
 
-def test_the_gluon_kernels_do_not_take_bits_yet(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the Hopper flex kernels would run (forced here on the CPU), a plain Python mask's
-    call runs the Triton flex kernels: the Gluon ones have not read its bits on a GPU yet."""
+@pytest.mark.parametrize("takes", [True, False], ids=["gluon", "switched-off"])
+def test_the_gluon_kernels_take_the_bits(takes: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the Hopper flex kernels run (forced here on the CPU, their plans stubbed to fail,
+    so the Triton flex kernels compute), a plain Python mask's call plans them forward and
+    backward, unless ``GLUON_TAKES_BITS`` is off."""
     from flashlite import _caches
     from flashlite.kernels.attention.hopper import HopperConfig
+    from flashlite.ops.attention.backends.tables import args as TA
     from flashlite.ops.attention.backends.tables import bwd as TB
     from flashlite.ops.attention.backends.tables import fwd as TF
 
     called: list[str] = []
+    monkeypatch.setattr(TA, "GLUON_TAKES_BITS", takes)
     _caches.clear()
     monkeypatch.setattr(TF, "hopper_config", lambda *a: HopperConfig(128, 128, 3))
     monkeypatch.setattr(TF, "descriptor_ok", lambda *a: True)
@@ -249,7 +253,7 @@ def test_the_gluon_kernels_do_not_take_bits_yet(monkeypatch: pytest.MonkeyPatch)
     out.sum().backward()
     ref = reference.attention(*(t.detach().double() for t in (q, k, v)), causal=True)
     torch.testing.assert_close(out.double(), ref, atol=2e-5, rtol=1e-5)
-    assert called == []
+    assert called == (["fwd", "bwd"] if takes else [])
 
 
 def test_compiled_matches_eager_and_passes_opcheck() -> None:

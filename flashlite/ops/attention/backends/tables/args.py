@@ -239,9 +239,10 @@ def bind_triton(
 
 
 #: Whether the Hopper (Gluon) flex kernels read a plain Python mask's bits
-#: (:data:`flashlite.masking.python_masks.BITS_NAME`); while False those calls run the Triton
-#: flex kernels. (Plans are kept per kind of call: clear them after changing it.)
-GLUON_TAKES_BITS = False
+#: (:data:`flashlite.masking.python_masks.BITS_NAME`), as they read any mask's buffers; False
+#: sends those calls to the Triton flex kernels (the GPU tests run both). Plans are kept per
+#: kind of call: clear them (``flashlite._caches.clear()``) after changing it.
+GLUON_TAKES_BITS = True
 
 
 def gluon_takes(mask: ModArgs) -> bool:
