@@ -27,7 +27,6 @@ import torch
 
 import flashlite
 from flashlite import plotting
-from flashlite.masking import torch_indices
 
 RESULTS = Path(__file__).resolve().parent / "results"
 REPO = Path(__file__).resolve().parent.parent
@@ -150,7 +149,7 @@ def useful_pairs(bm: flashlite.BlockMask, device: str = "cuda") -> int:
     mod, (nq, nk) = bm.mask_mod, bm.seq_lengths
     total, band = 0, 2048
     for r0 in range(0, nq, band):
-        b, h, q_idx, kv = torch_indices(1, 1, min(band, nq - r0), nk, device)
+        b, h, q_idx, kv = _indices()(1, 1, min(band, nq - r0), nk, device)
         total += int(mod(b, h, q_idx + r0, kv).sum())
     return total
 
@@ -160,7 +159,7 @@ def rows_reference(q, k, v, mm, sm, rows: int = 128):  # noqa: ANN001, ANN201
     function ``mm`` and score function ``sm`` (either None; twins, dense over their keys)."""
     q0 = q.shape[2] - rows
     s = q[:, :, q0:].double() @ k.double().transpose(-1, -2) * q.shape[-1] ** -0.5
-    b, h, q_idx, kv = torch_indices(1, q.shape[1], rows, k.shape[2], q.device)
+    b, h, q_idx, kv = _indices()(1, q.shape[1], rows, k.shape[2], q.device)
     q_idx = q_idx + q0
     if sm is not None:
         s = sm(s, b, h, q_idx, kv)
@@ -293,3 +292,11 @@ def write_results(
         paths["log"] = out_dir / f"{stem}.log"
         paths["log"].write_text(log if log.endswith("\n") else log + "\n")
     return paths
+
+
+def _indices() -> Any:
+    """flashlite's index tensors of a mask function (imported on use: bench_ab runs scripts of
+    this folder on older trees, which lack ``flashlite.masking``)."""
+    from flashlite.masking import torch_indices
+
+    return torch_indices

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 
@@ -110,6 +111,20 @@ _RAW_ENV: dict | None = getattr(os.environ, "_data", None)
 if not (isinstance(_RAW_ENV, dict) and hasattr(os.environ, "encodekey")):
     _RAW_ENV = None
 _ENV_KEYS: dict[str, object] = register("backend.env_keys", {})
+
+
+def env_reader(*names: str) -> Callable[[], tuple]:
+    """A function giving these variables' raw values (None where unset) as one tuple: a plan
+    key's part for switches that choose kernels, cheaper per call than :func:`getenv` of each
+    (two dict reads, nothing decoded)."""
+    if _RAW_ENV is None:
+        return lambda: tuple(os.environ.get(n) for n in names)
+    get = _RAW_ENV.get
+    keys = tuple(os.environ.encodekey(n) for n in names)  # type: ignore[attr-defined]
+    if len(keys) == 2:
+        a, b = keys
+        return lambda: (get(a), get(b))
+    return lambda: tuple(map(get, keys))
 
 
 def check_device(t: torch.Tensor, name: str) -> None:

@@ -13,7 +13,7 @@ from flex_helpers import BLOCK, D, N, _grads
 
 import flashlite
 from flashlite import reference
-from flashlite.masking import masks, mods
+from flashlite.masking import gallery, masks, mods
 
 
 @triton.jit
@@ -136,3 +136,44 @@ def test_window_stays_on_the_triton_kernels_elsewhere(monkeypatch: pytest.Monkey
     monkeypatch.setattr(W, "window_bwd_block", lambda q, k, v, do: (BLOCK, BLOCK))
     flashlite.attention(q, k, v, window=(9, 5), softcap=5.0).sum().backward()
     flashlite.attention(q, k, v, window=(9, 5), sinks=torch.zeros(2)).sum().backward()
+
+
+def test_a_window_on_the_tables_is_planned_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where a window runs on the tables backend (forced here), its first call keeps the band's
+    bound flex plan for calls of its kind: the next call skips the planner, gives the same bits
+    (and new tensors' answers), and FLASHLITE_HOPPER_KERNEL=0 (part of the key) plans again."""
+    from flashlite import _caches
+    from flashlite.kernels.attention.hopper import HopperConfig
+    from flashlite.ops.attention import planner as W
+
+    _caches.clear()
+    monkeypatch.setattr(W, "window_fwd_config", lambda facts: HopperConfig(BLOCK, BLOCK, 2))
+    planned: list[object] = []
+    forward = W.forward
+    monkeypatch.setattr(W, "forward", lambda *a, **kw: planned.append(1) or forward(*a, **kw))
+    q, k, v = (torch.randn(1, 2, N, D) for _ in range(3))
+    first = flashlite.attention(q, k, v, window=(11, 4))
+    assert len(planned) == 1
+    assert torch.equal(flashlite.attention(q, k, v, window=(11, 4)), first)
+    q2 = torch.randn_like(q)
+    want = reference.attention(q2.double(), k.double(), v.double(), window=(11, 4))
+    got = flashlite.attention(q2, k, v, window=(11, 4)).double()
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+    assert len(planned) == 1
+    monkeypatch.setenv("FLASHLITE_HOPPER_KERNEL", "0")
+    flashlite.attention(q, k, v, window=(11, 4))
+    assert len(planned) == 2
+
+
+def test_a_block_masks_request_is_built_once() -> None:
+    """flex's Request of one block mask, scale and score function is kept with the mask (a
+    loop over one mask builds it once); another scale or score function gets its own."""
+    from flashlite.ops.attention.backends.tables.args import table_request
+
+    bm = flashlite.create_block_mask(gallery.causal(), None, None, N, N, BLOCK_SIZE=BLOCK)
+    alibi = gallery.alibi(gallery.alibi_slopes(2))
+    assert table_request(bm, 0.5) is table_request(bm, 0.5)
+    assert table_request(bm, 0.25) is not table_request(bm, 0.5)
+    assert table_request(bm, 0.5, alibi) is table_request(bm, 0.5, alibi)
+    assert table_request(bm, 0.5, alibi).score_mod is not None
+    assert table_request(bm, 0.5).score_mod is None

@@ -9,11 +9,17 @@ from collections.abc import Callable
 
 import torch
 
+from flashlite import _backend
 from flashlite._caches import Cache
 from flashlite.kernels import configs as C
 from flashlite.ops.attention import planner
 from flashlite.ops.attention.backends import hopper
-from flashlite.ops.attention.backends.common import LaunchInfo, empty_output, hopper_launch_config
+from flashlite.ops.attention.backends.common import (
+    HOPPER_ENV,
+    LaunchInfo,
+    empty_output,
+    hopper_launch_config,
+)
 from flashlite.ops.attention.backends.split_kv.decode import attention_decode_fwd, planned_decode
 from flashlite.ops.attention.backends.tables.fwd import window_fwd
 from flashlite.ops.attention.backends.triton.fwd import run_triton
@@ -78,8 +84,11 @@ def attention_fwd(
     if choice.backend == "tables":
         tile = choice.tile
         km = request.mask.kernel(q.shape[2], k.shape[2])
-        o, lse = window_fwd(q, k, v, km, request.scale, (tile.block_m, tile.block_n))
-        return o, lse, LaunchInfo(hopper_launch_config(tile), q.shape[-1], True)
+        o, lse, run = window_fwd(q, k, v, km, request.scale, (tile.block_m, tile.block_n))
+        info = LaunchInfo(hopper_launch_config(tile), q.shape[-1], True)
+        if key is not None:  # (a window and nothing else: its key is the call's kind)
+            _fwd_plans.put(key, _PlannedTables(run, info))
+        return o, lse, info
     o = empty_output(q)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     if choice.backend == "empty":
@@ -121,8 +130,9 @@ _fwd_plans = Cache("attention.fwd", 1024)
 
 def _fwd_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalars: tuple) -> tuple:
     """What a planned forward's plan depends on (:data:`_fwd_plans`): shapes, strides, dtype,
-    device, each tensor's 16-byte alignment (one flag when all are aligned, the usual case), and
-    the request's scalars (:attr:`Request.scalar_key`)."""
+    device, each tensor's 16-byte alignment (one flag when all are aligned, the usual case), the
+    request's scalars (:attr:`Request.scalar_key`) and the environment's switches
+    (``FLASHLITE_HOPPER_KERNEL``, ``FLASHLITE_ATTENTION_CONFIG``)."""
     ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
     aligned = not (ptrs[0] | ptrs[1] | ptrs[2]) & 15
     return (
@@ -135,7 +145,12 @@ def _fwd_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalars: tuple) 
         q.device,
         True if aligned else tuple(p % 16 for p in ptrs),
         scalars,
+        _switches(),
     )
+
+
+#: The environment's switches that choose the forward's kernels, read for every plan's key.
+_switches = _backend.env_reader(HOPPER_ENV, C.PIN_ENV)
 
 
 class _Planned:
@@ -153,6 +168,21 @@ class _Planned:
         o = empty_output(q)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         self.run(q, k, v, o, lse)
+        return o, lse, self.info
+
+
+class _PlannedTables:
+    """A planned window forward on the tables backend: the band's flex plan, bound."""
+
+    def __init__(
+        self, run: Callable[..., tuple[torch.Tensor, torch.Tensor]], info: LaunchInfo
+    ) -> None:
+        self.run, self.info = run, info
+
+    def __call__(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, LaunchInfo]:
+        o, lse = self.run(q, k, v)
         return o, lse, self.info
 
 

@@ -6,6 +6,7 @@ outgrows shared memory)."""
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -82,11 +83,34 @@ def offsets(cu_q: torch.Tensor | None, cu_k: torch.Tensor | None) -> Offsets:
     return cu_q, cu_k
 
 
+#: :func:`table_request`'s requests per block mask (frozen; gone with it), then per scale and
+#: score function: a loop over one mask builds its request once, not on every call.
+_requests: weakref.WeakKeyDictionary = register("flex.requests", weakref.WeakKeyDictionary())
+
+
 def table_request(bm: Any, scale: float, smod: M.ScoreMod | None = None, **fields: Any) -> Request:
     """The :class:`Request` of checked tables ``bm`` (a
     :class:`~flashlite.masking.block_mask.BlockMask`), ``scale`` and a score function: the
     eight tables, the block size and both mods as the ops carry them
-    (:func:`~flashlite.masking.mod_args.spec_mod`), and ``fields`` (packed sequences)."""
+    (:func:`~flashlite.masking.mod_args.spec_mod`), and ``fields`` (packed sequences). Kept
+    per block mask, scale and score function when there are no ``fields``."""
+    if fields:
+        return _table_request(bm, scale, smod, fields)
+    per_mask = _requests.get(bm)
+    if per_mask is None:
+        per_mask = _requests.setdefault(bm, {})
+    found = per_mask.get((scale, id(smod)))
+    if found is not None and found[0] is smod:  # (the id of a live score function)
+        return found[1]
+    request = _table_request(bm, scale, smod, fields)
+    if len(per_mask) < 16:  # (a loop over many scales or score functions: built each time)
+        per_mask[(scale, id(smod))] = (smod, request)
+    return request
+
+
+def _table_request(
+    bm: Any, scale: float, smod: M.ScoreMod | None, fields: dict[str, Any]
+) -> Request:
     mods = {**mod_fields("mask", bm.mask_mod), **mod_fields("score", smod)}
     tables = [getattr(bm, name) for name in BM._TABLES]
     return Request(scale, block_tables=tables, block_size=list(bm.BLOCK_SIZE), **mods, **fields)

@@ -38,14 +38,23 @@ from flashlite.ops.attention.request import Request
 def flex_fwd_body(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    cu_q = request.cu_seqlens_q
+    if q.numel() == 0 or (cu_q is not None and k.shape[2] == 0):
+        FA.taken(request)
+        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
+        return torch.zeros_like(q), lse.fill_(-math.inf)
+    return planned_fwd(q, k, v, request)()
+
+
+def planned_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request
+) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The call's :class:`FwdPlan` with its tables and tensors bound: ``run(q, k, v)`` (these
+    tensors by default) gives ``(o, lse)`` for any tensors of the same kind (non-empty)."""
     tables, (tbm, tbn) = FA.taken(request)
     tables = tuple(tables[:4])
     mask, score = FA.mods_of(request)
-    cu_q = request.cu_seqlens_q
-    if q.numel() == 0 or (cu_q is not None and k.shape[2] == 0):
-        lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-        return torch.zeros_like(q), lse.fill_(-math.inf)
-    cu = FA.offsets(cu_q, request.cu_seqlens_k)
+    cu = FA.offsets(request.cu_seqlens_q, request.cu_seqlens_k)
     key = FA.call_key(q, k, v, tables, mask, score, tbm, tbn, request.scale, cu or ())
     key.append(None if cu is None else cu[0].shape)
     key = tuple(key)
@@ -55,7 +64,14 @@ def flex_fwd_body(
             key,
             FwdPlan(q, k, tables, mask, score, tbm, tbn, request.scale, varlen=cu is not None),
         )
-    return plan(q, k, v, tables, [*mask[1], *score[1]], cu)
+    tensors = [*mask[1], *score[1]]
+
+    def run(
+        q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return plan(q, k, v, tables, tensors, cu)
+
+    return run
 
 
 def window_fwd(
@@ -65,11 +81,14 @@ def window_fwd(
     km: masks.KernelMask,
     scale: float,
     block: tuple[int, int],
-) -> tuple[torch.Tensor, ...]:
-    """``(o, lse)`` of a window forward on ``(B, H, N, D)`` views: flex's forward over the band's
-    tables of ``block`` tiles."""
+) -> tuple[torch.Tensor, torch.Tensor, Callable[..., tuple[torch.Tensor, torch.Tensor]]]:
+    """``(o, lse)`` of a window forward on non-empty ``(B, H, N, D)`` views: flex's forward
+    over the band's tables of ``block`` tiles; and its ``run(q, k, v)`` for later calls of the
+    same kind (shapes, strides, dtype, device, alignment, window and scale)."""
     band = band_tables(km, q.shape[2], k.shape[2], block, q.device)
-    return flex_fwd_body(q, k, v, table_request(band, scale))
+    run = planned_fwd(q, k, v, table_request(band, scale))
+    o, lse = run()
+    return o, lse, run
 
 
 # --------------------------------------------------------------------------- forward
