@@ -275,6 +275,11 @@ def test_gpu_hand_written_window_matches_the_built_in_bit_for_bit() -> None:
         bm = flashlite.create_block_mask(gallery.sliding_window(256), None, None, n, n)
         o = flashlite.attention(q, k, v, causal=True, window=(256, 0))
         assert torch.equal(flashlite.flex_attention(q, k, v, block_mask=bm), o)
+        # a second call runs the kept plan (the band's bound flex plan), new inputs too
+        assert torch.equal(flashlite.attention(q, k, v, causal=True, window=(256, 0)), o)
+        q2 = torch.randn_like(q)
+        o2 = flashlite.attention(q2, k, v, causal=True, window=(256, 0))
+        assert torch.equal(flashlite.flex_attention(q2, k, v, block_mask=bm), o2)
         leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
         exact = reference.attention(*leaves, causal=True, window=(256, 0))
         low = reference.attention(q, k, v, causal=True, window=(256, 0))
