@@ -106,9 +106,12 @@ JOBS: dict[str, tuple[list[str], str, Callable[[Row], Any], Callable[[Row], floa
 FROM_HERE = ("probe", "loops")
 
 
-def run_job(tree: Path, job: str) -> dict[Any, float]:
-    """One run of ``job`` from ``tree``: its flashlite points' metric by key."""
+def run_job(tree: Path, job: str, cases: list[str] | None = None) -> dict[Any, float]:
+    """One run of ``job`` from ``tree``: its flashlite points' metric by key (``cases``: the
+    loops job's case words)."""
     args, stem, key, metric = JOBS[job]
+    if job == "loops" and cases:
+        args = [*args, "--cases", *cases]
     # each tree's own benchmark scripts; probe and loops are this folder's, on the tree's flashlite
     scripts = HERE if job in FROM_HERE else tree / "benchmarks"
     out = scripts / "results" / f"{stem}-{device_slug()}.json"
@@ -136,13 +139,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", nargs="+", choices=sorted(JOBS), default=["probe"])
     ap.add_argument("--rounds", type=int, default=2, help="runs of each job from each tree")
     ap.add_argument("--name", default="ab", help="results file stem (before the device slug)")
+    ap.add_argument(
+        "--cases", nargs="+", metavar="WORD", default=None, help="loops: only these cases"
+    )
     args = ap.parse_args(argv)
     trees = {"old": args.old.resolve(), "new": args.new.resolve()}
     times: dict[tuple[str, Any], dict[str, list[float]]] = {}
     for job in args.jobs:
         for r in range(args.rounds):
             for side in ("old", "new") if r % 2 == 0 else ("new", "old"):
-                for k, m in run_job(trees[side], job).items():
+                for k, m in run_job(trees[side], job, args.cases).items():
                     times.setdefault((job, k), {"old": [], "new": []})[side].append(m)
             print(f"{job}: round {r + 1} done", flush=True)
             # (written after every round: a run cut short by a time limit keeps what it measured)
