@@ -43,7 +43,8 @@ def flex_fwd_body(
         FA.taken(request)
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
         return torch.zeros_like(q), lse.fill_(-math.inf)
-    return planned_fwd(q, k, v, request)()
+    plan, tables, tensors, cu = _plan(q, k, v, request)
+    return plan(q, k, v, tables, tensors, cu)
 
 
 def planned_fwd(
@@ -51,6 +52,19 @@ def planned_fwd(
 ) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """The call's :class:`FwdPlan` with its tables and tensors bound: ``run(q, k, v)`` (these
     tensors by default) gives ``(o, lse)`` for any tensors of the same kind (non-empty)."""
+    plan, tables, tensors, cu = _plan(q, k, v, request)
+
+    def run(
+        q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return plan(q, k, v, tables, tensors, cu)
+
+    return run
+
+
+def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request) -> tuple:
+    """The call's :class:`FwdPlan` (made at its kind's first call) and what it takes besides
+    q, k, v: the tables, the mods' tensors, the packed sequences' offsets."""
     tables, (tbm, tbn) = FA.taken(request)
     tables = tuple(tables[:4])
     mask, score = FA.mods_of(request)
@@ -64,14 +78,7 @@ def planned_fwd(
             key,
             FwdPlan(q, k, tables, mask, score, tbm, tbn, request.scale, varlen=cu is not None),
         )
-    tensors = [*mask[1], *score[1]]
-
-    def run(
-        q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return plan(q, k, v, tables, tensors, cu)
-
-    return run
+    return plan, tables, [*mask[1], *score[1]], cu
 
 
 def window_fwd(
