@@ -177,3 +177,18 @@ def test_a_block_masks_request_is_built_once() -> None:
     assert table_request(bm, 0.5, alibi) is table_request(bm, 0.5, alibi)
     assert table_request(bm, 0.5, alibi).score_mod is not None
     assert table_request(bm, 0.5).score_mod is None
+
+
+def test_a_block_masks_requests_go_with_it() -> None:
+    """The kept requests of a block mask are dropped when the mask is."""
+    import gc
+
+    from flashlite.ops.attention.backends.tables import args as TA
+
+    bm = flashlite.create_block_mask(gallery.causal(), None, None, N, N, BLOCK_SIZE=BLOCK)
+    TA.table_request(bm, 0.5)
+    key = id(bm)
+    assert key in TA._requests
+    del bm
+    gc.collect()
+    assert key not in TA._requests

@@ -83,9 +83,10 @@ def offsets(cu_q: torch.Tensor | None, cu_k: torch.Tensor | None) -> Offsets:
     return cu_q, cu_k
 
 
-#: :func:`table_request`'s requests per block mask (frozen; gone with it), then per scale and
-#: score function: a loop over one mask builds its request once, not on every call.
-_requests: weakref.WeakKeyDictionary = register("flex.requests", weakref.WeakKeyDictionary())
+#: :func:`table_request`'s requests per block mask (frozen), then per scale and score function:
+#: a loop over one mask builds its request once, not on every call. Keyed by the mask's id, the
+#: entry dropped when the mask goes (a ``WeakKeyDictionary``'s lookup is Python code).
+_requests: dict[int, tuple[weakref.ref, dict]] = register("flex.requests", {})
 
 
 def table_request(bm: Any, scale: float, smod: M.ScoreMod | None = None, **fields: Any) -> Request:
@@ -96,9 +97,10 @@ def table_request(bm: Any, scale: float, smod: M.ScoreMod | None = None, **field
     per block mask, scale and score function when there are no ``fields``."""
     if fields:
         return _table_request(bm, scale, smod, fields)
-    per_mask = _requests.get(bm)
-    if per_mask is None:
-        per_mask = _requests.setdefault(bm, {})
+    entry = _requests.get(id(bm))
+    if entry is None or entry[0]() is not bm:
+        entry = _requests[id(bm)] = (weakref.ref(bm, _forget(id(bm))), {})
+    per_mask = entry[1]
     found = per_mask.get((scale, id(smod)))
     if found is not None and found[0] is smod:  # (the id of a live score function)
         return found[1]
@@ -106,6 +108,17 @@ def table_request(bm: Any, scale: float, smod: M.ScoreMod | None = None, **field
     if len(per_mask) < 16:  # (a loop over many scales or score functions: built each time)
         per_mask[(scale, id(smod))] = (smod, request)
     return request
+
+
+def _forget(key: int) -> Callable[[weakref.ref], None]:
+    """The callback that drops a dead block mask's requests (unless its id was reused)."""
+
+    def forget(ref: weakref.ref) -> None:
+        entry = _requests.get(key)
+        if entry is not None and entry[0] is ref:
+            del _requests[key]
+
+    return forget
 
 
 def _table_request(
