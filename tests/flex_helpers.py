@@ -12,6 +12,7 @@ import triton.language as tl
 from conftest import TOL
 
 import flashlite
+from flashlite import reference
 from flashlite.masking import block_mask as BM
 from flashlite.masking import gallery, mods
 
@@ -50,6 +51,22 @@ def _grads(out: tuple[torch.Tensor, torch.Tensor], leaves: list[torch.Tensor],
            go: torch.Tensor, gl: torch.Tensor) -> tuple[torch.Tensor, ...]:  # fmt: skip
     o, lse = out
     return torch.autograd.grad((o * go).sum() + (lse * gl).sum(), leaves)
+
+
+def assert_fp32_against_fp64(
+    out: tuple[torch.Tensor, torch.Tensor], leaves: list[torch.Tensor], **reference_kw: object
+) -> None:
+    """An fp32 ``(o, lse)`` of ``leaves`` (q, k, v) and its gradients (through both outputs)
+    against :func:`flashlite.reference.attention` in fp64 with ``reference_kw``."""
+    exact = [t.detach().double().requires_grad_() for t in leaves]
+    ref = reference.attention(*exact, return_lse=True, **reference_kw)
+    go, gl = torch.randn_like(out[0]), torch.randn_like(out[1])
+    got = _grads(out, leaves, go, gl)
+    want = _grads((ref[0], ref[1].double()), exact, go.double(), gl.double())
+    torch.testing.assert_close(out[0].double(), ref[0], atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(out[1].double(), ref[1].double(), atol=2e-5, rtol=1e-5)
+    for a, w in zip(got, want, strict=True):
+        torch.testing.assert_close(a.double(), w, atol=3e-5, rtol=1e-5)
 
 
 def _assert_within_twice_torchs_error(o, low, exact, inputs, leaves, dtype) -> None:  # noqa: ANN001

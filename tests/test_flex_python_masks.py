@@ -11,6 +11,7 @@ import pytest
 import torch
 import triton
 from conftest import TOL
+from flex_helpers import assert_fp32_against_fp64
 
 import flashlite
 from flashlite import reference
@@ -68,25 +69,12 @@ def _dense_mod(dense: torch.Tensor) -> mods.MaskMod:
                          name="tests.python_masks.dense")  # fmt: skip
 
 
-def _grads(out, leaves, go, gl):  # noqa: ANN001, ANN202
-    o, lse = out
-    return torch.autograd.grad((o * go).sum() + (lse * gl).sum(), leaves)
-
-
 def _check_against_fp64(bm: object, dense: torch.Tensor, nk: int = N) -> None:
     """flex_attention with ``bm`` (GQA, fp32), output, LSE and gradients against fp64."""
     q = torch.randn(B, HQ, N, D, requires_grad=True)
     k, v = (torch.randn(B, HKV, nk, D, requires_grad=True) for _ in range(2))
     out = flashlite.flex_attention(q, k, v, block_mask=bm, return_lse=True)
-    exact = [t.detach().double().requires_grad_() for t in (q, k, v)]
-    ref = reference.attention(*exact, mask_mod=_dense_mod(dense), return_lse=True)
-    go, gl = torch.randn_like(out[0]), torch.randn_like(out[1])
-    got = _grads(out, [q, k, v], go, gl)
-    want = _grads((ref[0], ref[1].double()), exact, go.double(), gl.double())
-    torch.testing.assert_close(out[0].double(), ref[0], atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(out[1].double(), ref[1].double(), atol=2e-5, rtol=1e-5)
-    for a, w in zip(got, want, strict=True):
-        torch.testing.assert_close(a.double(), w, atol=3e-5, rtol=1e-5)
+    assert_fp32_against_fp64(out, [q, k, v], mask_mod=_dense_mod(dense))
 
 
 @pytest.mark.parametrize("name", NAMES)
