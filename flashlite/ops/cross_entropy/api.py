@@ -98,7 +98,7 @@ def cross_entropy(
     )
     dev = moved_call_device(logits.device)
     if dev is not None:  # the whole call on the GPU, CPU tensors' rule kept: a bad one raises
-        return _moved_call(dev, logits, target, weight, opts, return_lse, validate)
+        return _moved_call(dev, logits, target, weight, opts, softcap, return_lse, validate)
     v = logits.shape[-1]
     # (2-D logits and 1-D targets as they are: a reshape would add a view to the autograd graph)
     x2 = logits if logits.dim() == 2 else logits.reshape(-1, v)
@@ -273,13 +273,15 @@ def _moved_call(
     target: torch.Tensor,
     weight: torch.Tensor | None,
     opts: tuple,
+    softcap: float | None,
     return_lse: bool,
     validate: bool | str,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """:func:`cross_entropy` of CPU tensors in a process whose kernels run on the GPU ``dev``:
-    the whole call there, and a bad target raised by this call (``validate="sync"``)."""
-    ignore_index, label_smoothing, z_loss, cap, inplace_backward, reduction = opts
-    softcap = cap or None  # (the kernels' 0.0 for no cap; the public call takes None)
+    the whole call there, and a bad target raised by this call (``validate="sync"``). ``opts``
+    as :func:`_options` gives them, but the cap as the caller gave it (the kernels' 0.0 for no
+    cap is not a cap the public call takes)."""
+    ignore_index, label_smoothing, z_loss, _, inplace_backward, reduction = opts
     out = cross_entropy(
         logits.to(dev),
         target.to(dev),
