@@ -40,26 +40,11 @@ def flex_fwd_body(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     cu_q = request.cu_seqlens_q
     if q.numel() == 0 or (cu_q is not None and k.shape[2] == 0):
-        FA.taken(request)
+        FA.taken(request)  # (its refusal of what flex does not take, for empty calls too)
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
         return torch.zeros_like(q), lse.fill_(-math.inf)
     plan, tables, tensors, cu = _plan(q, k, v, request)
     return plan(q, k, v, tables, tensors, cu)
-
-
-def planned_fwd(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request
-) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """The call's :class:`FwdPlan` with its tables and tensors bound: ``run(q, k, v)`` (these
-    tensors by default) gives ``(o, lse)`` for any tensors of the same kind (non-empty)."""
-    plan, tables, tensors, cu = _plan(q, k, v, request)
-
-    def run(
-        q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return plan(q, k, v, tables, tensors, cu)
-
-    return run
 
 
 def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request) -> tuple:
@@ -93,8 +78,12 @@ def window_fwd(
     over the band's tables of ``block`` tiles; and its ``run(q, k, v)`` for later calls of the
     same kind (shapes, strides, dtype, device, alignment, window and scale)."""
     band = band_tables(km, q.shape[2], k.shape[2], block, q.device)
-    run = planned_fwd(q, k, v, table_request(band, scale))
-    o, lse = run()
+    plan, tables, tensors, _ = _plan(q, k, v, table_request(band, scale))
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return plan(q, k, v, tables, tensors)
+
+    o, lse = run(q, k, v)
     return o, lse, run
 
 
