@@ -62,6 +62,21 @@ class Cache(dict):  # type: ignore[type-arg]
 _MISSING: Any = object()
 
 
+class Versioned(dict):  # type: ignore[type-arg]
+    """A registry dict that counts its changes (:attr:`version`): a memo of what its entries
+    decided holds while the version it saw is current."""
+
+    version = 0
+
+    def __setitem__(self, key: Hashable, value: Any) -> None:
+        self.version += 1
+        super().__setitem__(key, value)
+
+    def clear(self) -> None:
+        self.version += 1
+        super().clear()
+
+
 def register(name: str, state: S, reset: Callable[[], None] | None = None) -> S:
     """Register module state under ``name`` and return it, for :func:`clear` to reset: a set,
     dict, ``WeakSet`` or anything with ``clear()``, a ``functools`` cache (``cache_clear()``),

@@ -252,3 +252,23 @@ def test_compiled_flex_and_kvcache_calls_with_mods_run_after_clear() -> None:
         _caches.clear()  # (the graph finds mm and sm by name at run time)
         assert torch.equal(c(*a), f)
         assert torch.equal(f, eager(*a))
+
+
+def test_a_table_call_is_worked_out_once_per_request_while_the_registry_stands() -> None:
+    from flashlite.ops.attention.backends.tables import args as FA
+
+    bm = flashlite.create_block_mask(gallery.causal(), None, None, 40, 40, device="cpu",
+                                     BLOCK_SIZE=32)  # fmt: skip
+    request = FA.table_request(bm, 0.25)
+    call = FA.table_call(request)
+    assert FA.table_call(request) is call  # (a loop's later calls: nothing worked out again)
+    version = mods.registry_version()
+    mods.mask_mod(_gone, name="test.gone.again")  # a name registered: every memo is stale
+    assert mods.registry_version() > version
+    again = FA.table_call(request)
+    assert again is not call and again.key == call.key
+    for i in range(20):  # many requests: the memo stays small (each keeps its tables alive)
+        FA.table_call(FA.table_request(bm, 0.1 + i))
+    assert 0 < len(FA._calls) <= 8
+    _caches.clear()
+    assert FA._calls == {}

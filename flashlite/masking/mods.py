@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from flashlite._caches import register
+from flashlite._caches import Versioned, register
 from flashlite._launch import is_jit as _is_jit
 from flashlite._launch import python_fn as _python_fn
 from flashlite.masking.mod_calls import (
@@ -178,7 +178,7 @@ def _not_jit_hint(fn: object, indices: int) -> str:
 #: run again) replaces the old one under its name. ``_caches.clear()`` empties it: a name is
 #: then registered again by the newest live mod made as it (``_made``: weak, it keeps nothing
 #: alive), so a compiled graph, which finds its mods by name, runs on while they live.
-_REGISTRY: dict[str, tuple[Any, ...]] = register("mods.registry", {})
+_REGISTRY: Versioned = register("mods.registry", Versioned())
 _made: weakref.WeakValueDictionary[int, _Mod] = weakref.WeakValueDictionary()
 
 
@@ -192,6 +192,11 @@ def registered_as(name: str) -> tuple[Any, ...] | None:
     is another entry)."""
     entry = _REGISTRY.get(name)
     return entry if entry is not None else _register_again(name)
+
+
+def registry_version() -> int:
+    """How many times the registry changed: what a memo of its entries checks."""
+    return _REGISTRY.version
 
 
 def _register_again(name: str) -> tuple[Any, ...] | None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -63,24 +63,65 @@ FLEX_FIELDS = (
 )
 
 
-def mods_of(request: Request) -> tuple[ModArgs, ModArgs]:
-    """The request's mask and score function as the plans take them (``""``: none)."""
-    return request.mask_args or spec_mod(None), request.score_args or spec_mod(None)
+class TableCall(NamedTuple):
+    """What a table request gives every plan, worked out once per request (:func:`table_call`):
+    the eight tables, the block size, the scale, both mods as the plans take them (``""``:
+    none), the mods' tensors, varlen's offsets, and the request's part of a plan's key
+    (:func:`call_key`) with whether all its tensors are 16-byte aligned."""
+
+    tables: tuple[torch.Tensor, ...]
+    tbm: int
+    tbn: int
+    scale: float
+    mask: ModArgs
+    score: ModArgs
+    tensors: list[torch.Tensor]
+    cu: Offsets
+    key: tuple
+    aligned: bool
 
 
-def taken(request: Request) -> tuple[list[torch.Tensor], list[int]]:
-    """The request's tables and block size, after refusing what flex does not take."""
+#: :func:`table_call`'s per request (while the mods' registry is unchanged): a loop reuses
+#: its request (:func:`table_request` keeps one per block mask), so its call is worked out once.
+#: A few at most: each holds its request's tables and buffers alive.
+_calls: dict[int, tuple[Request, int, TableCall]] = register("flex.calls", {})
+
+
+def table_call(request: Request) -> TableCall:
+    """The request's :class:`TableCall`, after refusing what flex does not take."""
+    found = _calls.get(id(request))
+    if found is not None and found[0] is request and found[1] == M.registry_version():
+        return found[2]
+    call = _table_call(request)
+    if len(_calls) >= 8:  # (more masks than a model takes turns with: start again)
+        _calls.clear()
+    _calls[id(request)] = (request, M.registry_version(), call)
+    return call
+
+
+def _table_call(request: Request) -> TableCall:
     request.refuse("flex attention", FLEX_FIELDS)
     if request.causal or request.block_tables is None or request.block_size is None:
         raise ValueError("the flex ops take a block mask's tables and block size, not causal")
-    return request.block_tables, request.block_size
-
-
-def offsets(cu_q: torch.Tensor | None, cu_k: torch.Tensor | None) -> Offsets:
-    """Varlen's offsets as the plans take them (both or neither)."""
-    if cu_q is None or cu_k is None:
-        return None
-    return cu_q, cu_k
+    tables = tuple(request.block_tables)
+    tbm, tbn = request.block_size
+    mask = request.mask_args or spec_mod(None)
+    score = request.score_args or spec_mod(None)
+    cu_q, cu_k = request.cu_seqlens_q, request.cu_seqlens_k
+    cu = None if cu_q is None or cu_k is None else (cu_q, cu_k)
+    tensors = [*mask[1], *score[1]]
+    # the tables' shapes and strides, each mod's spec (its name and buffer kinds), registry
+    # entry and numbers, its tensors' dtypes, the blocks and the scale
+    key: list[Any] = [tbm, tbn, request.scale]
+    for t in tables:
+        key.append(t.shape)
+        key.append(t.stride())
+    for spec, mod_tensors, nums in (mask, score):
+        key.extend((spec, spec_entry(spec), *nums, *(t.dtype for t in mod_tensors)))
+    key.append(None if cu is None else cu[0].shape)
+    every = (*tables, *tensors, *(cu or ()))
+    aligned = not any(t.data_ptr() % 16 for t in every)
+    return TableCall(tables, tbm, tbn, request.scale, mask, score, tensors, cu, tuple(key), aligned)
 
 
 #: :func:`table_request`'s requests per block mask (frozen), then per scale and score function:
@@ -133,17 +174,11 @@ def call_key(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    tables: tuple[torch.Tensor, ...],
-    mask: ModArgs,
-    score: ModArgs,
-    tbm: int,
-    tbn: int,
-    scale: float,
+    call: TableCall,
     more: tuple[torch.Tensor | None, ...] = (),
 ) -> list[Any]:
     """What a plan depends on: q's, k's and v's shapes and strides, the dtype and device, the
-    tables' shapes and strides, each mod's spec (its name and buffer kinds), registry entry
-    and numbers, its tensors' dtypes, the scale, the switches that choose kernels, and every
+    switches that choose kernels, the request's part (:attr:`TableCall.key`), and every
     tensor's 16-byte alignment (one flag when all are aligned, the usual case), ``more``'s
     tensors' too (None where absent). The caller appends what else its plan pins."""
     key: list[Any] = [
@@ -154,30 +189,17 @@ def call_key(
         v.stride(),
         q.dtype,
         q.device,
-        tbm,
-        tbn,
-        scale,
         _backend.getenv(HOPPER_ENV),
         C.pinned_text(),
+        call.key,
     ]
     ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr()
-    for t in tables:
-        ptrs |= t.data_ptr()
-        key.append(t.shape)
-        key.append(t.stride())
-    for spec, tensors, nums in (mask, score):
-        key.append(spec)
-        key.append(spec_entry(spec))
-        key.extend(nums)
-        for t in tensors:
-            ptrs |= t.data_ptr()
-            key.append(t.dtype)
     for t in more:
         if t is not None:
             ptrs |= t.data_ptr()
-    if ptrs & 15:  # (rare: then each pointer's own)
-        every = (q, k, v, *tables, *mask[1], *score[1], *(t for t in more if t is not None))
-        key.append(tuple(t.data_ptr() % 16 for t in every))
+    if ptrs & 15 or not call.aligned:  # (rare: then each pointer's own)
+        every = (q, k, v, *call.tables, *call.tensors, *(call.cu or ()), *more)
+        key.append(tuple(t.data_ptr() % 16 for t in every if t is not None))
     return key
 
 

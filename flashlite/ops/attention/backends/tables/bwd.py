@@ -49,51 +49,25 @@ def flex_bwd_body(
     dlse: torch.Tensor | None,
     request: Request,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    tables, (tbm, tbn) = FA.taken(request)
+    call = FA.table_call(request)
     if q.numel() == 0 or k.numel() == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    kv_tables, q_tables = tuple(tables[:4]), tuple(tables[4:])
-    mask, score = FA.mods_of(request)
-    cu = FA.offsets(request.cu_seqlens_q, request.cu_seqlens_k)
-    key = FA.call_key(
-        q,
-        k,
-        v,
-        (*kv_tables, *q_tables),
-        mask,
-        score,
-        tbm,
-        tbn,
-        request.scale,
-        (do, o, lse, dlse, *(cu or ())),
-    )
+    key = FA.call_key(q, k, v, call, (do, o, lse, dlse))
     key += (
         do.stride(),
         o.stride(),
         lse.stride(),
         dlse is None,
         torch.are_deterministic_algorithms_enabled(),
-        None if cu is None else cu[0].shape,
     )
     key = tuple(key)
+    kv_tables, q_tables, cu = call.tables[:4], call.tables[4:], call.cu
     plan = FA.bwd_plans.get(key)
     if plan is None:
-        plan = FA.bwd_plans.put(
-            key,
-            BwdPlan(
-                q,
-                k,
-                q_tables,
-                kv_tables,
-                mask,
-                score,
-                tbm,
-                tbn,
-                request.scale,
-                varlen=cu is not None,
-            ),
-        )
-    return plan(do, q, k, v, o, lse, dlse, q_tables, kv_tables, [*mask[1], *score[1]], cu)
+        mask, score, tbm, tbn, scale = call.mask, call.score, call.tbm, call.tbn, call.scale
+        plan = BwdPlan(q, k, q_tables, kv_tables, mask, score, tbm, tbn, scale, cu is not None)
+        FA.bwd_plans.put(key, plan)
+    return plan(do, q, k, v, o, lse, dlse, q_tables, kv_tables, call.tensors, cu)
 
 
 def window_bwd(

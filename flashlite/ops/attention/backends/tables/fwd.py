@@ -38,32 +38,23 @@ from flashlite.ops.attention.request import Request
 def flex_fwd_body(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    cu_q = request.cu_seqlens_q
-    if q.numel() == 0 or (cu_q is not None and k.shape[2] == 0):
-        FA.taken(request)  # (its refusal of what flex does not take, for empty calls too)
+    call = FA.table_call(request)  # (its refusal of what flex does not take, empty calls too)
+    if q.numel() == 0 or (call.cu is not None and k.shape[2] == 0):
         lse = q.new_empty(q.shape[:3], dtype=torch.float32)
         return torch.zeros_like(q), lse.fill_(-math.inf)
-    plan, tables, tensors, cu = _plan(q, k, v, request)
-    return plan(q, k, v, tables, tensors, cu)
+    return _plan(q, k, v, call)(q, k, v, call.tables[:4], call.tensors, call.cu)
 
 
-def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request) -> tuple:
-    """The call's :class:`FwdPlan` (made at its kind's first call) and what it takes besides
-    q, k, v: the tables, the mods' tensors, the packed sequences' offsets."""
-    tables, (tbm, tbn) = FA.taken(request)
-    tables = tuple(tables[:4])
-    mask, score = FA.mods_of(request)
-    cu = FA.offsets(request.cu_seqlens_q, request.cu_seqlens_k)
-    key = FA.call_key(q, k, v, tables, mask, score, tbm, tbn, request.scale, cu or ())
-    key.append(None if cu is None else cu[0].shape)
-    key = tuple(key)
+def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: FA.TableCall) -> FwdPlan:
+    """The call's :class:`FwdPlan`, made at its kind's first call."""
+    key = tuple(FA.call_key(q, k, v, call))
     plan = FA.fwd_plans.get(key)
     if plan is None:
-        plan = FA.fwd_plans.put(
-            key,
-            FwdPlan(q, k, tables, mask, score, tbm, tbn, request.scale, varlen=cu is not None),
-        )
-    return plan, tables, [*mask[1], *score[1]], cu
+        tables = call.tables[:4]
+        mask, score, scale, varlen = call.mask, call.score, call.scale, call.cu is not None
+        plan = FwdPlan(q, k, tables, mask, score, call.tbm, call.tbn, scale, varlen=varlen)
+        FA.fwd_plans.put(key, plan)
+    return plan
 
 
 def window_fwd(
@@ -78,7 +69,8 @@ def window_fwd(
     over the band's tables of ``block`` tiles; and its ``run(q, k, v)`` for later calls of the
     same kind (shapes, strides, dtype, device, alignment, window and scale)."""
     band = band_tables(km, q.shape[2], k.shape[2], block, q.device)
-    plan, tables, tensors, _ = _plan(q, k, v, table_request(band, scale))
+    call = FA.table_call(table_request(band, scale))
+    plan, tables, tensors = _plan(q, k, v, call), call.tables[:4], call.tensors
 
     def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return plan(q, k, v, tables, tensors)
