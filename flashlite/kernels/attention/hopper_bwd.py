@@ -85,73 +85,14 @@ def available() -> bool:
 if GLUON_BWD_ERROR is None:
 
     @gluon.jit
-    def _attention_bwd_hopper_kernel(
-        qs_desc,
-        do_desc,
-        k_desc,
-        v_desc,
-        dq_desc,
-        LSE,
-        DELTA,
-        DK,
-        DV,
-        stride_kb,
-        stride_kh,
-        stride_kn,
-        stride_vb,
-        stride_vh,
-        stride_vn,
-        n_heads,
-        kv_heads,
-        group,
-        seq_q,
-        seq_k,
-        sm_scale,
-        FULL_NUM,
-        FULL_IDX,
-        Q_NUM,
-        Q_IDX,
-        stride_tb,
-        stride_th,
-        stride_tn,
-        stride_ib,
-        stride_ih,
-        stride_in,
-        MB0,
-        MB1,
-        MB2,
-        MB3,
-        SB0,
-        SB1,
-        SB2,
-        SB3,
-        STAGES: gl.constexpr,
-        GROUP_H: gl.constexpr,
-        IS_CAUSAL: gl.constexpr,
-        LISTED: gl.constexpr = False,
-        MASK_MOD: gl.constexpr = None,
-        N_MASK_BUF: gl.constexpr = 0,
-        SCORE_MOD: gl.constexpr = None,
-        SCORE_GRAD: gl.constexpr = None,
-        N_SCORE_BUF: gl.constexpr = 0,
-        HAS_SCORE: gl.constexpr = False,
+    def _key_block(
+        qs_desc, k_desc, seq_q, seq_k, kv_heads, GROUP_H: gl.constexpr, IS_CAUSAL: gl.constexpr
     ):
-        """Grid ``(cdiv(Nk, 128), B·Hkv)``; 4 warps (the first consumer) plus the worker
-        partitions. Qs, dO: ``[1, 1, 64, D]`` blocks; K, V: ``[1, 1, 128, D]``; dQ's fp32
-        accumulator: ``[1, 1, 64, D/2]``. dK and dV (strided like K and V, with a unit last
-        stride) are written by pointer. Causal is bottom-right aligned; the first key blocks,
-        seen by the most queries, start first.
-
-        ``LISTED`` (:func:`flashlite.flex_attention`): the query blocks are the ones a key
-        block's row of the ``q_*`` block tables lists for each head of the group
-        (:mod:`flashlite.block_mask`, blocks of 128 × 128: two steps each), full ones first,
-        and ``mask_mod`` / ``score_mod`` with its derivative ``SCORE_GRAD``
-        (:mod:`flashlite.mods`, buffers ``MB*`` / ``SB*``) shape the scores as the forward's;
-        otherwise the table arguments are placeholders, never read."""
+        """This program's key block: ``(b, h_kv, start_n, lo, n_masked, n_qblocks)``, the query
+        blocks that see it being the ``n_qblocks`` from row ``lo``, the first ``n_masked`` of
+        them masked (walked last)."""
         block_m: gl.constexpr = qs_desc.block_type.shape[2]
         block_n: gl.constexpr = k_desc.block_type.shape[2]
-        head_dim: gl.constexpr = qs_desc.block_type.shape[3]
-        dtype: gl.constexpr = qs_desc.dtype
         # 1-D grid over (key block, batch·head) in groups of GROUP_H heads: within a group the
         # heads run fastest, so the heaviest causal blocks of GROUP_H heads start first
         n_kb = gl.cdiv(seq_k, block_n)
@@ -176,7 +117,18 @@ if GLUON_BWD_ERROR is None:
         n_masked = gl.minimum((full_lo - lo) // block_m, n_qblocks)
         if not IS_CAUSAL:  # the last key block, past Nk: every step masks the missing keys
             n_masked = gl.where(start_n + block_n > seq_k, n_qblocks, 0)
+        return b, h_kv, start_n, lo, n_masked, n_qblocks
 
+    @gluon.jit
+    def _shared_memory(qs_desc, do_desc, k_desc, v_desc, dq_desc, STAGES: gl.constexpr):
+        """The shared buffers and their barriers, initialised: the ring ``(qs_bufs, do_bufs,
+        lse_bufs, delta_bufs, q_ready, do_ready, empty)`` of ``STAGES`` slots, K/V ``(k_buf,
+        v_buf, kv_ready)``, and dS/dQ ``(ds_bufs, ds_ready, ds_free, dq_bufs)``: two dSᵀ
+        buffers (the consumers alternate) and a dQ staging buffer per consumer."""
+        block_m: gl.constexpr = qs_desc.block_type.shape[2]
+        block_n: gl.constexpr = k_desc.block_type.shape[2]
+        head_dim: gl.constexpr = qs_desc.block_type.shape[3]
+        dtype: gl.constexpr = qs_desc.dtype
         qs_bufs = gl.allocate_shared_memory(
             dtype, [STAGES, 1, 1, block_m, head_dim], qs_desc.layout
         )
@@ -207,180 +159,74 @@ if GLUON_BWD_ERROR is None:
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)
             mbarrier.init(ds_free.index(i), count=2)
+        ring = (qs_bufs, do_bufs, lse_bufs, delta_bufs, q_ready, do_ready, empty)
+        return ring, (k_buf, v_buf, kv_ready), (ds_bufs, ds_ready, ds_free, dq_bufs)
 
-        # (argument tuples written out: constexprs must reach the partitions as literals)
+    @gluon.jit
+    def _attention_bwd_hopper_kernel(
+        qs_desc, do_desc, k_desc, v_desc, dq_desc, LSE, DELTA, DK, DV,
+        stride_kb, stride_kh, stride_kn,
+        stride_vb, stride_vh, stride_vn,
+        n_heads, kv_heads, group, seq_q, seq_k, sm_scale,
+        FULL_NUM, FULL_IDX, Q_NUM, Q_IDX,
+        stride_tb, stride_th, stride_tn,
+        stride_ib, stride_ih, stride_in,
+        MB0, MB1, MB2, MB3,
+        SB0, SB1, SB2, SB3,
+        STAGES: gl.constexpr, GROUP_H: gl.constexpr, IS_CAUSAL: gl.constexpr,
+        LISTED: gl.constexpr = False, MASK_MOD: gl.constexpr = None, N_MASK_BUF: gl.constexpr = 0,
+        SCORE_MOD: gl.constexpr = None, SCORE_GRAD: gl.constexpr = None,
+        N_SCORE_BUF: gl.constexpr = 0, HAS_SCORE: gl.constexpr = False,
+    ):  # fmt: skip
+        """Grid ``(cdiv(Nk, 128), B·Hkv)``; 4 warps (the first consumer) plus the worker
+        partitions. Qs, dO: ``[1, 1, 64, D]`` blocks; K, V: ``[1, 1, 128, D]``; dQ's fp32
+        accumulator: ``[1, 1, 64, D/2]``. dK and dV (strided like K and V, with a unit last
+        stride) are written by pointer. Causal is bottom-right aligned; the first key blocks,
+        seen by the most queries, start first.
+
+        ``LISTED`` (:func:`flashlite.flex_attention`): the query blocks are the ones a key
+        block's row of the ``q_*`` block tables lists for each head of the group
+        (:mod:`flashlite.block_mask`, blocks of 128 × 128: two steps each), full ones first,
+        and ``mask_mod`` / ``score_mod`` with its derivative ``SCORE_GRAD``
+        (:mod:`flashlite.mods`, buffers ``MB*`` / ``SB*``) shape the scores as the forward's;
+        otherwise the table arguments are placeholders, never read."""
+        blk = _key_block(qs_desc, k_desc, seq_q, seq_k, kv_heads, GROUP_H, IS_CAUSAL)
+        smem = _shared_memory(qs_desc, do_desc, k_desc, v_desc, dq_desc, STAGES)
+        out = (dq_desc, DK, DV, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn)
+        loads = (qs_desc, do_desc, k_desc, v_desc, LSE, DELTA)
+        table_strides = (stride_tb, stride_th, stride_tn, stride_ib, stride_ih, stride_in)
+        tables = (FULL_NUM, FULL_IDX, Q_NUM, Q_IDX, table_strides)
+        # (tuples that hold constexprs are written out in the calls: bound to a name, a
+        # tuple's constexprs would become tensors)
         gl.warp_specialize(
             [
                 (
                     _consumer,
                     (
-                        qs_bufs,
-                        do_bufs,
-                        lse_bufs,
-                        delta_bufs,
-                        k_buf,
-                        v_buf,
-                        ds_bufs,
-                        dq_bufs,
-                        kv_ready,
-                        q_ready,
-                        do_ready,
-                        empty,
-                        ds_ready,
-                        ds_free,
-                        dq_desc,
-                        DK,
-                        DV,
-                        stride_kb,
-                        stride_kh,
-                        stride_kn,
-                        stride_vb,
-                        stride_vh,
-                        stride_vn,
-                        b,
-                        h_kv,
-                        group,
-                        start_n,
-                        lo,
-                        n_masked,
-                        n_qblocks,
-                        seq_q,
-                        seq_k,
-                        sm_scale,
-                        FULL_NUM,
-                        FULL_IDX,
-                        Q_NUM,
-                        Q_IDX,
-                        stride_tb,
-                        stride_th,
-                        stride_tn,
-                        stride_ib,
-                        stride_ih,
-                        stride_in,
-                        MB0,
-                        MB1,
-                        MB2,
-                        MB3,
-                        SB0,
-                        SB1,
-                        SB2,
-                        SB3,
-                        0,
-                        IS_CAUSAL,
-                        LISTED,
-                        MASK_MOD,
-                        N_MASK_BUF,
-                        SCORE_MOD,
-                        SCORE_GRAD,
-                        N_SCORE_BUF,
-                        HAS_SCORE,
+                        smem,
+                        out,
+                        blk,
+                        (seq_q, seq_k, sm_scale, group),
+                        tables,
+                        (0, IS_CAUSAL, LISTED, HAS_SCORE),
+                        (MASK_MOD, N_MASK_BUF, MB0, MB1, MB2, MB3),
+                        (SCORE_MOD, SCORE_GRAD, N_SCORE_BUF, SB0, SB1, SB2, SB3),
                     ),
                 ),
                 (
                     _consumer,
                     (
-                        qs_bufs,
-                        do_bufs,
-                        lse_bufs,
-                        delta_bufs,
-                        k_buf,
-                        v_buf,
-                        ds_bufs,
-                        dq_bufs,
-                        kv_ready,
-                        q_ready,
-                        do_ready,
-                        empty,
-                        ds_ready,
-                        ds_free,
-                        dq_desc,
-                        DK,
-                        DV,
-                        stride_kb,
-                        stride_kh,
-                        stride_kn,
-                        stride_vb,
-                        stride_vh,
-                        stride_vn,
-                        b,
-                        h_kv,
-                        group,
-                        start_n,
-                        lo,
-                        n_masked,
-                        n_qblocks,
-                        seq_q,
-                        seq_k,
-                        sm_scale,
-                        FULL_NUM,
-                        FULL_IDX,
-                        Q_NUM,
-                        Q_IDX,
-                        stride_tb,
-                        stride_th,
-                        stride_tn,
-                        stride_ib,
-                        stride_ih,
-                        stride_in,
-                        MB0,
-                        MB1,
-                        MB2,
-                        MB3,
-                        SB0,
-                        SB1,
-                        SB2,
-                        SB3,
-                        1,
-                        IS_CAUSAL,
-                        LISTED,
-                        MASK_MOD,
-                        N_MASK_BUF,
-                        SCORE_MOD,
-                        SCORE_GRAD,
-                        N_SCORE_BUF,
-                        HAS_SCORE,
+                        smem,
+                        out,
+                        blk,
+                        (seq_q, seq_k, sm_scale, group),
+                        tables,
+                        (1, IS_CAUSAL, LISTED, HAS_SCORE),
+                        (MASK_MOD, N_MASK_BUF, MB0, MB1, MB2, MB3),
+                        (SCORE_MOD, SCORE_GRAD, N_SCORE_BUF, SB0, SB1, SB2, SB3),
                     ),
                 ),
-                (
-                    _producer,
-                    (
-                        qs_desc,
-                        do_desc,
-                        k_desc,
-                        v_desc,
-                        LSE,
-                        DELTA,
-                        qs_bufs,
-                        do_bufs,
-                        lse_bufs,
-                        delta_bufs,
-                        k_buf,
-                        v_buf,
-                        kv_ready,
-                        q_ready,
-                        do_ready,
-                        empty,
-                        b,
-                        h_kv,
-                        n_heads,
-                        group,
-                        seq_q,
-                        start_n,
-                        lo,
-                        n_qblocks,
-                        FULL_NUM,
-                        FULL_IDX,
-                        Q_NUM,
-                        Q_IDX,
-                        stride_tb,
-                        stride_th,
-                        stride_tn,
-                        stride_ib,
-                        stride_ih,
-                        stride_in,
-                        LISTED,
-                    ),
-                ),
+                (_producer, (loads, smem, blk, (n_heads, group, seq_q), tables, LISTED)),
             ],
             [4, 1],
             [240, 24],

@@ -41,25 +41,15 @@ if GLUON_BWD_ERROR is None:
     tma_add = _tma_add
 
     @gluon.jit
-    def _table_row(
-        FULL_NUM,
-        FULL_IDX,
-        PART_NUM,
-        PART_IDX,
-        b,
-        h,
-        kb,
-        stride_tb,
-        stride_th,
-        stride_tn,
-        stride_ib,
-        stride_ih,
-        stride_in,
-    ):
+    def _table_row(tables, b, h, kb):
         """Key block ``kb``'s row of the ``q_*`` tables for query head ``h``: how many full query
-        blocks and where their indices start, then the same of the partial ones."""
-        trow = b * stride_tb + h * stride_th + kb * stride_tn
-        irow = b.to(gl.int64) * stride_ib + h * stride_ih + kb * stride_in
+        blocks and where their indices start, then the same of the partial ones. ``tables``:
+        ``(FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, strides)``, the strides over (batch, head,
+        key block) of the counts, then of the indices."""
+        FULL_NUM, FULL_IDX, PART_NUM, PART_IDX, strides = tables
+        stb, sth, stn, sib, sih, sin = strides
+        trow = b * stb + h * sth + kb * stn
+        irow = b.to(gl.int64) * sib + h * sih + kb * sin
         n_full = gl.load(FULL_NUM + trow)
         n_part = gl.load(PART_NUM + trow)
         return n_full, FULL_IDX + irow, n_part, PART_IDX + irow
@@ -82,51 +72,42 @@ if GLUON_BWD_ERROR is None:
         return start
 
     @gluon.jit
-    def producer(
-        qs_desc,
-        do_desc,
-        k_desc,
-        v_desc,
-        LSE,
-        DELTA,
-        qs_bufs,
-        do_bufs,
-        lse_bufs,
-        delta_bufs,
-        k_buf,
-        v_buf,
-        kv_ready,
-        q_ready,
-        do_ready,
-        empty,
-        b,
-        h_kv,
-        n_heads,
-        group,
-        seq_q,
-        start_n,
-        lo,
-        n_qblocks,
-        FULL_NUM,
-        FULL_IDX,
-        Q_NUM,
-        Q_IDX,
-        stride_tb,
-        stride_th,
-        stride_tn,
-        stride_ib,
-        stride_ih,
-        stride_in,
-        LISTED: gl.constexpr,
-    ):
+    def _load_step(slot, start_m, h, loads, ring, b, n_heads, seq_q, offs):
+        """Ring slot ``slot`` filled with the query tile at ``start_m`` of head ``h``: its rows'
+        LSE (exp2 units) and delta through registers, Qs and dO by TMA. ``loads``: as the
+        producer's; ``offs``: ``arange(block_m)``."""
+        qs_desc, do_desc, _, _, LSE, DELTA = loads
+        qs_bufs, do_bufs, lse_bufs, delta_bufs, q_ready, do_ready, _ = ring
+        rows = start_m + offs
+        at = (b * n_heads + h).to(gl.int64) * seq_q + rows
+        lse = gl.load(LSE + at, mask=rows < seq_q, other=float("-inf"))
+        lse_bufs.index(slot).store(lse_log2(lse))
+        delta_bufs.index(slot).store(gl.load(DELTA + at, mask=rows < seq_q, other=0.0))
+        mbarrier.expect(q_ready.index(slot), qs_desc.block_type.nbytes)
+        _tma_load(qs_desc, [b, h, start_m, 0], q_ready.index(slot), qs_bufs.index(slot))
+        mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
+        _tma_load(do_desc, [b, h, start_m, 0], do_ready.index(slot), do_bufs.index(slot))
+
+    @gluon.jit
+    def producer(loads, smem, blk, sizes, tables, LISTED: gl.constexpr):
         """The load warp: K and V once, then step by step into the ring: Qs and dO (TMA), and
         their rows' statistics (through registers: LSE in exp2 units, +inf for rows past Nq or
         that saw no key, so that their P is 0; delta). The steps are the consumers': per head
         of the group, the query blocks from the last down, or (``LISTED``) the blocks the
-        tables list, full ones first."""
-        block_m: gl.constexpr = qs_bufs.shape[3]
+        tables list, full ones first.
+
+        ``loads``: the Qs, dO, K and V descriptors, the LSE and delta; ``smem``: the ring, K/V
+        and dS buffers with their barriers; ``blk``: the key block (``hopper_bwd._key_block``);
+        ``sizes``: ``(Hq, group, Nq)``; ``tables``: see :func:`_table_row`."""
+        _, _, k_desc, v_desc, _, _ = loads
+        ring, kv, _ = smem
+        k_buf, v_buf, kv_ready = kv
+        b, h_kv, start_n, lo, _, n_qblocks = blk
+        n_heads, group, seq_q = sizes
+        empty = ring[6]  # the slots' "free" barriers
+        block_m: gl.constexpr = ring[0].shape[3]
         block_n: gl.constexpr = k_buf.shape[2]
-        stages: gl.constexpr = qs_bufs.shape[0]
+        stages: gl.constexpr = ring[0].shape[0]
         stat_l: gl.constexpr = gl.BlockedLayout([2], [32], [1], [0])
         offs = gl.arange(0, block_m, layout=stat_l)
         mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -136,21 +117,7 @@ if GLUON_BWD_ERROR is None:
         for g in range(group):
             h = h_kv * group + g
             if LISTED:
-                n_full, full_row, n_part, part_row = _table_row(
-                    FULL_NUM,
-                    FULL_IDX,
-                    Q_NUM,
-                    Q_IDX,
-                    b,
-                    h,
-                    start_n // block_n,
-                    stride_tb,
-                    stride_th,
-                    stride_tn,
-                    stride_ib,
-                    stride_ih,
-                    stride_in,
-                )
+                n_full, full_row, n_part, part_row = _table_row(tables, b, h, start_n // block_n)
                 n_here = 2 * (n_full + n_part)
             else:
                 n_here = n_qblocks
@@ -165,15 +132,7 @@ if GLUON_BWD_ERROR is None:
                         start_m = _listed_start(j - 2 * n_full, part_row, block_m)
                 else:
                     start_m = lo + (n_qblocks - 1 - j) * block_m  # the consumers' order
-                rows = start_m + offs
-                at = (b * n_heads + h).to(gl.int64) * seq_q + rows
-                lse = gl.load(LSE + at, mask=rows < seq_q, other=float("-inf"))
-                lse_bufs.index(slot).store(lse_log2(lse))
-                delta_bufs.index(slot).store(gl.load(DELTA + at, mask=rows < seq_q, other=0.0))
-                mbarrier.expect(q_ready.index(slot), qs_desc.block_type.nbytes)
-                _tma_load(qs_desc, [b, h, start_m, 0], q_ready.index(slot), qs_bufs.index(slot))
-                mbarrier.expect(do_ready.index(slot), do_desc.block_type.nbytes)
-                _tma_load(do_desc, [b, h, start_m, 0], do_ready.index(slot), do_bufs.index(slot))
+                _load_step(slot, start_m, h, loads, ring, b, n_heads, seq_q, offs)
                 t += 1
 
     table_row = _table_row
