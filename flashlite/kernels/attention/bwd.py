@@ -44,8 +44,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashlite.kernels.attention.bwd_parts import dkdv_step as _dkdv_step
+from flashlite.kernels.attention.bwd_parts import dkdv_head as _dkdv_head
 from flashlite.kernels.attention.bwd_parts import dq_step as _dq_step
+from flashlite.kernels.attention.bwd_parts import load_pair as _load_pair
 from flashlite.kernels.attention.common import (
     cap_units,
     head_ptr,
@@ -106,6 +107,61 @@ def _attention_bwd_preprocess_kernel(
 
 
 @triton.jit
+def _query_head(
+    QS,
+    DO,
+    q_strides,
+    g_strides,
+    b,
+    h,
+    q0,
+    q_mem,
+    n_heads,
+    USE_DESC: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    """Query head ``h`` as :func:`~.bwd_parts.dkdv_step` takes it: ``(b, h, qs_src, g_src,
+    first)``, its Qs and dO sources (the descriptors themselves with ``USE_DESC``) and its first
+    row in the LSE and delta (``q_mem`` rows per head)."""
+    if USE_DESC:
+        qs_src, g_src = QS, DO
+    else:
+        stride_qb, stride_qh, stride_qm, _ = q_strides
+        stride_gb, stride_gh, stride_gm, _ = g_strides
+        qs_src = seq_ptr(QS, b, h, q0, stride_qb, stride_qh, stride_qm, VARLEN)
+        g_src = seq_ptr(DO, b, h, q0, stride_gb, stride_gh, stride_gm, VARLEN)
+    if VARLEN:
+        first = h.to(tl.int64) * q_mem + q0
+    else:
+        first = (b * n_heads + h).to(tl.int64) * q_mem
+    return b, h, qs_src, g_src, first
+
+
+@triton.jit
+def _query_blocks(
+    start_n,
+    limits,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+):
+    """The query blocks that see the key block at ``start_n``, as
+    :func:`~.bwd_parts.dkdv_head` loops over them: ``(lo, full_lo, full_hi, n_diag, n_masked)``.
+    Blocks from ``full_lo`` to ``full_hi`` see every pair and run unchecked; ``n_masked`` others
+    are masked: ``n_diag`` from ``lo`` (the diagonal or the window's near edge), then from
+    ``full_hi`` the window's far edge or the ragged last block
+    (:func:`flashlite.masks.query_range`)."""
+    seq_q, seq_k, left, right = limits
+    lo, full_lo, full_hi, hi = query_range(
+        start_n, seq_q, seq_k, left, right, BLOCK_M, BLOCK_N, IS_CAUSAL, WINDOW
+    )
+    n_diag = tl.cdiv(full_lo - lo, BLOCK_M)
+    n_masked = n_diag + tl.cdiv(hi - full_hi, BLOCK_M)
+    return lo, full_lo, full_hi, n_diag, n_masked
+
+
+@triton.jit
 def _attention_bwd_dkdv_kernel(
     QS, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -117,9 +173,8 @@ def _attention_bwd_dkdv_kernel(
     n_heads, kv_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap, SEQLENS_K,
     CU_Q, CU_K,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, USE_DESC: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, VARLEN: tl.constexpr, PRESCALE_Q: tl.constexpr,
-    USE_DESC: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):  # fmt: skip
     """Grid ``(cdiv(Nk, BLOCK_N), B·Hkv)``: dK, dV of one key block, summed over the group.
@@ -149,63 +204,41 @@ def _attention_bwd_dkdv_kernel(
     dt = DK.dtype.element_ty  # tensor-core operands are rounded to the inputs' dtype
     k_src = seq_ptr(K, b, h_kv, k0, stride_kb, stride_kh, stride_kn, VARLEN)
     v_src = seq_ptr(V, b, h_kv, k0, stride_vb, stride_vh, stride_vn, VARLEN)
-    k = load_tile(k_src, b, h_kv, start_n, seq_k, stride_kn, stride_kd, tl.arange(0, BLOCK_N),
-                  offs_d, HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
-    v = load_tile(v_src, b, h_kv, start_n, seq_k, stride_vn, stride_vd, tl.arange(0, BLOCK_N),
-                  offs_d, HEAD_DIM, BLOCK_D, False, True)  # fmt: skip
+    kv_strides, at = (stride_kn, stride_kd, stride_vn, stride_vd), (b, h_kv, start_n, seq_k)
+    offs_c = tl.arange(0, BLOCK_N)
+    k, v = _load_pair(
+        (k_src, v_src), kv_strides, at, offs_c, offs_d, HEAD_DIM, BLOCK_D, False, True
+    )
     if DOT_FP32:
         k, v = k.to(tl.float32), v.to(tl.float32)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dk, dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32), tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     # scores of Qs are in exp2's units already; dK summed against Qs carries a factor log2 e
     exp_scale = 1.0 if PRESCALE_Q else sm_scale * LOG2E
     dk_scale = 1.0 / LOG2E if PRESCALE_Q else sm_scale
     cap = cap_units(softcap, exp_scale, SOFTCAP)  # the cap in the scores' units
-    # query blocks [full_lo, full_hi): every pair seen, no checks; the others are masked: the
-    # diagonal or the window's edge [lo, full_lo) and from full_hi the window's other edge or
-    # the ragged last block (one loop keeps the registers of one masked and one unmasked body
-    # live, not three)
-    lo, full_lo, full_hi, hi = query_range(start_n, seq_q, seq_k, win_left, win_right, BLOCK_M,
-                                           BLOCK_N, IS_CAUSAL, WINDOW)  # fmt: skip
-    n_diag = tl.cdiv(full_lo - lo, BLOCK_M)
-    n_masked = n_diag + tl.cdiv(hi - full_hi, BLOCK_M)
+    offs, limits = (offs_r, offs_n, offs_d), (seq_q, seq_k, win_left, win_right)
+    # the query blocks that see these keys: the unchecked ones and the masked ones (diagonal,
+    # window edges, ragged end)
+    blocks = _query_blocks(start_n, limits, BLOCK_M, BLOCK_N, IS_CAUSAL, WINDOW)
+    q_strides = (stride_qb, stride_qh, stride_qm, stride_qd)
+    g_strides = (stride_gb, stride_gh, stride_gm, stride_gd)
     for g in range(0, heads):
-        h = h_kv * group + g
-        if USE_DESC:
-            qs_src, g_src = QS, DO
-        else:
-            qs_src = seq_ptr(QS, b, h, q0, stride_qb, stride_qh, stride_qm, VARLEN)
-            g_src = seq_ptr(DO, b, h, q0, stride_gb, stride_gh, stride_gm, VARLEN)
-        if VARLEN:
-            stats = h.to(tl.int64) * q_mem + q0
-        else:
-            stats = (b * n_heads + h).to(tl.int64) * q_mem
-        for i in range(0, n_masked):
-            if WINDOW:  # a window's far edge can span several blocks
-                start_m = tl.where(i < n_diag, lo + i * BLOCK_M, full_hi + (i - n_diag) * BLOCK_M)
-            else:  # at most the one ragged block
-                start_m = tl.where(i < n_diag, lo + i * BLOCK_M, full_hi)
-            dk, dv = _dkdv_step(dk, dv, k, v, qs_src, g_src, b, h, LSE, DELTA, stats, start_m,
-                                offs_r, offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap,
-                                stride_qm, stride_qd, stride_gm, stride_gd, exp_scale, dt,
-                                HEAD_DIM, BLOCK_D, IS_CAUSAL or WINDOW, IS_CAUSAL, WINDOW,
-                                SOFTCAP, True, USE_DESC, DOT_FP32, DOT_PRECISION,
-                                ROUND_BF16)  # fmt: skip
-        for start_m in range(full_lo, full_hi, BLOCK_M):
-            dk, dv = _dkdv_step(dk, dv, k, v, qs_src, g_src, b, h, LSE, DELTA, stats, start_m,
-                                offs_r, offs_n, offs_d, seq_q, seq_k, win_left, win_right, cap,
-                                stride_qm, stride_qd, stride_gm, stride_gd, exp_scale, dt,
-                                HEAD_DIM, BLOCK_D, False, IS_CAUSAL, WINDOW, SOFTCAP, False,
-                                USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
+        head = _query_head(
+            QS, DO, q_strides, g_strides, b, h_kv * group + g, q0, q_mem, n_heads, USE_DESC, VARLEN
+        )
+        dk, dv = _dkdv_head(dk, dv, (k, v), head, LSE, DELTA, blocks, offs, limits, q_strides,
+                            g_strides, exp_scale, cap, dt, HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL,
+                            WINDOW, SOFTCAP, USE_DESC, DOT_FP32, DOT_PRECISION,
+                            ROUND_BF16)  # fmt: skip
     if HAS_SEQLENS:  # keys that do not exist get zero gradients (the unmasked loop ran them)
         dk = tl.where(offs_n[:, None] < seq_k, dk, 0.0)
         dv = tl.where(offs_n[:, None] < seq_k, dv, 0.0)
     dk_dst = seq_ptr(DK, b, h_kv, k0, stride_dkb, stride_dkh, stride_dkn, VARLEN)
     dv_dst = seq_ptr(DV, b, h_kv, k0, stride_dvb, stride_dvh, stride_dvn, VARLEN)
-    store_tile(dk_dst, cast(dk * dk_scale, DK.dtype.element_ty, ROUND_BF16), offs_n, n_keys,
-               stride_dkn, stride_dkd, offs_d, HEAD_DIM)  # fmt: skip
-    store_tile(dv_dst, cast(dv, DV.dtype.element_ty, ROUND_BF16), offs_n, n_keys, stride_dvn,
-               stride_dvd, offs_d, HEAD_DIM)  # fmt: skip
+    dk = cast(dk * dk_scale, DK.dtype.element_ty, ROUND_BF16)
+    store_tile(dk_dst, dk, offs_n, n_keys, stride_dkn, stride_dkd, offs_d, HEAD_DIM)
+    dv = cast(dv, DV.dtype.element_ty, ROUND_BF16)
+    store_tile(dv_dst, dv, offs_n, n_keys, stride_dvn, stride_dvd, offs_d, HEAD_DIM)
 
 
 @triton.jit
@@ -247,10 +280,10 @@ def _attention_bwd_dq_kernel(
     else:
         k_src = seq_ptr(K, b, h_kv, k0, stride_kb, stride_kh, stride_kn, VARLEN)
         v_src = seq_ptr(V, b, h_kv, k0, stride_vb, stride_vh, stride_vn, VARLEN)
-    qs = load_tile(qs_src, b, h, start_m, seq_q, stride_qm, stride_qd, offs_r, offs_d, HEAD_DIM,
-                   BLOCK_D, False, True)  # fmt: skip
-    do = load_tile(g_src, b, h, start_m, seq_q, stride_gm, stride_gd, offs_r, offs_d, HEAD_DIM,
-                   BLOCK_D, False, True)  # fmt: skip
+    q_strides, at = (stride_qm, stride_qd, stride_gm, stride_gd), (b, h, start_m, seq_q)
+    qs, do = _load_pair(
+        (qs_src, g_src), q_strides, at, offs_r, offs_d, HEAD_DIM, BLOCK_D, False, True
+    )
     if VARLEN:
         stats = h.to(tl.int64) * q_mem + q0
     else:

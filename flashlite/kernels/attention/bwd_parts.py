@@ -1,6 +1,8 @@
 """The tile steps of the attention backward (:mod:`flashlite.kernels.attention.bwd`): one query
 block folded into a key block's dK and dV, keys-major (:func:`dkdv_step`), and one key tile
-folded into a query block's dQ (:func:`dq_step`), with the ``dS`` they share (:func:`_dscores`)."""
+folded into a query block's dQ (:func:`dq_step`), with the ``dS`` they share (:func:`_dscores`);
+:func:`dkdv_head` runs the dK/dV step over the query blocks of one query head, :func:`load_pair`
+loads the two tiles (Qs and dO, K and V) a step reads at the same rows."""
 
 from __future__ import annotations
 
@@ -39,32 +41,47 @@ def _dscores(
 
 
 @triton.jit
+def load_pair(
+    srcs,
+    strides,
+    at,
+    offs_r,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_DESC: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+):
+    """Two :func:`load_tile` tiles at the same rows (Qs and dO, or K and V), first then second:
+    ``srcs`` their sources, ``strides`` their (row, column) strides one pair after the other,
+    ``at`` the ``(b, h, row0, n_rows)`` they share."""
+    x_src, y_src = srcs
+    x_m, x_d, y_m, y_d = strides
+    b, h, row0, n_rows = at
+    x = load_tile(
+        x_src, b, h, row0, n_rows, x_m, x_d, offs_r, offs_d, HEAD_DIM, BLOCK_D, USE_DESC, CHECK_ROWS
+    )
+    y = load_tile(
+        y_src, b, h, row0, n_rows, y_m, y_d, offs_r, offs_d, HEAD_DIM, BLOCK_D, USE_DESC, CHECK_ROWS
+    )
+    return x, y
+
+
+@triton.jit
 def dkdv_step(
     dk,
     dv,
-    k,
-    v,
-    qs_src,
-    g_src,
-    b,
-    h,
+    kv,
+    head,
     LSE,
     DELTA,
-    stats,
     start_m,
-    offs_r,
-    offs_n,
-    offs_d,
-    seq_q,
-    seq_k,
-    left,
-    right,
-    cap,
-    stride_qm,
-    stride_qd,
-    stride_gm,
-    stride_gd,
+    offs,
+    limits,
+    q_strides,
+    g_strides,
     exp_scale,
+    cap,
     DT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -78,37 +95,20 @@ def dkdv_step(
     DOT_PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
-    """Fold the query block at ``start_m`` into one key block's dK and dV, keys-major."""
-    qs = load_tile(
-        qs_src,
-        b,
-        h,
-        start_m,
-        seq_q,
-        stride_qm,
-        stride_qd,
-        offs_r,
-        offs_d,
-        HEAD_DIM,
-        BLOCK_D,
-        USE_DESC,
-        CHECK_ROWS,
-    )
-    do = load_tile(
-        g_src,
-        b,
-        h,
-        start_m,
-        seq_q,
-        stride_gm,
-        stride_gd,
-        offs_r,
-        offs_d,
-        HEAD_DIM,
-        BLOCK_D,
-        USE_DESC,
-        CHECK_ROWS,
-    )
+    """Fold the query block at ``start_m`` of one query head into one key block's dK and dV,
+    keys-major. ``kv``: the block's K and V tiles; ``head``: ``(b, h, qs_src, g_src, first)``,
+    the head's Qs and dO sources and its first row in ``LSE`` and ``DELTA``; ``offs``:
+    ``(offs_r, offs_n, offs_d)``; ``limits``: ``(seq_q, seq_k, left, right)``; ``q_strides``,
+    ``g_strides``: Qs's and dO's ``(B, H, N, D)`` strides."""
+    k, v = kv
+    b, h, qs_src, g_src, stats = head
+    offs_r, offs_n, offs_d = offs
+    seq_q, seq_k, left, right = limits
+    _, _, stride_qm, stride_qd = q_strides
+    _, _, stride_gm, stride_gd = g_strides
+    srcs, strides = (qs_src, g_src), (stride_qm, stride_qd, stride_gm, stride_gd)
+    at = (b, h, start_m, seq_q)
+    qs, do = load_pair(srcs, strides, at, offs_r, offs_d, HEAD_DIM, BLOCK_D, USE_DESC, CHECK_ROWS)
     rows = start_m + offs_r
     if CHECK_ROWS:  # rows past Nq: LSE −inf gives P = 0, so they add nothing
         lse = tl.load(LSE + stats + rows, mask=rows < seq_q, other=float("-inf"))
@@ -133,6 +133,64 @@ def dkdv_step(
     pc, dst = _dscores(pt, dpt, delta[None, :], dcap, SOFTCAP, DT, DOT_FP32, ROUND_BF16)
     dv = tl.dot(pc, do, dv, input_precision=DOT_PRECISION)
     dk = tl.dot(dst, qs, dk, input_precision=DOT_PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _masked_start(i, n_diag, lo, full_hi, BLOCK_M: tl.constexpr, WINDOW: tl.constexpr):
+    """First query row of the ``i``-th masked block: ``n_diag`` blocks from ``lo``, then blocks
+    from ``full_hi`` (a window's far edge can span several; otherwise there is at most the one
+    ragged last block)."""
+    if WINDOW:
+        start_m = tl.where(i < n_diag, lo + i * BLOCK_M, full_hi + (i - n_diag) * BLOCK_M)
+    else:
+        start_m = tl.where(i < n_diag, lo + i * BLOCK_M, full_hi)
+    return start_m
+
+
+@triton.jit
+def dkdv_head(
+    dk,
+    dv,
+    kv,
+    head,
+    LSE,
+    DELTA,
+    blocks,
+    offs,
+    limits,
+    q_strides,
+    g_strides,
+    exp_scale,
+    cap,
+    DT: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    USE_DESC: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    """Fold every query block of one query head that sees the key block into its dK and dV
+    (:func:`dkdv_step`): ``blocks`` is ``(lo, full_lo, full_hi, n_diag, n_masked)``, the masked
+    blocks in one loop (it keeps the registers of one masked and one unmasked body live, not
+    three), then the unmasked ones from ``full_lo`` to ``full_hi``."""
+    lo, full_lo, full_hi, n_diag, n_masked = blocks
+    for i in range(0, n_masked):
+        start_m = _masked_start(i, n_diag, lo, full_hi, BLOCK_M, WINDOW)
+        dk, dv = dkdv_step(dk, dv, kv, head, LSE, DELTA, start_m, offs, limits, q_strides,
+                           g_strides, exp_scale, cap, DT, HEAD_DIM, BLOCK_D, IS_CAUSAL or WINDOW,
+                           IS_CAUSAL, WINDOW, SOFTCAP, True, USE_DESC, DOT_FP32, DOT_PRECISION,
+                           ROUND_BF16)  # fmt: skip
+    for start_m in range(full_lo, full_hi, BLOCK_M):
+        dk, dv = dkdv_step(dk, dv, kv, head, LSE, DELTA, start_m, offs, limits, q_strides,
+                           g_strides, exp_scale, cap, DT, HEAD_DIM, BLOCK_D, False, IS_CAUSAL,
+                           WINDOW, SOFTCAP, False, USE_DESC, DOT_FP32, DOT_PRECISION,
+                           ROUND_BF16)  # fmt: skip
     return dk, dv
 
 
@@ -175,36 +233,9 @@ def dq_step(
 ):
     """Fold the key tile at ``start_n`` into one query block's dQ; ``MASKED`` tiles check the
     keys' bounds, the causal diagonal or the window."""
-    k = load_tile(
-        k_src,
-        b,
-        h_kv,
-        start_n,
-        seq_k,
-        stride_kn,
-        stride_kd,
-        offs_c,
-        offs_d,
-        HEAD_DIM,
-        BLOCK_D,
-        USE_DESC,
-        MASKED,
-    )
-    v = load_tile(
-        v_src,
-        b,
-        h_kv,
-        start_n,
-        seq_k,
-        stride_vn,
-        stride_vd,
-        offs_c,
-        offs_d,
-        HEAD_DIM,
-        BLOCK_D,
-        USE_DESC,
-        MASKED,
-    )
+    kv_src, kv_strides = (k_src, v_src), (stride_kn, stride_kd, stride_vn, stride_vd)
+    at = (b, h_kv, start_n, seq_k)
+    k, v = load_pair(kv_src, kv_strides, at, offs_c, offs_d, HEAD_DIM, BLOCK_D, USE_DESC, MASKED)
     if DOT_FP32:
         k, v = k.to(tl.float32), v.to(tl.float32)
     sc = tl.dot(qs, tl.trans(k), input_precision=DOT_PRECISION)
