@@ -122,8 +122,11 @@ def _flex_fwd_kernel(
     s = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    trow, irow = _table_row(b, h, start_m // TBM, stride_tb, stride_th, stride_tm, stride_ib,
-                            stride_ih, stride_im)  # fmt: skip
+    t_strides = (stride_tb, stride_th, stride_tm, stride_ib, stride_ih, stride_im)
+    trow, irow = _table_row(b, h, start_m // TBM, t_strides)
+    # the steps' grouped arguments (what each holds: flex_parts._scored_tile)
+    kv = (k_src, v_src, (stride_kn, stride_kd), (stride_vn, stride_vd), seq_k)
+    bufs = (MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3)
     # full tiles first (no mask), then partial ones (mask); the same code with MASKED set
     for part in tl.static_range(2):
         n_blocks, idx_row = _listed(FULL_NUM, FULL_IDX, KV_NUM, KV_IDX, trow, irow, part)
@@ -133,12 +136,10 @@ def _flex_fwd_kernel(
                 start_n = block_n + sub * BLOCK_N
                 # varlen's tables list the longest sequence's tiles (a constant `if` without)
                 if (start_n < seq_k) | (not VARLEN):
-                    m, s, acc = _fold_tile(m, s, acc, q, k_src, v_src, b, h, h_kv, start_n, q_idx,
-                                           offs_n, offs_d, seq_k, sm_scale, stride_kn, stride_kd,
-                                           stride_vn, stride_vd, MB0, MB1, MB2, MB3, SB0, SB1,
-                                           SB2, SB3, MASK_MOD, N_MASK_BUF, SCORE_MOD,
-                                           N_SCORE_BUF, HAS_SCORE, part == 1, VARLEN, HEAD_DIM,
-                                           BLOCK_D, DOT_FP32, DOT_PRECISION,
+                    m, s, acc = _fold_tile(m, s, acc, q, q_idx, (b, h, h_kv), kv, start_n,
+                                           (offs_n, offs_d), sm_scale, bufs, MASK_MOD, N_MASK_BUF,
+                                           SCORE_MOD, N_SCORE_BUF, HAS_SCORE, part == 1, VARLEN,
+                                           HEAD_DIM, BLOCK_D, DOT_FP32, DOT_PRECISION,
                                            ROUND_BF16)  # fmt: skip
     inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)
     lse = finalize_lse(m, s, LOG2E)
@@ -197,13 +198,16 @@ def _flex_bwd_dkdv_kernel(
     in_range = (offs_n < seq_k)[:, None]
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    t_strides = (stride_tb, stride_th, stride_tn, stride_ib, stride_ih, stride_in)
+    # the step's grouped arguments (what each holds: flex_bwd_parts.dkdv_step)
+    q_strides, g_strides = (stride_qm, stride_qd), (stride_gm, stride_gd)
+    bufs = (MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3)
     for g in range(0, group):
         h = h_kv * group + g
         q_src = seq_ptr(Q, b, h, q0, stride_qb, stride_qh, stride_qm, VARLEN)
         g_src = seq_ptr(DO, b, h, q0, stride_gb, stride_gh, stride_gm, VARLEN)
         bh_rows = _lse_row(b * n_heads_kv * group + h, h, q0, q_mem, VARLEN)
-        trow, irow = _table_row(b, h, start_n // TBN, stride_tb, stride_th, stride_tn,
-                                stride_ib, stride_ih, stride_in)  # fmt: skip
+        trow, irow = _table_row(b, h, start_n // TBN, t_strides)
         for part in tl.static_range(2):
             n_blocks, idx_row = _listed(FULL_NUM, FULL_IDX, Q_NUM, Q_IDX, trow, irow, part)
             for i in range(0, n_blocks):
@@ -211,10 +215,9 @@ def _flex_bwd_dkdv_kernel(
                 for sub in tl.static_range(TBM // BLOCK_M):
                     start_m = block_m + sub * BLOCK_M
                     if (start_m < seq_q) | (not VARLEN):  # (as the forward's)
-                        dk, dv = _dkdv_step(dk, dv, k, v, q_src, g_src, LSE, DELTA, bh_rows, b,
-                                            h, start_m, offs_r, offs_d, kv_idx, in_range, seq_q,
-                                            sm_scale, stride_qm, stride_qd, stride_gm, stride_gd,
-                                            MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3, MASK_MOD,
+                        dk, dv = _dkdv_step(dk, dv, k, v, (q_src, g_src, q_strides, g_strides),
+                                            (LSE, DELTA, bh_rows), b, h, start_m, (offs_r, offs_d),
+                                            kv_idx, in_range, seq_q, sm_scale, bufs, MASK_MOD,
                                             N_MASK_BUF, SCORE_MOD, SCORE_GRAD, N_SCORE_BUF,
                                             HAS_SCORE, part == 1, HEAD_DIM, BLOCK_D, DOT_FP32,
                                             DOT_PRECISION, ROUND_BF16)  # fmt: skip
@@ -278,8 +281,11 @@ def _flex_bwd_dq_kernel(
     delta = tl.load(DELTA + row0 + offs_m, mask=rows_ok, other=0.0)
     q_idx = tl.minimum(offs_m, seq_q - 1)[:, None]
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    trow, irow = _table_row(b, h, start_m // TBM, stride_tb, stride_th, stride_tm, stride_ib,
-                            stride_ih, stride_im)  # fmt: skip
+    t_strides = (stride_tb, stride_th, stride_tm, stride_ib, stride_ih, stride_im)
+    trow, irow = _table_row(b, h, start_m // TBM, t_strides)
+    # the step's grouped arguments (what each holds: flex_parts._scored_tile)
+    kv = (k_src, v_src, (stride_kn, stride_kd), (stride_vn, stride_vd), seq_k)
+    bufs = (MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3)
     for part in tl.static_range(2):
         n_blocks, idx_row = _listed(FULL_NUM, FULL_IDX, KV_NUM, KV_IDX, trow, irow, part)
         for i in range(0, n_blocks):
@@ -287,12 +293,11 @@ def _flex_bwd_dq_kernel(
             for sub in tl.static_range(TBN // BLOCK_N):
                 start_n = block_n + sub * BLOCK_N
                 if (start_n < seq_k) | (not VARLEN):  # (as the forward's)
-                    dq = _dq_step(dq, q, do, lse, delta, k_src, v_src, b, h, h_kv, start_n, q_idx,
-                                  offs_n, offs_d, seq_k, sm_scale, stride_kn, stride_kd,
-                                  stride_vn, stride_vd, MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
-                                  MASK_MOD, N_MASK_BUF, SCORE_MOD, SCORE_GRAD, N_SCORE_BUF,
-                                  HAS_SCORE, part == 1, VARLEN, HEAD_DIM, BLOCK_D, DOT_FP32,
-                                  DOT_PRECISION, ROUND_BF16)  # fmt: skip
+                    dq = _dq_step(dq, q, do, lse, delta, q_idx, (b, h, h_kv), kv, start_n,
+                                  (offs_n, offs_d), sm_scale, bufs, MASK_MOD, N_MASK_BUF,
+                                  SCORE_MOD, SCORE_GRAD, N_SCORE_BUF, HAS_SCORE, part == 1,
+                                  VARLEN, HEAD_DIM, BLOCK_D, DOT_FP32, DOT_PRECISION,
+                                  ROUND_BF16)  # fmt: skip
     dq = cast(dq * sm_scale, DQ.dtype.element_ty, ROUND_BF16)
     store_tile(seq_ptr(DQ, b, h, q0, stride_dqb, stride_dqh, stride_dqm, VARLEN), dq, offs_m,
                seq_q, stride_dqm, stride_dqd, offs_d, HEAD_DIM)  # fmt: skip

@@ -8,11 +8,11 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashlite.kernels.attention.common import load_tile
+from flashlite.kernels.attention.flex_parts import load_rows as _load_rows
 from flashlite.kernels.attention.flex_parts import mod_scores as _mod_scores
+from flashlite.kernels.attention.flex_parts import score_grad as _score_grad
 from flashlite.kernels.attention.flex_parts import scored_tile as _scored_tile
 from flashlite.kernels.common import cast
-from flashlite.masking.mods import apply_score
 from flashlite.stats import LOG2E, probs_from_lse, probs_from_lse_t
 
 
@@ -22,32 +22,17 @@ def dkdv_step(
     dv,
     k,
     v,
-    q_src,
-    g_src,
-    LSE,
-    DELTA,
-    bh_rows,
+    qg,
+    stats,
     b,
     h,
     start_m,
-    offs_r,
-    offs_d,
+    offs,
     kv_idx,
     in_range,
     seq_q,
     sm_scale,
-    stride_qm,
-    stride_qd,
-    stride_gm,
-    stride_gd,
-    MB0,
-    MB1,
-    MB2,
-    MB3,
-    SB0,
-    SB1,
-    SB2,
-    SB3,
+    bufs,
     MASK_MOD: tl.constexpr,
     N_MASK_BUF: tl.constexpr,
     SCORE_MOD: tl.constexpr,
@@ -63,38 +48,16 @@ def dkdv_step(
 ):
     """Add the query rows ``[start_m, start_m + BLOCK_M)`` of head ``h`` into ``(dk, dv)``,
     keys-major: ``Pᵀ`` from the saved LSE, ``dV += Pᵀ·dO``, ``dSᵀ = Pᵀ ∘ (dPᵀ − delta)``
-    (times the score function's derivative), ``dK += dSᵀ·Q``."""
+    (times the score function's derivative), ``dK += dSᵀ·Q``. ``qg = (q_src, g_src,
+    q_strides, g_strides)``: Q's and dO's head pointers and ``(row, column)`` strides;
+    ``stats = (LSE, DELTA, bh_rows)``: the head's rows of the LSE and delta start at
+    ``bh_rows``; ``offs = (offs_r, offs_d)``; ``bufs`` as the forward's."""
+    q_src, g_src, q_strides, g_strides = qg
+    LSE, DELTA, bh_rows = stats
+    offs_r, _offs_d = offs
     rows = start_m + offs_r
-    q = load_tile(
-        q_src,
-        b,
-        h,
-        start_m,
-        seq_q,
-        stride_qm,
-        stride_qd,
-        offs_r,
-        offs_d,
-        HEAD_DIM,
-        BLOCK_D,
-        False,
-        True,
-    )
-    do = load_tile(
-        g_src,
-        b,
-        h,
-        start_m,
-        seq_q,
-        stride_gm,
-        stride_gd,
-        offs_r,
-        offs_d,
-        HEAD_DIM,
-        BLOCK_D,
-        False,
-        True,
-    )
+    q = _load_rows(q_src, b, h, start_m, seq_q, q_strides, offs, HEAD_DIM, BLOCK_D, True)
+    do = _load_rows(g_src, b, h, start_m, seq_q, g_strides, offs, HEAD_DIM, BLOCK_D, True)
     if DOT_FP32:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -110,14 +73,7 @@ def dkdv_step(
         q_idx,
         kv_idx,
         in_range,
-        MB0,
-        MB1,
-        MB2,
-        MB3,
-        SB0,
-        SB1,
-        SB2,
-        SB3,
+        bufs,
         MASK_MOD,
         N_MASK_BUF,
         SCORE_MOD,
@@ -129,10 +85,7 @@ def dkdv_step(
     dv = tl.dot(cast(pt, do.dtype, ROUND_BF16), do, dv, input_precision=DOT_PRECISION)
     dpt = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
     dst = pt * (dpt - delta[None, :])
-    if HAS_SCORE:
-        dst = dst * apply_score(
-            SCORE_GRAD, xt, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3, N_SCORE_BUF
-        )
+    dst = _score_grad(dst, xt, b, h, q_idx, kv_idx, bufs, SCORE_GRAD, N_SCORE_BUF, HAS_SCORE)
     dk = tl.dot(cast(dst, q.dtype, ROUND_BF16), q, dk, input_precision=DOT_PRECISION)
     return dk, dv
 
@@ -144,29 +97,13 @@ def dq_step(
     do,
     lse,
     delta,
-    k_src,
-    v_src,
-    b,
-    h,
-    h_kv,
-    start_n,
     q_idx,
-    offs_n,
-    offs_d,
-    seq_k,
+    heads,
+    kv,
+    start_n,
+    offs,
     sm_scale,
-    stride_kn,
-    stride_kd,
-    stride_vn,
-    stride_vd,
-    MB0,
-    MB1,
-    MB2,
-    MB3,
-    SB0,
-    SB1,
-    SB2,
-    SB3,
+    bufs,
     MASK_MOD: tl.constexpr,
     N_MASK_BUF: tl.constexpr,
     SCORE_MOD: tl.constexpr,
@@ -182,29 +119,17 @@ def dq_step(
     ROUND_BF16: tl.constexpr,
 ):
     """Add the key tile at ``start_n`` into ``dq``: P from the saved LSE, ``dS = P ∘ (dP −
-    delta)`` (times the score function's derivative), ``dQ += dS·K``."""
+    delta)`` (times the score function's derivative), ``dQ += dS·K``. The tuples as the
+    forward's (:func:`flashlite.kernels.attention.flex_parts.fold_tile`)."""
     k, x, y, kv_idx = _scored_tile(
         q,
-        k_src,
-        b,
-        h,
-        h_kv,
-        start_n,
         q_idx,
-        offs_n,
-        offs_d,
-        seq_k,
+        heads,
+        kv,
+        start_n,
+        offs,
         sm_scale,
-        stride_kn,
-        stride_kd,
-        MB0,
-        MB1,
-        MB2,
-        MB3,
-        SB0,
-        SB1,
-        SB2,
-        SB3,
+        bufs,
         MASK_MOD,
         N_MASK_BUF,
         SCORE_MOD,
@@ -217,26 +142,15 @@ def dq_step(
         DOT_FP32,
         DOT_PRECISION,
     )
-    v = load_tile(
-        v_src,
-        b,
-        h_kv,
-        start_n,
-        seq_k,
-        stride_vn,
-        stride_vd,
-        offs_n,
-        offs_d,
-        HEAD_DIM,
-        BLOCK_D,
-        False,
-        MASKED | BOUNDED,
+    b, h, h_kv = heads
+    _k_src, v_src, _k_strides, v_strides, seq_k = kv
+    v = _load_rows(
+        v_src, b, h_kv, start_n, seq_k, v_strides, offs, HEAD_DIM, BLOCK_D, MASKED | BOUNDED
     )
     if DOT_FP32:
         v = v.to(tl.float32)
     p = probs_from_lse(y, lse, LOG2E)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
     ds = p * (dp - delta[:, None])
-    if HAS_SCORE:
-        ds = ds * apply_score(SCORE_GRAD, x, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3, N_SCORE_BUF)
+    ds = _score_grad(ds, x, b, h, q_idx, kv_idx, bufs, SCORE_GRAD, N_SCORE_BUF, HAS_SCORE)
     return tl.dot(cast(ds, k.dtype, ROUND_BF16), k, dq, input_precision=DOT_PRECISION)

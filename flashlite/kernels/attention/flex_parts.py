@@ -22,14 +22,7 @@ def _mod_scores(
     q_idx,
     kv_idx,
     in_range,
-    MB0,
-    MB1,
-    MB2,
-    MB3,
-    SB0,
-    SB1,
-    SB2,
-    SB3,
+    bufs,
     MASK_MOD: tl.constexpr,
     N_MASK_BUF: tl.constexpr,
     SCORE_MOD: tl.constexpr,
@@ -42,7 +35,9 @@ def _mod_scores(
     query does not see, or past the keys (``in_range`` false), become −inf. ``BOUNDED``
     without ``MASKED``: the keys' bounds only (varlen's full tiles, listed for the longest
     sequence). ``q_idx`` and ``kv_idx`` broadcast against each other (either way round: the
-    dK/dV loop is keys-major)."""
+    dK/dV loop is keys-major). ``bufs = (MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3)``: the mask's
+    buffers, then the score function's."""
+    MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3 = bufs
     y = x
     if HAS_SCORE:
         y = apply_score(SCORE_MOD, x, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3, N_SCORE_BUF)
@@ -55,8 +50,67 @@ def _mod_scores(
 
 
 @triton.jit
-def table_row(b, h, block, stride_tb, stride_th, stride_tr, stride_ib, stride_ih, stride_ir):
-    """Offsets of a program's row in the count tables and in the index tables (64-bit)."""
+def score_grad(
+    ds,
+    x,
+    b,
+    h,
+    q_idx,
+    kv_idx,
+    bufs,
+    SCORE_GRAD: tl.constexpr,
+    N_SCORE_BUF: tl.constexpr,
+    HAS_SCORE: tl.constexpr,
+):
+    """``ds`` times the score function's derivative at the natural-unit scores ``x`` (``ds``
+    itself without a score function); ``bufs`` as :func:`_mod_scores`'."""
+    _MB0, _MB1, _MB2, _MB3, SB0, SB1, SB2, SB3 = bufs
+    if HAS_SCORE:
+        ds = ds * apply_score(SCORE_GRAD, x, b, h, q_idx, kv_idx, SB0, SB1, SB2, SB3, N_SCORE_BUF)
+    return ds
+
+
+@triton.jit
+def load_rows(
+    src,
+    b,
+    h,
+    row0,
+    n_rows,
+    strides,
+    offs,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+):
+    """:func:`~flashlite.kernels.attention.common.load_tile` from the head pointer ``src``
+    (no descriptors), with ``strides = (stride_row, stride_d)`` and ``offs = (offs_r,
+    offs_d)``."""
+    stride_row, stride_d = strides
+    offs_r, offs_d = offs
+    return load_tile(
+        src,
+        b,
+        h,
+        row0,
+        n_rows,
+        stride_row,
+        stride_d,
+        offs_r,
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+        False,
+        CHECK_ROWS,
+    )
+
+
+@triton.jit
+def table_row(b, h, block, strides):
+    """Offsets of a program's row in the count tables and in the index tables (64-bit);
+    ``strides = (stride_tb, stride_th, stride_tr, stride_ib, stride_ih, stride_ir)``, the
+    count tables' strides then the index tables'."""
+    stride_tb, stride_th, stride_tr, stride_ib, stride_ih, stride_ir = strides
     trow = b * stride_tb + h * stride_th + block * stride_tr
     irow = b.to(tl.int64) * stride_ib + h * stride_ih + block * stride_ir
     return trow, irow
@@ -89,26 +143,13 @@ def lse_row(pid_bh, h, q0, q_mem, VARLEN: tl.constexpr):
 @triton.jit
 def _scored_tile(
     q,
-    k_src,
-    b,
-    h,
-    h_kv,
-    start_n,
     q_idx,
-    offs_n,
-    offs_d,
-    seq_k,
+    heads,
+    kv,
+    start_n,
+    offs,
     sm_scale,
-    stride_kn,
-    stride_kd,
-    MB0,
-    MB1,
-    MB2,
-    MB3,
-    SB0,
-    SB1,
-    SB2,
-    SB3,
+    bufs,
     MASK_MOD: tl.constexpr,
     N_MASK_BUF: tl.constexpr,
     SCORE_MOD: tl.constexpr,
@@ -123,21 +164,14 @@ def _scored_tile(
 ):
     """The key tile at ``start_n`` (``k``), its natural-unit scores ``x = q·kᵀ·scale`` and the
     scores the softmax takes, ``y`` (:func:`_mod_scores`; ``BOUNDED``: keys past ``seq_k``
-    masked on full tiles too), and the tile's key positions."""
-    k = load_tile(
-        k_src,
-        b,
-        h_kv,
-        start_n,
-        seq_k,
-        stride_kn,
-        stride_kd,
-        offs_n,
-        offs_d,
-        HEAD_DIM,
-        BLOCK_D,
-        False,
-        MASKED | BOUNDED,
+    masked on full tiles too), and the tile's key positions. ``heads = (b, h, h_kv)``;
+    ``kv = (k_src, v_src, k_strides, v_strides, seq_k)``: the K/V head's pointers, their
+    ``(row, column)`` strides and the keys' count; ``offs = (offs_n, offs_d)``."""
+    b, h, h_kv = heads
+    k_src, _v_src, k_strides, _v_strides, seq_k = kv
+    offs_n, _offs_d = offs
+    k = load_rows(
+        k_src, b, h_kv, start_n, seq_k, k_strides, offs, HEAD_DIM, BLOCK_D, MASKED | BOUNDED
     )
     if DOT_FP32:
         k = k.to(tl.float32)
@@ -151,14 +185,7 @@ def _scored_tile(
         q_idx,
         kv_idx,
         (cols < seq_k)[None, :],
-        MB0,
-        MB1,
-        MB2,
-        MB3,
-        SB0,
-        SB1,
-        SB2,
-        SB3,
+        bufs,
         MASK_MOD,
         N_MASK_BUF,
         SCORE_MOD,
@@ -176,29 +203,13 @@ def fold_tile(
     s,
     acc,
     q,
-    k_src,
-    v_src,
-    b,
-    h,
-    h_kv,
-    start_n,
     q_idx,
-    offs_n,
-    offs_d,
-    seq_k,
+    heads,
+    kv,
+    start_n,
+    offs,
     sm_scale,
-    stride_kn,
-    stride_kd,
-    stride_vn,
-    stride_vd,
-    MB0,
-    MB1,
-    MB2,
-    MB3,
-    SB0,
-    SB1,
-    SB2,
-    SB3,
+    bufs,
     MASK_MOD: tl.constexpr,
     N_MASK_BUF: tl.constexpr,
     SCORE_MOD: tl.constexpr,
@@ -212,30 +223,17 @@ def fold_tile(
     DOT_PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
-    """The forward's step: the key tile at ``start_n`` scored (:func:`_scored_tile`), folded
-    into ``(m, s)`` and ``acc += p·v``."""
+    """The forward's step: the key tile at ``start_n`` scored (:func:`_scored_tile`, which
+    says what the tuples hold), folded into ``(m, s)`` and ``acc += p·v``."""
     _k, _x, y, _kv = _scored_tile(
         q,
-        k_src,
-        b,
-        h,
-        h_kv,
-        start_n,
         q_idx,
-        offs_n,
-        offs_d,
-        seq_k,
+        heads,
+        kv,
+        start_n,
+        offs,
         sm_scale,
-        stride_kn,
-        stride_kd,
-        MB0,
-        MB1,
-        MB2,
-        MB3,
-        SB0,
-        SB1,
-        SB2,
-        SB3,
+        bufs,
         MASK_MOD,
         N_MASK_BUF,
         SCORE_MOD,
@@ -249,6 +247,10 @@ def fold_tile(
         DOT_PRECISION,
     )
     m, s, alpha, p, moved = update(m, s, y, LOG2E, False)
+    b, _h, h_kv = heads
+    _k_src, v_src, _k_strides, v_strides, seq_k = kv
+    stride_vn, stride_vd = v_strides
+    offs_n, offs_d = offs
     acc = accumulate(
         acc,
         alpha,
