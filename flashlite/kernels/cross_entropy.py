@@ -76,24 +76,12 @@ def _logits(X, W, cols, n_cols, stride_n, softcap, SOFTCAP: tl.constexpr, HAS_WE
 
 
 @triton.jit
-def _grad(
-    x,
-    t,
-    w,
-    m,
-    s,
-    lse,
-    cols,
-    target,
-    w_t,
-    smoothing,
-    inv_v,
-    z_loss,
-    weight_sum,
-    scale,
-    SOFTCAP: tl.constexpr,
-):
-    """``∂loss/∂x`` of a ``[1, BLOCK_N]`` tile from the row's finished statistics."""
+def _grad(x, t, w, cols, stats, consts, SOFTCAP: tl.constexpr):
+    """``∂loss/∂x`` of a ``[1, BLOCK_N]`` tile from the row's finished statistics
+    ``stats = (m, s, lse)`` and its constants ``consts = (target, w_t, smoothing, inv_v,
+    z_loss, weight_sum, scale)`` (``scale``: the gradient's, 0 for an ignored row)."""
+    m, s, lse = stats
+    target, w_t, smoothing, inv_v, z_loss, weight_sum, scale = consts
     # from the pair, not the LSE: p = e^(x − lse) with lse rounded to fp32 is off by up to 5e-4
     # at |x| ≈ 1e4 (one exponential per logit and no division either way)
     p = probs_from_pair(x, m, s, LOG2E)
@@ -103,6 +91,74 @@ def _grad(
     if SOFTCAP:  # d(c·tanh(x/c))/dx = 1 − tanh²
         g = g * (1.0 - t * t)
     return g * scale
+
+
+@triton.jit
+def _store_grad(g_row, g, cols, n_cols, stride_gn, ROUND_BF16: tl.constexpr):
+    """Store a ``[1, BLOCK_N]`` gradient tile at ``cols`` of the row at ``g_row`` (columns
+    below ``n_cols``), in the gradient's dtype."""
+    tl.store(
+        g_row + cols[None, :] * stride_gn,
+        cast(g, g_row.dtype.element_ty, ROUND_BF16),
+        mask=cols[None, :] < n_cols,
+    )
+
+
+@triton.jit
+def _stats_pass(
+    x_row,
+    W,
+    offs,
+    n_cols,
+    stride_xn,
+    softcap,
+    target,
+    SOFTCAP: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    SMOOTH: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Pass 1 over a row longer than a tile: the online pair ``(m, s)``, the target's logit
+    and ``Σ w·x``, tile by tile, each ``[1]``."""
+    m = tl.full([1], float("-inf"), tl.float32)
+    s = tl.zeros([1], tl.float32)
+    x_t = tl.zeros([1], tl.float32)
+    wx = tl.zeros([1], tl.float32)
+    for start in range(0, n_cols, BLOCK_N):
+        cols = start + offs
+        x, _t, w = _logits(x_row, W, cols, n_cols, stride_xn, softcap, SOFTCAP, HAS_WEIGHT)
+        m, s, _alpha, _p = online_update(m, s, x, LOG2E)
+        x_t_tile, wx_tile = _partials(x, w, cols, target, SMOOTH)
+        x_t += x_t_tile
+        wx += wx_tile
+    return m, s, x_t, wx
+
+
+@triton.jit
+def _grad_pass(
+    rows,
+    W,
+    offs,
+    n_cols,
+    softcap,
+    stats,
+    consts,
+    SOFTCAP: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    """Pass 2 over a row longer than a tile: its gradient (:func:`_grad`, which says what
+    ``stats`` and ``consts`` hold), the row read again backwards, so that it starts on the tiles
+    pass 1 read last (still in L2). ``rows = (x_row, g_row, stride_xn, stride_gn)``: the row of
+    logits and of the gradient, and their column strides."""
+    x_row, g_row, stride_xn, stride_gn = rows
+    n_tiles = tl.cdiv(n_cols, BLOCK_N)
+    for i in range(0, n_tiles):
+        cols = (n_tiles - 1 - i) * BLOCK_N + offs
+        x, t, w = _logits(x_row, W, cols, n_cols, stride_xn, softcap, SOFTCAP, HAS_WEIGHT)
+        g = _grad(x, t, w, cols, stats, consts, SOFTCAP)
+        _store_grad(g_row, g, cols, n_cols, stride_gn, ROUND_BF16)
 
 
 @triton.jit
@@ -195,6 +251,7 @@ def _cross_entropy_fwd_kernel(
         z_loss = z_loss * tl.load(GSCALE + 1)
     x_row = X + row * stride_xm
     g_row = G + row * stride_gm
+    rows = (x_row, g_row, stride_xn, stride_gn)
     target, ignored, in_range, w_t = _target(T, W, row, n_cols, ignore_index, HAS_WEIGHT)
     offs = tl.arange(0, BLOCK_N)
     if COL_INT64:
@@ -206,17 +263,9 @@ def _cross_entropy_fwd_kernel(
         m, s, _p = tile_stats(x, LOG2E)
         x_t, wx = _partials(x, w, offs, target, SMOOTH)
     else:  # pass 1: the online pair, the target's logit and Σ w·x, tile by tile
-        m = tl.full([1], float("-inf"), tl.float32)
-        s = tl.zeros([1], tl.float32)
-        x_t = tl.zeros([1], tl.float32)
-        wx = tl.zeros([1], tl.float32)
-        for start in range(0, n_cols, BLOCK_N):
-            cols = start + offs
-            x, t, w = _logits(x_row, W, cols, n_cols, stride_xn, softcap, SOFTCAP, HAS_WEIGHT)
-            m, s, _alpha, _p = online_update(m, s, x, LOG2E)
-            x_t_tile, wx_tile = _partials(x, w, cols, target, SMOOTH)
-            x_t += x_t_tile
-            wx += wx_tile
+        m, s, x_t, wx = _stats_pass(
+            x_row, W, offs, n_cols, stride_xn, softcap, target, SOFTCAP, HAS_WEIGHT, SMOOTH, BLOCK_N
+        )
 
     lse = finalize_lse(m, s, LOG2E)
     loss = _loss(
@@ -228,56 +277,15 @@ def _cross_entropy_fwd_kernel(
     # ignored rows: zero gradient (not 0·GSCALE: a mean over no target has GSCALE = inf);
     # a target outside [0, V): NaN, like its loss
     scale = tl.where(ignored, 0.0, tl.where(in_range, tl.load(GSCALE), float("nan")))
+    stats = (m, s, lse)
+    consts = (target, w_t, smoothing, inv_v, z_loss, weight_sum, scale)
     if SINGLE:
-        g = _grad(
-            x,
-            t,
-            w,
-            m,
-            s,
-            lse,
-            offs,
-            target,
-            w_t,
-            smoothing,
-            inv_v,
-            z_loss,
-            weight_sum,
-            scale,
-            SOFTCAP,
-        )
-        tl.store(
-            g_row + offs[None, :] * stride_gn,
-            cast(g, G.dtype.element_ty, ROUND_BF16),
-            mask=offs[None, :] < n_cols,
-        )
+        g = _grad(x, t, w, offs, stats, consts, SOFTCAP)
+        _store_grad(g_row, g, offs, n_cols, stride_gn, ROUND_BF16)
     else:  # pass 2: read the row again, backwards (the tiles pass 1 read last are in L2)
-        n_tiles = tl.cdiv(n_cols, BLOCK_N)
-        for i in range(0, n_tiles):
-            cols = (n_tiles - 1 - i) * BLOCK_N + offs
-            x, t, w = _logits(x_row, W, cols, n_cols, stride_xn, softcap, SOFTCAP, HAS_WEIGHT)
-            g = _grad(
-                x,
-                t,
-                w,
-                m,
-                s,
-                lse,
-                cols,
-                target,
-                w_t,
-                smoothing,
-                inv_v,
-                z_loss,
-                weight_sum,
-                scale,
-                SOFTCAP,
-            )
-            tl.store(
-                g_row + cols[None, :] * stride_gn,
-                cast(g, G.dtype.element_ty, ROUND_BF16),
-                mask=cols[None, :] < n_cols,
-            )
+        _grad_pass(
+            rows, W, offs, n_cols, softcap, stats, consts, SOFTCAP, HAS_WEIGHT, BLOCK_N, ROUND_BF16
+        )
 
 
 @triton.jit
