@@ -153,38 +153,100 @@ if GLUON_IMPORT_ERROR is None:
             gl.store(OUT, total)
 
     @gluon.jit
-    def _cross_entropy_prefetch_kernel(
-        X,
-        T,
-        GSCALE,
-        G,
-        LOSS,
-        LSE,
+    def _publish_chunk(words, x, m, s, in_row, EVEN: gl.constexpr, SMOOTH: gl.constexpr):
+        """Publish this chunk's words of a row at ``words``: its ``(m, s)`` pair and, with
+        ``SMOOTH``, ``Σ x`` of the chunk in the next word (high half 0, so the word is its own
+        flag)."""
+        if SMOOTH:
+            if EVEN:
+                sx = gl.sum(x, axis=0)
+            else:
+                sx = gl.sum(gl.where(in_row, x, 0.0), axis=0)
+            sx_word = sx.to(gl.int32, bitcast=True).to(gl.int64) & 0xFFFFFFFF
+            gl.atomic_xchg(words + 1, sx_word, sem="relaxed", scope="gpu")
+        _publish(words, m, s)
+
+    @gluon.jit
+    def _finish_row(
+        data,
         W,
-        SEEN,
-        BAD,
-        OUT,
-        n_rows,
-        n_cols,
-        n_vecs,
-        xv_stride,
-        gv_stride,
-        n_chunks,
-        ignore_index,
-        smoothing,
-        z_loss,
-        n_teams,
-        SMOOTH: gl.constexpr,
-        COUNT: gl.constexpr,
-        CHECK: gl.constexpr,
-        REDUCE: gl.constexpr,
+        slots,
+        i,
+        row,
+        target,
+        place,
+        opts,
+        layout: gl.constexpr,
         EVEN: gl.constexpr,
+        FMA: gl.constexpr,
+        SMOOTH: gl.constexpr,
         CHUNK: gl.constexpr,
-        CHUNKS_PAD: gl.constexpr,
-        STAGES: gl.constexpr,
-        VEC: gl.constexpr,
-        NUM_WARPS: gl.constexpr,
     ):
+        """Row ``row``, the team's row ``i − 1`` (its chunk in slot ``(i − 1) % STAGES`` of
+        ``slots``), once its team's words in ``W`` are all published: this chunk's gradient,
+        and where the target is, the row's loss, LSE and the target's gradient. ``data = (X, G,
+        LOSS, LSE, stride_xm, stride_gm)``: the tensors and the logits' and gradient's row
+        strides; ``place = (chunk, c, n_chunks, cols, in_row)``, this program's place in its
+        team (:func:`_team_setup`); ``opts = (ignore_index, n_cols, inv_v, smoothing, z_loss,
+        g_scale)``."""
+        WORDS: gl.constexpr = 2 if SMOOTH else 1  # (the kernel's: words per (row, chunk))
+        X, G, LOSS, LSE, stride_xm, stride_gm = data
+        chunk, c, n_chunks, cols, in_row = place
+        ignore_index, n_cols, inv_v, smoothing, z_loss, g_scale = opts
+        row_words = W + row * n_chunks * WORDS
+        m_row, s_row = _gather(row_words, c, n_chunks, WORDS)
+        lse = finalize_lse(m_row, s_row, LOG2E)  # (+inf for a row holding +inf)
+        ignored = target == ignore_index
+        in_range = (target >= 0) & (target < n_cols)
+        t_col = gl.where(in_range, target, 0).to(gl.int32)
+        # ignored rows: zero gradient (not 0·scale: a mean over no target has an
+        # infinite scale); a target outside [0, V): NaN, like its loss
+        scale = gl.where(ignored, 0.0, gl.where(in_range, g_scale, float("nan")))
+        # p = 2^((x − m)·log2 e)/s from the pair, not e^(x − lse): the LSE rounded to
+        # fp32 is off by up to 5e-4 at |x| ≈ 1e4 (flashlite.stats.probs_from_pair)
+        coef = 1.0 + 2.0 * z_loss * lse
+        # The program whose chunk holds the target (chunk 0 for none) writes the loss
+        # and the target's gradient as scalars: comparing every column with the target
+        # kept the column indices live and cost 12% of the kernel's time on the H200.
+        owner = t_col // CHUNK == chunk
+        # the target's logit, read before this chunk's gradient replaces it (G may be X)
+        x_t = gl.load(X + row * stride_xm + t_col, mask=owner, other=0.0).to(gl.float32)
+        if owner:
+            _thread_barrier()
+        x = _chunk(slots.index((i - 1) % slots.shape[0]), in_row, layout, EVEN)
+        # (the scale folded into the row's constants: one multiply a logit)
+        g = probs_from_pair(x, m_row, s_row, LOG2E, FMA, coef * scale)
+        if SMOOTH:
+            g -= smoothing * inv_v * scale
+        if EVEN:
+            gl.store(G + row * stride_gm + cols, g.to(G.dtype.element_ty))
+        else:
+            gl.store(G + row * stride_gm + cols, g.to(G.dtype.element_ty), mask=in_row)
+        if owner:
+            _thread_barrier()  # every thread's store lands before the target's below
+            g_t = probs_from_pair(x_t, m_row, s_row, LOG2E, False, coef) - smoothing * inv_v
+            g_t = (g_t - (1.0 - smoothing)) * scale
+            gl.store(G + row * stride_gm + t_col, g_t.to(G.dtype.element_ty))
+            # lse − x_t as (m − x_t) + ln s, exact where the rounded LSE is not
+            gap = (m_row - x_t) + gl.log(s_row)
+            loss = (1.0 - smoothing) * gap + z_loss * lse * lse
+            if SMOOTH:
+                sx_row = _gather_sum(row_words, c, n_chunks)
+                loss += smoothing * inv_v * (lse * n_cols - sx_row)
+            loss = gl.where(ignored, 0.0, gl.where(in_range, loss, float("nan")))
+            gl.store(LOSS + row, loss)
+            gl.store(LSE + row, lse)
+
+    @gluon.jit
+    def _cross_entropy_prefetch_kernel(
+        X, T, GSCALE, G, LOSS, LSE, W, SEEN, BAD, OUT,
+        n_rows, n_cols, n_vecs, xv_stride, gv_stride, n_chunks,
+        ignore_index, smoothing, z_loss,
+        n_teams,
+        SMOOTH: gl.constexpr, COUNT: gl.constexpr, CHECK: gl.constexpr, REDUCE: gl.constexpr,
+        EVEN: gl.constexpr, CHUNK: gl.constexpr, CHUNKS_PAD: gl.constexpr, STAGES: gl.constexpr,
+        VEC: gl.constexpr, NUM_WARPS: gl.constexpr,
+    ):  # fmt: skip
         """Rows ``team, team + n_teams, …`` of the ``(N, V)`` logits ``X``: losses and LSE
         (fp32, ``(N,)``) and the gradient of a unit loss into ``G``, times ``GSCALE[0]``, or
         with ``COUNT`` times ``1/Σ`` over the kept targets, counted here. ``W`` holds
@@ -226,6 +288,10 @@ if GLUON_IMPORT_ERROR is None:
             g_scale = _mean_scale(ctrl, kept)
         else:
             g_scale = gl.load(GSCALE)
+        # (what _finish_row's tuples hold: its docstring)
+        data = (X, G, LOSS, LSE, stride_xm, stride_gm)
+        place = (chunk, c, n_chunks, cols, in_row)
+        opts = (ignore_index, n_cols, inv_v, smoothing, z_loss, g_scale)
         for i in range(n_mine + 1):
             # row i - 1's target, loaded now so that its latency hides under row i's statistics
             prev = (team + (i - 1) * n_teams).to(gl.int64)
@@ -234,59 +300,11 @@ if GLUON_IMPORT_ERROR is None:
                 x, m, s = _chunk_pair(slots, i, in_row, layout, EVEN, FMA)
                 row = (team + i * n_teams).to(gl.int64)
                 words = W + (row * n_chunks + chunk) * WORDS
-                if SMOOTH:  # Σ x of the chunk, high half 0 (so the word is its own flag)
-                    if EVEN:
-                        sx = gl.sum(x, axis=0)
-                    else:
-                        sx = gl.sum(gl.where(in_row, x, 0.0), axis=0)
-                    sx_word = sx.to(gl.int32, bitcast=True).to(gl.int64) & 0xFFFFFFFF
-                    gl.atomic_xchg(words + 1, sx_word, sem="relaxed", scope="gpu")
-                _publish(words, m, s)
+                _publish_chunk(words, x, m, s, in_row, EVEN, SMOOTH)
             if i > 0:  # row i - 1: gradient, and the loss where the target is
-                row = prev
-                row_words = W + row * n_chunks * WORDS
-                m_row, s_row = _gather(row_words, c, n_chunks, WORDS)
-                lse = finalize_lse(m_row, s_row, LOG2E)  # (+inf for a row holding +inf)
-                ignored = target == ignore_index
-                in_range = (target >= 0) & (target < n_cols)
-                t_col = gl.where(in_range, target, 0).to(gl.int32)
-                # ignored rows: zero gradient (not 0·scale: a mean over no target has an
-                # infinite scale); a target outside [0, V): NaN, like its loss
-                scale = gl.where(ignored, 0.0, gl.where(in_range, g_scale, float("nan")))
-                # p = 2^((x − m)·log2 e)/s from the pair, not e^(x − lse): the LSE rounded to
-                # fp32 is off by up to 5e-4 at |x| ≈ 1e4 (flashlite.stats.probs_from_pair)
-                coef = 1.0 + 2.0 * z_loss * lse
-                # The program whose chunk holds the target (chunk 0 for none) writes the loss
-                # and the target's gradient as scalars: comparing every column with the target
-                # kept the column indices live and cost 12% of the kernel's time on the H200.
-                owner = t_col // CHUNK == chunk
-                # the target's logit, read before this chunk's gradient replaces it (G may be X)
-                x_t = gl.load(X + row * stride_xm + t_col, mask=owner, other=0.0).to(gl.float32)
-                if owner:
-                    _thread_barrier()
-                x = _chunk(slots.index((i - 1) % STAGES), in_row, layout, EVEN)
-                # (the scale folded into the row's constants: one multiply a logit)
-                g = probs_from_pair(x, m_row, s_row, LOG2E, FMA, coef * scale)
-                if SMOOTH:
-                    g -= smoothing * inv_v * scale
-                if EVEN:
-                    gl.store(G + row * stride_gm + cols, g.to(G.dtype.element_ty))
-                else:
-                    gl.store(G + row * stride_gm + cols, g.to(G.dtype.element_ty), mask=in_row)
-                if owner:
-                    _thread_barrier()  # every thread's store lands before the target's below
-                    g_t = probs_from_pair(x_t, m_row, s_row, LOG2E, False, coef) - smoothing * inv_v
-                    g_t = (g_t - (1.0 - smoothing)) * scale
-                    gl.store(G + row * stride_gm + t_col, g_t.to(G.dtype.element_ty))
-                    # lse − x_t as (m − x_t) + ln s, exact where the rounded LSE is not
-                    gap = (m_row - x_t) + gl.log(s_row)
-                    loss = (1.0 - smoothing) * gap + z_loss * lse * lse
-                    if SMOOTH:
-                        sx_row = _gather_sum(row_words, c, n_chunks)
-                        loss += smoothing * inv_v * (lse * n_cols - sx_row)
-                    loss = gl.where(ignored, 0.0, gl.where(in_range, loss, float("nan")))
-                    gl.store(LOSS + row, loss)
-                    gl.store(LSE + row, lse)
+                _finish_row(
+                    data, W, slots, i, prev, target, place, opts, layout, EVEN, FMA, SMOOTH, CHUNK
+                )
             _prefetch(slots, i + STAGES - 1, X, team, n_teams, n_mine, stride_xm, cols, in_row)
         async_copy.wait_group(0)
         if REDUCE > 0:
