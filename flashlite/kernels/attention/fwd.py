@@ -27,77 +27,102 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashlite.kernels.attention.common import (
-    cap_units,
-    load_tile,
-    scale_q,
-    seq_ptr,
-    sequence,
-    store_tile,
-)
-from flashlite.kernels.attention.fwd_parts import attend as _attend
-from flashlite.kernels.attention.fwd_parts import attend_overlapped as _attend_overlapped
+from flashlite.kernels.attention.common import load_tile, scale_q, seq_ptr, sequence, store_tile
+from flashlite.kernels.attention.fwd_parts import Loops, Stats, Tiles, attend_rows
 from flashlite.kernels.common import cast
-from flashlite.masking.masks import key_range
 from flashlite.stats import LOG2E, finalize_lse
+
+
+# ----------------------------------------------------------------------------- helpers
+@triton.jit
+def _sources(
+    Q,
+    K,
+    V,
+    b,
+    h,
+    h_kv,
+    q0,
+    k0,
+    q_strides,
+    k_strides,
+    v_strides,
+    USE_DESC: tl.constexpr,
+    VARLEN: tl.constexpr,
+):
+    """The Q, K and V tiles of the program's sequence and heads, each as ``(source, batch, head,
+    first row, row stride, column stride)`` for :func:`load_tile`: the descriptors themselves
+    (varlen: of the packed ``(1, H, total, D)`` tensors, rows from ``q0`` and ``k0``), or
+    pointers to the sequence's head."""
+    stride_qb, stride_qh, stride_qm, stride_qd = q_strides
+    stride_kb, stride_kh, stride_kn, stride_kd = k_strides
+    stride_vb, stride_vh, stride_vn, stride_vd = v_strides
+    b_ld = b  # the batch index and first rows of the loads
+    q_row = 0
+    k_row = 0
+    if USE_DESC:
+        q_src, k_src, v_src = Q, K, V
+        if VARLEN:  # descriptors of the packed (1, H, total, D) tensors: rows from q0 and k0
+            b_ld = 0
+            q_row = q0
+            k_row = k0
+    else:
+        q_src = seq_ptr(Q, b, h, q0, stride_qb, stride_qh, stride_qm, VARLEN)
+        k_src = seq_ptr(K, b, h_kv, k0, stride_kb, stride_kh, stride_kn, VARLEN)
+        v_src = seq_ptr(V, b, h_kv, k0, stride_vb, stride_vh, stride_vn, VARLEN)
+    q_tiles = (q_src, b_ld, h, q_row, stride_qm, stride_qd)
+    k_tiles = (k_src, b_ld, h_kv, k_row, stride_kn, stride_kd)
+    v_tiles = (v_src, b_ld, h_kv, k_row, stride_vn, stride_vd)
+    return q_tiles, k_tiles, v_tiles
+
+
+@triton.jit
+def _load_q(
+    q_tiles,
+    start_m,
+    seq_q,
+    offs_d,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    USE_DESC: tl.constexpr,
+):
+    """The ``[BLOCK_M, BLOCK_D]`` query block at row ``start_m`` (zeros past ``seq_q``)."""
+    q_src, b, h, q_row, stride_qm, stride_qd = q_tiles
+    return load_tile(
+        q_src,
+        b,
+        h,
+        q_row + start_m,
+        q_row + seq_q,
+        stride_qm,
+        stride_qd,
+        tl.arange(0, BLOCK_M),
+        offs_d,
+        HEAD_DIM,
+        BLOCK_D,
+        USE_DESC,
+        True,
+    )
 
 
 # ----------------------------------------------------------------------------- kernel
 @triton.jit
 def _attention_fwd_kernel(
-    Q,
-    K,
-    V,
-    O,
-    LSE,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_ob,
-    stride_oh,
-    stride_om,
-    stride_od,
-    n_heads,
-    group,
-    seq_q,
-    seq_k,
-    sm_scale,
-    win_left,
-    win_right,
-    softcap,
-    SEQLENS_K,
-    CU_Q,
-    CU_K,
-    SINKS,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr,
-    VARLEN: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    USE_DESC: tl.constexpr,
-    PRESCALE_Q: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    LAZY_RESCALE: tl.constexpr,
-    OVERLAP: tl.constexpr,
-    WARP_SPECIALIZE: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-    FIXED_REF: tl.constexpr = False,
-):
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    n_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap,
+    SEQLENS_K, CU_Q, CU_K, SINKS,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, VARLEN: tl.constexpr, HAS_SINKS: tl.constexpr,
+    USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr, OVERLAP: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, ROUND_BF16: tl.constexpr, FIXED_REF: tl.constexpr = False,
+):  # fmt: skip
     """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``. Writes O ``(B, Hq, Nq, D)`` and fp32 LSE ``(B·Hq, Nq)``.
 
     Q, K, V, O are 4-D tensor descriptors when ``USE_DESC``, else tensors read through strides.
@@ -126,229 +151,27 @@ def _attention_fwd_kernel(
         return
     if IS_CAUSAL:  # the last query blocks see the most keys: start them first
         pid_m = n_m_blocks - 1 - pid_m
-    b_ld = b  # the batch index and first rows of the loads
-    q_row = 0
-    k_row = 0
-    if USE_DESC:
-        q_src, k_src, v_src = Q, K, V
-        if VARLEN:  # descriptors of the packed (1, H, total, D) tensors: rows from q0 and k0
-            b_ld = 0
-            q_row = q0
-            k_row = k0
-    else:
-        q_src = seq_ptr(Q, b, h, q0, stride_qb, stride_qh, stride_qm, VARLEN)
-        k_src = seq_ptr(K, b, h_kv, k0, stride_kb, stride_kh, stride_kn, VARLEN)
-        v_src = seq_ptr(V, b, h_kv, k0, stride_vb, stride_vh, stride_vn, VARLEN)
-
+    q_strides = (stride_qb, stride_qh, stride_qm, stride_qd)
+    k_strides = (stride_kb, stride_kh, stride_kn, stride_kd)
+    v_strides = (stride_vb, stride_vh, stride_vn, stride_vd)
+    q_tiles, k_tiles, v_tiles = _sources(
+        Q, K, V, b, h, h_kv, q0, k0, q_strides, k_strides, v_strides, USE_DESC, VARLEN
+    )
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
-    q = load_tile(
-        q_src,
-        b_ld,
-        h,
-        q_row + start_m,
-        q_row + seq_q,
-        stride_qm,
-        stride_qd,
-        tl.arange(0, BLOCK_M),
-        offs_d,
-        HEAD_DIM,
-        BLOCK_D,
-        USE_DESC,
-        True,
-    )
+    q = _load_q(q_tiles, start_m, seq_q, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, USE_DESC)
     qk_scale = sm_scale * LOG2E
     q, exp_scale = scale_q(q, qk_scale, PRESCALE_Q, ROUND_BF16)
-    p_dtype = q.dtype  # the inputs' precision, that p·v multiplies p in
-    if DOT_FP32:
-        q = q.to(tl.float32)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if HAS_SINKS:  # the sink's own state, in the scores' units: the loop folds the keys into it
-        m = tl.full([BLOCK_M], 1.0, tl.float32) * (tl.load(SINKS + h) * LOG2E / exp_scale)
-        s = tl.full([BLOCK_M], 1.0, tl.float32)
-
-    # the cap in the scores' units (softcap is in natural units: scores·scale)
-    cap = cap_units(softcap, exp_scale, SOFTCAP)  # the cap in the scores' units
-    if FIXED_REF:  # scores <= cap: a fixed reference replaces the running maximum (see ops)
-        delta = tl.maximum(2.0 * softcap - 80.0, 0.0)  # natural units: e^(−80) stays normal
-        m = tl.full([BLOCK_M], (softcap - delta) * LOG2E / exp_scale, tl.float32)
-    # Key tiles [full_lo, full_hi) are seen by every row of the block and lie inside the
-    # sequence; [lo, full_lo) (a window's left edge) and [full_hi, hi) (the diagonal and
-    # boundary tiles) are masked; other tiles are never visited.
-    lo, full_lo, full_hi, hi = key_range(
-        start_m, seq_q, seq_k, win_left, win_right, BLOCK_M, BLOCK_N, IS_CAUSAL, WINDOW
+    pos = (offs_m, offs_n, offs_d, seq_q, seq_k, win_left, win_right)
+    acc, m, s = attend_rows(  # (constexpr bundles are built in the call: see fwd_parts)
+        (q, k_tiles, v_tiles, pos),
+        (start_m, exp_scale, softcap, SINKS, h),
+        Loops(BLOCK_M, BLOCK_N, IS_CAUSAL, WINDOW, OVERLAP, WARP_SPECIALIZE),
+        Tiles(HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16, VARLEN),
+        Stats(SOFTCAP, HAS_SINKS, LAZY_RESCALE, FIXED_REF),
     )
-    if WINDOW:  # (without a window lo = full_lo)
-        acc, m, s = _attend(
-            acc,
-            m,
-            s,
-            q,
-            k_src,
-            v_src,
-            b_ld,
-            h_kv,
-            k_row,
-            lo,
-            full_lo,
-            offs_m,
-            offs_n,
-            offs_d,
-            seq_q,
-            seq_k,
-            win_left,
-            win_right,
-            cap,
-            exp_scale,
-            stride_kn,
-            stride_kd,
-            stride_vn,
-            stride_vd,
-            True,
-            IS_CAUSAL,
-            WINDOW,
-            SOFTCAP,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_N,
-            USE_DESC,
-            DOT_FP32,
-            DOT_PRECISION,
-            LAZY_RESCALE,
-            False,
-            ROUND_BF16,
-            VARLEN,
-            FIXED_REF,
-            p_dtype,
-        )
-    if OVERLAP:
-        if full_hi > full_lo:
-            acc, m, s = _attend_overlapped(
-                acc,
-                m,
-                s,
-                q,
-                k_src,
-                v_src,
-                b_ld,
-                h_kv,
-                k_row,
-                full_lo,
-                full_hi,
-                offs_m,
-                offs_n,
-                offs_d,
-                seq_q,
-                seq_k,
-                cap,
-                exp_scale,
-                stride_kn,
-                stride_kd,
-                stride_vn,
-                stride_vd,
-                SOFTCAP,
-                HEAD_DIM,
-                BLOCK_D,
-                BLOCK_N,
-                USE_DESC,
-                DOT_FP32,
-                DOT_PRECISION,
-                LAZY_RESCALE,
-                ROUND_BF16,
-                VARLEN,
-                FIXED_REF,
-                p_dtype,
-            )
-    else:
-        acc, m, s = _attend(
-            acc,
-            m,
-            s,
-            q,
-            k_src,
-            v_src,
-            b_ld,
-            h_kv,
-            k_row,
-            full_lo,
-            full_hi,
-            offs_m,
-            offs_n,
-            offs_d,
-            seq_q,
-            seq_k,
-            win_left,
-            win_right,
-            cap,
-            exp_scale,
-            stride_kn,
-            stride_kd,
-            stride_vn,
-            stride_vd,
-            False,
-            IS_CAUSAL,
-            WINDOW,
-            SOFTCAP,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_N,
-            USE_DESC,
-            DOT_FP32,
-            DOT_PRECISION,
-            LAZY_RESCALE,
-            WARP_SPECIALIZE,
-            ROUND_BF16,
-            VARLEN,
-            FIXED_REF,
-            p_dtype,
-        )
-    acc, m, s = _attend(
-        acc,
-        m,
-        s,
-        q,
-        k_src,
-        v_src,
-        b_ld,
-        h_kv,
-        k_row,
-        full_hi,
-        hi,
-        offs_m,
-        offs_n,
-        offs_d,
-        seq_q,
-        seq_k,
-        win_left,
-        win_right,
-        cap,
-        exp_scale,
-        stride_kn,
-        stride_kd,
-        stride_vn,
-        stride_vd,
-        True,
-        IS_CAUSAL,
-        WINDOW,
-        SOFTCAP,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        USE_DESC,
-        DOT_FP32,
-        DOT_PRECISION,
-        LAZY_RESCALE,
-        False,
-        ROUND_BF16,
-        VARLEN,
-        FIXED_REF,
-        p_dtype,
-    )
-
     # Rows that saw no key (causal with Nq > Nk) have s = 0: output 0 and LSE −inf, not NaN
     # (with a sink, s >= 1: output 0 and LSE = the sink).
     inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)
