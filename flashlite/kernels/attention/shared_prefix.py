@@ -24,23 +24,11 @@ from flashlite.stats import LOG2E, finalize_lse, merge_pair, rescale
 
 
 @triton.jit
-def _row_pair(
-    O,
-    LSE,
-    b,
-    h,
-    i,
-    offs_d,
-    stride_b,
-    stride_h,
-    stride_m,
-    stride_d,
-    stride_lb,
-    stride_lh,
-    stride_lm,
-    HEAD_DIM: tl.constexpr,
-):
-    """Row ``(b, h, i)`` of a partial: its output ``[BLOCK_D]`` (fp32) and LSE ``[1]``."""
+def _row_pair(O, LSE, b, h, i, offs_d, o_strides, lse_strides, HEAD_DIM: tl.constexpr):
+    """Row ``(b, h, i)`` of a partial: its output ``[BLOCK_D]`` (fp32) and LSE ``[1]``; the
+    strides are O's ``(b, h, m, d)`` and the LSE's ``(b, h, m)``."""
+    stride_b, stride_h, stride_m, stride_d = o_strides
+    stride_lb, stride_lh, stride_lm = lse_strides
     lse = tl.load(
         LSE
         + b.to(tl.int64) * stride_lb
@@ -97,38 +85,12 @@ def _shared_prefix_merge_kernel(
     i = tl.program_id(1)
     b, h = pid_bh // n_heads, pid_bh % n_heads
     offs_d = tl.arange(0, BLOCK_D)
-    o_a, lse_a = _row_pair(
-        OA,
-        LSEA,
-        b,
-        h,
-        i,
-        offs_d,
-        stride_ab,
-        stride_ah,
-        stride_am,
-        stride_ad,
-        stride_lab,
-        stride_lah,
-        stride_lam,
-        HEAD_DIM,
-    )
-    o_b, lse_b = _row_pair(
-        OB,
-        LSEB,
-        b,
-        h,
-        i,
-        offs_d,
-        stride_bb,
-        stride_bh,
-        stride_bm,
-        stride_bd,
-        stride_lbb,
-        stride_lbh,
-        stride_lbm,
-        HEAD_DIM,
-    )
+    a_out = (stride_ab, stride_ah, stride_am, stride_ad)
+    a_lse = (stride_lab, stride_lah, stride_lam)
+    o_a, lse_a = _row_pair(OA, LSEA, b, h, i, offs_d, a_out, a_lse, HEAD_DIM)
+    b_out = (stride_bb, stride_bh, stride_bm, stride_bd)
+    b_lse = (stride_lbb, stride_lbh, stride_lbm)
+    o_b, lse_b = _row_pair(OB, LSEB, b, h, i, offs_d, b_out, b_lse, HEAD_DIM)
     one = tl.full([1], 1.0, tl.float32)
     m, s = merge_pair(lse_a, one, lse_b, one, LOG2E)
     inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)  # rows that saw nothing: 0 (and LSE −inf)
