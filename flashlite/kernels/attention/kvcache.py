@@ -21,18 +21,11 @@ import triton.language as tl
 
 @triton.jit
 def _row_problem(
-    SEQLENS,
-    TABLE,
-    b,
-    n_new,
-    capacity,
-    num_pages,
-    stride_table,
-    max_pages,
-    PAGE_SIZE: tl.constexpr,
-    BLOCK_P: tl.constexpr,
+    SEQLENS, b, n_new, capacity, table, PAGE_SIZE: tl.constexpr, BLOCK_P: tl.constexpr
 ):
-    """``(kind, j, value)`` of batch ``b``'s first bad value (kind 0: none)."""
+    """``(kind, j, value)`` of batch ``b``'s first bad value (kind 0: none); ``table`` is
+    ``(TABLE, stride_table, num_pages, max_pages)``."""
+    TABLE, stride_table, num_pages, max_pages = table
     length = tl.load(SEQLENS + b).to(tl.int64)
     end = length + n_new
     kind = tl.where(length < 0, 1, tl.where(end > capacity, 2, 0))
@@ -53,6 +46,22 @@ def _row_problem(
         if kind == 3:
             value = tl.load(TABLE + b * stride_table + first).to(tl.int64)
     return kind, tl.where(kind == 3, first, 0), value
+
+
+@triton.jit
+def _copy_token(NEW, CACHE, at, new_strides, cache_strides):
+    """Copy token ``n`` of batch ``b`` of a ``(B, Nnew, Hkv, D)`` tensor of new keys (or values)
+    into slot ``slot`` of row ``row`` (a page, or the batch row) of its cache, the ``(Hkv, D)``
+    block at ``h`` ``[BLOCK_H, 1]`` and ``d`` ``[1, BLOCK_D]`` under ``mask``; ``at`` is ``(b,
+    n, row, slot, h, d, mask)``, the strides ``(b, n, h, d)`` and ``(row, slot, h, d)``."""
+    b, n, row, slot, h, d, mask = at
+    stride_b, stride_n, stride_h, stride_d = new_strides
+    stride_c0, stride_c1, stride_ch, stride_cd = cache_strides
+    src = b.to(tl.int64) * stride_b + n.to(tl.int64) * stride_n
+    x = tl.load(NEW + src + h * stride_h + d * stride_d, mask=mask)
+    tl.store(
+        CACHE + row * stride_c0 + slot * stride_c1 + h * stride_ch + d * stride_cd, x, mask=mask
+    )
 
 
 @triton.jit
@@ -101,18 +110,8 @@ def _kvcache_append_kernel(
     length = tl.load(SEQLENS + b).to(tl.int64)
     write = True
     if CHECK:
-        kind, j, value = _row_problem(
-            SEQLENS,
-            TABLE,
-            b,
-            n_new,
-            capacity,
-            num_pages,
-            stride_table,
-            max_pages,
-            PAGE_SIZE,
-            BLOCK_P,
-        )
+        table = (TABLE, stride_table, num_pages, max_pages)
+        kind, j, value = _row_problem(SEQLENS, b, n_new, capacity, table, PAGE_SIZE, BLOCK_P)
         write = kind == 0
         zero = value * 0  # (an int64 0: the record's type; sizes of value 1 arrive as constants)
         if (n == 0) & (kind != 0):  # noqa: SIM102  (Triton's `and` would not short-circuit)
@@ -136,20 +135,11 @@ def _kvcache_append_kernel(
         h = tl.arange(0, BLOCK_H)[:, None]
         d = tl.arange(0, BLOCK_D)[None, :]
         mask = (h < n_heads) & (d < head_dim)
-        src = b.to(tl.int64) * stride_knb + n.to(tl.int64) * stride_knn
-        k = tl.load(K_NEW + src + h * stride_knh + d * stride_knd, mask=mask)
-        tl.store(
-            K_CACHE + row * stride_kc0 + slot * stride_kc1 + h * stride_kch + d * stride_kcd,
-            k,
-            mask=mask,
-        )
-        src = b.to(tl.int64) * stride_vnb + n.to(tl.int64) * stride_vnn
-        v = tl.load(V_NEW + src + h * stride_vnh + d * stride_vnd, mask=mask)
-        tl.store(
-            V_CACHE + row * stride_vc0 + slot * stride_vc1 + h * stride_vch + d * stride_vcd,
-            v,
-            mask=mask,
-        )
+        at = (b, n, row, slot, h, d, mask)
+        k_new = (stride_knb, stride_knn, stride_knh, stride_knd)
+        _copy_token(K_NEW, K_CACHE, at, k_new, (stride_kc0, stride_kc1, stride_kch, stride_kcd))
+        v_new = (stride_vnb, stride_vnn, stride_vnh, stride_vnd)
+        _copy_token(V_NEW, V_CACHE, at, v_new, (stride_vc0, stride_vc1, stride_vch, stride_vcd))
 
 
 def append_config(n_heads: int, head_dim: int) -> dict[str, int]:
