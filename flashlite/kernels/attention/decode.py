@@ -41,70 +41,90 @@ from flashlite.stats import LOG2E, finalize_lse, merge_partials, rescale
 
 
 @triton.jit
-def _attention_decode_kernel(
-    Q,
-    K,
-    V,
-    O,
-    LSE,
-    stride_qb,
-    stride_qh,
-    stride_qm,
-    stride_qd,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_ob,
-    stride_oh,
-    stride_om,
-    stride_od,
-    n_kv_heads,
-    seq_q,
-    seq_k,
-    sm_scale,
-    win_left,
-    win_right,
-    softcap,
-    SEQLENS_K,
-    TABLE,
+def _row_ptrs(X, bat, head, pos, offs_d, strides):
+    """Pointers ``[BLOCK_M, BLOCK_D]`` to packed rows of a ``(B, H, N, D)`` tensor: row ``r`` at
+    batch row ``bat``, head ``head[r]`` and position ``pos[r]`` (Q's rows, and O's)."""
+    stride_b, stride_h, stride_m, stride_d = strides
+    return (
+        X
+        + bat.to(tl.int64) * stride_b
+        + head.to(tl.int64)[:, None] * stride_h
+        + pos.to(tl.int64)[:, None] * stride_m
+        + offs_d[None, :] * stride_d
+    )
+
+
+@triton.jit
+def _initial_state(
     SINKS,
-    stride_tb,
-    num_pages,
-    split_len,
-    MB0,
-    MB1,
-    MB2,
-    MB3,
-    SB0,
-    SB1,
-    SB2,
-    SB3,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    head,
+    row_ok,
+    split,
+    exp_scale,
+    BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
+):
+    """``(acc, m, s)`` a chunk starts from: ``[BLOCK_M, BLOCK_D]`` zeros and rows ``(−inf, 0)``;
+    with ``HAS_SINKS`` chunk 0 starts from each head's sink state ``(sink, 1)`` (in the scores'
+    units) instead, so the merge counts the sink once."""
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if HAS_SINKS:
+        sink = tl.load(SINKS + head, mask=row_ok, other=0.0) * LOG2E / exp_scale
+        m = tl.where(split == 0, sink, m)
+        s = tl.where(split == 0, 1.0, s)
+    return acc, m, s
+
+
+@triton.jit
+def _chunk_key_range(
+    scoring,
+    split,
+    split_len,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    GROUP: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    HAS_SEQLENS: tl.constexpr,
-    HAS_SINKS: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    USE_DESC: tl.constexpr,
-    PRESCALE_Q: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-    MASK_MOD: tl.constexpr = None,
-    N_MASK_BUF: tl.constexpr = 0,
-    SCORE_MOD: tl.constexpr = None,
-    N_SCORE_BUF: tl.constexpr = 0,
 ):
+    """``(lo, full_lo, full_hi, hi)`` of the row block's keys (:func:`key_range`) clamped to this
+    program's chunk ``[split·split_len, (split + 1)·split_len)``."""
+    seq_q, seq_k, win_left, win_right, _cap, _exp_scale = scoring
+    # The block's positions lie in [pos[0], pos[0] + BLOCK_M): key_range over that span is a
+    # superset of what the rows see (the masked loops mask each row by its own position).
+    first = tl.program_id(0) * BLOCK_M // GROUP
+    lo, full_lo, full_hi, hi = key_range(
+        first, seq_q, seq_k, win_left, win_right, BLOCK_M, BLOCK_N, IS_CAUSAL, WINDOW
+    )
+    c0 = split * split_len  # (clamping keeps the four bounds in order)
+    c1 = c0 + split_len
+    lo = tl.minimum(tl.maximum(lo, c0), c1)
+    full_lo = tl.minimum(tl.maximum(full_lo, c0), c1)
+    full_hi = tl.minimum(tl.maximum(full_hi, c0), c1)
+    hi = tl.minimum(tl.maximum(hi, c0), c1)
+    return lo, full_lo, full_hi, hi
+
+
+@triton.jit
+def _attention_decode_kernel(
+    Q, K, V, O, LSE,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    n_kv_heads, seq_q, seq_k, sm_scale, win_left, win_right, softcap,
+    SEQLENS_K, TABLE, SINKS, stride_tb, num_pages, split_len,
+    MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    HAS_SEQLENS: tl.constexpr, HAS_SINKS: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr, DOT_FP32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+    MASK_MOD: tl.constexpr = None, N_MASK_BUF: tl.constexpr = 0,
+    SCORE_MOD: tl.constexpr = None, N_SCORE_BUF: tl.constexpr = 0,
+):  # fmt: skip
     """Grid ``(cdiv(Nq·GROUP, BLOCK_M), B·Hkv, S)``: packed rows ``[pid0·BLOCK_M, +BLOCK_M)`` of
     KV head ``(b, h_kv)`` against keys ``[s·split_len, (s + 1)·split_len)``.
 
@@ -130,225 +150,43 @@ def _attention_decode_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     row_ok = rows < seq_q * GROUP
-    q_ptrs = (
-        Q
-        + b.to(tl.int64) * stride_qb
-        + head.to(tl.int64)[:, None] * stride_qh
-        + pos.to(tl.int64)[:, None] * stride_qm
-        + offs_d[None, :] * stride_qd
-    )
+    q_ptrs = _row_ptrs(Q, b, head, pos, offs_d, (stride_qb, stride_qh, stride_qm, stride_qd))
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
     q, exp_scale = scale_q(q, sm_scale * LOG2E, PRESCALE_Q, ROUND_BF16)
     if DOT_FP32:
         q = q.to(tl.float32)
     cap = cap_units(softcap, exp_scale, SOFTCAP)
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    s = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    if HAS_SINKS:  # chunk 0 starts from each head's sink state (sink, 1); the others from (−inf, 0)
-        sink = tl.load(SINKS + head, mask=row_ok, other=0.0) * LOG2E / exp_scale
-        m = tl.where(split == 0, sink, m)
-        s = tl.where(split == 0, 1.0, s)
-
-    # The block's positions lie in [pos[0], pos[0] + BLOCK_M): key_range over that span is a
-    # superset of what the rows see (the masked loops mask each row by its own position).
-    first = tl.program_id(0) * BLOCK_M // GROUP
-    lo, full_lo, full_hi, hi = key_range(
-        first, seq_q, seq_k, win_left, win_right, BLOCK_M, BLOCK_N, IS_CAUSAL, WINDOW
+    acc, m, s = _initial_state(SINKS, head, row_ok, split, exp_scale, BLOCK_M, BLOCK_D, HAS_SINKS)
+    scoring = (seq_q, seq_k, win_left, win_right, cap, exp_scale)
+    lo, full_lo, full_hi, hi = _chunk_key_range(
+        scoring, split, split_len, BLOCK_M, BLOCK_N, GROUP, IS_CAUSAL, WINDOW
     )
-    # this program's chunk of the keys (clamping keeps the four bounds in order)
-    c0 = split * split_len
-    c1 = c0 + split_len
-    lo = tl.minimum(tl.maximum(lo, c0), c1)
-    full_lo = tl.minimum(tl.maximum(full_lo, c0), c1)
-    full_hi = tl.minimum(tl.maximum(full_hi, c0), c1)
-    hi = tl.minimum(tl.maximum(hi, c0), c1)
+    # what decode_attend reads the tiles and scores with; the constexprs in annotated tuples (a
+    # plain assignment would make them tensors)
+    k_strides = (stride_kb, stride_kh, stride_kn, stride_kd)
+    cache = (k_strides, (stride_vb, stride_vh, stride_vn, stride_vd), (TABLE, stride_tb, num_pages))
+    ids = (b, h_kv, head, pos, offs_n, offs_d)
+    bufs = (MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3)
+    tiles: tl.constexpr = (PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC)
+    flags: tl.constexpr = (IS_CAUSAL, WINDOW, SOFTCAP, DOT_FP32, DOT_PRECISION, ROUND_BF16)
+    mods: tl.constexpr = (MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF)
     if WINDOW:  # the window's left edge (without one, lo = full_lo)
         acc, m, s = _decode_attend(
-            acc,
-            m,
-            s,
-            q,
-            K,
-            V,
-            TABLE,
-            b,
-            h_kv,
-            head,
-            lo,
-            full_lo,
-            pos,
-            offs_n,
-            offs_d,
-            seq_q,
-            seq_k,
-            win_left,
-            win_right,
-            cap,
-            exp_scale,
-            stride_kb,
-            stride_kh,
-            stride_kn,
-            stride_kd,
-            stride_vb,
-            stride_vh,
-            stride_vn,
-            stride_vd,
-            stride_tb,
-            num_pages,
-            MB0,
-            MB1,
-            MB2,
-            MB3,
-            SB0,
-            SB1,
-            SB2,
-            SB3,
-            True,
-            IS_CAUSAL,
-            WINDOW,
-            SOFTCAP,
-            PAGE_SIZE,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_N,
-            USE_DESC,
-            DOT_FP32,
-            DOT_PRECISION,
-            ROUND_BF16,
-            MASK_MOD,
-            N_MASK_BUF,
-            SCORE_MOD,
-            N_SCORE_BUF,
+            acc, m, s, q, K, V, lo, full_lo, True, cache, ids, scoring, bufs, mods, tiles, flags
         )
     acc, m, s = _decode_attend(
-        acc,
-        m,
-        s,
-        q,
-        K,
-        V,
-        TABLE,
-        b,
-        h_kv,
-        head,
-        full_lo,
-        full_hi,
-        pos,
-        offs_n,
-        offs_d,
-        seq_q,
-        seq_k,
-        win_left,
-        win_right,
-        cap,
-        exp_scale,
-        stride_kb,
-        stride_kh,
-        stride_kn,
-        stride_kd,
-        stride_vb,
-        stride_vh,
-        stride_vn,
-        stride_vd,
-        stride_tb,
-        num_pages,
-        MB0,
-        MB1,
-        MB2,
-        MB3,
-        SB0,
-        SB1,
-        SB2,
-        SB3,
-        False,
-        IS_CAUSAL,
-        WINDOW,
-        SOFTCAP,
-        PAGE_SIZE,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        USE_DESC,
-        DOT_FP32,
-        DOT_PRECISION,
-        ROUND_BF16,
-        MASK_MOD,
-        N_MASK_BUF,
-        SCORE_MOD,
-        N_SCORE_BUF,
+        acc, m, s, q, K, V, full_lo, full_hi, False, cache, ids, scoring, bufs, mods, tiles, flags
     )
     acc, m, s = _decode_attend(
-        acc,
-        m,
-        s,
-        q,
-        K,
-        V,
-        TABLE,
-        b,
-        h_kv,
-        head,
-        full_hi,
-        hi,
-        pos,
-        offs_n,
-        offs_d,
-        seq_q,
-        seq_k,
-        win_left,
-        win_right,
-        cap,
-        exp_scale,
-        stride_kb,
-        stride_kh,
-        stride_kn,
-        stride_kd,
-        stride_vb,
-        stride_vh,
-        stride_vn,
-        stride_vd,
-        stride_tb,
-        num_pages,
-        MB0,
-        MB1,
-        MB2,
-        MB3,
-        SB0,
-        SB1,
-        SB2,
-        SB3,
-        True,
-        IS_CAUSAL,
-        WINDOW,
-        SOFTCAP,
-        PAGE_SIZE,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_N,
-        USE_DESC,
-        DOT_FP32,
-        DOT_PRECISION,
-        ROUND_BF16,
-        MASK_MOD,
-        N_MASK_BUF,
-        SCORE_MOD,
-        N_SCORE_BUF,
+        acc, m, s, q, K, V, full_hi, hi, True, cache, ids, scoring, bufs, mods, tiles, flags
     )
-
     # rows that saw no key (a chunk past the sequence, causal with Nq > Nk): 0 and LSE −inf
     inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)
     part = split * (tl.num_programs(1) // n_kv_heads) + b  # batch row of the partials
     bh = part.to(tl.int64) * (n_kv_heads * GROUP) + head
     tl.store(LSE + bh * q_mem + pos, finalize_lse(m, s, exp_scale), mask=row_ok)
     o = cast(acc * inv_s[:, None], O.dtype.element_ty, ROUND_BF16)
-    o_ptrs = (
-        O
-        + part.to(tl.int64) * stride_ob
-        + head.to(tl.int64)[:, None] * stride_oh
-        + pos.to(tl.int64)[:, None] * stride_om
-        + offs_d[None, :] * stride_od
-    )
+    o_ptrs = _row_ptrs(O, part, head, pos, offs_d, (stride_ob, stride_oh, stride_om, stride_od))
     tl.store(o_ptrs, o, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM))
 
 

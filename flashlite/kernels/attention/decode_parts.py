@@ -15,36 +15,28 @@ from flashlite.stats import LN2
 
 @triton.jit
 def kv_tile(
-    X,
-    TABLE,
-    b,
-    h_kv,
-    start_n,
-    offs_n,
-    offs_d,
-    seq_k,
-    stride_b,
-    stride_h,
-    stride_n,
-    stride_d,
-    stride_tb,
-    num_pages,
-    MASKED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    USE_DESC: tl.constexpr,
+    X, strides, pages, b, h_kv, start_n, offs_n, offs_d, seq_k, MASKED: tl.constexpr, tiles
 ):
     """The ``[BLOCK_N, BLOCK_D]`` tile of keys (or values) ``start_n + offs_n`` of KV head
     ``(b, h_kv)``; zeros past ``seq_k`` on ``MASKED`` tiles.
 
-    ``X`` is a ``(B, Hkv, Ncap, D)`` cache (a tensor descriptor with ``USE_DESC``) or, with
-    ``PAGE_SIZE`` > 0, a paged one ``(num_pages, Hkv, PAGE_SIZE, D)`` whose key ``j`` of batch
-    b lives in page ``TABLE[b, j // PAGE_SIZE]``: each row finds its page, so tiles may span
-    pages of any size (a page id outside ``[0, num_pages)`` is clamped: a wrong answer, never
-    a read outside the cache).
+    ``X`` is a ``(B, Hkv, Ncap, D)`` cache of ``strides`` (a tensor descriptor with
+    ``USE_DESC``) or, with ``PAGE_SIZE`` > 0, a paged one ``(num_pages, Hkv, PAGE_SIZE, D)``
+    whose key ``j`` of batch b lives in page ``TABLE[b, j // PAGE_SIZE]``: each row finds its
+    page, so tiles may span pages of any size (a page id outside ``[0, num_pages)`` is clamped:
+    a wrong answer, never a read outside the cache). ``pages``: ``(TABLE, stride_tb,
+    num_pages)``; ``tiles``: the constexprs ``(PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N,
+    USE_DESC)``.
     """
+    # (constexprs leave their tuple by index into annotated names: unpacking would make them
+    # tensors)
+    PAGE_SIZE: tl.constexpr = tiles[0]
+    HEAD_DIM: tl.constexpr = tiles[1]
+    BLOCK_D: tl.constexpr = tiles[2]
+    BLOCK_N: tl.constexpr = tiles[3]
+    USE_DESC: tl.constexpr = tiles[4]
+    stride_b, stride_h, stride_n, stride_d = strides
+    TABLE, stride_tb, num_pages = pages
     if PAGE_SIZE > 0:
         rows = start_n + offs_n
         # tiles start at multiples of BLOCK_N: a page of a multiple of BLOCK_N keys holds a whole
@@ -86,92 +78,82 @@ def kv_tile(
 
 
 @triton.jit
+def _apply_mods(qk, start_n, ids, scoring, bufs, mods):
+    """The score tile ``qk`` ``[BLOCK_M, BLOCK_N]`` (keys ``start_n + offs_n``) rewritten by the
+    ``SCORE_MOD`` and masked by the ``MASK_MOD`` of the constexprs ``mods`` ``(MASK_MOD,
+    N_MASK_BUF, SCORE_MOD, N_SCORE_BUF)``, with their buffers ``bufs`` ``(MB0..MB3,
+    SB0..SB3)``; as :func:`decode_attend` says."""
+    MASK_MOD: tl.constexpr = mods[0]
+    N_MASK_BUF: tl.constexpr = mods[1]
+    SCORE_MOD: tl.constexpr = mods[2]
+    N_SCORE_BUF: tl.constexpr = mods[3]
+    b, _h_kv, head, pos, offs_n, _offs_d = ids
+    seq_q, seq_k, _left, _right, _cap, exp_scale = scoring
+    MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3 = bufs
+    keys = start_n + offs_n
+    q_idx = (seq_k - seq_q + tl.minimum(pos, seq_q - 1))[:, None]
+    if SCORE_MOD is not None:
+        units = exp_scale * LN2  # natural units per unit of qk (Q may be prescaled)
+        y = apply_score(
+            SCORE_MOD,
+            qk * units,
+            b,
+            head[:, None],
+            q_idx,
+            tl.minimum(keys, seq_k - 1)[None, :],
+            SB0,
+            SB1,
+            SB2,
+            SB3,
+            N_SCORE_BUF,
+        )
+        # (pairs masked above stay masked whatever the function makes of −inf)
+        qk = tl.where(qk > float("-inf"), y * (1.0 / units), float("-inf"))
+    if MASK_MOD is not None:
+        seen = apply_mask(
+            MASK_MOD,
+            b,
+            head[:, None],
+            q_idx,
+            tl.minimum(keys, seq_k - 1)[None, :],
+            MB0,
+            MB1,
+            MB2,
+            MB3,
+            N_MASK_BUF,
+        )
+        qk = tl.where(seen & (keys < seq_k)[None, :], qk, float("-inf"))
+    return qk
+
+
+@triton.jit
 def decode_attend(
-    acc,
-    m,
-    s,
-    q,
-    K,
-    V,
-    TABLE,
-    b,
-    h_kv,
-    head,
-    lo,
-    hi,
-    pos,
-    offs_n,
-    offs_d,
-    seq_q,
-    seq_k,
-    left,
-    right,
-    cap,
-    exp_scale,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_kd,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_vd,
-    stride_tb,
-    num_pages,
-    MB0,
-    MB1,
-    MB2,
-    MB3,
-    SB0,
-    SB1,
-    SB2,
-    SB3,
-    MASKED: tl.constexpr,
-    IS_CAUSAL: tl.constexpr,
-    WINDOW: tl.constexpr,
-    SOFTCAP: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    USE_DESC: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-    MASK_MOD: tl.constexpr,
-    N_MASK_BUF: tl.constexpr,
-    SCORE_MOD: tl.constexpr,
-    N_SCORE_BUF: tl.constexpr,
+    acc, m, s, q, K, V, lo, hi, MASKED: tl.constexpr, cache, ids, scoring, bufs, mods, tiles, flags
 ):
     """Fold key tiles ``[lo, hi)`` into ``(acc, m, s)``: the forward's loop body, with rows at
     query positions ``pos`` (packed rows of several heads share positions) and K/V tiles from
     :func:`kv_tile`. A ``MASK_MOD`` (:mod:`flashlite.mods`) masks every tile, called with each
     row's query head ``head`` and its position in the sequence, ``seq_k − seq_q + pos``; a
     ``SCORE_MOD`` rewrites the scores first, in natural units (``q·k·scale``), on the pairs
-    the built-in masks leave."""
+    the built-in masks leave.
+
+    The rest comes in tuples: ``cache`` ``(k_strides, v_strides, (TABLE, stride_tb,
+    num_pages))``, ``ids`` ``(b, h_kv, head, pos, offs_n, offs_d)``, ``scoring`` ``(seq_q,
+    seq_k, left, right, cap, exp_scale)``, ``bufs`` and ``mods`` (:func:`_apply_mods`), and the
+    constexprs ``tiles`` (:func:`kv_tile`) and ``flags`` ``(IS_CAUSAL, WINDOW, SOFTCAP,
+    DOT_FP32, DOT_PRECISION, ROUND_BF16)``."""
+    IS_CAUSAL: tl.constexpr = flags[0]
+    WINDOW: tl.constexpr = flags[1]
+    SOFTCAP: tl.constexpr = flags[2]
+    DOT_FP32: tl.constexpr = flags[3]
+    DOT_PRECISION: tl.constexpr = flags[4]
+    ROUND_BF16: tl.constexpr = flags[5]
+    BLOCK_N: tl.constexpr = tiles[3]
+    k_strides, v_strides, pages = cache
+    b, h_kv, _head, pos, offs_n, offs_d = ids
+    seq_q, seq_k, left, right, cap, exp_scale = scoring
     for start_n in tl.range(lo, hi, BLOCK_N):
-        k = kv_tile(
-            K,
-            TABLE,
-            b,
-            h_kv,
-            start_n,
-            offs_n,
-            offs_d,
-            seq_k,
-            stride_kb,
-            stride_kh,
-            stride_kn,
-            stride_kd,
-            stride_tb,
-            num_pages,
-            MASKED,
-            PAGE_SIZE,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_N,
-            USE_DESC,
-        )
+        k = kv_tile(K, k_strides, pages, b, h_kv, start_n, offs_n, offs_d, seq_k, MASKED, tiles)
         qk = score_tile(
             q,
             k,
@@ -190,62 +172,9 @@ def decode_attend(
             DOT_FP32,
             DOT_PRECISION,
         )
-        keys = start_n + offs_n
-        q_idx = (seq_k - seq_q + tl.minimum(pos, seq_q - 1))[:, None]
-        if SCORE_MOD is not None:
-            units = exp_scale * LN2  # natural units per unit of qk (Q may be prescaled)
-            y = apply_score(
-                SCORE_MOD,
-                qk * units,
-                b,
-                head[:, None],
-                q_idx,
-                tl.minimum(keys, seq_k - 1)[None, :],
-                SB0,
-                SB1,
-                SB2,
-                SB3,
-                N_SCORE_BUF,
-            )
-            # (pairs masked above stay masked whatever the function makes of −inf)
-            qk = tl.where(qk > float("-inf"), y * (1.0 / units), float("-inf"))
-        if MASK_MOD is not None:
-            seen = apply_mask(
-                MASK_MOD,
-                b,
-                head[:, None],
-                q_idx,
-                tl.minimum(keys, seq_k - 1)[None, :],
-                MB0,
-                MB1,
-                MB2,
-                MB3,
-                N_MASK_BUF,
-            )
-            qk = tl.where(seen & (keys < seq_k)[None, :], qk, float("-inf"))
+        qk = _apply_mods(qk, start_n, ids, scoring, bufs, mods)
         m, s, alpha, p, _moved = update(m, s, qk, exp_scale, False)
-        v = kv_tile(
-            V,
-            TABLE,
-            b,
-            h_kv,
-            start_n,
-            offs_n,
-            offs_d,
-            seq_k,
-            stride_vb,
-            stride_vh,
-            stride_vn,
-            stride_vd,
-            stride_tb,
-            num_pages,
-            MASKED,
-            PAGE_SIZE,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_N,
-            USE_DESC,
-        )
+        v = kv_tile(V, v_strides, pages, b, h_kv, start_n, offs_n, offs_d, seq_k, MASKED, tiles)
         p = cast(p, v.dtype, ROUND_BF16)
         if DOT_FP32:
             p, v = p.to(tl.float32), v.to(tl.float32)
