@@ -42,6 +42,8 @@ try:  # Gluon is experimental: absent or different in some Triton versions
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+    # the asynchronous row copy: ``async_load`` from Triton 3.9 (the older name raises there)
+    _copy_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     GLUON_IMPORT_ERROR: str | None = None
 except Exception as err:  # noqa: BLE001 - any failure means: not available
     GLUON_IMPORT_ERROR = f"{type(err).__name__}: {err}"
@@ -123,7 +125,7 @@ if GLUON_IMPORT_ERROR is None:
         """Start copying row ``i`` of the team's rows into slot ``i % STAGES`` (nothing past
         the team's rows, but a group is committed all the same)."""
         row = (team + i * n_teams).to(gl.int64)
-        async_copy.async_copy_global_to_shared(
+        _copy_async(
             slots.index(i % slots.shape[0]), X + row * stride_xm + cols, mask=in_row & (i < n_mine)
         )
         async_copy.commit_group()
