@@ -79,73 +79,26 @@ if GLUON_IMPORT_ERROR is None:
     from flashlite.kernels.attention.hopper_parts import wgmma_layout as wgmma_layout
 
     @gluon.jit
-    def _attention_fwd_hopper_kernel(
-        q_desc,
-        k_desc,
-        v_desc,
-        o_desc,
-        LSE,
-        SINKS,
-        n_heads,
-        group,
+    def _key_tiles(
+        block,
         seq_q,
         seq_k,
-        sm_scale,
-        KV_NUM,
-        KV_IDX,
-        FULL_NUM,
-        FULL_IDX,
-        stride_tb,
-        stride_th,
-        stride_tm,
-        stride_ib,
-        stride_ih,
-        stride_im,
-        MB0,
-        MB1,
-        MB2,
-        MB3,
-        SB0,
-        SB1,
-        SB2,
-        SB3,
+        tables,
+        table_strides,
         BLOCK_M: gl.constexpr,
         BLOCK_N: gl.constexpr,
-        STAGES: gl.constexpr,
         IS_CAUSAL: gl.constexpr,
-        HAS_SINKS: gl.constexpr = False,
-        LISTED: gl.constexpr = False,
-        MASK_MOD: gl.constexpr = None,
-        N_MASK_BUF: gl.constexpr = 0,
-        SCORE_MOD: gl.constexpr = None,
-        N_SCORE_BUF: gl.constexpr = 0,
-        HAS_SCORE: gl.constexpr = False,
-        ALIBI: gl.constexpr = False,
+        LISTED: gl.constexpr,
     ):
-        """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``; 4 warps (the first consumer) plus the worker
-        partitions. Q, K, V, O: 4-D ``(B, H, N, D)`` descriptors of ``[1, 1, rows, D]`` blocks
-        (out-of-bounds rows read as zeros and are never stored). Causal is bottom-right
-        aligned; the last query blocks, which see the most keys, start first.
-
-        ``LISTED``: the key tiles are the ones a program's row of the block tables lists
-        (:mod:`flashlite.block_mask`, blocks of ``BLOCK_M × BLOCK_N``), full ones first, and
-        ``mask_mod`` / ``score_mod`` (:mod:`flashlite.mods`, buffers ``MB*`` / ``SB*``) shape
-        the scores, as :mod:`.flex`'s Triton kernel does; otherwise the table arguments are
-        placeholders, never read. ``ALIBI``: the score function declares the head-linear bias
-        (:func:`flashlite.masking.mods.score_mod`'s ``fast_path``; slopes in ``SB0``), applied
-        as a column and a row term (:func:`~flashlite.kernels.attention.hopper_parts._fold`)."""
-        half: gl.constexpr = BLOCK_M // 2
-        head_dim: gl.constexpr = q_desc.block_type.shape[3]
-        qk_scale = sm_scale * LOG2E  # in fp32, as the Triton kernels and the backward take it
-        dtype: gl.constexpr = q_desc.dtype
-        pid_bh = gl.program_id(1)
-        b = pid_bh // n_heads
-        h = pid_bh % n_heads
-        h_kv = h // group  # GQA: the group's query heads share one K/V head, no copies
-        pid_m = gl.program_id(0)
-        if IS_CAUSAL or LISTED:
-            pid_m = gl.cdiv(seq_q, BLOCK_M) - 1 - pid_m
-        start_m = pid_m * BLOCK_M
+        """The key tiles of the query ``block`` ``(b, h, pid_m, start_m)`` (``start_m``: its
+        first row): ``(n_tiles, n_full, full_row, part_row)``, tiles ``[0, n_full)`` seen whole
+        by every row and ``[n_full, n_tiles)`` masked. ``LISTED``: the counts of this row of
+        the ``tables`` ``(KV_NUM, KV_IDX, FULL_NUM, FULL_IDX)`` and its full and partial block
+        lists; otherwise the causal bounds (bottom-right aligned) and placeholders for the
+        lists."""
+        b, h, pid_m, start_m = block
+        KV_NUM, KV_IDX, FULL_NUM, FULL_IDX = tables
+        stride_tb, stride_th, stride_tm, stride_ib, stride_ih, stride_im = table_strides
         if LISTED:  # this row of the tables: its full blocks, then its partial ones
             trow = b * stride_tb + h * stride_th + pid_m * stride_tm
             irow = b.to(gl.int64) * stride_ib + h * stride_ih + pid_m * stride_im
@@ -154,7 +107,6 @@ if GLUON_IMPORT_ERROR is None:
             full_row = FULL_IDX + irow
             part_row = KV_IDX + irow
         else:
-            # key tiles [0, n_full) are seen whole by every row; [n_full, n_tiles) are masked
             if IS_CAUSAL:
                 diag = seq_k - seq_q
                 hi = gl.minimum(gl.maximum(start_m + BLOCK_M + diag, 0), seq_k)
@@ -165,7 +117,19 @@ if GLUON_IMPORT_ERROR is None:
             n_tiles = gl.cdiv(hi, BLOCK_N)
             full_row = KV_IDX
             part_row = KV_IDX
+        return n_tiles, n_full, full_row, part_row
 
+    @gluon.jit
+    def _ring(
+        q_desc, k_desc, v_desc, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr
+    ):
+        """The shared memory the partitions share, with its barriers initialised: ``(q_bufs,
+        k_bufs, v_bufs, q_ready, k_ready, v_ready, empty)``, both 64-row halves of Q and
+        ``STAGES`` slots of a K and a V tile, each slot's *empty* barrier counting two arrivals
+        (one per consumer warpgroup)."""
+        half: gl.constexpr = BLOCK_M // 2
+        head_dim: gl.constexpr = q_desc.block_type.shape[3]
+        dtype: gl.constexpr = q_desc.dtype
         q_bufs = gl.allocate_shared_memory(dtype, [2, 1, 1, half, head_dim], q_desc.layout)
         k_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, head_dim], k_desc.layout)
         v_bufs = gl.allocate_shared_memory(dtype, [STAGES, 1, 1, BLOCK_N, head_dim], v_desc.layout)
@@ -179,122 +143,85 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
             mbarrier.init(empty.index(i), count=2)  # one arrival per consumer warpgroup
+        return q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, empty
 
+    @gluon.jit
+    def _attention_fwd_hopper_kernel(
+        q_desc, k_desc, v_desc, o_desc, LSE, SINKS, n_heads, group, seq_q, seq_k, sm_scale,
+        KV_NUM, KV_IDX, FULL_NUM, FULL_IDX,
+        stride_tb, stride_th, stride_tm, stride_ib, stride_ih, stride_im,
+        MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
+        BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+        IS_CAUSAL: gl.constexpr, HAS_SINKS: gl.constexpr = False, LISTED: gl.constexpr = False,
+        MASK_MOD: gl.constexpr = None, N_MASK_BUF: gl.constexpr = 0,
+        SCORE_MOD: gl.constexpr = None, N_SCORE_BUF: gl.constexpr = 0,
+        HAS_SCORE: gl.constexpr = False, ALIBI: gl.constexpr = False,
+    ):  # fmt: skip
+        """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``; 4 warps (the first consumer) plus the worker
+        partitions. Q, K, V, O: 4-D ``(B, H, N, D)`` descriptors of ``[1, 1, rows, D]`` blocks
+        (out-of-bounds rows read as zeros and are never stored). Causal is bottom-right
+        aligned; the last query blocks, which see the most keys, start first.
+
+        ``LISTED``: the key tiles are the ones a program's row of the block tables lists
+        (:mod:`flashlite.block_mask`, blocks of ``BLOCK_M × BLOCK_N``), full ones first, and
+        ``mask_mod`` / ``score_mod`` (:mod:`flashlite.mods`, buffers ``MB*`` / ``SB*``) shape
+        the scores, as :mod:`.flex`'s Triton kernel does; otherwise the table arguments are
+        placeholders, never read. ``ALIBI``: the score function declares the head-linear bias
+        (:func:`flashlite.masking.mods.score_mod`'s ``fast_path``; slopes in ``SB0``), applied
+        as a column and a row term (:func:`~flashlite.kernels.attention.hopper_parts._fold`)."""
+        qk_scale = sm_scale * LOG2E  # in fp32, as the Triton kernels and the backward take it
+        pid_bh = gl.program_id(1)
+        b = pid_bh // n_heads
+        h = pid_bh % n_heads
+        h_kv = h // group  # GQA: the group's query heads share one K/V head, no copies
+        pid_m = gl.program_id(0)
+        if IS_CAUSAL or LISTED:
+            pid_m = gl.cdiv(seq_q, BLOCK_M) - 1 - pid_m
+        start_m = pid_m * BLOCK_M
+        tiles = _key_tiles(
+            (b, h, pid_m, start_m),
+            seq_q,
+            seq_k,
+            (KV_NUM, KV_IDX, FULL_NUM, FULL_IDX),
+            (stride_tb, stride_th, stride_tm, stride_ib, stride_ih, stride_im),
+            BLOCK_M,
+            BLOCK_N,
+            IS_CAUSAL,
+            LISTED,
+        )
+        ring = _ring(q_desc, k_desc, v_desc, BLOCK_M, BLOCK_N, STAGES)
         # (argument tuples written out: constexprs must reach the partitions as literals)
         gl.warp_specialize(
             [
                 (
                     _consumer,
                     (
-                        q_bufs,
-                        k_bufs,
-                        v_bufs,
-                        q_ready,
-                        k_ready,
-                        v_ready,
-                        empty,
-                        o_desc,
-                        LSE,
-                        SINKS,
-                        b,
-                        h,
-                        pid_bh,
-                        start_m,
-                        n_tiles,
-                        n_full,
-                        full_row,
-                        part_row,
-                        seq_q,
-                        seq_k,
-                        qk_scale,
-                        MB0,
-                        MB1,
-                        MB2,
-                        MB3,
-                        SB0,
-                        SB1,
-                        SB2,
-                        SB3,
+                        ring,
+                        (o_desc, LSE, SINKS),
+                        (b, h, pid_bh, start_m),
+                        tiles,
+                        (seq_q, seq_k, qk_scale),
+                        (MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3),
                         0,
-                        IS_CAUSAL,
-                        HAS_SINKS,
-                        LISTED,
-                        MASK_MOD,
-                        N_MASK_BUF,
-                        SCORE_MOD,
-                        N_SCORE_BUF,
-                        HAS_SCORE,
-                        ALIBI,
+                        (IS_CAUSAL, HAS_SINKS, LISTED, HAS_SCORE, ALIBI),
+                        (MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF),
                     ),
                 ),
                 (
                     _consumer,
                     (
-                        q_bufs,
-                        k_bufs,
-                        v_bufs,
-                        q_ready,
-                        k_ready,
-                        v_ready,
-                        empty,
-                        o_desc,
-                        LSE,
-                        SINKS,
-                        b,
-                        h,
-                        pid_bh,
-                        start_m,
-                        n_tiles,
-                        n_full,
-                        full_row,
-                        part_row,
-                        seq_q,
-                        seq_k,
-                        qk_scale,
-                        MB0,
-                        MB1,
-                        MB2,
-                        MB3,
-                        SB0,
-                        SB1,
-                        SB2,
-                        SB3,
+                        ring,
+                        (o_desc, LSE, SINKS),
+                        (b, h, pid_bh, start_m),
+                        tiles,
+                        (seq_q, seq_k, qk_scale),
+                        (MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3),
                         1,
-                        IS_CAUSAL,
-                        HAS_SINKS,
-                        LISTED,
-                        MASK_MOD,
-                        N_MASK_BUF,
-                        SCORE_MOD,
-                        N_SCORE_BUF,
-                        HAS_SCORE,
-                        ALIBI,
+                        (IS_CAUSAL, HAS_SINKS, LISTED, HAS_SCORE, ALIBI),
+                        (MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF),
                     ),
                 ),
-                (
-                    _producer,
-                    (
-                        q_desc,
-                        k_desc,
-                        v_desc,
-                        q_bufs,
-                        k_bufs,
-                        v_bufs,
-                        q_ready,
-                        k_ready,
-                        v_ready,
-                        empty,
-                        b,
-                        h,
-                        h_kv,
-                        start_m,
-                        n_tiles,
-                        n_full,
-                        full_row,
-                        part_row,
-                        LISTED,
-                    ),
-                ),
+                (_producer, ((q_desc, k_desc, v_desc), ring, (b, h, h_kv, start_m), tiles, LISTED)),
             ],
             [4, 1],
             [240, 24],

@@ -70,41 +70,9 @@ if GLUON_IMPORT_ERROR is None:
         return p, alpha, m, l_sum
 
     @gluon.jit
-    def _fold(
-        s,
-        m,
-        l_sum,
-        t,
-        n_full,
-        start_n,
-        full_row,
-        part_row,
-        rows,
-        cols,
-        b,
-        h,
-        seq_q,
-        seq_k,
-        MB0,
-        MB1,
-        MB2,
-        MB3,
-        SB0,
-        SB1,
-        SB2,
-        SB3,
-        slope2,
-        IS_CAUSAL: gl.constexpr,
-        LISTED: gl.constexpr,
-        MASK_MOD: gl.constexpr,
-        N_MASK_BUF: gl.constexpr,
-        SCORE_MOD: gl.constexpr,
-        N_SCORE_BUF: gl.constexpr,
-        HAS_SCORE: gl.constexpr,
-        ALIBI: gl.constexpr,
-    ):
+    def _fold(s, m, l_sum, t, tiles, rows, cols, prog, sizes, bufs, slope2, flags, mods):
         """:func:`_online_update` of tile ``t``; the first ``n_full`` tiles are seen whole, later
-        ones masked. Without ``LISTED`` the tile's keys start at ``start_n`` and the mask is
+        ones masked. Without ``LISTED`` the tile's keys start at ``t·BLOCK_N`` and the mask is
         ``seq_k`` and the causal diagonal. ``LISTED`` (tiles from block tables): the first key
         is read from the tables (:func:`_tile_start`) only where a mod needs it — reading it
         ahead for every tile measured slower — and ``mask_mod`` masks; a score function sees
@@ -113,12 +81,25 @@ if GLUON_IMPORT_ERROR is None:
         function that declares the head-linear bias, as ALiBi does): the bias
         ``slope·(kv − q)``, in exp2 units ``slope2·(kv − q)``, is split at the tile's first key
         ``k0`` into a column term ``slope2·(kv − k0)`` (the same every tile: one add a score)
-        and a row
-        term ``slope2·(k0 − q)`` that shifts each row's maximum and reference; both stay small
-        where the weights are, as ``slope·(kv − q)`` itself does."""
+        and a row term ``slope2·(k0 − q)`` that shifts each row's maximum and reference; both
+        stay small where the weights are, as ``slope·(kv − q)`` itself does. The tuples are
+        :func:`consumer`'s."""
+        IS_CAUSAL: gl.constexpr = flags[0]
+        LISTED: gl.constexpr = flags[2]
+        HAS_SCORE: gl.constexpr = flags[3]
+        ALIBI: gl.constexpr = flags[4]
+        MASK_MOD: gl.constexpr = mods[0]
+        N_MASK_BUF: gl.constexpr = mods[1]
+        SCORE_MOD: gl.constexpr = mods[2]
+        N_SCORE_BUF: gl.constexpr = mods[3]
+        n_tiles, n_full, full_row, part_row = tiles
+        b, h, pid_bh, start_m = prog
+        seq_q, seq_k, qk_scale = sizes
+        MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3 = bufs
+        block_n: gl.constexpr = s.shape[1]
+        start_n = t * block_n
         shift = 0.0
         if LISTED:
-            block_n: gl.constexpr = s.shape[1]
             if ALIBI:
                 first = _tile_start(t, n_full, full_row, part_row, block_n, True)
                 shift = slope2 * (first - rows).to(gl.float32)
@@ -135,18 +116,8 @@ if GLUON_IMPORT_ERROR is None:
                 q_idx = gl.expand_dims(gl.minimum(rows, seq_q - 1), 1)
                 keys = gl.expand_dims(first + cols, 0)
                 # (clamped: a mod may gather by key)
-                seen = apply_mask(
-                    MASK_MOD,
-                    b,
-                    h,
-                    q_idx,
-                    gl.minimum(keys, seq_k - 1),
-                    MB0,
-                    MB1,
-                    MB2,
-                    MB3,
-                    N_MASK_BUF,
-                )
+                kv_idx = gl.minimum(keys, seq_k - 1)
+                seen = apply_mask(MASK_MOD, b, h, q_idx, kv_idx, MB0, MB1, MB2, MB3, N_MASK_BUF)
                 s = gl.where(seen & (keys < seq_k), s, float("-inf"))
             units: gl.constexpr = LOG2E if HAS_SCORE and not ALIBI else 1.0
             p, alpha, m, l_sum = _online_update(
@@ -189,29 +160,15 @@ if GLUON_IMPORT_ERROR is None:
         return start
 
     @gluon.jit
-    def producer(
-        q_desc,
-        k_desc,
-        v_desc,
-        q_bufs,
-        k_bufs,
-        v_bufs,
-        q_ready,
-        k_ready,
-        v_ready,
-        empty,
-        b,
-        h,
-        h_kv,
-        start_m,
-        n_tiles,
-        n_full,
-        full_row,
-        part_row,
-        LISTED: gl.constexpr,
-    ):
+    def producer(descs, ring, prog, tiles, LISTED: gl.constexpr):
         """The load warp: both halves of Q, then K and V tile by tile (:func:`_tile_start`)
-        into the ring, each slot reused once both consumers have released the tile before."""
+        into the ring, each slot reused once both consumers have released the tile before.
+        ``descs``: the Q, K, V descriptors; ``prog``: ``(b, h, h_kv, start_m)``; ``ring`` and
+        ``tiles`` as :func:`consumer`'s."""
+        q_desc, k_desc, v_desc = descs
+        q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, empty = ring
+        b, h, h_kv, start_m = prog
+        n_tiles, n_full, full_row, part_row = tiles
         half: gl.constexpr = q_bufs.shape[3]
         block_n: gl.constexpr = k_bufs.shape[3]
         stages: gl.constexpr = k_bufs.shape[0]
@@ -229,63 +186,31 @@ if GLUON_IMPORT_ERROR is None:
             _tma_load(v_desc, [b, h_kv, start_n, 0], v_ready.index(slot), v_bufs.index(slot))
 
     @gluon.jit
-    def consumer(
-        q_bufs,
-        k_bufs,
-        v_bufs,
-        q_ready,
-        k_ready,
-        v_ready,
-        empty,
-        o_desc,
-        LSE,
-        SINKS,
-        b,
-        h,
-        pid_bh,
-        start_m,
-        n_tiles,
-        n_full,
-        full_row,
-        part_row,
-        seq_q,
-        seq_k,
-        qk_scale,
-        MB0,
-        MB1,
-        MB2,
-        MB3,
-        SB0,
-        SB1,
-        SB2,
-        SB3,
-        WG: gl.constexpr,
-        IS_CAUSAL: gl.constexpr,
-        HAS_SINKS: gl.constexpr,
-        LISTED: gl.constexpr,
-        MASK_MOD: gl.constexpr,
-        N_MASK_BUF: gl.constexpr,
-        SCORE_MOD: gl.constexpr,
-        N_SCORE_BUF: gl.constexpr,
-        HAS_SCORE: gl.constexpr,
-        ALIBI: gl.constexpr,
-    ):
-        """One warpgroup: the online softmax of its 64-row half (:func:`_fold` per tile);
-        writes its O rows (TMA) and LSE. ``HAS_SINKS``: the rows start from the sink's state
-        ``(SINKS[h], 1)``."""
+    def consumer(ring, io, prog, tiles, sizes, bufs, WG: gl.constexpr, flags, mods):
+        """One warpgroup: the online softmax of its 64-row half (:func:`_attend`); writes its O
+        rows (TMA) and LSE. ``HAS_SINKS``: the rows start from the sink's state ``(SINKS[h],
+        1)``. The kernel's arguments, grouped: ``ring`` ``(q_bufs, k_bufs, v_bufs, q_ready,
+        k_ready, v_ready, empty)``, ``io`` ``(o_desc, LSE, SINKS)``, ``prog`` ``(b, h, pid_bh,
+        start_m)``, ``tiles`` ``(n_tiles, n_full, full_row, part_row)``, ``sizes`` ``(seq_q,
+        seq_k, qk_scale)``, ``bufs`` the mods' eight buffer slots, and the constexprs ``flags``
+        ``(IS_CAUSAL, HAS_SINKS, LISTED, HAS_SCORE, ALIBI)`` and ``mods`` ``(MASK_MOD,
+        N_MASK_BUF, SCORE_MOD, N_SCORE_BUF)`` (tuples written out where the kernel passes them:
+        a tuple assigned to a name would turn its constexprs into tensors)."""
+        q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, empty = ring
+        o_desc, LSE, SINKS = io
+        b, h, pid_bh, start_m = prog
+        seq_q, seq_k, qk_scale = sizes
+        HAS_SINKS: gl.constexpr = flags[1]
         half: gl.constexpr = q_bufs.shape[3]
         head_dim: gl.constexpr = q_bufs.shape[4]
         block_n: gl.constexpr = k_bufs.shape[3]
-        stages: gl.constexpr = k_bufs.shape[0]
         dtype: gl.constexpr = o_desc.dtype
         # wgmma register layouts: the scores [half, block_n] and the output [half, head_dim];
-        # Q and P enter the products from registers as the A operand
+        # Q enters the products from registers as the A operand
         s_layout: gl.constexpr = wgmma_layout(block_n)
-        o_layout: gl.constexpr = wgmma_layout(head_dim)
         q_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
-        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+        row_o: gl.constexpr = gl.SliceLayout(1, wgmma_layout(head_dim))
 
         row0 = start_m + WG * half
         q_buf = q_bufs.index(WG)
@@ -299,10 +224,46 @@ if GLUON_IMPORT_ERROR is None:
         if HAS_SINKS:  # the sink's state in exp2 units (the scores' own, Q being prescaled)
             m = gl.full([half], 1.0, gl.float32, layout=row_s) * (gl.load(SINKS + h) * LOG2E)
             l_sum = gl.full([half], 1.0, gl.float32, layout=row_s)
+        out, m, l_sum = _attend(
+            q, m, l_sum, rows, cols, ring, prog, tiles, sizes, bufs, flags, mods
+        )
+
+        # natural-log LSE (the pair is in exp2 units: the scale is folded into Q); rows that
+        # saw no key keep s = 0: output 0 and LSE −inf; a score of +inf gives +inf
+        lse = finalize_lse(m, l_sum, 1.0)
+        gl.store(LSE + pid_bh.to(gl.int64) * seq_q + rows, lse, mask=rows < seq_q)
+        l_o = gl.convert_layout(l_sum, row_o)
+        o = (out * gl.expand_dims(gl.where(l_o > 0.0, 1.0 / l_o, 0.0), 1)).to(dtype)
+        q_buf.reshape([half, head_dim]).store(o)  # Q is in registers: its buffer stages O
+        fence_async_shared()
+        _tma_store(o_desc, [b, h, row0, 0], q_buf)  # rows past N are clipped
+        tma.store_wait(pendings=0)
+
+    @gluon.jit
+    def _attend(q, m, l_sum, rows, cols, ring, prog, tiles, sizes, bufs, flags, mods):
+        """The key tiles of one warpgroup: ``(out, m, l_sum)``, the unnormalised ``[half,
+        head_dim]`` output and the rows' pair, from the prescaled Q ``[half, head_dim]`` (its
+        A operand) and the pair it starts from. Tile j+1's scores ``Q·Kᵀ`` and tile j's ``P·V``
+        are issued together; tile j+1's softmax (:func:`_fold`) overlaps ``P·V``. The
+        arguments are :func:`consumer`'s."""
+        q_bufs, k_bufs, v_bufs, q_ready, k_ready, v_ready, empty = ring
+        n_tiles, n_full, full_row, part_row = tiles
+        b, h, pid_bh, start_m = prog
+        ALIBI: gl.constexpr = flags[4]
+        half: gl.constexpr = q.shape[0]
+        head_dim: gl.constexpr = q.shape[1]
+        block_n: gl.constexpr = k_bufs.shape[3]
+        stages: gl.constexpr = k_bufs.shape[0]
+        dtype: gl.constexpr = q.dtype
+        # P enters the product with V from registers as the A operand
+        s_layout: gl.constexpr = wgmma_layout(block_n)
+        o_layout: gl.constexpr = wgmma_layout(head_dim)
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+        row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         s_zero = gl.zeros([half, block_n], gl.float32, layout=s_layout)
         out = gl.zeros([half, head_dim], gl.float32, layout=o_layout)
-        if ALIBI:  # the slope in exp2 units (see _fold)
-            slope2 = gl.load(SB0 + h) * LOG2E
+        if ALIBI:  # the slope (in SB0, the fifth slot) in exp2 units (see _fold)
+            slope2 = gl.load(bufs[4] + h) * LOG2E
         else:
             slope2 = 0.0
         if n_tiles > 0:
@@ -312,37 +273,7 @@ if GLUON_IMPORT_ERROR is None:
                 0, deps=[warpgroup_mma(q, k0, s_zero, use_acc=False, is_async=True)]
             )
             p, alpha, m, l_sum = _fold(
-                s,
-                m,
-                l_sum,
-                0,
-                n_full,
-                0,
-                full_row,
-                part_row,
-                rows,
-                cols,
-                b,
-                h,
-                seq_q,
-                seq_k,
-                MB0,
-                MB1,
-                MB2,
-                MB3,
-                SB0,
-                SB1,
-                SB2,
-                SB3,
-                slope2,
-                IS_CAUSAL,
-                LISTED,
-                MASK_MOD,
-                N_MASK_BUF,
-                SCORE_MOD,
-                N_SCORE_BUF,
-                HAS_SCORE,
-                ALIBI,
+                s, m, l_sum, 0, tiles, rows, cols, prog, sizes, bufs, slope2, flags, mods
             )
             p_op = gl.convert_layout(p.to(dtype), p_layout)
             acc = out
@@ -358,37 +289,7 @@ if GLUON_IMPORT_ERROR is None:
                 # tile j+1's scores are ready (p·v may still run): its softmax overlaps p·v
                 s = warpgroup_mma_wait(1, deps=[s_tok])
                 p, alpha, m, l_sum = _fold(
-                    s,
-                    m,
-                    l_sum,
-                    j + 1,
-                    n_full,
-                    (j + 1) * block_n,
-                    full_row,
-                    part_row,
-                    rows,
-                    cols,
-                    b,
-                    h,
-                    seq_q,
-                    seq_k,
-                    MB0,
-                    MB1,
-                    MB2,
-                    MB3,
-                    SB0,
-                    SB1,
-                    SB2,
-                    SB3,
-                    slope2,
-                    IS_CAUSAL,
-                    LISTED,
-                    MASK_MOD,
-                    N_MASK_BUF,
-                    SCORE_MOD,
-                    N_SCORE_BUF,
-                    HAS_SCORE,
-                    ALIBI,
+                    s, m, l_sum, j + 1, tiles, rows, cols, prog, sizes, bufs, slope2, flags, mods
                 )
                 acc = warpgroup_mma_wait(0, deps=[acc_tok])
                 mbarrier.arrive(empty.index(slot), count=1)  # this warpgroup is done with tile j
@@ -399,14 +300,4 @@ if GLUON_IMPORT_ERROR is None:
             mbarrier.wait(v_ready.index(slot), ((n_tiles - 1) // stages) & 1)
             out = warpgroup_mma_wait(0, deps=[warpgroup_mma(p_op, vt, acc, is_async=True)])
             mbarrier.arrive(empty.index(slot), count=1)
-
-        # natural-log LSE (the pair is in exp2 units: the scale is folded into Q); rows that
-        # saw no key keep s = 0: output 0 and LSE −inf; a score of +inf gives +inf
-        lse = finalize_lse(m, l_sum, 1.0)
-        gl.store(LSE + pid_bh.to(gl.int64) * seq_q + rows, lse, mask=rows < seq_q)
-        l_o = gl.convert_layout(l_sum, row_o)
-        o = (out * gl.expand_dims(gl.where(l_o > 0.0, 1.0 / l_o, 0.0), 1)).to(dtype)
-        q_buf.reshape([half, head_dim]).store(o)  # Q is in registers: its buffer stages O
-        fence_async_shared()
-        _tma_store(o_desc, [b, h, row0, 0], q_buf)  # rows past N are clipped
-        tma.store_wait(pendings=0)
+        return out, m, l_sum
