@@ -115,9 +115,10 @@ if GLUON_IMPORT_ERROR is None:
                 first = _tile_start(t, n_full, full_row, part_row, block_n, True)
                 q_idx = gl.expand_dims(gl.minimum(rows, seq_q - 1), 1)
                 keys = gl.expand_dims(first + cols, 0)
-                # (clamped: a mod may gather by key)
-                kv_idx = gl.minimum(keys, seq_k - 1)
-                seen = apply_mask(MASK_MOD, b, h, q_idx, kv_idx, MB0, MB1, MB2, MB3, N_MASK_BUF)
+                # clamped: a mod may gather by key (not named kv_idx: reusing the score's name
+                # would make this runtime `if` yield it, keeping the score's kv_idx alive)
+                kv_seen = gl.minimum(keys, seq_k - 1)
+                seen = apply_mask(MASK_MOD, b, h, q_idx, kv_seen, MB0, MB1, MB2, MB3, N_MASK_BUF)
                 s = gl.where(seen & (keys < seq_k), s, float("-inf"))
             units: gl.constexpr = LOG2E if HAS_SCORE and not ALIBI else 1.0
             p, alpha, m, l_sum = _online_update(
