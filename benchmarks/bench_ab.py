@@ -58,27 +58,14 @@ JOBS: dict[str, tuple[list[str], str, Callable[[Row], Any], Callable[[Row], floa
     "attention": (
         ["bench_attention.py", "--no-flex", "--rounds", "3", "--seqs", "4096", "16384"],
         "attention",
-        lambda r: (
-            (r["kind"], r["d"], r["n"], r["causal"]) if r["provider"] == "flashlite" else None
-        ),
+        lambda r: _point(r) if r["provider"] == "flashlite" else None,
         lambda r: r.get("ms"),
     ),
     "attention-bwd": (
-        [
-            "bench_attention.py",
-            "--backward",
-            "--no-flex",
-            "--rounds",
-            "3",
-            "--seqs",
-            "4096",
-            "16384",
-        ],
-        "attention",
-        lambda r: (
-            (r["kind"], r["d"], r["n"], r["causal"]) if r["provider"] == "flashlite" else None
-        ),
-        lambda r: r.get("ms"),
+        ["bench_attention.py", "--backward", "--no-flex", "--seqs", "4096", "16384"],
+        "attention-bwd",
+        lambda r: (r["D"], r["N"], r["causal"]) if r["provider"] == "flashlite" else None,
+        lambda r: r.get("fwd_bwd_ms"),
     ),
     "decode": (
         ["bench_decode.py"],
@@ -99,6 +86,11 @@ JOBS: dict[str, tuple[list[str], str, Callable[[Row], Any], Callable[[Row], floa
         lambda r: (r.get("ms") or {}).get("flashlite"),
     ),
 }
+
+
+def _point(r: Row) -> tuple:
+    """An attention row's point: kind, head dim, length and mask (rows name it either way)."""
+    return tuple(r.get(f) for f in ("kind", "d", "n", "causal", "mask"))
 
 
 #: Jobs whose script is this folder's for both trees (run on each tree's flashlite), so that
