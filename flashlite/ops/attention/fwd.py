@@ -9,16 +9,15 @@ from collections.abc import Callable
 
 import torch
 
-from flashlite import _backend
 from flashlite._caches import Cache
 from flashlite.kernels import configs as C
 from flashlite.ops.attention import planner
 from flashlite.ops.attention.backends import hopper
 from flashlite.ops.attention.backends.common import (
-    HOPPER_ENV,
     LaunchInfo,
     empty_output,
     hopper_launch_config,
+    kernel_switches,
 )
 from flashlite.ops.attention.backends.split_kv.decode import attention_decode_fwd, planned_decode
 from flashlite.ops.attention.backends.tables.fwd import window_fwd
@@ -145,12 +144,8 @@ def _fwd_key(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scalars: tuple) 
         q.device,
         True if aligned else tuple(p % 16 for p in ptrs),
         scalars,
-        _switches(),
+        kernel_switches(),
     )
-
-
-#: The environment's switches that choose the forward's kernels, read for every plan's key.
-_switches = _backend.env_reader(HOPPER_ENV, C.PIN_ENV)
 
 
 class _Planned:

@@ -66,6 +66,10 @@ def empty_output(q: torch.Tensor) -> torch.Tensor:
 #: ``FLASHLITE_HOPPER_KERNEL=0`` keeps every forward on the Triton kernel (A/B runs, debugging).
 HOPPER_ENV = "FLASHLITE_HOPPER_KERNEL"
 
+#: The raw ``FLASHLITE_HOPPER_KERNEL`` and ``FLASHLITE_ATTENTION_CONFIG`` as one tuple: the
+#: switches that choose a forward's kernels, read for every forward plan's key.
+kernel_switches = _backend.env_reader(HOPPER_ENV, C.PIN_ENV)
+
 
 def hopper_config(q: torch.Tensor, n_keys: int) -> KH.HopperConfig | None:
     """The Gluon kernel's config for a plain forward of ``q`` ``(B, H, N, D)`` over ``n_keys``

@@ -15,7 +15,6 @@ import triton
 
 from flashlite import _backend, _launch
 from flashlite._caches import Cache, register
-from flashlite.kernels import configs as C
 from flashlite.masking import block_mask as BM
 from flashlite.masking import mods as M
 from flashlite.masking.mod_args import (
@@ -27,7 +26,7 @@ from flashlite.masking.mod_args import (
     unspec_mod,
 )
 from flashlite.masking.python_masks import BITS_NAME
-from flashlite.ops.attention.backends.common import HOPPER_ENV
+from flashlite.ops.attention.backends.common import kernel_switches
 from flashlite.ops.attention.request import Request, mod_fields
 
 #: dQ, dK, dV.
@@ -189,8 +188,7 @@ def call_key(
         v.stride(),
         q.dtype,
         q.device,
-        _backend.getenv(HOPPER_ENV),
-        C.pinned_text(),
+        kernel_switches(),
         call.key,
     ]
     ptrs = q.data_ptr() | k.data_ptr() | v.data_ptr()
