@@ -71,8 +71,7 @@ def attention_bwd(
         plan = _bwd_plans.get(key)
         if plan is not None:
             return plan(do, q, k, v, o, lse, dlse, sinks, dsinks)
-    facts = planner.BwdFacts.of(q, k, v, do)
-    choice = planner.backward(facts, request, pinned=config is not None)
+    choice = planner.backward(q, k, v, do, request, pinned=config is not None)
     if choice.backend == "empty":
         if sinks is not None:  # no key: every row's probability is all the sink's
             delta = (do.float() * o.float()).sum(-1)

@@ -177,34 +177,30 @@ def gpu_config(
     return table_config(shape[4], causal, dtype, choice.use_desc, gpu == "h200"), choice.use_desc
 
 
-class BwdFacts(NamedTuple):
-    """What the backward's tree reads of a call's tensors (:meth:`of`)."""
-
-    #: no query row, or no key
-    empty: bool
-    #: the tables' tile where a window backward runs the fused flex backward, else None
-    window_block: tuple[int, int] | None
-
-    @classmethod
-    def of(cls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> BwdFacts:
-        """The facts of ``(B, H, N, D)`` views and the output's gradient ``do``."""
-        return cls(_nothing(q, k), window_bwd_block(q, k, v, do))
-
-
-def backward(facts: BwdFacts, request: Request, *, pinned: bool = False) -> Choice:
+def backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    request: Request,
+    *,
+    pinned: bool = False,
+) -> Choice:
     """The backward's backend (``pinned``: the caller's tile config, which only the Triton pair
     takes): ``plain`` is the planned plain backward, whose first call picks the fused Gluon
     kernel or the Triton pair (:class:`~flashlite.ops.attention.bwd.BwdPlan`)."""
-    if facts.empty:
+    if _nothing(q, k):
         return Choice("empty")
     if pinned:
         return Choice("triton")
     if request.only("sinks"):
         # plain (sinks' gradient beside it): planned once per kind of tensors
         return Choice("plain")
-    if request.only("window_left", "window_right") and facts.window_block is not None:
+    if request.only("window_left", "window_right"):
         # a window and nothing else: the fused flex backward over its band, where it applies
-        return Choice("tables", True, facts.window_block)
+        block = window_bwd_block(q, k, v, do)
+        if block is not None:
+            return Choice("tables", True, block)
     return Choice("triton")
 
 
