@@ -21,14 +21,19 @@ def test_fused_hopper_backward_only_takes_plain_backwards(monkeypatch: pytest.Mo
     # fused Gluon kernel would run, and a plain window takes the fused flex kernel over its
     # band (the tables backend); a plain one (causal as a window too) asks for it, and a
     # launch that declines leaves the Triton kernels' answer
-    import flashlite.ops.attention.bwd as ops
+    import flashlite.ops.attention.ops as ops
     from flashlite.ops.attention import attention_fwd
+    from flashlite.ops.attention.plan import Plan
 
     calls, folded = [], []
-    monkeypatch.setattr(ops, "hopper_bwd_applies", lambda *a: True)
-    monkeypatch.setattr(ops.planner, "hopper_bwd_applies", lambda *a: True)  # (the window's gate)
-    monkeypatch.setattr(ops.hopper, "run_bwd", lambda *a: calls.append(a) or False)
-    monkeypatch.setattr(ops, "window_bwd", lambda *a: folded.append(a[-1]) or a[1:4])
+    monkeypatch.setattr(ops.planner, "hopper_bwd_applies", lambda *a: True)  # (and the window's)
+    # spies: the fused kernel's plan records the ask and hands over the Triton pair's; the
+    # window's records its tiles and hands back q, k, v as the "gradients"
+    monkeypatch.setattr(
+        ops.planner.hopper, "plan_bwd", lambda q, k, r, fallback: calls.append(r) or fallback()
+    )
+    window = lambda r, block: folded.append(block) or Plan("tables", lambda *a: a[1:4])  # noqa: E731
+    monkeypatch.setattr(ops.planner.tables_bwd, "plan_window_bwd", window)
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
     o, lse, _ = attention_fwd(q, k, v, Request.of_mask(CAUSAL, 0.25))
     do = torch.randn_like(o)
@@ -51,7 +56,7 @@ def test_fused_hopper_backward_only_takes_plain_backwards(monkeypatch: pytest.Mo
     again = ops.attention_bwd(
         do, q, k, v, o, lse, None, Request.of_mask(describe(False, (-1, 0)), 0.25)
     )
-    assert [c[-2] for c in calls] == [True]  # IS_CAUSAL reaches the launch
+    assert [c.causal for c in calls] == [True]  # causal reaches the plan
     for g, a, w in zip(got, again, want, strict=True):
         assert torch.equal(g, w) and torch.equal(a, w)
 
@@ -84,15 +89,15 @@ def test_fused_hopper_backward_that_fails_to_build_falls_back(
     # a Triton whose Gluon differs: one warning, then the Triton kernels give the answer
     import warnings
 
-    import flashlite.ops.attention.bwd as ops
+    import flashlite.ops.attention.ops as ops
     from flashlite.ops.attention import attention_fwd
 
     def broken(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
         raise AttributeError("module 'triton.experimental.gluon.language' has no attribute")
 
-    monkeypatch.setattr(ops, "hopper_bwd_applies", lambda *a: True)
-    monkeypatch.setattr(ops.hopper, "plan_bwd_hopper", broken)
-    monkeypatch.setattr(ops.hopper, "bwd_failed", set())
+    monkeypatch.setattr(ops.planner, "hopper_bwd_applies", lambda *a: True)
+    monkeypatch.setattr(ops.planner.hopper, "plan_bwd_hopper", broken)
+    monkeypatch.setattr(ops.planner.hopper, "bwd_failed", set())
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
     o, lse, _ = attention_fwd(q, k, v, Request.of_mask(CAUSAL, 0.25))
     do = torch.randn_like(o)

@@ -39,14 +39,14 @@ def test_hopper_kernel_is_only_chosen_where_it_runs(monkeypatch) -> None:
 
 def test_hopper_kernel_that_fails_to_build_falls_back(monkeypatch) -> None:
     # a Triton whose Gluon differs: one warning, then the Triton kernel gives the answer
-    import flashlite.ops.attention.fwd as ops
+    import flashlite.ops.attention.ops as ops
 
     def broken(*args, **kwargs):
         raise TypeError("warp_specialize() got an unexpected keyword argument")
 
     monkeypatch.setattr(ops.planner, "hopper_config", lambda q, n: KH.HopperConfig(128, 128, 3))
-    monkeypatch.setattr(ops.hopper, "plan_fwd_hopper", broken)
-    monkeypatch.setattr(ops.hopper, "fwd_failed", set())
+    monkeypatch.setattr(ops.planner.hopper, "plan_fwd_hopper", broken)
+    monkeypatch.setattr(ops.planner.hopper, "fwd_failed", set())
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
     with pytest.warns(RuntimeWarning, match="Hopper attention kernel failed to build"):
         out, lse, info = attention_fwd(q, k, v, Request.of_mask(CAUSAL, 0.25), use_desc=True)
@@ -157,11 +157,12 @@ def test_hopper_kernel_only_takes_plain_forwards(monkeypatch) -> None:
     # windows, soft caps, per-batch lengths, packed sequences, pinned configs and pointer loads
     # never take the dense Gluon kernel (a default window call takes flex's Hopper kernels
     # instead, where they apply: the tables backend, tested in test_flex_window.py)
-    import flashlite.ops.attention.fwd as ops
+    import flashlite.ops.attention.ops as ops
 
     calls = []
     monkeypatch.setattr(ops.planner, "hopper_config", lambda q, n: KH.HopperConfig(128, 128, 3))
-    monkeypatch.setattr(ops.hopper, "run_fwd", lambda *a: calls.append(a) or False)
+    # (a spy that records the ask and hands over the Triton kernel's plan)
+    monkeypatch.setattr(ops.planner.hopper, "plan_fwd", lambda *a: calls.append(a) or a[-1]())
     q, k, v = (rand(1, 2, 40, 16) for _ in range(3))
     seqlens = torch.tensor([30], dtype=torch.int32)
     for mask, kwargs in ((describe(True, (8, 0)), {}), (describe(True, None, 5.0), {}),

@@ -36,16 +36,16 @@ def test_window_folds_into_the_flex_kernels_where_they_apply(
     the tables."""
     from flashlite.kernels.attention.hopper import HopperConfig
     from flashlite.masking import band
-    from flashlite.ops.attention import bwd as B
-    from flashlite.ops.attention import fwd as F
     from flashlite.ops.attention import planner as W
+    from flashlite.ops.attention.backends.tables import bwd as B
+    from flashlite.ops.attention.backends.tables import fwd as F
 
     ran: list[str] = []
-    fwd, bwd = F.window_fwd, B.window_bwd
+    fwd, bwd = F.plan_window_fwd, B.plan_window_bwd
     monkeypatch.setattr(W, "window_fwd_config", lambda facts: HopperConfig(BLOCK, BLOCK, 2))
     monkeypatch.setattr(W, "window_bwd_block", lambda q, k, v, do: (BLOCK, BLOCK))
-    monkeypatch.setattr(F, "window_fwd", lambda *a: ran.append("fwd") or fwd(*a))
-    monkeypatch.setattr(B, "window_bwd", lambda *a: ran.append("bwd") or bwd(*a))
+    monkeypatch.setattr(F, "plan_window_fwd", lambda *a: ran.append("fwd") or fwd(*a))
+    monkeypatch.setattr(B, "plan_window_bwd", lambda *a: ran.append("bwd") or bwd(*a))
     q = torch.randn(2, 4, nq, D, requires_grad=True)
     k, v = (torch.randn(2, 2, nk, D, requires_grad=True) for _ in range(2))
     out = flashlite.attention(q, k, v, causal=causal, window=window, return_lse=True)
@@ -121,15 +121,15 @@ def test_window_stays_on_the_triton_kernels_elsewhere(monkeypatch: pytest.Monkey
     """Where the Hopper kernels do not apply (here: the CPU, and a soft cap or pinned config
     beside a forced gate), a window never reaches the fold."""
     from flashlite.kernels.attention.hopper import HopperConfig
-    from flashlite.ops.attention import bwd as B
-    from flashlite.ops.attention import fwd as F
     from flashlite.ops.attention import planner as W
+    from flashlite.ops.attention.backends.tables import bwd as B
+    from flashlite.ops.attention.backends.tables import fwd as F
 
     def refuse(*args: object) -> None:
         raise AssertionError("folded")
 
-    monkeypatch.setattr(F, "window_fwd", refuse)
-    monkeypatch.setattr(B, "window_bwd", refuse)
+    monkeypatch.setattr(F, "plan_window_fwd", refuse)
+    monkeypatch.setattr(B, "plan_window_bwd", refuse)
     q, k, v = (torch.randn(1, 2, N, D, requires_grad=True) for _ in range(3))
     flashlite.attention(q, k, v, window=(9, 5)).sum().backward()
     monkeypatch.setattr(W, "window_fwd_config", lambda facts: HopperConfig(BLOCK, BLOCK, 2))

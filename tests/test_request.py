@@ -10,7 +10,6 @@ import torch
 import flashlite
 from flashlite import reference
 from flashlite.ops.attention import Request, attention_bwd, attention_fwd
-from flashlite.ops.attention import fwd as fwd_module
 
 #: A value for each optional field (tensors: small int32/fp32 ones).
 SAMPLES = {
@@ -94,15 +93,18 @@ def test_each_option_reaches_the_kernel(name: str) -> None:
 
 
 def test_splits_reach_the_decode_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flashlite import _caches
+    from flashlite.ops.attention import planner
+
     seen = []
-    decode = fwd_module.attention_decode_fwd
+    decode = planner.split_kv.plan_decode
 
-    def spy(*args, num_splits, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
-        seen.append(num_splits)
-        return decode(*args, num_splits=num_splits, **kwargs)
+    def spy(q, k, v, o, request):  # noqa: ANN001, ANN202
+        seen.append(request.num_splits)
+        return decode(q, k, v, o, request)
 
-    monkeypatch.setattr(fwd_module, "attention_decode_fwd", spy)
-    monkeypatch.setattr(fwd_module, "planned_decode", lambda *a: None)
+    _caches.clear()  # (a kept plan of this kind would skip the planner)
+    monkeypatch.setattr(planner.split_kv, "plan_decode", spy)
     q, k, v = _inputs()
     got = flashlite.attention(q, k, v, num_splits=2)
     assert seen == [2]
@@ -137,7 +139,7 @@ def test_a_field_a_launcher_does_not_take_is_refused_by_name() -> None:
 
 
 def test_the_ops_take_the_fields_by_name() -> None:
-    from flashlite.ops.attention.fwd import FWD_FIELDS
+    from flashlite.ops.attention.planner import FWD_FIELDS
 
     schema = str(torch.ops.flashlite.attention_fwd.default._schema)
     for name in FWD_FIELDS:

@@ -46,7 +46,7 @@ from flashlite.ops.attention import (
     check_inputs,
     check_sinks,
 )
-from flashlite.ops.attention.bwd import sink_grad
+from flashlite.ops.attention.backends.common_bwd import sink_grad
 from flashlite.ops.common import check_flags
 
 

@@ -2,8 +2,8 @@
 ``lo <= j − i <= hi``. Its tables list, per query block, the few key tiles the band crosses (full
 inside it, partial on its edges), with a mask function for the partial ones, so that flex's
 kernels walk the band as the Triton window kernel does, tile by tile (the tables backend runs
-them: :func:`~flashlite.ops.attention.backends.tables.fwd.window_fwd` and
-:func:`~flashlite.ops.attention.backends.tables.bwd.window_bwd`). Because both are the flex
+them: :func:`~flashlite.ops.attention.backends.tables.fwd.plan_window_fwd` and
+:func:`~flashlite.ops.attention.backends.tables.bwd.plan_window_bwd`). Because both are the flex
 kernels over the same tables, a window written as a mask function
 (:func:`flashlite.masking.gallery.sliding_window`) gives the built-in's bits. The tables are
 built once per shape and band (:func:`band_tables`, on the device, in closed form:

@@ -12,17 +12,19 @@
                     scale); the one plainness test and the one source of plan keys
 ``checks``          argument checks (types, shapes, layouts, lengths, offsets, the cache's values)
 ``ops``             the two ops stated once (``flashlite::attention_fwd``/``_bwd``, autograd
-                    included)
-``fwd``, ``bwd``    the planner's choice carried out; plain calls' plans kept per kind of tensors
-                    (:class:`BwdPlan`); the ops' bodies and fakes
-``planner``         which backend runs a call (split-KV, tables, Hopper, Triton): the forward's
-                    and the backward's decision trees, each branch saying why
+                    included) and their bodies, the launchers (:func:`attention_fwd`,
+                    :func:`attention_bwd`): a plan asked of the planner and launched
+``planner``         which backend runs a call (split-KV, tables, Hopper, Triton) and its plan:
+                    the forward's and the backward's decision trees, each branch saying why;
+                    plans kept per kind of call
+``plan``            :class:`Plan`: backend, tile, grid, splits, workspaces, bound launch (what
+                    the launchers run and the traffic tools read)
 ``backends/``       what runs a call, one folder or file per backend, each importing kernels,
-                    the request and what backends share (``common``), never the planner or
-                    another backend: ``triton`` (every option, every GPU, the interpreter),
-                    ``hopper`` (the dense Gluon kernels), ``tables`` (flex's kernels over block
-                    tables; the built-in window as its band's tables), ``split_kv`` (decode, the
-                    cache step, the merge of partial results)
+                    the request and plan types and what backends share (``common*``), never
+                    the planner or another backend: ``triton`` (every option, every GPU, the
+                    interpreter), ``hopper`` (the dense Gluon kernels), ``tables`` (flex's
+                    kernels over block tables; the built-in window as its band's tables),
+                    ``split_kv`` (decode, the cache step, the merge of partial results)
 ==================  ==============================================================================
 
 The kernels live in :mod:`flashlite.kernels.attention` and their tile tables in
@@ -75,11 +77,11 @@ from flashlite.ops.attention.backends.triton.config import (
     bwd_tiles,
     fixed_config,
 )
-from flashlite.ops.attention.bwd import attention_bwd
 from flashlite.ops.attention.checks import check_inputs, check_sinks
 from flashlite.ops.attention.flex import compiled_variants, flex_attention
-from flashlite.ops.attention.fwd import attention_fwd
 from flashlite.ops.attention.kvcache import attention_kvcache
+from flashlite.ops.attention.ops import attention_bwd, attention_fwd
+from flashlite.ops.attention.plan import Plan, Workspace
 from flashlite.ops.attention.planner import gpu_config
 from flashlite.ops.attention.request import Request
 from flashlite.ops.attention.shared_prefix import attention_shared_prefix
@@ -90,12 +92,14 @@ __all__ = [
     "GPU_TABLES",
     "HOPPER_ENV",
     "SMALL_CONFIG",
+    "Workspace",
     "BwdConfig",
     "Config",
     "DecodeConfig",
     "DecodePlan",
     "KVCachePlan",
     "LaunchInfo",
+    "Plan",
     "Request",
     "attention",
     "attention_bwd",

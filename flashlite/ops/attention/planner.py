@@ -1,10 +1,13 @@
-"""Which backend runs an attention call: the forward's and the backward's decision trees, each
-read top to bottom, each branch saying why.
+"""Which backend runs an attention call, and its plan: the forward's and the backward's decision
+trees, each read top to bottom, each branch saying why.
 
 A :class:`~flashlite.ops.attention.request.Request` and the tensors' facts (shapes, device,
-strides, alignment) go in; a :class:`Choice` comes out, which the launchers
-(:func:`~flashlite.ops.attention.fwd.attention_fwd`,
-:func:`~flashlite.ops.attention.bwd.attention_bwd`) carry out. The backends:
+strides, alignment) go in; a :class:`~flashlite.ops.attention.plan.Plan` comes out: the backend,
+its tile, grid, splits and scratch, and its bound launch, which the launchers
+(:func:`~flashlite.ops.attention.ops.attention_fwd`,
+:func:`~flashlite.ops.attention.ops.attention_bwd`) call and the traffic tools read. A plan made
+for one kind of call is kept (:func:`forward`, :func:`backward`) and every later call of that kind
+gets it back without walking the tree. The backends:
 
 ==============  ==============================================================================
 ``split_kv``    the decode kernel: few query rows (GQA heads packed), the keys split across
@@ -12,11 +15,9 @@ strides, alignment) go in; a :class:`Choice` comes out, which the launchers
 ``tables``      flex's Gluon kernels over a block table; the built-in window as its band's
                 table (:mod:`.backends.tables`)
 ``hopper``      the dense Gluon kernels (sm_90; :mod:`.backends.hopper`); a variant that
-                fails to build here falls back to ``triton`` after one warning
+                fails to build here becomes its Triton plan after one warning
 ``triton``      the Triton kernels: every option, every GPU and the CPU's interpreter
                 (:mod:`.backends.triton`)
-``plain``       (backward) the plain backward, planned at its first call: the fused Gluon
-                kernel where it builds, else the Triton pair
 ``empty``       nothing to compute (no rows, or no keys: rows see only their sinks)
 ==============  ==============================================================================
 
@@ -30,20 +31,35 @@ from typing import NamedTuple
 
 import torch
 
+from flashlite import _backend
+from flashlite._caches import Cache
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import hopper as KH
 from flashlite.kernels.attention import hopper_bwd as KHB
+from flashlite.ops.attention.backends import hopper
 from flashlite.ops.attention.backends.common import (
     DESC_MIN_WORK,
+    HOPPER_ENV,
     descriptor_ok,
+    empty_fwd,
+    empty_output,
     hopper_bwd_applies,
     hopper_config,
     hopper_entry,
     hopper_launch_config,
+    kernel_switches,
+    prescales_q,
     small_problem,
 )
+from flashlite.ops.attention.backends.common_bwd import empty_bwd
+from flashlite.ops.attention.backends.split_kv import decode as split_kv
+from flashlite.ops.attention.backends.tables import bwd as tables_bwd
+from flashlite.ops.attention.backends.tables import fwd as tables_fwd
+from flashlite.ops.attention.backends.triton import bwd as triton_bwd
+from flashlite.ops.attention.backends.triton import fwd as triton_fwd
 from flashlite.ops.attention.backends.triton.config import GPU_TABLES, table_config
-from flashlite.ops.attention.request import Request
+from flashlite.ops.attention.plan import Plan
+from flashlite.ops.attention.request import Request, tensor_meta
 
 #: The fields the split-KV path takes (not packed sequences: those run the forward kernel).
 DECODE_FIELDS = (
@@ -57,11 +73,30 @@ DECODE_FIELDS = (
     "sinks",
 )
 
+#: The request fields the forward takes (a cache's are the decode step's).
+FWD_FIELDS = Request._fields[:12]
+
+#: The request fields the backward takes (the split is the forward's alone).
+BWD_FIELDS = (
+    "causal",
+    "scale",
+    "window_left",
+    "window_right",
+    "softcap",
+    "seqlens_k",
+    "cu_seqlens_q",
+    "cu_seqlens_k",
+    "max_seqlen_q",
+    "max_seqlen_k",
+    "sinks",
+)
+
 
 class Choice(NamedTuple):
     """What runs a call: the backend, whether the kernel loads through TMA descriptors, and the
     Gluon kernels' tile (a forward's :class:`~flashlite.kernels.attention.hopper.HopperConfig`,
-    the backward's table block ``(block_m, block_n)``)."""
+    the backward's table block ``(block_m, block_n)``): :func:`dense`'s decision, which
+    :func:`forward` turns into the backend's plan and :func:`gpu_config` reads without tensors."""
 
     backend: str
     use_desc: bool = False
@@ -105,20 +140,61 @@ def forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
     request: Request,
     *,
-    config: object = None,
+    config: C.Config | None = None,
     use_desc: bool | None = None,
     prescale_q: bool | None = None,
-) -> Choice:
-    """The forward's backend for ``(B, H, N, D)`` views (``config``, ``use_desc``,
-    ``prescale_q``: the caller's pins, which the fast paths leave to the Triton kernel)."""
+) -> Plan:
+    """The forward's plan for ``(B, H, N, D)`` views (``o``, ``lse``: this call's fresh
+    outputs, the templates a new plan binds). ``config``, ``use_desc``, ``prescale_q``: the
+    caller's pins, which only the Triton kernel takes; a pinned call's plan is not kept. A
+    kind of call planned before (:func:`forward_key`) gets its plan back."""
+    pinned = config is not None or use_desc is not None or prescale_q is not None
+    key = None if pinned else forward_key(q, k, v, request)
+    if key is not None:
+        plan = _fwd_plans.get(key)
+        if plan is not None:
+            return plan
+    plan = _plan_forward(q, k, v, o, lse, request, config, use_desc, prescale_q, key is not None)
+    if key is not None:
+        _fwd_plans.put(key, plan)
+    return plan
+
+
+def _plan_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    request: Request,
+    config: C.Config | None,
+    use_desc: bool | None,
+    prescale_q: bool | None,
+    keep: bool,
+) -> Plan:
+    """The forward's tree: split-KV, else :func:`dense`'s choice, as the backend's plan."""
+    request.refuse("the attention forward", FWD_FIELDS)
     if request.num_splits and request.varlen is None:
         # few query rows against many keys: one tile of a GQA group's heads, the keys split
         request.refuse("split-KV decoding", DECODE_FIELDS)
-        return Choice("split_kv")
-    pins = (config, use_desc, prescale_q)
-    return dense(Facts.of(q, k, v), request, *pins)
+        return split_kv.plan_decode(q, k, v, o, request)
+    choice = dense(Facts.of(q, k, v), request, config, use_desc, prescale_q)
+    if choice.backend == "tables":
+        return tables_fwd.plan_window_fwd(q, k, v, request, choice.tile)  # type: ignore[arg-type]
+    if choice.backend == "empty":
+        return Plan("empty", empty_fwd)
+    if choice.backend == "hopper":
+        # its first launch builds it; where this Triton cannot, the Triton kernel's plan
+        def fallback() -> Plan:
+            return triton_fwd.plan_fwd(q, k, v, o, lse, request, True, bind=keep)
+
+        return hopper.plan_fwd(q, k, request, choice.tile, fallback)  # type: ignore[arg-type]
+    pins = (config, prescale_q, keep)
+    return triton_fwd.plan_fwd(q, k, v, o, lse, request, choice.use_desc, *pins)
 
 
 def dense(
@@ -177,31 +253,157 @@ def gpu_config(
     return table_config(shape[4], causal, dtype, choice.use_desc, gpu == "h200"), choice.use_desc
 
 
+def forward_key(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request
+) -> tuple | None:
+    """The key of a forward's kept plan, or None where none is kept. A request of mask scalars
+    only: shapes, strides, dtype, device, each tensor's 16-byte alignment (one flag when all are
+    aligned, the usual case), the five scalars and the environment's kernel switches
+    (``FLASHLITE_HOPPER_KERNEL``, ``FLASHLITE_ATTENTION_CONFIG``). A split-KV request: every
+    tensor's kind and the request's key. Any other (lengths, packing, sinks without splits):
+    None, its launch built per call."""
+    scalars = request.scalar_key
+    if scalars is not None:
+        ptrs = (q.data_ptr(), k.data_ptr(), v.data_ptr())
+        aligned = not (ptrs[0] | ptrs[1] | ptrs[2]) & 15
+        return (
+            q.shape,
+            q.stride(),
+            k.shape,
+            k.stride(),
+            v.stride(),
+            q.dtype,
+            q.device,
+            True if aligned else tuple(p % 16 for p in ptrs),
+            scalars,
+            kernel_switches(),
+        )
+    if request.num_splits and request.varlen is None and request.only(*DECODE_FIELDS):
+        # (its other fields unset: the five scalars, the lengths', the sinks' kinds and splits)
+        lengths, sinks = tensor_meta(request.seqlens_k), tensor_meta(request.sinks)
+        metas = (tensor_meta(q), tensor_meta(k), tensor_meta(v), lengths, sinks)
+        return ("split_kv", *metas, request[:5], request.num_splits)
+    return None
+
+
+#: The forward's kept plans (:func:`forward_key`), and the plain backward's (:func:`backward_key`).
+_fwd_plans = Cache("attention.fwd", 1024)
+_bwd_plans = Cache("attention.bwd", 1024)
+
+
+def kept_forward(key: tuple | None) -> Plan | None:
+    """The plan kept for a forward's :func:`forward_key`, else None."""
+    return None if key is None else _fwd_plans.get(key)
+
+
+def kept_backward(key: tuple) -> Plan | None:
+    """The plan kept for a plain backward's :func:`backward_key`, else None."""
+    return _bwd_plans.get(key)
+
+
 def backward(
+    do: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    do: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
     request: Request,
     *,
-    pinned: bool = False,
-) -> Choice:
-    """The backward's backend (``pinned``: the caller's tile config, which only the Triton pair
-    takes): ``plain`` is the planned plain backward, whose first call picks the fused Gluon
-    kernel or the Triton pair (:class:`~flashlite.ops.attention.bwd.BwdPlan`)."""
+    config: C.BwdConfig | None = None,
+) -> Plan:
+    """The backward's plan (``config``: the caller's pinned tiles, which only the Triton pair
+    takes). A plain backward (sinks allowed) is planned once per kind of tensors
+    (:func:`backward_key`)."""
+    keep = config is None and request.only("sinks")
+    key = backward_key(do, q, k, v, o, lse, dlse, request) if keep else None
+    if key is not None:
+        plan = _bwd_plans.get(key)
+        if plan is not None:
+            return plan
+    plan = _plan_backward(do, q, k, v, request, config)
+    if key is not None:
+        _bwd_plans.put(key, plan)
+    return plan
+
+
+def _plan_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    request: Request,
+    config: C.BwdConfig | None,
+) -> Plan:
+    """The backward's tree."""
+    request.refuse("the attention backward", BWD_FIELDS)
     if _nothing(q, k):
-        return Choice("empty")
-    if pinned:
-        return Choice("triton")
+        return Plan("empty", empty_bwd)
+    if config is not None:  # pinned tiles: only the Triton pair takes them
+        return triton_bwd.plan_masked(q, request, config)
     if request.only("sinks"):
-        # plain (sinks' gradient beside it): planned once per kind of tensors
-        return Choice("plain")
+        # plain (sinks' gradient beside it): the fused Gluon kernel where it applies and
+        # builds, else the Triton pair
+        if fused_bwd_applies(q, k, v, do):
+            fallback = lambda: triton_bwd.plan_plain(q, k, request)  # noqa: E731
+            return hopper.plan_bwd(q, k, request, fallback)
+        return triton_bwd.plan_plain(q, k, request)
     if request.only("window_left", "window_right"):
         # a window and nothing else: the fused flex backward over its band, where it applies
         block = window_bwd_block(q, k, v, do)
         if block is not None:
-            return Choice("tables", True, block)
-    return Choice("triton")
+            return tables_bwd.plan_window_bwd(request, block)
+    return triton_bwd.plan_masked(q, request, None)
+
+
+def backward_key(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    request: Request,
+) -> tuple:
+    """What a plain backward's plan depends on: the shapes it reads (q's and k's; v, o, do and
+    the LSE are read as k, q and q's rows are), every tensor's strides and dtype, q's device,
+    each tensor's 16-byte alignment (one flag when all are aligned, the usual case), the
+    request's five scalars (a kept plan's request sets no other field but its sinks, which each
+    launch reads), and the switches that choose the kernels (deterministic algorithms,
+    ``FLASHLITE_HOPPER_KERNEL``)."""
+    ptrs = (do.data_ptr(), q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr())
+    aligned = not (ptrs[0] | ptrs[1] | ptrs[2] | ptrs[3] | ptrs[4] | ptrs[5]) & 15
+    return (
+        q.shape,
+        q.stride(),
+        k.shape,
+        k.stride(),
+        v.stride(),
+        o.stride(),
+        do.stride(),
+        lse.stride(),
+        tensor_meta(dlse),
+        q.dtype,
+        k.dtype,
+        v.dtype,
+        o.dtype,
+        lse.dtype,
+        q.device,
+        True if aligned else tuple(p % 16 for p in ptrs),
+        request[:5],
+        torch.are_deterministic_algorithms_enabled(),
+        _backend.getenv(HOPPER_ENV),
+    )
+
+
+def fused_bwd_applies(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
+    """Whether a plain backward of these views takes the fused Gluon kernel
+    (:func:`~flashlite.ops.attention.backends.common.hopper_bwd_applies`), its gradients
+    allocated as every launch allocates them (the probes are made once per plan)."""
+    dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
+    return hopper_bwd_applies(dq if prescales_q(q) else q, k, v, do, dk, dv)
 
 
 def _nothing(q: torch.Tensor, k: torch.Tensor) -> bool:

@@ -4,6 +4,7 @@ flags, and the backward's preprocess (delta, Qs), which every backward runs firs
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -61,6 +62,24 @@ def empty_output(q: torch.Tensor) -> torch.Tensor:
     order = sorted(range(4), key=lambda i: -q.stride(i))
     o = q.new_empty([q.shape[i] for i in order])
     return o.permute([order.index(i) for i in range(4)])
+
+
+def empty_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    request: object,
+) -> None:
+    """The forward with nothing to compute (no row, or no key at all): every row sees nothing
+    but its sink (``request.sinks``, fp32 ``(Hq,)``, or none)."""
+    o.zero_()
+    sinks = request.sinks  # type: ignore[attr-defined]
+    if sinks is not None:
+        lse.copy_(sinks.view(1, -1, 1).expand(lse.shape))
+    else:
+        lse.fill_(-math.inf)
 
 
 #: ``FLASHLITE_HOPPER_KERNEL=0`` keeps every forward on the Triton kernel (A/B runs, debugging).

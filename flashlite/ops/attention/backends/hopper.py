@@ -1,6 +1,7 @@
-"""The dense Hopper (Gluon) kernels' launch plans: the forward's (:func:`plan_fwd_hopper`) and the
-fused backward's (:func:`plan_bwd_hopper`), each built and run once per kind of call where it
-builds (:func:`run_fwd`, :func:`run_bwd`). The kernels and their tables live in
+"""The dense Hopper (Gluon) backend: the forward's and the fused backward's plans (:func:`plan_fwd`,
+:func:`plan_bwd`) over their bound launches (:func:`plan_fwd_hopper`, :func:`plan_bwd_hopper`),
+each built at its first launch, falling back to the Triton kernels where this Triton cannot
+build it. The kernels and their tables live in
 :mod:`flashlite.kernels.attention.hopper` and :mod:`~flashlite.kernels.attention.hopper_bwd`;
 nothing here runs unless their ``available()`` says Gluon is there."""
 
@@ -10,12 +11,17 @@ from collections.abc import Callable
 
 import torch
 import triton
+from torch import Tensor
 
 from flashlite import _launch
 from flashlite._caches import register
 from flashlite.kernels.attention import hopper as KH
 from flashlite.kernels.attention import hopper_bwd as KHB
+from flashlite.ops.attention.backends.common import LaunchInfo, hopper_launch_config
+from flashlite.ops.attention.backends.common_bwd import Grads, PlainBwd
 from flashlite.ops.attention.backends.common_gluon import NO_TABLES, descriptor, first_build
+from flashlite.ops.attention.plan import Plan, Workspace
+from flashlite.ops.attention.request import Request
 
 
 def plan_fwd_hopper(
@@ -134,55 +140,92 @@ def plan_bwd_hopper(
 fwd_failed: set[tuple] = register("attention.hopper_failed", set())
 
 
-def run_fwd(
+def plan_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    causal: bool,
-    scale: float,
+    request: Request,
     config: KH.HopperConfig,
-    sinks: torch.Tensor | None = None,
-) -> Callable[..., None] | None:
-    """Plan and launch the Gluon kernel: its ``run`` for later calls of this kind, or None
-    (after one warning) if it fails to compile here."""
-    key = (q.dtype, causal, config, sinks is not None)
+    fallback: Callable[[], Plan],
+) -> Plan:
+    """The dense Gluon forward's plan for ``(B, H, N, D)`` views of these kinds (a plain or
+    causal request, sinks allowed; TMA can read the tensors). Its first launch builds the
+    kernel; where this Triton cannot (warned once), the plan becomes ``fallback()``."""
+    causal, sinks = request.mask.is_causal, request.sinks is not None
+    key = (q.dtype, causal, config, sinks)
+    grid = (triton.cdiv(q.shape[2], config.block_m), q.shape[0] * q.shape[1], 1)
+    info = LaunchInfo(hopper_launch_config(config), q.shape[-1], True)
 
-    def build() -> Callable[..., None]:
-        run = plan_fwd_hopper(q, k, causal, scale, config, sinks is not None)
-        run(q, k, v, o, lse, sinks)
-        return run
+    def first(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, r: Request) -> None:
+        def build() -> Callable[..., None]:
+            run = plan_fwd_hopper(q, k, causal, r.scale, config, sinks)
+            run(q, k, v, o, lse, r.sinks)
+            return run
 
-    return first_build(fwd_failed, key, "attention", build, stacklevel=4)
+        run = first_build(fwd_failed, key, "attention", build, stacklevel=5)
+        if run is None:
+            plan.become(fallback())
+            plan.launch(q, k, v, o, lse, r)
+            return
+
+        def steady(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, r: Request) -> None:
+            run(q, k, v, o, lse, r.sinks)
+
+        plan.launch, plan.fallback = steady, None
+
+    plan = Plan("hopper", first, config, True, grid, info=info, fallback=fallback)
+    return plan
 
 
 #: Fused-backward variants whose first launch failed to build: the Triton kernels run them.
 bwd_failed: set[tuple] = register("attention.hopper_bwd_failed", set())
 
 
-def run_bwd(
-    qs: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    do: torch.Tensor,
-    lse: torch.Tensor,
-    delta: torch.Tensor,
-    dq: torch.Tensor,
-    dk: torch.Tensor,
-    dv: torch.Tensor,
-    acc: torch.Tensor,
-    causal: bool,
-    scale: float,
-) -> Callable[..., None] | None:
-    """Plan and launch the fused Gluon backward (``acc``: its zeroed dQ accumulator): its
-    ``run`` for later calls of this kind, or None (after one warning) if it fails to build
-    here."""
-    key = (qs.dtype, qs.shape[-1], causal)
+def plan_bwd(
+    q: torch.Tensor, k: torch.Tensor, request: Request, fallback: Callable[[], Plan]
+) -> Plan:
+    """The fused Gluon backward's plan for a plain request (sinks allowed) on tensors where it
+    applies (:func:`~flashlite.ops.attention.backends.common.hopper_bwd_applies`): the
+    preprocess, then one kernel for dQ, dK and dV. Its first launch builds the kernel; where
+    this Triton cannot (warned once), the plan becomes ``fallback()``."""
+    b, hq, nq, d = q.shape
+    causal, scale = request.causal, request.scale
+    key = (q.dtype, d, causal)
 
-    def build() -> Callable[..., None]:
-        run = plan_bwd_hopper(qs, k, do, dk, dv, causal, scale)
-        run(qs, k, v, do, lse, delta, dq, dk, dv, acc)
-        return run
+    def first(
+        qs: Tensor,
+        k: Tensor,
+        v: Tensor,
+        do: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        dq: Tensor,
+        dk: Tensor,
+        dv: Tensor,
+        acc: Tensor,
+    ) -> Callable[..., None] | None:
+        def build() -> Callable[..., None]:
+            run = plan_bwd_hopper(qs, k, do, dk, dv, causal, scale)
+            run(qs, k, v, do, lse, delta, dq, dk, dv, acc)
+            return run
 
-    return first_build(bwd_failed, key, "fused attention backward", build, stacklevel=4)
+        return first_build(bwd_failed, key, "fused attention backward", build, stacklevel=6)
+
+    frame = PlainBwd(q, causal, scale, True, first)
+
+    def launch(*args: object) -> Grads:
+        grads = frame(*args)  # type: ignore[arg-type]
+        if grads is not None:
+            plan.launch, plan.fallback = frame, None
+            return grads
+        plan.become(fallback())
+        return plan.launch(*args)
+
+    grid = (triton.cdiv(k.shape[2], KHB.BLOCK_N) * b * k.shape[1], 1, 1)
+    scratch = (
+        Workspace("delta", frame.delta_shape, torch.float32),
+        Workspace("dq_accumulator", (b, hq, nq, d), torch.float32),
+    )
+    plan = Plan(
+        "hopper", launch, (KHB.BLOCK_M, KHB.BLOCK_N), True, grid, 1, scratch, None, fallback
+    )
+    return plan

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashlite import _backend, _launch
@@ -23,7 +24,8 @@ from flashlite.ops.attention.backends.common import (
     prescales_q,
 )
 from flashlite.ops.attention.backends.split_kv.splits import decode_tiles, default_splits
-from flashlite.ops.attention.request import tensor_meta
+from flashlite.ops.attention.plan import Plan, Workspace
+from flashlite.ops.attention.request import Request, tensor_meta
 from flashlite.ops.common import on_compute_device
 
 
@@ -116,29 +118,25 @@ def _decode_key(
     )
 
 
-def planned_decode(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    seqlens_k: torch.Tensor | None,
-    mask: masks.Mask,
-    scale: float,
-    num_splits: int,
-    sinks: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """:func:`attention_decode_fwd`'s ``(O, LSE)`` for a call without block table or pinned
-    config, when a call of its kind was planned before; else None, nothing launched (plans
-    exist only for tensors where kernels run: nothing needs moving)."""
-    key = _decode_key(
-        q, k, v, seqlens_k, None, mask, scale, num_splits, None, None, tensor_meta(sinks)
-    )
-    plan = _decode_plans.get(key)
-    if plan is None:
-        return None
-    o = empty_output(q)
-    lse = q.new_empty(q.shape[:3], dtype=torch.float32)
-    plan(q, k, v, seqlens_k, None, o, lse, sinks)
-    return o, lse
+def plan_decode(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, request: Request
+) -> Plan:
+    """The split-KV plan of a forward with ``num_splits`` (not packed) on ``(B, H, N, D)``
+    views of these kinds (``o``: a call's fresh output): the decode kernel over the key chunks,
+    then the merge of their partials (:class:`DecodePlan`)."""
+    r = request
+    sinks = r.sinks is not None
+    dp = DecodePlan(q, k, v, o, r.seqlens_k, None, r.mask, r.scale, r.num_splits, None, None, sinks)
+
+    def run(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, r: Request) -> None:
+        dp(q, k, v, r.seqlens_k, None, o, lse, r.sinks)
+
+    if dp.empty:
+        return Plan("split_kv", run)
+    parts = ()
+    if dp.parts_size is not None:  # the partial outputs and LSEs, one fp32 buffer
+        parts = (Workspace("partials", (dp.parts_size,), torch.float32),)
+    return Plan("split_kv", run, dp.config, dp.use_desc, dp.grid, dp.splits, parts)
 
 
 class DecodePlan:
@@ -190,7 +188,7 @@ class DecodePlan:
             )
         bn = config.block_n
         split_len, splits = key_chunks(nk, bn, num_splits)
-        self.splits = splits
+        self.config, self.splits = config, splits
         if use_desc is None:
             use_desc = config.use_desc
         self.use_desc = use_desc and block_table is None and descriptor_ok(k, v)

@@ -1,7 +1,7 @@
 """The backward over block tables: the preprocess, then flex's fused Hopper backward where it
 applies, else the Triton pair, planned once per kind of call (:class:`BwdPlan`); the body of
 ``flashlite::flex_attention_bwd`` (:func:`flex_bwd_body`) and the built-in window's
-(:func:`window_bwd`)."""
+(:func:`plan_window_bwd`)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
+from torch import Tensor
 
 from flashlite._caches import register
 from flashlite.kernels.attention import flex as KF
 from flashlite.kernels.attention import hopper_bwd as KHB
-from flashlite.masking import masks
 from flashlite.masking.band import band_tables
 from flashlite.masking.mod_args import ModArgs, Slots
 from flashlite.ops.attention.backends.common import (
@@ -36,6 +36,7 @@ from flashlite.ops.attention.backends.tables.args import (
     table_request,
 )
 from flashlite.ops.attention.backends.tables.gluon import plan_flex_bwd
+from flashlite.ops.attention.plan import Plan
 from flashlite.ops.attention.request import Request
 
 
@@ -70,21 +71,27 @@ def flex_bwd_body(
     return plan(do, q, k, v, o, lse, dlse, q_tables, kv_tables, call.tensors, cu)
 
 
-def window_bwd(
-    do: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    o: torch.Tensor,
-    lse: torch.Tensor,
-    dlse: torch.Tensor | None,
-    km: masks.KernelMask,
-    scale: float,
-    block: tuple[int, int],
-) -> Grads:
-    """``(dq, dk, dv)`` of a window backward: flex's backward over the band's tables."""
-    band = band_tables(km, q.shape[2], k.shape[2], block, q.device)
-    return flex_bwd_body(do, q, k, v, o, lse, dlse, table_request(band, scale))
+def plan_window_bwd(request: Request, block: tuple[int, int]) -> Plan:
+    """The plan of a window backward (a request of a window and nothing else) where the fused
+    flex backward applies: flex's backward over the band's tables of ``block`` tiles, launched
+    per call (the flex plan underneath is kept per kind)."""
+
+    def launch(
+        do: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        o: Tensor,
+        lse: Tensor,
+        dlse: Tensor | None,
+        request: Request,
+        dsinks: Tensor | None,
+    ) -> Grads:
+        nq, nk = q.shape[2], k.shape[2]
+        band = band_tables(request.mask.kernel(nq, nk), nq, nk, block, q.device)
+        return flex_bwd_body(do, q, k, v, o, lse, dlse, table_request(band, request.scale))
+
+    return Plan("tables", launch, block, True)
 
 
 # --------------------------------------------------------------------------- backward
@@ -170,7 +177,7 @@ class BwdPlan:
 
     def _first(self, c: BwdCall) -> Callable[[BwdCall], None]:
         """Launch this call; the launches later calls repeat. The fused Gluon kernel where it
-        applies (as the dense backward's, :func:`~flashlite.ops.attention.bwd.
+        applies (as the dense backward's, :func:`~flashlite.ops.attention.backends.common.
         hopper_bwd_applies`, with tables of its 128 × 128 tiles, not varlen): the preprocess
         writes delta, ``Qs`` into ``dq``'s memory and zeros into dQ's fp32 accumulator, then
         one kernel adds every gradient. Else (or after one warning if it failed to build) the

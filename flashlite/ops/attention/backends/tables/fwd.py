@@ -1,6 +1,7 @@
 """The forward over block tables: flex's kernels (the Hopper one where it applies, else Triton's),
 planned once per kind of call (:class:`FwdPlan`); the body of ``flashlite::flex_attention_fwd``
-(:func:`flex_fwd_body`) and the built-in window as its band's tables (:func:`window_fwd`)."""
+(:func:`flex_fwd_body`) and the built-in window's plan over its band's tables
+(:func:`plan_window_fwd`)."""
 
 from __future__ import annotations
 
@@ -9,14 +10,20 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from flashlite._caches import register
+from flashlite.kernels import configs as C
 from flashlite.kernels.attention import flex as KF
 from flashlite.kernels.attention import hopper as KH
-from flashlite.masking import masks
 from flashlite.masking.band import band_tables
 from flashlite.masking.mod_args import ModArgs, Slots
-from flashlite.ops.attention.backends.common import descriptor_ok, hopper_config
+from flashlite.ops.attention.backends.common import (
+    LaunchInfo,
+    descriptor_ok,
+    hopper_config,
+    hopper_launch_config,
+)
 from flashlite.ops.attention.backends.common_gluon import first_build
 from flashlite.ops.attention.backends.tables import args as FA
 from flashlite.ops.attention.backends.tables.args import (
@@ -32,6 +39,7 @@ from flashlite.ops.attention.backends.tables.args import (
     table_request,
 )
 from flashlite.ops.attention.backends.tables.gluon import plan_flex_fwd
+from flashlite.ops.attention.plan import Plan
 from flashlite.ops.attention.request import Request
 
 
@@ -57,26 +65,25 @@ def _plan(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: FA.TableCall)
     return plan
 
 
-def window_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    km: masks.KernelMask,
-    scale: float,
-    block: tuple[int, int],
-) -> tuple[torch.Tensor, torch.Tensor, Callable[..., tuple[torch.Tensor, torch.Tensor]]]:
-    """``(o, lse)`` of a window forward on non-empty ``(B, H, N, D)`` views: flex's forward
-    over the band's tables of ``block`` tiles; and its ``run(q, k, v)`` for later calls of the
-    same kind (shapes, strides, dtype, device, alignment, window and scale)."""
-    band = band_tables(km, q.shape[2], k.shape[2], block, q.device)
-    call = FA.table_call(table_request(band, scale))
-    plan, tables, tensors = _plan(q, k, v, call), call.tables[:4], call.tensors
+def plan_window_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request, config: KH.HopperConfig
+) -> Plan:
+    """The plan of a window forward (a request of a window and nothing else) on non-empty
+    ``(B, H, N, D)`` views of these kinds: flex's forward over the band's tables, in tiles of
+    the Gluon forward's ``config`` (its grid; the flex plan falls back to Triton's kernel where
+    the Gluon one fails to build)."""
+    nq, nk = q.shape[2], k.shape[2]
+    block = (config.block_m, config.block_n)
+    band = band_tables(request.mask.kernel(nq, nk), nq, nk, block, q.device)
+    call = FA.table_call(table_request(band, request.scale))
+    flex, tables, tensors = _plan(q, k, v, call), call.tables[:4], call.tensors
 
-    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return plan(q, k, v, tables, tensors)
+    def run(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, r: Request) -> None:
+        flex(q, k, v, tables, tensors, out=(o, lse))
 
-    o, lse = run(q, k, v)
-    return o, lse, run
+    grid = (C.cdiv(nq, config.block_m), q.shape[0] * q.shape[1], 1)
+    info = LaunchInfo(hopper_launch_config(config), q.shape[-1], True)
+    return Plan("tables", run, block, True, grid, info=info)
 
 
 # --------------------------------------------------------------------------- forward
@@ -121,9 +128,13 @@ class FwdPlan:
         tables: tuple[torch.Tensor, ...],
         tensors: list[torch.Tensor],
         cu: Offsets = None,
+        out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        o = torch.empty_like(q)
-        lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        if out is None:
+            o = torch.empty_like(q)
+            lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
+        else:  # (a window's launcher allocated them, strided as its plan's key says)
+            o, lse = out
         bufs = self.slots(tensors)
         cu = cu or (tables[0], tables[0])  # (placeholders, never read)
         if self.run is None:

@@ -1,5 +1,6 @@
 """The Triton backward pair (dK/dV, then dQ), each as a one-off launch (``bwd_*``, masked
-backwards) and as a plan bound once (``plan_*``); the preprocess before them is
+backwards) and as a launch bound once (``plan_dkdv``, ``plan_dq``); the backward's plans on them
+(:func:`plan_plain`, :func:`plan_masked`). The preprocess before them is
 :mod:`~flashlite.ops.attention.backends.common`'s."""
 
 from __future__ import annotations
@@ -7,13 +8,25 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashlite import _backend, _launch
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import bwd as KB
 from flashlite.masking import masks
-from flashlite.ops.attention.backends.common import Varlen, descriptor_ok, dot_flags, prescales_q
+from flashlite.ops.attention.backends.common import (
+    Varlen,
+    bwd_preprocess,
+    descriptor_ok,
+    dot_flags,
+    empty_output,
+    prescales_q,
+)
+from flashlite.ops.attention.backends.common_bwd import Grads, PlainBwd, sink_grad
+from flashlite.ops.attention.backends.triton.config import bwd_config
+from flashlite.ops.attention.plan import Plan, Workspace
+from flashlite.ops.attention.request import Request
 
 
 def _bwd_args(
@@ -277,8 +290,8 @@ def plan_pair(
     scale: float,
     cfg: C.BwdConfig,
 ) -> Callable[..., None]:
-    """``main(qs, k, v, do, lse, delta, dq, dk, dv)`` of the Triton pair (:func:`plan_dkdv`,
-    then :func:`plan_dq`) for tensors of these kinds."""
+    """``main(qs, k, v, do, lse, delta, dq, dk, dv, acc=None)`` of the Triton pair
+    (:func:`plan_dkdv`, then :func:`plan_dq`) for tensors of these kinds."""
     dkdv = plan_dkdv(qs, k, v, do, lse, delta, dk, dv, causal, scale, cfg)
     dq_run = plan_dq(qs, k, v, do, lse, delta, dq, causal, scale, cfg)
 
@@ -292,8 +305,70 @@ def plan_pair(
         dq: torch.Tensor,
         dk: torch.Tensor,
         dv: torch.Tensor,
+        acc: None = None,  # (the fused kernel's accumulator: the pair needs none)
     ) -> None:
         dkdv(qs, k, v, do, lse, delta, dk, dv)
         dq_run(qs, k, v, do, lse, delta, dq)
 
     return main
+
+
+def plan_plain(q: torch.Tensor, k: torch.Tensor, request: Request) -> Plan:
+    """The Triton pair's plan for a plain backward (sinks allowed) on tensors of these kinds:
+    the preprocess, dK/dV, then dQ, each launch bound at the first call."""
+    b, hq, nq, d = q.shape
+    causal, scale = request.causal, request.scale
+    cfg = bwd_config(q.device, q.dtype, d, causal)
+
+    def first(
+        qs: Tensor,
+        k: Tensor,
+        v: Tensor,
+        do: Tensor,
+        lse: Tensor,
+        delta: Tensor,
+        dq: Tensor,
+        dk: Tensor,
+        dv: Tensor,
+        acc: None,
+    ) -> Callable[..., None]:
+        pair = plan_pair(qs, k, v, do, lse, delta, dq, dk, dv, causal, scale, cfg)
+        pair(qs, k, v, do, lse, delta, dq, dk, dv)
+        return pair
+
+    scratch = (Workspace("delta", (b, hq, nq), torch.float32),)
+    grid = (C.cdiv(k.shape[2], cfg.kv_block_n), b * k.shape[1], 1)  # (dK/dV's: per key block)
+    frame = PlainBwd(q, causal, scale, False, first)
+    return Plan("triton", frame, cfg, False, grid, 1, scratch)
+
+
+def plan_masked(q: torch.Tensor, request: Request, config: C.BwdConfig | None) -> Plan:
+    """The Triton pair's plan for a backward with a window, soft cap, lengths, packing or a
+    pinned config (``config``): the preprocess and both kernels launched per call."""
+    cfg = config or bwd_config(q.device, q.dtype, q.shape[-1], request.causal)
+
+    def launch(
+        do: Tensor,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        o: Tensor,
+        lse: Tensor,
+        dlse: Tensor | None,
+        request: Request,
+        dsinks: Tensor | None,
+    ) -> Grads:
+        mask, scale, sinks = request.mask, request.scale, request.sinks
+        lengths = {"seqlens_k": request.seqlens_k, "varlen": request.varlen}
+        dq, dk, dv = empty_output(q), empty_output(k), empty_output(v)
+        qs = dq if prescales_q(q) else q
+        delta = bwd_preprocess(o, do, lse, dlse, q, qs, scale)
+        lse = lse.contiguous()
+        if sinks is not None:
+            sink_grad(sinks, lse, delta, dsinks)
+        bwd_dkdv(qs, k, v, do, lse, delta, dk, dv, mask, scale, cfg, **lengths)
+        bwd_dq(qs, k, v, do, lse, delta, dq, mask, scale, cfg, **lengths)
+        return dq, dk, dv
+
+    scratch = (Workspace("delta", q.shape[:3], torch.float32),)
+    return Plan("triton", launch, cfg, False, None, 1, scratch)

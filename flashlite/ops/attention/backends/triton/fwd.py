@@ -1,11 +1,10 @@
-"""The Triton forward kernel's launch: its config (pinned, the measured table or the autotuner), its
-arguments (descriptors or pointers), bound once for a call of mask scalars only."""
+"""The Triton forward kernel's plan: its config (pinned, the measured table or the autotuner), its
+arguments (descriptors or pointers), its launch bound once for a call of mask scalars only."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
+from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from flashlite import _launch
@@ -18,10 +17,11 @@ from flashlite.ops.attention.backends.triton.config import (
     triton_plan,
     tuned_kernel,
 )
+from flashlite.ops.attention.plan import Plan
 from flashlite.ops.attention.request import Request
 
 
-def run_triton(
+def plan_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -29,19 +29,21 @@ def run_triton(
     lse: torch.Tensor,
     request: Request,
     use_desc: bool,
-    config: C.Config | None,
-    prescale_q: bool | None,
-    bind: bool,
-) -> tuple[torch.Tensor, torch.Tensor, LaunchInfo, Callable[..., None] | None]:
-    """The Triton forward kernel, launched: its config (pinned, the measured table or the
-    autotuner); with ``bind`` (a call of mask scalars only) also its bound
-    ``run(q, k, v, o, lse)`` for later calls of this kind (else None)."""
+    config: C.Config | None = None,
+    prescale_q: bool | None = None,
+    bind: bool = False,
+) -> Plan:
+    """The Triton forward kernel's plan for tensors of these kinds (``o``, ``lse``: a call's
+    fresh outputs): its config (pinned, the measured table or, where neither has one, the
+    autotuner at the first launch), grid and launch. With ``bind`` (a request of mask scalars
+    only, whose plan is kept) the launch is bound here, every argument fixed but the tensors;
+    otherwise it builds its arguments per launch."""
     b, hq, nq, d = q.shape
     nk = k.shape[2]
     km = request.mask.kernel(nq, nk)
     seqlens_k, varlen, sinks = request.seqlens_k, request.varlen, request.sinks
     small = small_problem(q, k)
-    config, launch = triton_plan(
+    config, options = triton_plan(
         q.device,
         q.dtype,
         d,
@@ -57,38 +59,72 @@ def run_triton(
         fixed_reference(q.dtype, request.softcap, sinks),
         sinks is not None,
     )
-    block_d = launch["BLOCK_D"]
-    if use_desc:  # block shapes are set per config (set_block_shapes), placeholders here
-        bm, bn = (config.block_m, config.block_n) if config is not None else (16, 16)
-        srcs = _descriptors(q, k, v, o, bm, bn, block_d)
-        if varlen is not None:  # O is stored through pointers (blocks cross sequences)
-            srcs[3] = o
-    else:
-        srcs = [q, k, v, o]
-    args = _kernel_args(srcs, q, k, v, o, lse, km, request)
+    make = _Args(km, use_desc, options["BLOCK_D"])
     # packed sequences: one program row per sequence, as many query blocks as the longest has
     rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
     if config is None:  # no measured entry here: the autotuner, per length bucket
-        tuned = tuned_kernel(rows, nk)
-        tuned[lambda meta: (C.cdiv(rows, meta["BLOCK_M"]), seqs * hq)](*args, **launch)  # type: ignore[index]
-        return o, lse, LaunchInfo(C.Config.of(tuned.best_config), block_d, use_desc), None  # type: ignore[attr-defined]
+        return _autotuned(make, options, rows, seqs * hq, nk)
     grid = (C.cdiv(rows, config.block_m), seqs * hq, 1)
     launcher = _launch.launcher(K._attention_fwd_kernel)
-    info = LaunchInfo(config, block_d, use_desc)
-    if not bind:
-        launcher.bind(args, launch)(grid, *args)
-        return o, lse, info, None
-    # the plan's launch takes q, k, v, o themselves where its descriptors read them
-    bound = launcher.bind_tensors(args, launch)
+    info = LaunchInfo(config, make.block_d, use_desc)
+    if not bind:  # the arguments built per launch
+
+        def per_call(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, r: Request) -> None:
+            args = make(q, k, v, o, lse, r, config)
+            launcher.bind(args, options)(grid, *args)
+
+        return Plan("triton", per_call, config, use_desc, grid, info=info)
+    # one bound launch, which takes q, k, v, o themselves where its descriptors read them
+    args = make(q, k, v, o, lse, request, config)
+    bound = launcher.bind_tensors(args, options)
     tail = args[5:-4]  # strides, sizes, scale, mask values (then four placeholders)
 
-    def run(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
-    ) -> None:
+    def run(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, r: Request) -> None:
         bound(grid, q, k, v, o, lse, *tail, lse, lse, lse, lse)
 
-    run(q, k, v, o, lse)
-    return o, lse, info, run
+    return Plan("triton", run, config, use_desc, grid, info=info)
+
+
+class _Args:
+    """The kernel's arguments for one call: its tensors, or their TMA descriptors."""
+
+    def __init__(self, km: masks.KernelMask, use_desc: bool, block_d: int) -> None:
+        self.km, self.use_desc, self.block_d = km, use_desc, block_d
+
+    def __call__(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        o: Tensor,
+        lse: Tensor,
+        request: Request,
+        config: C.Config | None,
+    ) -> tuple:
+        if self.use_desc:  # block shapes are set per config (set_block_shapes): placeholders
+            bm, bn = (config.block_m, config.block_n) if config is not None else (16, 16)
+            srcs = _descriptors(q, k, v, o, bm, bn, self.block_d)
+            if request.varlen is not None:  # O is stored through pointers (blocks cross rows)
+                srcs[3] = o
+        else:
+            srcs = [q, k, v, o]
+        return _kernel_args(srcs, q, k, v, o, lse, self.km, request)
+
+
+def _autotuned(make: _Args, options: dict, rows: int, programs: int, nk: int) -> Plan:
+    """The plan where no table has an entry: the autotuner's kernel for this length bucket,
+    whose pick (the plan's config) is known from its first launch."""
+    tuned = tuned_kernel(rows, nk)
+
+    def autotuned(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, r: Request) -> None:
+        args = make(q, k, v, o, lse, r, None)
+        tuned[lambda meta: (C.cdiv(rows, meta["BLOCK_M"]), programs)](*args, **options)  # type: ignore[index]
+        if plan.config is None:
+            plan.config = C.Config.of(tuned.best_config)  # type: ignore[attr-defined]
+            plan.info = LaunchInfo(plan.config, make.block_d, make.use_desc)
+
+    plan = Plan("triton", autotuned, use_desc=make.use_desc)
+    return plan
 
 
 def _kernel_args(
