@@ -51,7 +51,6 @@ from flashlite.ops.attention.api import attention, attention_varlen
 from flashlite.ops.attention.backends.common import (
     DESC_MIN_WORK,
     HOPPER_ENV,
-    LaunchInfo,
     bwd_preprocess,
     empty_output,
     hopper_bwd_applies,
@@ -81,7 +80,7 @@ from flashlite.ops.attention.checks import check_inputs, check_sinks
 from flashlite.ops.attention.flex import compiled_variants, flex_attention
 from flashlite.ops.attention.kvcache import attention_kvcache
 from flashlite.ops.attention.ops import attention_bwd, attention_fwd
-from flashlite.ops.attention.plan import Plan, Workspace
+from flashlite.ops.attention.plan import LaunchInfo, Plan, Workspace
 from flashlite.ops.attention.planner import gpu_config
 from flashlite.ops.attention.request import Request
 from flashlite.ops.attention.shared_prefix import attention_shared_prefix

@@ -11,8 +11,9 @@ import torch
 from flashlite.kernels import configs as C
 from flashlite.ops._dispatch import Op
 from flashlite.ops.attention import planner
-from flashlite.ops.attention.backends.common import LaunchInfo, empty_output
+from flashlite.ops.attention.backends.common import empty_output
 from flashlite.ops.attention.checks import check_bwd_grads
+from flashlite.ops.attention.plan import LaunchInfo
 from flashlite.ops.attention.planner import BWD_FIELDS, FWD_FIELDS
 from flashlite.ops.attention.request import Request
 from flashlite.ops.common import on_compute_device

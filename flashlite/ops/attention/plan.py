@@ -3,9 +3,9 @@
 The planner (:mod:`~flashlite.ops.attention.planner`) makes a plan; a backend fills in its tiles,
 grid, scratch and bound launch; the launchers (:func:`~flashlite.ops.attention.ops.attention_fwd`,
 :func:`~flashlite.ops.attention.ops.attention_bwd`) call ``plan.launch`` and the traffic tools read
-the rest. A
-plan made for one kind of call (shapes, strides, dtype, device, alignment, the request's key) is
-kept and reused by every later call of that kind.
+the rest (:class:`LaunchInfo`). A plan made for one kind of call (shapes, strides, dtype, device,
+alignment, the request's key) is kept and reused by every later call of that kind. This module
+imports nothing of the front-end: every backend may import it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,16 @@ from typing import Any, NamedTuple
 
 import torch
 
-from flashlite.ops.attention.backends.common import LaunchInfo
+from flashlite.kernels import configs as C
+
+
+@dataclass(frozen=True)
+class LaunchInfo:
+    """What one kernel launch used (read by the traffic tools and the benchmark)."""
+
+    config: C.Config
+    block_d: int
+    use_desc: bool
 
 
 class Workspace(NamedTuple):
@@ -55,8 +64,8 @@ class Plan:
         grid: the main kernel's grid; None where the autotuner's tile sets it per launch.
         splits: key chunks per row block (split-KV), else 1.
         workspaces: scratch each launch allocates (:class:`Workspace`).
-        info: what the launch reports (:class:`~flashlite.ops.attention.backends.common.
-            LaunchInfo`: the traffic tools and the benchmarks read it), None when nothing runs.
+        info: what the launch reports (:class:`LaunchInfo`: the traffic tools and the
+            benchmarks read it), None when nothing runs.
         fallback: a Gluon plan's Triton plan, made (and become, after one warning) only if
             the Gluon kernel fails to build with this Triton.
     """

@@ -1,4 +1,4 @@
-"""What every backend reads: what one launch used (:class:`LaunchInfo`), when TMA descriptors pay
+"""What every backend reads: when TMA descriptors pay
 and can read a tensor, where the Hopper (Gluon) kernels apply and with which tile, the precision
 flags, and the backward's preprocess (delta, Qs), which every backward runs first."""
 
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -26,15 +25,6 @@ Varlen = tuple[torch.Tensor, torch.Tensor, int, int]
 #: about 35 µs per call on the H200 with Triton 3.6), more than TMA saves on a small problem;
 #: from about a billion multiply-adds the kernel runs long enough for TMA to pay.
 DESC_MIN_WORK = 1 << 30
-
-
-@dataclass(frozen=True)
-class LaunchInfo:
-    """What one kernel launch used (read by the traffic tools and the benchmark)."""
-
-    config: C.Config
-    block_d: int
-    use_desc: bool
 
 
 def small_problem(q: torch.Tensor, k: torch.Tensor) -> bool:

@@ -17,10 +17,10 @@ from flashlite import _launch
 from flashlite._caches import register
 from flashlite.kernels.attention import hopper as KH
 from flashlite.kernels.attention import hopper_bwd as KHB
-from flashlite.ops.attention.backends.common import LaunchInfo, hopper_launch_config
+from flashlite.ops.attention.backends.common import hopper_launch_config
 from flashlite.ops.attention.backends.common_bwd import Grads, PlainBwd
 from flashlite.ops.attention.backends.common_gluon import NO_TABLES, descriptor, first_build
-from flashlite.ops.attention.plan import Plan, Workspace
+from flashlite.ops.attention.plan import LaunchInfo, Plan, Workspace
 from flashlite.ops.attention.request import Request
 
 

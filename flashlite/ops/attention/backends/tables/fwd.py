@@ -19,7 +19,6 @@ from flashlite.kernels.attention import hopper as KH
 from flashlite.masking.band import band_tables
 from flashlite.masking.mod_args import ModArgs, Slots
 from flashlite.ops.attention.backends.common import (
-    LaunchInfo,
     descriptor_ok,
     hopper_config,
     hopper_launch_config,
@@ -39,7 +38,7 @@ from flashlite.ops.attention.backends.tables.args import (
     table_request,
 )
 from flashlite.ops.attention.backends.tables.gluon import plan_flex_fwd
-from flashlite.ops.attention.plan import Plan
+from flashlite.ops.attention.plan import LaunchInfo, Plan
 from flashlite.ops.attention.request import Request
 
 

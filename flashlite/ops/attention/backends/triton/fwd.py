@@ -11,13 +11,13 @@ from flashlite import _launch
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import fwd as K
 from flashlite.masking import masks
-from flashlite.ops.attention.backends.common import LaunchInfo, small_problem
+from flashlite.ops.attention.backends.common import small_problem
 from flashlite.ops.attention.backends.triton.config import (
     fixed_reference,
     triton_plan,
     tuned_kernel,
 )
-from flashlite.ops.attention.plan import Plan
+from flashlite.ops.attention.plan import LaunchInfo, Plan
 from flashlite.ops.attention.request import Request
 
 
