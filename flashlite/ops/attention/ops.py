@@ -63,7 +63,7 @@ def attention_fwd_body(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     # a call of a kind planned before goes straight to its plan (plans exist only for tensors
     # where kernels run, so nothing needs moving)
-    plan = planner.kept_forward(planner.forward_key(q, k, v, request))
+    plan = planner.kept_forward(q, k, v, request)
     if plan is None:
         o, lse, _ = attention_fwd(q, k, v, request)
         return o, lse
@@ -128,7 +128,7 @@ def attention_bwd_body(
     check_bwd_grads(do, o, lse, dlse)
     dsinks = lse.new_empty((0,) if request.sinks is None else request.sinks.shape)
     if request.plain:  # a plain backward of a kind planned before: straight to its plan
-        plan = planner.kept_backward(planner.backward_key(do, q, k, v, o, lse, dlse, request))
+        plan = planner.kept_backward(do, q, k, v, o, lse, dlse, request)
         if plan is not None:
             return (*plan.launch(do, q, k, v, o, lse, dlse, request, dsinks), dsinks)
     grads = attention_bwd(do, q, k, v, o, lse, dlse, request, dsinks=dsinks)

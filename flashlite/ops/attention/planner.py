@@ -291,14 +291,27 @@ _fwd_plans = Cache("attention.fwd", 1024)
 _bwd_plans = Cache("attention.bwd", 1024)
 
 
-def kept_forward(key: tuple | None) -> Plan | None:
-    """The plan kept for a forward's :func:`forward_key`, else None."""
+def kept_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request
+) -> Plan | None:
+    """The plan kept for a forward of this kind (:func:`forward_key`), else None: what the
+    op's body looks up before anything else."""
+    key = forward_key(q, k, v, request)
     return None if key is None else _fwd_plans.get(key)
 
 
-def kept_backward(key: tuple) -> Plan | None:
-    """The plan kept for a plain backward's :func:`backward_key`, else None."""
-    return _bwd_plans.get(key)
+def kept_backward(
+    do: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    o: torch.Tensor,
+    lse: torch.Tensor,
+    dlse: torch.Tensor | None,
+    request: Request,
+) -> Plan | None:
+    """The plan kept for a plain backward of this kind (:func:`backward_key`), else None."""
+    return _bwd_plans.get(backward_key(do, q, k, v, o, lse, dlse, request))
 
 
 def backward(

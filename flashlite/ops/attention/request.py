@@ -130,8 +130,10 @@ class Request(NamedTuple):
         """The Request of :func:`flashlite.attention`'s public options (``seqlens_k`` and
         ``sinks`` already checked; the window and soft cap checked here)."""
         usual = window is None and softcap is None and seqlens_k is None and sinks is None
-        if usual and not num_splits:  # nothing to check or normalise (tuple's own new: no
-            return _new(cls, (scale, causal) + _PLAIN_TAIL)  # Python-level defaults)
+        if usual:  # nothing to check or normalise (tuple's own new: no Python-level defaults)
+            if not num_splits:
+                return _new(cls, (scale, causal) + _PLAIN_TAIL)
+            return _new(cls, (scale, causal) + _BEFORE_SPLITS + (num_splits,) + _AFTER_SPLITS)
         mask = masks.describe(causal, window, softcap)  # (checked, unlimited sides None)
         causal, left, right = _normal(mask.causal, mask.left, mask.right)
         return cls(
@@ -227,6 +229,9 @@ _PLAIN_TAIL = (None,) * (len(Request._fields) - 2)
 _NONES = (None,) * len(Request._fields)
 _SCALAR_TAIL = (None,) * (len(Request._fields) - 5)
 _new = tuple.__new__
+#: A request of splits alone: the unset fields before and after ``num_splits``.
+_BEFORE_SPLITS = (None,) * (Request._fields.index("num_splits") - 2)
+_AFTER_SPLITS = (None,) * (len(Request._fields) - Request._fields.index("num_splits") - 1)
 
 
 @memo("attention.request_runs")
