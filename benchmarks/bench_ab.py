@@ -18,6 +18,10 @@ host-bound loop only adds time). Benchmarks and the metric read from each row:
     mods           bench_mods.py --quick: ``ms["flashlite"]`` per point
     probe          bench_ab_probe.py: a minute's probe of a few small calls' host-bound loop
                    and a few large calls' kernel time (the quick check between the others)
+    pairs          the loops job's cases with both trees alive at once (one bench_ab_worker.py
+                   per tree): each round asks the two trees for one loop round of a case, one
+                   after the other, case by case, so a drifting host drifts for both alike
+                   (``--rounds``: 7 or more; the loop column's 1000 calls a round)
 
 Writes ``benchmarks/results/ab-<device slug>.{json,png}`` and prints the table last.
 
@@ -80,6 +84,7 @@ JOBS: dict[str, tuple[list[str], str, Callable[[Row], Any], Callable[[Row], floa
         lambda r: (r["point"],),
         lambda r: r.get("value"),
     ),
+    "pairs": ([], "", lambda r: None, lambda r: None),  # (run by run_pairs, not as a script)
     "mods": (
         ["bench_mods.py", "--quick"],
         "mods",
@@ -125,6 +130,53 @@ def run_job(tree: Path, job: str, cases: list[str] | None = None) -> dict[Any, f
     return found
 
 
+def run_pairs(
+    trees: dict[str, Path], words: list[str] | None, rounds: int, command: list[str] | None = None
+) -> dict[tuple[str, Any], dict[str, list[float]]]:
+    """The ``pairs`` job: one worker per tree (``command``, default bench_ab_worker.py, run with
+    that tree on ``PYTHONPATH``), asked in turn for one round of each case both have, the order
+    of the two trees swapped every round. Returns the µs per call of every round, by case."""
+    command = command or [sys.executable, str(HERE / "bench_ab_worker.py")]
+    workers = {}
+    for side, tree in trees.items():
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "text": True}
+        workers[side] = subprocess.Popen([*command, *(words or [])], cwd=tree, env=env, **pipes)
+    try:
+        names = {side: _ask(w, None)["cases"] for side, w in workers.items()}
+        cases = [n for n in names["old"] if n in names["new"]]
+        times: dict[tuple[str, Any], dict[str, list[float]]] = {}
+        dropped: set[str] = set()
+        for r in range(rounds):
+            for name in cases:
+                for side in ("old", "new") if r % 2 == 0 else ("new", "old"):
+                    reply = _ask(workers[side], name) if name not in dropped else {}
+                    if "error" in reply:  # (a case one tree cannot run is left out of both)
+                        print(f"pairs: {side} on {name}: {reply['error']}", file=sys.stderr)
+                        dropped.add(name)
+                    elif "us" in reply:
+                        times.setdefault(("pairs", (name,)), {"old": [], "new": []})
+                        times[("pairs", (name,))][side].append(reply["us"])
+            print(f"pairs: round {r + 1} done", flush=True)
+        return {k: t for k, t in times.items() if k[1][0] not in dropped}
+    finally:
+        for w in workers.values():
+            if w.poll() is None:
+                w.communicate("quit\n", timeout=60)
+
+
+def _ask(worker: subprocess.Popen, name: str | None) -> dict[str, Any]:
+    """One request to a worker (None: its opening line) and its reply."""
+    assert worker.stdin is not None and worker.stdout is not None
+    if name is not None:
+        worker.stdin.write(name + "\n")
+        worker.stdin.flush()
+    line = worker.stdout.readline()
+    if not line:
+        raise RuntimeError(f"a bench_ab worker stopped (exit {worker.wait()}); see its stderr")
+    return json.loads(line)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--old", type=Path, required=True, help="the baseline tree")
@@ -133,12 +185,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="runs of each job from each tree")
     ap.add_argument("--name", default="ab", help="results file stem (before the device slug)")
     ap.add_argument(
-        "--cases", nargs="+", metavar="WORD", default=None, help="loops: only these cases"
+        "--cases", nargs="+", metavar="WORD", default=None, help="loops, pairs: only these cases"
     )
     args = ap.parse_args(argv)
     trees = {"old": args.old.resolve(), "new": args.new.resolve()}
     times: dict[tuple[str, Any], dict[str, list[float]]] = {}
     for job in args.jobs:
+        if job == "pairs":  # (its own rounds, both trees alive at once)
+            times.update(run_pairs(trees, args.cases, args.rounds))
+            table = report(times, trees, args)
+            continue
         for r in range(args.rounds):
             for side in ("old", "new") if r % 2 == 0 else ("new", "old"):
                 for k, m in run_job(trees[side], job, args.cases).items():
