@@ -412,6 +412,7 @@ BENCHMARKS = (
         "bench_ab_probe.py",
         "one tree's quick probe for bench_ab: a few calls' host loop and kernels",
     ),
+    ("bench_ab_worker.py", "one tree's side of bench_ab's pairs job (started by bench_ab)"),
     ("bench_models.py", "Hugging Face Llama training step and generation against SDPA"),
     ("bench_traffic.py", "measured DRAM bytes with Nsight Compute against the model"),
     ("bench_ring.py", "ring attention on two GPUs against one"),
