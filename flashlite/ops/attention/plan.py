@@ -61,7 +61,8 @@ class Plan:
             or the tables' ``(block_m, block_n)``; None where the autotuner picks at the first
             launch (it is filled in then).
         use_desc: the kernel loads through TMA descriptors.
-        grid: the main kernel's grid; None where the autotuner's tile sets it per launch.
+        grid: the main kernel's grid; None where each launch works it out (the autotuner's
+            tile, a backward planned per call) or nothing launches.
         splits: key chunks per row block (split-KV), else 1.
         workspaces: scratch each launch allocates (:class:`Workspace`).
         info: what the launch reports (:class:`LaunchInfo`: the traffic tools and the
