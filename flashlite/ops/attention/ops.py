@@ -52,8 +52,9 @@ def attention_fwd(
     """
     o = empty_output(q)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-    pins = {"config": config, "use_desc": use_desc, "prescale_q": prescale_q}
-    plan = planner.forward(q, k, v, o, lse, request, **pins)
+    plan = planner.forward(
+        q, k, v, o, lse, request, config=config, use_desc=use_desc, prescale_q=prescale_q
+    )
     plan.launch(q, k, v, o, lse, request)
     return o, lse, plan.info
 

@@ -154,14 +154,8 @@ def forward(
     kind of call planned before (:func:`forward_key`) gets its plan back."""
     pinned = config is not None or use_desc is not None or prescale_q is not None
     key = None if pinned else forward_key(q, k, v, request)
-    if key is not None:
-        plan = _fwd_plans.get(key)
-        if plan is not None:
-            return plan
-    plan = _plan_forward(q, k, v, o, lse, request, config, use_desc, prescale_q, key is not None)
-    if key is not None:
-        _fwd_plans.put(key, plan)
-    return plan
+    args = (q, k, v, o, lse, request, config, use_desc, prescale_q, key is not None)
+    return _plan_forward(*args) if key is None else _fwd_plans.made(key, _plan_forward, *args)
 
 
 def _plan_forward(
@@ -329,16 +323,10 @@ def backward(
     """The backward's plan (``config``: the caller's pinned tiles, which only the Triton pair
     takes). A plain backward (sinks allowed) is planned once per kind of tensors
     (:func:`backward_key`)."""
-    keep = config is None and request.only("sinks")
-    key = backward_key(do, q, k, v, o, lse, dlse, request) if keep else None
-    if key is not None:
-        plan = _bwd_plans.get(key)
-        if plan is not None:
-            return plan
-    plan = _plan_backward(do, q, k, v, request, config)
-    if key is not None:
-        _bwd_plans.put(key, plan)
-    return plan
+    if config is not None or not request.only("sinks"):
+        return _plan_backward(do, q, k, v, request, config)
+    key = backward_key(do, q, k, v, o, lse, dlse, request)
+    return _bwd_plans.made(key, _plan_backward, do, q, k, v, request, config)
 
 
 def _plan_backward(
