@@ -82,8 +82,8 @@ class TableCall(NamedTuple):
 
 #: :func:`table_call`'s per request (while the mods' registry is unchanged): a loop reuses
 #: its request (:func:`table_request` keeps one per block mask), so its call is worked out once.
-#: A few at most: each holds its request's tables and buffers alive.
-_calls: dict[int, tuple[Request, int, TableCall]] = register("flex.calls", {})
+#: A few at most (the oldest goes first): each holds its request's tables and buffers alive.
+_calls = Cache("flex.calls", 8)
 
 
 def table_call(request: Request) -> TableCall:
@@ -92,9 +92,7 @@ def table_call(request: Request) -> TableCall:
     if found is not None and found[0] is request and found[1] == M.registry_version():
         return found[2]
     call = _table_call(request)
-    if len(_calls) >= 8:  # (more masks than a model takes turns with: start again)
-        _calls.clear()
-    _calls[id(request)] = (request, M.registry_version(), call)
+    _calls.put(id(request), (request, M.registry_version(), call))
     return call
 
 
