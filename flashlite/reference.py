@@ -195,3 +195,70 @@ def sdpa(
     }[backend]
     with sdpa_kernel(pinned):
         return run(q, k, v, scale=scale, **extra)
+
+
+def quantize_e4m3(
+    x: torch.Tensor, per_head: bool = False, kv_heads: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` (``b h n d``) as ``float8_e4m3fn`` and its fp32 descale factor (``x ≈
+    x8·descale``): the largest magnitude maps to e4m3's 448. ``per_head``: one factor per
+    batch and KV head, ``(B, kv_heads)`` (default: x's heads; queries share one per group of
+    ``H / kv_heads`` heads), else one for the tensor, ``(1,)``: flash-attn's two conventions."""
+    if per_head:
+        b, h = x.shape[:2]
+        kv = kv_heads or h
+        amax = x.detach().abs().reshape(b, kv, -1).amax(dim=-1).float()
+        descale = (amax / 448.0).clamp_min(torch.finfo(torch.float32).tiny)
+        factor = descale.repeat_interleave(h // kv, 1)[:, :, None, None]
+        return (x.float() / factor).to(torch.float8_e4m3fn), descale
+    amax = x.detach().abs().amax().float()
+    descale = (amax / 448.0).clamp_min(torch.finfo(torch.float32).tiny).reshape(1)
+    return (x.float() / descale).to(torch.float8_e4m3fn), descale
+
+
+def attention_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    causal: bool = False,
+    scale: float | None = None,
+    *,
+    window: tuple[int, int] | None = None,
+    softcap: float | None = None,
+    seqlens_k: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """FlashAttention-3's FP8 recipe in plain torch (layout b h n d), the row maximum known:
+    fp32 scores of the e4m3 ``q``, ``k`` times ``scale·q_descale·k_descale``, ``p = e^(s − max)``
+    rounded to e4m3 for the product with ``v``, the denominator summed from the unrounded
+    ``p``, the output times ``v_descale``. The descales are ``(1,)`` or ``(B, Hkv)``. Tests hold
+    the kernels' FP8 error against this recipe's own."""
+    b, hq, nq, d = q.shape
+    group = hq // k.shape[1]
+
+    def factor(x: torch.Tensor | None) -> torch.Tensor:  # (B, Hq, 1, 1) from (1,) or (B, Hkv)
+        if x is None:
+            return torch.ones((1, 1, 1, 1), device=q.device)
+        return x.float().expand(b, k.shape[1]).repeat_interleave(group, 1)[:, :, None, None]
+
+    kf, vf = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
+    scale = 1.0 / math.sqrt(d) if scale is None else scale
+    s = torch.matmul(q.float(), kf.transpose(-1, -2)) * (
+        scale * factor(q_descale) * factor(k_descale)
+    )
+    if softcap is not None:
+        s = softcap * torch.tanh(s / softcap)
+    if causal or window is not None or seqlens_k is not None:
+        s = _masked(s, hq, causal, window, seqlens_k, None, None)
+    if sinks is not None:
+        s = torch.cat([s, sinks.float().view(1, hq, 1, 1).expand(b, hq, nq, 1)], dim=-1)
+    m = s.amax(dim=-1, keepdim=True).nan_to_num(0.0, neginf=0.0)
+    p = torch.exp(s - m)
+    denom = p.sum(dim=-1, keepdim=True)
+    p8 = p[..., : nq and kf.shape[2]].to(torch.float8_e4m3fn).float()
+    o = torch.matmul(p8, vf) * factor(v_descale) / denom
+    return torch.where(denom > 0, o, 0.0).to(out_dtype)

@@ -23,6 +23,10 @@ SAMPLES = {
     "max_seqlen_k": 6,
     "num_splits": 2,
     "sinks": torch.zeros(2),
+    "q_descale": torch.ones(1, 1),
+    "k_descale": torch.ones(1, 1),
+    "v_descale": torch.ones(1, 1),
+    "out_dtype": torch.bfloat16,
     "cache_seqlens": torch.tensor([3], dtype=torch.int32),
     "block_table": torch.zeros(1, 2, dtype=torch.int32),
     "validate": "sync",
@@ -90,6 +94,21 @@ def test_each_option_reaches_the_kernel(name: str) -> None:
     torch.testing.assert_close(got.double(), want, atol=2e-5, rtol=2e-5)
     plain = flashlite.attention(q, k, v)
     assert (got - plain).abs().max() > 1e-3
+
+
+def test_fp8_descales_reach_the_kernel() -> None:
+    # each factor scales what it should: q's and k's the scores, v's the output
+    q, k, v = (x.to(torch.float8_e4m3fn) for x in _inputs())
+    one, two = torch.ones(1), torch.full((1,), 2.0)
+    with torch.no_grad():
+        base = flashlite.attention(q, k, v, out_dtype=torch.float32)
+        for name in ("q_descale", "k_descale"):
+            got = flashlite.attention(q, k, v, out_dtype=torch.float32, **{name: two})
+            want = flashlite.attention(q, k, v, scale=0.5, out_dtype=torch.float32)  # 2/sqrt(16)
+            torch.testing.assert_close(got, want)
+            assert (got - base).abs().max() > 1e-3
+        got = flashlite.attention(q, k, v, q_descale=one, v_descale=two, out_dtype=torch.float32)
+    torch.testing.assert_close(got, 2 * base)
 
 
 def test_splits_reach_the_decode_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

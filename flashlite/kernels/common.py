@@ -5,7 +5,9 @@ Kernels compute in fp32 and round once to the tensor's dtype. On a GPU ``x.to(tl
 to nearest even; Triton's interpreter (3.9) truncates instead, which biased every CPU bf16 result
 low. With ``ROUND_BF16`` (set by the front-end from ``_backend.round_bf16``) :func:`cast` rounds
 the fp32 bits itself first, so the interpreter's truncation is exact and both machines agree bit
-for bit (the interpreter still flushes bf16 subnormals to zero).
+for bit (the interpreter still flushes bf16 subnormals to zero). Its conversion to e4m3 (FP8
+attention's probabilities) loses the carry when rounding up crosses a power of two (0.49 became
+0.25), so the same flag rounds to e4m3's grid first there too.
 """
 
 from __future__ import annotations
@@ -21,10 +23,25 @@ __all__ = ["cast", "tanh"]  # (tanh: the kernels' import of it, kept)
 @triton.jit
 def cast(x, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
     """``x`` (fp32) converted to ``dtype``, rounded to nearest even."""
-    if ROUND_BF16:
+    if ROUND_BF16 and dtype == tl.bfloat16:
         # bf16 keeps the top 16 bits of an fp32. Adding 0x7FFF plus the lowest kept bit rounds
         # half-way cases to the even neighbour; NaN stays NaN (its low bits could carry into inf).
         bits = x.to(tl.uint32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
         x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    if ROUND_BF16 and dtype == tl.float8e4nv:
+        x = _round_e4m3(x)
     return x.to(dtype)
+
+
+@triton.jit
+def _round_e4m3(x):
+    """``x`` (fp32, 0 <= x <= 448: probabilities) rounded to nearest even on e4m3's grid, still
+    fp32: 3 mantissa bits for normal values (the fp32 bits, as for bf16), steps of 2^-9 below
+    2^-6 (subnormals: adding and taking away 2^14, whose fp32 ulp is 2^-9, rounds to that step).
+    (The interpreter converts negative e4m3 subnormals wrongly even when exact.)"""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000
+    normal = bits.to(tl.float32, bitcast=True)
+    tiny = (x + 16384.0) - 16384.0
+    return tl.where(tl.abs(x) < 0.015625, tiny, normal)

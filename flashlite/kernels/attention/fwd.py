@@ -115,13 +115,14 @@ def _attention_fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     n_heads, group, seq_q, seq_k, sm_scale, win_left, win_right, softcap,
-    SEQLENS_K, CU_Q, CU_K, SINKS,
+    SEQLENS_K, CU_Q, CU_K, SINKS, Q_DESCALE, K_DESCALE, V_DESCALE, stride_sb, stride_sh,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, VARLEN: tl.constexpr, HAS_SINKS: tl.constexpr,
     USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr, DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr, OVERLAP: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, ROUND_BF16: tl.constexpr, FIXED_REF: tl.constexpr = False,
+    FP8: tl.constexpr = False,
 ):  # fmt: skip
     """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``. Writes O ``(B, Hq, Nq, D)`` and fp32 LSE ``(B·Hq, Nq)``.
 
@@ -136,6 +137,9 @@ def _attention_fwd_kernel(
     the next sequence: the masks and a zeroed value tail keep those rows out. ``HAS_SINKS``:
     head h's rows start from the state ``(m, s) = (SINKS[h], 1)`` (natural units) instead of
     the identity ``(−inf, 0)``: one more logit in every row's softmax, with no value.
+    ``FP8``: e4m3 Q, K, V whose fp32 descale factors ``(B, Hkv)`` (strides ``stride_sb``,
+    ``stride_sh``) multiply the scores (Q's and K's) and the output (V's); ``p`` is rounded to
+    e4m3 for the ``p·v`` product, as FlashAttention-3 does, and O is 16-bit or fp32.
     Few query rows against a long KV cache run :mod:`.decode`'s kernel instead.
     """
     pid_bh = tl.program_id(1)
@@ -162,6 +166,11 @@ def _attention_fwd_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     q = _load_q(q_tiles, start_m, seq_q, offs_d, HEAD_DIM, BLOCK_M, BLOCK_D, USE_DESC)
+    out_scale = 1.0
+    if FP8:  # the scores carry Q's and K's factors (so do the soft cap, sinks and LSE), O V's
+        d_at = b.to(tl.int64) * stride_sb + h_kv * stride_sh
+        sm_scale = sm_scale * tl.load(Q_DESCALE + d_at) * tl.load(K_DESCALE + d_at)
+        out_scale = tl.load(V_DESCALE + d_at)
     qk_scale = sm_scale * LOG2E
     q, exp_scale = scale_q(q, qk_scale, PRESCALE_Q, ROUND_BF16)
     pos = (offs_m, offs_n, offs_d, seq_q, seq_k, win_left, win_right)
@@ -174,7 +183,7 @@ def _attention_fwd_kernel(
     )
     # Rows that saw no key (causal with Nq > Nk) have s = 0: output 0 and LSE −inf, not NaN
     # (with a sink, s >= 1: output 0 and LSE = the sink).
-    inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)
+    inv_s = tl.where(s > 0.0, out_scale / s, 0.0)
     lse = finalize_lse(m, s, exp_scale)
     if VARLEN:  # the packed (Hq, total) LSE
         tl.store(LSE + h.to(tl.int64) * q_mem + q0 + offs_m, lse, mask=offs_m < seq_q)

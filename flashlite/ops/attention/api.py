@@ -19,6 +19,7 @@ from flashlite.ops.attention.checks import (
     check_views,
 )
 from flashlite.ops.attention.flex import flex_varlen
+from flashlite.ops.attention.fp8 import E4M3, fp8_fields
 from flashlite.ops.attention.ops import ATTENTION_FWD
 from flashlite.ops.attention.request import Request
 from flashlite.ops.common import check_flags
@@ -38,6 +39,10 @@ def attention(
     seqlens_k: torch.Tensor | None = None,
     num_splits: int | None = None,
     sinks: torch.Tensor | None = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Exact softmax attention computed tile by tile (FlashAttention-2 loop order).
 
@@ -73,9 +78,18 @@ def attention(
             probability from the keys and is dropped from the output. A row that sees no key
             gives 0 and LSE = its sink. Differentiable (how a row's state starts from the sink,
             and its gradient: docs/how-it-works/attention.md §6a).
+        q_descale, k_descale, v_descale: with ``torch.float8_e4m3fn`` q, k and v, their fp32
+            descale factors (flash-attn's convention: ``x ≈ x8·descale``), each ``(1,)`` or
+            ``(B, Hkv)``; None means 1. The scores are ``scale·q_descale·k_descale·q8·k8ᵀ``,
+            the probabilities are rounded to e4m3 for the ``p·v`` product (FlashAttention-3's
+            recipe) and the output is multiplied by ``v_descale``. Forward only: q, k, v must
+            not require grad. Works with every option above. Guide: docs/guides/fp8.md.
+        out_dtype: an FP8 call's output dtype: ``torch.bfloat16`` (default), ``float16`` or
+            ``float32``.
 
     Returns:
-        ``out`` in ``q``'s layout and dtype, or ``(out, lse)`` with ``lse`` fp32 ``(B, Hq, Nq)``.
+        ``out`` in ``q``'s layout and dtype (FP8 inputs: ``out_dtype``), or ``(out, lse)`` with
+        ``lse`` fp32 ``(B, Hq, Nq)``.
         fp16/bf16 run on tensor cores with fp32 accumulation; fp32 uses three TF32 passes
         (``tf32x3``) on a GPU, about fp32 accuracy. D runs from 1 to 256. A custom op
         (``torch.ops.flashlite.attention_fwd``): ``torch.compile`` traces through it.
@@ -90,7 +104,7 @@ def attention(
             sinks that are not a float ``(Hq,)`` tensor on q's device.
         NotImplementedError: head dim above 256.
     """
-    sm_scale, qc, kc, vc = check_views(q, k, v, layout, scale)
+    sm_scale, qc, kc, vc = check_views(q, k, v, layout, scale, fp8=True)
     if type(causal) is not bool or type(return_lse) is not bool:
         check_flags(causal=causal, return_lse=return_lse)
     splits = chosen_splits(qc, kc, check_splits(num_splits))
@@ -99,6 +113,9 @@ def attention(
     if sinks is not None:
         sinks = check_sinks(sinks, qc, qc.shape[1])
     request = Request.of_call(causal, sm_scale, window, softcap, seqlens_k, splits, sinks)
+    if qc.dtype == E4M3 or not q_descale is k_descale is v_descale is out_dtype is None:
+        fp8 = fp8_fields(qc, kc, vc, q_descale, k_descale, v_descale, out_dtype)
+        request = request._replace(**fp8)
     o, lse = ATTENTION_FWD(qc, kc, vc, request)
     if layout != "b h n d":
         o = o.transpose(1, 2)
@@ -123,6 +140,10 @@ def attention_varlen(
     sinks: torch.Tensor | None = None,
     score_mod: Any = None,
     block_mask: Any = None,
+    q_descale: torch.Tensor | None = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention over packed sequences of different lengths (flash-attn's varlen convention),
     without padding: sequence b is rows ``[cu_seqlens_q[b], cu_seqlens_q[b + 1])`` of q and
@@ -144,6 +165,8 @@ def attention_varlen(
             :func:`flex_attention`'s: sequence b is batch ``b``, positions from its start, the
             mask built with ``B = batch`` (or None), ``Q_LEN``/``KV_LEN`` ``max_seqlen_q/_k``.
             Not with ``causal``, ``window``, ``softcap`` or ``sinks``: write them as mods.
+        q_descale, k_descale, v_descale, out_dtype: FP8 inputs as :func:`attention`'s, the
+            factors ``(1,)`` or ``(batch, Hkv)`` (one row per sequence); not with mods.
 
     Returns:
         ``out`` ``(total_q, Hq, D)`` (and the LSE). Differentiable in q, k, v, the sinks (and
@@ -167,6 +190,11 @@ def attention_varlen(
     sm_scale, qc, kc, vc, cu_q, cu_k = _check_varlen(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, scale, validate
     )
+    fp8 = fp8_fields(qc, kc, vc, q_descale, k_descale, v_descale, out_dtype, cu_q.shape[0] - 1)
+    if fp8 and (score_mod is not None or block_mask is not None):
+        raise NotImplementedError(
+            "attention_varlen takes FP8 inputs without score_mod or block_mask"
+        )
     if score_mod is not None or block_mask is not None:
         _refuse_builtins(causal, window, softcap, sinks)
         sizes = int(max_seqlen_q), int(max_seqlen_k)
@@ -181,6 +209,7 @@ def attention_varlen(
             max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k,
             sinks=check_sinks(sinks, qc, qc.shape[1]),
+            **fp8,
         )
         o, lse = ATTENTION_FWD(qc, kc, vc, request)
     o = o.transpose(1, 2).squeeze(0)
@@ -205,7 +234,7 @@ def _check_varlen(
         raise TypeError(f"validate must be True, False or 'sync', got {validate!r}")
     # (1, H, total, D) views: one 'batch' in the layout the kernels read, no copy
     sm_scale, qc, kc, vc = check_views(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), "b n h d", scale
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), "b n h d", scale, fp8=True
     )
     cu_q = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q, max_seqlen_q)
     cu_k = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q, max_seqlen_k)

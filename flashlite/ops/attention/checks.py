@@ -12,6 +12,7 @@ import triton
 
 from flashlite import _backend
 from flashlite._caches import register
+from flashlite.ops.attention.fp8 import E4M3, OTHER_FP8
 from flashlite.ops.common import overlapping, take_record, value_record
 
 LAYOUTS = ("b h n d", "b n h d")
@@ -20,9 +21,10 @@ MAX_HEAD_DIM = 256
 
 
 def check_views(
-    q: object, k: object, v: object, layout: object, scale: object
+    q: object, k: object, v: object, layout: object, scale: object, fp8: bool = False
 ) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Validate the public arguments; return the softmax scale and q, k, v as ``b h n d`` views."""
+    """Validate the public arguments; return the softmax scale and q, k, v as ``b h n d`` views.
+    ``fp8``: e4m3 inputs are accepted too (a forward that takes descale factors)."""
     # the usual call, in a few tests (host time); anything else, every error included, takes
     # the checks of _check_all, from the caller's tensors
     if (
@@ -38,7 +40,7 @@ def check_views(
             views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         if _usual(*views):
             return check_scale(scale, q.shape[-1]), *views
-    return _check_all(q, k, v, layout, scale)
+    return _check_all(q, k, v, layout, scale, fp8)
 
 
 def _usual(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -60,7 +62,7 @@ def _usual(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _check_all(
-    q: object, k: object, v: object, layout: object, scale: object
+    q: object, k: object, v: object, layout: object, scale: object, fp8: bool = False
 ) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`check_views`, every test in order, each failure with its own message."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -75,11 +77,8 @@ def _check_all(
             raise ValueError(
                 f"{name} must have 4 dimensions ({layout}), got shape {tuple(t.shape)}"
             )
-        if t.dtype not in DTYPES:
-            raise TypeError(
-                f"{name} has dtype {t.dtype}; accepted: "
-                "torch.float16, torch.bfloat16, torch.float32"
-            )
+        if t.dtype not in DTYPES and not (fp8 and t.dtype == E4M3):
+            check_dtype(t, name, fp8)
         _backend.check_device(t, name)
     if not q.dtype == k.dtype == v.dtype:
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
@@ -107,6 +106,26 @@ def _check_all(
     if d > MAX_HEAD_DIM:
         raise NotImplementedError(f"head dim {d} is not supported: flashlite supports 1 to 256")
     return check_scale(scale, d), q, k, v
+
+
+def check_dtype(t: torch.Tensor, name: str, fp8: bool) -> None:
+    """Raise the ``TypeError`` for a tensor whose dtype attention does not take (``fp8``: a
+    function that takes e4m3 inputs)."""
+    if t.dtype in OTHER_FP8:
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; of the FP8 formats attention takes torch.float8_e4m3fn "
+            "only (with q_descale, k_descale, v_descale)"
+        )
+    if t.dtype == E4M3 and not fp8:
+        raise TypeError(
+            f"{name} has dtype torch.float8_e4m3fn, which this function does not take: FP8 "
+            "inputs go to attention and attention_varlen (forward only), FP8 caches to "
+            "attention_kvcache and attention_shared_prefix"
+        )
+    accepted = "torch.float16, torch.bfloat16, torch.float32"
+    if fp8:
+        accepted += ", torch.float8_e4m3fn"
+    raise TypeError(f"{name} has dtype {t.dtype}; accepted: {accepted}")
 
 
 def check_inputs(

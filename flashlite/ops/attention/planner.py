@@ -74,7 +74,7 @@ DECODE_FIELDS = (
 )
 
 #: The request fields the forward takes (a cache's are the decode step's).
-FWD_FIELDS = Request._fields[:12]
+FWD_FIELDS = Request._fields[: Request._fields.index("out_dtype") + 1]
 
 #: The request fields the backward takes (the split is the forward's alone).
 BWD_FIELDS = (

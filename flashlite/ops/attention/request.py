@@ -34,6 +34,11 @@ class Request(NamedTuple):
             q, k, v are then ``(1, H, total, D)`` views.
         num_splits: split-KV partitions (n >= 1: the decode kernel); None: no split.
         sinks: fp32 ``(Hq,)`` sink logits.
+        q_descale, k_descale, v_descale: FP8 inputs' fp32 descale factors, each a ``(B, Hkv)``
+            view (one factor per tensor is an expanded ``(1,)``), all three with one stride
+            pair: the scores are ``scale·q_descale·k_descale·(q·kᵀ)`` and the output is
+            multiplied by ``v_descale`` (:mod:`flashlite.ops.attention.fp8`).
+        out_dtype: the output's dtype where it is not q's (FP8 inputs: bf16 unless asked).
         cache_seqlens, block_table: a KV cache's int32 lengths ``(B,)`` and page table
             ``(B, max_pages)`` (decoding).
         validate: how a KV cache's values are checked: ``"device"``, ``"sync"`` or ``"off"``.
@@ -57,6 +62,10 @@ class Request(NamedTuple):
     max_seqlen_k: int | None = None
     num_splits: int | None = None
     sinks: torch.Tensor | None = None
+    q_descale: torch.Tensor | None = None
+    k_descale: torch.Tensor | None = None
+    v_descale: torch.Tensor | None = None
+    out_dtype: torch.dtype | None = None
     cache_seqlens: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
     validate: str | None = None
@@ -177,6 +186,11 @@ class Request(NamedTuple):
         return masks.Mask(
             self.causal, self.window_left, 0 if self.causal else self.window_right, self.softcap
         )
+
+    @property
+    def fp8(self) -> bool:
+        """Whether the inputs are FP8 (their descale factors are set)."""
+        return self.k_descale is not None
 
     @property
     def varlen(self) -> tuple[torch.Tensor, torch.Tensor, int, int] | None:

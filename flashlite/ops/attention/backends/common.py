@@ -44,13 +44,14 @@ def descriptor_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def empty_output(q: torch.Tensor) -> torch.Tensor:
+def empty_output(q: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``O`` for ``q`` (``b h n d`` view): dense in the order of q's strides, so it keeps q's
-    layout (``b n h d`` too, also for slices of a packed qkv buffer)."""
+    layout (``b n h d`` too, also for slices of a packed qkv buffer); in ``dtype`` where given
+    (FP8 inputs), else q's."""
     if q.is_contiguous() or q.transpose(1, 2).is_contiguous():  # the usual layouts, quickly
-        return torch.empty_like(q)
+        return torch.empty_like(q, dtype=dtype)
     order = sorted(range(4), key=lambda i: -q.stride(i))
-    o = q.new_empty([q.shape[i] for i in order])
+    o = q.new_empty([q.shape[i] for i in order], dtype=dtype)
     return o.permute([order.index(i) for i in range(4)])
 
 

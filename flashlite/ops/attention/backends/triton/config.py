@@ -15,6 +15,9 @@ from flashlite.ops.attention.backends.common import (
     dot_flags,
 )
 
+#: The inputs whose scale the forward folds into Q (16-bit: one rounding, one multiply less).
+_PRESCALED = (torch.float16, torch.bfloat16)
+
 #: The tile small problems run on a GPU (few programs: a 64-row tile keeps more SMs busy).
 SMALL_CONFIG = C.Config(64, 64, 4, 2)
 
@@ -115,8 +118,11 @@ def fixed_reference(
     δ = max(2c − 80, 0), each ``p = e^(x − ref)`` lies in [e^−80, e^δ]: normal in fp32 and bf16
     (8 exponent bits; fp16's 5 would overflow or flush it). c ≤ 50 keeps p ≤ e^20 ≈ 5e8, so the
     sums stay far from overflow for any realistic V and length. A sink is not capped (it may
-    sit far above c), so calls with sinks keep the running maximum."""
-    return softcap is not None and softcap <= 50.0 and dtype != torch.float16 and sinks is None
+    sit far above c), so calls with sinks keep the running maximum. FP8's probabilities are
+    rounded to e4m3 (4 exponent bits), which flushes ``p`` below about e^−6 relative to the
+    reference: they need the row's own maximum."""
+    wide = dtype not in (torch.float16, torch.float8_e4m3fn)  # (p's exponent range)
+    return softcap is not None and softcap <= 50.0 and wide and sinks is None
 
 
 def triton_plan(
@@ -134,9 +140,11 @@ def triton_plan(
     varlen: bool = False,
     fixed_ref: bool = False,
     sinks: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> tuple[C.Config | None, dict]:
     """The config and the kernel's keyword arguments for one kind of call, worked out once per
-    kind (small problems feel every microsecond of host work)."""
+    kind (small problems feel every microsecond of host work). ``out_dtype``: the output's,
+    where it is not ``dtype`` (FP8 inputs)."""
     key = (
         dev,
         dtype,
@@ -152,6 +160,7 @@ def triton_plan(
         varlen,
         fixed_ref,
         sinks,
+        out_dtype,
         C.pinned_text(),
     )
     plan = _plans.get(key)
@@ -174,9 +183,12 @@ def triton_plan(
         "FIXED_REF": fixed_ref,
         "USE_DESC": use_desc,
         # fold the scale into Q for 16-bit inputs (see the kernel)
-        "PRESCALE_Q": dtype != torch.float32 if prescale_q is None else prescale_q,
+        "PRESCALE_Q": dtype in _PRESCALED if prescale_q is None else prescale_q,
         **dot_flags(dtype),
     }
+    if dtype == torch.float8_e4m3fn:  # (Q·scale rounded to e4m3 would lose too much)
+        # (ROUND_BF16: the interpreter's own rounding, to bf16 and to e4m3, is not to nearest)
+        launch |= {"FP8": True, "PRESCALE_Q": False, "ROUND_BF16": _backend.INTERPRETED}
     if config is not None:
         launch |= config.constexprs()
         launch |= {"num_warps": config.num_warps, "num_stages": config.num_stages}

@@ -58,6 +58,7 @@ def plan_fwd(
         varlen is not None,
         fixed_reference(q.dtype, request.softcap, sinks),
         sinks is not None,
+        o.dtype,
     )
     make = _Args(km, use_desc, options["BLOCK_D"])
     # packed sequences: one program row per sequence, as many query blocks as the longest has
@@ -77,10 +78,11 @@ def plan_fwd(
     # one bound launch, which takes q, k, v, o themselves where its descriptors read them
     args = make(q, k, v, o, lse, request, config)
     bound = launcher.bind_tensors(args, options)
-    tail = args[5:-4]  # strides, sizes, scale, mask values (then four placeholders)
+    tail = args[5:-9]  # strides, sizes, scale, mask values (then the placeholders)
+    rest = args[-9:]  # (the LSE standing in for absent tensors, the descales' zero strides)
 
     def run(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, r: Request) -> None:
-        bound(grid, q, k, v, o, lse, *tail, lse, lse, lse, lse)
+        bound(grid, q, k, v, o, lse, *tail, *rest)
 
     return Plan("triton", run, config, use_desc, grid, info=info)
 
@@ -138,8 +140,8 @@ def _kernel_args(
     request: Request,
 ) -> tuple:
     """The forward kernel's arguments: q, k, v, o (or their descriptors ``srcs``), the LSE,
-    strides, sizes, the scale, the mask's values, then lengths, offsets and sinks (the LSE
-    stands in for an absent one: never read)."""
+    strides, sizes, the scale, the mask's values, then lengths, offsets, sinks and FP8's
+    descale factors with their strides (the LSE stands in for an absent tensor: never read)."""
     hq, nq, nk = q.shape[1], q.shape[2], k.shape[2]
     seqlens_k, varlen, sinks = request.seqlens_k, request.varlen, request.sinks
     lengths = seqlens_k if seqlens_k is not None else lse
@@ -147,6 +149,11 @@ def _kernel_args(
     strides = (*q.stride(), *k.stride(), *v.stride(), *o.stride())
     sizes = (hq, hq // k.shape[1], nq, nk)
     mask = (request.scale, km.left, km.right, km.softcap)
+    if request.q_descale is not None:
+        descales = (request.q_descale, request.k_descale, request.v_descale)
+        descale_strides = request.q_descale.stride()
+    else:
+        descales, descale_strides = (lse, lse, lse), (0, 0)
     return (
         *srcs,
         lse,
@@ -156,6 +163,8 @@ def _kernel_args(
         lengths,
         *offsets,
         sinks if sinks is not None else lse,
+        *descales,
+        *descale_strides,
     )
 
 
