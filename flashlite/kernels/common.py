@@ -17,7 +17,7 @@ import triton.language as tl
 
 from flashlite.masking.softcap import tanh
 
-__all__ = ["cast", "tanh"]  # (tanh: the kernels' import of it, kept)
+__all__ = ["cast", "tanh", "to_e4m3"]  # (tanh: the kernels' import of it, kept)
 
 
 @triton.jit
@@ -45,3 +45,19 @@ def _round_e4m3(x):
     normal = bits.to(tl.float32, bitcast=True)
     tiny = (x + 16384.0) - 16384.0
     return tl.where(tl.abs(x) < 0.015625, tiny, normal)
+
+
+@triton.jit
+def to_e4m3(x, EXACT: tl.constexpr):
+    """``x`` (fp32) quantised to e4m3: clamped to ±448 (e4m3 has no infinity), rounded to
+    nearest even. ``EXACT``: the interpreter's own conversion rounds wrongly (above) and turns
+    negative subnormals wrong even when exact, so the magnitude is rounded here and the sign
+    set in the bits."""
+    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
+    if EXACT:
+        mag = _round_e4m3(tl.abs(x)).to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+        sign = tl.where(x < 0.0, 128, 0).to(tl.uint8)
+        y = (mag | sign).to(tl.float8e4nv, bitcast=True)
+    else:
+        y = x.to(tl.float8e4nv)
+    return y

@@ -115,7 +115,8 @@ def _attention_decode_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     n_kv_heads, seq_q, seq_k, sm_scale, win_left, win_right, softcap,
-    SEQLENS_K, TABLE, SINKS, stride_tb, num_pages, split_len,
+    SEQLENS_K, TABLE, SINKS, Q_DESCALE, K_DESCALE, V_DESCALE, stride_sb, stride_sh,
+    stride_tb, num_pages, split_len,
     MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -123,7 +124,7 @@ def _attention_decode_kernel(
     USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr, DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
     MASK_MOD: tl.constexpr = None, N_MASK_BUF: tl.constexpr = 0,
-    SCORE_MOD: tl.constexpr = None, N_SCORE_BUF: tl.constexpr = 0,
+    SCORE_MOD: tl.constexpr = None, N_SCORE_BUF: tl.constexpr = 0, FP8: tl.constexpr = None,
 ):  # fmt: skip
     """Grid ``(cdiv(Nq·GROUP, BLOCK_M), B·Hkv, S)``: packed rows ``[pid0·BLOCK_M, +BLOCK_M)`` of
     KV head ``(b, h_kv)`` against keys ``[s·split_len, (s + 1)·split_len)``.
@@ -134,7 +135,11 @@ def _attention_decode_kernel(
     ``SEQLENS_K`` and ``SINKS`` as in the forward kernel; the sink's state starts chunk 0 only,
     so the merge counts it once. ``MASK_MOD``: a mask function with its buffers in
     ``MB0``–``MB3``; ``SCORE_MOD``: a score function with its buffers in ``SB0``–``SB3``
-    (:func:`~flashlite.kernels.attention.decode_parts.decode_attend`).
+    (:func:`~flashlite.kernels.attention.decode_parts.decode_attend`). ``FP8``: an e4m3 cache
+    (and Q, 16-bit or e4m3), widened to the 16-bit dtype ``FP8`` names as it is read (exactly:
+    the step is bound by reading the cache, which FP8 halves), with the fp32 ``(B, Hkv)``
+    descale factors (strides ``stride_sb``, ``stride_sh``) on the scores (Q's and K's) and the
+    output (V's).
     """
     pid_bh = tl.program_id(1)
     b = pid_bh // n_kv_heads
@@ -152,6 +157,12 @@ def _attention_decode_kernel(
     row_ok = rows < seq_q * GROUP
     q_ptrs = _row_ptrs(Q, b, head, pos, offs_d, (stride_qb, stride_qh, stride_qm, stride_qd))
     q = tl.load(q_ptrs, mask=row_ok[:, None] & (offs_d[None, :] < HEAD_DIM), other=0.0)
+    out_scale = 1.0
+    if FP8 is not None:
+        q = q.to(FP8)
+        d_at = b.to(tl.int64) * stride_sb + h_kv * stride_sh
+        sm_scale = sm_scale * tl.load(Q_DESCALE + d_at) * tl.load(K_DESCALE + d_at)
+        out_scale = tl.load(V_DESCALE + d_at)
     q, exp_scale = scale_q(q, sm_scale * LOG2E, PRESCALE_Q, ROUND_BF16)
     if DOT_FP32:
         q = q.to(tl.float32)
@@ -168,7 +179,7 @@ def _attention_decode_kernel(
     ids = (b, h_kv, head, pos, offs_n, offs_d)
     bufs = (MB0, MB1, MB2, MB3, SB0, SB1, SB2, SB3)
     tiles: tl.constexpr = (PAGE_SIZE, HEAD_DIM, BLOCK_D, BLOCK_N, USE_DESC)
-    flags: tl.constexpr = (IS_CAUSAL, WINDOW, SOFTCAP, DOT_FP32, DOT_PRECISION, ROUND_BF16)
+    flags: tl.constexpr = (IS_CAUSAL, WINDOW, SOFTCAP, DOT_FP32, DOT_PRECISION, ROUND_BF16, FP8)
     mods: tl.constexpr = (MASK_MOD, N_MASK_BUF, SCORE_MOD, N_SCORE_BUF)
     if WINDOW:  # the window's left edge (without one, lo = full_lo)
         acc, m, s = _decode_attend(
@@ -181,7 +192,7 @@ def _attention_decode_kernel(
         acc, m, s, q, K, V, full_hi, hi, True, cache, ids, scoring, bufs, mods, tiles, flags
     )
     # rows that saw no key (a chunk past the sequence, causal with Nq > Nk): 0 and LSE −inf
-    inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)
+    inv_s = tl.where(s > 0.0, out_scale / s, 0.0)
     part = split * (tl.num_programs(1) // n_kv_heads) + b  # batch row of the partials
     bh = part.to(tl.int64) * (n_kv_heads * GROUP) + head
     tl.store(LSE + bh * q_mem + pos, finalize_lse(m, s, exp_scale), mask=row_ok)

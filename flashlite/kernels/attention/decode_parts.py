@@ -141,19 +141,23 @@ def decode_attend(
     num_pages))``, ``ids`` ``(b, h_kv, head, pos, offs_n, offs_d)``, ``scoring`` ``(seq_q,
     seq_k, left, right, cap, exp_scale)``, ``bufs`` and ``mods`` (:func:`_apply_mods`), and the
     constexprs ``tiles`` (:func:`kv_tile`) and ``flags`` ``(IS_CAUSAL, WINDOW, SOFTCAP,
-    DOT_FP32, DOT_PRECISION, ROUND_BF16)``."""
+    DOT_FP32, DOT_PRECISION, ROUND_BF16, FP8)``; ``FP8`` (a 16-bit dtype, or None): the e4m3
+    tiles are widened to it as they are read."""
     IS_CAUSAL: tl.constexpr = flags[0]
     WINDOW: tl.constexpr = flags[1]
     SOFTCAP: tl.constexpr = flags[2]
     DOT_FP32: tl.constexpr = flags[3]
     DOT_PRECISION: tl.constexpr = flags[4]
     ROUND_BF16: tl.constexpr = flags[5]
+    FP8: tl.constexpr = flags[6]
     BLOCK_N: tl.constexpr = tiles[3]
     k_strides, v_strides, pages = cache
     b, h_kv, _head, pos, offs_n, offs_d = ids
     seq_q, seq_k, left, right, cap, exp_scale = scoring
     for start_n in tl.range(lo, hi, BLOCK_N):
         k = kv_tile(K, k_strides, pages, b, h_kv, start_n, offs_n, offs_d, seq_k, MASKED, tiles)
+        if FP8 is not None:
+            k = k.to(FP8)
         qk = score_tile(
             q,
             k,
@@ -175,6 +179,8 @@ def decode_attend(
         qk = _apply_mods(qk, start_n, ids, scoring, bufs, mods)
         m, s, alpha, p, _moved = update(m, s, qk, exp_scale, False)
         v = kv_tile(V, v_strides, pages, b, h_kv, start_n, offs_n, offs_d, seq_k, MASKED, tiles)
+        if FP8 is not None:
+            v = v.to(FP8)
         p = cast(p, v.dtype, ROUND_BF16)
         if DOT_FP32:
             p, v = p.to(tl.float32), v.to(tl.float32)

@@ -10,13 +10,17 @@ the pages the row uses) writes no key, and the first such row is recorded for th
 capacity ``limit``, 3 a bad page ``block_table[b, j]`` of a pool of ``limit`` pages; and
 ``HOST_FLAG[0]`` is set to 1 (pinned host memory on a GPU, which the host reads without waiting).
 Without ``CHECK`` positions and page ids are clamped: bad values give wrong results, never a
-write outside the caches.
+write outside the caches. ``FP8``: e4m3 caches; the new keys and values are divided by their
+head's descale factor (``K_SCALE``, ``V_SCALE``: ``(B, Hkv)`` fp32, strides ``stride_sb``,
+``stride_sh``) and quantised as they are written (:func:`~flashlite.kernels.common.to_e4m3`).
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+
+from flashlite.kernels.common import to_e4m3
 
 
 @triton.jit
@@ -49,16 +53,22 @@ def _row_problem(
 
 
 @triton.jit
-def _copy_token(NEW, CACHE, at, new_strides, cache_strides):
+def _copy_token(NEW, CACHE, at, new_strides, cache_strides, scales, FP8: tl.constexpr):
     """Copy token ``n`` of batch ``b`` of a ``(B, Nnew, Hkv, D)`` tensor of new keys (or values)
     into slot ``slot`` of row ``row`` (a page, or the batch row) of its cache, the ``(Hkv, D)``
     block at ``h`` ``[BLOCK_H, 1]`` and ``d`` ``[1, BLOCK_D]`` under ``mask``; ``at`` is ``(b,
-    n, row, slot, h, d, mask)``, the strides ``(b, n, h, d)`` and ``(row, slot, h, d)``."""
+    n, row, slot, h, d, mask)``, the strides ``(b, n, h, d)`` and ``(row, slot, h, d)``;
+    ``scales``: ``(SCALE, stride_sb, stride_sh, EXACT)`` of an ``FP8`` cache."""
     b, n, row, slot, h, d, mask = at
     stride_b, stride_n, stride_h, stride_d = new_strides
     stride_c0, stride_c1, stride_ch, stride_cd = cache_strides
     src = b.to(tl.int64) * stride_b + n.to(tl.int64) * stride_n
     x = tl.load(NEW + src + h * stride_h + d * stride_d, mask=mask)
+    if FP8:  # quantised with the cache's factor of this batch row and head
+        SCALE, stride_sb, stride_sh, EXACT = scales
+        at_head = SCALE + b.to(tl.int64) * stride_sb + h * stride_sh + d * 0  # [BLOCK_H, BLOCK_D]
+        factor = tl.load(at_head, mask=mask, other=1.0)
+        x = to_e4m3(x.to(tl.float32) / factor, EXACT)
     tl.store(
         CACHE + row * stride_c0 + slot * stride_c1 + h * stride_ch + d * stride_cd, x, mask=mask
     )
@@ -92,6 +102,10 @@ def _kvcache_append_kernel(
     stride_vnh,
     stride_vnd,
     stride_table,
+    K_SCALE,
+    V_SCALE,
+    stride_sb,
+    stride_sh,
     n_heads,
     head_dim,
     n_new,
@@ -104,6 +118,8 @@ def _kvcache_append_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_P: tl.constexpr,
+    FP8: tl.constexpr = False,
+    EXACT: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     n = tl.program_id(1)
@@ -137,9 +153,13 @@ def _kvcache_append_kernel(
         mask = (h < n_heads) & (d < head_dim)
         at = (b, n, row, slot, h, d, mask)
         k_new = (stride_knb, stride_knn, stride_knh, stride_knd)
-        _copy_token(K_NEW, K_CACHE, at, k_new, (stride_kc0, stride_kc1, stride_kch, stride_kcd))
+        k_cache = (stride_kc0, stride_kc1, stride_kch, stride_kcd)
+        k_scale = (K_SCALE, stride_sb, stride_sh, EXACT)
+        _copy_token(K_NEW, K_CACHE, at, k_new, k_cache, k_scale, FP8)
         v_new = (stride_vnb, stride_vnn, stride_vnh, stride_vnd)
-        _copy_token(V_NEW, V_CACHE, at, v_new, (stride_vc0, stride_vc1, stride_vch, stride_vcd))
+        v_cache = (stride_vc0, stride_vc1, stride_vch, stride_vcd)
+        v_scale = (V_SCALE, stride_sb, stride_sh, EXACT)
+        _copy_token(V_NEW, V_CACHE, at, v_new, v_cache, v_scale, FP8)
 
 
 def append_config(n_heads: int, head_dim: int) -> dict[str, int]:

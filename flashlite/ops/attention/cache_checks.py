@@ -11,7 +11,14 @@ import torch
 from flashlite import _backend
 from flashlite.masking import mods
 from flashlite.masking.mod_args import check_mod
-from flashlite.ops.attention.checks import DTYPES, MAX_HEAD_DIM, check_page_size, check_writable
+from flashlite.ops.attention.checks import (
+    DTYPES,
+    MAX_HEAD_DIM,
+    check_dtype,
+    check_page_size,
+    check_writable,
+)
+from flashlite.ops.attention.fp8 import E4M3, OTHER_FP8, descale, same_strides
 from flashlite.ops.attention.request import mod_fields
 
 
@@ -38,10 +45,15 @@ def check_call(
             continue
         if t.dim() != 4:
             raise ValueError(f"{name} must have 4 dimensions (b n h d), got {tuple(t.shape)}")
-        if t.dtype != q.dtype or t.dtype not in DTYPES:
+        if name in ("k_cache", "v_cache") and t.dtype == E4M3 and q.dtype in DTYPES[:2]:
+            pass  # an FP8 cache read by 16-bit queries
+        elif t.dtype != q.dtype or t.dtype not in DTYPES:
+            if t.dtype in OTHER_FP8:
+                check_dtype(t, name, fp8=True)
             raise TypeError(
                 f"{name} has dtype {t.dtype}; q, the caches and k_new/v_new share "
-                "one of torch.float16, torch.bfloat16, torch.float32"
+                "one of torch.float16, torch.bfloat16, torch.float32 (or the caches are "
+                "torch.float8_e4m3fn with 16-bit q, k_new, v_new)"
             )
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
@@ -85,6 +97,28 @@ def check_call(
                 f"{tuple(k_new.shape)} and {tuple(v_new.shape)}"  # type: ignore[union-attr]
             )
         check_writable(k_cache, v_cache)
+
+
+def cache_fp8(
+    q: torch.Tensor, k_cache: torch.Tensor, k_descale: object, v_descale: object
+) -> dict[str, object]:
+    """The request fields of an FP8 cache: q's factor (ones) and the caches' ``(B, Hkv)``
+    views, one stride pair for the three; ``{}`` for a 16/32-bit cache, whose factors are
+    refused by name."""
+    given = [n for n, x in (("k_descale", k_descale), ("v_descale", v_descale)) if x is not None]
+    if k_cache.dtype != E4M3:
+        if given:
+            raise TypeError(
+                f"{', '.join(given)}: for torch.float8_e4m3fn caches; these are {k_cache.dtype}"
+            )
+        return {}
+    b, hkv = q.shape[0], k_cache.shape[2]
+    names = ("q_descale", "k_descale", "v_descale")
+    scales = [
+        descale(x, n, b, hkv, q, per_head=True)
+        for n, x in zip(names, (None, k_descale, v_descale), strict=True)
+    ]
+    return dict(zip(names, same_strides(scales), strict=True))
 
 
 def _layout_error(q: torch.Tensor, k_cache: torch.Tensor, paged: bool, problem: str) -> ValueError:

@@ -14,7 +14,8 @@ from flashlite.masking import masks
 from flashlite.masking.mod_args import ModArgs
 from flashlite.ops._dispatch import Op, forward_only, plain_eager
 from flashlite.ops.attention.backends.split_kv.cache import TENSORS, kvcache_args, kvcache_plan
-from flashlite.ops.attention.cache_checks import cache_mods, check_call
+from flashlite.ops.attention.backends.split_kv.decode import descales
+from flashlite.ops.attention.cache_checks import cache_fp8, cache_mods, check_call
 from flashlite.ops.attention.checks import (
     check_scale,
     check_sinks,
@@ -73,7 +74,7 @@ def _kvcache(
     if dev is not None:
         return _kvcache_moved(args, dev, request.sinks, mask, score)
     plan = kvcache_plan(args, request.sinks, mask, score)
-    return plan(*args[:TENSORS], request.sinks, mask, score)
+    return plan(*args[:TENSORS], request.sinks, mask, score, descales(request))
 
 
 #: The request fields the cache step takes.
@@ -85,6 +86,9 @@ KVCACHE_FIELDS = (
     "softcap",
     "num_splits",
     "sinks",
+    "q_descale",
+    "k_descale",
+    "v_descale",
     "cache_seqlens",
     "block_table",
     "validate",
@@ -180,6 +184,8 @@ def attention_kvcache(
     sinks: torch.Tensor | None = None,
     mask_mod: Any = None,
     score_mod: Any = None,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Decoding against a KV cache, optionally paged: the query heads of a GQA group share one
     K/V read, the keys are split across programs (flash-decoding). Layout ``b n h d`` only (no
@@ -216,6 +222,12 @@ def attention_kvcache(
             :func:`flashlite.gallery.alibi`) on each scaled score ``q·k·scale`` the masks
             leave, with the same indices; not with ``softcap`` (use
             :func:`flashlite.gallery.tanh_softcap`).
+        k_descale, v_descale: with ``torch.float8_e4m3fn`` caches (q, ``k_new`` and ``v_new``
+            16-bit), their fp32 descale factors (``k ≈ k8·k_descale``): ``(1,)``, one per KV
+            head ``(Hkv,)`` or per batch and KV head ``(B, Hkv)``; None means 1. ``k_new`` and
+            ``v_new`` are divided by them and rounded to e4m3 (clamped to ±448) as they are
+            appended. The cache is widened to bf16 as it is read: the step reads half the
+            bytes of a bf16 cache. Guide: docs/guides/fp8.md.
 
     Returns:
         ``out`` ``(B, Nq, Hq, D)`` (and the LSE). Given tensors that require grad it computes
@@ -233,18 +245,25 @@ def attention_kvcache(
     """
     tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     options = (causal, scale, window, softcap, num_splits, validate, mask_mod, score_mod)
-    key = kvcache_key((*tensors, sinks), options)  # (None with a mask function: checked each call)
+    scales = (k_descale, v_descale)
+    # (None with a mask function or FP8 factors: checked each call)
+    key = kvcache_key((*tensors, sinks), options) if k_descale is v_descale is None else None
     plan = checked_kvcache.get(key) if key is not None else None
     if plan is not None and plain_eager(q, k_cache, v_cache):  # a kind of call seen before
         o, lse = plan(*tensors) if sinks is None else plan(*tensors, sinks.float())
         return (o, lse) if return_lse else o
-    request = _checked_request(tensors, options, return_lse, sinks, key)
+    request = _checked_request(tensors, options, return_lse, sinks, key, scales)
     o, lse = KVCACHE(q, k_cache, v_cache, k_new, v_new, request)
     return (o, lse) if return_lse else o
 
 
 def _checked_request(
-    tensors: tuple, options: tuple, return_lse: bool, sinks: torch.Tensor | None, key: tuple | None
+    tensors: tuple,
+    options: tuple,
+    return_lse: bool,
+    sinks: torch.Tensor | None,
+    key: tuple | None,
+    scales: tuple = (None, None),
 ) -> Request:
     """:func:`attention_kvcache`'s argument checks, for a kind of call not seen before (or one
     with a mask function), and its request; a plain call's plan is kept under ``key``, so the
@@ -270,6 +289,7 @@ def _checked_request(
     sm_scale = check_scale(scale, q.shape[3])
     sink = check_sinks(sinks, q, q.shape[2])  # (fp32: what the plan's key pins, whatever came in)
     mods_given = cache_mods(mask_mod, score_mod, softcap, q, k_cache, block_table)
+    mods_given |= cache_fp8(q, k_cache, *scales)
     request = Request.of_mask(
         mask,
         sm_scale,

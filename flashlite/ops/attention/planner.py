@@ -71,6 +71,10 @@ DECODE_FIELDS = (
     "seqlens_k",
     "num_splits",
     "sinks",
+    "q_descale",
+    "k_descale",
+    "v_descale",
+    "out_dtype",
 )
 
 #: The request fields the forward takes (a cache's are the decode step's).
@@ -273,10 +277,12 @@ def forward_key(
             kernel_switches(),
         )
     if request.num_splits and request.varlen is None and request.only(*DECODE_FIELDS):
-        # (its other fields unset: the five scalars, the lengths', the sinks' kinds and splits)
+        # (its other fields unset: the five scalars, the lengths', the sinks' kinds and splits,
+        # FP8's factors (one stride pair for the three) and output dtype)
         lengths, sinks = tensor_meta(request.seqlens_k), tensor_meta(request.sinks)
         metas = (tensor_meta(q), tensor_meta(k), tensor_meta(v), lengths, sinks)
-        return ("split_kv", *metas, request[:5], request.num_splits)
+        fp8 = (tensor_meta(request.k_descale), request.out_dtype) if request.fp8 else None
+        return ("split_kv", *metas, request[:5], request.num_splits, fp8)
     return None
 
 

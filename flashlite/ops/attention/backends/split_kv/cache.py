@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from flashlite import _launch
+from flashlite import _backend, _launch
 from flashlite._caches import Cache
 from flashlite.kernels.attention import kvcache as KKV
 from flashlite.masking.mod_args import ModArgs, Slots, unspec_mod
@@ -57,6 +57,9 @@ class KVCachePlan:
             "CHECK": self.device_check,
             "APPEND": self.n_new > 0,
         }
+        self.fp8 = k_cache.dtype == torch.float8_e4m3fn
+        if self.fp8:  # new keys and values quantised as they are written
+            self.prepare_options.update(FP8=True, EXACT=_backend.INTERPRETED)
         self.prepare_grid = (self.bsz, max(self.n_new, 1), 1)
         self.sizes = (hkv, d, self.n_new, self.capacity, self.num_pages, self.max_pages)
         self._prepare: Any = None  # bound at the first run (its tensors specialise)
@@ -78,6 +81,7 @@ class KVCachePlan:
             sinks,
             _mod_fn(mask),
             _mod_fn(score),
+            self.fp8,
         )
         # the mods' eight buffer slots, their numbers fixed (None: no mod)
         self.mod_slots = None
@@ -96,9 +100,12 @@ class KVCachePlan:
         sinks: torch.Tensor | None = None,
         mask: ModArgs | None = None,
         score: ModArgs | None = None,
+        descales: tuple | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run on tensors of the planned kind: ``out`` ``(B, Nq, Hq, D)``, LSE ``(B, Hq, Nq)``
-        (``sinks``, ``mask`` and ``score`` given iff planned with them)."""
+        (``sinks``, ``mask`` and ``score`` given iff planned with them; ``descales``, an FP8
+        cache's (:func:`~flashlite.ops.attention.backends.split_kv.decode.descales`), iff the
+        caches are e4m3)."""
         if self.validate == "sync":  # every value check before anything is written (a sync)
             check_cache_values(
                 cache_seqlens, self.n_new, self.capacity, block_table, self.slots, self.num_pages
@@ -107,13 +114,15 @@ class KVCachePlan:
         if block_table is not None:
             block_table = block_table.contiguous()
         if self.prepare:
-            lengths = self._run_prepare(k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
+            lengths = self._run_prepare(
+                k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, descales
+            )
         o = torch.empty_like(q)  # (empty_like: less host time than a shape, dtype and device)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         bufs = None
         if self.mod_slots is not None:  # this call's tensors, mask's first
             bufs = self.mod_slots([*(mask[1] if mask else ()), *(score[1] if score else ())])
-        self.decode(q, k_cache, v_cache, lengths, block_table, o, lse, sinks, bufs)
+        self.decode(q, k_cache, v_cache, lengths, block_table, o, lse, sinks, bufs, descales)
         return o, lse
 
     def _run_prepare(
@@ -124,6 +133,7 @@ class KVCachePlan:
         k_new: torch.Tensor | None,
         v_new: torch.Tensor | None,
         block_table: torch.Tensor | None,
+        descales: tuple | None = None,
     ) -> torch.Tensor:
         """The append kernel (checks included with device validation): the new lengths."""
         device = cache_seqlens.device
@@ -151,6 +161,7 @@ class KVCachePlan:
             *v_cache.stride(),
             *new_strides,
             block_table.stride(0) if block_table is not None else 0,
+            *((descales[1], descales[2], *descales[3:]) if descales else (lengths, lengths, 0, 0)),
             *self.sizes,
         )
         if self._prepare is None:

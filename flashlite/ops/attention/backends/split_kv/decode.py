@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import triton.language as tl
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -126,10 +127,12 @@ def plan_decode(
     then the merge of their partials (:class:`DecodePlan`)."""
     r = request
     sinks = r.sinks is not None
-    dp = DecodePlan(q, k, v, o, r.seqlens_k, None, r.mask, r.scale, r.num_splits, None, None, sinks)
+    dp = DecodePlan(
+        q, k, v, o, r.seqlens_k, None, r.mask, r.scale, r.num_splits, None, None, sinks, fp8=r.fp8
+    )
 
     def run(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, r: Request) -> None:
-        dp(q, k, v, r.seqlens_k, None, o, lse, r.sinks)
+        dp(q, k, v, r.seqlens_k, None, o, lse, r.sinks, descales=descales(r))
 
     if dp.empty:
         return Plan("split_kv", run)
@@ -137,6 +140,19 @@ def plan_decode(
     if dp.parts_size is not None:  # the partial outputs and LSEs, one fp32 buffer
         parts = (Workspace("partials", (dp.parts_size,), torch.float32),)
     return Plan("split_kv", run, dp.config, dp.use_desc, dp.grid, dp.splits, parts)
+
+
+#: The Triton dtype an FP8 cache is widened to, per 16-bit torch dtype.
+_WIDE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def descales(request: Request) -> tuple | None:
+    """An FP8 request's descale factors as the decode kernel takes them: the three ``(B,
+    Hkv)`` views and their one stride pair; None for another request."""
+    if request.k_descale is None:
+        return None
+    q_descale, k_descale, v_descale = request.q_descale, request.k_descale, request.v_descale
+    return (q_descale, k_descale, v_descale, *k_descale.stride())
 
 
 class DecodePlan:
@@ -149,7 +165,8 @@ class DecodePlan:
     ``o`` and ``lse`` must be fresh allocations strided like the ones it was made with.
     ``mask_fn``, ``score_fn``: a mask function's and a score function's ``@triton.jit``
     function and how many buffers it takes (:mod:`flashlite.mods`); with either, each call
-    passes the eight buffer slots (the mask's four, then the score function's).
+    passes the eight buffer slots (the mask's four, then the score function's). ``fp8``: an
+    e4m3 cache (and maybe Q), whose descale factors each call passes.
     """
 
     def __init__(
@@ -168,6 +185,7 @@ class DecodePlan:
         sinks: bool = False,
         mask_fn: tuple[Any, int] | None = None,
         score_fn: tuple[Any, int] | None = None,
+        fp8: bool = False,
     ) -> None:
         b, hq, nq, d = q.shape
         hkv = k.shape[1]
@@ -195,6 +213,9 @@ class DecodePlan:
         self.desc_block = [1, 1, bn, C.block_d(d)]
         km = mask.kernel(nq, nk)
         self.options = _options(q, group, config, km, page_size, self.use_desc, mask_fn, score_fn)
+        if fp8:  # the tiles widened to q's 16-bit dtype (bf16 for e4m3 q) in the kernel
+            wide = q.dtype if q.dtype == torch.float16 else torch.bfloat16
+            self.options.update(FP8=_WIDE[wide], PRESCALE_Q=True, **dot_flags(wide))
         self.options.update(HAS_SEQLENS=seqlens_k is not None, HAS_SINKS=sinks)
         self.grid = (C.cdiv(nq * group, config.block_m), b * hkv, splits)
         # split partials, fp32 and contiguous, in one buffer: O's (S·B, Hq, Nq, D), then the
@@ -239,10 +260,12 @@ class DecodePlan:
         lse: torch.Tensor,
         sinks: torch.Tensor | None = None,
         mod_buffers: Sequence[Any] | None = None,
+        descales: tuple | None = None,
     ) -> int:
         """Run on tensors of the planned kind (any view of the same memory: only their data
         pointers are read; ``sinks`` given iff planned with them, ``mod_buffers``, the mods'
-        eight slots, iff planned with a mod); returns the chunks used."""
+        eight slots, iff planned with a mod, ``descales`` (:func:`descales`) iff planned for
+        FP8); returns the chunks used."""
         if self.empty:
             o.zero_()
             if sinks is not None and o.numel():  # no key: each row's LSE is its sink's
@@ -269,6 +292,7 @@ class DecodePlan:
             lse if seqlens_k is None else seqlens_k,
             lse if block_table is None else block_table,
             lse if sinks is None else sinks,
+            *(descales or (lse, lse, lse, 0, 0)),
             *self.tail,
             *(mod_buffers or ()),
         )
