@@ -161,3 +161,36 @@ def test_fp8_cache_on_the_gpu() -> None:
         outs.append((o.cpu(), args[1].cpu()))
     assert torch.equal(outs[0][1].view(torch.uint8), outs[1][1].view(torch.uint8))
     torch.testing.assert_close(outs[1][0], outs[0][0], atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("window", [None, (10, 0)], ids=["causal", "window_edge"])
+def test_fp8_shared_prefix(window: tuple[int, int] | None) -> None:
+    """An e4m3 prefix and caches with one factor per KV head: the same result as
+    attention_kvcache over each request's ``[prefix ; cache]``, and the same appended bytes
+    (a window whose edge cuts into the prefix takes the torch path, which dequantises)."""
+    b, hkv, d, n_prefix, cap = 2, 2, 16, 40, 32
+    prefix_k, prefix_v = (torch.randn(n_prefix, hkv, d).to(E4M3) for _ in range(2))
+    k_cache, v_cache = (torch.randn(b, cap, hkv, d).to(E4M3) for _ in range(2))
+    ks, vs = torch.rand(hkv) + 0.5, torch.rand(hkv) + 0.5
+    q = torch.randn(b, 1, 8, d, dtype=torch.bfloat16)
+    lens = torch.tensor([5, 20], dtype=torch.int32)
+    k_new, v_new = (torch.randn(b, 1, hkv, d, dtype=torch.bfloat16) for _ in range(2))
+    full_k, full_v = (
+        torch.cat([p[None].expand(b, -1, -1, -1), c], 1)
+        for p, c in ((prefix_k, k_cache), (prefix_v, v_cache))
+    )
+    common = {"k_new": k_new, "v_new": v_new, "k_descale": ks, "v_descale": vs, "window": window}
+    with torch.no_grad():
+        got = flashlite.attention_shared_prefix(
+            q, prefix_k, prefix_v, k_cache, v_cache, cache_seqlens=lens, **common
+        )
+        want = flashlite.attention_kvcache(
+            q, full_k, full_v, cache_seqlens=lens + n_prefix, **common
+        )
+    assert torch.equal(k_cache.view(torch.uint8), full_k[:, n_prefix:].view(torch.uint8))
+    torch.testing.assert_close(got, want, atol=1.6e-2, rtol=1.6e-2)
+    with pytest.raises(ValueError, match="k_descale must have shape"), torch.no_grad():
+        flashlite.attention_shared_prefix(
+            q, prefix_k, prefix_v, k_cache, v_cache, cache_seqlens=lens,
+            k_descale=torch.ones(b, hkv).add(1), v_descale=vs,
+        )  # fmt: skip

@@ -213,3 +213,29 @@ def test_dram_estimate_levels() -> None:
     assert naive.write < traffic.model_naive_attention(shape).write
     with pytest.raises(ValueError, match="positive"):
         traffic.dram_naive_attention(shape, l2_bytes=0)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_fp8_counted_equals_model(causal: bool) -> None:
+    # e4m3 q, k, v: a byte an element, each program's three descale factors (12 bytes), O in
+    # bf16; naive widens the inputs to bf16 first
+    shape = AttentionShape(1, 4, 70, 16, seq_k=90, kv_heads=2, dtype=torch.float8_e4m3fn,
+                           causal=causal)  # fmt: skip
+    counted = traffic.count_attention("flashlite", shape)
+    model = traffic.model_flashlite_attention(shape)
+    assert counted is not None
+    assert (counted.read, counted.write) == (model.read, model.write)
+    assert model.parts["descales"][0] == 4 * 2 * 12  # (B·H programs per block row, 2 rows)
+    assert model.parts["o"][1] == 4 * 70 * 16 * 2
+    for name in ("q", "k", "v"):
+        assert counted.parts["@" + name][0] == model.parts[name][0]
+    naive = traffic.count_attention("naive", shape)
+    assert naive is not None
+    want = traffic.model_naive_attention(shape)
+    assert naive.read == pytest.approx(want.read, rel=0.01)
+    assert naive.write == pytest.approx(want.write, rel=0.01)
+    comp = traffic.compulsory_attention(shape)
+    assert comp.parts["q"][0] == 4 * 70 * 16 and comp.parts["descales"][0] == 12
+    with pytest.raises(ValueError, match="forward only"):
+        traffic.model_flashlite_attention_bwd(shape)

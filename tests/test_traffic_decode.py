@@ -9,6 +9,7 @@ interpreter is slow."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -147,3 +148,31 @@ def test_shared_prefix_rows_and_cli(capsys: pytest.CaptureFixture) -> None:
         cli.main([*argv, "--decode-q", "2"])
     assert exc.value.code == 2
     assert "flashlite traffic: error: --decode-q=2 with --shared-prefix" in capsys.readouterr().err
+
+
+def test_fp8_cache_decode_counted_equals_model() -> None:
+    # an e4m3 cache read by bf16 queries: the cache at a byte an element, the descale reads
+    from flashlite.kernels.configs import DecodeConfig
+
+    shape = AttentionShape(2, 4, 1, 16, seq_k=300, kv_heads=2, dtype=torch.float8_e4m3fn,
+                           causal=True)  # fmt: skip
+    model = traffic.model_flashlite_decode(shape, 16, 64, 3)
+    counted, _naive = traffic.count_decode(shape, DecodeConfig(16, 64, 4, 2), 3)
+    assert (counted.read, counted.write) == (model.read, model.write)
+    bf16 = traffic.model_flashlite_decode(replace(shape, dtype=torch.bfloat16), 16, 64, 3)
+    assert model.parts["k"][0] * 2 == bf16.parts["k"][0]
+    assert model.parts["q"] == bf16.parts["q"] and "descales" in model.parts
+
+
+def test_fp8_traffic_cli(capsys: pytest.CaptureFixture) -> None:
+    from flashlite import cli
+
+    argv = ["traffic", "--decode", "--seq", "300", "--heads", "4", "--kv-heads", "2",
+            "--head-dim", "16", "--dtype", "float8_e4m3fn", "--count", "--quiet",
+            "--json"]  # fmt: skip
+    assert cli.main(argv) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["model_bytes"] == rows[0]["counted_bytes"]
+    with pytest.raises(SystemExit) as stop:
+        cli.main(["traffic", "--softmax", "--dtype", "float8_e4m3fn"])
+    assert stop.value.code == 2 and "model FP8, not --softmax" in capsys.readouterr().err

@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from flashlite.cli.commands import DTYPES, UsageError
+from flashlite.cli.commands import ATTENTION_DTYPES, UsageError
 
 #: the `traffic` options that each choose another table than the attention forward's
 TABLES = ("--softmax", "--ce", "--shared-prefix", "--mask", "--decode", "--backward")
@@ -30,6 +30,11 @@ def check_usage(args: argparse.Namespace) -> None:
         raise UsageError(f"--kv-heads={kv_heads} must divide --heads={heads} (grouped-query heads)")
     if args.command == "traffic":
         _check_traffic(args)
+    if args.command == "attention" and args.dtype == "float8_e4m3fn":
+        raise UsageError(
+            "--dtype float8_e4m3fn: the attention check runs 16/32-bit inputs (FP8 is traffic's "
+            "forward and --decode tables)"
+        )
     if args.command == "ring":
         from flashlite.distributed import demo as ring_demo
 
@@ -42,7 +47,7 @@ def check_usage(args: argparse.Namespace) -> None:
 
         head_dim = getattr(args, "head_dim", 16)  # demo: D = 16
         try:
-            parse_config(args.config, head_dim, DTYPES[getattr(args, "dtype", "float32")])
+            parse_config(args.config, head_dim, ATTENTION_DTYPES[getattr(args, "dtype", "float32")])
         except ValueError as err:
             raise UsageError(f"argument --config: {err}") from None
 
@@ -52,6 +57,11 @@ def _check_traffic(args: argparse.Namespace) -> None:
     if len(tables) > 1:
         raise UsageError(f"{' and '.join(tables)} show different tables: give one of them")
     table = tables[0] if tables else None
+    if args.dtype == "float8_e4m3fn" and table not in (None, "--decode"):
+        raise UsageError(
+            f"--dtype float8_e4m3fn: the attention forward's table and --decode model FP8, "
+            f"not {table}"
+        )
     if table is not None:
         # these options only shape the attention forward's table
         forward_only = {"--methods": args.methods, "--plot": args.plot, "--config": args.config}

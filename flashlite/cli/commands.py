@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+#: ``traffic``'s attention dtypes: FP8 too (its forward and decode tables)
+ATTENTION_DTYPES = {**DTYPES, "float8_e4m3fn": torch.float8_e4m3fn}
 
 
 class UsageError(Exception):
@@ -140,7 +142,7 @@ def _shape_from(args: argparse.Namespace, seq: int) -> Any:
         head_dim=args.head_dim,
         seq_k=getattr(args, "seq_k", None),
         kv_heads=args.kv_heads,
-        dtype=DTYPES[args.dtype],
+        dtype=ATTENTION_DTYPES[args.dtype],
         causal=args.causal,
     )
 

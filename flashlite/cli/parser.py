@@ -12,6 +12,7 @@ import torch
 
 from flashlite.cli import texts
 from flashlite.cli.commands import (
+    ATTENTION_DTYPES,
     DEMO_PLOT,
     DTYPES,
     cmd_attention,
@@ -169,7 +170,14 @@ def _shape_options(sp: argparse.ArgumentParser, *, many: bool, device_help: str)
         _option(sp, "--seq", type=_COUNT, default=64, help="query length")
         _option(sp, "--seq-k", type=_COUNT, default=None, help="key length (default: --seq)")
     _option(sp, "--head-dim", type=_HEAD_DIM, default=16, help="head dimension D, 1 to 256")
-    _option(sp, "--dtype", choices=list(DTYPES), default="float32", help="Q, K, V dtype")
+    _option(
+        sp,
+        "--dtype",
+        choices=list(ATTENTION_DTYPES),
+        default="float32",
+        help="Q, K, V dtype (float8_e4m3fn: traffic's forward and --decode tables; in decoding an "
+        "e4m3 cache read by bf16 queries)",
+    )
     _option(
         sp,
         "--causal",

@@ -17,6 +17,7 @@ from flashlite.masking import masks
 from flashlite.ops import attention as attention_ops
 from flashlite.ops import softmax as softmax_ops
 from flashlite.ops.attention import Config, DecodeConfig
+from flashlite.ops.attention.fp8 import fp8_fields
 from flashlite.traffic.counters import count_kernels, count_torch_ops
 from flashlite.traffic.model import (
     bwd_info,
@@ -32,10 +33,29 @@ from flashlite.traffic.shapes import ATTENTION_METHODS, AttentionShape, Traffic,
 def attention_fn(method: str, shape: AttentionShape) -> Callable[..., torch.Tensor]:
     """The callable ``f(q, k, v)`` that runs ``method`` on ``shape``."""
     if method == "naive":
+        if shape.fp8:  # (torch has no FP8 attention: widened to bf16 first, factors of 1)
+            return lambda q, k, v: reference.attention(
+                *(x.to(torch.bfloat16) for x in (q, k, v)), causal=shape.causal
+            )
         return lambda q, k, v: reference.attention(q, k, v, causal=shape.causal)
     if method == "flashlite":
         import flashlite
 
+        if shape.fp8:  # (one factor per tensor)
+            one = torch.ones(1)
+
+            def fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+                scales = {"q_descale": one, "k_descale": one, "v_descale": one}
+                with torch.no_grad():
+                    return flashlite.attention(
+                        q,
+                        k,
+                        v,
+                        causal=shape.causal,
+                        **{n: x.to(q.device) for n, x in scales.items()},
+                    )
+
+            return fp8
         return lambda q, k, v: flashlite.attention(q, k, v, causal=shape.causal)
     if method in ("sdpa-flash", "sdpa-cudnn"):
         backend = method.removeprefix("sdpa-")
@@ -70,16 +90,13 @@ def count_attention(
             attention_fn(method, shape)(q, k, v)
         return ops.traffic
     cfg, _ = counted_config(shape, gpu=gpu, config=config)
+    request = attention_ops.Request.of_mask(shape.mask, shape.head_dim**-0.5)
+    if shape.fp8:  # one factor per tensor (of 1), read by every program
+        one = torch.ones(1)
+        request = request._replace(**fp8_fields(q, k, v, one, one, one, None))
     with count_kernels() as kern, count_torch_ops() as ops:
         kern.watch(q=q, k=k, v=v)
-        attention_ops.attention_fwd(
-            q,
-            k,
-            v,
-            attention_ops.Request.of_mask(shape.mask, shape.head_dim**-0.5),
-            config=cfg,
-            use_desc=bool(use_desc),
-        )
+        attention_ops.attention_fwd(q, k, v, request, config=cfg, use_desc=bool(use_desc))
     t = kern.traffic
     if ops.traffic.total:
         t.add("torch ops", ops.traffic.read, ops.traffic.write)
@@ -182,14 +199,22 @@ def count_decode(
     materialising reference, counted as torch ops."""
     q, k, v = make_inputs(shape, "cpu")
     lengths = torch.full((shape.batch,), shape.nk, dtype=torch.int32)
+    descales = None
+    if shape.fp8:  # an e4m3 cache read by bf16 queries, one factor per tensor
+        q = q.to(torch.bfloat16)
+        ones = torch.ones(1, 1).expand(shape.batch, shape.hkv)
+        descales = (ones, ones, ones, *ones.stride())
     with count_kernels() as kern, count_torch_ops() as ops:
         attention_ops.attention_decode_fwd(
-            q, k, v, lengths, masks.CAUSAL, shape.head_dim**-0.5, num_splits=splits, config=config
-        )
+            q, k, v, lengths, masks.CAUSAL, shape.head_dim**-0.5, num_splits=splits,
+            config=config, descales=descales,
+        )  # fmt: skip
     flash = kern.traffic
     if ops.traffic.total:
         flash.add("torch ops", ops.traffic.read, ops.traffic.write)
     with count_torch_ops() as naive:
+        if shape.fp8:  # (the cache widened to bf16 first)
+            k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
         reference.attention(q, k, v, causal=True)
     return flash, naive.traffic
 

@@ -109,10 +109,18 @@ def _decode_call(method: str, shape: AttentionShape, device: str) -> Callable[[]
     from flashlite.ops.attention import attention_decode_fwd
 
     q, k, v = make_inputs(shape, device)
+    descales = None
+    if shape.fp8:  # an e4m3 cache read by bf16 queries (as count_decode runs it)
+        q = q.to(torch.bfloat16)
+        ones = torch.ones(1, 1, device=q.device).expand(shape.batch, shape.hkv)
+        descales = (ones, ones, ones, *ones.stride())
+        if method == "naive":  # (widened to bf16 first)
+            k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
     if method == "naive":
         return lambda: reference.attention(q, k, v, causal=True)
     lengths = torch.full((shape.batch,), shape.nk, dtype=torch.int32, device=q.device)
-    return lambda: attention_decode_fwd(q, k, v, lengths, masks.CAUSAL, shape.head_dim**-0.5)
+    scale = shape.head_dim**-0.5
+    return lambda: attention_decode_fwd(q, k, v, lengths, masks.CAUSAL, scale, descales=descales)
 
 
 def _each_range(report: dict[str, Any], makers: Sequence[Callable[[], Callable[[], Any]]]) -> None:

@@ -17,7 +17,12 @@ SOFTMAX_ALGORITHMS = ("three_pass", "online", "single_read", "split")
 #: GPU-only (their programs wait for each other, which the interpreter cannot run; prefetch is
 #: Gluon, which it cannot run either): modelled only
 SOFTMAX_GPU_ALGORITHMS = ("team", "prefetch")
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_DTYPES = {
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float32": torch.float32,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+}
 
 
 @dataclass(frozen=True)
@@ -25,6 +30,8 @@ class AttentionShape:
     """One attention call: ``q (B, H, Nq, D)``, ``k, v (B, Hkv, Nk, D)``.
 
     ``kv_heads=None`` means ``Hkv = H`` (no GQA); ``seq_k=None`` means ``Nk = Nq``.
+    ``dtype=torch.float8_e4m3fn``: FP8 attention, e4m3 q, k, v with one descale factor per
+    tensor and a bf16 output; in decoding, an e4m3 cache read by bf16 queries.
     """
 
     batch: int
@@ -61,6 +68,16 @@ class AttentionShape:
     @property
     def itemsize(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def fp8(self) -> bool:
+        """FP8 inputs (a cache, in decoding): their descale factors are read too."""
+        return self.dtype == torch.float8_e4m3fn
+
+    @property
+    def out_itemsize(self) -> int:
+        """Bytes per output element (and per query element in decoding): bf16's for FP8."""
+        return 2 if self.fp8 else self.itemsize
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -113,3 +130,7 @@ def make_inputs(
     k = torch.randn(B, Hkv, shape.nk, D, generator=g)
     v = torch.randn(B, Hkv, shape.nk, D, generator=g)
     return tuple(t.to(device=device, dtype=shape.dtype) for t in (q, k, v))  # type: ignore[return-value]
+
+
+#: Bytes an FP8 program reads of its descale factors: q's, k's and v's, fp32 each.
+DESCALE_BYTES = 3 * 4

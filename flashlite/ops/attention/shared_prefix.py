@@ -34,6 +34,7 @@ from flashlite.ops.attention.backends.split_kv.merge import (
 )
 from flashlite.ops.attention.backends.split_kv.splits import prefix_splits
 from flashlite.ops.attention.checks import DTYPES, check_scale, check_sinks, check_splits
+from flashlite.ops.attention.fp8 import E4M3, descale, same_strides
 from flashlite.ops.attention.kvcache import attention_kvcache, kvcache_key
 from flashlite.ops.attention.ops import ATTENTION_FWD
 from flashlite.ops.attention.request import Request
@@ -60,6 +61,8 @@ def attention_shared_prefix(
     num_splits: int | None = None,
     return_lse: bool = False,
     validate: bool | str = True,
+    k_descale: torch.Tensor | None = None,
+    v_descale: torch.Tensor | None = None,
 ) -> torch.Tensor | Pair:
     """Decoding B requests that share one prompt prefix (layout ``b n h d``): the same result as
     :func:`attention_kvcache` over each request's keys ``[prefix ; own cache]``, with the prefix
@@ -81,6 +84,10 @@ def attention_shared_prefix(
             pass (None: chosen to fill the GPU; 1 on CPU).
         return_lse: also return the fp32 LSE ``(B, Hq, Nq)`` (the sink's term included).
         validate: as :func:`attention_kvcache` (the suffix cache's values).
+        k_descale, v_descale: with ``torch.float8_e4m3fn`` prefix and caches, their fp32
+            factors, ``(1,)`` or one per KV head ``(Hkv,)`` (the prefix is shared by every
+            request), as :func:`attention_kvcache` takes them; appended keys are quantised
+            with them.
 
     Returns:
         ``out`` ``(B, Nq, Hq, D)`` (and the LSE). A row that sees no key gives 0 and LSE −inf,
@@ -109,6 +116,8 @@ def attention_shared_prefix(
         v_new,
         block_table,
         sinks,
+        k_descale,
+        v_descale,
     )
     options = (causal, scale, window, softcap, num_splits, validate)
     key = kvcache_key(tensors, options)  # (None while tracing, or for inputs that need grad)
@@ -129,7 +138,7 @@ _checked = Cache("attention.shared_prefix_checked", 256)
 
 def _checked_step(tensors: tuple, options: tuple, return_lse: object) -> _Step:
     """Every argument check that does not read values, then the :class:`_Step` of this kind."""
-    q, prefix_k, prefix_v, k_cache, v_cache, _, k_new, v_new, block_table, sinks = tensors
+    q, prefix_k, prefix_v, k_cache, v_cache, _, k_new, v_new, block_table, sinks = tensors[:10]
     causal, scale, window, softcap, num_splits, _ = options
     for name, t in (("q", q), ("prefix_k", prefix_k), ("prefix_v", prefix_v), ("k_cache", k_cache)):
         if not isinstance(t, torch.Tensor):
@@ -143,7 +152,10 @@ def _checked_step(tensors: tuple, options: tuple, return_lse: object) -> _Step:
     hq, hkv = q.shape[2], k_cache.shape[2]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"q's Hq={hq} must be a multiple of the caches' Hkv={hkv}")
-    _check_inputs(q, prefix_k, prefix_v, hkv, sinks)
+    _check_inputs(q, prefix_k, prefix_v, hkv, sinks, k_cache.dtype)
+    if k_cache.dtype == E4M3:  # (the caches' own checks come with the suffix pass)
+        for name, x in zip(("k_descale", "v_descale"), tensors[10:], strict=True):
+            descale(x, name, 1, hkv, q, per_head=True)
     mask = masks.describe(causal, window, softcap)
     sm_scale = check_scale(scale, q.shape[3])
     splits = check_splits(num_splits)
@@ -189,6 +201,8 @@ class _Step:
         v_new: torch.Tensor | None,
         block_table: torch.Tensor | None,
         sinks: torch.Tensor | None,
+        k_descale: torch.Tensor | None = None,
+        v_descale: torch.Tensor | None = None,
     ) -> Pair:
         causal, scale, window, softcap, num_splits, validate = self.options
         nq = q.shape[1]
@@ -210,16 +224,29 @@ class _Step:
             return_lse=True,
             validate=validate,
             sinks=sinks,
+            k_descale=k_descale,
+            v_descale=v_descale,
         )
+        scales = None
+        if prefix_k.dtype == E4M3:  # the prefix's (1, Hkv) factors, one per KV head
+            hkv = prefix_k.shape[1]
+            names = ("q_descale", "k_descale", "v_descale")
+            given = (None, k_descale, v_descale)
+            scales = same_strides(
+                [descale(x, n, 1, hkv, q, per_head=True) for n, x in zip(names, given, strict=True)]
+            )
         parts = []
         if self.bulk[0] < self.bulk[1]:
-            parts.append(self._prefix_pass(q, prefix_k, prefix_v))
+            parts.append(self._prefix_pass(q, prefix_k, prefix_v, scales))
         if self.edges:  # (request b's queries sit at Np + cache_seqlens[b] + Nnew − Nq + i)
             pos = (
                 cache_seqlens.unsqueeze(1)
                 + (self.n_prefix + self.n_new - nq)
                 + torch.arange(nq, device=q.device)
             )
+            if scales is not None:  # (the torch path reads the dequantised keys)
+                prefix_k = prefix_k.float() * scales[1].view(1, -1, 1)
+                prefix_v = prefix_v.float() * scales[2].view(1, -1, 1)
             parts.append(_edge_pass(q, prefix_k, prefix_v, self.edges, pos, self.scale, self.mask))
         if len(parts) == 2:  # (the exact path's partial folded into the shared pass's)
             parts = [stats.merge_attention(parts[0][0].float(), parts[0][1], *parts[1])]
@@ -233,9 +260,16 @@ class _Step:
             return merge_kernel(parts[0], parts[1], torch.empty_like(q))
         return self.merge(parts[0], parts[1], torch.empty_like(q))
 
-    def _prefix_pass(self, q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor) -> Pair:
+    def _prefix_pass(
+        self,
+        q: torch.Tensor,
+        prefix_k: torch.Tensor,
+        prefix_v: torch.Tensor,
+        scales: list[torch.Tensor] | None = None,
+    ) -> Pair:
         """The prefix keys every row sees against every row, unmasked: ``(B, Hq, Nq, D)`` and
-        LSE views. All ``B·Nq·G`` rows of a KV head are one problem of the decode kernel."""
+        LSE views. All ``B·Nq·G`` rows of a KV head are one problem of the decode kernel
+        (``scales``: an e4m3 prefix's ``(1, Hkv)`` factors, q's, k's and v's)."""
         bsz, nq, hq, d = q.shape
         hkv = prefix_k.shape[1]
         lo, hi = self.bulk
@@ -244,15 +278,21 @@ class _Step:
         qg = q.permute(2, 0, 1, 3).reshape(1, hkv, bsz * nq * hq // hkv, d)
         k, v = (t[lo:hi].unsqueeze(0).transpose(1, 2) for t in (prefix_k, prefix_v))
         if torch.compiler.is_compiling():  # (the op, which the tracer sees through)
-            splits = 0 if self.splits == 1 else self.splits  # (1: the forward kernel)
+            # (1: the forward kernel; an e4m3 prefix takes the decode kernel, which widens it)
+            splits = 0 if self.splits == 1 and scales is None else self.splits
             request = Request.of_call(
                 False, self.scale, None, self.mask.softcap, None, splits, None
             )
+            if scales is not None:
+                request = request._replace(q_descale=scales[0], k_descale=scales[1])
+                request = request._replace(v_descale=scales[2])
             o, lse = ATTENTION_FWD(qg, k, v, request)
         else:  # (the launcher itself: the inputs passed every check the op would make)
+            descales = None if scales is None else (*scales, *scales[1].stride())
             o, lse, _ = attention_decode_fwd(
-                qg, k, v, None, self.prefix_mask, self.scale, num_splits=self.splits
-            )
+                qg, k, v, None, self.prefix_mask, self.scale, num_splits=self.splits,
+                descales=descales,
+            )  # fmt: skip
         return o.reshape(hq, bsz, nq, d).transpose(0, 1), lse.reshape(hq, bsz, nq).transpose(0, 1)
 
     def merge(self, a: Pair, b: Pair, out: torch.Tensor) -> Pair:
@@ -263,11 +303,16 @@ class _Step:
 
 
 def _check_inputs(
-    q: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor, hkv: int, sinks: object
+    q: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    hkv: int,
+    sinks: object,
+    cache_dtype: torch.dtype | None = None,
 ) -> None:
-    """The prefix (``(Np, Hkv, D)`` twice, q's dtype and device) and the sinks
-    (:func:`check_sinks`): everything the prefix pass could refuse, checked before the suffix
-    pass appends."""
+    """The prefix (``(Np, Hkv, D)`` twice, q's dtype, or e4m3 like the caches, and q's
+    device) and the sinks (:func:`check_sinks`): everything the prefix pass could refuse,
+    checked before the suffix pass appends."""
     d = q.shape[3]
     for name, t in (("prefix_k", prefix_k), ("prefix_v", prefix_v)):
         if t.dim() != 3 or t.shape[1:] != (hkv, d):
@@ -275,10 +320,12 @@ def _check_inputs(
                 f"{name} must be (Np, Hkv={hkv}, D={d}) like the caches' heads, "
                 f"got {tuple(t.shape)}"
             )
-        if t.dtype != q.dtype or t.dtype not in DTYPES:
+        fp8 = t.dtype == E4M3 and cache_dtype == E4M3 and q.dtype in DTYPES[:2]
+        if not fp8 and (t.dtype != q.dtype or t.dtype not in DTYPES):
             raise TypeError(
                 f"{name} has dtype {t.dtype}; q, the prefix and the caches share "
-                "one of torch.float16, torch.bfloat16, torch.float32"
+                "one of torch.float16, torch.bfloat16, torch.float32 (or the prefix and the "
+                "caches are torch.float8_e4m3fn with 16-bit q)"
             )
         if t.device != q.device:
             raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")

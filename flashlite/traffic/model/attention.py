@@ -3,6 +3,7 @@ flashlite's kernels (Q once, K and V once per query block), and their DRAM estim
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -19,6 +20,7 @@ from flashlite.traffic.model.common import (
 )
 from flashlite.traffic.shapes import (
     ATTENTION_METHODS,
+    DESCALE_BYTES,
     AttentionShape,
     Traffic,
 )
@@ -41,14 +43,17 @@ def l2_note(shape: AttentionShape, l2_bytes: int | None = None) -> str | None:
 
 
 def compulsory_attention(shape: AttentionShape) -> Traffic:
-    """Bytes no attention implementation can avoid: Q, K, V read once and O written once."""
+    """Bytes no attention implementation can avoid: Q, K, V read once and O written once (FP8:
+    the three descale factors read once, O in bf16)."""
     b, t = shape.itemsize, Traffic()
-    q = shape.batch * shape.heads * shape.seq_q * shape.head_dim * b
+    rows = shape.batch * shape.heads * shape.seq_q * shape.head_dim
     kv = shape.batch * shape.hkv * shape.nk * shape.head_dim * b
-    t.add("q", q, 0)
+    t.add("q", rows * b, 0)
     t.add("k", kv, 0)
     t.add("v", kv, 0)
-    t.add("o", 0, q)
+    if shape.fp8:
+        t.add("descales", DESCALE_BYTES, 0)
+    t.add("o", 0, rows * shape.out_itemsize)
     return t
 
 
@@ -73,8 +78,12 @@ def model_naive_attention(shape: AttentionShape, *, return_lse: bool = False) ->
 
     ``K' = K`` without GQA; with GQA ``torch.matmul`` broadcasts K and V over the group and its
     reshape of the broadcast view copies them (unless ``B·Hkv = 1``, where it stays a view), so
-    the matmuls read the ``G``-fold copies.
+    the matmuls read the ``G``-fold copies. FP8 inputs: torch has no FP8 attention, so the
+    naive path widens q, k and v to bf16 first (``x.to(torch.bfloat16)``: read 1 byte, write 2
+    per element; the factors of one per tensor folded into the scale) and runs in bf16.
     """
+    if shape.fp8:
+        return _widened_naive(shape, return_lse)
     b = shape.itemsize
     B, H, Hkv, Nq, Nk, D = (
         shape.batch,
@@ -114,6 +123,19 @@ def model_naive_attention(shape: AttentionShape, *, return_lse: bool = False) ->
     return t
 
 
+def _widened_naive(shape: AttentionShape, return_lse: bool) -> Traffic:
+    """:func:`model_naive_attention` of FP8 inputs: q, k, v widened to bf16, then bf16's."""
+    q = shape.batch * shape.heads * shape.seq_q * shape.head_dim
+    kv = shape.batch * shape.hkv * shape.nk * shape.head_dim
+    t = Traffic()
+    for name, n in (("q", q), ("k", kv), ("v", kv)):
+        t.add(f"{name}.to(bf16)", n, 2 * n)
+    bf16 = model_naive_attention(replace(shape, dtype=torch.bfloat16), return_lse=return_lse)
+    for name, (read, write) in bf16.parts.items():
+        t.add(name, read, write)
+    return t
+
+
 def model_flashlite_attention(
     shape: AttentionShape, block_m: int | None = None, block_n: int | None = None
 ) -> Traffic:
@@ -129,7 +151,8 @@ def model_flashlite_attention(
 
     with ``keys_loaded = Nk`` without a mask and ``min(Nk, BLOCK_N·⌈vis/BLOCK_N⌉)`` causal, ``vis``
     the keys visible to the block's last row. Each query head reads its KV head's tiles itself,
-    so GQA does not reduce the K/V term (only the compulsory bytes).
+    so GQA does not reduce the K/V term (only the compulsory bytes). FP8: ``b`` = 1, O in bf16,
+    and each program reads its three descale factors (12 bytes).
     """
     if block_m is None or block_n is None:
         cfg = flashlite_config(shape)
@@ -146,7 +169,9 @@ def model_flashlite_attention(
     t.add("q", bh * Nq * D * b, 0)
     t.add("k", bh * keys * D * b, 0)
     t.add("v", bh * keys * D * b, 0)
-    t.add("o", 0, bh * Nq * D * b)
+    if shape.fp8:
+        t.add("descales", bh * triton.cdiv(Nq, block_m) * DESCALE_BYTES, 0)
+    t.add("o", 0, bh * Nq * D * shape.out_itemsize)
     t.add("lse", 0, bh * Nq * 4)
     return t
 
@@ -224,6 +249,8 @@ def dram_flashlite_attention(
     t.add("q", issued.parts["q"][0], 0)
     for name in ("k", "v"):  # never more than the kernel issues
         t.add(name, min(waves * comp.parts[name][0], issued.parts[name][0]), 0)
+    if shape.fp8:  # (every program reads the same 12 bytes: L2 serves all but the first)
+        t.add("descales", comp.parts["descales"][0], 0)
     write = issued.parts["o"][1] + issued.parts["lse"][1]
     t.add("o + lse", 0, written_back(t.read, write, l2))
     return t
@@ -286,6 +313,8 @@ def dram_attention(
 # =============================================================================== backward
 def compulsory_attention_bwd(shape: AttentionShape) -> Traffic:
     """Read Q, K, V, O, dO (and the LSE) once; write dQ, dK, dV once."""
+    if shape.fp8:
+        raise ValueError("FP8 attention is forward only: no backward traffic to model")
     b = shape.itemsize
     q = shape.batch * shape.heads * shape.seq_q * shape.head_dim * b
     kv = shape.batch * shape.hkv * shape.nk * shape.head_dim * b
@@ -322,6 +351,8 @@ def model_flashlite_attention_bwd(
     * dQ, per block of ``q_block_m`` query rows: read Qs, dO, LSE, delta once and the K and V
       tiles up to the forward's ``hi`` (:func:`flashlite.masks.torch_key_range`); write dQ.
     """
+    if shape.fp8:
+        raise ValueError("FP8 attention is forward only: no backward traffic to model")
     cfg = config or counted_bwd_config(shape)
     b, D = shape.itemsize, shape.head_dim
     B, H, Hkv, Nq, Nk = shape.batch, shape.heads, shape.hkv, shape.seq_q, shape.nk

@@ -7,6 +7,7 @@ import triton
 from flashlite.masking import masks
 from flashlite.ops.attention.backends.split_kv.decode import key_chunks
 from flashlite.traffic.shapes import (
+    DESCALE_BYTES,
     AttentionShape,
     Traffic,
 )
@@ -80,9 +81,10 @@ def model_flashlite_decode(
     is that of the query positions its rows may hold (``BLOCK_M`` of them from its first row's
     position) under ``mask`` (causal, as :func:`~flashlite.attention_kvcache` decodes by
     default; a window's too). ``lengths=False``: a call without ``seqlens_k``, whose programs
-    read no length.
+    read no length. FP8 (``shape.fp8``): the cache is e4m3 (``b`` = 1), the queries and the
+    output bf16, and each program reads its three descale factors (12 bytes).
     """
-    b = shape.itemsize
+    b, bq = shape.itemsize, shape.out_itemsize  # (FP8: an e4m3 cache, bf16 queries)
     B, Hq, Hkv = shape.batch, shape.heads, shape.hkv
     Nq, Nk, D = shape.seq_q, shape.nk, shape.head_dim
     lanes = decode_lanes(shape, block_m, block_n, splits, mask)
@@ -91,13 +93,15 @@ def model_flashlite_decode(
     t = Traffic()
     if lengths:
         t.add("lengths", programs * 4, 0)
-    t.add("q", splits * B * Hq * Nq * D * b, 0)
+    t.add("q", splits * B * Hq * Nq * D * bq, 0)
     t.add("k", B * Hkv * lanes * D * b, 0)
     t.add("v", B * Hkv * lanes * D * b, 0)
+    if shape.fp8:
+        t.add("descales", programs * DESCALE_BYTES, 0)
     if splits > 1:
         t.add("partials", 0, splits * B * Hq * Nq * (4 * D + 4))
         t.add("combine", splits * B * Hq * Nq * (4 * D + 4), 0)
-    t.add("o", 0, B * Hq * Nq * D * b)
+    t.add("o", 0, B * Hq * Nq * D * bq)
     t.add("lse", 0, B * Hq * Nq * 4)
     t.info = {"config": f"{block_m}x{block_n}", "splits": splits}
     return t

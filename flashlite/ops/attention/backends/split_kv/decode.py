@@ -44,6 +44,7 @@ def attention_decode_fwd(
     config: C.DecodeConfig | None = None,
     use_desc: bool | None = None,
     sinks: torch.Tensor | None = None,
+    descales: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The forward for few query rows against many keys (:mod:`flashlite.kernels.attention.decode`):
     the query heads of a GQA group packed into one tile, the keys split across programs and the
@@ -61,11 +62,15 @@ def attention_decode_fwd(
         config: pin the tile (else :func:`flashlite.kernels.configs.decode_config`).
         use_desc: force TMA descriptor (True) or pointer (False) K/V loads (contiguous caches).
         sinks: fp32 ``(Hq,)`` sink logits (contiguous), merged once: chunk 0 starts from them.
+        descales: e4m3 k and v (and maybe q): their fp32 ``(B, Hkv)`` factors and one stride
+            pair, ``(q_descale, k_descale, v_descale, stride_b, stride_h)``; the output is q's
+            16-bit dtype (bf16 for e4m3 q).
 
     Returns:
         ``O`` ``(B, Hq, Nq, D)`` strided like q, the fp32 LSE ``(B, Hq, Nq)``, the splits used.
     """
-    o = empty_output(q)
+    fp8 = descales is not None
+    o = empty_output(q, torch.bfloat16 if q.dtype == torch.float8_e4m3fn else None)
     lse = q.new_empty(q.shape[:3], dtype=torch.float32)
     key = _decode_key(
         q,
@@ -79,6 +84,7 @@ def attention_decode_fwd(
         config,
         use_desc,
         tensor_meta(sinks),
+        tensor_meta(descales[1]) if fp8 else None,  # (one stride pair for the three)
     )
     plan = _decode_plans.made(
         key,
@@ -95,8 +101,11 @@ def attention_decode_fwd(
         config,
         use_desc,
         sinks is not None,
+        None,
+        None,
+        fp8,
     )
-    return o, lse, plan(q, k, v, seqlens_k, block_table, o, lse, sinks)
+    return o, lse, plan(q, k, v, seqlens_k, block_table, o, lse, sinks, descales=descales)
 
 
 def _decode_key(
