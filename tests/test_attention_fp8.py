@@ -246,3 +246,17 @@ def test_fp8_on_the_gpu() -> None:
         _check(o, q8, sq, k8, sk, v8, sv, causal=causal)
     with pytest.raises(ValueError, match="q_descale must be on q's device"):
         flashlite.attention(q8, k8, v8, q_descale=sq.cpu())
+
+
+def test_fp8_keys_contiguous_values(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hopper's path: V copied keys-contiguous before the forward (FP8 wgmma reads its B
+    operand K-major only); the same arithmetic, so the same bits as V as given."""
+    from flashlite.ops.attention.backends.triton import fwd as triton_fwd
+
+    (q8, sq, k8, sk), (v8, sv) = _inputs(1, 4, 2, 37, 45, 24)
+    opts = {"q_descale": sq, "k_descale": sk, "v_descale": sv, "causal": True}
+    with torch.no_grad():
+        want = flashlite.attention(q8, k8, v8, **opts)
+        monkeypatch.setattr(triton_fwd, "fp8_v_n_major", lambda v: True)
+        got = flashlite.attention(q8, k8, v8, **opts)
+    assert torch.equal(got, want)

@@ -3,11 +3,13 @@ arguments (descriptors or pointers), its launch bound once for a call of mask sc
 
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from flashlite import _launch
+from flashlite import _backend, _launch
 from flashlite.kernels import configs as C
 from flashlite.kernels.attention import fwd as K
 from flashlite.masking import masks
@@ -41,6 +43,10 @@ def plan_fwd(
     b, hq, nq, d = q.shape
     nk = k.shape[2]
     km = request.mask.kernel(nq, nk)
+    n_major = request.fp8 and fp8_v_n_major(v)
+    if n_major:  # (pointer loads: a descriptor needs unit stride along D)
+        use_desc = False
+        v = v.transpose(2, 3).contiguous().transpose(2, 3)  # the template the plan binds
     seqlens_k, varlen, sinks = request.seqlens_k, request.varlen, request.sinks
     small = small_problem(q, k)
     config, options = triton_plan(
@@ -64,13 +70,23 @@ def plan_fwd(
     # packed sequences: one program row per sequence, as many query blocks as the longest has
     rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
     if config is None:  # no measured entry here: the autotuner, per length bucket
-        return _autotuned(make, options, rows, seqs * hq, nk)
+        plan = _autotuned(make, options, rows, seqs * hq, nk)
+        if n_major:
+            launch = plan.launch
+
+            def transposed(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, r: Request):  # type: ignore[no-untyped-def]
+                launch(q, k, v.transpose(2, 3).contiguous().transpose(2, 3), o, lse, r)
+
+            plan.launch = transposed
+        return plan
     grid = (C.cdiv(rows, config.block_m), seqs * hq, 1)
     launcher = _launch.launcher(K._attention_fwd_kernel)
     info = LaunchInfo(config, make.block_d, use_desc)
     if not bind:  # the arguments built per launch
 
         def per_call(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, r: Request) -> None:
+            if n_major:
+                v = v.transpose(2, 3).contiguous().transpose(2, 3)
             args = make(q, k, v, o, lse, r, config)
             launcher.bind(args, options)(grid, *args)
 
@@ -111,6 +127,22 @@ class _Args:
         else:
             srcs = [q, k, v, o]
         return _kernel_args(srcs, q, k, v, o, lse, self.km, request)
+
+
+#: How the FP8 forward hands V to its ``p·v`` product on Hopper: ``"n-major"`` (default) copies
+#: V so that the keys are contiguous (FP8 wgmma reads its B operand K-major only, and V's K
+#: dimension is the keys), ``"as-is"`` leaves the layout to Triton.
+FP8_V_ENV = "FLASHLITE_FP8_V"
+
+
+def fp8_v_n_major(v: torch.Tensor) -> bool:
+    """Whether the FP8 forward copies V keys-contiguous first: on sm_90 (Hopper's FP8 wgmma),
+    unless ``$FLASHLITE_FP8_V`` is ``"as-is"``, and not where it already is."""
+    if not v.is_cuda or v.stride(2) == 1:
+        return False
+    if _backend.capability(v.device.index or 0) < (9, 0):
+        return False
+    return os.environ.get(FP8_V_ENV, "n-major") != "as-is"
 
 
 def _autotuned(make: _Args, options: dict, rows: int, programs: int, nk: int) -> Plan:
