@@ -232,10 +232,13 @@ def test_fp8_refused_where_not_supported() -> None:
 
 
 @pytest.mark.gpu
-def test_fp8_on_the_gpu() -> None:
+@pytest.mark.parametrize("v_layout", ["n-major", "as-is"])
+def test_fp8_on_the_gpu(v_layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled kernels (FP8 tensor-core products on sm_89+) against the torch recipe, at
-    lengths that are not tile multiples; scales on the CPU refused."""
+    lengths that are not tile multiples, V copied keys-contiguous on Hopper or left as given
+    ($FLASHLITE_FP8_V); scales on the CPU refused."""
     dev = "cuda"
+    monkeypatch.setenv("FLASHLITE_FP8_V", v_layout)
     for causal, d in ((False, 128), (True, 64), (True, 256)):
         (q8, sq, k8, sk), (v8, sv) = _inputs(2, 8, 2, 333, 1025, d)
         q8, sq, k8, sk, v8, sv = (x.to(dev) for x in (q8, sq, k8, sk, v8, sv))
