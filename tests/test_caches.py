@@ -25,6 +25,8 @@ NOT_STATE = {
     "flashlite._backend._RAW_ENV": "os.environ's own mapping, read (not kept) by getenv",
     "flashlite.masking.mods._made": "weak: keeps nothing alive; clear() refills the registry",
     "flashlite.cli.commands.DTYPES": "constant table",
+    "flashlite.cli.commands.ATTENTION_DTYPES": "constant table",
+    "flashlite.ops.attention.backends.split_kv.decode._WIDE": "constant table",
     "flashlite.cli.commands.SOFTMAX_TOL": "constant table",
     "flashlite.cli.commands.ATTENTION_FLOOR": "constant table",
     "flashlite.integrations.transformers._UNSUPPORTED": "constant table",
