@@ -194,3 +194,39 @@ def test_fp8_shared_prefix(window: tuple[int, int] | None) -> None:
             q, prefix_k, prefix_v, k_cache, v_cache, cache_seqlens=lens,
             k_descale=torch.ones(b, hkv).add(1), v_descale=vs,
         )  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_fp8_cache_step_makes_no_host_sync_and_graphs_capture_it() -> None:
+    """The default call (device validation, append, decode) syncs nothing, so a CUDA graph
+    captures it; its replay appends and attends as the eager call does."""
+    k8, v8, ks, vs, _ = _cache(b=2, cap=256, hkv=2, d=64)
+    k8, v8, ks, vs = (x.cuda() for x in (k8, v8, ks, vs))
+    q = torch.randn(2, 1, 8, 64, dtype=torch.bfloat16, device="cuda")
+    k_new, v_new = (torch.randn(2, 1, 2, 64, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    lens = torch.tensor([10, 200], dtype=torch.int32, device="cuda")
+
+    def step(kc: torch.Tensor, vc: torch.Tensor) -> torch.Tensor:
+        return flashlite.attention_kvcache(
+            q, kc, vc, cache_seqlens=lens, k_new=k_new, v_new=v_new, k_descale=ks, v_descale=vs
+        )
+
+    with torch.no_grad():
+        eager_k, eager_v = k8.clone(), v8.clone()
+        want = step(eager_k, eager_v)  # (warm-up: plans made, kernels compiled)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(k8.clone(), v8.clone())
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        graph_k, graph_v = k8.clone(), v8.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = step(graph_k, graph_v)
+        graph_k.copy_(k8)
+        graph_v.copy_(v8)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(graph_k.view(torch.uint8), eager_k.view(torch.uint8))
+    torch.testing.assert_close(out, want)

@@ -72,7 +72,7 @@ def _kvcache(
     mask, score = request.mask_args, request.score_args
     dev = moved_call_device(q.device)
     if dev is not None:
-        return _kvcache_moved(args, dev, request.sinks, mask, score)
+        return _kvcache_moved(args, dev, request.sinks, mask, score, descales(request))
     plan = kvcache_plan(args, request.sinks, mask, score)
     return plan(*args[:TENSORS], request.sinks, mask, score, descales(request))
 
@@ -107,6 +107,7 @@ def _kvcache_moved(
     sinks: torch.Tensor | None = None,
     mask: ModArgs | None = None,
     score: ModArgs | None = None,
+    scales: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_kvcache` of CPU tensors in a process whose kernels run on the GPU ``dev``: the
     step runs on copies there, and the caches it wrote are copied back. A bad value the device
@@ -124,7 +125,7 @@ def _kvcache_moved(
             for m in (mask, score)
         )
         o, lse = kvcache_plan((*tensors, *args[TENSORS:]), sinks, mask, score)(
-            *tensors, sinks, mask, score
+            *tensors, sinks, mask, score, moved(scales, dev)
         )
     finally:  # what the append wrote (the good rows, when a bad one is reported)
         if k_new is not None:
