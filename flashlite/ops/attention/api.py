@@ -102,7 +102,8 @@ def attention(
             mixed devices, a non-positive scale or softcap, a window bound below −1, a
             seqlens_k of the wrong shape or device (or, on CPU, values outside ``[0, Nk]``),
             sinks that are not a float ``(Hq,)`` tensor on q's device.
-        NotImplementedError: head dim above 256.
+        NotImplementedError: head dim above 256; FP8 on a GPU below compute capability 8.9.
+        RuntimeError: FP8 inputs that require grad (FP8 attention is forward only).
     """
     sm_scale, qc, kc, vc = check_views(q, k, v, layout, scale, fp8=True)
     if type(causal) is not bool or type(return_lse) is not bool:
