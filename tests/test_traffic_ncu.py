@@ -144,3 +144,28 @@ def test_ncu_child_runs_one_range_per_call(monkeypatch: pytest.MonkeyPatch, tmp_
         measure._child_main(str(spec_path))
         assert ranges == ["flt_0000_", "flt_0001_"]
         assert json.loads(report_path.read_text())["errors"] == {}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_fp8_estimates_against_ncu() -> None:
+    """FP8's byte estimates against Nsight Compute at two forward points (plain and causal) and
+    one FP8-cache decode: within 30% (the forward's DRAM estimate) and 20% (the decode's model,
+    whose cache is read once)."""
+    if traffic.find_ncu() is None:
+        pytest.skip("ncu not found")
+    fp8 = torch.float8_e4m3fn
+    shapes = [AttentionShape(1, 16, 4096, 128, dtype=fp8),
+              AttentionShape(1, 16, 16384, 128, dtype=fp8, causal=True)]  # fmt: skip
+    m = traffic.measure_attention("flashlite", shapes, timeout=300)
+    if m.traffic[0] is None and "permitted" in m.message:
+        pytest.skip(m.message)
+    for shape, got in zip(shapes, m.traffic, strict=True):
+        assert got is not None, m.message
+        est = traffic.dram_flashlite_attention(shape)
+        assert 0.7 * est.total <= got.total <= 1.3 * est.total, (shape, got.total, est.total)
+    decode = AttentionShape(1, 32, 1, 128, seq_k=131072, kv_heads=8, dtype=fp8, causal=True)
+    rows, notes = traffic.decode_rows([decode], measure=True, show_progress=False)
+    row = rows[0]
+    assert row["measured_bytes"] is not None, notes
+    assert 0.8 <= row["measured_bytes"] / row["model_bytes"] <= 1.25, row

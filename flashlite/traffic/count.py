@@ -59,6 +59,10 @@ def attention_fn(method: str, shape: AttentionShape) -> Callable[..., torch.Tens
         return lambda q, k, v: flashlite.attention(q, k, v, causal=shape.causal)
     if method in ("sdpa-flash", "sdpa-cudnn"):
         backend = method.removeprefix("sdpa-")
+        if shape.fp8:  # (SDPA has no FP8: widened to bf16 first, as naive)
+            return lambda q, k, v: reference.sdpa(
+                *(x.to(torch.bfloat16) for x in (q, k, v)), causal=shape.causal, backend=backend
+            )
         return lambda q, k, v: reference.sdpa(q, k, v, causal=shape.causal, backend=backend)
     raise ValueError(f"method={method!r} is not one of {', '.join(ATTENTION_METHODS)}")
 

@@ -42,7 +42,7 @@ def decode_rows(
         if show_progress:
             progress_bar(j, len(shapes), f"decode Nk={shape.nk}")
         config = decode_tiles(
-            decode_rows_per_head(shape), shape.batch * shape.hkv, shape.head_dim, shape.itemsize
+            decode_rows_per_head(shape), shape.batch * shape.hkv, shape.head_dim, shape.out_itemsize
         )
         bm, bn = config.block_m, config.block_n
         n_splits = splits or decode_splits(shape, bm)
