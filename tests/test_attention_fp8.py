@@ -235,7 +235,7 @@ def test_fp8_refused_where_not_supported() -> None:
 @pytest.mark.parametrize("v_layout", ["n-major", "as-is"])
 def test_fp8_on_the_gpu(v_layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The compiled kernels (FP8 tensor-core products on sm_89+) against the torch recipe, at
-    lengths that are not tile multiples, V copied keys-contiguous on Hopper or left as given
+    lengths that are not tile multiples, V left as given or copied keys-contiguous first
     ($FLASHLITE_FP8_V); scales on the CPU refused."""
     dev = "cuda"
     monkeypatch.setenv("FLASHLITE_FP8_V", v_layout)
@@ -252,8 +252,9 @@ def test_fp8_on_the_gpu(v_layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_fp8_keys_contiguous_values(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Hopper's path: V copied keys-contiguous before the forward (FP8 wgmma reads its B
-    operand K-major only); the same arithmetic, so the same bits as V as given."""
+    """``FLASHLITE_FP8_V=n-major``'s path: V copied keys-contiguous before the forward (FP8
+    wgmma reads its B operand K-major only); the same arithmetic, so the same bits as V as
+    given."""
     from flashlite.ops.attention.backends.triton import fwd as triton_fwd
 
     (q8, sq, k8, sk), (v8, sv) = _inputs(1, 4, 2, 37, 45, 24)

@@ -35,7 +35,7 @@ if which == "decode":
     consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, IS_CAUSAL=True,
                   WINDOW=False, SOFTCAP=False, HAS_SEQLENS=True, HAS_SINKS=False, PAGE_SIZE=0,
                   USE_DESC=False, PRESCALE_Q=True, DOT_FP32=False, DOT_PRECISION="tf32",
-                  ROUND_BF16=False, **mods)
+                  ROUND_BF16=False, FP8=None, **mods)
     options = {"num_warps": 4, "num_stages": 3}
 else:  # varlen, with the options the plans give D 128 bf16
     bwd = which != "fwd"

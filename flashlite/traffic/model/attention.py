@@ -218,8 +218,7 @@ def dram_flashlite_attention(
     ``⌈n_m / P⌉`` waves; a later wave re-reads the head's K/V from L2 if the K/V of the heads in
     flight (``⌈P / n_m⌉`` heads, ``⌈that / G⌉`` K/V heads with GQA groups of ``G``) fit in L2
     beside the programs' Q and O tiles, else from DRAM once more per wave. Q is read once; O and
-    the LSE are written back as :func:`written_back` says. FP8 on the H200: V is first copied
-    keys-contiguous (its read and write, beside the kernel's; FP8 wgmma's B operand).
+    the LSE are written back as :func:`written_back` says.
     """
     if block_m is None or block_n is None:
         cfg = flashlite_config(shape, gpu=gpu)
@@ -252,9 +251,7 @@ def dram_flashlite_attention(
         t.add(name, min(waves * comp.parts[name][0], issued.parts[name][0]), 0)
     if shape.fp8:  # (every program reads the same 12 bytes: L2 serves all but the first)
         t.add("descales", comp.parts["descales"][0], 0)
-        if gpu == "h200":  # Hopper's FP8 path copies V keys-contiguous first (one launch)
-            v = comp.parts["v"][0]
-            t.add("v keys-contiguous", v, written_back(v, v, l2))
+
     write = issued.parts["o"][1] + issued.parts["lse"][1]
     t.add("o + lse", 0, written_back(t.read, write, l2))
     return t

@@ -129,20 +129,19 @@ class _Args:
         return _kernel_args(srcs, q, k, v, o, lse, self.km, request)
 
 
-#: How the FP8 forward hands V to its ``p·v`` product on Hopper: ``"n-major"`` (default) copies
-#: V so that the keys are contiguous (FP8 wgmma reads its B operand K-major only, and V's K
-#: dimension is the keys), ``"as-is"`` leaves the layout to Triton.
+#: How the FP8 forward hands V to its ``p·v`` product on Hopper: ``"as-is"`` (default) leaves
+#: the layout to Triton, which builds FP8 wgmma for both products either way; ``"n-major"``
+#: copies V keys-contiguous first (FP8 wgmma reads its B operand K-major only, and V's K
+#: dimension is the keys), which spilled more registers in sm_90 builds.
 FP8_V_ENV = "FLASHLITE_FP8_V"
 
 
 def fp8_v_n_major(v: torch.Tensor) -> bool:
-    """Whether the FP8 forward copies V keys-contiguous first: on sm_90 (Hopper's FP8 wgmma),
-    unless ``$FLASHLITE_FP8_V`` is ``"as-is"``, and not where it already is."""
-    if not v.is_cuda or v.stride(2) == 1:
+    """Whether the FP8 forward copies V keys-contiguous first: on sm_90 with
+    ``$FLASHLITE_FP8_V`` set to ``"n-major"``, and not where it already is."""
+    if not v.is_cuda or v.stride(2) == 1 or os.environ.get(FP8_V_ENV) != "n-major":
         return False
-    if _backend.capability(v.device.index or 0) < (9, 0):
-        return False
-    return os.environ.get(FP8_V_ENV, "n-major") != "as-is"
+    return _backend.capability(v.device.index or 0) >= (9, 0)
 
 
 def _autotuned(make: _Args, options: dict, rows: int, programs: int, nk: int) -> Plan:
