@@ -106,7 +106,7 @@ def attention(
         p = p.nan_to_num(0.0)
     if sinks is not None:  # the sink has no value: its probability leaves the output
         p = p[..., :-1]
-    o = torch.matmul(p, v).reshape(b, hq, nq, d).to(dtype)
+    o = torch.matmul(p, v).reshape(b, hq, nq, v.shape[-1]).to(dtype)
     if not return_lse:
         return o
     lse = torch.logsumexp(s.float() if not upcast else s, dim=-1).reshape(b, hq, nq).float()

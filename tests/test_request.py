@@ -27,6 +27,7 @@ SAMPLES = {
     "k_descale": torch.ones(1, 1),
     "v_descale": torch.ones(1, 1),
     "out_dtype": torch.bfloat16,
+    "head_dim_v": 8,
     "cache_seqlens": torch.tensor([3], dtype=torch.int32),
     "block_table": torch.zeros(1, 2, dtype=torch.int32),
     "validate": "sync",

@@ -254,10 +254,12 @@ def set_block_shapes(nargs: dict) -> None:
     if not nargs["USE_DESC"]:
         return
     bm, bn, bd = nargs["BLOCK_M"], nargs["BLOCK_N"], nargs["BLOCK_D"]
+    bdv = nargs.get("BLOCK_DV") or bd  # (V's and O's head dim, where it differs)
     nargs["Q"].block_shape = [1, 1, bm, bd]
-    nargs["K"].block_shape = nargs["V"].block_shape = [1, 1, bn, bd]
+    nargs["K"].block_shape = [1, 1, bn, bd]
+    nargs["V"].block_shape = [1, 1, bn, bdv]
     if not nargs["VARLEN"]:  # (varlen stores O through pointers)
-        nargs["O"].block_shape = [1, 1, bm, bd]
+        nargs["O"].block_shape = [1, 1, bm, bdv]
 
 
 def keep_config(cfg: Config, block_d: int, elem_bytes: int, use_desc: bool) -> bool:

@@ -71,9 +71,11 @@ def _attention_bwd_preprocess_kernel(
     n_heads, seq_q, sm_scale,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     HAS_DLSE: tl.constexpr, PRESCALE_Q: tl.constexpr, ROUND_BF16: tl.constexpr,
-    ZERO_ACC: tl.constexpr = False,
+    ZERO_ACC: tl.constexpr = False, HEAD_DIM_V: tl.constexpr = None,
+    BLOCK_DV: tl.constexpr = None,
 ):  # fmt: skip
-    """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``: ``delta = rowsum(dO ∘ O) − dlse``, fp32; with
+    """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``: ``delta = rowsum(dO ∘ O) − dlse``, fp32 (O and dO
+    ``HEAD_DIM_V`` wide where V's head dim is not Q's); with
     ``PRESCALE_Q`` also ``Qs`` (see the module's docstring) into ``QS``; with ``ZERO_ACC``
     zeros into ``ACC``, the fused Hopper backward's dense fp32 ``(B, Hq, Nq, HEAD_DIM)`` dQ
     accumulator (its atomics add into it: zeroed here, not by a launch of its own)."""
@@ -83,10 +85,13 @@ def _attention_bwd_preprocess_kernel(
     offs_r, offs_d = tl.arange(0, BLOCK_M), tl.arange(0, BLOCK_D)
     o_src = head_ptr(O, b, h, stride_ob, stride_oh)
     g_src = head_ptr(DO, b, h, stride_gb, stride_gh)
-    o = load_tile(o_src, b, h, start_m, seq_q, stride_om, stride_od, offs_r, offs_d, HEAD_DIM,
-                  BLOCK_D, False, True).to(tl.float32)  # fmt: skip
-    do = load_tile(g_src, b, h, start_m, seq_q, stride_gm, stride_gd, offs_r, offs_d, HEAD_DIM,
-                   BLOCK_D, False, True).to(tl.float32)  # fmt: skip
+    HDV: tl.constexpr = HEAD_DIM if HEAD_DIM_V is None else HEAD_DIM_V
+    BDV: tl.constexpr = BLOCK_D if BLOCK_DV is None else BLOCK_DV
+    offs_dv = tl.arange(0, BDV)
+    o = load_tile(o_src, b, h, start_m, seq_q, stride_om, stride_od, offs_r, offs_dv, HDV, BDV,
+                  False, True).to(tl.float32)  # fmt: skip
+    do = load_tile(g_src, b, h, start_m, seq_q, stride_gm, stride_gd, offs_r, offs_dv, HDV, BDV,
+                   False, True).to(tl.float32)  # fmt: skip
     delta = tl.sum(o * do, 1)
     rows = start_m + offs_r
     at = pid_bh.to(tl.int64) * seq_q + rows
@@ -176,8 +181,10 @@ def _attention_bwd_dkdv_kernel(
     IS_CAUSAL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr, USE_DESC: tl.constexpr,
     HAS_SEQLENS: tl.constexpr, VARLEN: tl.constexpr, PRESCALE_Q: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr = None, BLOCK_DV: tl.constexpr = None,
 ):  # fmt: skip
     """Grid ``(cdiv(Nk, BLOCK_N), B·Hkv)``: dK, dV of one key block, summed over the group.
+    ``HEAD_DIM_V``, ``BLOCK_DV``: V's (and dO's, dV's) head dim where it is not Q's.
     ``QS`` is Qs (``PRESCALE_Q``) or Q; with ``USE_DESC``, ``QS`` and ``DO`` are 4-D tensor
     descriptors (TMA loads of the loop's tiles).
 
@@ -206,12 +213,13 @@ def _attention_bwd_dkdv_kernel(
     v_src = seq_ptr(V, b, h_kv, k0, stride_vb, stride_vh, stride_vn, VARLEN)
     kv_strides, at = (stride_kn, stride_kd, stride_vn, stride_vd), (b, h_kv, start_n, seq_k)
     offs_c = tl.arange(0, BLOCK_N)
-    k, v = _load_pair(
-        (k_src, v_src), kv_strides, at, offs_c, offs_d, HEAD_DIM, BLOCK_D, False, True
-    )
+    HDV: tl.constexpr = HEAD_DIM if HEAD_DIM_V is None else HEAD_DIM_V
+    BDV: tl.constexpr = BLOCK_D if BLOCK_DV is None else BLOCK_DV
+    k, v = _load_pair((k_src, v_src), kv_strides, at, offs_c, HEAD_DIM, BLOCK_D, HDV, BDV, False,
+                      True)  # fmt: skip
     if DOT_FP32:
         k, v = k.to(tl.float32), v.to(tl.float32)
-    dk, dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32), tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dk, dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32), tl.zeros([BLOCK_N, BDV], tl.float32)
     # scores of Qs are in exp2's units already; dK summed against Qs carries a factor log2 e
     exp_scale = 1.0 if PRESCALE_Q else sm_scale * LOG2E
     dk_scale = 1.0 / LOG2E if PRESCALE_Q else sm_scale
@@ -227,8 +235,8 @@ def _attention_bwd_dkdv_kernel(
             QS, DO, q_strides, g_strides, b, h_kv * group + g, q0, q_mem, n_heads, USE_DESC, VARLEN
         )
         dk, dv = _dkdv_head(dk, dv, (k, v), head, LSE, DELTA, blocks, offs, limits, q_strides,
-                            g_strides, exp_scale, cap, dt, HEAD_DIM, BLOCK_D, BLOCK_M, IS_CAUSAL,
-                            WINDOW, SOFTCAP, USE_DESC, DOT_FP32, DOT_PRECISION,
+                            g_strides, exp_scale, cap, dt, HEAD_DIM, BLOCK_D, HDV, BDV, BLOCK_M,
+                            IS_CAUSAL, WINDOW, SOFTCAP, USE_DESC, DOT_FP32, DOT_PRECISION,
                             ROUND_BF16)  # fmt: skip
     if HAS_SEQLENS:  # keys that do not exist get zero gradients (the unmasked loop ran them)
         dk = tl.where(offs_n[:, None] < seq_k, dk, 0.0)
@@ -238,7 +246,7 @@ def _attention_bwd_dkdv_kernel(
     dk = cast(dk * dk_scale, DK.dtype.element_ty, ROUND_BF16)
     store_tile(dk_dst, dk, offs_n, n_keys, stride_dkn, stride_dkd, offs_d, HEAD_DIM)
     dv = cast(dv, DV.dtype.element_ty, ROUND_BF16)
-    store_tile(dv_dst, dv, offs_n, n_keys, stride_dvn, stride_dvd, offs_d, HEAD_DIM)
+    store_tile(dv_dst, dv, offs_n, n_keys, stride_dvn, stride_dvd, tl.arange(0, BDV), HDV)
 
 
 @triton.jit
@@ -255,10 +263,12 @@ def _attention_bwd_dq_kernel(
     HAS_SEQLENS: tl.constexpr, VARLEN: tl.constexpr, PRESCALE_Q: tl.constexpr,
     USE_DESC: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr = None, BLOCK_DV: tl.constexpr = None,
 ):  # fmt: skip
     """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``: dQ of one query block over the keys it sees. ``QS``
     is Qs (``PRESCALE_Q``; then it may be ``DQ`` itself: each program reads its block before it
-    writes it) or Q; with ``USE_DESC``, ``K`` and ``V`` are 4-D tensor descriptors."""
+    writes it) or Q; with ``USE_DESC``, ``K`` and ``V`` are 4-D tensor descriptors.
+    ``HEAD_DIM_V``, ``BLOCK_DV``: V's and dO's head dim where it is not Q's."""
     pid_bh = tl.program_id(1)
     b, h = pid_bh // n_heads, pid_bh % n_heads
     h_kv = h // group
@@ -281,9 +291,10 @@ def _attention_bwd_dq_kernel(
         k_src = seq_ptr(K, b, h_kv, k0, stride_kb, stride_kh, stride_kn, VARLEN)
         v_src = seq_ptr(V, b, h_kv, k0, stride_vb, stride_vh, stride_vn, VARLEN)
     q_strides, at = (stride_qm, stride_qd, stride_gm, stride_gd), (b, h, start_m, seq_q)
-    qs, do = _load_pair(
-        (qs_src, g_src), q_strides, at, offs_r, offs_d, HEAD_DIM, BLOCK_D, False, True
-    )
+    HDV: tl.constexpr = HEAD_DIM if HEAD_DIM_V is None else HEAD_DIM_V
+    BDV: tl.constexpr = BLOCK_D if BLOCK_DV is None else BLOCK_DV
+    qs, do = _load_pair((qs_src, g_src), q_strides, at, offs_r, HEAD_DIM, BLOCK_D, HDV, BDV, False,
+                        True)  # fmt: skip
     if VARLEN:
         stats = h.to(tl.int64) * q_mem + q0
     else:
@@ -303,19 +314,21 @@ def _attention_bwd_dq_kernel(
         for start_n in range(lo, full_lo, BLOCK_N):
             dq = _dq_step(dq, qs, do, lse, delta, k_src, v_src, b, h_kv, start_n, rows, offs_c,
                           offs_d, seq_q, seq_k, win_left, win_right, cap, stride_kn, stride_kd,
-                          stride_vn, stride_vd, exp_scale, dt, HEAD_DIM, BLOCK_D, True, IS_CAUSAL,
-                          WINDOW, SOFTCAP, USE_DESC, DOT_FP32, DOT_PRECISION,
+                          stride_vn, stride_vd, exp_scale, dt, HEAD_DIM, BLOCK_D, HDV, BDV, True,
+                          IS_CAUSAL, WINDOW, SOFTCAP, USE_DESC, DOT_FP32, DOT_PRECISION,
                           ROUND_BF16)  # fmt: skip
     for start_n in range(full_lo, full_hi, BLOCK_N):
         dq = _dq_step(dq, qs, do, lse, delta, k_src, v_src, b, h_kv, start_n, rows, offs_c,
                       offs_d, seq_q, seq_k, win_left, win_right, cap, stride_kn, stride_kd,
-                      stride_vn, stride_vd, exp_scale, dt, HEAD_DIM, BLOCK_D, False, IS_CAUSAL,
-                      WINDOW, SOFTCAP, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
+                      stride_vn, stride_vd, exp_scale, dt, HEAD_DIM, BLOCK_D, HDV, BDV, False,
+                      IS_CAUSAL, WINDOW, SOFTCAP, USE_DESC, DOT_FP32, DOT_PRECISION,
+                      ROUND_BF16)  # fmt: skip
     for start_n in range(full_hi, hi, BLOCK_N):
         dq = _dq_step(dq, qs, do, lse, delta, k_src, v_src, b, h_kv, start_n, rows, offs_c,
                       offs_d, seq_q, seq_k, win_left, win_right, cap, stride_kn, stride_kd,
-                      stride_vn, stride_vd, exp_scale, dt, HEAD_DIM, BLOCK_D, True, IS_CAUSAL,
-                      WINDOW, SOFTCAP, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
+                      stride_vn, stride_vd, exp_scale, dt, HEAD_DIM, BLOCK_D, HDV, BDV, True,
+                      IS_CAUSAL, WINDOW, SOFTCAP, USE_DESC, DOT_FP32, DOT_PRECISION,
+                      ROUND_BF16)  # fmt: skip
     dq_dst = seq_ptr(DQ, b, h, q0, stride_dqb, stride_dqh, stride_dqm, VARLEN)
     store_tile(dq_dst,
                cast(dq * sm_scale, DQ.dtype.element_ty, ROUND_BF16), rows, seq_q, stride_dqm,

@@ -46,24 +46,28 @@ def load_pair(
     strides,
     at,
     offs_r,
-    offs_d,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     USE_DESC: tl.constexpr,
     CHECK_ROWS: tl.constexpr,
 ):
     """Two :func:`load_tile` tiles at the same rows (Qs and dO, or K and V), first then second:
     ``srcs`` their sources, ``strides`` their (row, column) strides one pair after the other,
-    ``at`` the ``(b, h, row0, n_rows)`` they share."""
+    ``at`` the ``(b, h, row0, n_rows)`` they share; the first ``HEAD_DIM`` wide (Q's and K's),
+    the second ``HEAD_DIM_V`` (V's, O's and dO's)."""
     x_src, y_src = srcs
     x_m, x_d, y_m, y_d = strides
     b, h, row0, n_rows = at
+    offs_d, offs_dv = tl.arange(0, BLOCK_D), tl.arange(0, BLOCK_DV)
     x = load_tile(
         x_src, b, h, row0, n_rows, x_m, x_d, offs_r, offs_d, HEAD_DIM, BLOCK_D, USE_DESC, CHECK_ROWS
     )
     y = load_tile(
-        y_src, b, h, row0, n_rows, y_m, y_d, offs_r, offs_d, HEAD_DIM, BLOCK_D, USE_DESC, CHECK_ROWS
-    )
+        y_src, b, h, row0, n_rows, y_m, y_d, offs_r, offs_dv, HEAD_DIM_V, BLOCK_DV, USE_DESC,
+        CHECK_ROWS,
+    )  # fmt: skip
     return x, y
 
 
@@ -85,6 +89,8 @@ def dkdv_step(
     DT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -102,13 +108,15 @@ def dkdv_step(
     ``g_strides``: Qs's and dO's ``(B, H, N, D)`` strides."""
     k, v = kv
     b, h, qs_src, g_src, stats = head
-    offs_r, offs_n, offs_d = offs
+    offs_r, offs_n, _offs_d = offs
     seq_q, seq_k, left, right = limits
     _, _, stride_qm, stride_qd = q_strides
     _, _, stride_gm, stride_gd = g_strides
     srcs, strides = (qs_src, g_src), (stride_qm, stride_qd, stride_gm, stride_gd)
     at = (b, h, start_m, seq_q)
-    qs, do = load_pair(srcs, strides, at, offs_r, offs_d, HEAD_DIM, BLOCK_D, USE_DESC, CHECK_ROWS)
+    qs, do = load_pair(
+        srcs, strides, at, offs_r, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, USE_DESC, CHECK_ROWS
+    )
     rows = start_m + offs_r
     if CHECK_ROWS:  # rows past Nq: LSE −inf gives P = 0, so they add nothing
         lse = tl.load(LSE + stats + rows, mask=rows < seq_q, other=float("-inf"))
@@ -166,6 +174,8 @@ def dkdv_head(
     DT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -183,14 +193,14 @@ def dkdv_head(
     for i in range(0, n_masked):
         start_m = _masked_start(i, n_diag, lo, full_hi, BLOCK_M, WINDOW)
         dk, dv = dkdv_step(dk, dv, kv, head, LSE, DELTA, start_m, offs, limits, q_strides,
-                           g_strides, exp_scale, cap, DT, HEAD_DIM, BLOCK_D, IS_CAUSAL or WINDOW,
-                           IS_CAUSAL, WINDOW, SOFTCAP, True, USE_DESC, DOT_FP32, DOT_PRECISION,
-                           ROUND_BF16)  # fmt: skip
+                           g_strides, exp_scale, cap, DT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
+                           BLOCK_DV, IS_CAUSAL or WINDOW, IS_CAUSAL, WINDOW, SOFTCAP, True,
+                           USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
     for start_m in range(full_lo, full_hi, BLOCK_M):
         dk, dv = dkdv_step(dk, dv, kv, head, LSE, DELTA, start_m, offs, limits, q_strides,
-                           g_strides, exp_scale, cap, DT, HEAD_DIM, BLOCK_D, False, IS_CAUSAL,
-                           WINDOW, SOFTCAP, False, USE_DESC, DOT_FP32, DOT_PRECISION,
-                           ROUND_BF16)  # fmt: skip
+                           g_strides, exp_scale, cap, DT, HEAD_DIM, BLOCK_D, HEAD_DIM_V,
+                           BLOCK_DV, False, IS_CAUSAL, WINDOW, SOFTCAP, False, USE_DESC,
+                           DOT_FP32, DOT_PRECISION, ROUND_BF16)  # fmt: skip
     return dk, dv
 
 
@@ -222,6 +232,8 @@ def dq_step(
     DT: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     MASKED: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
     WINDOW: tl.constexpr,
@@ -235,7 +247,9 @@ def dq_step(
     keys' bounds, the causal diagonal or the window."""
     kv_src, kv_strides = (k_src, v_src), (stride_kn, stride_kd, stride_vn, stride_vd)
     at = (b, h_kv, start_n, seq_k)
-    k, v = load_pair(kv_src, kv_strides, at, offs_c, offs_d, HEAD_DIM, BLOCK_D, USE_DESC, MASKED)
+    k, v = load_pair(
+        kv_src, kv_strides, at, offs_c, HEAD_DIM, BLOCK_D, HEAD_DIM_V, BLOCK_DV, USE_DESC, MASKED
+    )
     if DOT_FP32:
         k, v = k.to(tl.float32), v.to(tl.float32)
     sc = tl.dot(qs, tl.trans(k), input_precision=DOT_PRECISION)

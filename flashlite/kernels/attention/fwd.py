@@ -122,7 +122,7 @@ def _attention_fwd_kernel(
     USE_DESC: tl.constexpr, PRESCALE_Q: tl.constexpr, DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr, LAZY_RESCALE: tl.constexpr, OVERLAP: tl.constexpr,
     WARP_SPECIALIZE: tl.constexpr, ROUND_BF16: tl.constexpr, FIXED_REF: tl.constexpr = False,
-    FP8: tl.constexpr = False,
+    FP8: tl.constexpr = False, HEAD_DIM_V: tl.constexpr = None, BLOCK_DV: tl.constexpr = None,
 ):  # fmt: skip
     """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``. Writes O ``(B, Hq, Nq, D)`` and fp32 LSE ``(B·Hq, Nq)``.
 
@@ -140,6 +140,8 @@ def _attention_fwd_kernel(
     ``FP8``: e4m3 Q, K, V whose fp32 descale factors ``(B, Hkv)`` (strides ``stride_sb``,
     ``stride_sh``) multiply the scores (Q's and K's) and the output (V's); ``p`` is rounded to
     e4m3 for the ``p·v`` product, as FlashAttention-3 does, and O is 16-bit or fp32.
+    ``HEAD_DIM_V``, ``BLOCK_DV``: V's and O's head dim and its tile (None: Q's), which may
+    differ from Q's and K's (DeepSeek's 192/128).
     Few query rows against a long KV cache run :mod:`.decode`'s kernel instead.
     """
     pid_bh = tl.program_id(1)
@@ -174,11 +176,13 @@ def _attention_fwd_kernel(
     qk_scale = sm_scale * LOG2E
     q, exp_scale = scale_q(q, qk_scale, PRESCALE_Q, ROUND_BF16)
     pos = (offs_m, offs_n, offs_d, seq_q, seq_k, win_left, win_right)
+    HDV: tl.constexpr = HEAD_DIM if HEAD_DIM_V is None else HEAD_DIM_V
+    BDV: tl.constexpr = BLOCK_D if BLOCK_DV is None else BLOCK_DV
     acc, m, s = attend_rows(  # (constexpr bundles are built in the call: see fwd_parts)
         (q, k_tiles, v_tiles, pos),
         (start_m, exp_scale, softcap, SINKS, h),
         Loops(BLOCK_M, BLOCK_N, IS_CAUSAL, WINDOW, OVERLAP, WARP_SPECIALIZE),
-        Tiles(HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16, VARLEN),
+        Tiles(HEAD_DIM, BLOCK_D, USE_DESC, DOT_FP32, DOT_PRECISION, ROUND_BF16, VARLEN, HDV, BDV),
         Stats(SOFTCAP, HAS_SINKS, LAZY_RESCALE, FIXED_REF),
     )
     # Rows that saw no key (causal with Nq > Nk) have s = 0: output 0 and LSE −inf, not NaN
@@ -191,8 +195,8 @@ def _attention_fwd_kernel(
         tl.store(LSE + pid_bh.to(tl.int64) * q_mem + offs_m, lse, mask=offs_m < seq_q)
     if USE_DESC and not VARLEN:  # (varlen: a block's rows may cross into the next sequence)
         o = cast(acc * inv_s[:, None], O.dtype, ROUND_BF16)
-        O.store([b, h, start_m, 0], o.reshape(1, 1, BLOCK_M, BLOCK_D))
+        O.store([b, h, start_m, 0], o.reshape(1, 1, BLOCK_M, BDV))
     else:
         o = cast(acc * inv_s[:, None], O.dtype.element_ty, ROUND_BF16)
         o_dst = seq_ptr(O, b, h, q0, stride_ob, stride_oh, stride_om, VARLEN)
-        store_tile(o_dst, o, offs_m, seq_q, stride_om, stride_od, offs_d, HEAD_DIM)
+        store_tile(o_dst, o, offs_m, seq_q, stride_om, stride_od, tl.arange(0, BDV), HDV)

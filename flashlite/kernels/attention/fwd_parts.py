@@ -34,7 +34,8 @@ class Loops(NamedTuple):
 
 
 class Tiles(NamedTuple):
-    """Constexprs of loading and multiplying the K and V tiles."""
+    """Constexprs of loading and multiplying the K and V tiles (``HEAD_DIM_V``, ``BLOCK_DV``:
+    V's and O's head dim, which may differ from Q's and K's)."""
 
     HEAD_DIM: int
     BLOCK_D: int
@@ -43,6 +44,8 @@ class Tiles(NamedTuple):
     DOT_PRECISION: str
     ROUND_BF16: bool
     VARLEN: bool
+    HEAD_DIM_V: int
+    BLOCK_DV: int
 
 
 class Stats(NamedTuple):
@@ -93,7 +96,8 @@ def _tile_scores(q, start_n, k_tiles, pos, cap, MASKED: tl.constexpr, LOOPS, TIL
 def _tile_values(acc, alpha, moved, p, start_n, v_tiles, pos, MASKED: tl.constexpr, TILES):
     """:func:`accumulate`: ``acc·alpha + p·v`` for the value tile at ``start_n``."""
     v_src, b, h_kv, k_row, stride_vn, stride_vd = v_tiles
-    offs_m, offs_n, offs_d, seq_q, seq_k, left, right = pos
+    offs_m, offs_n, _offs_d, seq_q, seq_k, left, right = pos
+    offs_dv = tl.arange(0, TILES.BLOCK_DV)
     return accumulate(
         acc,
         alpha,
@@ -108,10 +112,10 @@ def _tile_values(acc, alpha, moved, p, start_n, v_tiles, pos, MASKED: tl.constex
         stride_vn,
         stride_vd,
         offs_n,
-        offs_d,
+        offs_dv,
         MASKED,
-        TILES.HEAD_DIM,
-        TILES.BLOCK_D,
+        TILES.HEAD_DIM_V,
+        TILES.BLOCK_DV,
         TILES.USE_DESC,
         TILES.DOT_FP32,
         TILES.DOT_PRECISION,
@@ -183,7 +187,7 @@ def _start_state(SINKS, h, softcap, exp_scale, LOOPS, TILES, STATS):
     BLOCK_M: tl.constexpr = LOOPS.BLOCK_M
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, TILES.BLOCK_D], tl.float32)
+    acc = tl.zeros([BLOCK_M, TILES.BLOCK_DV], tl.float32)
     if STATS.HAS_SINKS:  # the sink's own state, in the scores' units: the loop folds keys into it
         m = tl.full([BLOCK_M], 1.0, tl.float32) * (tl.load(SINKS + h) * LOG2E / exp_scale)
         s = tl.full([BLOCK_M], 1.0, tl.float32)

@@ -49,7 +49,9 @@ def attention(
     Args:
         q: ``(B, Hq, Nq, D)`` (or ``(B, Nq, Hq, D)`` with ``layout="b n h d"``).
         k, v: ``(B, Hkv, Nk, D)`` in the same layout; ``Hq % Hkv == 0`` gives GQA/MQA without
-            repeating k and v in memory. Any strides: slices of a packed qkv buffer work.
+            repeating k and v in memory. Any strides: slices of a packed qkv buffer work. v may
+            have a head dim of its own, ``(B, Hkv, Nk, Dv)`` (DeepSeek's 192/128): the output
+            then has ``Dv`` columns.
         causal: bottom-right aligned mask (flash-attn >= 2.1, ``causal_lower_right``): query i
             sees key j iff ``j <= i + Nk - Nq``. Rows that see no key give 0 and LSE −inf.
             As a mask function: ``flashlite.gallery.causal_lower_right(Nq, Nk)``
@@ -105,10 +107,11 @@ def attention(
         NotImplementedError: head dim above 256; FP8 on a GPU below compute capability 8.9.
         RuntimeError: FP8 inputs that require grad (FP8 attention is forward only).
     """
-    sm_scale, qc, kc, vc = check_views(q, k, v, layout, scale, fp8=True)
+    sm_scale, qc, kc, vc = check_views(q, k, v, layout, scale, fp8=True, head_dim_v=True)
     if type(causal) is not bool or type(return_lse) is not bool:
         check_flags(causal=causal, return_lse=return_lse)
-    splits = chosen_splits(qc, kc, check_splits(num_splits))
+    own_dv = vc.shape[3] != qc.shape[3]  # (V's own head dim: no split-KV kernel for it)
+    splits = check_splits(num_splits) if own_dv else chosen_splits(qc, kc, check_splits(num_splits))
     if seqlens_k is not None:
         seqlens_k = check_seqlens(seqlens_k, qc, kc)
     if sinks is not None:
@@ -117,6 +120,8 @@ def attention(
     if qc.dtype == E4M3 or not q_descale is k_descale is v_descale is out_dtype is None:
         fp8 = fp8_fields(qc, kc, vc, q_descale, k_descale, v_descale, out_dtype)
         request = request._replace(**fp8)
+    if own_dv:
+        request = request._replace(head_dim_v=vc.shape[3])
     o, lse = ATTENTION_FWD(qc, kc, vc, request)
     if layout != "b h n d":
         o = o.transpose(1, 2)
@@ -151,7 +156,8 @@ def attention_varlen(
     ``[cu_seqlens_k[b], cu_seqlens_k[b + 1])`` of k and v. Guide: docs/guides/attention.md.
 
     Args:
-        q: ``(total_q, Hq, D)``; k, v: ``(total_k, Hkv, D)``, ``Hq % Hkv == 0``.
+        q: ``(total_q, Hq, D)``; k, v: ``(total_k, Hkv, D)``, ``Hq % Hkv == 0``; v may have a
+            head dim of its own, ``(total_k, Hkv, Dv)``.
         cu_seqlens_q, cu_seqlens_k: int32 ``(batch + 1,)`` offsets: start at 0, non-decreasing,
             last entry the packed length.
         max_seqlen_q, max_seqlen_k: at least the longest sequence's lengths (they size the grid).
@@ -210,6 +216,7 @@ def attention_varlen(
             max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k,
             sinks=check_sinks(sinks, qc, qc.shape[1]),
+            head_dim_v=vc.shape[3] if vc.shape[3] != qc.shape[3] else None,
             **fp8,
         )
         o, lse = ATTENTION_FWD(qc, kc, vc, request)
@@ -235,7 +242,7 @@ def _check_varlen(
         raise TypeError(f"validate must be True, False or 'sync', got {validate!r}")
     # (1, H, total, D) views: one 'batch' in the layout the kernels read, no copy
     sm_scale, qc, kc, vc = check_views(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), "b n h d", scale, fp8=True
+        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), "b n h d", scale, True, True
     )
     cu_q = check_cu_seqlens(cu_seqlens_q, "cu_seqlens_q", q, max_seqlen_q)
     cu_k = check_cu_seqlens(cu_seqlens_k, "cu_seqlens_k", q, max_seqlen_k)

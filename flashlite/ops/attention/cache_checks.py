@@ -11,14 +11,8 @@ import torch
 from flashlite import _backend
 from flashlite.masking import mods
 from flashlite.masking.mod_args import check_mod
-from flashlite.ops.attention.checks import (
-    DTYPES,
-    MAX_HEAD_DIM,
-    check_dtype,
-    check_page_size,
-    check_writable,
-)
-from flashlite.ops.attention.fp8 import E4M3, OTHER_FP8, descale, same_strides
+from flashlite.ops.attention.checks import DTYPES, MAX_HEAD_DIM, check_page_size, check_writable
+from flashlite.ops.attention.fp8 import E4M3, OTHER_FP8, check_dtype, descale, same_strides
 from flashlite.ops.attention.request import mod_fields
 
 

@@ -12,7 +12,7 @@ import triton
 
 from flashlite import _backend
 from flashlite._caches import register
-from flashlite.ops.attention.fp8 import E4M3, OTHER_FP8
+from flashlite.ops.attention.fp8 import E4M3, check_dtype
 from flashlite.ops.common import overlapping, take_record, value_record
 
 LAYOUTS = ("b h n d", "b n h d")
@@ -21,10 +21,17 @@ MAX_HEAD_DIM = 256
 
 
 def check_views(
-    q: object, k: object, v: object, layout: object, scale: object, fp8: bool = False
+    q: object,
+    k: object,
+    v: object,
+    layout: object,
+    scale: object,
+    fp8: bool = False,
+    head_dim_v: bool = False,
 ) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validate the public arguments; return the softmax scale and q, k, v as ``b h n d`` views.
-    ``fp8``: e4m3 inputs are accepted too (a forward that takes descale factors)."""
+    ``fp8``: e4m3 inputs are accepted too (a forward that takes descale factors);
+    ``head_dim_v``: V may have a head dim of its own (1 to 256)."""
     # the usual call, in a few tests (host time); anything else, every error included, takes
     # the checks of _check_all, from the caller's tensors
     if (
@@ -40,7 +47,7 @@ def check_views(
             views = (q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         if _usual(*views):
             return check_scale(scale, q.shape[-1]), *views
-    return _check_all(q, k, v, layout, scale, fp8)
+    return _check_all(q, k, v, layout, scale, fp8, head_dim_v)
 
 
 def _usual(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -62,7 +69,13 @@ def _usual(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 
 def _check_all(
-    q: object, k: object, v: object, layout: object, scale: object, fp8: bool = False
+    q: object,
+    k: object,
+    v: object,
+    layout: object,
+    scale: object,
+    fp8: bool = False,
+    head_dim_v: bool = False,
 ) -> tuple[float, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`check_views`, every test in order, each failure with its own message."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -87,11 +100,14 @@ def _check_all(
     if layout == "b n h d":  # a strided view, no copy
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     (b, hq, _, d), (bk, hkv, _, dk) = q.shape, k.shape
-    if k.shape != v.shape:
+    if k.shape[:3] != v.shape[:3] or (k.shape[3] != v.shape[3] and not head_dim_v):
+        shapes = "(B, Hkv, Nk, D) and (B, Hkv, Nk, Dv)" if head_dim_v else "(B, Hkv, Nk, D)"
         raise ValueError(
-            f"k and v must have the same shape (B, Hkv, Nk, D) in layout {layout!r}, got "
+            f"k and v must have the same shape {shapes} in layout {layout!r}, got "
             f"{tuple(k.shape)} and {tuple(v.shape)} (as b h n d)"
         )
+    if not 0 < v.shape[3] <= MAX_HEAD_DIM:
+        raise ValueError(f"v's head dim must be 1 to {MAX_HEAD_DIM}, got {v.shape[3]}")
     if bk != b:
         raise ValueError(f"q and k must have the same batch size, got {b} and {bk}")
     if dk != d:
@@ -106,26 +122,6 @@ def _check_all(
     if d > MAX_HEAD_DIM:
         raise NotImplementedError(f"head dim {d} is not supported: flashlite supports 1 to 256")
     return check_scale(scale, d), q, k, v
-
-
-def check_dtype(t: torch.Tensor, name: str, fp8: bool) -> None:
-    """Raise the ``TypeError`` for a tensor whose dtype attention does not take (``fp8``: a
-    function that takes e4m3 inputs)."""
-    if t.dtype in OTHER_FP8:
-        raise TypeError(
-            f"{name} has dtype {t.dtype}; of the FP8 formats attention takes torch.float8_e4m3fn "
-            "only (with q_descale, k_descale, v_descale)"
-        )
-    if t.dtype == E4M3 and not fp8:
-        raise TypeError(
-            f"{name} has dtype torch.float8_e4m3fn, which this function does not take: FP8 "
-            "inputs go to attention and attention_varlen (forward only), FP8 caches to "
-            "attention_kvcache and attention_shared_prefix"
-        )
-    accepted = "torch.float16, torch.bfloat16, torch.float32"
-    if fp8:
-        accepted += ", torch.float8_e4m3fn"
-    raise TypeError(f"{name} has dtype {t.dtype}; accepted: {accepted}")
 
 
 def check_inputs(

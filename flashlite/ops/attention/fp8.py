@@ -132,3 +132,23 @@ def check_fp8_device(q: torch.Tensor) -> None:
             f"FP8 attention needs a GPU of compute capability 8.9 or newer (Ada, Hopper); "
             f"{q.device} is {major}.{minor}"
         )
+
+
+def check_dtype(t: torch.Tensor, name: str, fp8: bool) -> None:
+    """Raise the ``TypeError`` for a tensor whose dtype attention does not take (``fp8``: a
+    function that takes e4m3 inputs)."""
+    if t.dtype in OTHER_FP8:
+        raise TypeError(
+            f"{name} has dtype {t.dtype}; of the FP8 formats attention takes torch.float8_e4m3fn "
+            "only (with q_descale, k_descale, v_descale)"
+        )
+    if t.dtype == E4M3 and not fp8:
+        raise TypeError(
+            f"{name} has dtype torch.float8_e4m3fn, which this function does not take: FP8 "
+            "inputs go to attention and attention_varlen (forward only), FP8 caches to "
+            "attention_kvcache and attention_shared_prefix"
+        )
+    accepted = "torch.float16, torch.bfloat16, torch.float32"
+    if fp8:
+        accepted += ", torch.float8_e4m3fn"
+    raise TypeError(f"{name} has dtype {t.dtype}; accepted: {accepted}")

@@ -50,7 +50,7 @@ def attention_fwd(
         launch used (None when nothing was launched). CPU tensors in a process that compiles its
         kernels run on the GPU: moved there once, results moved back.
     """
-    o = empty_output(q, request.out_dtype)
+    o = empty_output(q, request.out_dtype, request.head_dim_v)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     plan = planner.forward(
         q, k, v, o, lse, request, config=config, use_desc=use_desc, prescale_q=prescale_q
@@ -68,7 +68,7 @@ def attention_fwd_body(
     if plan is None:
         o, lse, _ = attention_fwd(q, k, v, request)
         return o, lse
-    o = empty_output(q, request.out_dtype)
+    o = empty_output(q, request.out_dtype, request.head_dim_v)
     lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
     plan.launch(q, k, v, o, lse, request)
     return o, lse
@@ -77,7 +77,9 @@ def attention_fwd_body(
 def attention_fwd_fake(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return empty_output(q, request.out_dtype), q.new_empty(q.shape[:3], dtype=torch.float32)
+    return empty_output(q, request.out_dtype, request.head_dim_v), q.new_empty(
+        q.shape[:3], dtype=torch.float32
+    )
 
 
 @on_compute_device

@@ -78,7 +78,7 @@ DECODE_FIELDS = (
 )
 
 #: The request fields the forward takes (a cache's are the decode step's).
-FWD_FIELDS = Request._fields[: Request._fields.index("out_dtype") + 1]
+FWD_FIELDS = Request._fields[: Request._fields.index("head_dim_v") + 1]
 
 #: The request fields the backward takes (the split is the forward's alone).
 BWD_FIELDS = (
@@ -93,6 +93,7 @@ BWD_FIELDS = (
     "max_seqlen_q",
     "max_seqlen_k",
     "sinks",
+    "head_dim_v",
 )
 
 

@@ -39,6 +39,7 @@ class Request(NamedTuple):
             pair: the scores are ``scale·q_descale·k_descale·(q·kᵀ)`` and the output is
             multiplied by ``v_descale`` (:mod:`flashlite.ops.attention.fp8`).
         out_dtype: the output's dtype where it is not q's (FP8 inputs: bf16 unless asked).
+        head_dim_v: V's (and O's) head dim where it is not Q's and K's (DeepSeek's 192/128).
         cache_seqlens, block_table: a KV cache's int32 lengths ``(B,)`` and page table
             ``(B, max_pages)`` (decoding).
         validate: how a KV cache's values are checked: ``"device"``, ``"sync"`` or ``"off"``.
@@ -66,6 +67,7 @@ class Request(NamedTuple):
     k_descale: torch.Tensor | None = None
     v_descale: torch.Tensor | None = None
     out_dtype: torch.dtype | None = None
+    head_dim_v: int | None = None
     cache_seqlens: torch.Tensor | None = None
     block_table: torch.Tensor | None = None
     validate: str | None = None

@@ -44,14 +44,17 @@ def descriptor_ok(*tensors: torch.Tensor) -> bool:
     return True
 
 
-def empty_output(q: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+def empty_output(
+    q: torch.Tensor, dtype: torch.dtype | None = None, head_dim: int | None = None
+) -> torch.Tensor:
     """``O`` for ``q`` (``b h n d`` view): dense in the order of q's strides, so it keeps q's
     layout (``b n h d`` too, also for slices of a packed qkv buffer); in ``dtype`` where given
-    (FP8 inputs), else q's."""
-    if q.is_contiguous() or q.transpose(1, 2).is_contiguous():  # the usual layouts, quickly
-        return torch.empty_like(q, dtype=dtype)
+    (FP8 inputs), else q's; with ``head_dim`` columns where given (V's own head dim)."""
+    if head_dim is None and (q.is_contiguous() or q.transpose(1, 2).is_contiguous()):
+        return torch.empty_like(q, dtype=dtype)  # the usual layouts, quickly
+    shape = [*q.shape[:3], q.shape[3] if head_dim is None else head_dim]
     order = sorted(range(4), key=lambda i: -q.stride(i))
-    o = q.new_empty([q.shape[i] for i in order], dtype=dtype)
+    o = q.new_empty([shape[i] for i in order], dtype=dtype)
     return o.permute([order.index(i) for i in range(4)])
 
 
@@ -173,8 +176,9 @@ def plan_preprocess(
     given (the fused kernel's dense fp32 dQ accumulator), zeros into it; its launch bound
     once. ``prescale_q``: write ``qs`` (default: for 16-bit inputs, as the forward prescaled
     them; False: delta only)."""
-    b, hq, nq, d = o.shape
-    bm = 64 if d <= 128 else 32
+    b, hq, nq, dv = o.shape
+    d = q.shape[3]
+    bm = 64 if max(d, dv) <= 128 else 32
     grid = (C.cdiv(nq, bm), b * hq, 1)
     tail = (*o.stride(), *do.stride(), *q.stride(), *qs.stride(), hq, nq, scale)
     options = {
@@ -188,6 +192,8 @@ def plan_preprocess(
         "num_warps": 4,
         "num_stages": 1,
     }
+    if dv != d:  # O's and dO's head dim, V's own
+        options |= {"HEAD_DIM_V": dv, "BLOCK_DV": C.block_d(dv)}
     args = (
         o,
         do,

@@ -36,13 +36,15 @@ def _bwd_args(
     seqlens_k: torch.Tensor | None,
     varlen: Varlen | None,
     lse: torch.Tensor,
+    head_dim_v: int,
 ) -> tuple[tuple[object, ...], dict[str, object]]:
     """The backward kernels' mask arguments ``(win_left, win_right, softcap, SEQLENS_K, CU_Q,
-    CU_K)`` (the last three: tensors, ``lse`` where there is none) and flags."""
+    CU_K)`` (the last three: tensors, ``lse`` where there is none) and flags (V's head dim
+    ``head_dim_v`` among them where it is not Q's)."""
     km = mask.kernel(q.shape[2], k.shape[2])
     lengths = seqlens_k if seqlens_k is not None else lse  # (a placeholder pointer)
     cu = varlen[:2] if varlen is not None else (lse, lse)
-    return (km.left, km.right, km.softcap, lengths, *cu), {
+    flags = {
         "HAS_SEQLENS": seqlens_k is not None,
         "VARLEN": varlen is not None,
         "HEAD_DIM": q.shape[-1],
@@ -51,6 +53,9 @@ def _bwd_args(
         "PRESCALE_Q": prescales_q(q),
         **dot_flags(q.dtype),
     }
+    if head_dim_v != q.shape[-1]:
+        flags |= {"HEAD_DIM_V": head_dim_v, "BLOCK_DV": C.block_d(head_dim_v)}
+    return (km.left, km.right, km.softcap, lengths, *cu), flags
 
 
 def _dkdv_launch(
@@ -72,8 +77,8 @@ def _dkdv_launch(
     and options."""
     b, hq, nq, d = qs.shape
     hkv, nk = k.shape[1], k.shape[2]
-    srcs, use_desc = _tile_sources(cfg.use_desc and varlen is None, (qs, do), cfg.kv_block_m, d)
-    extra, flags = _bwd_args(qs, k, mask, seqlens_k, varlen, lse)
+    srcs, use_desc = _tile_sources(cfg.use_desc and varlen is None, (qs, do), cfg.kv_block_m)
+    extra, flags = _bwd_args(qs, k, mask, seqlens_k, varlen, lse, v.shape[-1])
     rows, seqs = (varlen[3], varlen[0].shape[0] - 1) if varlen is not None else (nk, b)
     args = (
         srcs[0],
@@ -163,15 +168,17 @@ def plan_dkdv(
 
 
 def _tile_sources(
-    want: bool, tensors: tuple[torch.Tensor, ...], rows: int, head_dim: int
+    want: bool, tensors: tuple[torch.Tensor, ...], rows: int
 ) -> tuple[tuple[torch.Tensor | TensorDescriptor, ...], bool]:
     """``(sources, use_desc)``: 4-D TMA descriptors over the ``(B, H, N, D)`` tensors with
-    ``[1, 1, rows, BLOCK_D]`` blocks when ``want`` and the tensors allow it (always in the
-    interpreter), else the tensors themselves."""
+    ``[1, 1, rows, BLOCK_D]`` blocks (each its own D's) when ``want`` and the tensors allow it
+    (always in the interpreter), else the tensors themselves."""
     if not want or not (_backend.kernels_interpreted() or descriptor_ok(*tensors)):
         return tensors, False
-    block = [1, 1, rows, C.block_d(head_dim)]
-    descs = tuple(TensorDescriptor(t, list(t.shape), list(t.stride()), block) for t in tensors)
+    descs = tuple(
+        TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, C.block_d(t.shape[3])])
+        for t in tensors
+    )
     return descs, True
 
 
@@ -193,8 +200,8 @@ def _dq_launch(
     options."""
     b, hq, nq, d = qs.shape
     hkv, nk = k.shape[1], k.shape[2]
-    srcs, use_desc = _tile_sources(cfg.use_desc and varlen is None, (k, v), cfg.q_block_n, d)
-    extra, flags = _bwd_args(qs, k, mask, seqlens_k, varlen, lse)
+    srcs, use_desc = _tile_sources(cfg.use_desc and varlen is None, (k, v), cfg.q_block_n)
+    extra, flags = _bwd_args(qs, k, mask, seqlens_k, varlen, lse, v.shape[-1])
     rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
     args = (
         qs,
@@ -345,7 +352,9 @@ def plan_plain(q: torch.Tensor, k: torch.Tensor, request: Request) -> Plan:
 def plan_masked(q: torch.Tensor, request: Request, config: C.BwdConfig | None) -> Plan:
     """The Triton pair's plan for a backward with a window, soft cap, lengths, packing or a
     pinned config (``config``): the preprocess and both kernels launched per call."""
-    cfg = config or bwd_config(q.device, q.dtype, q.shape[-1], request.causal)
+    # (the tiles of the wider of the two head dims: what shared memory holds)
+    widest = max(q.shape[-1], request.head_dim_v or 0)
+    cfg = config or bwd_config(q.device, q.dtype, widest, request.causal)
 
     def launch(
         do: Tensor,

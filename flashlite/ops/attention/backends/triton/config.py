@@ -141,10 +141,11 @@ def triton_plan(
     fixed_ref: bool = False,
     sinks: bool = False,
     out_dtype: torch.dtype | None = None,
+    head_dim_v: int | None = None,
 ) -> tuple[C.Config | None, dict]:
     """The config and the kernel's keyword arguments for one kind of call, worked out once per
     kind (small problems feel every microsecond of host work). ``out_dtype``: the output's,
-    where it is not ``dtype`` (FP8 inputs)."""
+    where it is not ``dtype`` (FP8 inputs); ``head_dim_v``: V's, where it is not ``d``."""
     key = (
         dev,
         dtype,
@@ -161,14 +162,17 @@ def triton_plan(
         fixed_ref,
         sinks,
         out_dtype,
+        head_dim_v,
         C.pinned_text(),
     )
     plan = _plans.get(key)
     if plan is not None:
         return plan
     block_d = C.block_d(d)
+    # (the tile's table entry for the wider of the two head dims: what shared memory holds)
+    widest = block_d if head_dim_v is None else max(block_d, C.block_d(head_dim_v))
     if config is None:
-        config = fixed_config(dev, block_d, causal, dtype, small=small, softcap=softcap)
+        config = fixed_config(dev, widest, causal, dtype, small=small, softcap=softcap)
     if config is not None:  # a plain tuple works too
         config = C.Config(*config)
     launch = {
@@ -186,6 +190,8 @@ def triton_plan(
         "PRESCALE_Q": dtype in _PRESCALED if prescale_q is None else prescale_q,
         **dot_flags(dtype),
     }
+    if head_dim_v is not None:  # V and O have a head dim of their own
+        launch |= {"HEAD_DIM_V": head_dim_v, "BLOCK_DV": C.block_d(head_dim_v)}
     if dtype == torch.float8_e4m3fn:  # (Q·scale rounded to e4m3 would lose too much)
         # (ROUND_BF16: the interpreter's own rounding, to bf16 and to e4m3, is not to nearest)
         launch |= {"FP8": True, "PRESCALE_Q": False, "ROUND_BF16": _backend.INTERPRETED}

@@ -65,8 +65,9 @@ def plan_fwd(
         fixed_reference(q.dtype, request.softcap, sinks),
         sinks is not None,
         o.dtype,
+        request.head_dim_v,
     )
-    make = _Args(km, use_desc, options["BLOCK_D"])
+    make = _Args(km, use_desc, options["BLOCK_D"], options.get("BLOCK_DV"))
     # packed sequences: one program row per sequence, as many query blocks as the longest has
     rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
     if config is None:  # no measured entry here: the autotuner, per length bucket
@@ -106,8 +107,11 @@ def plan_fwd(
 class _Args:
     """The kernel's arguments for one call: its tensors, or their TMA descriptors."""
 
-    def __init__(self, km: masks.KernelMask, use_desc: bool, block_d: int) -> None:
+    def __init__(
+        self, km: masks.KernelMask, use_desc: bool, block_d: int, block_dv: int | None = None
+    ) -> None:
         self.km, self.use_desc, self.block_d = km, use_desc, block_d
+        self.block_dv = block_d if block_dv is None else block_dv
 
     def __call__(
         self,
@@ -121,7 +125,7 @@ class _Args:
     ) -> tuple:
         if self.use_desc:  # block shapes are set per config (set_block_shapes): placeholders
             bm, bn = (config.block_m, config.block_n) if config is not None else (16, 16)
-            srcs = _descriptors(q, k, v, o, bm, bn, self.block_d)
+            srcs = _descriptors(q, k, v, o, bm, bn, self.block_d, self.block_dv)
             if request.varlen is not None:  # O is stored through pointers (blocks cross rows)
                 srcs[3] = o
         else:
@@ -207,10 +211,11 @@ def _descriptors(
     bm: int,
     bn: int,
     block_d: int,
+    block_dv: int,
 ) -> list[TensorDescriptor]:
     """The forward kernel's 4-D TMA descriptors of q, k, v, o (``[1, 1, rows, BLOCK_D]``
-    blocks: ``bm`` query rows, ``bn`` keys)."""
+    blocks: ``bm`` query rows, ``bn`` keys; V's and O's ``block_dv`` columns)."""
     return [
-        TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, block_d])
-        for t, r in ((q, bm), (k, bn), (v, bn), (o, bm))
+        TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, r, cols])
+        for t, r, cols in ((q, bm, block_d), (k, bn, block_d), (v, bn, block_dv), (o, bm, block_dv))
     ]
