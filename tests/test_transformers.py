@@ -34,13 +34,20 @@ def _config(family: str) -> object:
             num_experts_per_tok=2,
             layer_types=["sliding_attention", "full_attention"] * 2, **small,
         )  # fmt: skip
+    if family == "deepseek_v3":  # multi-head latent attention: q, k 24 wide (16 + 8 rotary), v 16
+        return transformers.DeepseekV3Config(
+            num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+            qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, moe_intermediate_size=32, n_group=1, topk_group=1,
+            first_k_dense_replace=1, initializer_range=0.2, **SMALL,
+        )  # fmt: skip
     return transformers.Gemma2Config(  # softcap, window, alternating layers
         num_key_value_heads=2, head_dim=16, sliding_window=7, attn_logit_softcapping=20.0,
         query_pre_attn_scalar=16, **SMALL,
     )  # fmt: skip
 
 
-FAMILIES = ["llama", "mistral", "qwen2", "gemma2", "gpt_oss"]
+FAMILIES = ["llama", "mistral", "qwen2", "gemma2", "gpt_oss", "deepseek_v3"]
 #: families with no SDPA path: compared with "eager"
 EAGER = ("gemma2", "gpt_oss")
 
@@ -82,7 +89,7 @@ def test_forward_backward_and_padding_match(family: str) -> None:
 
 
 # three families (plain, soft caps + windows, sinks): each generation takes ~10 s of CI
-@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss"])
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt_oss", "deepseek_v3"])
 def test_greedy_generation_matches(family: str) -> None:
     """10 new tokens, greedy, from a left-padded batch: the KV cache grows each step past the
     windows (7 keys) and the decode path attends to it; the token ids equal the peer's."""
@@ -149,6 +156,9 @@ def test_gpu_realistic_width(family: str) -> None:
             cfg.head_dim, cfg.query_pre_attn_scalar = 128, 128
         if family == "gpt_oss":
             cfg.head_dim = 128
+        if family == "deepseek_v3":  # DeepSeek's own: 192/128, latent 512, query rank 1536
+            cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim = 128, 64, 128
+            cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_head_dim = 512, 1536, 192
         models.append(transformers.AutoModelForCausalLM.from_config(
             cfg, attn_implementation=impl).cuda())  # fmt: skip
     models[1].load_state_dict(models[0].state_dict())

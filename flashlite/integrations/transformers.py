@@ -67,13 +67,15 @@ def _attention(
     """transformers' attention hook.
 
     Args:
-        query: ``(B, Hq, Nq, D)``; key, value: ``(B, Hkv, Nk, D)`` (the cache included).
+        query: ``(B, Hq, Nq, D)``; key, value: ``(B, Hkv, Nk, D)`` (the cache included);
+            value may have a head dim of its own, ``Dv`` (DeepSeek's multi-head latent
+            attention).
         attention_mask: None, or the ``(B, Nk)`` padding mask from :func:`_mask`.
         scaling, sliding_window, softcap: the layer's; ``is_causal`` (kwargs) or the module's;
             ``s_aux`` (kwargs): gpt-oss's per-head sink logits, ``(Hq,)``.
 
     Returns:
-        ``(out, None)``: ``out`` ``(B, Nq, Hq, D)`` (no attention weights).
+        ``(out, None)``: ``out`` ``(B, Nq, Hq, Dv)`` (no attention weights).
     """
     for feature in _UNSUPPORTED:  # e.g. ALiBi biases: refused, never dropped
         if kwargs.get(feature) is not None:
@@ -118,15 +120,16 @@ def _unpadded(
     opts: dict[str, Any],
 ) -> torch.Tensor:
     """A padded batch as packed sequences (``attention_varlen``): each row's real tokens, in
-    order, its queries the last ``Nq`` positions; padded query rows give 0. ``(B, Nq, Hq, D)``."""
-    b, hq, nq, d = query.shape
+    order, its queries the last ``Nq`` positions; padded query rows give 0. ``(B, Nq, Hq,
+    Dv)`` (V's head dim, which may differ from Q's: DeepSeek's)."""
+    b, hq, nq, _ = query.shape
     nk = key.shape[2]
     q_mask, k_mask = mask[:, -nq:], mask[:, -nk:]
     q_rows = q_mask.reshape(-1).nonzero().squeeze(1)
     k_rows = k_mask.reshape(-1).nonzero().squeeze(1)
 
     def packed(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        return t.transpose(1, 2).reshape(-1, t.shape[1], d)[rows]
+        return t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3])[rows]
 
     lens_q, lens_k = q_mask.sum(1), k_mask.sum(1)
     cu_q = torch.nn.functional.pad(lens_q.cumsum(0), (1, 0)).to(torch.int32)
@@ -144,9 +147,10 @@ def _unpadded(
         validate=False,
         **opts,
     )
-    full = query.new_zeros((b * nq, hq, d))
+    dv = value.shape[3]
+    full = query.new_zeros((b * nq, hq, dv))
     full[q_rows] = out
-    return full.view(b, nq, hq, d)
+    return full.view(b, nq, hq, dv)
 
 
 #: Arguments some models pass to their attention function that flashlite cannot honour.
