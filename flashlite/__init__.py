@@ -18,6 +18,7 @@ from flashlite.masking import BlockMask, create_block_mask
 from flashlite.ops.attention import (
     attention,
     attention_kvcache,
+    attention_mla_decode,
     attention_shared_prefix,
     attention_varlen,
     flex_attention,
@@ -35,6 +36,7 @@ __all__ = [
     "BlockMask",
     "attention",
     "attention_kvcache",
+    "attention_mla_decode",
     "attention_shared_prefix",
     "attention_varlen",
     "create_block_mask",

@@ -6,6 +6,8 @@
 ``kvcache``         decoding against a cache: :func:`attention_kvcache`, its checks (with
                     ``cache_checks``) and ``flashlite::attention_kvcache``
 ``shared_prefix``   cascade decoding over one shared prefix: prefix pass, suffix pass, merge
+``mla``             absorbed multi-head latent attention for decoding: :func:`attention_mla_decode`
+``fp8``             FP8's arguments: e4m3 inputs, descale factors, the output's dtype
 ``flex``            your own masks and score functions: :func:`flex_attention` and its ops
                     ``flashlite::flex_attention_*``
 ``request``         :class:`Request`: one call described once (mask, lengths, sinks, splits,
@@ -79,6 +81,7 @@ from flashlite.ops.attention.backends.triton.config import (
 from flashlite.ops.attention.checks import check_inputs, check_sinks
 from flashlite.ops.attention.flex import compiled_variants, flex_attention
 from flashlite.ops.attention.kvcache import attention_kvcache
+from flashlite.ops.attention.mla import attention_mla_decode
 from flashlite.ops.attention.ops import attention_bwd, attention_fwd
 from flashlite.ops.attention.plan import LaunchInfo, Plan, Workspace
 from flashlite.ops.attention.planner import gpu_config
@@ -105,6 +108,7 @@ __all__ = [
     "attention_decode_fwd",
     "attention_fwd",
     "attention_kvcache",
+    "attention_mla_decode",
     "attention_shared_prefix",
     "attention_varlen",
     "block_d",

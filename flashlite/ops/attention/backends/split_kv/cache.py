@@ -12,6 +12,7 @@ from flashlite._caches import Cache
 from flashlite.kernels.attention import kvcache as KKV
 from flashlite.masking.mod_args import ModArgs, Slots, unspec_mod
 from flashlite.ops.attention.backends.split_kv.decode import DecodePlan
+from flashlite.ops.attention.backends.split_kv.mla import MLADecodePlan
 from flashlite.ops.attention.checks import check_cache_values, kv_record, report_kv_problems
 from flashlite.ops.attention.request import Request, tensor_meta
 
@@ -36,6 +37,7 @@ class KVCachePlan:
         sinks: bool = False,
         mask: ModArgs | None = None,
         score: ModArgs | None = None,
+        latent: int | None = None,
     ) -> None:
         q, k_cache, v_cache, cache_seqlens, k_new, _, block_table = args[:TENSORS]
         which, scale, num_splits, validate = args[TENSORS:]  # (which keys: a masks.Mask)
@@ -65,7 +67,21 @@ class KVCachePlan:
         self._prepare: Any = None  # bound at the first run (its tensors specialise)
         if block_table is not None:
             block_table = block_table.contiguous()
-        o = torch.empty_like(q)  # (as each call makes it: strided like q, which the key pins)
+        # (as each call makes it: strided like q, which the key pins; MLA: the values' columns)
+        self.out_shape = None if latent is None else (*q.shape[:3], latent)
+        o = torch.empty_like(q) if latent is None else q.new_empty(self.out_shape)
+        if latent is not None:  # absorbed MLA: one latent cache, its first columns the values
+            self.decode: Any = MLADecodePlan(
+                q.transpose(1, 2),
+                k_cache.transpose(1, 2),
+                o.transpose(1, 2),
+                block_table,
+                scale,
+                which.causal,
+                num_splits or None,
+            )
+            self.mod_slots = None
+            return
         self.decode = DecodePlan(
             q.transpose(1, 2),
             k_cache.transpose(1, 2),
@@ -117,7 +133,8 @@ class KVCachePlan:
             lengths = self._run_prepare(
                 k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, descales
             )
-        o = torch.empty_like(q)  # (empty_like: less host time than a shape, dtype and device)
+        # (empty_like: less host time than a shape, dtype and device)
+        o = torch.empty_like(q) if self.out_shape is None else q.new_empty(self.out_shape)
         lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         bufs = None
         if self.mod_slots is not None:  # this call's tensors, mask's first
@@ -205,19 +222,21 @@ def kvcache_plan(
     sinks: torch.Tensor | None = None,
     mask: ModArgs | None = None,
     score: ModArgs | None = None,
+    latent: int | None = None,
 ) -> KVCachePlan:
     """The :class:`KVCachePlan` of :func:`_kvcache`'s (checked) arguments, made on first use
     (``sinks``: the calls' sink logits, whose kind the plan pins, or None; ``mask`` and
-    ``score``: a mask and a score function, whose names, buffers' kinds and numbers it
-    pins)."""
+    ``score``: a mask and a score function, whose names, buffers' kinds and numbers it pins;
+    ``latent``: absorbed MLA's value columns, the caches one latent cache)."""
     key = (
         *map(tensor_meta, args[:TENSORS]),
         *args[TENSORS:],
         tensor_meta(sinks),
         _mod_key(mask),
         _mod_key(score),
+        latent,
     )
-    return _kvcache_plans.made(key, KVCachePlan, args, sinks is not None, mask, score)
+    return _kvcache_plans.made(key, KVCachePlan, args, sinks is not None, mask, score, latent)
 
 
 def kvcache_args(

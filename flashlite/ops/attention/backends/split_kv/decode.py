@@ -254,7 +254,7 @@ class DecodePlan:
             *((0,) * 8 if no_mods else ()),
         )
         self.combine_head = (b * hq * nq * d, *parts_stride, *o.stride(), hq, nq, splits)
-        self.combine_options = _combine_options(d, splits, o.dtype)
+        self.combine_options = combine_options(d, splits, o.dtype)
         self.combine_grid = (nq, b * hq, 1)
         self._decode = self._combine = None  # bound at the first run (its tensors specialise)
 
@@ -350,7 +350,7 @@ def _options(
     return options
 
 
-def _combine_options(d: int, splits: int, dtype: torch.dtype) -> dict[str, Any]:
+def combine_options(d: int, splits: int, dtype: torch.dtype) -> dict[str, Any]:
     """The split combine kernel's constexprs and launch options."""
     return {
         "HEAD_DIM": d,

@@ -1,7 +1,8 @@
-"""FP8's kernels built for Hopper without a GPU: Triton compiles them for sm_90 (what an H100 or
-H200 runs) and ptxas reports. The forward's two products must be FP8 tensor-core instructions
-(``wgmma ... e4m3.e4m3``) with V as given and keys-contiguous, and the decode and append
-kernels must build with an e4m3 cache."""
+"""FP8's kernels (and absorbed MLA's) built for Hopper without a GPU: Triton compiles them for
+sm_90 (what an H100 or H200 runs) and ptxas reports. The forward's two products must be FP8
+tensor-core instructions (``wgmma ... e4m3.e4m3``) with V as given and keys-contiguous, the
+decode and append kernels must build with an e4m3 cache, and the MLA kernel at DeepSeek's shape
+without spilling."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ import triton.language as tl
 from flashlite.kernels.attention import decode as KD
 from flashlite.kernels.attention import fwd as KF
 from flashlite.kernels.attention import kvcache as KKV
+from flashlite.kernels.attention import mla as KM
 
 which, out = sys.argv[1], sys.argv[2]
 f8 = "*fp8e4nv"
@@ -43,6 +45,12 @@ elif which == "decode":
                   ROUND_BF16=False, FP8=tl.bfloat16)
     ptrs = {"Q": "*bf16", "K": f8, "V": f8, "O": "*fp32"}
     options = {"num_warps": 4, "num_stages": 3}
+elif which == "mla":  # absorbed MLA at DeepSeek's 512 + 64, the GPU's tile, pages of 64
+    kernel = KM._mla_decode_kernel
+    consts = dict(D_LATENT=512, D_ROPE=64, BLOCK_H=32, BLOCK_N=32, IS_CAUSAL=True, PAGE_SIZE=64,
+                  DOT_FP32=False, ROUND_BF16=False)
+    ptrs = {"Q": "*bf16", "KV": "*bf16", "O": "*fp32"}
+    options = {"num_warps": 8, "num_stages": 2}
 else:
     kernel = KKV._kvcache_append_kernel
     consts = dict(PAGE_SIZE=64, CHECK=True, APPEND=True, BLOCK_H=8, BLOCK_D=128, BLOCK_P=256,
@@ -70,7 +78,7 @@ print(res.stdout + res.stderr)
 """
 
 
-@pytest.mark.parametrize("which", ["fwd-as-is", "fwd-n-major", "decode", "append"])
+@pytest.mark.parametrize("which", ["fwd-as-is", "fwd-n-major", "decode", "append", "mla"])
 def test_fp8_kernels_build_for_sm90(which: str, tmp_path) -> None:  # noqa: ANN001
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # a real build, not the interpreter
     run = subprocess.run([sys.executable, "-c", _BUILD, which, str(tmp_path)],
@@ -82,5 +90,5 @@ def test_fp8_kernels_build_for_sm90(which: str, tmp_path) -> None:  # noqa: ANN0
     spills = [int(n) for n in re.findall(r"(\d+) bytes spill stores", run.stdout)]
     # (at these tiles causal: V as given spilled 292 bytes with Triton 3.9; keys-contiguous V,
     # the non-default layout, 372–656: built, not bounded)
-    limit = {"fwd-as-is": 512, "fwd-n-major": None}.get(which, 256)
+    limit = {"fwd-as-is": 512, "fwd-n-major": None, "mla": 64}.get(which, 256)
     assert spills and (limit is None or max(spills) <= limit), run.stdout

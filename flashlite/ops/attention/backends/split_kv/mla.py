@@ -1,0 +1,126 @@
+"""The absorbed MLA decode step's kernel plan (:mod:`flashlite.kernels.attention.mla`): the query
+heads packed against one latent cache whose first ``D_LATENT`` columns are the values, the keys
+split across programs and merged by the decode kernel's combine, planned once per kind of call
+(:class:`MLADecodePlan`)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from flashlite import _backend, _launch
+from flashlite.kernels import configs as C
+from flashlite.kernels.attention import decode as KD
+from flashlite.kernels.attention import mla as KM
+from flashlite.ops.attention.backends.common import dot_flags
+from flashlite.ops.attention.backends.split_kv.decode import combine_options, key_chunks
+from flashlite.ops.attention.backends.split_kv.splits import default_splits
+
+
+class MLADecodePlan:
+    """:func:`~flashlite.attention_mla_decode`'s kernels for one kind of call: the tile, the key
+    chunks, the grids, the scalar arguments, the launches bound at the first run.
+
+    Called as the decode plan is (:class:`~flashlite.ops.attention.backends.split_kv.decode.
+    DecodePlan`): ``(q, kv, kv, lengths, block_table, o, lse, ...)`` on ``b h n d`` views, q
+    ``(B, Hq, Nq, D_LATENT + D_ROPE)``, the latent cache ``(B, 1, Ncap, ·)`` or paged ``(num_pages,
+    1, page_size, ·)`` (given twice: keys and values are its bytes), o ``(B, Hq, Nq,
+    D_LATENT)``."""
+
+    def __init__(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        o: torch.Tensor,
+        block_table: torch.Tensor | None,
+        scale: float,
+        causal: bool,
+        num_splits: int | None,
+    ) -> None:
+        b, hq, nq, d = q.shape
+        d_latent = o.shape[3]  # (the rest of a row, d − d_latent, is the rotary key: 64)
+        page_size = kv.shape[2] if block_table is not None else 0
+        nk = block_table.shape[1] * page_size if block_table is not None else kv.shape[2]
+        self.empty = b * hq * nq == 0 or nk == 0
+        self.splits = 1
+        if self.empty:
+            return
+        interpreted = _backend.kernels_interpreted()
+        # (sm_90 builds at 512 + 64: 32 heads × 32 keys on 8 warps spill nothing; 64 heads,
+        # FlashMLA's block, spilled 1.5 kB or more: a tile to measure on the GPU)
+        block_h, block_n, warps = (16, 16, 4) if interpreted else (32, 32, 8)
+        rows = nq * hq
+        if num_splits is None:
+            num_splits = default_splits(q.device, b, rows, nk, block_h, 2 if page_size else 1)
+        split_len, splits = key_chunks(nk, block_n, num_splits)
+        self.splits = splits
+        self.grid = (C.cdiv(rows, block_h), b, splits)
+        self.options = {
+            "D_LATENT": d_latent,
+            "D_ROPE": d - d_latent,
+            "BLOCK_H": block_h,
+            "BLOCK_N": block_n,
+            "IS_CAUSAL": causal,
+            "PAGE_SIZE": page_size,
+            "DOT_FP32": dot_flags(q.dtype)["DOT_FP32"],
+            "ROUND_BF16": _backend.round_bf16(q.dtype),
+            "num_warps": warps,
+            "num_stages": 2,
+        }
+        # split partials, fp32: O's (S·B, Hq, Nq, D_LATENT), then the LSE's (S·B·Hq, Nq)
+        self.parts_split = -(-(splits * b * hq * nq * d_latent) // 4) * 4
+        self.parts_size = self.parts_split + splits * b * hq * nq if splits > 1 else None
+        parts_stride = (hq * nq * d_latent, nq * d_latent, d_latent, 1)
+        self.head = (
+            *q.stride(),
+            *kv.stride(),
+            *(parts_stride if self.parts_size else o.stride()),
+            hq,
+            nq,
+            nk,
+            scale,
+            block_table.stride(0) if block_table is not None else 0,
+            kv.shape[0],
+            split_len,
+        )
+        self.combine_head = (b * hq * nq * d_latent, *parts_stride, *o.stride(), hq, nq, splits)
+        self.combine_options = combine_options(d_latent, splits, o.dtype)
+        self.combine_grid = (nq, b * hq, 1)
+        self._decode: Any = None
+        self._combine: Any = None
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        _v: torch.Tensor,
+        lengths: torch.Tensor,
+        block_table: torch.Tensor | None,
+        o: torch.Tensor,
+        lse: torch.Tensor,
+        *_unused: Any,
+    ) -> int:
+        """Run on tensors of the planned kind; returns the chunks used."""
+        if self.empty:
+            o.zero_()
+            lse.fill_(-math.inf)
+            return 1
+        if self.parts_size is not None:
+            o_out = torch.empty(self.parts_size, dtype=torch.float32, device=o.device)
+            lse_out = o_out[self.parts_split :]
+        else:
+            o_out, lse_out = o, lse
+        table = block_table if block_table is not None else lengths
+        args = (q, kv, o_out, lse_out, lengths, table, *self.head)
+        if self._decode is None:
+            self._decode = _launch.launcher(KM._mla_decode_kernel).bind(args, self.options)
+        self._decode(self.grid, *args)
+        if self.parts_size is not None:
+            args = (o_out, lse_out, o, lse, *self.combine_head)
+            if self._combine is None:
+                kernel = _launch.launcher(KD._split_kv_combine_kernel)
+                self._combine = kernel.bind(args, self.combine_options)
+            self._combine(self.combine_grid, *args)
+        return self.splits
