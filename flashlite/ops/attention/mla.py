@@ -11,6 +11,7 @@ from flashlite.masking import masks
 from flashlite.ops._dispatch import Op, forward_only
 from flashlite.ops.attention.backends.split_kv.cache import TENSORS, kvcache_plan
 from flashlite.ops.attention.checks import check_page_size, check_splits
+from flashlite.ops.attention.kvcache import VALIDATE_MODES
 from flashlite.ops.attention.request import Request
 from flashlite.ops.common import check_flags, moved_call_device
 
@@ -24,9 +25,6 @@ MLA_FIELDS = (
     "validate",
     "head_dim_v",
 )
-
-#: What ``validate`` becomes in the op (as attention_kvcache's).
-_VALIDATE = {True: "device", False: "off", "sync": "sync"}
 
 
 @forward_only
@@ -96,7 +94,7 @@ def attention_mla_decode(
         num_splits=check_splits(num_splits),
         cache_seqlens=cache_seqlens,
         block_table=block_table,
-        validate=_VALIDATE[validate],
+        validate=VALIDATE_MODES[validate],
         head_dim_v=head_dim_v,
     )
     o, lse = MLA(*tensors, request)
