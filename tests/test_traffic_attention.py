@@ -239,3 +239,20 @@ def test_fp8_counted_equals_model(causal: bool) -> None:
     assert comp.parts["q"][0] == 4 * 70 * 16 and comp.parts["descales"][0] == 12
     with pytest.raises(ValueError, match="forward only"):
         traffic.model_flashlite_attention_bwd(shape)
+
+
+@pytest.mark.interpreter
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_head_dim_v_counted_equals_model(causal: bool) -> None:
+    # V and O with their own head dim (DeepSeek's 192/128, smaller): the non-absorbed form
+    shape = AttentionShape(2, 4, 37, 24, seq_k=45, kv_heads=2, dtype=torch.float32, causal=causal,
+                           head_dim_v=16)  # fmt: skip
+    counted = traffic.count_attention("flashlite", shape)
+    model = traffic.model_flashlite_attention(shape)
+    assert counted is not None
+    assert (counted.read, counted.write) == (model.read, model.write)
+    assert model.parts["o"][1] == 2 * 4 * 37 * 16 * 4
+    naive = traffic.count_attention("naive", shape)
+    assert naive is not None
+    assert naive.total == pytest.approx(traffic.model_naive_attention(shape).total, rel=0.01)
+    assert AttentionShape.from_json(shape.to_json()) == shape

@@ -176,3 +176,33 @@ def test_fp8_traffic_cli(capsys: pytest.CaptureFixture) -> None:
     with pytest.raises(SystemExit) as stop:
         cli.main(["traffic", "--softmax", "--dtype", "float8_e4m3fn"])
     assert stop.value.code == 2 and "model FP8, not --softmax" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("nq,nk,splits", [(1, 100, 1), (2, 300, 3), (3, 70, 2)])
+@pytest.mark.parametrize("tiles", [(16, 16, 4), (32, 32, 8)], ids=["16x16", "32x32"])
+def test_mla_counted_equals_model(nq: int, nk: int, splits: int, tiles: tuple) -> None:
+    # absorbed MLA: one latent row per token read once per block of packed heads, the values
+    # from the same bytes; the combine's partials when split
+    shape = AttentionShape(2, 8, nq, 48, seq_k=nk, kv_heads=1, dtype=torch.bfloat16, causal=True)
+    model = traffic.model_flashlite_mla(shape, 32, tiles[0], tiles[1], splits)
+    counted = traffic.count_mla(shape, 32, tiles, splits)
+    assert (counted.read, counted.write) == (model.read, model.write)
+
+
+def test_mla_rows_and_cli(capsys: pytest.CaptureFixture) -> None:
+    from flashlite import cli
+
+    # DeepSeek's step at 4k tokens: the latent row (576) against per-head K and V (192 + 128)
+    # of 128 heads: 71x fewer cache bytes
+    rows, _ = traffic.mla_rows(
+        [AttentionShape(1, 128, 1, 576, seq_k=4096, kv_heads=1, causal=True)], show_progress=False
+    )
+    assert rows[0]["cache_saving"] == pytest.approx(128 * 320 / 576)
+    argv = ["traffic", "--mla", "32", "--head-dim", "48", "--heads", "8", "--seq", "100",
+            "--count", "--quiet", "--json", "--dtype", "bfloat16"]  # fmt: skip
+    assert cli.main(argv) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    assert row["model_bytes"] == row["counted_bytes"] and row["method"] == "flashlite-mla"
+    with pytest.raises(SystemExit):
+        cli.main(["traffic", "--mla", "512", "--head-dim", "64"])
+    assert "need a wider latent row" in capsys.readouterr().err

@@ -14,7 +14,7 @@ import torch
 from flashlite.cli.commands import ATTENTION_DTYPES, UsageError
 
 #: the `traffic` options that each choose another table than the attention forward's
-TABLES = ("--softmax", "--ce", "--shared-prefix", "--mask", "--decode", "--backward")
+TABLES = ("--softmax", "--ce", "--shared-prefix", "--mla", "--mask", "--decode", "--backward")
 
 
 def _given(args: argparse.Namespace, flag: str) -> bool:
@@ -28,6 +28,12 @@ def check_usage(args: argparse.Namespace) -> None:
     heads, kv_heads = getattr(args, "heads", None), getattr(args, "kv_heads", None)
     if heads is not None and kv_heads is not None and heads % kv_heads:
         raise UsageError(f"--kv-heads={kv_heads} must divide --heads={heads} (grouped-query heads)")
+    head_dim = getattr(args, "head_dim", None)
+    if head_dim is not None and head_dim > 256 and getattr(args, "mla", None) is None:
+        raise UsageError(
+            f"argument --head-dim: must be an integer from 1 to 256, got {head_dim} (wider: "
+            "a latent row, with traffic --mla)"
+        )
     if args.command == "traffic":
         _check_traffic(args)
     if args.command == "attention" and args.dtype == "float8_e4m3fn":
@@ -76,13 +82,18 @@ def _check_traffic(args: argparse.Namespace) -> None:
             "request (more causal queries may sit before the prefix's end, where "
             "attention_shared_prefix takes a torch path the model leaves out)"
         )
+    if args.mla is not None and args.mla >= args.head_dim:
+        raise UsageError(
+            f"--mla={args.mla} value columns need a wider latent row: --head-dim={args.head_dim} "
+            "(DeepSeek: --head-dim 576 --mla 512)"
+        )
     if args.measure:
         _check_measure(table)
 
 
 def _check_measure(table: str | None) -> None:
     """`traffic --measure` needs a table that ncu measures, a CUDA GPU and ncu itself."""
-    if table in ("--ce", "--shared-prefix"):
+    if table in ("--ce", "--shared-prefix", "--mla"):
         raise UsageError(f"--measure does not cover {table}: drop --measure (model and --count)")
     if not torch.cuda.is_available():
         raise UsageError(

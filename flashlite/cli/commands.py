@@ -262,6 +262,19 @@ def cmd_traffic(args: argparse.Namespace) -> int:
         return 0
     if args.shared_prefix is not None:
         return _cmd_shared_prefix_traffic(args)
+    if args.mla is not None:
+        from flashlite.traffic import format_mla_table, mla_rows
+
+        shapes = [
+            replace(_shape_from(args, n), seq_q=args.decode_q, seq_k=n, kv_heads=1, causal=True)
+            for n in args.seq
+        ]
+        return _unmeasured_rows(
+            args,
+            "--mla",
+            lambda: mla_rows(shapes, args.mla, count=args.count, show_progress=not args.quiet),
+            format_mla_table,
+        )
     if args.mask is not None:
         return _cmd_block_sparse_traffic(args)
     if args.decode:

@@ -71,7 +71,7 @@ def device_arg(value: str) -> str:
 
 
 #: the head dims flashlite's attention takes
-_HEAD_DIM = ring_demo.int_in(1, 256)
+_HEAD_DIM = ring_demo.int_in(1, 1024)  # (above 256: --mla's latent rows only)
 _COUNT = ring_demo.int_in(1)
 
 
@@ -333,6 +333,18 @@ def _traffic_tables(t: argparse.ArgumentParser) -> None:
         "each with a full cache of --seq keys of its own; one attention_shared_prefix step "
         "against attention_kvcache over per-request copies of the prefix, with the prefix's "
         "bytes (model; --count counts both, with the interpreter's tiles) (default: off)",
+    )
+    _option(
+        t,
+        "--mla",
+        type=_COUNT,
+        default=None,
+        metavar="DV",
+        help="show absorbed multi-head latent attention's bytes: --decode-q new queries of --heads "
+        "heads against one latent cache of --seq tokens, rows --head-dim wide (576 for "
+        "DeepSeek) whose first DV columns are the values (512); one attention_mla_decode step "
+        "(model; --count counts it) beside what per-head K and V caches (192 + 128 wide) would "
+        "read (default: off)",
     )
     _option(
         t,

@@ -30,6 +30,7 @@ from flashlite.traffic.count import (
     count_attention_bwd,
     count_cross_entropy,
     count_decode,
+    count_mla,
     count_shared_prefix,
     count_softmax,
 )
@@ -62,6 +63,7 @@ from flashlite.traffic.model import (
     model_flashlite_attention,
     model_flashlite_attention_bwd,
     model_flashlite_decode,
+    model_flashlite_mla,
     model_flashlite_shared_prefix,
     model_flex_attention,
     model_flex_varlen,
@@ -85,7 +87,9 @@ from flashlite.traffic.report import (
 )
 from flashlite.traffic.report_decode import (
     decode_rows,
+    format_mla_table,
     format_shared_prefix_table,
+    mla_rows,
     shared_prefix_rows,
 )
 from flashlite.traffic.report_sparse import MASKS as MASKS
@@ -131,6 +135,10 @@ __all__ = [
     "count_attention_bwd",
     "model_flashlite_attention_bwd",
     "count_decode",
+    "count_mla",
+    "mla_rows",
+    "format_mla_table",
+    "model_flashlite_mla",
     "count_cross_entropy",
     "compulsory_cross_entropy",
     "model_cross_entropy",

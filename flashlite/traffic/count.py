@@ -95,6 +95,8 @@ def count_attention(
         return ops.traffic
     cfg, _ = counted_config(shape, gpu=gpu, config=config)
     request = attention_ops.Request.of_mask(shape.mask, shape.head_dim**-0.5)
+    if shape.head_dim_v is not None and shape.head_dim_v != shape.head_dim:
+        request = request._replace(head_dim_v=shape.head_dim_v)
     if shape.fp8:  # one factor per tensor (of 1), read by every program
         one = torch.ones(1)
         request = request._replace(**fp8_fields(q, k, v, one, one, one, None))
@@ -307,3 +309,28 @@ def count_cross_entropy(
     with count_torch_ops() as ops:
         F.cross_entropy(leaf, target, w.to(dtype) if w is not None else None).backward()
     return kern.traffic, ops.traffic
+
+
+def count_mla(
+    shape: AttentionShape, head_dim_v: int, tiles: tuple[int, int, int], splits: int
+) -> Traffic:
+    """Counted bytes of one absorbed MLA step (:func:`~flashlite.attention_mla_decode`'s kernel,
+    and the combine when split) against full contiguous latent caches of ``Nk`` tokens, in the
+    interpreter with the GPU's ``tiles`` ``(BLOCK_H, BLOCK_N, num_warps)`` and ``splits``: what
+    :func:`~flashlite.traffic.model.model_flashlite_mla` models."""
+    from flashlite.ops.attention.backends.split_kv.mla import MLADecodePlan
+
+    gen = torch.Generator().manual_seed(0)
+    b, hq, nq, d = shape.batch, shape.heads, shape.seq_q, shape.head_dim
+    q = torch.randn(b, hq, nq, d, generator=gen).to(shape.dtype)
+    kv = torch.randn(b, 1, shape.nk, d, generator=gen).to(shape.dtype)
+    o = q.new_empty(b, hq, nq, head_dim_v)
+    lse = torch.empty(b, hq, nq)
+    lengths = torch.full((b,), shape.nk, dtype=torch.int32)
+    plan = MLADecodePlan(q, kv, o, None, d**-0.5, True, splits, tiles)
+    with count_kernels() as kern, count_torch_ops() as ops:
+        plan(q, kv, kv, lengths, None, o, lse)
+    t = kern.traffic
+    if ops.traffic.total:
+        t.add("torch ops", ops.traffic.read, ops.traffic.write)
+    return t

@@ -204,3 +204,70 @@ def format_shared_prefix_table(rows: Sequence[dict[str, Any]]) -> str:
             ("total ratio", 13, lambda r: format_ratio(r["vs_shared"])),
         ],
     )
+
+
+def mla_rows(
+    shapes: Sequence[AttentionShape],
+    head_dim_v: int = 512,
+    *,
+    per_head: tuple[int, int] = (192, 128),
+    count: bool = False,
+    show_progress: bool = True,
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """One row per shape for absorbed MLA decoding (``shape.head_dim`` = the latent row, 576;
+    ``head_dim_v`` of it the values): the MLA kernel's bytes (model; counted on CPU with the
+    GPU's tile and split count), the step's compulsory bytes, and what per-head K and V caches
+    of ``per_head`` widths would read instead (the bytes the latent cache saves)."""
+    from flashlite.ops.attention.backends.split_kv.mla import mla_tiles
+    from flashlite.traffic.count import count_mla
+    from flashlite.traffic.model import (
+        compulsory_mla,
+        decode_splits,
+        model_flashlite_mla,
+        per_head_cache_bytes,
+    )
+
+    rows: list[dict[str, Any]] = []
+    tiles = mla_tiles(False)
+    for j, shape in enumerate(shapes):
+        if show_progress:
+            progress_bar(j, len(shapes), f"mla Nk={shape.nk}")
+        splits = decode_splits(replace(shape, kv_heads=1), tiles[0])
+        model = model_flashlite_mla(shape, head_dim_v, tiles[0], tiles[1], splits)
+        counted = count_mla(shape, head_dim_v, tiles, splits) if count else None
+        comp = compulsory_mla(shape, head_dim_v)
+        per_head_bytes = per_head_cache_bytes(shape, per_head)
+        best = counted or model
+        rows.append(
+            {
+                "method": "flashlite-mla",
+                "seq_len": shape.nk,
+                **byte_fields(model=model, counted=counted, dram=None, measured=None),
+                "compulsory_bytes": comp.total,
+                "vs_compulsory": best.total / comp.total,
+                "per_head_cache_bytes": per_head_bytes,
+                "cache_saving": per_head_bytes / comp.parts["latent"][0],
+                "config": f"{model.info['config']}, {model.info['splits']} splits",
+                "shape": shape.to_json(),
+            }
+        )
+    if show_progress:
+        progress_bar(len(shapes), len(shapes), "mla")
+    return rows, []
+
+
+def format_mla_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The MLA table: bytes per step, and what per-head caches would read beside the latent's."""
+    return text_table(
+        rows,
+        [
+            ("method", -16, lambda r: r["method"]),
+            ("config", -20, lambda r: r["config"]),
+            ("Nk", 8, lambda r: str(r["seq_len"])),
+            ("model MB", 12, lambda r: format_mb(r["model_bytes"])),
+            ("counted MB", 13, lambda r: format_mb(r["counted_bytes"])),
+            ("vs compulsory", 15, lambda r: format_ratio(r["vs_compulsory"])),
+            ("per-head caches MB", 20, lambda r: format_mb(r["per_head_cache_bytes"])),
+            ("latent saves", 14, lambda r: format_ratio(r["cache_saving"])),
+        ],
+    )

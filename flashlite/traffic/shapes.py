@@ -32,6 +32,7 @@ class AttentionShape:
     ``kv_heads=None`` means ``Hkv = H`` (no GQA); ``seq_k=None`` means ``Nk = Nq``.
     ``dtype=torch.float8_e4m3fn``: FP8 attention, e4m3 q, k, v with one descale factor per
     tensor and a bf16 output; in decoding, an e4m3 cache read by bf16 queries.
+    ``head_dim_v``: V's and O's head dim where it is not ``head_dim`` (DeepSeek's 192/128).
     """
 
     batch: int
@@ -42,6 +43,7 @@ class AttentionShape:
     kv_heads: int | None = None
     dtype: torch.dtype = torch.bfloat16
     causal: bool = False
+    head_dim_v: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("batch", "heads", "seq_q", "head_dim"):
@@ -70,6 +72,11 @@ class AttentionShape:
         return torch.empty((), dtype=self.dtype).element_size()
 
     @property
+    def dv(self) -> int:
+        """V's and O's head dim."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
     def fp8(self) -> bool:
         """FP8 inputs (a cache, in decoding): their descale factors are read too."""
         return self.dtype == torch.float8_e4m3fn
@@ -82,6 +89,8 @@ class AttentionShape:
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
         d["dtype"] = str(self.dtype).removeprefix("torch.")
+        if self.head_dim_v is None:  # (the usual shape: its JSON as before V had its own)
+            del d["head_dim_v"]
         return d
 
     @staticmethod
@@ -128,7 +137,7 @@ def make_inputs(
     B, H, Hkv, D = shape.batch, shape.heads, shape.hkv, shape.head_dim
     q = torch.randn(B, H, shape.seq_q, D, generator=g)
     k = torch.randn(B, Hkv, shape.nk, D, generator=g)
-    v = torch.randn(B, Hkv, shape.nk, D, generator=g)
+    v = torch.randn(B, Hkv, shape.nk, shape.dv, generator=g)
     return tuple(t.to(device=device, dtype=shape.dtype) for t in (q, k, v))  # type: ignore[return-value]
 
 

@@ -52,6 +52,12 @@ from flashlite.traffic.model.decode import (
     decode_splits,
     model_flashlite_decode,
 )
+from flashlite.traffic.model.mla import (
+    compulsory_mla,
+    mla_lanes,
+    model_flashlite_mla,
+    per_head_cache_bytes,
+)
 from flashlite.traffic.model.shared_prefix import (
     model_flashlite_shared_prefix,
     model_kvcache_prefix_copies,
@@ -67,6 +73,10 @@ from flashlite.traffic.model.softmax import (
 
 __all__ = [
     "Gpu",
+    "compulsory_mla",
+    "mla_lanes",
+    "model_flashlite_mla",
+    "per_head_cache_bytes",
     "model_flex_attention",
     "dram_flex_attention",
     "model_flex_varlen",

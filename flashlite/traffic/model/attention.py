@@ -46,14 +46,14 @@ def compulsory_attention(shape: AttentionShape) -> Traffic:
     """Bytes no attention implementation can avoid: Q, K, V read once and O written once (FP8:
     the three descale factors read once, O in bf16)."""
     b, t = shape.itemsize, Traffic()
-    rows = shape.batch * shape.heads * shape.seq_q * shape.head_dim
-    kv = shape.batch * shape.hkv * shape.nk * shape.head_dim * b
-    t.add("q", rows * b, 0)
-    t.add("k", kv, 0)
-    t.add("v", kv, 0)
+    rows = shape.batch * shape.heads * shape.seq_q
+    keys = shape.batch * shape.hkv * shape.nk
+    t.add("q", rows * shape.head_dim * b, 0)
+    t.add("k", keys * shape.head_dim * b, 0)
+    t.add("v", keys * shape.dv * b, 0)
     if shape.fp8:
         t.add("descales", DESCALE_BYTES, 0)
-    t.add("o", 0, rows * shape.out_itemsize)
+    t.add("o", 0, rows * shape.dv * shape.out_itemsize)
     return t
 
 
@@ -95,15 +95,16 @@ def model_naive_attention(shape: AttentionShape, *, return_lse: bool = False) ->
     )
     q = B * H * Nq * D * b
     kv = B * Hkv * Nk * D * b
+    v = B * Hkv * Nk * shape.dv * b  # (V's own head dim, where it has one)
     s = B * H * Nq * Nk * b
     t = Traffic()
-    kv_read = kv
+    kv_read, v_read = kv, v
     # torch.matmul folds (B, Hkv, G) into one batch dim; with a broadcast G that is a view only
     # when B·Hkv == 1, otherwise its reshape copies K and V G-fold first
     if Hkv != H and B * Hkv > 1:
-        kv_read = kv * (H // Hkv)
+        kv_read, v_read = kv * (H // Hkv), v * (H // Hkv)
         t.add("expand k", kv, kv_read)
-        t.add("expand v", kv, kv_read)
+        t.add("expand v", v, v_read)
     t.add("S = Q K^T", q + kv_read, s)
     t.add("S * scale", s, s)
     if shape.causal:
@@ -114,7 +115,7 @@ def model_naive_attention(shape: AttentionShape, *, return_lse: bool = False) ->
     t.add("softmax", s, s)
     if shape.causal:
         t.add("nan_to_num", s, s)
-    t.add("O = P V", s + kv_read, q)
+    t.add("O = P V", s + v_read, B * H * Nq * shape.dv * b)
     if return_lse:
         s32 = B * H * Nq * Nk * 4
         if b != 4:
@@ -158,7 +159,7 @@ def model_flashlite_attention(
         cfg = flashlite_config(shape)
         block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     b = shape.itemsize
-    B, H, Nq, Nk, D = shape.batch, shape.heads, shape.seq_q, shape.nk, shape.head_dim
+    B, H, Nq, Nk, D, Dv = shape.batch, shape.heads, shape.seq_q, shape.nk, shape.head_dim, shape.dv
     keys = 0
     for m0 in range(0, Nq, block_m):
         # the kernel's own key range: tiles [0, hi) step BLOCK_N, lanes past Nk masked
@@ -168,10 +169,10 @@ def model_flashlite_attention(
     t = Traffic()
     t.add("q", bh * Nq * D * b, 0)
     t.add("k", bh * keys * D * b, 0)
-    t.add("v", bh * keys * D * b, 0)
+    t.add("v", bh * keys * Dv * b, 0)
     if shape.fp8:
         t.add("descales", bh * triton.cdiv(Nq, block_m) * DESCALE_BYTES, 0)
-    t.add("o", 0, bh * Nq * D * shape.out_itemsize)
+    t.add("o", 0, bh * Nq * Dv * shape.out_itemsize)
     t.add("lse", 0, bh * Nq * 4)
     return t
 

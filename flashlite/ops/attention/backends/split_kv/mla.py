@@ -19,6 +19,13 @@ from flashlite.ops.attention.backends.split_kv.decode import combine_options, ke
 from flashlite.ops.attention.backends.split_kv.splits import default_splits
 
 
+def mla_tiles(interpreted: bool) -> tuple[int, int, int]:
+    """``(BLOCK_H, BLOCK_N, num_warps)`` of the MLA kernel: small in the interpreter; on a GPU 32
+    heads by 32 keys on 8 warps, which an sm_90 build at 512 + 64 runs without spilling (64 heads,
+    FlashMLA's block, spilled 1.5 kB or more: a tile to measure on the GPU)."""
+    return (16, 16, 4) if interpreted else (32, 32, 8)
+
+
 class MLADecodePlan:
     """:func:`~flashlite.attention_mla_decode`'s kernels for one kind of call: the tile, the key
     chunks, the grids, the scalar arguments, the launches bound at the first run.
@@ -27,7 +34,8 @@ class MLADecodePlan:
     DecodePlan`): ``(q, kv, kv, lengths, block_table, o, lse, ...)`` on ``b h n d`` views, q
     ``(B, Hq, Nq, D_LATENT + D_ROPE)``, the latent cache ``(B, 1, Ncap, ·)`` or paged ``(num_pages,
     1, page_size, ·)`` (given twice: keys and values are its bytes), o ``(B, Hq, Nq,
-    D_LATENT)``."""
+    D_LATENT)``. ``tiles``: pin ``(BLOCK_H, BLOCK_N, num_warps)`` (the traffic tools count the
+    GPU's in the interpreter), else :func:`mla_tiles`."""
 
     def __init__(
         self,
@@ -38,6 +46,7 @@ class MLADecodePlan:
         scale: float,
         causal: bool,
         num_splits: int | None,
+        tiles: tuple[int, int, int] | None = None,
     ) -> None:
         b, hq, nq, d = q.shape
         d_latent = o.shape[3]  # (the rest of a row, d − d_latent, is the rotary key: 64)
@@ -48,9 +57,7 @@ class MLADecodePlan:
         if self.empty:
             return
         interpreted = _backend.kernels_interpreted()
-        # (sm_90 builds at 512 + 64: 32 heads × 32 keys on 8 warps spill nothing; 64 heads,
-        # FlashMLA's block, spilled 1.5 kB or more: a tile to measure on the GPU)
-        block_h, block_n, warps = (16, 16, 4) if interpreted else (32, 32, 8)
+        block_h, block_n, warps = tiles or mla_tiles(interpreted)
         rows = nq * hq
         if num_splits is None:
             num_splits = default_splits(q.device, b, rows, nk, block_h, 2 if page_size else 1)
