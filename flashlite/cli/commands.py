@@ -419,6 +419,7 @@ BENCHMARKS = (
     ("bench_shared_prefix.py", "shared-prefix decoding against kvcache over prefix copies"),
     ("bench_sinks.py", "attention with and without sinks, forward, backward and decode"),
     ("bench_fp8.py", "FP8 attention and FP8-cache decoding against flashlite's bf16"),
+    ("bench_mla.py", "192/128 attention against cuDNN; absorbed MLA decoding against the copy"),
     ("bench_mods.py", "mask and score functions against FlexAttention and the built-ins"),
     ("bench_cross_entropy.py", "cross-entropy and linear cross-entropy speed and memory"),
     ("bench_ce_memory.py", "cross-entropy peak memory at flash-attn's test vocabularies"),
