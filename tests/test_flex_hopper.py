@@ -35,7 +35,7 @@ if which == "decode":
     consts = dict(GROUP=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_M=16, BLOCK_N=64, IS_CAUSAL=True,
                   WINDOW=False, SOFTCAP=False, HAS_SEQLENS=True, HAS_SINKS=False, PAGE_SIZE=0,
                   USE_DESC=False, PRESCALE_Q=True, DOT_FP32=False, DOT_PRECISION="tf32",
-                  ROUND_BF16=False, FP8=None, **mods)
+                  ROUND_BF16=False, **mods)
     options = {"num_warps": 4, "num_stages": 3}
 else:  # varlen, with the options the plans give D 128 bf16
     bwd = which != "fwd"
@@ -44,6 +44,9 @@ else:  # varlen, with the options the plans give D 128 bf16
     consts = dict(HAS_SCORE=True, VARLEN=True, **opts, **mods)
     if bwd:
         consts["SCORE_GRAD"] = gallery._alibi_grad
+for p in kernel.params:  # the constexprs left at their defaults
+    if p.is_constexpr and p.name not in consts and p.has_default:
+        consts[p.name] = p.default
 ptrs = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "DO": "*bf16", "DK": "*bf16",
         "DV": "*bf16", "DQ": "*bf16", "LSE": "*fp32", "DELTA": "*fp32", "SINKS": "*fp32",
         "MB0": "*i32", "SB0": "*fp32", "sm_scale": "fp32", "softcap": "fp32"}

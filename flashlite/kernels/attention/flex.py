@@ -87,7 +87,7 @@ def _flex_fwd_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TBM: tl.constexpr, TBN: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
-    VARLEN: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, HEAD_DIM_V: tl.constexpr = None, BLOCK_DV: tl.constexpr = None,
 ):  # fmt: skip
     """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``. Writes O ``(B, Hq, Nq, D)`` and the natural-log LSE
     ``(B·Hq, Nq)`` (−inf, with output 0, for a row that sees no key). The tables are
@@ -120,7 +120,9 @@ def _flex_fwd_kernel(
     q_idx = tl.minimum(offs_m, seq_q - 1)[:, None]
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    HDV: tl.constexpr = HEAD_DIM if HEAD_DIM_V is None else HEAD_DIM_V  # (V's and O's)
+    BDV: tl.constexpr = BLOCK_D if BLOCK_DV is None else BLOCK_DV
+    acc = tl.zeros([BLOCK_M, BDV], tl.float32)
 
     t_strides = (stride_tb, stride_th, stride_tm, stride_ib, stride_ih, stride_im)
     trow, irow = _table_row(b, h, start_m // TBM, t_strides)
@@ -140,13 +142,13 @@ def _flex_fwd_kernel(
                                            (offs_n, offs_d), sm_scale, bufs, MASK_MOD, N_MASK_BUF,
                                            SCORE_MOD, N_SCORE_BUF, HAS_SCORE, part == 1, VARLEN,
                                            HEAD_DIM, BLOCK_D, DOT_FP32, DOT_PRECISION,
-                                           ROUND_BF16)  # fmt: skip
+                                           ROUND_BF16, HDV, BDV)  # fmt: skip
     inv_s = tl.where(s > 0.0, 1.0 / s, 0.0)
     lse = finalize_lse(m, s, LOG2E)
     tl.store(LSE + _lse_row(pid_bh, h, q0, q_mem, VARLEN) + offs_m, lse, mask=offs_m < seq_q)
     o = cast(acc * inv_s[:, None], O.dtype.element_ty, ROUND_BF16)
     store_tile(seq_ptr(O, b, h, q0, stride_ob, stride_oh, stride_om, VARLEN), o, offs_m, seq_q,
-               stride_om, stride_od, offs_d, HEAD_DIM)  # fmt: skip
+               stride_om, stride_od, tl.arange(0, BDV), HDV)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_BY_KEY_BLOCK)
@@ -167,7 +169,7 @@ def _flex_bwd_dkdv_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TBM: tl.constexpr, TBN: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
-    VARLEN: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, HEAD_DIM_V: tl.constexpr = None, BLOCK_DV: tl.constexpr = None,
 ):  # fmt: skip
     """Grid ``(cdiv(Nk, BLOCK_N), B·Hkv)``: dK and dV of ``BLOCK_N`` keys of one K/V head, summed
     over its group's query heads and the query blocks the ``q_*`` tables list for them, in
@@ -188,8 +190,10 @@ def _flex_bwd_dkdv_kernel(
     k = load_tile(seq_ptr(K, b, h_kv, k0, stride_kb, stride_kh, stride_kn, VARLEN), b, h_kv,
                   start_n, seq_k, stride_kn, stride_kd, keys, offs_d, HEAD_DIM, BLOCK_D, False,
                   True)  # fmt: skip
+    HDV: tl.constexpr = HEAD_DIM if HEAD_DIM_V is None else HEAD_DIM_V  # (V's and dV's)
+    BDV: tl.constexpr = BLOCK_D if BLOCK_DV is None else BLOCK_DV
     v = load_tile(seq_ptr(V, b, h_kv, k0, stride_vb, stride_vh, stride_vn, VARLEN), b, h_kv,
-                  start_n, seq_k, stride_vn, stride_vd, keys, offs_d, HEAD_DIM, BLOCK_D, False,
+                  start_n, seq_k, stride_vn, stride_vd, keys, tl.arange(0, BDV), HDV, BDV, False,
                   True)  # fmt: skip
     if DOT_FP32:
         k = k.to(tl.float32)
@@ -197,7 +201,7 @@ def _flex_bwd_dkdv_kernel(
     kv_idx = tl.minimum(offs_n, seq_k - 1)[:, None]
     in_range = (offs_n < seq_k)[:, None]
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BDV], tl.float32)
     t_strides = (stride_tb, stride_th, stride_tn, stride_ib, stride_ih, stride_in)
     # the step's grouped arguments (what each holds: flex_bwd_parts.dkdv_step)
     q_strides, g_strides = (stride_qm, stride_qd), (stride_gm, stride_gd)
@@ -220,13 +224,13 @@ def _flex_bwd_dkdv_kernel(
                                             kv_idx, in_range, seq_q, sm_scale, bufs, MASK_MOD,
                                             N_MASK_BUF, SCORE_MOD, SCORE_GRAD, N_SCORE_BUF,
                                             HAS_SCORE, part == 1, HEAD_DIM, BLOCK_D, DOT_FP32,
-                                            DOT_PRECISION, ROUND_BF16)  # fmt: skip
+                                            DOT_PRECISION, ROUND_BF16, HDV, BDV)  # fmt: skip
     dk = cast(dk * sm_scale, DK.dtype.element_ty, ROUND_BF16)
     store_tile(seq_ptr(DK, b, h_kv, k0, stride_dkb, stride_dkh, stride_dkn, VARLEN), dk, offs_n,
                seq_k, stride_dkn, stride_dkd, offs_d, HEAD_DIM)  # fmt: skip
     dv = cast(dv, DV.dtype.element_ty, ROUND_BF16)
     store_tile(seq_ptr(DV, b, h_kv, k0, stride_dvb, stride_dvh, stride_dvn, VARLEN), dv, offs_n,
-               seq_k, stride_dvn, stride_dvd, offs_d, HEAD_DIM)  # fmt: skip
+               seq_k, stride_dvn, stride_dvd, tl.arange(0, BDV), HDV)  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_BY_QUERY_BLOCK)
@@ -246,7 +250,7 @@ def _flex_bwd_dq_kernel(
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     TBM: tl.constexpr, TBN: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, ROUND_BF16: tl.constexpr,
-    VARLEN: tl.constexpr = False,
+    VARLEN: tl.constexpr = False, HEAD_DIM_V: tl.constexpr = None, BLOCK_DV: tl.constexpr = None,
 ):  # fmt: skip
     """Grid ``(cdiv(Nq, BLOCK_M), B·Hq)``: dQ of ``BLOCK_M`` rows, over the key tiles the
     forward visited (the ``kv_*`` tables), recomputing P from the saved LSE. ``VARLEN`` as the
@@ -269,8 +273,10 @@ def _flex_bwd_dq_kernel(
     q = load_tile(seq_ptr(Q, b, h, q0, stride_qb, stride_qh, stride_qm, VARLEN), b, h, start_m,
                   seq_q, stride_qm, stride_qd, own, offs_d, HEAD_DIM, BLOCK_D, False,
                   True)  # fmt: skip
+    HDV: tl.constexpr = HEAD_DIM if HEAD_DIM_V is None else HEAD_DIM_V  # (V's and dO's)
+    BDV: tl.constexpr = BLOCK_D if BLOCK_DV is None else BLOCK_DV
     do = load_tile(seq_ptr(DO, b, h, q0, stride_gb, stride_gh, stride_gm, VARLEN), b, h, start_m,
-                   seq_q, stride_gm, stride_gd, own, offs_d, HEAD_DIM, BLOCK_D, False,
+                   seq_q, stride_gm, stride_gd, own, tl.arange(0, BDV), HDV, BDV, False,
                    True)  # fmt: skip
     if DOT_FP32:
         q = q.to(tl.float32)
@@ -297,7 +303,7 @@ def _flex_bwd_dq_kernel(
                                   (offs_n, offs_d), sm_scale, bufs, MASK_MOD, N_MASK_BUF,
                                   SCORE_MOD, SCORE_GRAD, N_SCORE_BUF, HAS_SCORE, part == 1,
                                   VARLEN, HEAD_DIM, BLOCK_D, DOT_FP32, DOT_PRECISION,
-                                  ROUND_BF16)  # fmt: skip
+                                  ROUND_BF16, HDV, BDV)  # fmt: skip
     dq = cast(dq * sm_scale, DQ.dtype.element_ty, ROUND_BF16)
     store_tile(seq_ptr(DQ, b, h, q0, stride_dqb, stride_dqh, stride_dqm, VARLEN), dq, offs_m,
                seq_q, stride_dqm, stride_dqd, offs_d, HEAD_DIM)  # fmt: skip

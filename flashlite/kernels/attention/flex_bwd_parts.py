@@ -45,6 +45,8 @@ def dkdv_step(
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """Add the query rows ``[start_m, start_m + BLOCK_M)`` of head ``h`` into ``(dk, dv)``,
     keys-major: ``Pᵀ`` from the saved LSE, ``dV += Pᵀ·dO``, ``dSᵀ = Pᵀ ∘ (dPᵀ − delta)``
@@ -57,7 +59,8 @@ def dkdv_step(
     offs_r, _offs_d = offs
     rows = start_m + offs_r
     q = _load_rows(q_src, b, h, start_m, seq_q, q_strides, offs, HEAD_DIM, BLOCK_D, True)
-    do = _load_rows(g_src, b, h, start_m, seq_q, g_strides, offs, HEAD_DIM, BLOCK_D, True)
+    offs_v = (offs_r, tl.arange(0, BLOCK_DV))  # (dO is V's width)
+    do = _load_rows(g_src, b, h, start_m, seq_q, g_strides, offs_v, HEAD_DIM_V, BLOCK_DV, True)
     if DOT_FP32:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
@@ -117,6 +120,8 @@ def dq_step(
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """Add the key tile at ``start_n`` into ``dq``: P from the saved LSE, ``dS = P ∘ (dP −
     delta)`` (times the score function's derivative), ``dQ += dS·K``. The tuples as the
@@ -144,8 +149,9 @@ def dq_step(
     )
     b, h, h_kv = heads
     _k_src, v_src, _k_strides, v_strides, seq_k = kv
+    offs_v = (offs[0], tl.arange(0, BLOCK_DV))  # (V's own width)
     v = _load_rows(
-        v_src, b, h_kv, start_n, seq_k, v_strides, offs, HEAD_DIM, BLOCK_D, MASKED | BOUNDED
+        v_src, b, h_kv, start_n, seq_k, v_strides, offs_v, HEAD_DIM_V, BLOCK_DV, MASKED | BOUNDED
     )
     if DOT_FP32:
         v = v.to(tl.float32)

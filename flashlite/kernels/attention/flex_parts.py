@@ -222,9 +222,12 @@ def fold_tile(
     DOT_FP32: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """The forward's step: the key tile at ``start_n`` scored (:func:`_scored_tile`, which
-    says what the tuples hold), folded into ``(m, s)`` and ``acc += p·v``."""
+    says what the tuples hold), folded into ``(m, s)`` and ``acc += p·v`` (V ``HEAD_DIM_V``
+    wide)."""
     _k, _x, y, _kv = _scored_tile(
         q,
         q_idx,
@@ -250,7 +253,8 @@ def fold_tile(
     b, _h, h_kv = heads
     _k_src, v_src, _k_strides, v_strides, seq_k = kv
     stride_vn, stride_vd = v_strides
-    offs_n, offs_d = offs
+    offs_n, _offs_d = offs
+    offs_dv = tl.arange(0, BLOCK_DV)
     acc = accumulate(
         acc,
         alpha,
@@ -265,10 +269,10 @@ def fold_tile(
         stride_vn,
         stride_vd,
         offs_n,
-        offs_d,
+        offs_dv,
         MASKED | BOUNDED,
-        HEAD_DIM,
-        BLOCK_D,
+        HEAD_DIM_V,
+        BLOCK_DV,
         False,
         DOT_FP32,
         DOT_PRECISION,

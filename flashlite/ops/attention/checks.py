@@ -106,8 +106,6 @@ def _check_all(
             f"k and v must have the same shape {shapes} in layout {layout!r}, got "
             f"{tuple(k.shape)} and {tuple(v.shape)} (as b h n d)"
         )
-    if not 0 < v.shape[3] <= MAX_HEAD_DIM:
-        raise ValueError(f"v's head dim must be 1 to {MAX_HEAD_DIM}, got {v.shape[3]}")
     if bk != b:
         raise ValueError(f"q and k must have the same batch size, got {b} and {bk}")
     if dk != d:
@@ -121,6 +119,12 @@ def _check_all(
         raise ValueError("head dim must be at least 1, got 0")
     if d > MAX_HEAD_DIM:
         raise NotImplementedError(f"head dim {d} is not supported: flashlite supports 1 to 256")
+    if v.shape[3] == 0:
+        raise ValueError("v's head dim must be at least 1, got 0")
+    if v.shape[3] > MAX_HEAD_DIM:
+        raise NotImplementedError(
+            f"v's head dim {v.shape[3]} is not supported: flashlite supports 1 to 256"
+        )
     return check_scale(scale, d), q, k, v
 
 

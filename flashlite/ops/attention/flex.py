@@ -25,10 +25,11 @@ from flashlite.masking import mods as M
 from flashlite.masking.create import block_mask_for
 from flashlite.masking.mod_args import check_mod
 from flashlite.ops._dispatch import Op
+from flashlite.ops.attention.backends.common import empty_output
 from flashlite.ops.attention.backends.tables.args import FLEX_FIELDS, table_request
 from flashlite.ops.attention.backends.tables.bwd import flex_bwd_body
 from flashlite.ops.attention.backends.tables.fwd import flex_fwd_body
-from flashlite.ops.attention.checks import check_inputs
+from flashlite.ops.attention.checks import check_views
 from flashlite.ops.attention.request import Request
 
 __all__ = ["flex_attention", "compiled_variants"]
@@ -37,7 +38,8 @@ __all__ = ["flex_attention", "compiled_variants"]
 def _fwd_fake(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, request: Request
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+    o = empty_output(q, None, request.head_dim_v)
+    return o, q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 def _bwd_fake(
@@ -147,10 +149,12 @@ def flex_attention(
     Raises:
         TypeError, ValueError: bad tensors, mods or block masks, each naming the argument.
     """
-    scale, q, k, v = check_inputs(query, key, value, layout, scale)
+    scale, q, k, v = check_views(query, key, value, layout, scale, head_dim_v=True)
     if not isinstance(enable_gqa, bool):
         raise TypeError(f"enable_gqa must be a bool, got {type(enable_gqa).__name__}")
     request = _request(block_mask, score_mod, q, k, q.shape[0], "flex_attention", scale)
+    if v.shape[3] != q.shape[3]:  # V's own head dim (DeepSeek's 192/128)
+        request = request._replace(head_dim_v=v.shape[3])
     o, lse = FLEX_FWD(q, k, v, request)
     if layout == "b n h d":
         o = o.transpose(1, 2)
@@ -235,4 +239,6 @@ def flex_varlen(
         cu_seqlens_q=cu_q,
         cu_seqlens_k=cu_k,
     )
+    if v.shape[3] != q.shape[3]:  # V's own head dim
+        request = request._replace(head_dim_v=v.shape[3])
     return FLEX_FWD(q, k, v, request)

@@ -121,6 +121,8 @@ def hopper_bwd_applies(
     in no fixed order, so there the two Triton kernels run instead."""
     if qs.dtype not in (torch.float16, torch.bfloat16) or qs.shape[-1] not in KHB.HEAD_DIMS:
         return False
+    if v.shape[-1] != qs.shape[-1]:  # (V with a head dim of its own: the Triton kernels)
+        return False
     if torch.are_deterministic_algorithms_enabled() or _backend.getenv(HOPPER_ENV) == "0":
         return False
     units = dk.stride(-1) == 1 and dv.stride(-1) == 1

@@ -59,6 +59,7 @@ FLEX_FIELDS = (
     "score_mod",
     "score_tensors",
     "score_nums",
+    "head_dim_v",
 )
 
 
@@ -277,7 +278,7 @@ def bind_triton(
     kind. Triton's software pipeliner stages a loop's loads in shared memory, a mod's gathers
     too (a bias table read per score): those can outgrow it. Then the kernel runs (this time
     and for later calls of the mod) with one stage, unpipelined."""
-    key = (kernel, *mods.values(), opts["HEAD_DIM"], args[0].dtype)
+    key = (kernel, *mods.values(), opts["HEAD_DIM"], opts.get("HEAD_DIM_V"), args[0].dtype)
     if key in one_stage:
         opts = {**opts, "num_stages": 1}
     launcher = _launch.launcher(kernel)
@@ -306,12 +307,18 @@ def gluon_takes(mask: ModArgs) -> bool:
 
 
 def plan_options(
-    q: torch.Tensor, tbm: int, tbn: int, bwd: bool, varlen: bool = False
+    q: torch.Tensor,
+    tbm: int,
+    tbn: int,
+    bwd: bool,
+    varlen: bool = False,
+    head_dim_v: int | None = None,
 ) -> dict[str, Any]:
     """The Triton kernels' tiles (dividing the table's) and numerics. Varlen at head dims
     above 64: 32-key tiles (and 8 warps backward), which built for sm_90 with at most 56 bytes
     of spills where 64-key tiles spilled 136–216 B forward and 0.9–4 KB backward (Triton 3.9's
-    ptxas, D 128); not yet timed."""
+    ptxas, D 128); not yet timed. ``head_dim_v``: V's (and O's) head dim, where it is not
+    Q's."""
     d = q.shape[-1]
     if _backend.INTERPRETED:
         bm, bn, warps, stages = tbm, tbn, 4, 1
@@ -322,7 +329,11 @@ def plan_options(
     else:
         bm, bn = triton_fwd_tiles(d, (tbm, tbn), varlen)
         warps, stages = (8 if d > 64 else 4), 3
+    extra = {}
+    if head_dim_v is not None and head_dim_v != d:
+        extra = {"HEAD_DIM_V": head_dim_v, "BLOCK_DV": max(16, triton.next_power_of_2(head_dim_v))}
     return {
+        **extra,
         "HEAD_DIM": d,
         "BLOCK_D": max(16, triton.next_power_of_2(d)),
         "BLOCK_M": bm,

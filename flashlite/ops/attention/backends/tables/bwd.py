@@ -236,7 +236,7 @@ class BwdPlan:
         hkv, nk = c.k.shape[1], c.k.shape[2]
         b = grid_batch(c.q, c.cu, self.varlen)
         opts = {
-            **plan_options(c.q, self.tbm, self.tbn, bwd=True, varlen=self.varlen),
+            **plan_options(c.q, self.tbm, self.tbn, True, self.varlen, c.v.shape[3]),
             "VARLEN": self.varlen,
         }
         delta_shape = self.delta_shape

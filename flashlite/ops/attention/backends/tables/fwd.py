@@ -20,6 +20,7 @@ from flashlite.masking.band import band_tables
 from flashlite.masking.mod_args import ModArgs, Slots
 from flashlite.ops.attention.backends.common import (
     descriptor_ok,
+    empty_output,
     hopper_config,
     hopper_launch_config,
 )
@@ -130,7 +131,11 @@ class FwdPlan:
         out: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if out is None:
-            o = torch.empty_like(q)
+            o = (
+                torch.empty_like(q)
+                if v.shape[3] == q.shape[3]
+                else empty_output(q, None, v.shape[3])
+            )
             lse = torch.empty(self.lse_shape, dtype=torch.float32, device=q.device)
         else:  # (a window's launcher allocated them, strided as its plan's key says)
             o, lse = out
@@ -157,7 +162,8 @@ class FwdPlan:
         applies: a compiled sm_90 device, 16-bit inputs TMA can read, a head dim with a
         measured config whose tiles are the tables' blocks, not varlen; else (or after one
         warning if it failed to build) the Triton kernel."""
-        config = None if self.varlen or not self.gluon else hopper_config(q, k.shape[2])
+        gluon = self.gluon and not self.varlen and v.shape[3] == q.shape[3]
+        config = hopper_config(q, k.shape[2]) if gluon else None
         if (
             config is not None
             and (self.tbm, self.tbn) == (config.block_m, config.block_n)
@@ -219,7 +225,7 @@ class FwdPlan:
         """The Triton kernel, launched, and its bound launch."""
         hq, nq = q.shape[1], q.shape[2]
         hkv, nk = k.shape[1], k.shape[2]
-        opts = plan_options(q, self.tbm, self.tbn, bwd=False, varlen=self.varlen)
+        opts = plan_options(q, self.tbm, self.tbn, False, self.varlen, v.shape[3])
         grid = (
             grid_blocks(nq, tables[0], self.tbm, opts["BLOCK_M"], self.varlen),
             grid_batch(q, cu, self.varlen) * hq,
