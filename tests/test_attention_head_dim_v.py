@@ -190,3 +190,17 @@ def test_bad_input(call: str, error: type, words: str) -> None:
                                         cache_seqlens=lens)  # fmt: skip
         else:
             flashlite.attention(q, k, torch.randn(2, 2, 8, 24))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_deepseek_dims_on_the_gpu(causal: bool) -> None:
+    """DeepSeek's 192/128 in bf16 on the GPU, lengths not a multiple of any tile, GQA and
+    varlen's packed form, forward and backward against fp64 (2x torch's own error)."""
+    q = torch.randn(2, 8, 999, 192, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    k = torch.randn(2, 4, 1037, 192, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    v = torch.randn(2, 4, 1037, 128, dtype=torch.bfloat16, device="cuda", requires_grad=True)
+    out = flashlite.attention(q, k, v, causal=causal)
+    do = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), do)
+    _check(q, k, v, do, {"causal": causal}, out, grads)
