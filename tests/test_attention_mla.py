@@ -171,3 +171,24 @@ def _reference_full(q, latent, lens, n_new, scale):  # noqa: ANN001, ANN202
         s = s.masked_fill(torch.arange(n)[None, :] > pos, float("-inf"))
         outs.append((torch.softmax(s, -1) @ kv[:, :512]).transpose(0, 1))
     return torch.stack(outs), None
+
+
+def test_bad_lengths_and_pages_are_reported() -> None:
+    """The cache step's value checks (as attention_kvcache's): a length past the capacity, a
+    page outside the pool; ``validate="sync"`` before anything is written, the default on the
+    device (this call, on the CPU)."""
+    q = torch.randn(1, 1, 4, D)
+    latent = torch.randn(1, 32, 1, D)
+    new = torch.randn(1, 1, 1, D)
+    full, later = torch.tensor([32], dtype=torch.int32), torch.tensor([20], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cache_seqlens"):
+        flashlite.attention_mla_decode(
+            q, latent, cache_seqlens=full, scale=0.2, head_dim_v=DL, latent_new=new,
+            validate="sync",
+        )  # fmt: skip
+    pages = torch.randn(2, 16, 1, D)
+    table = torch.tensor([[0, 5]], dtype=torch.int32)  # page 5 of a pool of 2
+    with pytest.raises(ValueError, match="page"):
+        flashlite.attention_mla_decode(
+            q, pages, cache_seqlens=later, scale=0.2, head_dim_v=DL, block_table=table
+        )
