@@ -230,3 +230,30 @@ def test_fp8_cache_step_makes_no_host_sync_and_graphs_capture_it() -> None:
         torch.cuda.synchronize()
     assert torch.equal(graph_k.view(torch.uint8), eager_k.view(torch.uint8))
     torch.testing.assert_close(out, want)
+
+
+def test_fp8_cache_kind_kept_and_factors_read_each_call() -> None:
+    """A second FP8 step of the same kind skips the argument checks (its plan is kept) but
+    reads this call's factors; factors with a bf16 cache are refused on that path too."""
+    from flashlite.ops.attention import kvcache as KV
+
+    k8, v8, ks, vs, _ = _cache(b=2, cap=64)
+    q = torch.randn(2, 1, 8, 16, dtype=torch.bfloat16)
+    lens = torch.tensor([20, 40], dtype=torch.int32)
+    with torch.no_grad():
+        first = flashlite.attention_kvcache(
+            q, k8, v8, cache_seqlens=lens, k_descale=ks, v_descale=vs
+        )
+        kept = len(KV.checked_kvcache)
+        again = flashlite.attention_kvcache(
+            q, k8, v8, cache_seqlens=lens, k_descale=ks, v_descale=vs
+        )
+        doubled = flashlite.attention_kvcache(
+            q, k8, v8, cache_seqlens=lens, k_descale=ks, v_descale=2 * vs
+        )
+        bf16 = (k8.float() * ks.view(1, 1, -1, 1)).to(torch.bfloat16)
+        flashlite.attention_kvcache(q, bf16, bf16, cache_seqlens=lens)  # (a bf16 kind, kept)
+        with pytest.raises(TypeError, match="for torch.float8_e4m3fn caches"):
+            flashlite.attention_kvcache(q, bf16, bf16, cache_seqlens=lens, k_descale=ks)
+    assert kept >= 1 and torch.equal(again, first)
+    torch.testing.assert_close(doubled, 2 * first, atol=1e-2, rtol=1e-2)

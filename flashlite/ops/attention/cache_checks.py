@@ -12,7 +12,7 @@ from flashlite import _backend
 from flashlite.masking import mods
 from flashlite.masking.mod_args import check_mod
 from flashlite.ops.attention.checks import DTYPES, MAX_HEAD_DIM, check_page_size, check_writable
-from flashlite.ops.attention.fp8 import E4M3, OTHER_FP8, check_dtype, descale, same_strides
+from flashlite.ops.attention.fp8 import E4M3, OTHER_FP8, check_dtype, factor_views
 from flashlite.ops.attention.request import mod_fields
 
 
@@ -107,12 +107,8 @@ def cache_fp8(
             )
         return {}
     b, hkv = q.shape[0], k_cache.shape[2]
-    names = ("q_descale", "k_descale", "v_descale")
-    scales = [
-        descale(x, n, b, hkv, q, per_head=True)
-        for n, x in zip(names, (None, k_descale, v_descale), strict=True)
-    ]
-    return dict(zip(names, same_strides(scales), strict=True))
+    given = {"q_descale": None, "k_descale": k_descale, "v_descale": v_descale}
+    return dict(zip(given, factor_views(given, b, hkv, q, per_head=True), strict=True))
 
 
 def _layout_error(q: torch.Tensor, k_cache: torch.Tensor, paged: bool, problem: str) -> ValueError:

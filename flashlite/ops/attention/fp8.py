@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from flashlite import _backend
+from flashlite._caches import Cache
 
 #: The FP8 format attention takes (e5m2 has too few mantissa bits for Q, K and V).
 E4M3 = torch.float8_e4m3fn
@@ -64,9 +65,9 @@ def fp8_fields(
     refuse_grad(q, k, v)
     check_fp8_device(q)
     b, hkv = q.shape[0] if batch is None else batch, k.shape[1]
-    scales = [descale(x, name, b, hkv, q) for name, x in given.items()]
+    scales = factor_views(given, b, hkv, q)
     return {
-        **dict(zip(given, same_strides(scales), strict=True)),
+        **dict(zip(given, scales, strict=True)),
         "out_dtype": check_out_dtype(out_dtype),
     }
 
@@ -90,9 +91,44 @@ def descale(
         raise ValueError(f"{name} must be on q's device {q.device}, got {x.device}")
     if x.requires_grad and torch.is_grad_enabled():
         raise RuntimeError(f"{name} requires grad, but FP8 attention is forward only")
+    return factor_view(x, batch, hkv)
+
+
+def factor_view(x: torch.Tensor, batch: int, hkv: int) -> torch.Tensor:
+    """A checked ``(1,)``, ``(hkv,)`` or ``(batch, hkv)`` factor as a ``(batch, hkv)`` view."""
     if x.dim() == 1:
         return x.expand(batch, hkv) if x.shape[0] == 1 else x.unsqueeze(0).expand(batch, hkv)
     return x
+
+
+#: Factors of 1 by shape and device (never written: shared by every call that needs one).
+_ones = Cache("attention.fp8_ones", 16)
+
+
+def factor_views(
+    given: dict[str, object], batch: int, hkv: int, q: torch.Tensor, per_head: bool = False
+) -> list[torch.Tensor]:
+    """The factors ``given`` (by name, None for absent) checked (:func:`descale`) as ``(batch,
+    hkv)`` views with one stride pair: an absent one is a 1 shaped like a given one, so that
+    its view has the same strides (no copies per call); ``(1,)`` ones where none is given."""
+    views = {n: descale(x, n, batch, hkv, q, per_head) for n, x in given.items() if x is not None}
+    base = next((x for x in given.values() if isinstance(x, torch.Tensor)), None)
+    shape = tuple(base.shape) if base is not None else (1,)
+    if len(views) < len(given):
+        ones = _ones_of(shape, q.device)
+        views |= {n: factor_view(ones, batch, hkv) for n in given if n not in views}
+    return same_strides([views[n] for n in given])
+
+
+def _ones_of(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """fp32 ones of ``shape`` on ``device``, made once (fresh while torch.compile traces)."""
+    if torch.compiler.is_compiling():
+        return torch.ones(shape, dtype=torch.float32, device=device)
+    key = (shape, device)
+    ones = _ones.get(key)
+    if ones is None:
+        ones = _ones.put(key, torch.ones(shape, dtype=torch.float32, device=device))
+    return ones
 
 
 def same_strides(scales: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -22,6 +22,7 @@ from flashlite.ops.attention.checks import (
     check_splits,
     report_kv_problems,
 )
+from flashlite.ops.attention.fp8 import E4M3
 from flashlite.ops.attention.request import Request, tensor_meta
 from flashlite.ops.common import check_flags, moved, moved_call_device
 
@@ -247,11 +248,18 @@ def attention_kvcache(
     tensors = (q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table)
     options = (causal, scale, window, softcap, num_splits, validate, mask_mod, score_mod)
     scales = (k_descale, v_descale)
-    # (None with a mask function or FP8 factors: checked each call)
-    key = kvcache_key((*tensors, sinks), options) if k_descale is v_descale is None else None
+    key = kvcache_key((*tensors, sinks), options)  # (None with a mask function: checked each call)
     plan = checked_kvcache.get(key) if key is not None else None
-    if plan is not None and plain_eager(q, k_cache, v_cache):  # a kind of call seen before
-        o, lse = plan(*tensors) if sinks is None else plan(*tensors, sinks.float())
+    # a kind of call seen before (factors with 16-bit caches go on to be refused by name)
+    fp8_ok = k_descale is v_descale is None or k_cache.dtype == E4M3
+    if plan is not None and fp8_ok and plain_eager(q, k_cache, v_cache):
+        sink = None if sinks is None else sinks.float()
+        if k_cache.dtype == E4M3:  # (the factors, checked: a few attributes, no copies)
+            f = cache_fp8(q, k_cache, k_descale, v_descale)
+            factors = (f["q_descale"], f["k_descale"], f["v_descale"], *f["k_descale"].stride())
+            o, lse = plan(*tensors, sink, None, None, factors)
+        else:
+            o, lse = plan(*tensors) if sink is None else plan(*tensors, sink)
         return (o, lse) if return_lse else o
     request = _checked_request(tensors, options, return_lse, sinks, key, scales)
     o, lse = KVCACHE(q, k_cache, v_cache, k_new, v_new, request)
@@ -290,7 +298,7 @@ def _checked_request(
     sm_scale = check_scale(scale, q.shape[3])
     sink = check_sinks(sinks, q, q.shape[2])  # (fp32: what the plan's key pins, whatever came in)
     mods_given = cache_mods(mask_mod, score_mod, softcap, q, k_cache, block_table)
-    mods_given |= cache_fp8(q, k_cache, *scales)
+    fp8 = cache_fp8(q, k_cache, *scales)
     request = Request.of_mask(
         mask,
         sm_scale,
@@ -300,6 +308,7 @@ def _checked_request(
         block_table=block_table,
         validate=VALIDATE_MODES[validate],
         **mods_given,
+        **fp8,
     )
     if not mods_given and key is not None and moved_call_device(q.device) is None:
         # these arguments passed every check above: next time, skip them (and the op layer:

@@ -34,7 +34,7 @@ from flashlite.ops.attention.backends.split_kv.merge import (
 )
 from flashlite.ops.attention.backends.split_kv.splits import prefix_splits
 from flashlite.ops.attention.checks import DTYPES, check_scale, check_sinks, check_splits
-from flashlite.ops.attention.fp8 import E4M3, descale, same_strides
+from flashlite.ops.attention.fp8 import E4M3, descale, factor_views
 from flashlite.ops.attention.kvcache import attention_kvcache, kvcache_key
 from flashlite.ops.attention.ops import ATTENTION_FWD
 from flashlite.ops.attention.request import Request
@@ -230,11 +230,8 @@ class _Step:
         scales = None
         if prefix_k.dtype == E4M3:  # the prefix's (1, Hkv) factors, one per KV head
             hkv = prefix_k.shape[1]
-            names = ("q_descale", "k_descale", "v_descale")
-            given = (None, k_descale, v_descale)
-            scales = same_strides(
-                [descale(x, n, 1, hkv, q, per_head=True) for n, x in zip(names, given, strict=True)]
-            )
+            given = {"q_descale": None, "k_descale": k_descale, "v_descale": v_descale}
+            scales = factor_views(given, 1, hkv, q, per_head=True)
         parts = []
         if self.bulk[0] < self.bulk[1]:
             parts.append(self._prefix_pass(q, prefix_k, prefix_v, scales))
