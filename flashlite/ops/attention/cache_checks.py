@@ -67,16 +67,8 @@ def check_call(
     if d > MAX_HEAD_DIM:
         raise NotImplementedError(f"head dim {d} is not supported: flashlite supports 1 to 256")
     for name, t, dims in (("cache_seqlens", cache_seqlens, 1), ("block_table", block_table, 2)):
-        if t is None:
-            continue
-        if t.dtype != torch.int32:
-            raise TypeError(f"{name} must have dtype torch.int32, got {t.dtype}")
-        if t.dim() != dims or t.shape[0] != bsz or t.device != q.device:
-            shape = "(B,)" if dims == 1 else "(B, max_pages)"
-            raise ValueError(
-                f"{name} must be a {shape} tensor with B={bsz} on {q.device}, "
-                f"got {tuple(t.shape)} on {t.device}"
-            )
+        if t is not None:
+            check_index(name, t, q, dims)
     if block_table is None and k_cache.shape[0] != bsz:
         problem = f"q's B={bsz}, the caches' B={k_cache.shape[0]}"
         raise _layout_error(q, k_cache, False, problem)
@@ -109,6 +101,18 @@ def cache_fp8(
     b, hkv = q.shape[0], k_cache.shape[2]
     given = {"q_descale": None, "k_descale": k_descale, "v_descale": v_descale}
     return dict(zip(given, factor_views(given, b, hkv, q, per_head=True), strict=True))
+
+
+def check_index(name: str, t: torch.Tensor, q: torch.Tensor, dims: int) -> None:
+    """A cache's lengths (``dims`` 1) or block table (2): int32, ``B`` rows, on q's device."""
+    if t.dtype != torch.int32:
+        raise TypeError(f"{name} must have dtype torch.int32, got {t.dtype}")
+    if t.dim() != dims or t.shape[0] != q.shape[0] or t.device != q.device:
+        shape = "(B,)" if dims == 1 else "(B, max_pages)"
+        raise ValueError(
+            f"{name} must be a {shape} tensor with B={q.shape[0]} on {q.device}, "
+            f"got {tuple(t.shape)} on {t.device}"
+        )
 
 
 def _layout_error(q: torch.Tensor, k_cache: torch.Tensor, paged: bool, problem: str) -> ValueError:

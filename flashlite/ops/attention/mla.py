@@ -10,6 +10,7 @@ from flashlite import _backend
 from flashlite.masking import masks
 from flashlite.ops._dispatch import Op, forward_only
 from flashlite.ops.attention.backends.split_kv.cache import TENSORS, kvcache_plan
+from flashlite.ops.attention.cache_checks import check_index
 from flashlite.ops.attention.checks import check_page_size, check_splits
 from flashlite.ops.attention.kvcache import VALIDATE_MODES
 from flashlite.ops.attention.request import Request
@@ -144,9 +145,9 @@ def _checked(
     for what, n in (("head_dim_v", head_dim_v), ("the rotary part D − head_dim_v", d - head_dim_v)):
         if n < 16 or n & (n - 1):
             raise ValueError(f"{what} must be a power of two from 16, got {n}")
-    _check_index("cache_seqlens", cache_seqlens, q, 1)
+    check_index("cache_seqlens", cache_seqlens, q, 1)  # type: ignore[arg-type]
     if block_table is not None:
-        _check_index("block_table", block_table, q, 2)
+        check_index("block_table", block_table, q, 2)  # type: ignore[arg-type]
         check_page_size(latent.shape[1])
     elif latent.shape[0] != b:
         raise ValueError(f"latent_cache's batch {latent.shape[0]} is not q's {b}")
@@ -156,18 +157,6 @@ def _checked(
             raise ValueError(f"latent_new must be (B={b}, Nnew, 1, D={d}), got "
                              f"{tuple(latent_new.shape)}")  # fmt: skip
     return q, latent, latent_new  # type: ignore[return-value]
-
-
-def _check_index(name: str, t: object, q: torch.Tensor, dims: int) -> None:
-    """An int32 index tensor of ``dims`` dimensions, ``B`` rows, on q's device."""
-    assert isinstance(t, torch.Tensor)
-    if t.dtype != torch.int32:
-        raise TypeError(f"{name} must have dtype torch.int32, got {t.dtype}")
-    if t.dim() != dims or t.shape[0] != q.shape[0] or not _backend.same_device(t, q):
-        raise ValueError(
-            f"{name} must be a {'(B,)' if dims == 1 else '(B, max_pages)'} tensor with "
-            f"B={q.shape[0]} on {q.device}, got {tuple(t.shape)} on {t.device}"
-        )
 
 
 def _mla_body(
