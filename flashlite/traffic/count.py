@@ -17,7 +17,8 @@ from flashlite.masking import masks
 from flashlite.ops import attention as attention_ops
 from flashlite.ops import softmax as softmax_ops
 from flashlite.ops.attention import Config, DecodeConfig
-from flashlite.ops.attention.fp8 import fp8_fields
+from flashlite.ops.attention.backends.split_kv.decode import descale_args
+from flashlite.ops.attention.fp8 import factor_views, fp8_fields
 from flashlite.traffic.counters import count_kernels, count_torch_ops
 from flashlite.traffic.model import (
     bwd_info,
@@ -208,8 +209,8 @@ def count_decode(
     descales = None
     if shape.fp8:  # an e4m3 cache read by bf16 queries, one factor per tensor
         q = q.to(torch.bfloat16)
-        ones = torch.ones(1, 1).expand(shape.batch, shape.hkv)
-        descales = (ones, ones, ones, *ones.stride())
+        ones = dict.fromkeys(("q_descale", "k_descale", "v_descale"))  # (all 1)
+        descales = descale_args(*factor_views(ones, shape.batch, shape.hkv, q))
     with count_kernels() as kern, count_torch_ops() as ops:
         attention_ops.attention_decode_fwd(
             q, k, v, lengths, masks.CAUSAL, shape.head_dim**-0.5, num_splits=splits,

@@ -107,13 +107,15 @@ def _decode_call(method: str, shape: AttentionShape, device: str) -> Callable[[]
     from flashlite import reference
     from flashlite.masking import masks
     from flashlite.ops.attention import attention_decode_fwd
+    from flashlite.ops.attention.backends.split_kv.decode import descale_args
+    from flashlite.ops.attention.fp8 import factor_views
 
     q, k, v = make_inputs(shape, device)
     descales = None
     if shape.fp8:  # an e4m3 cache read by bf16 queries (as count_decode runs it)
         q = q.to(torch.bfloat16)
-        ones = torch.ones(1, 1, device=q.device).expand(shape.batch, shape.hkv)
-        descales = (ones, ones, ones, *ones.stride())
+        ones = dict.fromkeys(("q_descale", "k_descale", "v_descale"))  # (all 1)
+        descales = descale_args(*factor_views(ones, shape.batch, shape.hkv, q))
         if method == "naive":  # (widened to bf16 first)
             k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
     if method == "naive":

@@ -75,10 +75,9 @@ def fp8_fields(
 def descale(
     x: object, name: str, batch: int, hkv: int, q: torch.Tensor, per_head: bool = False
 ) -> torch.Tensor:
-    """A descale factor as a ``(batch, hkv)`` fp32 view: ``x`` checked (fp32, ``(1,)`` or
-    ``(batch, hkv)``, or ``(hkv,)`` with ``per_head``, on q's device), or ones for None."""
-    if x is None:
-        return torch.ones((1, 1), dtype=torch.float32, device=q.device).expand(batch, hkv)
+    """A given descale factor as a ``(batch, hkv)`` fp32 view: ``x`` checked (fp32, ``(1,)`` or
+    ``(batch, hkv)``, or ``(hkv,)`` with ``per_head``, on q's device). (An absent one:
+    :func:`factor_views`.)"""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor or None, got {type(x).__name__}")
     if x.dtype != torch.float32:
@@ -123,12 +122,12 @@ def factor_views(
 def _ones_of(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """fp32 ones of ``shape`` on ``device``, made once (fresh while torch.compile traces)."""
     if torch.compiler.is_compiling():
-        return torch.ones(shape, dtype=torch.float32, device=device)
-    key = (shape, device)
-    ones = _ones.get(key)
-    if ones is None:
-        ones = _ones.put(key, torch.ones(shape, dtype=torch.float32, device=device))
-    return ones
+        return _new_ones(shape, device)
+    return _ones.made((shape, device), _new_ones, shape, device)
+
+
+def _new_ones(shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    return torch.ones(shape, dtype=torch.float32, device=device)
 
 
 def same_strides(scales: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ from flashlite.masking import masks
 from flashlite.masking.mod_args import ModArgs
 from flashlite.ops._dispatch import Op, forward_only, plain_eager
 from flashlite.ops.attention.backends.split_kv.cache import TENSORS, kvcache_args, kvcache_plan
-from flashlite.ops.attention.backends.split_kv.decode import descales
+from flashlite.ops.attention.backends.split_kv.decode import descale_args, descales
 from flashlite.ops.attention.cache_checks import cache_fp8, cache_mods, check_call
 from flashlite.ops.attention.checks import (
     check_scale,
@@ -255,8 +255,7 @@ def attention_kvcache(
     if plan is not None and fp8_ok and plain_eager(q, k_cache, v_cache):
         sink = None if sinks is None else sinks.float()
         if k_cache.dtype == E4M3:  # (the factors, checked: a few attributes, no copies)
-            f = cache_fp8(q, k_cache, k_descale, v_descale)
-            factors = (f["q_descale"], f["k_descale"], f["v_descale"], *f["k_descale"].stride())
+            factors = descale_args(*cache_fp8(q, k_cache, k_descale, v_descale).values())
             o, lse = plan(*tensors, sink, None, None, factors)
         else:
             o, lse = plan(*tensors) if sink is None else plan(*tensors, sink)

@@ -25,7 +25,7 @@ from flashlite import _backend, stats
 from flashlite._caches import Cache
 from flashlite.masking import masks
 from flashlite.ops._dispatch import forward_only, plain_eager
-from flashlite.ops.attention.backends.split_kv.decode import attention_decode_fwd
+from flashlite.ops.attention.backends.split_kv.decode import attention_decode_fwd, descale_args
 from flashlite.ops.attention.backends.split_kv.merge import (
     Pair,
     bound_merge,
@@ -34,7 +34,7 @@ from flashlite.ops.attention.backends.split_kv.merge import (
 )
 from flashlite.ops.attention.backends.split_kv.splits import prefix_splits
 from flashlite.ops.attention.checks import DTYPES, check_scale, check_sinks, check_splits
-from flashlite.ops.attention.fp8 import E4M3, descale, factor_views
+from flashlite.ops.attention.fp8 import E4M3, factor_views
 from flashlite.ops.attention.kvcache import attention_kvcache, kvcache_key
 from flashlite.ops.attention.ops import ATTENTION_FWD
 from flashlite.ops.attention.request import Request
@@ -154,8 +154,9 @@ def _checked_step(tensors: tuple, options: tuple, return_lse: object) -> _Step:
         raise ValueError(f"q's Hq={hq} must be a multiple of the caches' Hkv={hkv}")
     _check_inputs(q, prefix_k, prefix_v, hkv, sinks, k_cache.dtype)
     if k_cache.dtype == E4M3:  # (the caches' own checks come with the suffix pass)
-        for name, x in zip(("k_descale", "v_descale"), tensors[10:], strict=True):
-            descale(x, name, 1, hkv, q, per_head=True)
+        k_scale, v_scale = tensors[10:]
+        given = {"q_descale": None, "k_descale": k_scale, "v_descale": v_scale}
+        factor_views(given, 1, hkv, q, per_head=True)  # (checked before the suffix appends)
     mask = masks.describe(causal, window, softcap)
     sm_scale = check_scale(scale, q.shape[3])
     splits = check_splits(num_splits)
@@ -285,7 +286,7 @@ class _Step:
                 request = request._replace(v_descale=scales[2])
             o, lse = ATTENTION_FWD(qg, k, v, request)
         else:  # (the launcher itself: the inputs passed every check the op would make)
-            descales = None if scales is None else (*scales, *scales[1].stride())
+            descales = None if scales is None else descale_args(*scales)
             o, lse, _ = attention_decode_fwd(
                 qg, k, v, None, self.prefix_mask, self.scale, num_splits=self.splits,
                 descales=descales,

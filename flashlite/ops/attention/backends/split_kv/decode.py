@@ -155,13 +155,18 @@ def plan_decode(
 _WIDE = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
+def descale_args(q_descale: Tensor, k_descale: Tensor, v_descale: Tensor) -> tuple:
+    """Three ``(B, Hkv)`` descale views of one stride pair as the decode kernel takes them: the
+    tensors, then that pair."""
+    return (q_descale, k_descale, v_descale, *k_descale.stride())
+
+
 def descales(request: Request) -> tuple | None:
-    """An FP8 request's descale factors as the decode kernel takes them: the three ``(B,
-    Hkv)`` views and their one stride pair; None for another request."""
+    """An FP8 request's descale factors as the decode kernel takes them
+    (:func:`descale_args`); None for another request."""
     if request.k_descale is None:
         return None
-    q_descale, k_descale, v_descale = request.q_descale, request.k_descale, request.v_descale
-    return (q_descale, k_descale, v_descale, *k_descale.stride())
+    return descale_args(request.q_descale, request.k_descale, request.v_descale)  # type: ignore[arg-type]
 
 
 class DecodePlan:
