@@ -44,9 +44,8 @@ def plan_fwd(
     nk = k.shape[2]
     km = request.mask.kernel(nq, nk)
     n_major = request.fp8 and fp8_v_n_major(v)
-    if n_major:  # (pointer loads: a descriptor needs unit stride along D)
-        use_desc = False
-        v = v.transpose(2, 3).contiguous().transpose(2, 3)  # the template the plan binds
+    if n_major:  # (pointer loads, as a descriptor needs unit stride along D; per-call arguments)
+        use_desc, bind = False, False
     seqlens_k, varlen, sinks = request.seqlens_k, request.varlen, request.sinks
     small = small_problem(q, k)
     config, options = triton_plan(
@@ -67,27 +66,17 @@ def plan_fwd(
         o.dtype,
         request.head_dim_v,
     )
-    make = _Args(km, use_desc, options["BLOCK_D"], options.get("BLOCK_DV"))
+    make = _Args(km, use_desc, options["BLOCK_D"], options.get("BLOCK_DV"), n_major)
     # packed sequences: one program row per sequence, as many query blocks as the longest has
     rows, seqs = (varlen[2], varlen[0].shape[0] - 1) if varlen is not None else (nq, b)
     if config is None:  # no measured entry here: the autotuner, per length bucket
-        plan = _autotuned(make, options, rows, seqs * hq, nk)
-        if n_major:
-            launch = plan.launch
-
-            def transposed(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, r: Request):  # type: ignore[no-untyped-def]
-                launch(q, k, v.transpose(2, 3).contiguous().transpose(2, 3), o, lse, r)
-
-            plan.launch = transposed
-        return plan
+        return _autotuned(make, options, rows, seqs * hq, nk)
     grid = (C.cdiv(rows, config.block_m), seqs * hq, 1)
     launcher = _launch.launcher(K._attention_fwd_kernel)
     info = LaunchInfo(config, make.block_d, use_desc)
     if not bind:  # the arguments built per launch
 
         def per_call(q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, r: Request) -> None:
-            if n_major:
-                v = v.transpose(2, 3).contiguous().transpose(2, 3)
             args = make(q, k, v, o, lse, r, config)
             launcher.bind(args, options)(grid, *args)
 
@@ -108,10 +97,16 @@ class _Args:
     """The kernel's arguments for one call: its tensors, or their TMA descriptors."""
 
     def __init__(
-        self, km: masks.KernelMask, use_desc: bool, block_d: int, block_dv: int | None = None
+        self,
+        km: masks.KernelMask,
+        use_desc: bool,
+        block_d: int,
+        block_dv: int | None = None,
+        n_major: bool = False,
     ) -> None:
         self.km, self.use_desc, self.block_d = km, use_desc, block_d
         self.block_dv = block_d if block_dv is None else block_dv
+        self.n_major = n_major  # (FP8 on Hopper: V copied keys-contiguous, FLASHLITE_FP8_V)
 
     def __call__(
         self,
@@ -123,6 +118,8 @@ class _Args:
         request: Request,
         config: C.Config | None,
     ) -> tuple:
+        if self.n_major:
+            v = v.transpose(2, 3).contiguous().transpose(2, 3)
         if self.use_desc:  # block shapes are set per config (set_block_shapes): placeholders
             bm, bn = (config.block_m, config.block_n) if config is not None else (16, 16)
             srcs = _descriptors(q, k, v, o, bm, bn, self.block_d, self.block_dv)
