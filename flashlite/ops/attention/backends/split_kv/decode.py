@@ -146,8 +146,8 @@ def plan_decode(
     if dp.empty:
         return Plan("split_kv", run)
     parts = ()
-    if dp.parts_size is not None:  # the partial outputs and LSEs, one fp32 buffer
-        parts = (Workspace("partials", (dp.parts_size,), torch.float32),)
+    if dp.parts.size is not None:  # the partial outputs and LSEs, one fp32 buffer
+        parts = (Workspace("partials", (dp.parts.size,), torch.float32),)
     return Plan("split_kv", run, dp.config, dp.use_desc, dp.grid, dp.splits, parts)
 
 
@@ -232,16 +232,12 @@ class DecodePlan:
             self.options.update(FP8=_WIDE[wide], PRESCALE_Q=True, **dot_flags(wide))
         self.options.update(HAS_SEQLENS=seqlens_k is not None, HAS_SINKS=sinks)
         self.grid = (C.cdiv(nq * group, config.block_m), b * hkv, splits)
-        # split partials, fp32 and contiguous, in one buffer: O's (S·B, Hq, Nq, D), then the
-        # LSE's (S·B·Hq, Nq) from a 16-byte aligned offset; None: no split, no partials
-        self.parts_split = -(-(splits * b * hq * nq * d) // 4) * 4
-        self.parts_size = self.parts_split + splits * b * hq * nq if splits > 1 else None
-        parts_stride = (hq * nq * d, nq * d, d, 1)
+        self.parts = Partials(splits, b, hq, nq, d, o)
         self.head = (
             *q.stride(),
             *k.stride(),
             *v.stride(),
-            *(parts_stride if self.parts_size else o.stride()),
+            *self.parts.out_strides,
             hkv,
             nq,
             nk,
@@ -258,10 +254,7 @@ class DecodePlan:
             split_len,
             *((0,) * 8 if no_mods else ()),
         )
-        self.combine_head = (b * hq * nq * d, *parts_stride, *o.stride(), hq, nq, splits)
-        self.combine_options = combine_options(d, splits, o.dtype)
-        self.combine_grid = (nq, b * hq, 1)
-        self._decode = self._combine = None  # bound at the first run (its tensors specialise)
+        self._decode = None  # bound at the first run (its tensors specialise)
 
     def __call__(
         self,
@@ -287,12 +280,8 @@ class DecodePlan:
             else:
                 lse.fill_(-math.inf)
             return 1
-        if self.parts_size is not None:  # one allocation for both partials (the kernels read
-            # only the pointers: the strides are the plan's)
-            o_out = torch.empty(self.parts_size, dtype=torch.float32, device=o.device)
-            lse_out = o_out[self.parts_split :]
-        else:
-            o_out, lse_out = o, lse
+        parts = self.parts
+        o_out, lse_out = (o, lse) if parts.size is None else parts.buffers(o.device)
         if self.use_desc:  # (descriptors hold the data pointer: built per call)
             k = TensorDescriptor(k, list(k.shape), list(k.stride()), self.desc_block)
             v = TensorDescriptor(v, list(v.shape), list(v.stride()), self.desc_block)
@@ -313,13 +302,43 @@ class DecodePlan:
         if self._decode is None:
             self._decode = _launch.launcher(KD._attention_decode_kernel).bind(args, self.options)
         self._decode(self.grid, *args)
-        if self.parts_size is not None:
-            args = (o_out, lse_out, o, lse, *self.combine_head)
-            if self._combine is None:
-                kernel = _launch.launcher(KD._split_kv_combine_kernel)
-                self._combine = kernel.bind(args, self.combine_options)
-            self._combine(self.combine_grid, *args)
+        if parts.size is not None:
+            parts.merge(o_out, lse_out, o, lse)
         return self.splits
+
+
+class Partials:
+    """A split-KV plan's partial results (the decode and MLA kernels'): one fp32 buffer of
+    ``size`` elements for the chunks' outputs, ``(S·B, Hq, Nq, D)``, then their LSEs, ``(S·B·Hq,
+    Nq)``, from a 16-byte aligned offset; and the combine launch that merges them into the
+    call's ``o`` and ``lse`` (bound at the first run). ``size`` is None without a split: the
+    kernel writes ``o`` and ``lse`` itself (``out_strides``: the kernel's output strides)."""
+
+    def __init__(self, splits: int, b: int, hq: int, nq: int, d: int, o: torch.Tensor) -> None:
+        self.split_at = -(-(splits * b * hq * nq * d) // 4) * 4
+        self.size = self.split_at + splits * b * hq * nq if splits > 1 else None
+        stride = (hq * nq * d, nq * d, d, 1)
+        self.out_strides = stride if self.size is not None else tuple(o.stride())
+        self.head = (b * hq * nq * d, *stride, *o.stride(), hq, nq, splits)
+        self.options = _combine_options(d, splits, o.dtype)
+        self.grid = (nq, b * hq, 1)
+        self._combine: Any = None
+
+    def buffers(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """This call's partial outputs and LSEs, one allocation (the kernels read only their
+        pointers: the strides are the plan's)."""
+        o_out = torch.empty(self.size, dtype=torch.float32, device=device)  # type: ignore[arg-type]
+        return o_out, o_out[self.split_at :]
+
+    def merge(
+        self, o_out: torch.Tensor, lse_out: torch.Tensor, o: torch.Tensor, lse: torch.Tensor
+    ) -> None:
+        """The combine kernel: the partials into ``o`` and ``lse``."""
+        args = (o_out, lse_out, o, lse, *self.head)
+        if self._combine is None:
+            kernel = _launch.launcher(KD._split_kv_combine_kernel)
+            self._combine = kernel.bind(args, self.options)
+        self._combine(self.grid, *args)
 
 
 def _options(
@@ -355,7 +374,7 @@ def _options(
     return options
 
 
-def combine_options(d: int, splits: int, dtype: torch.dtype) -> dict[str, Any]:
+def _combine_options(d: int, splits: int, dtype: torch.dtype) -> dict[str, Any]:
     """The split combine kernel's constexprs and launch options."""
     return {
         "HEAD_DIM": d,

@@ -12,10 +12,9 @@ import torch
 
 from flashlite import _backend, _launch
 from flashlite.kernels import configs as C
-from flashlite.kernels.attention import decode as KD
 from flashlite.kernels.attention import mla as KM
 from flashlite.ops.attention.backends.common import dot_flags
-from flashlite.ops.attention.backends.split_kv.decode import combine_options, key_chunks
+from flashlite.ops.attention.backends.split_kv.decode import Partials, key_chunks
 from flashlite.ops.attention.backends.split_kv.splits import default_splits
 
 
@@ -76,14 +75,11 @@ class MLADecodePlan:
             "num_warps": warps,
             "num_stages": 2,
         }
-        # split partials, fp32: O's (S·B, Hq, Nq, D_LATENT), then the LSE's (S·B·Hq, Nq)
-        self.parts_split = -(-(splits * b * hq * nq * d_latent) // 4) * 4
-        self.parts_size = self.parts_split + splits * b * hq * nq if splits > 1 else None
-        parts_stride = (hq * nq * d_latent, nq * d_latent, d_latent, 1)
+        self.parts = Partials(splits, b, hq, nq, d_latent, o)
         self.head = (
             *q.stride(),
             *kv.stride(),
-            *(parts_stride if self.parts_size else o.stride()),
+            *self.parts.out_strides,
             hq,
             nq,
             nk,
@@ -92,11 +88,7 @@ class MLADecodePlan:
             kv.shape[0],
             split_len,
         )
-        self.combine_head = (b * hq * nq * d_latent, *parts_stride, *o.stride(), hq, nq, splits)
-        self.combine_options = combine_options(d_latent, splits, o.dtype)
-        self.combine_grid = (nq, b * hq, 1)
         self._decode: Any = None
-        self._combine: Any = None
 
     def __call__(
         self,
@@ -114,20 +106,13 @@ class MLADecodePlan:
             o.zero_()
             lse.fill_(-math.inf)
             return 1
-        if self.parts_size is not None:
-            o_out = torch.empty(self.parts_size, dtype=torch.float32, device=o.device)
-            lse_out = o_out[self.parts_split :]
-        else:
-            o_out, lse_out = o, lse
+        parts = self.parts
+        o_out, lse_out = (o, lse) if parts.size is None else parts.buffers(o.device)
         table = block_table if block_table is not None else lengths
         args = (q, kv, o_out, lse_out, lengths, table, *self.head)
         if self._decode is None:
             self._decode = _launch.launcher(KM._mla_decode_kernel).bind(args, self.options)
         self._decode(self.grid, *args)
-        if self.parts_size is not None:
-            args = (o_out, lse_out, o, lse, *self.combine_head)
-            if self._combine is None:
-                kernel = _launch.launcher(KD._split_kv_combine_kernel)
-                self._combine = kernel.bind(args, self.combine_options)
-            self._combine(self.combine_grid, *args)
+        if parts.size is not None:
+            parts.merge(o_out, lse_out, o, lse)
         return self.splits
