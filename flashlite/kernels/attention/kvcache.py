@@ -13,6 +13,7 @@ Without ``CHECK`` positions and page ids are clamped: bad values give wrong resu
 write outside the caches. ``FP8``: e4m3 caches; the new keys and values are divided by their
 head's descale factor (``K_SCALE``, ``V_SCALE``: ``(B, Hkv)`` fp32, strides ``stride_sb``,
 ``stride_sh``) and quantised as they are written (:func:`~flashlite.kernels.common.to_e4m3`).
+``KEYS_ONLY``: one cache holds keys and values (absorbed MLA's latent rows): written once.
 """
 
 from __future__ import annotations
@@ -120,6 +121,7 @@ def _kvcache_append_kernel(
     BLOCK_P: tl.constexpr,
     FP8: tl.constexpr = False,
     EXACT: tl.constexpr = False,
+    KEYS_ONLY: tl.constexpr = False,
 ):
     b = tl.program_id(0)
     n = tl.program_id(1)
@@ -156,10 +158,11 @@ def _kvcache_append_kernel(
         k_cache = (stride_kc0, stride_kc1, stride_kch, stride_kcd)
         k_scale = (K_SCALE, stride_sb, stride_sh, EXACT)
         _copy_token(K_NEW, K_CACHE, at, k_new, k_cache, k_scale, FP8)
-        v_new = (stride_vnb, stride_vnn, stride_vnh, stride_vnd)
-        v_cache = (stride_vc0, stride_vc1, stride_vch, stride_vcd)
-        v_scale = (V_SCALE, stride_sb, stride_sh, EXACT)
-        _copy_token(V_NEW, V_CACHE, at, v_new, v_cache, v_scale, FP8)
+        if not KEYS_ONLY:  # (absorbed MLA: one latent cache, its values the keys' bytes)
+            v_new = (stride_vnb, stride_vnn, stride_vnh, stride_vnd)
+            v_cache = (stride_vc0, stride_vc1, stride_vch, stride_vcd)
+            v_scale = (V_SCALE, stride_sb, stride_sh, EXACT)
+            _copy_token(V_NEW, V_CACHE, at, v_new, v_cache, v_scale, FP8)
 
 
 def append_config(n_heads: int, head_dim: int) -> dict[str, int]:

@@ -59,6 +59,8 @@ class KVCachePlan:
             "CHECK": self.device_check,
             "APPEND": self.n_new > 0,
         }
+        if latent is not None:  # (one latent cache: the values are the keys' bytes)
+            self.prepare_options["KEYS_ONLY"] = True
         self.fp8 = k_cache.dtype == torch.float8_e4m3fn
         if self.fp8:  # new keys and values quantised as they are written
             self.prepare_options.update(FP8=True, EXACT=_backend.INTERPRETED)
